@@ -1,0 +1,35 @@
+#include "cli/commands.h"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+namespace mt::cli {
+
+static void print_usage(FILE* f) {
+  std::fprintf(f,
+               "usage: meshtrain <command> [options]\n\n"
+               "commands:\n"
+               "  train     train a model (single process, or one rank of an mpirun job)\n"
+               "  prepare   turn a text file into train.bin / val.bin token shards\n"
+               "  tokenize  print the token ids of a text\n"
+               "  sample    generate text from a checkpoint\n"
+               "  launch    run a subcommand on N ranks of this machine through mpirun\n"
+               "  bench     benchmarks (`meshtrain bench comm`)\n"
+               "  schedule  print and check a pipeline schedule\n"
+               "  plan      rank parallel layouts for a model and cluster\n\n"
+               "`meshtrain <command> --help` describes each command.\n");
+}
+
+int dispatch(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    print_usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  std::fprintf(stderr, "meshtrain: unknown command '%s'\n", cmd.c_str());
+  print_usage(stderr);
+  return 2;
+}
+
+}  // namespace mt::cli

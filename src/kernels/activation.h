@@ -1,0 +1,32 @@
+// Pointwise activations and elementwise helpers. Backward functions accumulate (+=) into their
+// gradient outputs.
+#pragma once
+#include <cstdint>
+
+#include "runtime/dtype.h"
+
+namespace mt::kernels {
+
+// GELU, tanh approximation (as GPT-2): out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+
+// SwiGLU (Llama MLP): out = silu(gate) * up, silu(x) = x / (1 + exp(-x)).
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                     int64_t n);
+
+// out = a + b (out may alias a or b).
+void add(float* out, const float* a, const float* b, int64_t n);
+// y += x
+void accumulate(float* y, const float* x, int64_t n);
+// x *= s
+void scale(float* x, float s, int64_t n);
+// Sum of squares in double precision (for global gradient norms).
+double sum_squares(const float* x, int64_t n);
+
+// Round-to-nearest-even casts.
+void cast_f32_to_bf16(bf16* out, const float* in, int64_t n);
+void cast_bf16_to_f32(float* out, const bf16* in, int64_t n);
+
+}  // namespace mt::kernels

@@ -1,0 +1,27 @@
+// Causal multi-head self-attention with grouped-query support, and rotary position embedding.
+//
+// Layout: the fused projection output qkv is [B, T, (nh + 2*nkv) * hd] with, per token, the nh
+// query heads first, then nkv key heads, then nkv value heads (each head hd contiguous floats).
+// Query head h uses key/value head h / (nh / nkv). Scale 1/sqrt(hd).
+// Forward saves only the per-row log-sum-exp of the scaled scores (lse [B, nh, T]); backward
+// recomputes the probabilities from q, k and lse (flash-attention style) so no T x T buffer is kept.
+#pragma once
+#include <cstdint>
+
+namespace mt::kernels {
+
+// out [B, T, nh*hd] (overwritten), lse [B, nh, T] (overwritten).
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh,
+                       int64_t nkv, int64_t hd);
+// dqkv (same layout as qkv) accumulates (+=) the gradient w.r.t. qkv.
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                        const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+
+// Rotary embedding applied in place to the q and k heads inside a fused qkv buffer (layout above),
+// Hugging Face Llama convention (rotate_half: dimension i pairs with i + hd/2),
+// angle = pos * theta^(-2i/hd), pos = t. rope_backward applies the inverse rotation in place to
+// the matching gradient (the gradient of a rotation is the opposite rotation).
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+
+}  // namespace mt::kernels

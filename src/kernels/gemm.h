@@ -1,0 +1,35 @@
+// Dense matrix multiply on the CPU (oneDNN, chosen by measurement: docs/benchmarks.md) and the
+// linear layer built on it. Row-major throughout. Backward functions ACCUMULATE (+=) into every
+// gradient output so callers zero once per step and residual branches add up naturally.
+#pragma once
+#include <cstdint>
+
+#include "runtime/dtype.h"
+
+namespace mt::kernels {
+
+// C[M,N] = alpha * op(A) @ op(B) + beta * C, op(X) = X^T when the flag is set.
+// A is [M,K] (or [K,M] if ta), B is [K,N] (or [N,K] if tb); all dense, row-major.
+void gemm_f32(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+              const float* B, float beta, float* C);
+// Same with bf16 inputs, fp32 accumulation and fp32 output.
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+               const bf16* B, float beta, float* C);
+
+// out[N,OC] = inp[N,C] @ W[OC,C]^T (+ bias[OC] when bias != nullptr). Overwrites out.
+void linear_forward(float* out, const float* inp, const float* W, const float* bias, int64_t N,
+                    int64_t C, int64_t OC);
+// dinp[N,C] += dout @ W (skipped when dinp == nullptr); dW[OC,C] += dout^T @ inp;
+// dbias[OC] += column sums of dout (skipped when dbias == nullptr).
+void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, const float* inp,
+                     const float* W, int64_t N, int64_t C, int64_t OC);
+
+// Mixed precision: bf16 input and weight, fp32 output; the bias stays fp32.
+void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N,
+                         int64_t C, int64_t OC);
+// dout is fp32 (it is rounded to bf16 internally for the two GEMMs); gradients are fp32 and
+// accumulated as in linear_backward.
+void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
+                          const bf16* W, int64_t N, int64_t C, int64_t OC);
+
+}  // namespace mt::kernels

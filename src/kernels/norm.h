@@ -1,0 +1,20 @@
+// LayerNorm (GPT-2) and RMSNorm (Llama) over the last dimension of a [N,C] tensor.
+// Backward functions accumulate (+=) into dinp and the weight/bias gradients.
+#pragma once
+#include <cstdint>
+
+namespace mt::kernels {
+
+// out = (inp - mean) * rstd * w + b; saves mean[N] and rstd[N] for backward.
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
+                       const float* b, int64_t N, int64_t C, float eps = 1e-5f);
+void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
+                        const float* w, const float* mean, const float* rstd, int64_t N, int64_t C);
+
+// out = inp * rstd * w, rstd = 1/sqrt(mean(inp^2) + eps); saves rstd[N].
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C,
+                     float eps = 1e-5f);
+void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w,
+                      const float* rstd, int64_t N, int64_t C);
+
+}  // namespace mt::kernels

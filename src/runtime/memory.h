@@ -1,0 +1,51 @@
+// Memory accounting and the caching host allocator.
+//
+// Every byte the engine allocates carries a category. The tracker keeps the bytes currently
+// handed out and the peak per category (and of their sum); these are the figures reported as
+// "memory per rank by category". The allocator keeps freed blocks in a size-keyed cache and hands
+// them out again, because touching fresh pages is very slow on the target machines
+// (see docs/design.md); cached-but-free bytes are not counted as in use.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace mt {
+
+enum class MemCategory : uint8_t { Params = 0, Grads, Optimizer, Activations, Comm, Workspace };
+constexpr int kNumMemCategories = 6;
+const char* mem_category_name(MemCategory c);
+
+struct MemStats {
+  std::array<int64_t, kNumMemCategories> current{};
+  std::array<int64_t, kNumMemCategories> peak{};
+  int64_t total_current = 0;
+  int64_t total_peak = 0;
+  int64_t cached_free = 0;   // bytes held by the cache, not in use
+  int64_t os_reserved = 0;   // bytes obtained from the OS in total
+};
+
+class MemoryTracker {
+ public:
+  static MemoryTracker& instance();
+  void on_alloc(MemCategory c, int64_t bytes);
+  void on_free(MemCategory c, int64_t bytes);
+  MemStats stats() const;
+  // Peaks restart from the current values (e.g. to measure one step).
+  void reset_peaks();
+
+ private:
+  MemStats s_;
+};
+
+// Allocates `bytes` (64-byte aligned, contents unspecified) tagged with category `c`.
+void* mem_alloc(size_t bytes, MemCategory c);
+void mem_free(void* p, size_t bytes, MemCategory c);
+// Returns every cached free block to the OS.
+void mem_release_cache();
+
+// Human-readable byte count ("12.3 MiB").
+std::string format_bytes(int64_t bytes);
+
+}  // namespace mt

@@ -1,0 +1,75 @@
+// Tensors: a shape and dtype over shared, category-tagged storage.
+//
+// Storage owns one allocation from the caching allocator; a Tensor is a (possibly offset) view of
+// it. Tensors are cheap to copy (the storage is shared). Device is CPU today; the field exists so a
+// CUDA backend can slot in beside it.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "runtime/dtype.h"
+#include "runtime/memory.h"
+
+namespace mt {
+
+enum class Device : uint8_t { CPU = 0 };
+
+class Storage {
+ public:
+  Storage(size_t bytes, MemCategory c);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  MemCategory category() const { return cat_; }
+
+ private:
+  void* ptr_;
+  size_t bytes_;
+  MemCategory cat_;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  // New storage, zero-filled when `zero` is set.
+  static Tensor empty(std::vector<int64_t> shape, DType dt, MemCategory c);
+  static Tensor zeros(std::vector<int64_t> shape, DType dt, MemCategory c);
+
+  bool defined() const { return static_cast<bool>(storage_); }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t dim(int i) const { return shape_.at(i < 0 ? shape_.size() + i : i); }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const;
+  DType dtype() const { return dtype_; }
+  Device device() const { return Device::CPU; }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  MemCategory category() const { return storage_->category(); }
+
+  void* raw() const { return static_cast<char*>(storage_->data()) + offset_; }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(raw());
+  }
+  float* f32() const;
+  bf16* bf() const;
+
+  // A view of `count` elements starting at element `start`, reshaped to `shape`.
+  Tensor view(int64_t start, std::vector<int64_t> shape) const;
+  Tensor reshape(std::vector<int64_t> shape) const { return view(0, std::move(shape)); }
+  void zero_() const;
+  std::string shape_str() const;
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  size_t offset_ = 0;  // bytes
+  std::vector<int64_t> shape_;
+  DType dtype_ = DType::F32;
+};
+
+}  // namespace mt
