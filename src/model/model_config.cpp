@@ -1,0 +1,155 @@
+#include "model/model_config.h"
+
+#include <stdexcept>
+
+namespace mt {
+
+const char* arch_name(Arch a) { return a == Arch::GPT2 ? "gpt2" : "llama"; }
+
+bool parse_arch(const std::string& s, Arch* out) {
+  if (s == "gpt2") {
+    *out = Arch::GPT2;
+    return true;
+  }
+  if (s == "llama") {
+    *out = Arch::Llama;
+    return true;
+  }
+  return false;
+}
+
+void ModelConfig::resolve() {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+  };
+  need(n_layer > 0, "model.n_layer must be positive");
+  need(n_head > 0, "model.n_head must be positive");
+  need(n_embd > 0, "model.n_embd must be positive");
+  need(seq_len > 0, "model.seq_len must be positive");
+  need(vocab_size > 0, "model.vocab_size must be positive");
+  need(n_embd % n_head == 0, "model.n_embd (" + std::to_string(n_embd) +
+                                 ") must be divisible by model.n_head (" + std::to_string(n_head) + ")");
+  if (arch == Arch::GPT2) n_kv_head = n_head;
+  if (n_kv_head <= 0) n_kv_head = n_head;
+  need(n_head % n_kv_head == 0, "model.n_head (" + std::to_string(n_head) +
+                                    ") must be divisible by model.n_kv_head (" + std::to_string(n_kv_head) + ")");
+  if (arch == Arch::Llama) need(head_dim() % 2 == 0, "llama head dimension must be even for RoPE");
+  if (ffn_hidden <= 0) {
+    if (arch == Arch::GPT2) {
+      ffn_hidden = 4 * n_embd;
+    } else {  // Llama: 2/3 * 4h rounded up to a multiple of 64
+      int64_t f = 8 * n_embd / 3;
+      ffn_hidden = (f + 63) / 64 * 64;
+    }
+  }
+  if (padded_vocab <= 0) padded_vocab = (vocab_size + 63) / 64 * 64;
+  need(padded_vocab >= vocab_size, "model.padded_vocab must be >= model.vocab_size");
+  if (arch == Arch::Llama) tied_embeddings = false;
+  if (arch == Arch::GPT2) tied_embeddings = true;
+}
+
+int64_t ModelConfig::block_params() const {
+  const int64_t C = n_embd, hd = head_dim(), F = ffn_hidden;
+  const int64_t qkv = (n_head + 2 * n_kv_head) * hd;
+  if (arch == Arch::GPT2) {
+    return 2 * C                // ln_1
+           + C * qkv + qkv      // c_attn
+           + C * C + C          // attn c_proj
+           + 2 * C              // ln_2
+           + C * F + F          // c_fc
+           + F * C + C;         // mlp c_proj
+  }
+  return C                      // input_layernorm
+         + C * qkv              // q,k,v proj (no bias)
+         + C * C                // o_proj
+         + C                    // post_attention_layernorm
+         + 3 * C * F;           // gate, up, down
+}
+
+int64_t ModelConfig::num_params() const {
+  const int64_t C = n_embd;
+  int64_t n = padded_vocab * C + n_layer * block_params();
+  if (arch == Arch::GPT2) {
+    n += seq_len * C + 2 * C;  // wpe, ln_f
+  } else {
+    n += C;                    // final norm
+    if (!tied_embeddings) n += padded_vocab * C;
+  }
+  return n;
+}
+
+double ModelConfig::flops_per_token() const {
+  double n = static_cast<double>(num_params());
+  if (arch == Arch::GPT2) n -= static_cast<double>(seq_len * n_embd);
+  return 6.0 * n + 12.0 * static_cast<double>(n_layer * n_embd * seq_len);
+}
+
+namespace {
+ModelConfig gpt2(const char* name, int64_t L, int64_t H, int64_t C, int64_t T, int64_t V) {
+  ModelConfig m;
+  m.name = name;
+  m.arch = Arch::GPT2;
+  m.n_layer = L;
+  m.n_head = H;
+  m.n_kv_head = H;
+  m.n_embd = C;
+  m.seq_len = T;
+  m.vocab_size = V;
+  return m;
+}
+ModelConfig llama(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
+                  int64_t V, float theta) {
+  ModelConfig m;
+  m.name = name;
+  m.arch = Arch::Llama;
+  m.n_layer = L;
+  m.n_head = H;
+  m.n_kv_head = KV;
+  m.n_embd = C;
+  m.ffn_hidden = F;
+  m.seq_len = T;
+  m.vocab_size = V;
+  m.rope_theta = theta;
+  m.tied_embeddings = false;
+  return m;
+}
+
+std::vector<ModelConfig> all_presets() {
+  return {
+      gpt2("gpt2-124m", 12, 12, 768, 1024, 50257),
+      gpt2("gpt2-350m", 24, 16, 1024, 1024, 50257),
+      gpt2("gpt2-774m", 36, 20, 1280, 1024, 50257),
+      gpt2("gpt2-1.5b", 48, 25, 1600, 1024, 50257),
+      gpt2("gpt3-175b", 96, 96, 12288, 2048, 50257),
+      llama("llama3-8b", 32, 32, 8, 4096, 14336, 8192, 128256, 500000.0f),
+      llama("llama3-70b", 80, 64, 8, 8192, 28672, 8192, 128256, 500000.0f),
+      llama("llama3-405b", 126, 128, 8, 16384, 53248, 8192, 128256, 500000.0f),
+      // Small models that train on a CPU.
+      gpt2("gpt2-tiny", 2, 2, 32, 32, 256),          // unit tests
+      gpt2("gpt2-mini", 4, 4, 128, 128, 256),        // the default demo (byte tokenizer)
+      gpt2("gpt2-small-cpu", 6, 6, 384, 256, 50257), // the benchmark config (GPT-2 vocabulary)
+      llama("llama-tiny", 2, 4, 2, 32, 64, 32, 256, 10000.0f),
+      llama("llama-mini", 4, 4, 2, 128, 352, 128, 256, 10000.0f),
+      llama("llama-small-cpu", 6, 6, 2, 384, 1024, 256, 50257, 10000.0f),
+  };
+}
+}  // namespace
+
+ModelConfig model_preset(const std::string& name) {
+  for (ModelConfig& m : all_presets())
+    if (m.name == name) {
+      m.resolve();
+      return m;
+    }
+  std::string known;
+  for (const auto& n : model_preset_names()) known += (known.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown model preset '" + name + "' (known: " + known + ")");
+}
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> v;
+  for (const auto& m : all_presets()) v.push_back(m.name);
+  return v;
+}
+
+}  // namespace mt
