@@ -4,6 +4,10 @@
 #include <cstring>
 #include <string>
 
+#include "train/data_commands.h"
+#include "train/sampler.h"
+#include "train/trainer.h"
+
 namespace mt::cli {
 
 static void print_usage(FILE* f) {
@@ -27,6 +31,13 @@ int dispatch(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   std::string cmd = argv[1];
+  // Each subcommand sees argv[0] = its own name.
+  int sub_argc = argc - 1;
+  char** sub_argv = argv + 1;
+  if (cmd == "train") return run_train_command(sub_argc, sub_argv);
+  if (cmd == "sample") return run_sample_command(sub_argc, sub_argv);
+  if (cmd == "prepare") return run_prepare_command(sub_argc, sub_argv);
+  if (cmd == "tokenize") return run_tokenize_command(sub_argc, sub_argv);
   std::fprintf(stderr, "meshtrain: unknown command '%s'\n", cmd.c_str());
   print_usage(stderr);
   return 2;

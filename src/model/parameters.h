@@ -1,0 +1,30 @@
+// The model's parameters: one flat fp32 buffer in unit order, each parameter a named range of it.
+//
+// Names follow Hugging Face conventions (GPT2LMHeadModel without the "transformer." prefix is added
+// at export, LlamaForCausalLM). GPT-2's Conv1D weights are stored [out, in] here (what the GEMM
+// wants) and transposed on export; `hf_transposed` marks them.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mt {
+
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // elements into the flat buffer
+  int64_t numel = 0;
+  int unit = 0;        // which model unit owns it
+  bool decay = true;   // weight decay applies (matrices yes; norms, biases, embeddings no)
+  bool hf_transposed = false;
+};
+
+// A contiguous range of the flat buffer owned by one unit (embedding, block i, head).
+struct UnitRange {
+  std::string name;
+  int64_t offset = 0;
+  int64_t numel = 0;
+};
+
+}  // namespace mt

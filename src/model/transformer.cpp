@@ -1,0 +1,540 @@
+#include "model/transformer.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/activation.h"
+#include "kernels/attention.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/loss.h"
+#include "kernels/norm.h"
+#include "model/rng.h"
+
+namespace mt {
+
+namespace k = kernels;
+
+bool parse_recompute(const std::string& s, Recompute* out) {
+  if (s == "none") *out = Recompute::None;
+  else if (s == "full") *out = Recompute::Full;
+  else if (s == "selective") *out = Recompute::Selective;
+  else return false;
+  return true;
+}
+
+const char* recompute_name(Recompute r) {
+  return r == Recompute::None ? "none" : r == Recompute::Full ? "full" : "selective";
+}
+
+// Everything one block saves in forward for its backward. Matmul inputs are kept in the compute
+// dtype only (bf16 in mixed precision); what elementwise backward passes need stays fp32.
+struct BlockActivations {
+  Tensor ln1, ln1_mean, ln1_rstd;  // ln1: f32 or bf16
+  Tensor qkv;                       // f32 [N, QKV] (after RoPE for Llama)
+  Tensor atty, atty_bf, lse;        // attention output f32 (+ bf16 copy), lse [B, nh, T]
+  Tensor res2;                      // residual after attention, f32 [N, C]
+  Tensor ln2, ln2_mean, ln2_rstd;
+  Tensor fc;                        // GPT-2: pre-GELU [N, F]; Llama: gate [N, F]
+  Tensor up;                        // Llama: up [N, F]
+  Tensor act;                       // GELU / SwiGLU output, matmul input [N, F] (compute dtype)
+  int64_t bytes() const {
+    int64_t b = 0;
+    for (const Tensor* t : {&ln1, &ln1_mean, &ln1_rstd, &qkv, &atty, &atty_bf, &lse, &res2, &ln2,
+                            &ln2_mean, &ln2_rstd, &fc, &up, &act})
+      if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+    return b;
+  }
+};
+
+// Indices of a block's parameters within params_, in registration order.
+namespace {
+// (plain ints: GPT-2 and Llama indices are mixed in conditional expressions)
+constexpr int G_LN1W = 0, G_LN1B = 1, G_QKVW = 2, G_QKVB = 3, G_PROJW = 4, G_PROJB = 5, G_LN2W = 6, G_LN2B = 7,
+              G_FCW = 8, G_FCB = 9, G_MPW = 10, G_MPB = 11;
+constexpr int L_LN1W = 0, L_QW = 1, L_OW = 4, L_LN2W = 5, L_GATEW = 6, L_UPW = 7, L_DOWNW = 8;
+}  // namespace
+
+Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute)
+    : cfg_(cfg), compute_(compute), recompute_(recompute) {
+  cfg_.resolve();
+  build_params();
+  MemCategory master_cat = compute_ == DType::F32 ? MemCategory::Params : MemCategory::Optimizer;
+  weights_ = Tensor::zeros({total_}, DType::F32, master_cat);
+  grads_ = Tensor::zeros({total_}, DType::F32, MemCategory::Grads);
+  if (compute_ == DType::BF16) weights_bf16_ = Tensor::zeros({total_}, DType::BF16, MemCategory::Params);
+  unit_w_.assign(units_.size(), nullptr);
+  unit_g_.assign(units_.size(), nullptr);
+}
+
+Transformer::~Transformer() = default;
+
+void Transformer::build_params() {
+  const int64_t C = cfg_.n_embd, hd = cfg_.head_dim(), F = cfg_.ffn_hidden, V = cfg_.padded_vocab;
+  const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head;
+  int cur_unit = 0;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false) {
+    ParamInfo p;
+    p.name = name;
+    p.shape = shape;
+    p.numel = 1;
+    for (auto d : shape) p.numel *= d;
+    p.offset = total_;
+    p.unit = cur_unit;
+    p.decay = decay;
+    p.hf_transposed = tr;
+    total_ += p.numel;
+    unit_params_[cur_unit].push_back(static_cast<int>(params_.size()));
+    params_.push_back(p);
+  };
+  auto begin_unit = [&](const std::string& name) {
+    cur_unit = static_cast<int>(units_.size());
+    units_.push_back(UnitRange{name, total_, 0});
+    unit_params_.emplace_back();
+  };
+  auto end_unit = [&]() { units_.back().numel = total_ - units_.back().offset; };
+
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  begin_unit("embedding");
+  if (gpt) {
+    add("wte.weight", {V, C}, false);
+    add("wpe.weight", {cfg_.seq_len, C}, false);
+  } else {
+    add("model.embed_tokens.weight", {V, C}, false);
+  }
+  end_unit();
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    begin_unit("block." + std::to_string(l));
+    if (gpt) {
+      std::string p = "h." + std::to_string(l) + ".";
+      add(p + "ln_1.weight", {C}, false);
+      add(p + "ln_1.bias", {C}, false);
+      add(p + "attn.c_attn.weight", {3 * C, C}, true, true);
+      add(p + "attn.c_attn.bias", {3 * C}, false);
+      add(p + "attn.c_proj.weight", {C, C}, true, true);
+      add(p + "attn.c_proj.bias", {C}, false);
+      add(p + "ln_2.weight", {C}, false);
+      add(p + "ln_2.bias", {C}, false);
+      add(p + "mlp.c_fc.weight", {F, C}, true, true);
+      add(p + "mlp.c_fc.bias", {F}, false);
+      add(p + "mlp.c_proj.weight", {C, F}, true, true);
+      add(p + "mlp.c_proj.bias", {C}, false);
+    } else {
+      std::string p = "model.layers." + std::to_string(l) + ".";
+      add(p + "input_layernorm.weight", {C}, false);
+      add(p + "self_attn.q_proj.weight", {nh * hd, C}, true);
+      add(p + "self_attn.k_proj.weight", {nkv * hd, C}, true);
+      add(p + "self_attn.v_proj.weight", {nkv * hd, C}, true);
+      add(p + "self_attn.o_proj.weight", {C, nh * hd}, true);
+      add(p + "post_attention_layernorm.weight", {C}, false);
+      add(p + "mlp.gate_proj.weight", {F, C}, true);
+      add(p + "mlp.up_proj.weight", {F, C}, true);
+      add(p + "mlp.down_proj.weight", {C, F}, true);
+    }
+    end_unit();
+  }
+  begin_unit("head");
+  if (gpt) {
+    add("ln_f.weight", {C}, false);
+    add("ln_f.bias", {C}, false);
+  } else {
+    add("model.norm.weight", {C}, false);
+    add("lm_head.weight", {V, C}, true);
+  }
+  end_unit();
+}
+
+const ParamInfo& Transformer::param(const std::string& name) const {
+  for (const auto& p : params_)
+    if (p.name == name) return p;
+  throw std::out_of_range("no parameter named " + name);
+}
+
+void Transformer::zero_grads() { grads_.zero_(); }
+
+void Transformer::init_weights(uint64_t seed) {
+  Rng rng(seed);
+  float* w = weights_.f32();
+  const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
+  for (const auto& p : params_) {
+    float* d = w + p.offset;
+    const std::string& n = p.name;
+    auto ends = [&](const char* s) {
+      size_t L = std::strlen(s);
+      return n.size() >= L && n.compare(n.size() - L, L, s) == 0;
+    };
+    bool is_norm = ends("ln_1.weight") || ends("ln_2.weight") || ends("ln_f.weight") ||
+                   ends("layernorm.weight") || n == "model.norm.weight";
+    if (is_norm) {
+      for (int64_t i = 0; i < p.numel; ++i) d[i] = 1.0f;
+    } else if (p.shape.size() == 1) {
+      for (int64_t i = 0; i < p.numel; ++i) d[i] = 0.0f;
+    } else {
+      bool resid = ends("attn.c_proj.weight") || ends("mlp.c_proj.weight") || ends("o_proj.weight") ||
+                   ends("down_proj.weight");
+      float sd = resid ? resid_std : 0.02f;
+      // Padded vocabulary rows stay zero (they never receive gradient through the loss).
+      int64_t rows = p.shape[0], cols = p.numel / rows;
+      bool vocab = n == "wte.weight" || n == "model.embed_tokens.weight" || n == "lm_head.weight";
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          d[r * cols + c] = (vocab && r >= cfg_.vocab_size) ? 0.0f : static_cast<float>(rng.normal()) * sd;
+    }
+  }
+  sync_compute_weights();
+}
+
+void Transformer::sync_compute_weights() {
+  if (compute_ == DType::BF16) k::cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), total_);
+}
+
+void Transformer::set_unit_weights(int u, const void* w) { unit_w_.at(u) = w; }
+void Transformer::set_unit_grads(int u, float* g) { unit_g_.at(u) = g; }
+
+const float* Transformer::wf(int idx) const {
+  const ParamInfo& p = params_[idx];
+  const UnitRange& ur = units_[p.unit];
+  if (unit_w_[p.unit] && compute_ == DType::F32)
+    return static_cast<const float*>(unit_w_[p.unit]) + (p.offset - ur.offset);
+  return weights_.f32() + p.offset;
+}
+
+const bf16* Transformer::wb(int idx) const {
+  const ParamInfo& p = params_[idx];
+  const UnitRange& ur = units_[p.unit];
+  if (unit_w_[p.unit]) return static_cast<const bf16*>(unit_w_[p.unit]) + (p.offset - ur.offset);
+  return weights_bf16_.bf() + p.offset;
+}
+
+float* Transformer::gp(int idx) const {
+  const ParamInfo& p = params_[idx];
+  if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - units_[p.unit].offset);
+  return grads_.f32() + p.offset;
+}
+
+bool Transformer::recomputes(int layer) const {
+  if (recompute_ == Recompute::Full) return true;
+  if (recompute_ == Recompute::Selective) return layer % 2 == 1;  // every second block
+  return false;
+}
+
+static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t B) {
+  const int64_t C = c.n_embd, F = c.ffn_hidden, QKV = (c.n_head + 2 * c.n_kv_head) * c.head_dim();
+  auto A = MemCategory::Activations;
+  a.ln1 = Tensor::empty({BT, C}, cd, A);
+  a.ln1_rstd = Tensor::empty({BT}, DType::F32, A);
+  if (c.arch == Arch::GPT2) a.ln1_mean = Tensor::empty({BT}, DType::F32, A);
+  a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
+  a.atty = Tensor::empty({BT, c.n_head * c.head_dim()}, DType::F32, A);
+  if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, c.n_head * c.head_dim()}, DType::BF16, A);
+  a.lse = Tensor::empty({B * c.n_head * (BT / B)}, DType::F32, A);
+  a.res2 = Tensor::empty({BT, C}, DType::F32, A);
+  a.ln2 = Tensor::empty({BT, C}, cd, A);
+  a.ln2_rstd = Tensor::empty({BT}, DType::F32, A);
+  if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({BT}, DType::F32, A);
+  a.fc = Tensor::empty({BT, F}, DType::F32, A);
+  if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, DType::F32, A);
+  a.act = Tensor::empty({BT, F}, cd, A);
+}
+
+void Transformer::ensure_buffers(int64_t B, int64_t T) {
+  if (T > cfg_.seq_len)
+    throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens is longer than the model's seq_len " +
+                                std::to_string(cfg_.seq_len));
+  if (B == B_ && T == T_ && cap_bt_ > 0) return;
+  // Activations are sized for the exact (B, T) and kept across steps; a new shape reallocates
+  // (the caching allocator hands the same blocks back when the shape returns).
+  B_ = B;
+  T_ = T;
+  const int64_t BT = B * T, C = cfg_.n_embd, V = cfg_.padded_vocab, F = cfg_.ffn_hidden;
+  const int64_t QKV = (cfg_.n_head + 2 * cfg_.n_kv_head) * cfg_.head_dim();
+  cap_bt_ = BT;
+  acts_.clear();
+  scratch_acts_.reset();
+  block_out_.clear();
+  bwd_ws_.clear();
+  auto A = MemCategory::Activations;
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    acts_.emplace_back();
+    if (!recomputes(static_cast<int>(l))) {
+      acts_.back() = std::make_unique<BlockActivations>();
+      alloc_block_acts(*acts_.back(), cfg_, compute_, BT, B);
+    }
+  }
+  if (recompute_ != Recompute::None) {
+    scratch_acts_ = std::make_unique<BlockActivations>();
+    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, B);
+  }
+  for (int64_t u = 0; u <= cfg_.n_layer; ++u) block_out_.push_back(Tensor::empty({BT, C}, DType::F32, A));
+  ids_ = Tensor::empty({BT}, DType::F32, A);  // int32 storage (same size)
+  targets_ = Tensor::empty({BT}, DType::F32, A);
+  head_in_ = Tensor::empty({BT, C}, DType::F32, A);
+  if (compute_ == DType::BF16) head_in_bf_ = Tensor::empty({BT, C}, DType::BF16, A);
+  head_rstd_ = Tensor::empty({BT}, DType::F32, A);
+  head_mean_ = Tensor::empty({BT}, DType::F32, A);
+  logits_ = Tensor::empty({BT, V}, DType::F32, A);
+  losses_ = Tensor::empty({BT}, DType::F32, A);
+  auto W = MemCategory::Workspace;
+  dres_ = Tensor::empty({BT, C}, DType::F32, W);
+  // backward workspace: [0] d(normed) [N,C], [1] dqkv [N,QKV], [2] datty [N,C], [3] dfc [N,F],
+  // [4] dup / dact [N,F], [5] d act [N,F], [6] scratch f32 [N, max(C,F)]
+  bwd_ws_.push_back(Tensor::empty({BT, C}, DType::F32, W));
+  bwd_ws_.push_back(Tensor::empty({BT, QKV}, DType::F32, W));
+  bwd_ws_.push_back(Tensor::empty({BT, C}, DType::F32, W));
+  bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
+  bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
+  bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
+  bwd_ws_.push_back(Tensor::empty({BT, std::max(C, F)}, DType::F32, W));
+}
+
+// y = x @ W^T (+ b), with x in the compute dtype.
+namespace {
+struct Lin {
+  DType cd;
+  void fwd(float* out, const Tensor& x, const float* wf, const bf16* wb, const float* b, int64_t N, int64_t IC,
+           int64_t OC) const {
+    if (cd == DType::F32)
+      k::linear_forward(out, x.f32(), wf, b, N, IC, OC);
+    else
+      k::linear_forward_bf16(out, x.bf(), wb, b, N, IC, OC);
+  }
+  void bwd(float* dx, float* dw, float* db, const float* dout, const Tensor& x, const float* wf, const bf16* wb,
+           int64_t N, int64_t IC, int64_t OC) const {
+    if (cd == DType::F32)
+      k::linear_backward(dx, dw, db, dout, x.f32(), wf, N, IC, OC);
+    else
+      k::linear_backward_bf16(dx, dw, db, dout, x.bf(), wb, N, IC, OC);
+  }
+};
+// Writes an fp32 result into a compute-dtype tensor (cast in bf16 mode, through scratch).
+void store(const Tensor& dst, const float* src, int64_t n) {
+  if (dst.dtype() == DType::F32) {
+    if (dst.f32() != src) std::memcpy(dst.f32(), src, n * sizeof(float));
+  } else {
+    k::cast_f32_to_bf16(dst.bf(), src, n);
+  }
+}
+}  // namespace
+
+void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = cfg_.ffn_hidden, hd = cfg_.head_dim();
+  const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head, QKV = (nh + 2 * nkv) * hd;
+  const int base = unit_params_[layer + 1][0];
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const bool bf = compute_ == DType::BF16;
+  Lin lin{compute_};
+  auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
+  auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
+  float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
+  float* ln1_out = bf ? tmp : a.ln1.f32();
+  if (gpt)
+    k::layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, wf(base + G_LN1W), wf(base + G_LN1B), N, C,
+                         cfg_.norm_eps);
+  else
+    k::rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, wf(base + L_LN1W), N, C, cfg_.norm_eps);
+  if (bf) store(a.ln1, ln1_out, N * C);
+  // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
+  int qkv_w = gpt ? G_QKVW : L_QW;
+  lin.fwd(a.qkv.f32(), a.ln1, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
+  if (!gpt) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  k::attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
+  if (bf) store(a.atty_bf, a.atty.f32(), N * nh * hd);
+  const Tensor& atty_in = bf ? a.atty_bf : a.atty;
+  int proj_w = gpt ? G_PROJW : L_OW;
+  lin.fwd(a.res2.f32(), atty_in, WF(proj_w), WB(proj_w), gpt ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
+  k::accumulate(a.res2.f32(), x, N * C);
+  float* ln2_out = bf ? tmp : a.ln2.f32();
+  if (gpt)
+    k::layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), wf(base + G_LN2W),
+                         wf(base + G_LN2B), N, C, cfg_.norm_eps);
+  else
+    k::rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), wf(base + L_LN2W), N, C, cfg_.norm_eps);
+  if (bf) store(a.ln2, ln2_out, N * C);
+  float* act_out = bf ? tmp : a.act.f32();
+  if (gpt) {
+    lin.fwd(a.fc.f32(), a.ln2, WF(G_FCW), WB(G_FCW), wf(base + G_FCB), N, C, F);
+    k::gelu_forward(act_out, a.fc.f32(), N * F);
+  } else {
+    lin.fwd(a.fc.f32(), a.ln2, WF(L_GATEW), WB(L_GATEW), nullptr, N, C, F);
+    lin.fwd(a.up.f32(), a.ln2, WF(L_UPW), WB(L_UPW), nullptr, N, C, F);
+    k::swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
+  }
+  if (bf) store(a.act, act_out, N * F);
+  int down_w = gpt ? G_MPW : L_DOWNW;
+  lin.fwd(out, a.act, WF(down_w), WB(down_w), gpt ? wf(base + G_MPB) : nullptr, N, F, C);
+  k::accumulate(out, a.res2.f32(), N * C);
+}
+
+// dx holds d(block output) on entry and d(block input) on exit.
+void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = cfg_.ffn_hidden, hd = cfg_.head_dim();
+  const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head, QKV = (nh + 2 * nkv) * hd;
+  const int base = unit_params_[layer + 1][0];
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const bool bf = compute_ == DType::BF16;
+  Lin lin{compute_};
+  auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
+  auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
+  float* dnorm = bwd_ws_[0].f32();
+  float* dqkv = bwd_ws_[1].f32();
+  float* datty = bwd_ws_[2].f32();
+  float* dfc = bwd_ws_[3].f32();
+  float* dup = bwd_ws_[4].f32();
+  float* dact = bwd_ws_[5].f32();
+
+  // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
+  std::memset(dact, 0, N * F * sizeof(float));
+  int down_w = gpt ? G_MPW : L_DOWNW;
+  lin.bwd(dact, gp(base + down_w), gpt ? gp(base + G_MPB) : nullptr, dx, a.act, WF(down_w), WB(down_w), N, F, C);
+  std::memset(dfc, 0, N * F * sizeof(float));
+  std::memset(dnorm, 0, N * C * sizeof(float));
+  if (gpt) {
+    k::gelu_backward(dfc, a.fc.f32(), dact, N * F);
+    lin.bwd(dnorm, gp(base + G_FCW), gp(base + G_FCB), dfc, a.ln2, WF(G_FCW), WB(G_FCW), N, C, F);
+    k::layernorm_backward(dx, gp(base + G_LN2W), gp(base + G_LN2B), dnorm, a.res2.f32(), wf(base + G_LN2W),
+                          a.ln2_mean.f32(), a.ln2_rstd.f32(), N, C);
+  } else {
+    std::memset(dup, 0, N * F * sizeof(float));
+    k::swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
+    lin.bwd(dnorm, gp(base + L_GATEW), nullptr, dfc, a.ln2, WF(L_GATEW), WB(L_GATEW), N, C, F);
+    lin.bwd(dnorm, gp(base + L_UPW), nullptr, dup, a.ln2, WF(L_UPW), WB(L_UPW), N, C, F);
+    k::rmsnorm_backward(dx, gp(base + L_LN2W), dnorm, a.res2.f32(), wf(base + L_LN2W), a.ln2_rstd.f32(), N, C);
+  }
+  // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
+  std::memset(datty, 0, N * nh * hd * sizeof(float));
+  int proj_w = gpt ? G_PROJW : L_OW;
+  const Tensor& atty_in = bf ? a.atty_bf : a.atty;
+  lin.bwd(datty, gp(base + proj_w), gpt ? gp(base + G_PROJB) : nullptr, dx, atty_in, WF(proj_w), WB(proj_w), N,
+          nh * hd, C);
+  std::memset(dqkv, 0, N * QKV * sizeof(float));
+  k::attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
+  if (!gpt) k::rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  std::memset(dnorm, 0, N * C * sizeof(float));
+  int qkv_w = gpt ? G_QKVW : L_QW;
+  lin.bwd(dnorm, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
+  if (gpt)
+    k::layernorm_backward(dx, gp(base + G_LN1W), gp(base + G_LN1B), dnorm, x, wf(base + G_LN1W), a.ln1_mean.f32(),
+                          a.ln1_rstd.f32(), N, C);
+  else
+    k::rmsnorm_backward(dx, gp(base + L_LN1W), dnorm, x, wf(base + L_LN1W), a.ln1_rstd.f32(), N, C);
+}
+
+float Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
+                           float dloss_scale) {
+  ensure_buffers(B, T);
+  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab;
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const bool bf = compute_ == DType::BF16;
+  for (int64_t i = 0; i < N; ++i)
+    if (ids[i] < 0 || ids[i] >= V)
+      throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                              " is outside the vocabulary of " + std::to_string(V));
+  std::memcpy(ids_.raw(), ids, N * sizeof(int32_t));
+  if (targets) std::memcpy(targets_.raw(), targets, N * sizeof(int32_t));
+  const int32_t* ids_saved = ids_.data<int32_t>();
+
+  // unit 0: embedding
+  if (hooks_) hooks_->pre_forward(0);
+  float* x = block_out_[0].f32();
+  const int emb = unit_params_[0][0];
+  k::embedding_forward(x, ids_saved, wf(emb), N, C);
+  if (gpt) k::position_add_forward(x, wf(emb + 1), B, T, C);
+  if (hooks_) hooks_->post_forward(0);
+  // blocks
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    int u = static_cast<int>(l) + 1;
+    if (hooks_) hooks_->pre_forward(u);
+    BlockActivations& a = acts_[l] ? *acts_[l] : *scratch_acts_;
+    block_forward(static_cast<int>(l), block_out_[l].f32(), a, block_out_[l + 1].f32());
+    if (hooks_) hooks_->post_forward(u);
+  }
+  // head
+  const int hu = num_units() - 1;
+  if (hooks_) hooks_->pre_forward(hu);
+  const int hb = unit_params_[hu][0];
+  const float* xl = block_out_[cfg_.n_layer].f32();
+  float* hin = head_in_.f32();
+  if (gpt)
+    k::layernorm_forward(hin, head_mean_.f32(), head_rstd_.f32(), xl, wf(hb), wf(hb + 1), N, C, cfg_.norm_eps);
+  else
+    k::rmsnorm_forward(hin, head_rstd_.f32(), xl, wf(hb), N, C, cfg_.norm_eps);
+  const int head_w = gpt ? emb : hb + 1;  // GPT-2 ties the head to wte
+  if (bf) {
+    k::cast_f32_to_bf16(head_in_bf_.bf(), hin, N * C);
+    k::linear_forward_bf16(logits_.f32(), head_in_bf_.bf(), wb(head_w), nullptr, N, C, Vp);
+  } else {
+    k::linear_forward(logits_.f32(), hin, wf(head_w), nullptr, N, C, Vp);
+  }
+  float loss = 0.0f;
+  if (targets) {
+    for (int64_t i = 0; i < N; ++i)
+      if (targets[i] >= V)
+        throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
+    if (train)
+      k::softmax_cross_entropy(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp, dloss_scale);
+    else
+      k::softmax_cross_entropy_forward(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp);
+    double s = 0.0;
+    for (int64_t i = 0; i < N; ++i) s += losses_.f32()[i];
+    loss = static_cast<float>(s / static_cast<double>(N));
+  }
+  if (hooks_) hooks_->post_forward(hu);
+  have_backward_ = train && targets;
+  return loss;
+}
+
+void Transformer::backward() {
+  if (!have_backward_) throw std::logic_error("backward() without a training forward with targets");
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = cfg_.padded_vocab;
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const bool bf = compute_ == DType::BF16;
+  float* dx = dres_.f32();
+  const int hu = num_units() - 1, hb = unit_params_[hu][0], emb = unit_params_[0][0];
+  const int head_w = gpt ? emb : hb + 1;
+  if (hooks_) hooks_->pre_backward(hu);
+  float* dhin = bwd_ws_[0].f32();
+  std::memset(dhin, 0, N * C * sizeof(float));
+  if (bf)
+    k::linear_backward_bf16(dhin, gp(head_w), nullptr, logits_.f32(), head_in_bf_.bf(), wb(head_w), N, C, Vp);
+  else
+    k::linear_backward(dhin, gp(head_w), nullptr, logits_.f32(), head_in_.f32(), wf(head_w), N, C, Vp);
+  std::memset(dx, 0, N * C * sizeof(float));
+  const float* xl = block_out_[cfg_.n_layer].f32();
+  if (gpt)
+    k::layernorm_backward(dx, gp(hb), gp(hb + 1), dhin, xl, wf(hb), head_mean_.f32(), head_rstd_.f32(), N, C);
+  else
+    k::rmsnorm_backward(dx, gp(hb), dhin, xl, wf(hb), head_rstd_.f32(), N, C);
+  if (hooks_) hooks_->post_backward(hu);
+  for (int64_t l = cfg_.n_layer - 1; l >= 0; --l) {
+    int u = static_cast<int>(l) + 1;
+    if (hooks_) hooks_->pre_backward(u);
+    BlockActivations* a = acts_[l].get();
+    if (!a) {  // recompute this block's forward from its saved input
+      a = scratch_acts_.get();
+      block_forward(static_cast<int>(l), block_out_[l].f32(), *a, bwd_ws_[6].f32() /*discarded output*/);
+    }
+    block_backward(static_cast<int>(l), block_out_[l].f32(), *a, dx);
+    if (hooks_) hooks_->post_backward(u);
+  }
+  if (hooks_) hooks_->pre_backward(0);
+  k::embedding_backward(gp(emb), dx, ids_.data<int32_t>(), N, C);
+  if (gpt) k::position_add_backward(gp(emb + 1), dx, B, T, C);
+  if (hooks_) hooks_->post_backward(0);
+  have_backward_ = false;
+}
+
+const float* Transformer::logits() const { return logits_.f32(); }
+
+int64_t Transformer::activation_bytes() const {
+  int64_t b = 0;
+  for (const auto& a : acts_)
+    if (a) b += a->bytes();
+  if (scratch_acts_) b += scratch_acts_->bytes();
+  for (const auto& t : block_out_) b += static_cast<int64_t>(t.nbytes());
+  for (const Tensor* t : {&ids_, &targets_, &head_in_, &head_in_bf_, &head_mean_, &head_rstd_, &logits_, &losses_})
+    if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+  return b;
+}
+
+}  // namespace mt

@@ -1,0 +1,114 @@
+// The decoder-only transformer (GPT-2 or Llama style) as an ordered list of units:
+// unit 0 = token (and position) embedding, units 1..L = blocks, unit L+1 = final norm + LM head.
+//
+// Each unit has an explicit forward and backward that save exactly the activations they need, and
+// owns a contiguous range of the flat parameter and gradient buffers. Parallel strategies hook in
+// around units (UnitHooks) and may redirect where a unit reads its weights from (set_unit_weights),
+// which is how sharded data parallel substitutes gathered parameters.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/model_config.h"
+#include "model/parameters.h"
+#include "runtime/tensor.h"
+
+namespace mt {
+
+enum class Recompute { None, Full, Selective };
+bool parse_recompute(const std::string& s, Recompute* out);
+const char* recompute_name(Recompute r);
+
+// Called around every unit. Default implementations do nothing.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void pre_forward(int unit) {}
+  virtual void post_forward(int unit) {}
+  virtual void pre_backward(int unit) {}
+  virtual void post_backward(int unit) {}
+};
+
+struct BlockActivations;  // defined in transformer.cpp
+
+class Transformer {
+ public:
+  // compute: F32, or BF16 (bf16 weights and matmul inputs, fp32 accumulation, fp32 master weights).
+  Transformer(const ModelConfig& cfg, DType compute, Recompute recompute = Recompute::None);
+  ~Transformer();
+
+  const ModelConfig& config() const { return cfg_; }
+  DType compute_dtype() const { return compute_; }
+  const std::vector<ParamInfo>& params() const { return params_; }
+  const ParamInfo& param(const std::string& name) const;
+  int num_units() const { return static_cast<int>(units_.size()); }
+  const UnitRange& unit(int u) const { return units_[u]; }
+  int64_t num_params() const { return total_; }
+
+  // fp32 master weights (category Params in fp32 mode, Optimizer in bf16 mode, where the bf16
+  // copy is what the Params category holds) and fp32 gradients.
+  Tensor& weights() { return weights_; }
+  Tensor& grads() { return grads_; }
+  void zero_grads();
+  // GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), norms 1, biases 0.
+  void init_weights(uint64_t seed);
+  // bf16 mode: refresh the bf16 copy from the fp32 master weights (after every optimizer step).
+  void sync_compute_weights();
+
+  // Redirect unit u's weights (fp32 pointer in fp32 mode, bf16 pointer in bf16 mode) and/or
+  // gradients; nullptr restores the flat buffers.
+  void set_unit_weights(int u, const void* w);
+  void set_unit_grads(int u, float* g);
+  void set_hooks(UnitHooks* h) { hooks_ = h; }
+
+  // One micro-batch of B sequences of T tokens (T <= seq_len). With targets, returns the mean
+  // cross-entropy over the B*T positions; with train=true it also keeps what backward needs and
+  // turns the logits into their gradient scaled by dloss_scale per token (typically
+  // 1 / (tokens in the global batch)).
+  float forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
+                float dloss_scale = 0.0f);
+  // Accumulates parameter gradients of the last training forward into grads().
+  void backward();
+  // Logits of the last forward ([B*T, padded_vocab]); valid after a forward without train.
+  const float* logits() const;
+
+  // Bytes of activations currently held for backward (for reporting).
+  int64_t activation_bytes() const;
+
+ private:
+  struct UnitParams;
+  void build_params();
+  void ensure_buffers(int64_t B, int64_t T);
+  void block_forward(int layer, const float* x, BlockActivations& a, float* out);
+  void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
+  bool recomputes(int layer) const;
+  const float* wf(int idx) const;
+  const bf16* wb(int idx) const;
+  float* gp(int idx) const;
+
+  ModelConfig cfg_;
+  DType compute_;
+  Recompute recompute_;
+  std::vector<ParamInfo> params_;
+  std::vector<UnitRange> units_;
+  std::vector<std::vector<int>> unit_params_;  // param indices per unit
+  int64_t total_ = 0;
+  Tensor weights_, grads_, weights_bf16_;
+  std::vector<const void*> unit_w_;
+  std::vector<float*> unit_g_;
+  UnitHooks* hooks_ = nullptr;
+
+  // activations
+  int64_t cap_bt_ = 0, B_ = 0, T_ = 0;
+  bool have_backward_ = false;
+  std::vector<std::unique_ptr<BlockActivations>> acts_;  // one per block, or one shared (recompute)
+  std::unique_ptr<BlockActivations> scratch_acts_;
+  std::vector<Tensor> block_out_;                         // output of unit u (0..L), [B*T, C]
+  Tensor ids_, targets_, head_in_, head_in_bf_, head_mean_, head_rstd_, logits_, losses_;
+  Tensor dres_, dtmp_;                                    // backward workspace
+  std::vector<Tensor> bwd_ws_;
+};
+
+}  // namespace mt

@@ -1,0 +1,258 @@
+#include "train/config.h"
+
+#include <toml++/toml.h>
+
+#include <functional>
+#include <sstream>
+
+namespace mt {
+
+namespace {
+
+enum class Kind { Int, Float, Bool, String };
+
+struct Field {
+  std::string key;  // "section.name"
+  Kind kind;
+  void* ptr;
+  std::string help;
+};
+
+std::vector<Field> fields(RunConfig& c) {
+  return {
+      {"model.preset", Kind::String, &c.model.preset, "named model preset (see `meshtrain train --help`)"},
+      {"model.arch", Kind::String, &c.model.arch, "gpt2 | llama (default: the preset's)"},
+      {"model.n_layer", Kind::Int, &c.model.n_layer, "transformer blocks"},
+      {"model.n_head", Kind::Int, &c.model.n_head, "attention heads"},
+      {"model.n_kv_head", Kind::Int, &c.model.n_kv_head, "key/value heads (llama, grouped-query attention)"},
+      {"model.n_embd", Kind::Int, &c.model.n_embd, "hidden size"},
+      {"model.ffn_hidden", Kind::Int, &c.model.ffn_hidden, "MLP hidden size (default 4*n_embd, llama 8/3*n_embd)"},
+      {"model.seq_len", Kind::Int, &c.model.seq_len, "context length (tokens per sequence)"},
+      {"model.vocab_size", Kind::Int, &c.model.vocab_size, "vocabulary (padded to a multiple of 64 internally)"},
+      {"model.rope_theta", Kind::Float, &c.model.rope_theta, "RoPE base (llama)"},
+      {"data.train", Kind::String, &c.data.train, "training token shards: a file or a glob"},
+      {"data.val", Kind::String, &c.data.val, "validation token shards (empty = no eval)"},
+      {"data.tokenizer", Kind::String, &c.data.tokenizer, "byte | gpt2: how samples are decoded"},
+      {"data.gpt2_dir", Kind::String, &c.data.gpt2_dir, "directory with encoder.json and vocab.bpe"},
+      {"train.steps", Kind::Int, &c.train.steps, "optimizer steps"},
+      {"train.micro_batch", Kind::Int, &c.train.micro_batch, "sequences per rank per micro-batch"},
+      {"train.grad_accum", Kind::Int, &c.train.grad_accum, "micro-batches per step"},
+      {"train.lr", Kind::Float, &c.train.lr, "peak learning rate"},
+      {"train.min_lr_ratio", Kind::Float, &c.train.min_lr_ratio, "final lr as a fraction of the peak"},
+      {"train.warmup_steps", Kind::Int, &c.train.warmup_steps, "linear warm-up steps"},
+      {"train.lr_schedule", Kind::String, &c.train.lr_schedule, "cosine | linear | constant (after warm-up)"},
+      {"train.weight_decay", Kind::Float, &c.train.weight_decay, "AdamW decoupled weight decay (matrices only)"},
+      {"train.grad_clip", Kind::Float, &c.train.grad_clip, "global gradient-norm clip (0 = off)"},
+      {"train.beta1", Kind::Float, &c.train.beta1, "AdamW beta1"},
+      {"train.beta2", Kind::Float, &c.train.beta2, "AdamW beta2"},
+      {"train.eps", Kind::Float, &c.train.eps, "AdamW epsilon"},
+      {"train.seed", Kind::Int, &c.train.seed, "seed of the weight initialisation"},
+      {"train.dtype", Kind::String, &c.train.dtype, "fp32 | bf16 (bf16 compute, fp32 master weights and reduction)"},
+      {"train.activation_checkpointing", Kind::String, &c.train.activation_checkpointing,
+       "none | full | selective (every second block)"},
+      {"train.threads", Kind::Int, &c.train.threads, "compute threads per rank (0 = cores / ranks on this node)"},
+      {"train.eval_every", Kind::Int, &c.train.eval_every, "steps between validation losses (0 = never)"},
+      {"train.eval_batches", Kind::Int, &c.train.eval_batches, "micro-batches per validation loss"},
+      {"train.checkpoint_dir", Kind::String, &c.train.checkpoint_dir, "where checkpoints go (empty = none)"},
+      {"train.checkpoint_every", Kind::Int, &c.train.checkpoint_every, "steps between checkpoints (0 = only at the end)"},
+      {"train.resume", Kind::String, &c.train.resume, "\"latest\" or a checkpoint directory to resume from"},
+      {"train.sample_tokens", Kind::Int, &c.train.sample_tokens, "tokens to generate after training (0 = none)"},
+      {"train.sample_prompt", Kind::String, &c.train.sample_prompt, "prompt of the end-of-run sample"},
+      {"parallel.strategy", Kind::String, &c.parallel.strategy,
+       "NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"},
+      {"parallel.dp_replicate", Kind::Int, &c.parallel.dp_replicate, "replica groups"},
+      {"parallel.dp_shard", Kind::Int, &c.parallel.dp_shard, "shard group size (-1 = what the world size leaves)"},
+      {"parallel.tp", Kind::Int, &c.parallel.tp, "tensor-parallel degree"},
+      {"parallel.pp", Kind::Int, &c.parallel.pp, "pipeline-parallel degree"},
+      {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, "gpipe | 1f1b | interleaved_1f1b"},
+      {"parallel.pp_virtual_stages", Kind::Int, &c.parallel.pp_virtual_stages, "stages per rank (interleaved)"},
+      {"parallel.pp_microbatches", Kind::Int, &c.parallel.pp_microbatches, "0 = grad_accum"},
+      {"parallel.bucket_mb", Kind::Float, &c.parallel.bucket_mb, "gradient bucket size in MB (DDP)"},
+      {"parallel.reshard_after_forward", Kind::Bool, &c.parallel.reshard_after_forward, "free gathered params after forward"},
+      {"parallel.prefetch", Kind::Int, &c.parallel.prefetch, "units gathered ahead"},
+      {"log.metrics_out", Kind::String, &c.log.metrics_out, "JSON-lines metrics file (rank 0)"},
+      {"log.trace_out", Kind::String, &c.log.trace_out, "Chrome trace file per rank"},
+      {"log.peak_flops", Kind::Float, &c.log.peak_flops, "peak FLOP/s per rank for MFU (0 = MFU omitted)"},
+      {"log.print_every", Kind::Int, &c.log.print_every, "steps between progress lines"},
+  };
+}
+
+Field* find(std::vector<Field>& fs, const std::string& key) {
+  for (auto& f : fs)
+    if (f.key == key) return &f;
+  return nullptr;
+}
+
+void set_from_string(Field& f, const std::string& v, const std::string& where) {
+  auto bad = [&](const char* what) {
+    return ConfigError(where + ": " + f.key + " expects " + what + ", got '" + v + "'");
+  };
+  switch (f.kind) {
+    case Kind::Int: {
+      try {
+        size_t pos = 0;
+        long long x = std::stoll(v, &pos);
+        if (pos != v.size()) throw bad("an integer");
+        *static_cast<int64_t*>(f.ptr) = x;
+      } catch (const ConfigError&) {
+        throw;
+      } catch (...) {
+        throw bad("an integer");
+      }
+      break;
+    }
+    case Kind::Float: {
+      try {
+        size_t pos = 0;
+        double x = std::stod(v, &pos);
+        if (pos != v.size()) throw bad("a number");
+        *static_cast<double*>(f.ptr) = x;
+      } catch (const ConfigError&) {
+        throw;
+      } catch (...) {
+        throw bad("a number");
+      }
+      break;
+    }
+    case Kind::Bool:
+      if (v == "true" || v == "1") *static_cast<bool*>(f.ptr) = true;
+      else if (v == "false" || v == "0") *static_cast<bool*>(f.ptr) = false;
+      else throw bad("true or false");
+      break;
+    case Kind::String: {
+      std::string s = v;
+      if (s.size() >= 2 && s.front() == '"' && s.back() == '"') s = s.substr(1, s.size() - 2);
+      *static_cast<std::string*>(f.ptr) = s;
+      break;
+    }
+  }
+}
+
+void set_from_node(Field& f, const toml::node& n, const std::string& where) {
+  auto bad = [&](const char* what) { return ConfigError(where + ": " + f.key + " must be " + what); };
+  switch (f.kind) {
+    case Kind::Int:
+      if (auto v = n.value_exact<int64_t>()) *static_cast<int64_t*>(f.ptr) = *v;
+      else throw bad("an integer");
+      break;
+    case Kind::Float:
+      if (auto v = n.value<double>()) *static_cast<double*>(f.ptr) = *v;
+      else throw bad("a number");
+      break;
+    case Kind::Bool:
+      if (auto v = n.value_exact<bool>()) *static_cast<bool*>(f.ptr) = *v;
+      else throw bad("true or false");
+      break;
+    case Kind::String:
+      if (auto v = n.value_exact<std::string>()) *static_cast<std::string*>(f.ptr) = *v;
+      else throw bad("a string");
+      break;
+  }
+}
+
+std::string value_string(const Field& f) {
+  std::ostringstream os;
+  switch (f.kind) {
+    case Kind::Int: os << *static_cast<int64_t*>(f.ptr); break;
+    case Kind::Float: os << *static_cast<double*>(f.ptr); break;
+    case Kind::Bool: os << (*static_cast<bool*>(f.ptr) ? "true" : "false"); break;
+    case Kind::String: os << '"' << *static_cast<std::string*>(f.ptr) << '"'; break;
+  }
+  return os.str();
+}
+
+}  // namespace
+
+RunConfig RunConfig::load(const std::string& path, const std::vector<std::pair<std::string, std::string>>& overrides) {
+  RunConfig c;
+  auto fs = fields(c);
+  if (!path.empty()) {
+    toml::table tbl;
+    try {
+      tbl = toml::parse_file(path);
+    } catch (const toml::parse_error& e) {
+      std::ostringstream os;
+      os << path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": " << e.description();
+      throw ConfigError(os.str());
+    } catch (const std::exception& e) {
+      throw ConfigError(path + ": " + e.what());
+    }
+    for (auto&& [sec, node] : tbl) {
+      const toml::table* st = node.as_table();
+      if (!st) throw ConfigError(path + ": top-level key '" + std::string(sec.str()) + "' must be a [section]");
+      for (auto&& [key, val] : *st) {
+        std::string full = std::string(sec.str()) + "." + std::string(key.str());
+        Field* f = find(fs, full);
+        if (!f) throw ConfigError(path + ": unknown key " + full);
+        set_from_node(*f, val, path);
+      }
+    }
+  }
+  for (const auto& [k, v] : overrides) {
+    Field* f = find(fs, k);
+    if (!f) throw ConfigError("command line: unknown key --" + k);
+    set_from_string(*f, v, "command line");
+  }
+  return c;
+}
+
+ModelConfig RunConfig::model_config() const {
+  ModelConfig m = model_preset(model.preset);
+  m.name = model.preset;
+  if (!model.arch.empty()) {
+    if (!parse_arch(model.arch, &m.arch)) throw ConfigError("model.arch must be gpt2 or llama, got '" + model.arch + "'");
+  }
+  auto ov = [](int64_t v, int64_t& dst) {
+    if (v > 0) dst = v;
+  };
+  bool custom = model.n_layer || model.n_head || model.n_kv_head || model.n_embd || model.ffn_hidden ||
+                model.seq_len || model.vocab_size || !model.arch.empty();
+  ov(model.n_layer, m.n_layer);
+  ov(model.n_head, m.n_head);
+  ov(model.n_kv_head, m.n_kv_head);
+  ov(model.n_embd, m.n_embd);
+  if (model.ffn_hidden > 0) m.ffn_hidden = model.ffn_hidden;
+  else if (model.n_embd > 0 || !model.arch.empty()) m.ffn_hidden = 0;  // re-derive from the new width
+  ov(model.seq_len, m.seq_len);
+  if (model.vocab_size > 0) {
+    m.vocab_size = model.vocab_size;
+    m.padded_vocab = 0;
+  }
+  if (model.rope_theta > 0) m.rope_theta = static_cast<float>(model.rope_theta);
+  if (custom) m.name = model.preset + "+overrides";
+  try {
+    m.resolve();
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  return m;
+}
+
+std::string RunConfig::to_toml() const {
+  RunConfig copy = *this;
+  auto fs = fields(copy);
+  std::string out, cur;
+  for (const auto& f : fs) {
+    std::string sec = f.key.substr(0, f.key.find('.'));
+    if (sec != cur) {
+      out += (cur.empty() ? "[" : "\n[") + sec + "]\n";
+      cur = sec;
+    }
+    out += f.key.substr(f.key.find('.') + 1) + " = " + value_string(f) + "\n";
+  }
+  return out;
+}
+
+std::string RunConfig::keys_help() {
+  RunConfig c;
+  auto fs = fields(c);
+  std::string out;
+  for (const auto& f : fs) {
+    std::string line = "  --" + f.key + " " + value_string(f);
+    if (line.size() < 44) line.resize(44, ' ');
+    out += line + " " + f.help + "\n";
+  }
+  return out;
+}
+
+}  // namespace mt

@@ -1,0 +1,75 @@
+// Run configuration: the TOML file of INTERFACE.md plus `--section.key value` overrides.
+// Every key is declared once in config.cpp with its type; unknown keys and badly typed values are
+// errors that name the file and key.
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/model_config.h"
+
+namespace mt {
+
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct RunConfig {
+  struct Model {
+    std::string preset = "gpt2-mini";
+    std::string arch;          // "" = from preset
+    int64_t n_layer = 0, n_head = 0, n_kv_head = 0, n_embd = 0, ffn_hidden = 0, seq_len = 0,
+            vocab_size = 0;    // 0 = from preset
+    double rope_theta = 0.0;   // 0 = from preset
+  } model;
+  struct Data {
+    std::string train = "data/default/train.bin";
+    std::string val = "data/default/val.bin";
+    std::string tokenizer = "byte";   // how `sample` and the end-of-run sample decode: byte | gpt2
+    std::string gpt2_dir;             // for tokenizer = gpt2
+  } data;
+  struct Train {
+    int64_t steps = 1000, micro_batch = 4, grad_accum = 1;
+    double lr = 6e-4, min_lr_ratio = 0.1;
+    int64_t warmup_steps = 100;
+    std::string lr_schedule = "cosine";  // cosine | linear | constant
+    double weight_decay = 0.1, grad_clip = 1.0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+    int64_t seed = 1337;
+    std::string dtype = "fp32";
+    std::string activation_checkpointing = "none";
+    int64_t threads = 0;
+    int64_t eval_every = 100, eval_batches = 8;
+    std::string checkpoint_dir;
+    int64_t checkpoint_every = 0;
+    std::string resume;                  // "" | "latest" | a checkpoint directory
+    int64_t sample_tokens = 0;           // generate this many tokens at the end (0 = no sample)
+    std::string sample_prompt = "";
+  } train;
+  struct Parallel {
+    std::string strategy = "NO_SHARD";
+    int64_t dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;
+    std::string pp_schedule = "1f1b";
+    int64_t pp_virtual_stages = 1, pp_microbatches = 0;
+    double bucket_mb = 25.0;
+    bool reshard_after_forward = true;
+    int64_t prefetch = 1;
+  } parallel;
+  struct Log {
+    std::string metrics_out, trace_out;
+    double peak_flops = 0.0;
+    int64_t print_every = 1;
+  } log;
+
+  // Loads `path` (may be empty: defaults only), then applies overrides in order.
+  static RunConfig load(const std::string& path, const std::vector<std::pair<std::string, std::string>>& overrides);
+  // The model dimensions after preset + explicit keys (resolved and validated).
+  ModelConfig model_config() const;
+  // Every key as `section.key = value` lines (for --help and for checkpoints).
+  std::string to_toml() const;
+  static std::string keys_help();
+};
+
+}  // namespace mt

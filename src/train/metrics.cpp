@@ -1,0 +1,58 @@
+#include "train/metrics.h"
+
+#include <cstdio>
+#include <stdexcept>
+
+namespace mt {
+
+MetricsWriter::MetricsWriter(const std::string& path) {
+  if (path.empty()) return;
+  out_.open(path, std::ios::trunc);
+  if (!out_) throw std::runtime_error("log.metrics_out: cannot open " + path + " for writing");
+}
+
+void MetricsWriter::step(const StepMetrics& m) {
+  if (!out_.is_open()) return;
+  nlohmann::json j = {{"step", m.step},
+                      {"loss", m.loss},
+                      {"lr", m.lr},
+                      {"tokens_per_s", m.tokens_per_s},
+                      {"step_ms", m.step_ms},
+                      {"compute_ms", m.compute_ms},
+                      {"mfu", m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr)},
+                      {"mem_peak_bytes", m.mem_peak_bytes},
+                      {"comm_ms", m.comm_ms},
+                      {"exposed_comm_ms", m.exposed_comm_ms},
+                      {"grad_norm", m.grad_norm}};
+  if (m.val_loss) j["val_loss"] = *m.val_loss;
+  out_ << j.dump() << "\n";
+  out_.flush();
+}
+
+void MetricsWriter::final(const nlohmann::json& obj) {
+  if (!out_.is_open()) return;
+  out_ << obj.dump() << "\n";
+  out_.flush();
+}
+
+std::string progress_line(const StepMetrics& m, int64_t total_steps) {
+  char buf[512];
+  char mfu[32] = "";
+  if (m.mfu) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", *m.mfu * 100.0);
+  char val[48] = "";
+  if (m.val_loss) std::snprintf(val, sizeof val, " | val %.4f", *m.val_loss);
+  std::snprintf(buf, sizeof buf,
+                "step %5lld/%lld | loss %.4f%s | lr %.2e | norm %.3f | %8.0f tok/s | %7.1f ms%s | comm %.1f ms "
+                "(exposed %.1f) | peak %s",
+                static_cast<long long>(m.step), static_cast<long long>(total_steps), m.loss, val, m.lr, m.grad_norm,
+                m.tokens_per_s, m.step_ms, mfu, m.comm_ms, m.exposed_comm_ms, format_bytes(m.mem_peak_bytes).c_str());
+  return buf;
+}
+
+nlohmann::json category_json(const std::array<int64_t, kNumMemCategories>& v) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int i = 0; i < kNumMemCategories; ++i) j[mem_category_name(static_cast<MemCategory>(i))] = v[i];
+  return j;
+}
+
+}  // namespace mt

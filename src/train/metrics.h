@@ -1,0 +1,39 @@
+// Per-step metrics: the progress line and the JSON-lines file of INTERFACE.md.
+#pragma once
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/memory.h"
+
+namespace mt {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0, lr = 0, tokens_per_s = 0, step_ms = 0, compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
+  double grad_norm = 0;
+  std::optional<double> mfu, val_loss;
+  int64_t mem_peak_bytes = 0;
+};
+
+class MetricsWriter {
+ public:
+  // Empty path: nothing written.
+  explicit MetricsWriter(const std::string& path);
+  void step(const StepMetrics& m);
+  void final(const nlohmann::json& obj);
+  bool enabled() const { return out_.is_open(); }
+
+ private:
+  std::ofstream out_;
+};
+
+std::string progress_line(const StepMetrics& m, int64_t total_steps);
+// {"params": ..., "grads": ..., ...} from per-category byte counts.
+nlohmann::json category_json(const std::array<int64_t, kNumMemCategories>& v);
+
+}  // namespace mt

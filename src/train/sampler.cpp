@@ -1,0 +1,115 @@
+#include "train/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include "model/rng.h"
+#include "runtime/arg_parser.h"
+#include "train/checkpoint.h"
+#include "train/tokenizer.h"
+
+namespace mt {
+
+std::vector<int32_t> generate(Transformer& model, std::vector<int32_t> seq, const SampleOptions& opts,
+                              int32_t stop_token) {
+  const ModelConfig& c = model.config();
+  Rng rng(opts.seed);
+  std::vector<std::pair<float, int32_t>> cand;
+  for (int64_t i = 0; i < opts.tokens; ++i) {
+    int64_t T = std::min<int64_t>(static_cast<int64_t>(seq.size()), c.seq_len);
+    const int32_t* ctx = seq.data() + (seq.size() - T);
+    model.forward(ctx, nullptr, 1, T, false);
+    const float* row = model.logits() + (T - 1) * c.padded_vocab;
+    int32_t next = 0;
+    if (opts.temperature <= 0.0f) {
+      next = static_cast<int32_t>(std::max_element(row, row + c.vocab_size) - row);
+    } else {
+      cand.clear();
+      for (int32_t v = 0; v < c.vocab_size; ++v) cand.emplace_back(row[v] / opts.temperature, v);
+      if (opts.top_k > 0 && opts.top_k < c.vocab_size) {
+        std::partial_sort(cand.begin(), cand.begin() + opts.top_k, cand.end(),
+                          [](auto& a, auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+        cand.resize(opts.top_k);
+      }
+      float mx = -INFINITY;
+      for (auto& p : cand) mx = std::max(mx, p.first);
+      double sum = 0.0;
+      for (auto& p : cand) sum += std::exp(static_cast<double>(p.first - mx));
+      double r = rng.uniform() * sum, acc = 0.0;
+      next = cand.back().second;
+      for (auto& p : cand) {
+        acc += std::exp(static_cast<double>(p.first - mx));
+        if (acc >= r) {
+          next = p.second;
+          break;
+        }
+      }
+    }
+    seq.push_back(next);
+    if (next == stop_token) break;
+  }
+  return seq;
+}
+
+int run_sample_command(int argc, char** argv) {
+  ArgParser ap({"checkpoint", "prompt", "tokens", "temperature", "top-k", "seed", "tokenizer", "gpt2-dir", "threads"},
+               {"help"});
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain sample: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (ap.flag("help")) {
+    std::printf(
+        "usage: meshtrain sample --checkpoint DIR [--prompt S] [--tokens N] [--temperature T] [--top-k K]\n"
+        "                        [--seed S] [--tokenizer byte|gpt2] [--gpt2-dir DIR] [--threads N]\n\n"
+        "Generates text from a checkpoint written by `meshtrain train` (a step_* directory, or the\n"
+        "checkpoint_dir itself, which means its latest checkpoint).\n\n"
+        "  --checkpoint DIR   checkpoint to load (required)\n"
+        "  --prompt S         text to continue (default: a newline, or <|endoftext|> for gpt2)\n"
+        "  --tokens N         tokens to generate (default 256)\n"
+        "  --temperature T    softmax temperature; 0 = greedy (default 0.8)\n"
+        "  --top-k K          sample among the K most likely tokens; 0 = all (default 40)\n"
+        "  --seed S           sampling seed (default 42)\n"
+        "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2)\n"
+        "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2 tokenizer)\n");
+    return 0;
+  }
+  if (!ap.has("checkpoint")) {
+    std::fprintf(stderr, "meshtrain sample: --checkpoint DIR is required (see --help)\n");
+    return 2;
+  }
+  try {
+    std::string dir = resolve_checkpoint(ap.get("checkpoint"));
+    RunConfig rc = load_checkpoint_config(dir);
+    ModelConfig mc = rc.model_config();
+    Transformer model(mc, DType::F32);
+    load_checkpoint(dir, model, model.weights().f32(), nullptr, nullptr);
+    model.sync_compute_weights();
+    std::string tok_name = ap.get("tokenizer", rc.data.tokenizer);
+    std::string gdir = ap.get("gpt2-dir", rc.data.gpt2_dir);
+    auto tok = make_tokenizer(tok_name, gdir);
+    if (tok->vocab_size() > mc.vocab_size)
+      throw std::runtime_error("tokenizer " + tok_name + " has " + std::to_string(tok->vocab_size()) +
+                               " tokens but the model only " + std::to_string(mc.vocab_size));
+    std::string prompt = ap.get("prompt", "");
+    std::vector<int32_t> ids = tok->encode(prompt);
+    if (ids.empty()) ids.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
+    SampleOptions so;
+    so.tokens = ap.get_int("tokens", 256);
+    so.temperature = static_cast<float>(ap.get_double("temperature", 0.8));
+    so.top_k = ap.get_int("top-k", 40);
+    so.seed = static_cast<uint64_t>(ap.get_int("seed", 42));
+    auto out = generate(model, ids, so, tok->eot_token());
+    std::cout << tok->decode(out) << std::endl;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain sample: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace mt

@@ -1,0 +1,275 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "kernels/activation.h"
+#include "model/transformer.h"
+#include "runtime/arg_parser.h"
+#include "train/checkpoint.h"
+#include "train/data_loader.h"
+#include "train/metrics.h"
+#include "train/optimizer.h"
+#include "train/sampler.h"
+#include "train/tokenizer.h"
+
+namespace mt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+void validate_parallel(const RunConfig& c, int world) {
+  const auto& p = c.parallel;
+  static const char* strategies[] = {"NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
+                                     "HYBRID_SHARD_ZERO2"};
+  bool known = false;
+  for (const char* s : strategies) known |= p.strategy == s;
+  if (!known)
+    throw ConfigError("parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
+                      "HYBRID_SHARD_ZERO2; got '" + p.strategy + "'");
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"parallel.dp_replicate", p.dp_replicate},
+                         {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
+    if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
+  if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
+  if (p.tp > 1) throw ConfigError("parallel.tp = " + std::to_string(p.tp) + ": tensor parallelism is not implemented yet");
+  if (p.pp > 1) throw ConfigError("parallel.pp = " + std::to_string(p.pp) + ": pipeline parallelism is not implemented yet");
+  if (p.strategy != "NO_SHARD")
+    throw ConfigError("parallel.strategy = " + p.strategy + " is not implemented yet (NO_SHARD only)");
+  if (world > 1) throw ConfigError("world size " + std::to_string(world) + ": multi-rank training is not wired in yet");
+}
+
+int auto_threads() {
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc == 0 ? 1 : static_cast<int>(hc);
+}
+
+}  // namespace
+
+TrainResult train(const RunConfig& cfg) {
+  const int rank = 0, world = 1;
+  validate_parallel(cfg, world);
+  const bool log = rank == 0;
+  ModelConfig mc = cfg.model_config();
+  DType dt;
+  if (!parse_dtype(cfg.train.dtype, &dt)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + cfg.train.dtype + "'");
+  Recompute rc;
+  if (!parse_recompute(cfg.train.activation_checkpointing, &rc))
+    throw ConfigError("train.activation_checkpointing must be none, full or selective, got '" +
+                      cfg.train.activation_checkpointing + "'");
+  const auto& tc = cfg.train;
+  if (tc.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
+  if (tc.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
+  if (tc.steps < 0) throw ConfigError("train.steps must be >= 0");
+  (void)lr_at(0, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);  // validates the schedule name
+  const int threads = tc.threads > 0 ? static_cast<int>(tc.threads) : std::max(1, auto_threads() / world);
+  omp_set_num_threads(threads);
+
+  const int64_t B = tc.micro_batch, T = mc.seq_len, accum = tc.grad_accum;
+  TokenDataset train_ds(cfg.data.train, mc.vocab_size);
+  BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), rank, world);
+  std::unique_ptr<TokenDataset> val_ds;
+  std::unique_ptr<BatchLoader> val_loader;
+  if (!cfg.data.val.empty() && tc.eval_every > 0) {
+    val_ds = std::make_unique<TokenDataset>(cfg.data.val, mc.vocab_size);
+    val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), rank, world);
+  }
+
+  Transformer model(mc, dt, rc);
+  model.init_weights(static_cast<uint64_t>(tc.seed));
+  AdamW opt(model.params(), 0, model.num_params(), AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay});
+
+  TrainerState st;
+  if (!tc.resume.empty()) {
+    std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
+    if (src.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
+    std::string dir = resolve_checkpoint(src);
+    st = load_checkpoint(dir, model, model.weights().f32(), opt.exp_avg().f32(), opt.exp_avg_sq().f32());
+    opt.set_step_count(st.adam_steps);
+    model.sync_compute_weights();
+    for (int64_t i = 0; i < st.micro_batches; ++i) {  // put the data where the saved run left it
+      static thread_local std::vector<int32_t> skip_x, skip_y;
+      skip_x.resize(B * T);
+      skip_y.resize(B * T);
+      loader.next(skip_x.data(), skip_y.data());
+    }
+    if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
+  }
+
+  if (log) {
+    std::printf("model %s (%s): %lld parameters, %lld layers, %lld heads, width %lld, seq %lld, vocab %lld (padded %lld)\n",
+                mc.name.c_str(), arch_name(mc.arch), static_cast<long long>(model.num_params()),
+                static_cast<long long>(mc.n_layer), static_cast<long long>(mc.n_head), static_cast<long long>(mc.n_embd),
+                static_cast<long long>(mc.seq_len), static_cast<long long>(mc.vocab_size),
+                static_cast<long long>(mc.padded_vocab));
+    std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
+                "recompute %s | %d threads\n",
+                cfg.data.train.c_str(), static_cast<long long>(train_ds.total_tokens()), static_cast<long long>(B),
+                static_cast<long long>(T), static_cast<long long>(accum), world,
+                static_cast<long long>(B * T * accum * world), dtype_name(dt), recompute_name(rc), threads);
+    std::fflush(stdout);
+  }
+
+  MetricsWriter metrics(log ? cfg.log.metrics_out : "");
+  std::vector<int32_t> x(B * T), y(B * T);
+  const double tokens_per_step = static_cast<double>(B * T * accum * world);
+  const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * accum));
+  TrainResult res;
+  double tps_sum = 0;
+  int64_t tps_n = 0;
+  std::array<int64_t, kNumMemCategories> resident{};
+
+  auto evaluate = [&]() {
+    val_loader->reset();
+    double s = 0;
+    for (int64_t i = 0; i < tc.eval_batches; ++i) {
+      val_loader->next(x.data(), y.data());
+      s += model.forward(x.data(), y.data(), B, T, false);
+    }
+    return s / static_cast<double>(std::max<int64_t>(1, tc.eval_batches));
+  };
+
+  const int64_t first_step = st.step;
+  for (int64_t step = st.step; step < tc.steps; ++step) {
+    auto t0 = Clock::now();
+    model.zero_grads();
+    double loss = 0;
+    for (int64_t m = 0; m < accum; ++m) {
+      loader.next(x.data(), y.data());
+      loss += model.forward(x.data(), y.data(), B, T, true, dloss);
+      model.backward();
+      ++st.micro_batches;
+    }
+    loss /= static_cast<double>(accum);
+    const double compute_ms = ms_since(t0);
+    double norm = std::sqrt(kernels::sum_squares(model.grads().f32(), model.num_params()));
+    if (!std::isfinite(norm) || !std::isfinite(loss))
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
+                               std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
+    float scale = 1.0f;
+    if (tc.grad_clip > 0 && norm > tc.grad_clip) scale = static_cast<float>(tc.grad_clip / (norm + 1e-6));
+    const double lr = lr_at(step, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);
+    opt.step(model.weights().f32(), model.grads().f32(), lr, scale);
+    model.sync_compute_weights();
+    st.step = step + 1;
+    st.adam_steps = opt.step_count();
+    const double step_ms = ms_since(t0);
+    resident = MemoryTracker::instance().stats().current;
+
+    StepMetrics sm;
+    sm.step = step + 1;
+    sm.loss = loss;
+    sm.lr = lr;
+    sm.grad_norm = norm;
+    sm.step_ms = step_ms;
+    sm.compute_ms = compute_ms;
+    sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
+    if (cfg.log.peak_flops > 0) sm.mfu = mc.flops_per_token() * sm.tokens_per_s / (cfg.log.peak_flops * world);
+    sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
+    if (step > first_step) {  // the first step of a run pays warm-up costs
+      tps_sum += sm.tokens_per_s;
+      ++tps_n;
+    }
+    if (val_loader && ((step + 1) % tc.eval_every == 0 || step + 1 == tc.steps)) {
+      sm.val_loss = evaluate();
+      res.val_losses.push_back(*sm.val_loss);
+      res.final_val_loss = *sm.val_loss;
+    }
+    res.losses.push_back(loss);
+    if (log && (cfg.log.print_every <= 1 || (step + 1) % cfg.log.print_every == 0 || step + 1 == tc.steps ||
+                sm.val_loss)) {
+      std::printf("%s\n", progress_line(sm, tc.steps).c_str());
+      std::fflush(stdout);
+    }
+    metrics.step(sm);
+    if (!tc.checkpoint_dir.empty() && tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0 && rank == 0)
+      save_checkpoint(tc.checkpoint_dir, model, model.weights().f32(), opt.exp_avg().f32(), opt.exp_avg_sq().f32(), st, cfg);
+  }
+  if (!tc.checkpoint_dir.empty() && rank == 0 && (tc.checkpoint_every <= 0 || st.step % tc.checkpoint_every != 0))
+    save_checkpoint(tc.checkpoint_dir, model, model.weights().f32(), opt.exp_avg().f32(), opt.exp_avg_sq().f32(), st, cfg);
+  res.tokens_per_s = tps_n ? tps_sum / static_cast<double>(tps_n) : 0.0;
+
+  MemStats ms = MemoryTracker::instance().stats();
+  if (log) {
+    std::printf("\nmemory per rank (rank 0)      peak          resident after step\n");
+    for (int i = 0; i < kNumMemCategories; ++i)
+      std::printf("  %-12s %16s %16s\n", mem_category_name(static_cast<MemCategory>(i)), format_bytes(ms.peak[i]).c_str(),
+                  format_bytes(resident[i]).c_str());
+    std::printf("  %-12s %16s\n", "total", format_bytes(ms.total_peak).c_str());
+    const int64_t P = model.num_params();
+    std::printf("  model state: %lld params x (%s) = %s expected for params+grads+optimizer, measured %s\n",
+                static_cast<long long>(P), dt == DType::F32 ? "4 + 4 + 8 bytes" : "2 bf16 + 4 grad + 12 master/moments bytes",
+                format_bytes(P * (dt == DType::F32 ? 16 : 18)).c_str(),
+                format_bytes(resident[0] + resident[1] + resident[2]).c_str());
+    if (tps_n) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res.tokens_per_s);
+  }
+  nlohmann::json fin = {{"final", true},
+                        {"steps", st.step},
+                        {"tokens_per_s", res.tokens_per_s},
+                        {"mem_peak_by_category", category_json(ms.peak)},
+                        {"mem_resident_by_category", category_json(resident)},
+                        {"comm_bytes_by_group", nlohmann::json::object()},
+                        {"num_params", model.num_params()}};
+  if (!res.val_losses.empty()) fin["val_loss"] = res.final_val_loss;
+  metrics.final(fin);
+
+  if (log && tc.sample_tokens > 0) {
+    auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir);
+    std::vector<int32_t> prompt = tok->encode(tc.sample_prompt);
+    if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
+    SampleOptions so;
+    so.tokens = tc.sample_tokens;
+    so.temperature = 0.8f;
+    so.top_k = 40;
+    so.seed = static_cast<uint64_t>(tc.seed);
+    auto out = generate(model, prompt, so, tok->eot_token());
+    std::printf("\n--- sample (%lld tokens, temperature 0.8, top-k 40) ---\n%s\n---\n",
+                static_cast<long long>(tc.sample_tokens), tok->decode(out).c_str());
+  }
+  return res;
+}
+
+int run_train_command(int argc, char** argv) {
+  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*"}, {"help"});
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain train: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (ap.flag("help")) {
+    std::printf(
+        "usage: meshtrain train [--config FILE] [--section.key value ...]\n\n"
+        "Trains a GPT-2 or Llama-style model. Run it directly for one process, or under mpirun\n"
+        "(or `meshtrain launch -n N -- train ...`) where each process is one rank.\n"
+        "The config is TOML with sections [model] [data] [train] [parallel] [log]; any key can be\n"
+        "overridden on the command line as --section.key value or --section.key=value.\n\n"
+        "keys (default value, meaning):\n%s\n"
+        "model presets: ",
+        RunConfig::keys_help().c_str());
+    for (const auto& n : model_preset_names()) std::printf("%s ", n.c_str());
+    std::printf("\n");
+    return 0;
+  }
+  try {
+    RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
+    train(cfg);
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "meshtrain train: config error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain train: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace mt

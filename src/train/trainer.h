@@ -1,0 +1,23 @@
+// The training loop behind `meshtrain train`.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "train/config.h"
+
+namespace mt {
+
+struct TrainResult {
+  std::vector<double> losses;      // per step (mean over the global batch)
+  std::vector<double> val_losses;  // per eval
+  double final_val_loss = 0;
+  double tokens_per_s = 0;          // mean over steps after the first
+};
+
+// Runs a whole training job described by `cfg` (this process is one rank when launched by mpirun).
+TrainResult train(const RunConfig& cfg);
+
+int run_train_command(int argc, char** argv);
+
+}  // namespace mt
