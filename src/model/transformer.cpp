@@ -420,7 +420,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     k::rmsnorm_backward(dx, gp(base + L_LN1W), dnorm, x, wf(base + L_LN1W), a.ln1_rstd.f32(), N, C);
 }
 
-float Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
+double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
                            float dloss_scale) {
   ensure_buffers(B, T);
   const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab;
@@ -466,7 +466,7 @@ float Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B
   } else {
     k::linear_forward(logits_.f32(), hin, wf(head_w), nullptr, N, C, Vp);
   }
-  float loss = 0.0f;
+  double loss = 0.0;
   if (targets) {
     for (int64_t i = 0; i < N; ++i)
       if (targets[i] >= V)
@@ -477,7 +477,7 @@ float Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B
       k::softmax_cross_entropy_forward(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp);
     double s = 0.0;
     for (int64_t i = 0; i < N; ++i) s += losses_.f32()[i];
-    loss = static_cast<float>(s / static_cast<double>(N));
+    loss = s / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
   have_backward_ = train && targets;

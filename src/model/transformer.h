@@ -67,7 +67,7 @@ class Transformer {
   // cross-entropy over the B*T positions; with train=true it also keeps what backward needs and
   // turns the logits into their gradient scaled by dloss_scale per token (typically
   // 1 / (tokens in the global batch)).
-  float forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
+  double forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
                 float dloss_scale = 0.0f);
   // Accumulates parameter gradients of the last training forward into grads().
   void backward();

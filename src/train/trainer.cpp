@@ -10,7 +10,9 @@
 #include <iostream>
 #include <thread>
 
+#include "comm/world.h"
 #include "kernels/activation.h"
+#include "parallel/data_parallel.h"
 #include "model/transformer.h"
 #include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
@@ -43,8 +45,16 @@ void validate_parallel(const RunConfig& c, int world) {
   if (p.tp > 1) throw ConfigError("parallel.tp = " + std::to_string(p.tp) + ": tensor parallelism is not implemented yet");
   if (p.pp > 1) throw ConfigError("parallel.pp = " + std::to_string(p.pp) + ": pipeline parallelism is not implemented yet");
   if (p.strategy != "NO_SHARD")
-    throw ConfigError("parallel.strategy = " + p.strategy + " is not implemented yet (NO_SHARD only)");
-  if (world > 1) throw ConfigError("world size " + std::to_string(world) + ": multi-rank training is not wired in yet");
+    throw ConfigError("parallel.strategy = " + p.strategy + " is not implemented yet (NO_SHARD, i.e. DDP, is)");
+  try {
+    comm::DeviceMesh::resolve({{"pp", static_cast<int>(p.pp)},
+                               {"dp_replicate", static_cast<int>(p.dp_replicate)},
+                               {"dp_shard", static_cast<int>(p.dp_shard)},
+                               {"tp", static_cast<int>(p.tp)}},
+                              world);
+  } catch (const std::exception& e) {
+    throw ConfigError(std::string("parallel mesh: ") + e.what());
+  }
 }
 
 int auto_threads() {
@@ -55,9 +65,18 @@ int auto_threads() {
 }  // namespace
 
 TrainResult train(const RunConfig& cfg) {
-  const int rank = 0, world = 1;
+  comm::World& W = comm::World::init(nullptr, nullptr);
+  const int rank = W.rank(), world = W.size();
   validate_parallel(cfg, world);
-  const bool log = rank == 0;
+  const bool log = comm::should_print(rank);
+  comm::DeviceMesh mesh(W, {{"pp", static_cast<int>(cfg.parallel.pp)},
+                            {"dp_replicate", static_cast<int>(cfg.parallel.dp_replicate)},
+                            {"dp_shard", static_cast<int>(cfg.parallel.dp_shard)},
+                            {"tp", static_cast<int>(cfg.parallel.tp)}});
+  auto dp_group = mesh.group(std::vector<std::string>{"dp_replicate", "dp_shard"});
+  // Losses and summaries travel on their own group so the dp group's counters hold only gradients.
+  auto metrics_group = W.split(0, rank, "metrics");
+  const int dp_rank = dp_group->rank(), dp_world = dp_group->size();
   ModelConfig mc = cfg.model_config();
   DType dt;
   if (!parse_dtype(cfg.train.dtype, &dt)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + cfg.train.dtype + "'");
@@ -70,22 +89,24 @@ TrainResult train(const RunConfig& cfg) {
   if (tc.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc.steps < 0) throw ConfigError("train.steps must be >= 0");
   (void)lr_at(0, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);  // validates the schedule name
-  const int threads = tc.threads > 0 ? static_cast<int>(tc.threads) : std::max(1, auto_threads() / world);
+  const int threads = tc.threads > 0 ? static_cast<int>(tc.threads) : std::max(1, auto_threads() / W.local_size());
   omp_set_num_threads(threads);
 
   const int64_t B = tc.micro_batch, T = mc.seq_len, accum = tc.grad_accum;
   TokenDataset train_ds(cfg.data.train, mc.vocab_size);
-  BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), rank, world);
+  BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
   std::unique_ptr<TokenDataset> val_ds;
   std::unique_ptr<BatchLoader> val_loader;
   if (!cfg.data.val.empty() && tc.eval_every > 0) {
     val_ds = std::make_unique<TokenDataset>(cfg.data.val, mc.vocab_size);
-    val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), rank, world);
+    val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
   }
 
   Transformer model(mc, dt, rc);
   model.init_weights(static_cast<uint64_t>(tc.seed));
   AdamW opt(model.params(), 0, model.num_params(), AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay});
+  parallel::DataParallel ddp(model, dp_group, cfg.parallel.bucket_mb);
+  model.set_hooks(&ddp);
 
   TrainerState st;
   if (!tc.resume.empty()) {
@@ -103,6 +124,7 @@ TrainResult train(const RunConfig& cfg) {
     }
     if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
   }
+  ddp.verify_and_broadcast();  // same model everywhere, rank 0's weights
 
   if (log) {
     std::printf("model %s (%s): %lld parameters, %lld layers, %lld heads, width %lld, seq %lld, vocab %lld (padded %lld)\n",
@@ -113,20 +135,30 @@ TrainResult train(const RunConfig& cfg) {
     std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
                 "recompute %s | %d threads\n",
                 cfg.data.train.c_str(), static_cast<long long>(train_ds.total_tokens()), static_cast<long long>(B),
-                static_cast<long long>(T), static_cast<long long>(accum), world,
-                static_cast<long long>(B * T * accum * world), dtype_name(dt), recompute_name(rc), threads);
+                static_cast<long long>(T), static_cast<long long>(accum), dp_world,
+                static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
+    if (world > 1)
+      std::printf("parallel: %s over %s, %zu gradient buckets (bucket_mb %.1f)\n", cfg.parallel.strategy.c_str(),
+                  mesh.describe().c_str(), ddp.buckets().size(), cfg.parallel.bucket_mb);
     std::fflush(stdout);
   }
 
-  MetricsWriter metrics(log ? cfg.log.metrics_out : "");
+  MetricsWriter metrics(rank == 0 ? cfg.log.metrics_out : "");
   std::vector<int32_t> x(B * T), y(B * T);
-  const double tokens_per_step = static_cast<double>(B * T * accum * world);
+  const double tokens_per_step = static_cast<double>(B * T * accum * dp_world);
   const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * accum));
   TrainResult res;
   double tps_sum = 0;
   int64_t tps_n = 0;
   std::array<int64_t, kNumMemCategories> resident{};
 
+  // Mean of a per-rank value over the data-parallel ranks (losses are per rank).
+  auto dp_mean = [&](double v) {
+    if (dp_world == 1) return v;
+    float f = static_cast<float>(v);
+    metrics_group->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Avg)->wait();
+    return static_cast<double>(f);
+  };
   auto evaluate = [&]() {
     val_loader->reset();
     double s = 0;
@@ -134,22 +166,26 @@ TrainResult train(const RunConfig& cfg) {
       val_loader->next(x.data(), y.data());
       s += model.forward(x.data(), y.data(), B, T, false);
     }
-    return s / static_cast<double>(std::max<int64_t>(1, tc.eval_batches));
+    return dp_mean(s / static_cast<double>(std::max<int64_t>(1, tc.eval_batches)));
   };
+  double comm_ms_total = 0, exposed_ms_total = 0;
 
   const int64_t first_step = st.step;
   for (int64_t step = st.step; step < tc.steps; ++step) {
     auto t0 = Clock::now();
     model.zero_grads();
     double loss = 0;
+    parallel::DdpStepStats cs;
     for (int64_t m = 0; m < accum; ++m) {
       loader.next(x.data(), y.data());
+      ddp.set_sync(m + 1 == accum);  // no_sync for all but the last micro-batch
       loss += model.forward(x.data(), y.data(), B, T, true, dloss);
       model.backward();
       ++st.micro_batches;
+      cs = ddp.finish();
     }
-    loss /= static_cast<double>(accum);
-    const double compute_ms = ms_since(t0);
+    loss = dp_mean(loss / static_cast<double>(accum));
+    const double compute_ms = ms_since(t0) - cs.exposed_ms;
     double norm = std::sqrt(kernels::sum_squares(model.grads().f32(), model.num_params()));
     if (!std::isfinite(norm) || !std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
@@ -171,6 +207,12 @@ TrainResult train(const RunConfig& cfg) {
     sm.grad_norm = norm;
     sm.step_ms = step_ms;
     sm.compute_ms = compute_ms;
+    sm.comm_ms = cs.comm_ms;
+    sm.exposed_comm_ms = cs.exposed_ms;
+    if (step > first_step) {
+      comm_ms_total += cs.comm_ms;
+      exposed_ms_total += cs.exposed_ms;
+    }
     sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
     if (cfg.log.peak_flops > 0) sm.mfu = mc.flops_per_token() * sm.tokens_per_s / (cfg.log.peak_flops * world);
     sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
@@ -198,7 +240,19 @@ TrainResult train(const RunConfig& cfg) {
   res.tokens_per_s = tps_n ? tps_sum / static_cast<double>(tps_n) : 0.0;
 
   MemStats ms = MemoryTracker::instance().stats();
-  if (log) {
+  // Every rank's peak and resident bytes per category, gathered to all (raw int64 bytes carried
+  // as pairs of f32 slots: all_gather only copies).
+  std::vector<int64_t> mine(2 * kNumMemCategories), every(2 * kNumMemCategories * world);
+  for (int i = 0; i < kNumMemCategories; ++i) {
+    mine[i] = ms.peak[i];
+    mine[kNumMemCategories + i] = resident[i];
+  }
+  if (world > 1)
+    metrics_group->all_gather(mine.data(), every.data(), mine.size() * 2, DType::F32)->wait();
+  else
+    every = mine;
+  const bool r0 = rank == 0;
+  if (r0) {
     std::printf("\nmemory per rank (rank 0)      peak          resident after step\n");
     for (int i = 0; i < kNumMemCategories; ++i)
       std::printf("  %-12s %16s %16s\n", mem_category_name(static_cast<MemCategory>(i)), format_bytes(ms.peak[i]).c_str(),
@@ -210,6 +264,12 @@ TrainResult train(const RunConfig& cfg) {
                 format_bytes(P * (dt == DType::F32 ? 16 : 18)).c_str(),
                 format_bytes(resident[0] + resident[1] + resident[2]).c_str());
     if (tps_n) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res.tokens_per_s);
+    if (world > 1) {
+      std::printf("communication (rank 0): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute\n",
+                  tps_n ? comm_ms_total / tps_n : 0.0, tps_n ? exposed_ms_total / tps_n : 0.0,
+                  comm_ms_total > 0 ? 100.0 * (1.0 - exposed_ms_total / comm_ms_total) : 0.0);
+      std::printf("%s", comm::comm_summary_table().c_str());
+    }
   }
   nlohmann::json fin = {{"final", true},
                         {"steps", st.step},
@@ -217,11 +277,29 @@ TrainResult train(const RunConfig& cfg) {
                         {"mem_peak_by_category", category_json(ms.peak)},
                         {"mem_resident_by_category", category_json(resident)},
                         {"comm_bytes_by_group", nlohmann::json::object()},
+                        {"comm_ms_per_step", tps_n ? comm_ms_total / tps_n : 0.0},
+                        {"exposed_comm_ms_per_step", tps_n ? exposed_ms_total / tps_n : 0.0},
+                        {"world_size", world},
                         {"num_params", model.num_params()}};
+  for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
+  if (world > 1) {
+    nlohmann::json peaks = nlohmann::json::array(), res_all = nlohmann::json::array();
+    for (int r = 0; r < world; ++r) {
+      std::array<int64_t, kNumMemCategories> pk{}, rs{};
+      for (int i = 0; i < kNumMemCategories; ++i) {
+        pk[i] = every[r * 2 * kNumMemCategories + i];
+        rs[i] = every[r * 2 * kNumMemCategories + kNumMemCategories + i];
+      }
+      peaks.push_back(category_json(pk));
+      res_all.push_back(category_json(rs));
+    }
+    fin["mem_peak_by_category_per_rank"] = peaks;
+    fin["mem_resident_by_category_per_rank"] = res_all;
+  }
   if (!res.val_losses.empty()) fin["val_loss"] = res.final_val_loss;
   metrics.final(fin);
 
-  if (log && tc.sample_tokens > 0) {
+  if (r0 && tc.sample_tokens > 0) {
     auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir);
     std::vector<int32_t> prompt = tok->encode(tc.sample_prompt);
     if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
@@ -235,6 +313,15 @@ TrainResult train(const RunConfig& cfg) {
                 static_cast<long long>(tc.sample_tokens), tok->decode(out).c_str());
   }
   return res;
+}
+
+// Reports an error. In a multi-rank job the whole job is ended (MPI_Abort via World::abort, which
+// names this rank and dumps its recent collectives) so no rank is left waiting in a collective.
+static int fail(const std::string& msg, int code) {
+  if (comm::World::initialized() && comm::World::get().size() > 1)
+    comm::World::get().abort("meshtrain train: " + msg, code);
+  std::fprintf(stderr, "meshtrain train: %s\n", msg.c_str());
+  return code;
 }
 
 int run_train_command(int argc, char** argv) {
@@ -263,12 +350,11 @@ int run_train_command(int argc, char** argv) {
     RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
     train(cfg);
   } catch (const ConfigError& e) {
-    std::fprintf(stderr, "meshtrain train: config error: %s\n", e.what());
-    return 2;
+    return fail(std::string("config error: ") + e.what(), 2);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "meshtrain train: %s\n", e.what());
-    return 1;
+    return fail(e.what(), 1);
   }
+  if (comm::World::initialized()) comm::World::get().finalize();
   return 0;
 }
 

@@ -1,0 +1,323 @@
+// GEMM library comparison at the benchmark model's shapes (GPT-2 small-cpu: n_embd 384, MLP 1536,
+// fused qkv 1152, vocab 50304, N = B*T = 1024 rows): OpenBLAS (cblas_sgemm), BLIS (bli_sgemm),
+// oneDNN (dnnl_sgemm, f32 matmul primitive, bf16 matmul primitive) and meshtrain's own
+// gemm_f32 / gemm_bf16, on 1 and 2 threads. Prints a table of GFLOP/s (median of the timed
+// repetitions).
+//
+// OpenBLAS and BLIS both export the CBLAS/BLAS symbols, so they are loaded with dlopen into
+// separate local namespaces instead of being linked. The environment is used as given (in
+// particular OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE and BLIS_ARCH_TYPE are neither set nor
+// changed here).
+//
+// Usage: gemm_libs [--min-time SECONDS] [--threads 1,2] [--libs openblas,blis,sgemm,matmul,bf16,mt,mtbf16]
+#include <dlfcn.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "kernels/gemm_internal.h"
+#include "runtime/dtype.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Shape {
+  std::string name;
+  bool ta, tb;
+  int64_t M, N, K;
+};
+
+std::vector<Shape> model_shapes() {
+  const int64_t rows = 1024;
+  struct Layer {
+    const char* name;
+    int64_t C, OC;
+  };
+  const Layer layers[] = {{"qkv 384->1152", 384, 1152},
+                          {"fc 384->1536", 384, 1536},
+                          {"proj 1536->384", 1536, 384},
+                          {"lm_head 384->50304", 384, 50304}};
+  std::vector<Shape> s;
+  for (const Layer& l : layers) {
+    s.push_back({std::string(l.name) + " fwd  (NT)", false, true, rows, l.OC, l.C});
+    s.push_back({std::string(l.name) + " dinp (NN)", false, false, rows, l.C, l.OC});
+    s.push_back({std::string(l.name) + " dW   (TN)", true, false, l.OC, l.C, rows});
+  }
+  return s;
+}
+
+// ---- libraries ----------------------------------------------------------------------------------
+
+using cblas_sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                                int, float, float*, int);
+using openblas_set_threads_fn = void (*)(int);
+using openblas_str_fn = char* (*)();
+// BLIS 0.9 typed API (dim_t / inc_t are 64-bit in Debian's build; trans_t is an int enum with
+// BLIS_NO_TRANSPOSE = 0, BLIS_TRANSPOSE = 0x08).
+using bli_sgemm_fn = void (*)(int, int, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                              int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
+                              int64_t);
+using bli_set_threads_fn = void (*)(int64_t);
+using bli_arch_query_fn = int (*)();
+using bli_arch_string_fn = char* (*)(int);
+constexpr int kBliNoTrans = 0, kBliTrans = 0x08;
+
+struct OpenBlas {
+  void* h = nullptr;
+  cblas_sgemm_fn sgemm = nullptr;
+  openblas_set_threads_fn set_threads = nullptr;
+  std::string info;
+  bool load() {
+    h = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return false;
+    sgemm = reinterpret_cast<cblas_sgemm_fn>(dlsym(h, "cblas_sgemm"));
+    set_threads = reinterpret_cast<openblas_set_threads_fn>(dlsym(h, "openblas_set_num_threads"));
+    auto cfg = reinterpret_cast<openblas_str_fn>(dlsym(h, "openblas_get_config"));
+    auto core = reinterpret_cast<openblas_str_fn>(dlsym(h, "openblas_get_corename"));
+    if (cfg) info += cfg();
+    if (core) info += std::string(", core ") + core();
+    return sgemm && set_threads;
+  }
+};
+
+struct Blis {
+  void* h = nullptr;
+  bli_sgemm_fn sgemm = nullptr;
+  bli_set_threads_fn set_threads = nullptr;
+  std::string info;
+  bool load() {
+    h = dlopen("libblis.so.4", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return false;
+    sgemm = reinterpret_cast<bli_sgemm_fn>(dlsym(h, "bli_sgemm"));
+    set_threads = reinterpret_cast<bli_set_threads_fn>(dlsym(h, "bli_thread_set_num_threads"));
+    auto q = reinterpret_cast<bli_arch_query_fn>(dlsym(h, "bli_arch_query_id"));
+    auto s = reinterpret_cast<bli_arch_string_fn>(dlsym(h, "bli_arch_string"));
+    if (q && s) {
+      const int id = q();
+      info = std::string("arch ") + s(id) + " (id " + std::to_string(id) + ")";
+    }
+    return sgemm && set_threads;
+  }
+};
+
+// oneDNN matmul primitives cached per shape/type (creation is not timed).
+struct Matmuls {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  struct Entry {
+    dnnl::matmul prim;
+    dnnl::memory::desc a, b, c;
+    std::string impl;
+  };
+  std::map<std::string, Entry> cache;
+  // Returns nullptr when the primitive cannot be created (e.g. bf16 on a CPU without AVX-512).
+  Entry* get(const Shape& s, bool bf16) {
+    const std::string key = s.name + (bf16 ? "/bf16" : "/f32");
+    auto it = cache.find(key);
+    if (it != cache.end()) return &it->second;
+    using dt = dnnl::memory::data_type;
+    using dims = dnnl::memory::dims;
+    const dt in = bf16 ? dt::bf16 : dt::f32;
+    Entry e;
+    e.a = dnnl::memory::desc({s.M, s.K}, in, s.ta ? dims{1, s.M} : dims{s.K, 1});
+    e.b = dnnl::memory::desc({s.K, s.N}, in, s.tb ? dims{1, s.K} : dims{s.N, 1});
+    e.c = dnnl::memory::desc({s.M, s.N}, dt::f32, dims{s.N, 1});
+    try {
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e.a, e.b, e.c), eng);
+      e.impl = pd.impl_info_str();
+      e.prim = dnnl::matmul(pd);
+    } catch (const dnnl::error&) {
+      return nullptr;
+    }
+    return &cache.emplace(key, e).first->second;
+  }
+  void run(Entry& e, const void* A, const void* B, float* C) {
+    dnnl::memory am(e.a, eng, const_cast<void*>(A)), bm(e.b, eng, const_cast<void*>(B)),
+        cm(e.c, eng, C);
+    e.prim.execute(strm, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+    strm.wait();
+  }
+};
+
+// ---- timing -------------------------------------------------------------------------------------
+
+double g_min_time = 0.3;  // seconds of timed repetitions per cell (at least 3 repetitions)
+
+template <class F>
+double median_seconds(F&& f) {
+  f();  // warm-up (page faults, packing buffers, primitive scratch)
+  std::vector<double> t;
+  const auto start = Clock::now();
+  while (t.size() < 3 || std::chrono::duration<double>(Clock::now() - start).count() < g_min_time) {
+    const auto t0 = Clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (t.size() >= 50) break;
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t p = 0;
+  while (p <= s.size()) {
+    size_t q = s.find(',', p);
+    if (q == std::string::npos) q = s.size();
+    if (q > p) out.push_back(s.substr(p, q - p));
+    p = q + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> threads = {1, 2};
+  std::vector<std::string> libs = {"openblas", "blis", "sgemm", "matmul", "bf16", "mt", "mtbf16"};
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
+    else if (a == "--threads" && i + 1 < argc) {
+      threads.clear();
+      for (auto& s : split(argv[++i])) threads.push_back(std::atoi(s.c_str()));
+    } else if (a == "--libs" && i + 1 < argc) libs = split(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--libs %s]\n", argv[0],
+                   "openblas,blis,sgemm,matmul,bf16,mt,mtbf16");
+      return 2;
+    }
+  }
+  auto env = [](const char* n) { const char* v = std::getenv(n); return std::string(v ? v : "(unset)"); };
+  std::printf("environment: OPENBLAS_CORETYPE=%s OPENBLAS_L2_SIZE=%s BLIS_ARCH_TYPE=%s OMP_NUM_THREADS=%s\n",
+              env("OPENBLAS_CORETYPE").c_str(), env("OPENBLAS_L2_SIZE").c_str(),
+              env("BLIS_ARCH_TYPE").c_str(), env("OMP_NUM_THREADS").c_str());
+
+  OpenBlas ob;
+  Blis bl;
+  const bool have_ob = ob.load(), have_bl = bl.load();
+  std::printf("OpenBLAS: %s\n", have_ob ? ob.info.c_str() : "not loadable");
+  std::printf("BLIS:     %s\n", have_bl ? bl.info.c_str() : "not loadable");
+  const dnnl_version_t* ver = dnnl_version();
+  std::printf("oneDNN:   %d.%d.%d, cpu runtime %s\n", ver->major, ver->minor, ver->patch,
+              ver->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "other");
+  Matmuls mm;
+
+  const auto shapes = model_shapes();
+  int64_t maxA = 0, maxB = 0, maxC = 0;
+  for (const Shape& s : shapes) {
+    maxA = std::max(maxA, s.M * s.K);
+    maxB = std::max(maxB, s.K * s.N);
+    maxC = std::max(maxC, s.M * s.N);
+  }
+  std::vector<float> A(static_cast<size_t>(maxA)), B(static_cast<size_t>(maxB)),
+      C(static_cast<size_t>(maxC), 0.0f);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto& x : A) x = u(rng);
+  for (auto& x : B) x = u(rng);
+  std::vector<mt::bf16> A16(A.size()), B16(B.size());
+  for (size_t i = 0; i < A.size(); ++i) A16[i] = mt::float_to_bf16(A[i]);
+  for (size_t i = 0; i < B.size(); ++i) B16[i] = mt::float_to_bf16(B[i]);
+
+  // results[lib][threads][shape] = GFLOP/s (negative: not available)
+  std::map<std::string, std::map<int, std::vector<double>>> res;
+  std::map<std::string, std::string> notes;
+  for (const std::string& lib : libs) {
+    for (int nt : threads) {
+      omp_set_num_threads(nt);
+      if (lib == "openblas" && have_ob) ob.set_threads(nt);
+      if (lib == "blis" && have_bl) bl.set_threads(nt);
+      std::vector<double>& row = res[lib][nt];
+      for (const Shape& s : shapes) {
+        const double flop = 2.0 * double(s.M) * double(s.N) * double(s.K);
+        const int lda = int(s.ta ? s.M : s.K), ldb = int(s.tb ? s.K : s.N), ldc = int(s.N);
+        double sec = -1.0;
+        if (lib == "openblas" && have_ob) {
+          sec = median_seconds([&] {
+            ob.sgemm(101, s.ta ? 112 : 111, s.tb ? 112 : 111, int(s.M), int(s.N), int(s.K), 1.0f,
+                     A.data(), lda, B.data(), ldb, 0.0f, C.data(), ldc);
+          });
+        } else if (lib == "blis" && have_bl) {
+          const float one = 1.0f, zero = 0.0f;
+          sec = median_seconds([&] {
+            bl.sgemm(s.ta ? kBliTrans : kBliNoTrans, s.tb ? kBliTrans : kBliNoTrans, s.M, s.N, s.K,
+                     &one, A.data(), lda, 1, B.data(), ldb, 1, &zero, C.data(), ldc, 1);
+          });
+        } else if (lib == "sgemm") {
+          sec = median_seconds([&] {
+            dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.M, s.N, s.K, 1.0f, A.data(), lda,
+                       B.data(), ldb, 0.0f, C.data(), ldc);
+          });
+        } else if (lib == "matmul" || lib == "bf16") {
+          Matmuls::Entry* e = mm.get(s, lib == "bf16");
+          if (e) {
+            notes[lib] = e->impl;
+            const void* a = lib == "bf16" ? static_cast<const void*>(A16.data()) : A.data();
+            const void* b = lib == "bf16" ? static_cast<const void*>(B16.data()) : B.data();
+            if (e->impl.rfind("ref", 0) != 0) sec = median_seconds([&] { mm.run(*e, a, b, C.data()); });
+            else notes[lib] = e->impl + " (reference implementation, not timed)";
+          } else {
+            notes[lib] = "primitive not available on this CPU";
+          }
+        } else if (lib == "mt") {
+          sec = median_seconds([&] {
+            mt::kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), B.data(), 0.0f, C.data());
+          });
+        } else if (lib == "mtbf16") {
+          notes[lib] = mt::kernels::detail::bf16_gemm_is_native(s.ta, s.tb, s.M, s.N, s.K, 1.0f, 0.0f)
+                           ? "oneDNN bf16 matmul"
+                           : "widened to fp32 + sgemm";
+          sec = median_seconds([&] {
+            mt::kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A16.data(), B16.data(), 0.0f,
+                                   C.data());
+          });
+        }
+        row.push_back(sec > 0 ? flop / sec * 1e-9 : -1.0);
+        std::fprintf(stderr, "  %-8s %dt %-28s %8.1f GFLOP/s\n", lib.c_str(), nt, s.name.c_str(),
+                     row.back());
+      }
+      if (lib == "openblas" && have_ob) ob.set_threads(1);  // park its spinning threads
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+  }
+
+  // Table: one row per shape, one column per (library, threads).
+  std::printf("\nGFLOP/s (median; 2*M*N*K / time), M x N x K as op(A)[M,K] @ op(B)[K,N]\n\n");
+  std::printf("| %-30s | %-18s |", "shape", "M x N x K");
+  for (const std::string& lib : libs)
+    for (int nt : threads) std::printf(" %s %dt |", lib.c_str(), nt);
+  std::printf("\n|%s|%s|", std::string(32, '-').c_str(), std::string(20, '-').c_str());
+  for (size_t i = 0; i < libs.size() * threads.size(); ++i) std::printf("------:|");
+  std::printf("\n");
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const Shape& s = shapes[si];
+    char dims[64];
+    std::snprintf(dims, sizeof dims, "%ldx%ldx%ld", long(s.M), long(s.N), long(s.K));
+    std::printf("| %-30s | %-18s |", s.name.c_str(), dims);
+    for (const std::string& lib : libs)
+      for (int nt : threads) {
+        const double g = res[lib][nt][si];
+        if (g > 0) std::printf(" %6.1f |", g);
+        else std::printf("    n/a |");
+      }
+    std::printf("\n");
+  }
+  std::printf("\nlegend: openblas = cblas_sgemm, blis = bli_sgemm, sgemm = dnnl_sgemm, matmul = oneDNN "
+              "f32 matmul primitive, bf16 = oneDNN bf16 matmul primitive (bf16 in, f32 out), mt = "
+              "mt::kernels::gemm_f32, mtbf16 = mt::kernels::gemm_bf16\n");
+  for (auto& [k, v] : notes) std::printf("note %s: %s\n", k.c_str(), v.c_str());
+  return 0;
+}

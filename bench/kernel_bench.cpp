@@ -1,0 +1,254 @@
+// Per-op timings of the CPU kernels at the benchmark model's shapes (GPT-2 small-cpu: 6 layers,
+// n_embd 384, 6 heads, seq 256, vocab 50304 padded, micro-batch 4 -> N = 1024 rows), on 1 and 2
+// threads, plus a check that GEMM results do not depend on the thread count.
+//
+// Usage: kernel_bench [--min-time SECONDS] [--threads 1,2]
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/activation.h"
+#include "kernels/adamw.h"
+#include "kernels/attention.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/loss.h"
+#include "kernels/norm.h"
+
+using namespace mt;
+using namespace mt::kernels;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double g_min_time = 0.3;
+
+template <class F>
+double median_ms(F&& f) {
+  f();
+  std::vector<double> t;
+  const auto start = Clock::now();
+  while (t.size() < 5 || std::chrono::duration<double>(Clock::now() - start).count() < g_min_time) {
+    const auto t0 = Clock::now();
+    f();
+    t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (t.size() >= 200) break;
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> threads = {1, 2};
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
+    else if (a == "--threads" && i + 1 < argc) {
+      threads.clear();
+      for (const char* p = argv[++i]; *p;) {
+        threads.push_back(std::atoi(p));
+        while (*p && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+    } else {
+      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2]\n", argv[0]);
+      return 2;
+    }
+  }
+  const int64_t B = 4, T = 256, C = 384, NH = 6, HD = 64, L = 6, V = 50257, VP = 50304;
+  const int64_t N = B * T;
+
+  // ---- GEMM at the layer shapes -----------------------------------------------------------------
+  struct G {
+    const char* name;
+    int64_t Cin, OC;
+  };
+  const G layers[] = {{"qkv 384->1152", C, 3 * C}, {"attn_proj 384->384", C, C},
+                      {"fc 384->1536", C, 4 * C},  {"proj 1536->384", 4 * C, C},
+                      {"lm_head 384->50304", C, VP}};
+  int64_t maxw = 0, maxo = 0, maxi = 0;
+  for (const G& g : layers) {
+    maxw = std::max(maxw, g.Cin * g.OC);
+    maxo = std::max(maxo, N * g.OC);
+    maxi = std::max(maxi, N * g.Cin);
+  }
+  auto X = rnd(static_cast<size_t>(maxi), 1), W = rnd(static_cast<size_t>(maxw), 2, 0.02f), Y = rnd(static_cast<size_t>(maxo), 3);
+  std::vector<float> dX(static_cast<size_t>(maxi), 0.0f), dW(static_cast<size_t>(maxw), 0.0f);
+  std::vector<bf16> X16(X.size()), W16(W.size()), Y16(Y.size());
+  cast_f32_to_bf16(X16.data(), X.data(), int64_t(X.size()));
+  cast_f32_to_bf16(W16.data(), W.data(), int64_t(W.size()));
+  cast_f32_to_bf16(Y16.data(), Y.data(), int64_t(Y.size()));
+
+  std::printf("GEMM GFLOP/s (median), N = %ld rows; fwd = inp @ W^T (NT), dinp = dout @ W (NN), "
+              "dW = dout^T @ inp (TN)\n\n",
+              long(N));
+  std::printf("| layer | op | M x N x K |");
+  for (int nt : threads) std::printf(" f32 %dt | bf16 %dt |", nt, nt);
+  std::printf("\n|---|---|---|");
+  for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|---:|");
+  std::printf("\n");
+  double step_gemm_ms[2][8] = {};  // [f32/bf16][thread idx]: fwd+bwd time of all GEMMs in one step
+  for (const G& g : layers) {
+    struct Op {
+      const char* name;
+      bool ta, tb;
+      int64_t M, Nn, K;
+      const float *a, *b;
+      const bf16 *a16, *b16;
+      float* c;
+    };
+    const Op ops[] = {
+        {"fwd", false, true, N, g.OC, g.Cin, X.data(), W.data(), X16.data(), W16.data(), Y.data()},
+        {"dinp", false, false, N, g.Cin, g.OC, Y.data(), W.data(), Y16.data(), W16.data(), dX.data()},
+        {"dW", true, false, g.OC, g.Cin, N, Y.data(), X.data(), Y16.data(), X16.data(), dW.data()}};
+    const int per_step = (std::string(g.name).rfind("lm_head", 0) == 0) ? 1 : int(L);
+    for (const Op& o : ops) {
+      const double flop = 2.0 * double(o.M) * double(o.Nn) * double(o.K);
+      std::printf("| %s | %s | %ldx%ldx%ld |", g.name, o.name, long(o.M), long(o.Nn), long(o.K));
+      for (size_t ti = 0; ti < threads.size(); ++ti) {
+        omp_set_num_threads(threads[ti]);
+        const double t32 = median_ms([&] {
+          gemm_f32(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a, o.b, 0.0f, o.c);
+        });
+        const double t16 = median_ms([&] {
+          gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.b16, 0.0f, o.c);
+        });
+        step_gemm_ms[0][ti] += per_step * t32;
+        step_gemm_ms[1][ti] += per_step * t16;
+        std::printf(" %.1f | %.1f |", flop / t32 * 1e-6, flop / t16 * 1e-6);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+
+  // Thread-count independence of the fp32 GEMM (matters for bitwise parity between runs that use
+  // different OMP_NUM_THREADS).
+  {
+    std::printf("\nGEMM result identical on 1 and 2 threads (bitwise):");
+    for (const G& g : layers) {
+      std::vector<float> c1(static_cast<size_t>(g.Cin * g.OC)), c2(c1.size());
+      omp_set_num_threads(1);
+      gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, Y.data(), X.data(), 0.0f, c1.data());
+      omp_set_num_threads(2);
+      gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, Y.data(), X.data(), 0.0f, c2.data());
+      const bool dw_same = std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0;
+      std::vector<float> f1(static_cast<size_t>(N * g.OC)), f2(f1.size());
+      omp_set_num_threads(1);
+      gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, X.data(), W.data(), 0.0f, f1.data());
+      omp_set_num_threads(2);
+      gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, X.data(), W.data(), 0.0f, f2.data());
+      const bool fw_same = std::memcmp(f1.data(), f2.data(), f1.size() * 4) == 0;
+      std::printf(" %s fwd %s dW %s;", g.name, fw_same ? "yes" : "NO", dw_same ? "yes" : "NO");
+    }
+    std::printf("\n");
+  }
+
+  // ---- other ops ----------------------------------------------------------------------------
+  const int64_t ld = 3 * C;
+  auto qkv = rnd(static_cast<size_t>(N * ld), 10);
+  std::vector<float> att(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T)), dqkv(qkv.size(), 0.0f);
+  auto datt = rnd(static_cast<size_t>(N * C), 11);
+  auto x = rnd(static_cast<size_t>(N * C), 12), w = rnd(static_cast<size_t>(C), 13), b = rnd(static_cast<size_t>(C), 14);
+  std::vector<float> y(static_cast<size_t>(N * C)), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N)), dx(static_cast<size_t>(N * C), 0.0f),
+      dw(static_cast<size_t>(C), 0.0f), db(static_cast<size_t>(C), 0.0f);
+  auto h = rnd(static_cast<size_t>(N * 4 * C), 15), dh = rnd(static_cast<size_t>(N * 4 * C), 16);
+  std::vector<float> gh(h.size()), dgh(h.size(), 0.0f);
+  auto logits0 = rnd(static_cast<size_t>(N * VP), 17, 2.0f);
+  std::vector<float> logits(logits0.size()), losses(static_cast<size_t>(N));
+  std::vector<int32_t> targets(static_cast<size_t>(N)), ids(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) {
+    targets[static_cast<size_t>(i)] = int32_t((i * 7919) % V);
+    ids[static_cast<size_t>(i)] = int32_t((i * 104729) % V);
+  }
+  const int64_t nparams = 12 * L * C * C + VP * C + T * C;  // ~30M
+  auto p = rnd(static_cast<size_t>(nparams), 18, 0.02f), pg = rnd(static_cast<size_t>(nparams), 19, 0.01f);
+  std::vector<float> pm(static_cast<size_t>(nparams), 0.0f), pv(static_cast<size_t>(nparams), 0.0f);
+  std::vector<float> wte = rnd(static_cast<size_t>(VP * C), 20), dwte(static_cast<size_t>(VP * C), 0.0f);
+
+  struct Row {
+    std::string name;
+    std::vector<double> ms;
+    int per_step;
+  };
+  std::vector<Row> rows;
+  for (size_t ti = 0; ti < threads.size(); ++ti) {
+    omp_set_num_threads(threads[ti]);
+    auto rec = [&](const std::string& name, int per_step, double ms) {
+      if (ti == 0) rows.push_back({name, {}, per_step});
+      for (Row& r : rows)
+        if (r.name == name) r.ms.push_back(ms);
+    };
+    rec("attention fwd (B4 T256 nh6 hd64)", int(L),
+        median_ms([&] { attention_forward(att.data(), lse.data(), qkv.data(), B, T, NH, NH, HD); }));
+    rec("attention bwd", int(L), median_ms([&] {
+          attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, NH,
+                             NH, HD);
+        }));
+    rec("layernorm fwd (1024x384)", int(2 * L + 1), median_ms([&] {
+          layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+        }));
+    rec("layernorm bwd", int(2 * L + 1), median_ms([&] {
+          layernorm_backward(dx.data(), dw.data(), db.data(), y.data(), x.data(), w.data(),
+                             mean.data(), rstd.data(), N, C);
+        }));
+    rec("gelu fwd (1024x1536)", int(L), median_ms([&] { gelu_forward(gh.data(), h.data(), N * 4 * C); }));
+    rec("gelu bwd", int(L), median_ms([&] { gelu_backward(dgh.data(), h.data(), dh.data(), N * 4 * C); }));
+    rec("residual add (1024x384)", int(2 * L), median_ms([&] { add(y.data(), x.data(), y.data(), N * C); }));
+    rec("cross-entropy fused fwd+grad (1024x50304)", 1, median_ms([&] {
+          std::memcpy(logits.data(), logits0.data(), logits.size() * 4);
+          softmax_cross_entropy(logits.data(), losses.data(), targets.data(), N, V, VP, 1.0f / N);
+        }));
+    rec("  (memcpy of the logits, included above)", 0,
+        median_ms([&] { std::memcpy(logits.data(), logits0.data(), logits.size() * 4); }));
+    rec("cross-entropy forward only", 0, median_ms([&] {
+          softmax_cross_entropy_forward(logits0.data(), losses.data(), targets.data(), N, V, VP);
+        }));
+    rec("embedding fwd (1024x384)", 1, median_ms([&] { embedding_forward(y.data(), ids.data(), wte.data(), N, C); }));
+    rec("embedding bwd", 1, median_ms([&] { embedding_backward(dwte.data(), dx.data(), ids.data(), N, C); }));
+    rec("adamw (30.3M params)", 1, median_ms([&] {
+          adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
+                       0.1f, 10);
+        }));
+    rec("cast f32->bf16 (30.3M)", 0, median_ms([&] {
+          cast_f32_to_bf16(reinterpret_cast<bf16*>(pm.data()), p.data(), nparams);
+        }));
+  }
+  std::printf("\nPer-call time, ms (median)\n\n| op | calls/step |");
+  for (int nt : threads) std::printf(" %dt |", nt);
+  std::printf("\n|---|---:|");
+  for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|");
+  std::printf("\n");
+  std::vector<double> other(threads.size(), 0.0);
+  for (const Row& r : rows) {
+    std::printf("| %s | %d |", r.name.c_str(), r.per_step);
+    for (size_t ti = 0; ti < r.ms.size(); ++ti) {
+      std::printf(" %.3f |", r.ms[ti]);
+      other[ti] += r.per_step * r.ms[ti];
+    }
+    std::printf("\n");
+  }
+  std::printf("\nPer training step (one micro-batch of 1024 tokens, fwd+bwd+adamw):\n");
+  for (size_t ti = 0; ti < threads.size(); ++ti) {
+    std::printf("  %d thread(s): GEMMs f32 %.0f ms (bf16 %.0f ms), other listed ops %.0f ms\n",
+                threads[ti], step_gemm_ms[0][ti], step_gemm_ms[1][ti], other[ti]);
+  }
+  return 0;
+}

@@ -1,0 +1,309 @@
+// GEMM and linear layers on oneDNN (measured against OpenBLAS and BLIS: docs/bench-notes/gemm.md).
+//
+// fp32: dnnl_sgemm (row-major). On the measured shapes it is as fast as the f32 matmul primitive
+// (both run the same jit GEMM) and needs no primitive cache.
+// bf16: the oneDNN matmul primitive (bf16 src/weights, f32 dst, alpha as output scale, beta as a
+// sum post-op), cached per (transposes, shape, alpha, beta). Where the CPU lacks bf16 support
+// (oneDNN 2.6 needs AVX-512; it refuses to create the primitive on AVX2-only machines), or only a
+// reference implementation exists, the inputs are widened to fp32 block by block into cached
+// scratch and multiplied with sgemm: the same arithmetic (exact bf16 products, fp32 sums).
+#include "kernels/gemm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+
+#include "kernels/gemm_internal.h"
+#include "kernels/vecmath.h"
+#include "kernels/workspace.h"
+
+namespace mt::kernels {
+
+namespace {
+
+using detail::Scratch;
+
+// C = beta * C for the degenerate cases (K == 0 or alpha == 0). beta == 0 writes zeros without
+// reading C (BLAS semantics: C may hold NaN).
+void scale_c(float* C, int64_t n, float beta) {
+  if (beta == 1.0f) return;
+  if (beta == 0.0f) {
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+    for (int64_t i = 0; i < n; ++i) C[i] = 0.0f;
+  } else {
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+    for (int64_t i = 0; i < n; ++i) C[i] *= beta;
+  }
+}
+
+void sgemm_raw(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
+                                beta, C, ldc);
+  if (st != dnnl_success) {
+    throw std::runtime_error("meshtrain: dnnl_sgemm failed (status " + std::to_string(st) +
+                             ") for M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                             " K=" + std::to_string(K));
+  }
+}
+
+// ---- bf16 through the oneDNN matmul primitive -------------------------------------------------
+
+struct Bf16Key {
+  bool ta, tb;
+  int64_t M, N, K;
+  float alpha, beta;
+  bool operator<(const Bf16Key& o) const {
+    return std::tie(ta, tb, M, N, K, alpha, beta) < std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta);
+  }
+};
+
+struct Bf16Entry {
+  bool native = false;  // false: use the widen-to-fp32 path
+  dnnl::matmul prim;
+  dnnl::memory::desc a_md, b_md, c_md;
+  size_t scratch_bytes = 0;
+};
+
+struct Bf16Cache {
+  std::mutex mu;
+  std::unique_ptr<dnnl::engine> eng;
+  std::map<Bf16Key, std::shared_ptr<Bf16Entry>> entries;
+  bool force_fallback = false;
+};
+
+Bf16Cache& bf16_cache() {
+  static Bf16Cache* c = new Bf16Cache();  // never destroyed (kernels may run during teardown)
+  return *c;
+}
+
+dnnl::engine& engine_locked(Bf16Cache& c) {
+  if (!c.eng) c.eng = std::make_unique<dnnl::engine>(dnnl::engine::kind::cpu, 0);
+  return *c.eng;
+}
+
+std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
+  Bf16Cache& c = bf16_cache();
+  std::lock_guard<std::mutex> lk(c.mu);
+  auto it = c.entries.find(k);
+  if (it != c.entries.end()) return it->second;
+  auto e = std::make_shared<Bf16Entry>();
+  if (!c.force_fallback) {
+    using dt = dnnl::memory::data_type;
+    using dims = dnnl::memory::dims;
+    e->a_md = dnnl::memory::desc({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.M} : dims{k.K, 1});
+    e->b_md = dnnl::memory::desc({k.K, k.N}, dt::bf16, k.tb ? dims{1, k.K} : dims{k.N, 1});
+    e->c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.N, 1});
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
+    if (k.beta != 0.0f) {
+      dnnl::post_ops po;
+      po.append_sum(k.beta);
+      attr.set_post_ops(po);
+    }
+    try {
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e->a_md, e->b_md, e->c_md), attr,
+                                      engine_locked(c));
+      std::string impl = pd.impl_info_str();
+      if (impl.rfind("ref", 0) != 0) {  // a reference implementation is far slower than widening
+        e->prim = dnnl::matmul(pd);
+        e->scratch_bytes = pd.scratchpad_desc().get_size();
+        e->native = true;
+      }
+    } catch (const dnnl::error&) {
+      e->native = false;  // no bf16 support on this CPU
+    }
+  }
+  c.entries.emplace(k, e);
+  return e;
+}
+
+// Block sizes (in elements of one widened operand block) for the fallback path.
+int64_t g_fallback_block_elems = int64_t(4) << 20;
+
+// Widen rows [r0, r0+R) x cols [c0, c0+Cn) of a row-major bf16 matrix with leading dimension ld
+// into a packed fp32 [R, Cn] block.
+void widen_block(float* dst, const bf16* src, int64_t ld, int64_t r0, int64_t R, int64_t c0,
+                 int64_t Cn) {
+#pragma omp parallel for schedule(static) if (R * Cn > detail::kParallelMin)
+  for (int64_t r = 0; r < R; ++r) {
+    const bf16* sr = src + (r0 + r) * ld + c0;
+    float* dr = dst + r * Cn;
+#pragma omp simd
+    for (int64_t c = 0; c < Cn; ++c) dr[c] = detail::from_bf16(sr[c]);
+  }
+}
+
+void gemm_bf16_widened(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                       const bf16* A, const bf16* B, float beta, float* C) {
+  thread_local Scratch sa, sb;
+  const int64_t lim = std::max<int64_t>(g_fallback_block_elems, 1);
+  // Prefer one block along M and N; split K only when a full-K block of the smaller side would
+  // not fit.
+  int64_t kb = K;
+  int64_t minside = std::min(M, N);
+  if (minside * kb > lim) kb = std::max<int64_t>(1, lim / std::max<int64_t>(minside, 1));
+  int64_t mb = std::max<int64_t>(1, std::min(M, lim / kb));
+  int64_t nb = std::max<int64_t>(1, std::min(N, lim / kb));
+  float* wa = sa.as<float>(static_cast<size_t>(mb * kb));
+  float* wb = sb.as<float>(static_cast<size_t>(kb * nb));
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t kl = std::min(kb, K - k0);
+    const float bk = (k0 == 0) ? beta : 1.0f;
+    for (int64_t n0 = 0; n0 < N; n0 += nb) {
+      const int64_t nl = std::min(nb, N - n0);
+      // op(B) block rows k0.., cols n0..: stored [K,N] (rows k) or [N,K] (rows n).
+      if (tb) widen_block(wb, B, K, n0, nl, k0, kl);  // packed [nl, kl]
+      else widen_block(wb, B, N, k0, kl, n0, nl);     // packed [kl, nl]
+      for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        const int64_t ml = std::min(mb, M - m0);
+        if (ta) widen_block(wa, A, M, k0, kl, m0, ml);  // packed [kl, ml]
+        else widen_block(wa, A, K, m0, ml, k0, kl);     // packed [ml, kl]
+        sgemm_raw(ta, tb, ml, nl, kl, alpha, wa, ta ? ml : kl, wb, tb ? kl : nl, bk,
+                  C + m0 * N + n0, N);
+      }
+    }
+  }
+}
+
+// dbias[o] += sum_n dout[n, o], blocks of columns per thread, rows in order (deterministic).
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
+  constexpr int64_t kCb = 64;
+  const int64_t nblk = (OC + kCb - 1) / kCb;
+#pragma omp parallel for schedule(static) if (N * OC > detail::kParallelMin)
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t c0 = blk * kCb;
+    const int64_t cl = std::min(kCb, OC - c0);
+    float acc[kCb] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = dout + n * OC + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < cl; ++c) acc[c] += row[c];
+    }
+    for (int64_t c = 0; c < cl; ++c) dbias[c0 + c] += acc[c];
+  }
+}
+
+// out[n, :] = bias (so the GEMM can add with beta = 1).
+void broadcast_bias(float* out, const float* bias, int64_t N, int64_t OC) {
+#pragma omp parallel for schedule(static) if (N * OC > detail::kParallelMin)
+  for (int64_t n = 0; n < N; ++n) std::copy(bias, bias + OC, out + n * OC);
+}
+
+}  // namespace
+
+namespace detail {
+void set_bf16_fallback_block_elems(int64_t elems) { g_fallback_block_elems = elems; }
+void set_bf16_force_fallback(bool force) {
+  Bf16Cache& c = bf16_cache();
+  std::lock_guard<std::mutex> lk(c.mu);
+  c.force_fallback = force;
+  c.entries.clear();
+}
+bool bf16_gemm_is_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                         float beta) {
+  return bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta})->native;
+}
+void sgemm_strided(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0 || alpha == 0.0f) {
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = C + m * ldc;
+      for (int64_t n = 0; n < N; ++n) row[n] = beta == 0.0f ? 0.0f : beta * row[n];
+    }
+    return;
+  }
+  sgemm_raw(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+}  // namespace detail
+
+void gemm_f32(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+              const float* B, float beta, float* C) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0 || alpha == 0.0f) {
+    scale_c(C, M * N, beta);
+    return;
+  }
+  sgemm_raw(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
+}
+
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+               const bf16* B, float beta, float* C) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0 || alpha == 0.0f) {
+    scale_c(C, M * N, beta);
+    return;
+  }
+  std::shared_ptr<Bf16Entry> e = bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta});
+  if (!e->native) {
+    gemm_bf16_widened(ta, tb, M, N, K, alpha, A, B, beta, C);
+    return;
+  }
+  thread_local std::unique_ptr<dnnl::stream> strm;
+  thread_local Scratch scratch;
+  dnnl::engine& eng = [] () -> dnnl::engine& {
+    Bf16Cache& c = bf16_cache();
+    std::lock_guard<std::mutex> lk(c.mu);
+    return engine_locked(c);
+  }();
+  if (!strm) strm = std::make_unique<dnnl::stream>(eng);
+  dnnl::memory am(e->a_md, eng, const_cast<bf16*>(A));
+  dnnl::memory bm(e->b_md, eng, const_cast<bf16*>(B));
+  dnnl::memory cm(e->c_md, eng, C);
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (e->scratch_bytes > 0) {
+    dnnl::memory sm(dnnl::memory::desc({static_cast<int64_t>(e->scratch_bytes)},
+                                       dnnl::memory::data_type::u8, dnnl::memory::dims{1}),
+                    eng, scratch.get(e->scratch_bytes));
+    args.emplace(DNNL_ARG_SCRATCHPAD, sm);
+  }
+  e->prim.execute(*strm, args);
+  strm->wait();
+}
+
+void linear_forward(float* out, const float* inp, const float* W, const float* bias, int64_t N,
+                    int64_t C, int64_t OC) {
+  if (bias) broadcast_bias(out, bias, N, OC);
+  gemm_f32(false, true, N, OC, C, 1.0f, inp, W, bias ? 1.0f : 0.0f, out);
+}
+
+void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, const float* inp,
+                     const float* W, int64_t N, int64_t C, int64_t OC) {
+  if (dinp) gemm_f32(false, false, N, C, OC, 1.0f, dout, W, 1.0f, dinp);
+  if (dW) gemm_f32(true, false, OC, C, N, 1.0f, dout, inp, 1.0f, dW);
+  if (dbias) bias_backward(dbias, dout, N, OC);
+}
+
+void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N,
+                         int64_t C, int64_t OC) {
+  if (bias) broadcast_bias(out, bias, N, OC);
+  gemm_bf16(false, true, N, OC, C, 1.0f, inp, W, bias ? 1.0f : 0.0f, out);
+}
+
+void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
+                          const bf16* W, int64_t N, int64_t C, int64_t OC) {
+  if (dinp || dW) {
+    thread_local Scratch s;
+    const int64_t n = N * OC;
+    bf16* d16 = s.as<bf16>(static_cast<size_t>(n));
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+    for (int64_t i = 0; i < n; ++i) d16[i] = detail::to_bf16(dout[i]);
+    if (dinp) gemm_bf16(false, false, N, C, OC, 1.0f, d16, W, 1.0f, dinp);
+    if (dW) gemm_bf16(true, false, OC, C, N, 1.0f, d16, inp, 1.0f, dW);
+  }
+  if (dbias) bias_backward(dbias, dout, N, OC);
+}
+
+}  // namespace mt::kernels

@@ -1,0 +1,22 @@
+// Private GEMM helpers shared by the CPU kernels and their tests (not part of the kernel
+// interface; callers outside src/kernels and tests/kernels should use gemm.h).
+#pragma once
+#include <cstdint>
+
+namespace mt::kernels::detail {
+
+// Row-major sgemm with explicit leading dimensions (C = alpha op(A) op(B) + beta C). Called from
+// inside OpenMP parallel regions it runs on the calling thread only.
+void sgemm_strided(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// Whether gemm_bf16 at this shape runs the oneDNN bf16 matmul primitive (true) or widens the
+// inputs to fp32 and calls sgemm (false: CPU without bf16 support in oneDNN).
+bool bf16_gemm_is_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, float beta);
+
+// Testing hooks: force the widening path, and shrink its block size so small tests cover the
+// blocked loops. Not thread-safe; call them only while no GEMM runs.
+void set_bf16_force_fallback(bool force);
+void set_bf16_fallback_block_elems(int64_t elems);
+
+}  // namespace mt::kernels::detail

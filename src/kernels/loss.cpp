@@ -1,0 +1,89 @@
+// Fused softmax + cross-entropy over a padded vocabulary, one row per loop iteration (rows are
+// independent, so the result does not depend on the thread count). Per row: max, then
+// e_j = exp(x_j - max) written in place while summing, then the gradient e_j / sum * dloss with
+// dloss subtracted at the target. Padded columns [V, Vp) are never read and are set to 0.
+#include "kernels/loss.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/vecmath.h"
+#include "kernels/workspace.h"
+
+namespace mt::kernels {
+
+namespace {
+void check_targets(const int32_t* targets, int64_t N, int64_t V, int64_t Vp, const char* fn) {
+  if (V <= 0 || Vp < V) {
+    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": need 0 < V <= Vp (V=" +
+                                std::to_string(V) + ", Vp=" + std::to_string(Vp) + ")");
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] >= V) {
+      throw std::out_of_range(std::string("meshtrain: ") + fn + ": target " +
+                              std::to_string(targets[n]) + " at row " + std::to_string(n) +
+                              " is outside the vocabulary of " + std::to_string(V));
+    }
+  }
+}
+
+float row_max(const float* x, int64_t V) {
+  float m = x[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < V; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+}  // namespace
+
+void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                           int64_t Vp, float dloss) {
+  check_targets(targets, N, V, Vp, "softmax_cross_entropy");
+#pragma omp parallel for schedule(static) if (N * Vp > detail::kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    float* x = logits + n * Vp;
+    const int32_t tgt = targets[n];
+    if (tgt < 0) {
+      for (int64_t j = 0; j < Vp; ++j) x[j] = 0.0f;
+      losses[n] = 0.0f;
+      continue;
+    }
+    const float m = row_max(x, V);
+    const float xt = x[tgt];
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < V; ++j) {
+      const float e = detail::exp_f(x[j] - m);
+      x[j] = e;
+      s += e;
+    }
+    const float logs = std::log(s);
+    losses[n] = logs + m - xt;
+    const float f = dloss / s;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) x[j] *= f;
+    x[tgt] -= dloss;
+    for (int64_t j = V; j < Vp; ++j) x[j] = 0.0f;
+  }
+}
+
+void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets,
+                                   int64_t N, int64_t V, int64_t Vp) {
+  check_targets(targets, N, V, Vp, "softmax_cross_entropy_forward");
+#pragma omp parallel for schedule(static) if (N * Vp > detail::kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = logits + n * Vp;
+    const int32_t tgt = targets[n];
+    if (tgt < 0) {
+      losses[n] = 0.0f;
+      continue;
+    }
+    const float m = row_max(x, V);
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < V; ++j) s += detail::exp_f(x[j] - m);
+    losses[n] = std::log(s) + m - x[tgt];
+  }
+}
+
+}  // namespace mt::kernels

@@ -1,0 +1,22 @@
+#include "kernels/workspace.h"
+
+#include "runtime/memory.h"
+
+namespace mt::kernels::detail {
+
+Scratch::~Scratch() {
+  if (p_) mem_free(p_, cap_, MemCategory::Workspace);
+}
+
+void* Scratch::get(size_t bytes) {
+  if (bytes <= cap_ && p_) return p_;
+  if (p_) mem_free(p_, cap_, MemCategory::Workspace);
+  p_ = nullptr;
+  cap_ = 0;
+  size_t want = bytes < 64 ? 64 : bytes;
+  p_ = mem_alloc(want, MemCategory::Workspace);
+  cap_ = want;
+  return p_;
+}
+
+}  // namespace mt::kernels::detail

@@ -1,0 +1,64 @@
+// Data parallelism with full replicas (DDP, strategy NO_SHARD).
+//
+// The gradient buffer is flat in unit order (embedding, blocks, head). Buckets are contiguous
+// ranges of it made of whole units, filled in reverse unit order (the order backward produces
+// them); the first bucket is capped small (first_bucket_mb) so communication starts early. A
+// bucket's gradients are views of the flat buffer, so the all-reduce runs in place on them with no
+// copy. When backward has finished every unit of a bucket (UnitHooks::post_backward), that bucket's
+// all-reduce (average over the data-parallel group) starts on the group's communication thread and
+// backward continues; finish() waits only for what is still in flight and reports that wait as
+// exposed communication.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/process_group.h"
+#include "model/transformer.h"
+
+namespace mt::parallel {
+
+struct Bucket {
+  int first_unit = 0, last_unit = 0;  // inclusive unit range
+  int64_t offset = 0, numel = 0;      // range of the flat gradient buffer
+  int pending = 0;                    // units not yet finished in this backward
+  comm::WorkHandle work;
+};
+
+struct DdpStepStats {
+  double comm_ms = 0;     // time the all-reduces ran (on the communication thread)
+  double exposed_ms = 0;  // time the step waited for them after backward
+  int buckets = 0;
+};
+
+class DataParallel : public UnitHooks {
+ public:
+  DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
+               double first_bucket_mb = 1.0);
+
+  // Collective: checks that every rank built the same model (names the first rank and unit that
+  // differ) and copies rank 0's weights to every rank.
+  void verify_and_broadcast();
+
+  // With sync = false (accumulation micro-batches) backward does not communicate.
+  void set_sync(bool sync);
+  void pre_backward(int unit) override;
+  void post_backward(int unit) override;
+  // Waits for the all-reduces of this step. Throws naming the units that produced no gradient
+  // when backward did not finish every unit (instead of hanging like the classic DDP bug).
+  DdpStepStats finish();
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  comm::ProcessGroup& group() { return *dp_; }
+
+ private:
+  void launch(Bucket& b);
+  Transformer& model_;
+  std::shared_ptr<comm::ProcessGroup> dp_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_unit_;
+  std::vector<char> unit_done_;
+  bool sync_ = true;
+};
+
+}  // namespace mt::parallel

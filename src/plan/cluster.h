@@ -1,0 +1,58 @@
+// Cluster descriptions for the planner: what one GPU (or CPU rank) can compute, hold and move.
+//
+// Every number is per GPU unless its name says otherwise. Bandwidths are *achievable* bus bandwidth
+// (what nccl-tests reports as busbw for a large all-reduce), not the marketing link rate, so the
+// ring formulas in cost_model.h use them directly. Sources and the reasoning behind each preset are
+// in docs/plan.md ("Cluster presets").
+#pragma once
+#include <string>
+#include <vector>
+
+namespace mt::plan {
+
+struct Link {
+  double bw = 0;         // achievable bytes/s per GPU per direction on this link type
+  double latency_s = 0;  // per ring step (alpha)
+};
+
+struct Cluster {
+  std::string name = "custom";
+  std::string description;
+  int gpus = 0;                    // GPUs (ranks) in the job; the planner needs it, presets leave it 0
+  int gpus_per_node = 8;
+  double mem_per_gpu = 0;          // bytes of device memory
+  double mem_reserved = 0;         // bytes the model cannot use: context, library workspaces, fragmentation
+  double peak_flops_bf16 = 0;      // dense, per GPU
+  double peak_flops_fp32 = 0;      // dense fp32 (no TF32), per GPU
+  double compute_efficiency = 0;   // achievable fraction of peak on the matmul / attention FLOPs
+  double mem_bw = 0;               // device memory bandwidth, bytes/s (elementwise ops, optimizer)
+  double mem_bw_efficiency = 0.8;  // achievable fraction of mem_bw for streaming kernels
+  Link intra;                      // inside a node (NVLink / shared memory)
+  Link inter;                      // between nodes, per GPU (one NIC per GPU, rail-optimised)
+  double overlap_efficiency = 1.0; // fraction of a collective that can hide behind compute
+  double host_link_bw = 0;         // host<->device bytes/s per GPU (PCIe), for CPU offload
+  double host_mem_per_node = 0;    // bytes of host RAM per node (offloaded optimizer state)
+  double host_mem_bw_per_node = 0; // host memory bandwidth CPU Adam achieves per node (~40% of DRAM peak)
+  // CPU "devices": ranks on one node share its cores, memory and memory bandwidth. Then peak_flops_*,
+  // mem_per_gpu and mem_bw hold the whole node's figures and per_rank() divides them.
+  bool shared_node = false;
+  std::string efficiency_note;     // one line: where compute_efficiency comes from
+
+  double peak_flops(bool fp32) const { return fp32 ? peak_flops_fp32 : peak_flops_bf16; }
+  double usable_mem() const { return mem_per_gpu - mem_reserved; }
+  // The per-rank view for a job of `world` ranks: identity for GPUs; for shared CPU nodes the node's
+  // compute, memory and bandwidth are split between the ranks placed on it.
+  Cluster per_rank(int world) const;
+  // Throws std::invalid_argument naming the field when a value is missing or non-positive.
+  void validate() const;
+};
+
+// Presets: a100-80g-ib400, a100-80g-ib200, h100-80g-ib400, h100-80g-roce100, h200-141g-ib400, this-cpu.
+// Throws std::invalid_argument for an unknown name, listing the known ones.
+Cluster cluster_preset(const std::string& name);
+std::vector<std::string> cluster_preset_names();
+
+constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double GB = 1e9;
+
+}  // namespace mt::plan

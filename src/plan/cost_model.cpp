@@ -1,0 +1,697 @@
+#include "plan/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+#include <vector>
+
+namespace mt::plan {
+
+// ---- names ----------------------------------------------------------------------------------------
+
+const char* strategy_config_name(Strategy s) {
+  switch (s) {
+    case Strategy::DDP: return "NO_SHARD";
+    case Strategy::ZeRO1: return "ZERO1";
+    case Strategy::ZeRO2: return "SHARD_GRAD_OP";
+    case Strategy::ZeRO3: return "FULL_SHARD";
+    case Strategy::HSDP: return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+const char* strategy_label(Strategy s) {
+  switch (s) {
+    case Strategy::DDP: return "DDP";
+    case Strategy::ZeRO1: return "ZeRO-1";
+    case Strategy::ZeRO2: return "ZeRO-2";
+    case Strategy::ZeRO3: return "ZeRO-3";
+    case Strategy::HSDP: return "HSDP";
+  }
+  return "?";
+}
+
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::None: return "none";
+    case Schedule::GPipe: return "gpipe";
+    case Schedule::OneFOneB: return "1f1b";
+    case Schedule::Interleaved: return "interleaved_1f1b";
+  }
+  return "?";
+}
+
+const char* checkpointing_name(Checkpointing c) {
+  switch (c) {
+    case Checkpointing::None: return "none";
+    case Checkpointing::Selective: return "selective";
+    case Checkpointing::Full: return "full";
+  }
+  return "?";
+}
+
+bool parse_strategy(const std::string& s, Strategy* out) {
+  for (Strategy v : {Strategy::DDP, Strategy::ZeRO1, Strategy::ZeRO2, Strategy::ZeRO3, Strategy::HSDP})
+    if (s == strategy_label(v) || s == strategy_config_name(v)) {
+      *out = v;
+      return true;
+    }
+  if (s == "ddp") *out = Strategy::DDP;
+  else if (s == "zero1" || s == "zero-1") *out = Strategy::ZeRO1;
+  else if (s == "zero2" || s == "zero-2") *out = Strategy::ZeRO2;
+  else if (s == "zero3" || s == "zero-3" || s == "fsdp") *out = Strategy::ZeRO3;
+  else if (s == "hsdp") *out = Strategy::HSDP;
+  else return false;
+  return true;
+}
+
+bool parse_schedule(const std::string& s, Schedule* out) {
+  for (Schedule v : {Schedule::None, Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved})
+    if (s == schedule_name(v)) {
+      *out = v;
+      return true;
+    }
+  if (s == "interleaved") {
+    *out = Schedule::Interleaved;
+    return true;
+  }
+  return false;
+}
+
+bool parse_checkpointing(const std::string& s, Checkpointing* out) {
+  for (Checkpointing v : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full})
+    if (s == checkpointing_name(v)) {
+      *out = v;
+      return true;
+    }
+  return false;
+}
+
+std::string Layout::describe() const {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s dp_replicate=%d dp_shard=%d tp=%d pp=%d%s%s mb=%lldx%lld ac=%s%s",
+                strategy_label(strategy), dp_replicate, dp_shard, tp, pp, pp > 1 ? " " : "",
+                pp > 1 ? (std::string(schedule_name(schedule)) +
+                          (schedule == Schedule::Interleaved ? "(v=" + std::to_string(virtual_stages) + ")" : ""))
+                             .c_str()
+                       : "",
+                static_cast<long long>(micro_batch), static_cast<long long>(microbatches),
+                checkpointing_name(checkpointing), cpu_offload ? " offload" : "");
+  return buf;
+}
+
+// ---- model-state formulas -------------------------------------------------------------------------
+
+ModelStateBytes bytes_per_param(bool fp32, int grad_bytes) {
+  ModelStateBytes k = fp32 ? ModelStateBytes{4, 4, 8}    // fp32 param, fp32 grad, Adam m and v (param = master)
+                           : ModelStateBytes{2, 2, 12};  // bf16 param, bf16 grad, fp32 master + m + v
+  if (grad_bytes > 0) k.grads = grad_bytes;
+  return k;
+}
+
+ModelStateBytes zero_model_state(double psi, Strategy s, int shard, bool fp32, bool cpu_offload, int grad_bytes) {
+  const ModelStateBytes k = bytes_per_param(fp32, grad_bytes);
+  const double n = std::max(1, shard);
+  ModelStateBytes r;
+  switch (s) {
+    case Strategy::DDP:
+      r = {k.params * psi, k.grads * psi, k.optimizer * psi};
+      break;
+    case Strategy::ZeRO1:
+      r = {k.params * psi, k.grads * psi, k.optimizer * psi / n};
+      break;
+    case Strategy::ZeRO2:
+      r = {k.params * psi, k.grads * psi / n, k.optimizer * psi / n};
+      break;
+    case Strategy::ZeRO3:
+    case Strategy::HSDP:
+      r = {k.params * psi / n, k.grads * psi / n, k.optimizer * psi / n};
+      break;
+  }
+  if (cpu_offload) r.optimizer = 0;
+  return r;
+}
+
+double model_state_bytes(const ModelConfig& m, bool fp32) {
+  return bytes_per_param(fp32).total() * static_cast<double>(m.num_params());
+}
+
+// ---- model shape helpers --------------------------------------------------------------------------
+
+namespace {
+
+struct Shape {
+  double L, h, a, hk, f, V, s, wpe, norm_block, norm_final, block, block_mm;
+  bool gpt2, tied;
+};
+
+Shape shape_of(const ModelConfig& m, int64_t seq) {
+  Shape x;
+  x.gpt2 = m.arch == Arch::GPT2;
+  x.tied = m.tied_embeddings;
+  x.L = static_cast<double>(m.n_layer);
+  x.h = static_cast<double>(m.n_embd);
+  x.a = static_cast<double>(m.n_head);
+  x.hk = static_cast<double>(m.n_kv_head * m.head_dim());
+  x.f = static_cast<double>(m.ffn_hidden);
+  x.V = static_cast<double>(m.padded_vocab);
+  x.s = static_cast<double>(seq);
+  x.wpe = x.gpt2 ? static_cast<double>(m.seq_len) * x.h : 0.0;
+  x.norm_block = x.gpt2 ? 4 * x.h : 2 * x.h;
+  x.norm_final = x.gpt2 ? 2 * x.h : x.h;
+  x.block = static_cast<double>(m.block_params());
+  const double qkv = x.h + 2 * x.hk;
+  x.block_mm = x.h * qkv + x.h * x.h + (x.gpt2 ? 2.0 : 3.0) * x.h * x.f;
+  return x;
+}
+
+}  // namespace
+
+double matmul_params(const ModelConfig& m) {
+  Shape x = shape_of(m, m.seq_len);
+  return x.L * x.block_mm + x.V * x.h;
+}
+
+double flops_per_token(const ModelConfig& m, int64_t seq) {
+  Shape x = shape_of(m, seq);
+  double n = static_cast<double>(m.num_params());
+  if (!x.tied) n -= x.V * x.h;  // the input embedding is a lookup
+  n -= x.wpe;                   // so is GPT-2's position table
+  return 6.0 * n + 12.0 * x.L * x.h * x.s;
+}
+
+double megatron_flops_per_iteration(const ModelConfig& m, int64_t global_batch, int64_t seq) {
+  Shape x = shape_of(m, seq);
+  const double B = static_cast<double>(global_batch);
+  return 96.0 * B * x.s * x.L * x.h * x.h * (1.0 + x.s / (6.0 * x.h) + x.V / (16.0 * x.L * x.h));
+}
+
+// ---- activation formulas --------------------------------------------------------------------------
+
+double korthikanti_layer_activation_bytes(double s, double b, double h, double a, int t, bool sp,
+                                          Checkpointing ckpt) {
+  const double sbh = s * b * h, T = std::max(1, t);
+  if (ckpt == Checkpointing::Full) return 2.0 * sbh / (sp ? T : 1.0);
+  const double s2 = ckpt == Checkpointing::Selective ? 0.0 : 5.0 * a * s / h;
+  if (sp) return sbh / T * (34.0 + s2);
+  return sbh * (10.0 + 24.0 / T + s2 / T);
+}
+
+namespace {
+
+// Per token, one layer, forward: bytes stored for backward split into the part replicated across TP
+// ranks without SP (norm inputs, inputs of column-parallel matmuls, dropout masks) and the part
+// already split by TP, plus the attention-score part (per token, also split).
+struct LayerActs {
+  double rep = 0, split = 0, scores = 0;
+};
+
+LayerActs layer_acts(const Shape& x, const TrainSetup& st) {
+  const double e = st.act_bytes(), d = st.dropout ? 1.0 : 0.0;
+  LayerActs r;
+  if (x.gpt2) {
+    r.rep = (4 * e + 2 * d) * x.h;                       // ln1 in, qkv in, ln2 in, fc in, 2 masks
+    r.split = e * (2 * x.h + 2 * x.hk + 2 * x.f);        // q, k, v, proj in, gelu in, gelu out
+  } else {
+    r.rep = 4 * e * x.h;                                 // norm1 in, qkv in, norm2 in, gate/up in
+    r.split = e * (2 * x.h + 2 * x.hk + 3 * x.f);        // q, k, v, o in, gate, up, down in
+  }
+  if (st.attention == AttentionImpl::Unfused)
+    r.scores = x.a * x.s * (e + d * (1 + e));            // softmax out (+ mask + dropout out)
+  else
+    r.scores = 4.0 * x.a;                                // flash: fp32 log-sum-exp per head
+  return r;
+}
+
+}  // namespace
+
+double layer_activation_bytes(const ModelConfig& m, const TrainSetup& setup, int64_t micro_batch, int tp,
+                              Checkpointing ckpt) {
+  const Shape x = shape_of(m, setup.seq_or(m));
+  const double T = std::max(1, tp);
+  const bool sp = setup.sequence_parallel && tp > 1;
+  const double tokens = x.s * static_cast<double>(micro_batch);
+  const double input = tokens * setup.act_bytes() * x.h / (sp ? T : 1.0);  // what a recomputed layer keeps
+  const LayerActs a = layer_acts(x, setup);
+  const double all = tokens * (a.rep / (sp ? T : 1.0) + a.split / T + a.scores / T);
+  switch (ckpt) {
+    case Checkpointing::None: return all;
+    case Checkpointing::Full: return input;
+    case Checkpointing::Selective: return 0.5 * (all + input);  // every second layer recomputed
+  }
+  return all;
+}
+
+// ---- collectives ------------------------------------------------------------------------------------
+
+GroupShape group_shape(int size, int stride, int gpus_per_node) {
+  GroupShape g;
+  g.size = std::max(1, size);
+  if (g.size == 1) return g;
+  const int G = std::max(1, gpus_per_node);
+  g.local = stride >= G ? 1 : std::max(1, std::min(g.size, G / std::max(1, stride)));
+  g.nodes = (g.size + g.local - 1) / g.local;
+  return g;
+}
+
+CollCost collective(Collective kind, double bytes, GroupShape g, const Cluster& c) {
+  CollCost r;
+  if (g.size <= 1 || bytes <= 0) return r;
+  const double n = g.size;
+  const double passes = kind == Collective::AllReduce ? 2.0 : 1.0;
+  const double total = passes * (n - 1) / n * bytes;
+  if (g.nodes > 1) {
+    r.inter_bytes = total / g.local;
+    r.intra_bytes = total - r.inter_bytes;
+  } else {
+    r.intra_bytes = total;
+  }
+  const double bw_time = std::max(r.intra_bytes / c.intra.bw, r.inter_bytes / c.inter.bw);
+  double alpha = c.intra.latency_s;
+  if (g.nodes > 1) alpha = ((g.local - 1) * c.intra.latency_s + c.inter.latency_s) / g.local;
+  const double ring = passes * (n - 1) * alpha;
+  const double tree = passes * 2.0 * std::ceil(std::log2(n)) *
+                      (g.nodes > 1 ? std::max(c.inter.latency_s, c.intra.latency_s) : c.intra.latency_s);
+  r.time = bw_time + std::min(ring, tree);
+  return r;
+}
+
+namespace {
+
+// `parts` equal collectives that together move `bytes` (per-block gathers, gradient buckets).
+CollCost split_collective(Collective kind, double bytes, double parts, GroupShape g, const Cluster& c) {
+  parts = std::max(1.0, parts);
+  CollCost one = collective(kind, bytes / parts, g, c);
+  return {one.time * parts, one.intra_bytes * parts, one.inter_bytes * parts};
+}
+
+CollCost operator+(CollCost a, const CollCost& b) {
+  return {a.time + b.time, a.intra_bytes + b.intra_bytes, a.inter_bytes + b.inter_bytes};
+}
+CollCost operator*(double k, CollCost a) { return {k * a.time, k * a.intra_bytes, k * a.inter_bytes}; }
+
+}  // namespace
+
+double bubble_fraction(int p, int64_t m, int v) {
+  if (p <= 1) return 0.0;
+  const double slots = static_cast<double>(p - 1) / std::max(1, v);
+  return slots / (static_cast<double>(m) + slots);
+}
+
+// ---- layout checks ----------------------------------------------------------------------------------
+
+std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetup& setup, const Layout& l) {
+  auto str = [](auto v) { return std::to_string(v); };
+  if (l.dp_replicate < 1 || l.dp_shard < 1 || l.tp < 1 || l.pp < 1) return "parallel degrees must be >= 1";
+  if (l.micro_batch < 1 || l.microbatches < 1) return "micro-batch size and count must be >= 1";
+  switch (l.strategy) {
+    case Strategy::DDP:
+      if (l.dp_shard != 1) return "DDP replicates: dp_shard must be 1";
+      break;
+    case Strategy::ZeRO1:
+    case Strategy::ZeRO2:
+    case Strategy::ZeRO3:
+      if (l.dp_replicate != 1) return std::string(strategy_label(l.strategy)) + " shards over all data-parallel ranks: dp_replicate must be 1";
+      break;
+    case Strategy::HSDP:
+      if (l.dp_replicate < 2 || l.dp_shard < 2) return "HSDP needs dp_replicate >= 2 and dp_shard >= 2";
+      break;
+  }
+  if (m.n_head % l.tp != 0) return "tp=" + str(l.tp) + " does not divide n_head=" + str(m.n_head);
+  if (m.n_kv_head % l.tp != 0) return "tp=" + str(l.tp) + " does not divide n_kv_head=" + str(m.n_kv_head);
+  if (m.ffn_hidden % l.tp != 0) return "tp=" + str(l.tp) + " does not divide ffn_hidden=" + str(m.ffn_hidden);
+  if (m.padded_vocab % l.tp != 0) return "tp=" + str(l.tp) + " does not divide the padded vocabulary " + str(m.padded_vocab);
+  if (l.pp > m.n_layer) return "pp=" + str(l.pp) + " exceeds n_layer=" + str(m.n_layer);
+  if (l.pp == 1 && l.schedule != Schedule::None) return "a pipeline schedule needs pp > 1";
+  if (l.pp > 1 && l.schedule == Schedule::None) return "pp > 1 needs a schedule (gpipe, 1f1b, interleaved_1f1b)";
+  if (l.schedule == Schedule::Interleaved) {
+    if (l.virtual_stages < 2) return "interleaved_1f1b needs virtual_stages >= 2";
+    if (static_cast<int64_t>(l.pp) * l.virtual_stages > m.n_layer)
+      return "pp*virtual_stages=" + str(l.pp * l.virtual_stages) + " exceeds n_layer=" + str(m.n_layer);
+    if (l.microbatches % l.pp != 0) return "interleaved_1f1b needs microbatches divisible by pp (Megatron)";
+  } else if (l.virtual_stages != 1) {
+    return "virtual_stages > 1 only with interleaved_1f1b";
+  }
+  if (l.cpu_offload) {
+    if (l.strategy == Strategy::DDP) return "CPU offload of optimizer state needs a sharded strategy";
+    if (c.host_link_bw <= 0 || c.host_mem_bw_per_node <= 0) return "cluster has no separate host memory to offload to";
+  }
+  if (setup.reduce_bytes != 2 && setup.reduce_bytes != 4) return "reduce dtype must be 2 or 4 bytes";
+  if (setup.grad_bytes != 0 && setup.grad_bytes != 2 && setup.grad_bytes != 4) return "grad dtype must be 2 or 4 bytes";
+  return "";
+}
+
+// ---- the estimate ------------------------------------------------------------------------------------
+
+namespace {
+
+std::string gib(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", b / GiB);
+  return buf;
+}
+
+std::string pct(double f) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.0f%%", 100.0 * f);
+  return buf;
+}
+
+double recompute_share(Checkpointing c) {
+  return c == Checkpointing::Full ? 1.0 : c == Checkpointing::Selective ? 0.5 : 0.0;
+}
+
+struct StageWork {
+  double fwd_flops = 0, fwd_bytes = 0, bwd_flops = 0, bwd_bytes = 0, rc_flops = 0, rc_bytes = 0;
+};
+
+std::string why_sentence(const Estimate& e) {
+  const Layout& l = e.layout;
+  if (!e.host_fits)
+    return "The offloaded optimizer state needs " + gib(e.host_bytes_per_node) +
+           " of host memory per node, more than the node has.";
+  if (!e.fits) {
+    const MemoryBytes& m = e.mem;
+    std::pair<double, const char*> parts[] = {{m.params, "parameters"},
+                                              {m.grads, "gradients"},
+                                              {m.optimizer, "optimizer state"},
+                                              {m.activations, "activations"},
+                                              {m.comm, "communication buffers"}};
+    auto big = *std::max_element(std::begin(parts), std::end(parts),
+                                 [](auto& a, auto& b) { return a.first < b.first; });
+    return "Does not fit: needs " + gib(m.total()) + " per GPU but only " + gib(e.mem_usable) +
+           " is usable; the largest part is " + big.second + " (" + gib(big.first) + ").";
+  }
+  const double T = e.time.total();
+  struct Loss {
+    double s;
+    std::string what;
+  };
+  std::vector<Loss> losses;
+  if (e.time.bubble > 0)
+    losses.push_back({e.time.bubble, "the pipeline bubble"});
+  if (e.dp_exposed_s > 0) {
+    std::string what;
+    switch (l.strategy) {
+      case Strategy::DDP: what = "the gradient all-reduce"; break;
+      case Strategy::ZeRO1:
+      case Strategy::ZeRO2: what = "the gradient reduce-scatter and parameter all-gather"; break;
+      case Strategy::ZeRO3: what = "the ZeRO-3 all-gathers and reduce-scatters"; break;
+      case Strategy::HSDP: what = "the HSDP shard collectives and replica all-reduce"; break;
+    }
+    what = "exposed " + what + (e.dp_inter_node ? " across nodes" : " inside the node");
+    losses.push_back({e.dp_exposed_s, what});
+  }
+  if (e.tp_exposed_s > 0) losses.push_back({e.tp_exposed_s, "tensor-parallel collectives that do not overlap"});
+  if (e.pp_comm_s > 0) losses.push_back({e.pp_comm_s, "pipeline sends between stages"});
+  if (e.offload_s > 0) losses.push_back({e.offload_s, "PCIe copies of the offloaded optimizer shard"});
+  if (e.recompute_s > 0) losses.push_back({e.recompute_s, "recomputing checkpointed activations"});
+  if (l.cpu_offload && e.optimizer_s > 0) losses.push_back({e.optimizer_s, "the CPU Adam step"});
+  std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.s > b.s; });
+  std::string head = "Fits with " + gib(e.mem_usable - e.mem.total()) + " to spare";
+  std::vector<std::string> named;
+  for (const Loss& x : losses)
+    if (x.s / T >= 0.03 && named.size() < 2) named.push_back(pct(x.s / T) + " of the step is " + x.what);
+  if (named.empty())
+    return head + " and hides nearly all communication; " +
+           pct((e.time.compute - e.recompute_s) / T) + " of the step is useful compute.";
+  std::string s = head + "; " + named[0];
+  if (named.size() > 1) s += " and " + named[1];
+  return s + ".";
+}
+
+}  // namespace
+
+Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSetup& st, const Layout& l) {
+  if (std::string err = check_layout(m, cluster_in, st, l); !err.empty()) throw std::invalid_argument(err);
+  Estimate E;
+  E.layout = l;
+  E.world = l.world();
+  const Cluster c = cluster_in.per_rank(E.world);
+  const int64_t seq = st.seq_or(m);
+  const Shape x = shape_of(m, seq);
+  const int t = l.tp, p = l.pp, v = l.virtual_stages;
+  const double T = t, mbs = static_cast<double>(l.micro_batch), M = static_cast<double>(l.microbatches);
+  const bool sp = st.sequence_parallel && t > 1;
+  const double e = st.act_bytes();
+  const ModelStateBytes kpp = bytes_per_param(st.fp32, st.grad_bytes);
+  const double pb = kpp.params, gb = kpp.grads, rb = st.reduce_bytes;
+  const double eta = c.overlap_efficiency;
+  const double flops_rate = c.peak_flops(st.fp32) * c.compute_efficiency;
+  const double bw_rate = c.mem_bw * c.mem_bw_efficiency;
+  // Layers on the heaviest pipeline rank: ceil(L / (p v)) per chunk (uneven splits put the extra
+  // layers somewhere; the slowest rank paces the pipeline).
+  const double Lps = std::ceil(x.L / (p * static_cast<double>(v))) * v;
+  const double tokens = x.s * mbs;
+
+  // ---- parameters per GPU: heaviest pipeline stage after TP ----
+  const double block_tp = (x.block - x.norm_block) / T + x.norm_block;
+  const double emb_tp = x.V * x.h / T;
+  double first = Lps * block_tp + emb_tp + x.wpe;
+  double last = Lps * block_tp + x.norm_final + emb_tp;  // the head (tied: a copy of wte) on the last stage
+  if (p == 1) first += x.norm_final + (x.tied ? 0.0 : emb_tp);
+  const double psi = p == 1 ? first : std::max(first, last);
+  E.psi_stage = psi;
+
+  const int shard = (l.strategy == Strategy::DDP) ? 1 : l.dp_shard;
+  ModelStateBytes ms = zero_model_state(psi, l.strategy, shard, st.fp32, l.cpu_offload, st.grad_bytes);
+  E.mem.params = ms.params;
+  E.mem.grads = ms.grads;
+  E.mem.optimizer = ms.optimizer;
+  const double psi_opt = psi / shard;  // parameters this GPU updates
+
+  // ---- activations ----
+  const double a_layer = layer_activation_bytes(m, st, l.micro_batch, t, l.checkpointing);
+  const double a_full = layer_activation_bytes(m, st, l.micro_batch, t, Checkpointing::None);
+  // A recomputed layer's full activations exist again while its backward runs (one at a time).
+  const double ws = l.checkpointing != Checkpointing::None ? a_full : 0.0;
+  const double head_acts = tokens * (e * x.h / (sp ? T : 1.0) + e * x.h + 4.0 * x.V / T);
+  double inflight_first = 1, inflight_last = 1;
+  switch (l.schedule) {
+    case Schedule::None: break;
+    case Schedule::GPipe: inflight_first = inflight_last = M; break;
+    case Schedule::OneFOneB: inflight_first = std::min<double>(M, p); break;
+    case Schedule::Interleaved:
+      inflight_first = std::min<double>(M, p) * (1.0 + (p - 1.0) / (p * static_cast<double>(v)));
+      break;
+  }
+  const double act_first = inflight_first * Lps * a_layer + ws;
+  const double act_last = inflight_last * Lps * a_layer + ws + head_acts;
+  E.mem.activations = p == 1 ? act_first + head_acts : std::max(act_first, act_last);
+
+  // ---- communication buffers ----
+  const double unit0 = emb_tp * ((p == 1 && !x.tied) ? 2.0 : 1.0) + x.wpe;  // root FSDP unit
+  const double unit = std::max(block_tp, unit0);
+  double comm_buf = 0;
+  if (l.dp() > 1) {
+    if (l.strategy == Strategy::ZeRO3 || l.strategy == Strategy::HSDP)
+      comm_buf += 2 * unit * pb + unit * rb;  // gathered current + prefetched unit, unsharded grad
+    else
+      comm_buf += 2 * std::min(st.bucket_bytes, psi * rb);
+  }
+  if (t > 1) comm_buf += 2 * tokens * x.h * e;
+  if (p > 1) comm_buf += 2 * tokens * x.h * e / (sp ? T : 1.0);
+  E.mem.comm = comm_buf;
+  E.mem_usable = c.usable_mem();
+  E.fits = E.mem.total() <= E.mem_usable;
+
+  const int ranks_per_node = std::min(c.gpus_per_node, E.world);
+  if (l.cpu_offload) {
+    E.host_bytes_per_node = (kpp.optimizer + gb) * psi_opt * ranks_per_node;
+    E.host_fits = E.host_bytes_per_node <= 0.8 * c.host_mem_per_node;
+    E.fits = E.fits && E.host_fits;
+  }
+
+  // ---- compute per micro-batch on the first and the last stage ----
+  // Recomputed share of the forward: selective = every second layer (our engine, and torchtitan's
+  // "selective layer" option), full = every layer; an override describes other systems' policies.
+  double rc_mm = 0, rc_attn = 0, rc_elem = 0;
+  const bool unfused = st.attention == AttentionImpl::Unfused;
+  if (st.recompute_fraction >= 0) {
+    rc_mm = rc_elem = st.recompute_fraction;
+    rc_attn = unfused ? st.recompute_fraction : 0.0;  // op-level policies keep the flash-attention output
+  } else {
+    rc_mm = rc_attn = rc_elem = recompute_share(l.checkpointing);
+  }
+  const double mm_f = 2.0 * x.block_mm / T, at_f = 4.0 * x.s * x.h / T;
+  const double d = st.dropout ? 1.0 : 0.0;
+  double elem_rep, elem_split;  // forward elementwise traffic per token per layer
+  if (x.gpt2) {
+    elem_rep = e * 10 * x.h + d * 2 * (2 * e + 1) * x.h;  // 2 LN, 2 residual adds, (2 dropouts)
+    elem_split = e * 2 * x.f;                             // GELU
+  } else {
+    elem_rep = e * 10 * x.h;                              // 2 RMSNorm, 2 residual adds
+    elem_split = e * (2 * (x.h + x.hk) + 3 * x.f);        // RoPE on q,k; SwiGLU
+  }
+  const double elem_f = elem_rep / (sp ? T : 1.0) + elem_split / T;
+  const double s2_f = unfused ? x.a * x.s * (4 * e + d * (2 * e + 1)) / T : 0.0;
+  const double s2_b = unfused ? x.a * x.s * (6 * e + d * (2 * e + 1)) / T : 0.0;
+
+  auto stage_work = [&](bool has_embed, bool has_head) {
+    StageWork w;
+    w.fwd_flops = tokens * Lps * (mm_f + at_f);
+    w.fwd_bytes = tokens * Lps * (elem_f + s2_f);
+    w.bwd_flops = 2 * w.fwd_flops;
+    w.bwd_bytes = tokens * Lps * (2 * elem_f + s2_b);
+    w.rc_flops = tokens * Lps * (rc_mm * mm_f + rc_attn * at_f);
+    w.rc_bytes = tokens * Lps * (rc_elem * elem_f + rc_attn * s2_f);
+    if (has_embed) {
+      w.fwd_bytes += tokens * 2 * e * x.h;
+      w.bwd_bytes += tokens * (e + 4) * x.h;
+    }
+    if (has_head) {
+      w.fwd_flops += tokens * 2 * x.V * x.h / T;
+      w.bwd_flops += tokens * 4 * x.V * x.h / T;
+      w.fwd_bytes += tokens * x.V / T * (2 * e + 4);
+      w.bwd_bytes += tokens * x.V / T * (4 + e);
+    }
+    return w;
+  };
+  const StageWork w_first = stage_work(true, p == 1), w_last = stage_work(false, true);
+  auto stage_time = [&](const StageWork& w) {
+    return (w.fwd_flops + w.bwd_flops + w.rc_flops) / flops_rate + (w.fwd_bytes + w.bwd_bytes + w.rc_bytes) / bw_rate;
+  };
+  const StageWork& w = (p == 1 || stage_time(w_first) >= stage_time(w_last)) ? w_first : w_last;
+  const double T_f = w.fwd_flops / flops_rate + w.fwd_bytes / bw_rate;
+  const double rc_s = w.rc_flops / flops_rate + w.rc_bytes / bw_rate;
+  const double T_b = w.bwd_flops / flops_rate + w.bwd_bytes / bw_rate + rc_s;
+  const double elem_s = (w.fwd_bytes + w.bwd_bytes + w.rc_bytes) / bw_rate;
+
+  // ---- groups ----
+  const int G = c.gpus_per_node;
+  const GroupShape g_tp = group_shape(t, 1, G);
+  const GroupShape g_shard = group_shape(l.dp_shard, t, G);
+  const GroupShape g_rep = group_shape(l.dp_replicate, t * l.dp_shard, G);
+  const GroupShape g_dp = l.strategy == Strategy::DDP ? g_rep : g_shard;
+
+  CollCost per_mb, per_step;  // bytes per micro-batch / per step
+  double mb_tp = 0, mb_pp = 0, mb_dp = 0, step_dp = 0;  // exposed seconds
+
+  // Tensor parallel: per layer 2 collectives on b*s*h forward and 2 backward (all-reduce, or with SP
+  // an all-gather + reduce-scatter pair of the same volume); full recompute repeats the forward ones;
+  // embedding/head add one forward and one backward pair, vocab-parallel CE three tiny all-reduces.
+  if (t > 1) {
+    const double act = tokens * x.h * e;
+    CollCost pair = sp ? collective(Collective::AllGather, act, g_tp, c) + collective(Collective::ReduceScatter, act, g_tp, c)
+                       : 2.0 * collective(Collective::AllReduce, act, g_tp, c);
+    const double fwd_passes = 1.0 + rc_mm;  // recomputed layers re-issue their forward collectives
+    CollCost tp = (Lps * (fwd_passes + 1.0) + 2.0) * pair;
+    tp = tp + 3.0 * collective(Collective::AllReduce, tokens * 4.0, g_tp, c);
+    per_mb = per_mb + tp;
+    mb_tp = st.tp_comm_overlap ? std::max(0.0, tp.time - eta * (T_f + T_b)) : tp.time;
+    E.tp_comm_s = M * tp.time;
+    E.tp_exposed_s = M * mb_tp;
+  }
+
+  // Pipeline: per micro-batch and model chunk one activation send forward and one gradient send
+  // backward; with SP only 1/t of it crosses (scatter/gather optimisation, arXiv 2104.04473 §4.1).
+  if (p > 1) {
+    const double bytes = tokens * x.h * e / (sp ? T : 1.0);
+    const int stride = t * l.dp();
+    const bool inter = stride >= G || stride * p > G;
+    const Link& link = inter ? c.inter : c.intra;
+    const double sends = 2.0 * v;
+    CollCost pc;
+    pc.time = sends * (bytes / link.bw + link.latency_s);
+    (inter ? pc.inter_bytes : pc.intra_bytes) = sends * bytes;
+    per_mb = per_mb + pc;
+    mb_pp = pc.time;
+  }
+
+  // Data parallel. `overlapped`: a collective of total time `comm` issued while `window` seconds of
+  // compute run; its last piece (`tail`, one bucket or unit) cannot hide.
+  auto overlapped = [&](double comm, double tail, double window) {
+    return tail + std::max(0.0, comm - tail - eta * window);
+  };
+  const double n_units = Lps + 1.0;  // FSDP units: one per block plus the root (embedding/head)
+  auto buckets = [&](double bytes) { return std::ceil(bytes / st.bucket_bytes); };
+  double dp_total = 0;
+  if (l.dp() > 1) {
+    const double grad_bytes = psi * rb, param_bytes = psi * pb;
+    const double bucket_g = std::min(grad_bytes, st.bucket_bytes), bucket_p = std::min(param_bytes, st.bucket_bytes);
+    switch (l.strategy) {
+      case Strategy::DDP: {  // all-reduce once per step (no_sync while accumulating), during the last backward
+        CollCost ar = split_collective(Collective::AllReduce, grad_bytes, buckets(grad_bytes), g_dp, c);
+        per_step = per_step + ar;
+        dp_total = ar.time;
+        step_dp = overlapped(ar.time, collective(Collective::AllReduce, bucket_g, g_dp, c).time, T_b);
+        break;
+      }
+      case Strategy::ZeRO1:
+      case Strategy::ZeRO2: {
+        CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, buckets(grad_bytes), g_dp, c);
+        const double rs_ex = overlapped(rs.time, collective(Collective::ReduceScatter, bucket_g, g_dp, c).time, T_b);
+        CollCost ag = split_collective(Collective::AllGather, param_bytes, buckets(param_bytes), g_dp, c);
+        const double ag_ex = st.overlap_param_gather
+                                 ? overlapped(ag.time, collective(Collective::AllGather, bucket_p, g_dp, c).time, T_f)
+                                 : ag.time;
+        if (l.strategy == Strategy::ZeRO1) {  // full gradients accumulate locally; reduce once
+          per_step = per_step + rs;
+          step_dp = rs_ex;
+          dp_total = rs.time;
+        } else {  // gradients are sharded: reduce-scatter after every micro-batch
+          per_mb = per_mb + rs;
+          mb_dp = rs_ex;
+          dp_total = M * rs.time;
+        }
+        per_step = per_step + ag;
+        step_dp += ag_ex;
+        dp_total += ag.time;
+        break;
+      }
+      case Strategy::ZeRO3:
+      case Strategy::HSDP: {  // per micro-batch: gather forward, gather backward, reduce-scatter
+        CollCost ag = split_collective(Collective::AllGather, param_bytes, n_units, g_shard, c);
+        CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, n_units, g_shard, c);
+        const double first = collective(Collective::AllGather, unit0 * pb, g_shard, c).time;
+        const double last = collective(Collective::ReduceScatter, unit0 * rb, g_shard, c).time;
+        per_mb = per_mb + ag + ag + rs;
+        const double ex_b = overlapped(ag.time + rs.time, last, T_b);
+        mb_dp = overlapped(ag.time, first, T_f) + ex_b;
+        dp_total = M * (2 * ag.time + rs.time);
+        if (l.strategy == Strategy::HSDP) {  // replicas all-reduce their gradient shard once per step
+          CollCost ar = split_collective(Collective::AllReduce, grad_bytes / l.dp_shard, n_units, g_rep, c);
+          const double ar_last = collective(Collective::AllReduce, unit0 * rb / l.dp_shard, g_rep, c).time;
+          per_step = per_step + ar;
+          dp_total += ar.time;
+          // It shares the last micro-batch's backward window with that micro-batch's collectives.
+          step_dp = overlapped(ag.time + rs.time + ar.time, last + ar_last, T_b) - ex_b;
+        }
+        break;
+      }
+    }
+  }
+  E.dp_comm_s = dp_total;
+  E.dp_exposed_s = M * mb_dp + step_dp;
+  E.dp_inter_node = (l.strategy == Strategy::DDP ? g_rep : g_shard).nodes > 1 ||
+                    (l.strategy == Strategy::HSDP && g_rep.nodes > 1);
+
+  // ---- optimizer step and offload ----
+  const double adam_bytes = 28.0;  // read+write fp32 master, m, v (24) + read grad + write param
+  double opt_s = adam_bytes * psi_opt / bw_rate;
+  if (l.cpu_offload) {  // CPU Adam bound by host memory bandwidth shared by the node's GPUs
+    opt_s = adam_bytes * psi_opt * ranks_per_node / c.host_mem_bw_per_node;
+    E.offload_s = (gb + pb) * psi_opt / c.host_link_bw;  // gradient shard down, parameter shard up
+  }
+  E.optimizer_s = opt_s;
+
+  // ---- step time: compute on the critical stage + exposed communication + bubble ----
+  const double slot = T_f + T_b + mb_tp + mb_pp + mb_dp;  // one micro-batch on the critical stage
+  E.time.compute = M * (T_f + T_b) + opt_s;
+  E.time.exposed_comm = M * (mb_tp + mb_pp + mb_dp) + step_dp + E.offload_s;
+  E.time.bubble = p > 1 ? (p - 1.0) / v * slot : 0.0;
+  E.pp_comm_s = M * mb_pp;
+  E.recompute_s = M * rc_s;
+  E.elementwise_s = M * elem_s;
+  const double total = E.time.total();
+  E.comm.intra_node = M * per_mb.intra_bytes + per_step.intra_bytes;
+  E.comm.inter_node = M * per_mb.inter_bytes + per_step.inter_bytes;
+  const double global_tokens = static_cast<double>(l.global_batch()) * x.s;
+  E.tokens_per_s = global_tokens / total;
+  E.mfu = flops_per_token(m, seq) * E.tokens_per_s / (E.world * c.peak_flops(st.fp32));
+  E.why = why_sentence(E);
+  return E;
+}
+
+}  // namespace mt::plan

@@ -1,0 +1,415 @@
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <tuple>
+
+namespace mt::plan {
+
+// ---- presets and Hugging Face configs ------------------------------------------------------------------
+
+namespace {
+
+ModelConfig llama_like(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
+                       int64_t V, bool tied) {
+  ModelConfig m;
+  m.name = name;
+  m.arch = Arch::Llama;
+  m.n_layer = L;
+  m.n_head = H;
+  m.n_kv_head = KV;
+  m.n_embd = C;
+  m.ffn_hidden = F;
+  m.seq_len = T;
+  m.vocab_size = V;
+  m.resolve();
+  m.tied_embeddings = tied;  // resolve() unties every Llama; Llama 3.2 1B/3B tie them
+  return m;
+}
+
+std::vector<ModelConfig> extra_presets() {
+  return {
+      // meta-llama/Llama-3.2-1B and -3B config.json (tie_word_embeddings: true)
+      llama_like("llama3.2-1b", 16, 32, 8, 2048, 8192, 8192, 128256, true),
+      llama_like("llama3.2-3b", 28, 24, 8, 3072, 8192, 8192, 128256, true),
+      // meta-llama/Llama-2-7b-hf, -13b-hf config.json
+      llama_like("llama2-7b", 32, 32, 32, 4096, 11008, 4096, 32000, false),
+      llama_like("llama2-13b", 40, 40, 40, 5120, 13824, 4096, 32000, false),
+      // LLaMA-1 33B (Touvron et al. 2023, Table 2: 60 layers, 6656 wide, 52 heads)
+      llama_like("llama-33b", 60, 52, 52, 6656, 17920, 2048, 32000, false),
+  };
+}
+
+}  // namespace
+
+ModelConfig plan_model_preset(const std::string& name) {
+  for (ModelConfig& m : extra_presets())
+    if (m.name == name) return m;
+  try {
+    return model_preset(name);
+  } catch (const std::invalid_argument&) {
+    std::string known;
+    for (const auto& n : plan_model_preset_names()) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("unknown model preset '" + name + "' (known: " + known + ")");
+  }
+}
+
+std::vector<std::string> plan_model_preset_names() {
+  std::vector<std::string> v = model_preset_names();
+  for (const auto& m : extra_presets()) v.push_back(m.name);
+  return v;
+}
+
+ModelConfig model_from_hf_json(const std::string& text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(origin + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!j.is_object()) throw std::invalid_argument(origin + ": expected a JSON object");
+  auto get_int = [&](std::initializer_list<const char*> keys, bool required, int64_t fallback) -> int64_t {
+    for (const char* k : keys) {
+      if (!j.contains(k) || j[k].is_null()) continue;
+      if (!j[k].is_number_integer() || j[k].get<int64_t>() <= 0)
+        throw std::invalid_argument(origin + ": key '" + k + "' must be a positive integer");
+      return j[k].get<int64_t>();
+    }
+    if (required) throw std::invalid_argument(origin + ": missing key '" + *keys.begin() + "'");
+    return fallback;
+  };
+  const std::string type = j.value("model_type", std::string());
+  ModelConfig m;
+  m.name = origin;
+  if (type == "gpt2") {
+    m.arch = Arch::GPT2;
+    m.n_embd = get_int({"n_embd", "hidden_size"}, true, 0);
+    m.n_layer = get_int({"n_layer", "num_hidden_layers"}, true, 0);
+    m.n_head = get_int({"n_head", "num_attention_heads"}, true, 0);
+    m.n_kv_head = m.n_head;
+    m.seq_len = get_int({"n_positions", "n_ctx", "max_position_embeddings"}, false, 1024);
+    m.vocab_size = get_int({"vocab_size"}, true, 0);
+    m.ffn_hidden = get_int({"n_inner"}, false, 0);
+  } else {
+    if (!j.contains("hidden_size"))
+      throw std::invalid_argument(origin + ": missing key 'hidden_size' (model_type '" + type +
+                                  "'; supported: gpt2 and Llama-style decoders)");
+    m.arch = Arch::Llama;
+    m.n_embd = get_int({"hidden_size"}, true, 0);
+    m.n_layer = get_int({"num_hidden_layers"}, true, 0);
+    m.n_head = get_int({"num_attention_heads"}, true, 0);
+    m.n_kv_head = get_int({"num_key_value_heads"}, false, m.n_head);
+    m.ffn_hidden = get_int({"intermediate_size"}, true, 0);
+    m.vocab_size = get_int({"vocab_size"}, true, 0);
+    m.seq_len = get_int({"max_position_embeddings"}, false, 4096);
+  }
+  try {
+    m.resolve();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(origin + ": " + e.what());
+  }
+  if (m.arch == Arch::Llama && j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean())
+    m.tied_embeddings = j["tie_word_embeddings"].get<bool>();
+  return m;
+}
+
+ModelConfig model_from_hf_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("--hf-config: cannot open '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  ModelConfig m = model_from_hf_json(ss.str(), path);
+  return m;
+}
+
+// ---- ranking ---------------------------------------------------------------------------------------------
+
+double layout_complexity(const Layout& l) {
+  double c = static_cast<int>(l.strategy);  // DDP 0 .. HSDP 4
+  if (l.tp > 1) c += 2;
+  if (l.pp > 1) c += 3;
+  if (l.schedule == Schedule::Interleaved) c += 1;
+  if (l.schedule == Schedule::GPipe) c += 0.5;  // same speed as 1F1B, more memory
+  if (l.checkpointing == Checkpointing::Selective) c += 0.5;
+  if (l.checkpointing == Checkpointing::Full) c += 1;
+  if (l.cpu_offload) c += 3;
+  return c;
+}
+
+double rank_score(const Estimate& e) { return e.time.total() * (1.0 + kComplexityPenalty * layout_complexity(e.layout)); }
+
+namespace {
+
+std::vector<int> divisors(int64_t n) {
+  std::vector<int> d;
+  for (int64_t i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(static_cast<int>(i));
+  return d;
+}
+
+bool better(const Estimate& a, const Estimate& b) {
+  if (a.fits != b.fits) return a.fits;
+  if (a.fits) {
+    const double sa = rank_score(a), sb = rank_score(b);
+    if (sa != sb) return sa < sb;
+    return a.mem.total() < b.mem.total();
+  }
+  const double ra = a.mem.total() / a.mem_usable, rb = b.mem.total() / b.mem_usable;
+  if (ra != rb) return ra < rb;
+  return a.time.total() < b.time.total();
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string gib(double b) { return fmt("%.1f GiB", b / GiB); }
+std::string secs(double s) { return s >= 1.0 ? fmt("%.2f s", s) : fmt("%.0f ms", s * 1e3); }
+
+std::string layout_words(const Layout& l) {
+  std::string s;
+  switch (l.strategy) {
+    case Strategy::DDP:
+      s = l.dp_replicate > 1 ? "DDP over " + std::to_string(l.dp_replicate) + " replicas" : "a single model replica";
+      break;
+    case Strategy::ZeRO1: s = "ZeRO-1 (optimizer state sharded " + std::to_string(l.dp_shard) + " ways)"; break;
+    case Strategy::ZeRO2:
+      s = "ZeRO-2 / SHARD_GRAD_OP (optimizer state and gradients sharded " + std::to_string(l.dp_shard) + " ways)";
+      break;
+    case Strategy::ZeRO3: s = "ZeRO-3 / FULL_SHARD (everything sharded " + std::to_string(l.dp_shard) + " ways)"; break;
+    case Strategy::HSDP:
+      s = "HSDP (full shard inside groups of " + std::to_string(l.dp_shard) + ", " + std::to_string(l.dp_replicate) +
+          " replicas)";
+      break;
+  }
+  if (l.tp > 1) s += ", tensor parallel " + std::to_string(l.tp) + " with sequence parallelism";
+  if (l.pp > 1) {
+    s += ", pipeline " + std::to_string(l.pp) + " stages (" + schedule_name(l.schedule);
+    if (l.schedule == Schedule::Interleaved) s += ", " + std::to_string(l.virtual_stages) + " chunks per rank";
+    s += ")";
+  }
+  switch (l.checkpointing) {
+    case Checkpointing::None: s += ", no activation checkpointing"; break;
+    case Checkpointing::Selective: s += ", selective activation checkpointing (every second block recomputed)"; break;
+    case Checkpointing::Full: s += ", full activation checkpointing"; break;
+  }
+  if (l.cpu_offload) s += ", optimizer state offloaded to CPU";
+  s += ", micro-batch " + std::to_string(l.micro_batch) + " x " + std::to_string(l.microbatches) + " per step";
+  return s;
+}
+
+// Why `b` (ranked after `a`) lost, in one sentence.
+std::string lost_because(const Estimate& a, const Estimate& b) {
+  if (a.fits && !b.fits) return b.why;
+  const double ta = a.time.total(), tb = b.time.total();
+  const double slower = tb / ta - 1.0;
+  const double cb = layout_complexity(b.layout), ca = layout_complexity(a.layout);
+  if (slower < 0)
+    return "it is " + fmt("%.1f", -slower * 100) + "% faster but more complex (complexity " + fmt("%.1f", cb) + " vs " +
+           fmt("%.1f", ca) + "); the planner takes a simpler layout unless the complex one wins by more than " +
+           fmt("%.1f", kComplexityPenalty * 100) + "% per unit.";
+  if (slower < 0.01) {
+    std::string s = "it is only " + fmt("%.1f", slower * 100) + "% slower";
+    if (cb > ca) s += " and more complex";
+    if (b.mem.total() < 0.85 * a.mem.total())
+      s += "; it needs less memory (" + gib(b.mem.total()) + " vs " + gib(a.mem.total()) +
+           "), a fair choice if headroom matters more";
+    return s + ".";
+  }
+  struct D {
+    double d;
+    std::string what;
+  };
+  std::vector<D> ds;
+  const double dre = b.recompute_s - a.recompute_s;
+  const double dopt = b.optimizer_s - a.optimizer_s;
+  ds.push_back({b.time.compute - a.time.compute - dre - dopt, "more compute per GPU"});
+  if (dre > 0) ds.push_back({dre, "activation recomputation (" + std::string(checkpointing_name(b.layout.checkpointing)) + " checkpointing)"});
+  if (dopt > 0) ds.push_back({dopt, b.layout.cpu_offload ? "the CPU Adam step" : "a larger optimizer step"});
+  ds.push_back({b.dp_exposed_s - a.dp_exposed_s, std::string("exposed data-parallel communication") +
+                                                       (b.dp_inter_node ? " across nodes" : "")});
+  ds.push_back({b.tp_exposed_s - a.tp_exposed_s, "exposed tensor-parallel collectives"});
+  ds.push_back({b.pp_comm_s - a.pp_comm_s, "pipeline sends"});
+  ds.push_back({b.offload_s - a.offload_s, "PCIe offload copies"});
+  ds.push_back({b.time.bubble - a.time.bubble, "its pipeline bubble"});
+  std::sort(ds.begin(), ds.end(), [](const D& x, const D& y) { return x.d > y.d; });
+  std::string s = fmt("%.1f", slower * 100) + "% slower (" + secs(tb) + " vs " + secs(ta) + " per step), mostly " +
+                  ds[0].what + " (+" + secs(ds[0].d) + ")";
+  if (ds.size() > 1 && ds[1].d > 0.25 * ds[0].d) s += " and " + ds[1].what + " (+" + secs(ds[1].d) + ")";
+  return s + ".";
+}
+
+}  // namespace
+
+PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSetup& setup_in, const PlanOptions& opts) {
+  cluster.validate();
+  const int N = cluster.gpus;
+  if (N < 1) throw std::invalid_argument("--gpus must be at least 1");
+  const int G = cluster.gpus_per_node;
+  PlanResult R;
+  R.model = model;
+  R.cluster = cluster;
+  R.setup = setup_in;
+  TrainSetup& st = R.setup;
+  if (st.seq <= 0) st.seq = model.seq_len;
+  if (model.arch == Arch::GPT2 && st.seq > model.seq_len)
+    throw std::invalid_argument("--seq " + std::to_string(st.seq) + " exceeds the model's " +
+                                std::to_string(model.seq_len) + " positions");
+  if (st.global_batch <= 0) st.global_batch = 4LL * N;
+  if (st.micro_batch < 0) throw std::invalid_argument("--micro-batch must be positive");
+  R.model_state_bytes = bytes_per_param(st.fp32, st.grad_bytes).total() * static_cast<double>(model.num_params());
+
+  if (opts.tp) {
+    const std::string t = "--tp " + std::to_string(opts.tp);
+    if (N % opts.tp) throw std::invalid_argument(t + " does not divide --gpus " + std::to_string(N));
+    if (opts.tp_within_node && opts.tp > G)
+      throw std::invalid_argument(t + " exceeds --gpus-per-node " + std::to_string(G) + " (TP stays inside a node)");
+    for (auto [v, what] : {std::pair{model.n_head, "n_head"}, {model.n_kv_head, "n_kv_head"},
+                           {model.ffn_hidden, "ffn_hidden"}, {model.padded_vocab, "padded vocabulary"}})
+      if (v % opts.tp) throw std::invalid_argument(t + " does not divide the model's " + what + " (" + std::to_string(v) + ")");
+  }
+  if (opts.pp) {
+    const std::string p = "--pp " + std::to_string(opts.pp);
+    if (N % opts.pp) throw std::invalid_argument(p + " does not divide --gpus " + std::to_string(N));
+    if (opts.pp > model.n_layer) throw std::invalid_argument(p + " exceeds the model's " + std::to_string(model.n_layer) + " layers");
+  }
+  std::vector<Estimate> all;
+  all.reserve(4096);
+  const int max_tp = opts.tp_within_node ? std::min(G, N) : N;
+  for (int tp : divisors(max_tp)) {
+    if (opts.tp && tp != opts.tp) continue;
+    if (N % tp) continue;
+    if (model.n_head % tp || model.n_kv_head % tp || model.ffn_hidden % tp || model.padded_vocab % tp) continue;
+    for (int pp : divisors(N / tp)) {
+      if (opts.pp && pp != opts.pp) continue;
+      if (pp > model.n_layer) continue;
+      const int dp = N / tp / pp;
+      if (st.global_batch % dp) continue;
+      const int64_t local = st.global_batch / dp;  // sequences per step per replica
+      std::vector<int64_t> mbs;
+      if (st.micro_batch > 0) {
+        if (local % st.micro_batch == 0) mbs.push_back(st.micro_batch);
+      } else {
+        for (int d : divisors(local))
+          if (d <= opts.max_micro_batch) mbs.push_back(d);
+      }
+      std::vector<Layout> dps;  // (strategy, dp_replicate, dp_shard)
+      {
+        Layout l;
+        l.tp = tp;
+        l.pp = pp;
+        if (dp == 1) {
+          dps.push_back(l);
+        } else {
+          l.strategy = Strategy::DDP, l.dp_replicate = dp, l.dp_shard = 1;
+          dps.push_back(l);
+          for (Strategy s : {Strategy::ZeRO1, Strategy::ZeRO2, Strategy::ZeRO3}) {
+            l.strategy = s, l.dp_replicate = 1, l.dp_shard = dp;
+            dps.push_back(l);
+          }
+          for (int g : divisors(dp))
+            if (g > 1 && g < dp) {
+              l.strategy = Strategy::HSDP, l.dp_shard = g, l.dp_replicate = dp / g;
+              dps.push_back(l);
+            }
+        }
+      }
+      std::vector<std::pair<Schedule, int>> scheds;
+      if (pp == 1) {
+        scheds.push_back({Schedule::None, 1});
+      } else {
+        scheds.push_back({Schedule::GPipe, 1});
+        scheds.push_back({Schedule::OneFOneB, 1});
+        for (int v = 2; v <= opts.max_virtual_stages; ++v)
+          if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
+      }
+      for (Layout base : dps) {
+        if (opts.strategy && base.strategy != *opts.strategy && !(dp == 1)) continue;
+        for (auto [sched, v] : scheds) {
+          if (opts.schedule && sched != *opts.schedule) continue;
+          for (int64_t mb : mbs) {
+            const int64_t m = local / mb;
+            if (sched == Schedule::Interleaved && m % pp) continue;
+            for (Checkpointing ac : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full}) {
+              if (opts.checkpointing && ac != *opts.checkpointing) continue;
+              for (bool off : {false, true}) {
+                if (off && (!opts.allow_offload || base.strategy == Strategy::DDP || cluster.host_link_bw <= 0))
+                  continue;
+                Layout l = base;
+                l.schedule = sched;
+                l.virtual_stages = v;
+                l.micro_batch = mb;
+                l.microbatches = m;
+                l.checkpointing = ac;
+                l.cpu_offload = off;
+                if (!check_layout(model, cluster, st, l).empty()) continue;
+                all.push_back(estimate(model, cluster, st, l));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  R.evaluated = static_cast<int64_t>(all.size());
+  if (all.empty())
+    throw std::invalid_argument("no valid layout: check that --global-batch (" + std::to_string(st.global_batch) +
+                                ") is divisible by the data-parallel degree and that --gpus (" + std::to_string(N) +
+                                ") factors into tp x pp x dp for this model");
+  for (const auto& e : all) R.fitting += e.fits;
+  std::sort(all.begin(), all.end(), better);
+
+  // Best of each strategy (before de-duplication: the first of each in rank order).
+  for (Strategy s : {Strategy::DDP, Strategy::ZeRO1, Strategy::ZeRO2, Strategy::ZeRO3, Strategy::HSDP})
+    for (const auto& e : all)
+      if (e.layout.strategy == s) {
+        R.best_per_strategy.push_back(e);
+        break;
+      }
+
+  if (opts.best_per_family) {
+    std::map<std::tuple<int, int, int, int, int, int, int, int, bool>, bool> seen;
+    std::vector<Estimate> kept;
+    for (auto& e : all) {
+      const Layout& l = e.layout;
+      auto key = std::make_tuple(static_cast<int>(l.strategy), l.dp_replicate, l.dp_shard, l.tp, l.pp,
+                                 static_cast<int>(l.schedule), l.virtual_stages, static_cast<int>(l.checkpointing),
+                                 l.cpu_offload);
+      if (seen.emplace(key, true).second) kept.push_back(std::move(e));
+    }
+    all = std::move(kept);
+  }
+  if (opts.top_k > 0 && static_cast<int>(all.size()) > opts.top_k) all.resize(opts.top_k);
+  R.candidates = std::move(all);
+
+  // Explanations.
+  const Estimate& top = R.candidates[0];
+  if (top.fits) {
+    R.recommendation = "Run " + layout_words(top.layout) + ". Predicted " + fmt("%.0f", top.tokens_per_s) +
+                       " tokens/s (" + fmt("%.1f", 100 * top.mfu) + "% MFU), " + secs(top.time.total()) +
+                       " per step, " + gib(top.mem.total()) + " of " + gib(top.mem_usable) + " usable per GPU. " +
+                       top.why;
+  } else {
+    R.recommendation = "Nothing fits on " + std::to_string(N) + " GPUs of " + gib(top.mem_usable) +
+                       " usable memory. The closest layout is " + layout_words(top.layout) + ", which needs " +
+                       gib(top.mem.total()) + " per GPU. Add GPUs, shorten --seq, or use a smaller micro-batch.";
+  }
+  if (R.candidates.size() > 1) {
+    const Estimate& ru = R.candidates[1];
+    R.runner_up = "Runner-up: " + layout_words(ru.layout) + ". It lost because " + lost_because(top, ru);
+  }
+  if (!st.fp32 && st.reduce_bytes == 4)
+    R.notes.push_back("gradients are reduced in fp32 (DESIGN: fp32 reduction); --reduce-dtype bf16 halves that traffic");
+  R.notes.push_back("selective checkpointing = every second block recomputed (the engine's policy)");
+  return R;
+}
+
+}  // namespace mt::plan

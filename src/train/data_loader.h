@@ -1,0 +1,74 @@
+// Training data: a set of token shards, and the batch loader that cuts them into (inputs, targets).
+//
+// Batching follows llm.c. With W = dp_world data-parallel ranks, global batch k of a shard is the
+// contiguous run of W*B*T + 1 tokens starting at k*W*B*T; rank r takes the B*T + 1 tokens at offset
+// r*B*T of that run (inputs = the first B*T, targets = the same shifted by one). A shard yields
+// floor((tokens - 1) / (W*B*T)) global batches; after the last one the loader moves to the next
+// shard, and after the last shard wraps to the first. Hence ranks read disjoint token ranges, and one
+// process with B' = W*B reads exactly their union (row r*B + b of its batch is row b of rank r).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "train/token_shards.h"
+
+namespace mt {
+
+// True when `pattern` contains a glob character (* ? [).
+bool is_glob_pattern(const std::string& pattern);
+// The files `pattern` names: the pattern itself when it has no glob character, otherwise the sorted
+// matches. Throws std::runtime_error naming the pattern when a glob matches nothing.
+std::vector<std::string> expand_file_pattern(const std::string& pattern);
+
+class TokenDataset {
+ public:
+  // `pattern`: one shard file or a glob of shards (sorted by name). Every shard is validated (header,
+  // size, and ids < vocab_size when vocab_size > 0). Throws std::runtime_error naming the pattern
+  // (nothing matched) or the file (see TokenShard).
+  explicit TokenDataset(const std::string& pattern, int64_t vocab_size = 0);
+
+  const std::string& pattern() const { return pattern_; }
+  size_t num_shards() const { return shards_.size(); }
+  const TokenShard& shard(size_t i) const { return shards_.at(i); }
+  int64_t total_tokens() const { return total_tokens_; }
+
+ private:
+  std::string pattern_;
+  std::vector<TokenShard> shards_;
+  int64_t total_tokens_ = 0;
+};
+
+class BatchLoader {
+ public:
+  // `dataset` must outlive the loader. Throws std::invalid_argument for bad B, T, dp_rank, dp_world
+  // and std::runtime_error naming the file when a shard is too short for one global batch
+  // (dp_world*B*T + 1 tokens; in particular when T is longer than the data).
+  BatchLoader(const TokenDataset& dataset, int B, int T, int dp_rank = 0, int dp_world = 1);
+
+  // Fills inputs[B*T] and targets[B*T] (row-major B x T) and advances.
+  void next(int32_t* inputs, int32_t* targets);
+  // Back to the first batch of the first shard.
+  void reset();
+
+  // Position, for checkpoint / resume: the shard and the global batch index within it that the next
+  // call to next() reads. seek() throws std::out_of_range for a position outside the data.
+  size_t shard_index() const { return shard_; }
+  int64_t batch_index() const { return batch_; }
+  void seek(size_t shard_index, int64_t batch_index);
+
+  int B() const { return B_; }
+  int T() const { return T_; }
+  // Global batches one pass over all shards yields (the same on every rank).
+  int64_t batches_per_epoch() const;
+
+ private:
+  const TokenDataset& data_;
+  int B_, T_, rank_, world_;
+  std::vector<int64_t> batches_per_shard_;
+  size_t shard_ = 0;
+  int64_t batch_ = 0;
+};
+
+}  // namespace mt

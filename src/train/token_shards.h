@@ -1,0 +1,58 @@
+// Token shards in llm.c's layout: a header of 256 little-endian int32 (header[0] = 20240520 magic,
+// header[1] = 1 version, header[2] = number of tokens, the rest 0) followed by the tokens as uint16.
+// A shard is exactly 1024 + 2 * count bytes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace mt {
+
+inline constexpr int32_t kShardMagic = 20240520;
+inline constexpr int32_t kShardVersion = 1;
+inline constexpr size_t kShardHeaderInts = 256;
+inline constexpr size_t kShardHeaderBytes = kShardHeaderInts * sizeof(int32_t);  // 1024
+
+// Writes `tokens` to `path` (replacing it). Throws std::runtime_error naming the file when it cannot
+// be written, or naming the position and value of a token outside [0, 65535].
+void write_token_shard(const std::string& path, std::span<const int32_t> tokens);
+void write_token_shard(const std::string& path, std::span<const uint16_t> tokens);
+
+// Reads and checks the header only; returns the token count. Throws like TokenShard.
+int64_t read_token_shard_header(const std::string& path);
+
+// A validated, read-only, memory-mapped shard. The constructor throws std::runtime_error naming the
+// file, the byte offset and the value found for: a file shorter than the header, a wrong magic
+// (offset 0), a wrong version (offset 4), a negative count (offset 8), a size other than
+// 1024 + 2 * count (truncated or trailing bytes), and - when vocab_size > 0 - the first token id
+// >= vocab_size (offset 1024 + 2 * index).
+class TokenShard {
+ public:
+  explicit TokenShard(const std::string& path, int64_t vocab_size = 0);
+  ~TokenShard();
+  TokenShard(TokenShard&& other) noexcept;
+  TokenShard& operator=(TokenShard&& other) noexcept;
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+
+  const std::string& path() const { return path_; }
+  size_t size() const { return count_; }
+  const uint16_t* data() const { return tokens_; }
+  std::span<const uint16_t> tokens() const { return {tokens_, count_}; }
+  uint16_t operator[](size_t i) const { return tokens_[i]; }
+
+ private:
+  void release();
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const uint16_t* tokens_ = nullptr;
+  size_t count_ = 0;
+};
+
+// Convenience: the validated tokens of one shard, copied into a vector.
+std::vector<uint16_t> read_token_shard(const std::string& path, int64_t vocab_size = 0);
+
+}  // namespace mt

@@ -1,0 +1,86 @@
+// Tokenizers: text <-> token ids.
+//
+//   ByteTokenizer  ids 0..255 are the bytes of the text; vocabulary 256; no end-of-text token.
+//   Gpt2Tokenizer  OpenAI GPT-2 byte-level BPE, loaded from a directory holding encoder.json and
+//                  vocab.bpe (the files of the GPT-2 release); 50,257 tokens, <|endoftext|> = 50256.
+//
+// encode() works on raw bytes: text that is not valid UTF-8 still round-trips exactly through
+// decode(encode(text)) (each invalid byte is treated as one "other" character by the GPT-2
+// pre-tokeniser). encode() never produces the end-of-text token: "<|endoftext|>" in the text is
+// ordinary text (like tiktoken's encode_ordinary); callers insert eot_token() between documents.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace mt {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Concatenates the bytes of each id; throws std::out_of_range for an id outside [0, vocab_size()).
+  virtual std::string decode(std::span<const int32_t> ids) const = 0;
+  virtual int32_t vocab_size() const = 0;
+  virtual std::string name() const = 0;  // "byte" or "gpt2"
+  virtual int32_t eot_token() const = 0;  // the end-of-text id, or -1 when there is none
+};
+
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const int32_t> ids) const override;
+  int32_t vocab_size() const override { return 256; }
+  std::string name() const override { return "byte"; }
+  int32_t eot_token() const override { return -1; }
+};
+
+class Gpt2Tokenizer final : public Tokenizer {
+ public:
+  // Loads `dir`/encoder.json and `dir`/vocab.bpe. Throws std::runtime_error naming the file (and
+  // line or key) when a file is missing or malformed.
+  explicit Gpt2Tokenizer(const std::string& dir);
+
+  // Thread-safe (calls share a per-word BPE cache behind a mutex).
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const int32_t> ids) const override;
+  int32_t vocab_size() const override { return static_cast<int32_t>(id_to_bytes_.size()); }
+  std::string name() const override { return "gpt2"; }
+  int32_t eot_token() const override { return eot_; }
+
+  // The raw bytes of one token (throws std::out_of_range).
+  const std::string& token_bytes(int32_t id) const;
+  // GPT-2 pre-tokenisation: splits `text` into the pieces BPE runs on (views into `text`).
+  static std::vector<std::string_view> pretokenize(std::string_view text);
+
+ private:
+  struct Merge {
+    int32_t rank;
+    int32_t id;  // the token the pair merges into
+  };
+  void bpe(std::string_view word, std::vector<int32_t>& out) const;
+  void bpe_uncached(std::string_view word, std::vector<int32_t>& out) const;
+
+  struct StrHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::vector<std::string> id_to_bytes_;
+  int32_t byte_id_[256];
+  std::unordered_map<uint64_t, Merge> merges_;  // (left id << 32 | right id) -> merge
+  int32_t eot_ = -1;
+
+  mutable std::mutex cache_mu_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>, StrHash, std::equal_to<>> cache_;
+};
+
+// "byte" or "gpt2". For gpt2 an empty `gpt2_dir` falls back to $MESHTRAIN_GPT2_DIR. Throws
+// std::runtime_error for an unknown name, a missing directory or missing files.
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& gpt2_dir = "");
+
+}  // namespace mt

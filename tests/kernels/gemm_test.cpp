@@ -1,0 +1,257 @@
+// GEMM (fp32, bf16) and linear layers against double-precision references; linear backward
+// against central finite differences of the double reference.
+#include "kernels/gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <tuple>
+
+#include "kernels/gemm_internal.h"
+#include "test_util.h"
+
+namespace mt::kernels {
+namespace {
+
+// C = alpha op(A) op(B) + beta C in double (row-major, as gemm.h).
+std::vector<double> ref_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
+                             const std::vector<double>& A, const std::vector<double>& B, double beta,
+                             const std::vector<double>& C) {
+  std::vector<double> out(static_cast<size_t>(M * N));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double s = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double a = ta ? A[k * M + m] : A[m * K + k];
+        const double b = tb ? B[n * K + k] : B[k * N + n];
+        s += a * b;
+      }
+      out[m * N + n] = alpha * s + (beta == 0.0 ? 0.0 : beta * C[m * N + n]);
+    }
+  return out;
+}
+
+// sum_k |a||b| per output element: the scale of the rounding error of a dot product.
+std::vector<double> ref_abs_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                                 const std::vector<double>& A, const std::vector<double>& B) {
+  std::vector<double> a(A.size()), b(B.size());
+  for (size_t i = 0; i < A.size(); ++i) a[i] = std::abs(A[i]);
+  for (size_t i = 0; i < B.size(); ++i) b[i] = std::abs(B[i]);
+  return ref_gemm(ta, tb, M, N, K, 1.0, a, b, 0.0, {});
+}
+
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = float_to_bf16(v[i]);
+  return o;
+}
+std::vector<double> bf16_to_double(const std::vector<bf16>& v) {
+  std::vector<double> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_float(v[i]);
+  return o;
+}
+
+struct Shape {
+  int64_t M, N, K;
+};
+const Shape kShapes[] = {{5, 7, 9}, {1, 1, 1}, {33, 17, 65}, {64, 130, 48}};
+
+TEST(GemmF32, AllTransposesAlphaBetaMatchDoubleReference) {
+  for (const Shape& s : kShapes)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        auto A = kt::randn(static_cast<size_t>(s.M * s.K), 1);
+        auto B = kt::randn(static_cast<size_t>(s.K * s.N), 2);
+        auto C = kt::randn(static_cast<size_t>(s.M * s.N), 3);
+        auto want = ref_gemm(ta, tb, s.M, s.N, s.K, 0.7, kt::to_double(A), kt::to_double(B), 0.3,
+                             kt::to_double(C));
+        gemm_f32(ta, tb, s.M, s.N, s.K, 0.7f, A.data(), B.data(), 0.3f, C.data());
+        // fp32 dot products of length K of unit-variance values: error ~ K * 2^-24.
+        EXPECT_TRUE(kt::close(C, want, 1e-5, 1e-5 * std::sqrt(double(s.K))))
+            << "M=" << s.M << " N=" << s.N << " K=" << s.K << " ta=" << ta << " tb=" << tb;
+      }
+}
+
+TEST(GemmF32, BetaZeroDoesNotReadC) {
+  const int64_t M = 6, N = 5, K = 4;
+  auto A = kt::randn(M * K, 4), B = kt::randn(K * N, 5);
+  std::vector<float> C(M * N, std::numeric_limits<float>::quiet_NaN());
+  gemm_f32(false, false, M, N, K, 1.0f, A.data(), B.data(), 0.0f, C.data());
+  auto want = ref_gemm(false, false, M, N, K, 1.0, kt::to_double(A), kt::to_double(B), 0.0, {});
+  EXPECT_TRUE(kt::close(C, want, 1e-5, 1e-5));
+  // bf16 too.
+  auto A16 = to_bf16(A), B16 = to_bf16(B);
+  std::fill(C.begin(), C.end(), std::numeric_limits<float>::quiet_NaN());
+  gemm_bf16(false, false, M, N, K, 1.0f, A16.data(), B16.data(), 0.0f, C.data());
+  auto want16 = ref_gemm(false, false, M, N, K, 1.0, bf16_to_double(A16), bf16_to_double(B16), 0.0, {});
+  EXPECT_TRUE(kt::close(C, want16, 1e-5, 1e-5));
+}
+
+TEST(GemmF32, DegenerateKScalesC) {
+  std::vector<float> C = {1.0f, 2.0f, 3.0f, 4.0f};
+  gemm_f32(false, false, 2, 2, 0, 1.0f, nullptr, nullptr, 0.5f, C.data());
+  EXPECT_EQ(C, (std::vector<float>{0.5f, 1.0f, 1.5f, 2.0f}));
+  std::fill(C.begin(), C.end(), std::numeric_limits<float>::quiet_NaN());
+  gemm_f32(false, false, 2, 2, 0, 1.0f, nullptr, nullptr, 0.0f, C.data());
+  EXPECT_EQ(C, (std::vector<float>(4, 0.0f)));
+}
+
+TEST(GemmF32, RunToRunBitIdentical) {
+  const int64_t M = 200, N = 384, K = 300;
+  auto A = kt::randn(M * K, 6), B = kt::randn(K * N, 7);
+  std::vector<float> C1(M * N, 0.0f), C2(M * N, 0.0f);
+  gemm_f32(true, false, M, N, K, 1.0f, A.data(), B.data(), 0.0f, C1.data());
+  gemm_f32(true, false, M, N, K, 1.0f, A.data(), B.data(), 0.0f, C2.data());
+  EXPECT_TRUE(kt::bitwise_equal(C1, C2));
+}
+
+// bf16 GEMM: exact products of the bf16 inputs summed in fp32, so it matches the double product
+// of the rounded inputs to fp32 accuracy, and the fp32 GEMM of the unrounded inputs to within
+// the bf16 input rounding (2 * 2^-8 relative per product, bounded by sum |a||b|).
+void check_bf16_gemm(const char* path) {
+  for (const Shape& s : kShapes)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        auto A = kt::randn(static_cast<size_t>(s.M * s.K), 11);
+        auto B = kt::randn(static_cast<size_t>(s.K * s.N), 12);
+        auto C0 = kt::randn(static_cast<size_t>(s.M * s.N), 13);
+        auto A16 = to_bf16(A), B16 = to_bf16(B);
+        std::vector<float> C = C0;
+        gemm_bf16(ta, tb, s.M, s.N, s.K, 1.5f, A16.data(), B16.data(), 1.0f, C.data());
+        auto want = ref_gemm(ta, tb, s.M, s.N, s.K, 1.5, bf16_to_double(A16), bf16_to_double(B16),
+                             1.0, kt::to_double(C0));
+        EXPECT_TRUE(kt::close(C, want, 1e-5, 2e-5 * std::sqrt(double(s.K))))
+            << path << " M=" << s.M << " N=" << s.N << " K=" << s.K << " ta=" << ta << " tb=" << tb;
+        // Against fp32 of the unrounded inputs.
+        std::vector<float> Cf = C0;
+        gemm_f32(ta, tb, s.M, s.N, s.K, 1.5f, A.data(), B.data(), 1.0f, Cf.data());
+        auto absref = ref_abs_gemm(ta, tb, s.M, s.N, s.K, kt::to_double(A), kt::to_double(B));
+        for (size_t i = 0; i < C.size(); ++i) {
+          const double bound = 1.5 * 2.0 * std::ldexp(1.0, -8) * absref[i] * 1.01 + 1e-4;
+          ASSERT_LE(std::abs(double(C[i]) - double(Cf[i])), bound) << path << " element " << i;
+        }
+      }
+}
+
+TEST(GemmBf16, MatchesReferenceOnDefaultPath) {
+  std::cout << "[ info ] bf16 GEMM path on this CPU: "
+            << (detail::bf16_gemm_is_native(false, true, 64, 64, 64, 1.0f, 0.0f)
+                    ? "oneDNN bf16 matmul"
+                    : "widen to fp32 + sgemm (no oneDNN bf16 support)")
+            << "\n";
+  check_bf16_gemm("default");
+}
+
+TEST(GemmBf16, BlockedWideningPathMatchesReference) {
+  // Tiny blocks so that the M, N and K splits of the widening path are all exercised.
+  detail::set_bf16_force_fallback(true);
+  detail::set_bf16_fallback_block_elems(300);
+  check_bf16_gemm("widened, small blocks");
+  detail::set_bf16_fallback_block_elems(int64_t(4) << 20);
+  detail::set_bf16_force_fallback(false);
+}
+
+// ---- linear layers --------------------------------------------------------------------------
+
+// y[n, o] = sum_c x[n, c] W[o, c] + bias[o]
+std::vector<double> ref_linear(const std::vector<double>& x, const std::vector<double>& W,
+                               const std::vector<double>* bias, int64_t N, int64_t C, int64_t OC) {
+  std::vector<double> y(static_cast<size_t>(N * OC));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < OC; ++o) {
+      double s = bias ? (*bias)[o] : 0.0;
+      for (int64_t c = 0; c < C; ++c) s += x[n * C + c] * W[o * C + c];
+      y[n * OC + o] = s;
+    }
+  return y;
+}
+
+TEST(Linear, ForwardMatchesReference) {
+  const int64_t N = 5, C = 7, OC = 3;
+  auto x = kt::randn(N * C, 21), W = kt::randn(OC * C, 22), b = kt::randn(OC, 23);
+  auto bd = kt::to_double(b);
+  std::vector<float> y(N * OC, std::numeric_limits<float>::quiet_NaN());
+  linear_forward(y.data(), x.data(), W.data(), b.data(), N, C, OC);
+  EXPECT_TRUE(kt::close(y, ref_linear(kt::to_double(x), kt::to_double(W), &bd, N, C, OC), 1e-5, 1e-6));
+  std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());
+  linear_forward(y.data(), x.data(), W.data(), nullptr, N, C, OC);
+  EXPECT_TRUE(kt::close(y, ref_linear(kt::to_double(x), kt::to_double(W), nullptr, N, C, OC), 1e-5, 1e-6));
+}
+
+// Gradient check: L = sum dout * linear(x, W, b); analytic (float kernel) vs central differences
+// of the double reference. Tolerance rel 1e-4, abs 1e-5 (gradients are O(1)).
+TEST(Linear, BackwardMatchesFiniteDifferences) {
+  const int64_t N = 5, C = 7, OC = 3;
+  auto x = kt::randn(N * C, 31), W = kt::randn(OC * C, 32), b = kt::randn(OC, 33);
+  auto dout = kt::randn(N * OC, 34);
+  auto xd = kt::to_double(x), Wd = kt::to_double(W), bd = kt::to_double(b), dd = kt::to_double(dout);
+  std::vector<float> dx(N * C, 0.0f), dW(OC * C, 0.0f), db(OC, 0.0f);
+  linear_backward(dx.data(), dW.data(), db.data(), dout.data(), x.data(), W.data(), N, C, OC);
+  auto gx = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dd, ref_linear(v, Wd, &bd, N, C, OC)); }, xd);
+  auto gW = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dd, ref_linear(xd, v, &bd, N, C, OC)); }, Wd);
+  auto gb = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dd, ref_linear(xd, Wd, &v, N, C, OC)); }, bd);
+  EXPECT_TRUE(kt::close(dx, gx, 1e-4, 1e-5));
+  EXPECT_TRUE(kt::close(dW, gW, 1e-4, 1e-5));
+  EXPECT_TRUE(kt::close(db, gb, 1e-4, 1e-5));
+}
+
+TEST(Linear, BackwardAccumulatesAndSkipsNullOutputs) {
+  const int64_t N = 9, C = 5, OC = 4;
+  auto x = kt::randn(N * C, 41), W = kt::randn(OC * C, 42), dout = kt::randn(N * OC, 43);
+  std::vector<float> dx0(N * C, 0.0f), dW0(OC * C, 0.0f), db0(OC, 0.0f);
+  linear_backward(dx0.data(), dW0.data(), db0.data(), dout.data(), x.data(), W.data(), N, C, OC);
+  auto gx = kt::randn(N * C, 44), gW = kt::randn(OC * C, 45), gb = kt::randn(OC, 46);
+  auto dx = gx, dW = gW, db = gb;
+  linear_backward(dx.data(), dW.data(), db.data(), dout.data(), x.data(), W.data(), N, C, OC);
+  auto sum = [](const std::vector<float>& a, const std::vector<float>& b) {
+    std::vector<double> s(a.size());
+    for (size_t i = 0; i < a.size(); ++i) s[i] = double(a[i]) + double(b[i]);
+    return s;
+  };
+  EXPECT_TRUE(kt::close(dx, sum(gx, dx0), 1e-6, 1e-6));
+  EXPECT_TRUE(kt::close(dW, sum(gW, dW0), 1e-6, 1e-6));
+  EXPECT_TRUE(kt::close(db, sum(gb, db0), 1e-6, 1e-6));
+  // dinp and dbias may be null (first layer, no bias).
+  auto dW2 = gW;
+  linear_backward(nullptr, dW2.data(), nullptr, dout.data(), x.data(), W.data(), N, C, OC);
+  EXPECT_TRUE(kt::bitwise_equal(dW2, dW));
+}
+
+TEST(LinearBf16, ForwardAndBackwardMatchRoundedReference) {
+  const int64_t N = 5, C = 7, OC = 3;
+  auto x = kt::randn(N * C, 51), W = kt::randn(OC * C, 52), b = kt::randn(OC, 53);
+  auto dout = kt::randn(N * OC, 54);
+  auto x16 = to_bf16(x), W16 = to_bf16(W);
+  auto xr = bf16_to_double(x16), Wr = bf16_to_double(W16), bd = kt::to_double(b);
+  std::vector<float> y(N * OC);
+  linear_forward_bf16(y.data(), x16.data(), W16.data(), b.data(), N, C, OC);
+  EXPECT_TRUE(kt::close(y, ref_linear(xr, Wr, &bd, N, C, OC), 1e-5, 1e-6));
+  // Backward: dout is rounded to bf16 for the GEMMs, the bias gradient uses fp32 dout.
+  auto dr = bf16_to_double(to_bf16(dout));
+  auto dd = kt::to_double(dout);
+  std::vector<float> dx(N * C, 0.0f), dW(OC * C, 0.0f), db(OC, 0.0f);
+  linear_backward_bf16(dx.data(), dW.data(), db.data(), dout.data(), x16.data(), W16.data(), N, C, OC);
+  auto gx = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dr, ref_linear(v, Wr, &bd, N, C, OC)); }, xr);
+  auto gW = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dr, ref_linear(xr, v, &bd, N, C, OC)); }, Wr);
+  auto gb = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dd, ref_linear(xr, Wr, &v, N, C, OC)); }, bd);
+  EXPECT_TRUE(kt::close(dx, gx, 1e-4, 1e-5));
+  EXPECT_TRUE(kt::close(dW, gW, 1e-4, 1e-5));
+  EXPECT_TRUE(kt::close(db, gb, 1e-4, 1e-5));
+}
+
+// The gradient check must reject a wrong gradient: a linear backward that forgets the bias
+// broadcast (dbias from only the first row) or transposes W is caught at these tolerances.
+TEST(Linear, GradientCheckRejectsWrongGradient) {
+  const int64_t N = 5, C = 7, OC = 3;
+  auto x = kt::randn(N * C, 61), W = kt::randn(OC * C, 62), dout = kt::randn(N * OC, 63);
+  auto xd = kt::to_double(x), Wd = kt::to_double(W), dd = kt::to_double(dout);
+  auto gW = kt::numgrad([&](const std::vector<double>& v) { return kt::dot(dd, ref_linear(xd, v, nullptr, N, C, OC)); }, Wd);
+  std::vector<float> dW(OC * C, 0.0f);
+  linear_backward(nullptr, dW.data(), nullptr, dout.data(), x.data(), W.data(), N - 1, C, OC);  // drops a row
+  EXPECT_FALSE(kt::close(dW, gW, 1e-4, 1e-5));
+}
+
+}  // namespace
+}  // namespace mt::kernels

@@ -1,0 +1,234 @@
+// Whole-model checks: gradients against finite differences, initial loss, overfitting one batch,
+// bf16 against fp32, determinism, recompute equivalence, memory accounting.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/adamw.h"
+#include "model/rng.h"
+#include "model/transformer.h"
+#include "runtime/memory.h"
+
+namespace mt {
+namespace {
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  Rng r(seed);
+  std::vector<int32_t> v(n);
+  for (auto& t : v) t = static_cast<int32_t>(r.next_u64() % static_cast<uint64_t>(vocab));
+  return v;
+}
+
+ModelConfig tiny(Arch a) {
+  ModelConfig c = model_preset(a == Arch::GPT2 ? "gpt2-tiny" : "llama-tiny");
+  c.vocab_size = 61;  // odd vocabulary: exercises padding (padded to 64)
+  c.padded_vocab = 0;
+  c.resolve();
+  return c;
+}
+
+// Loss of the model at its current weights, in double where it matters (sum of per-token losses).
+double loss_at(Transformer& m, const std::vector<int32_t>& x, const std::vector<int32_t>& y, int64_t B, int64_t T) {
+  return m.forward(x.data(), y.data(), B, T, false);
+}
+
+class ModelGrad : public ::testing::TestWithParam<Arch> {};
+
+// Directional finite differences per parameter tensor: for a random direction d supported on one
+// tensor, (L(w + eps d) - L(w - eps d)) / (2 eps) must equal <grad, d>. Checking one direction per
+// tensor covers every tensor's gradient (a wrong gradient anywhere in a tensor changes <grad, d>).
+TEST_P(ModelGrad, MatchesFiniteDifferences) {
+  ModelConfig c = tiny(GetParam());
+  const int64_t B = 2, T = 9;
+  Transformer m(c, DType::F32);
+  m.init_weights(7);
+  // Larger weights than the 0.02 init so that every path has a sizeable gradient.
+  float* w = m.weights().f32();
+  Rng r(3);
+  for (int64_t i = 0; i < m.num_params(); ++i) w[i] += static_cast<float>(r.normal() * 0.1);
+  auto x = random_tokens(B * T, c.vocab_size, 1), y = random_tokens(B * T, c.vocab_size, 2);
+  m.zero_grads();
+  m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
+  m.backward();
+  std::vector<float> g(m.grads().f32(), m.grads().f32() + m.num_params());
+  int checked = 0;
+  for (const auto& p : m.params()) {
+    std::vector<double> d(p.numel);
+    double dot = 0, nrm = 0;
+    for (int64_t i = 0; i < p.numel; ++i) {
+      bool pad_row = p.shape.size() == 2 && p.shape[0] == c.padded_vocab && i / p.shape[1] >= c.vocab_size;
+      d[i] = pad_row ? 0.0 : r.normal();
+      nrm += d[i] * d[i];
+    }
+    nrm = std::sqrt(nrm);
+    for (int64_t i = 0; i < p.numel; ++i) {
+      d[i] /= nrm;
+      dot += d[i] * g[p.offset + i];
+    }
+    const double eps = 1e-2;
+    std::vector<float> saved(w + p.offset, w + p.offset + p.numel);
+    for (int64_t i = 0; i < p.numel; ++i) w[p.offset + i] = static_cast<float>(saved[i] + eps * d[i]);
+    double lp = loss_at(m, x, y, B, T);
+    for (int64_t i = 0; i < p.numel; ++i) w[p.offset + i] = static_cast<float>(saved[i] - eps * d[i]);
+    double lm = loss_at(m, x, y, B, T);
+    std::copy(saved.begin(), saved.end(), w + p.offset);
+    double fd = (lp - lm) / (2 * eps);
+    // float forward: loss noise ~1e-7 relative; eps 1e-2 -> FD noise ~1e-5 absolute, truncation O(eps^2).
+    if (getenv("MT_DEBUG_FD")) printf("%-32s dot %.6e fd %.6e\n", p.name.c_str(), dot, fd);
+    EXPECT_NEAR(dot, fd, 3e-3 * std::abs(fd) + 3e-5) << p.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, static_cast<int>(m.params().size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ModelGrad, ::testing::Values(Arch::GPT2, Arch::Llama),
+                         [](const auto& i) { return std::string(arch_name(i.param)); });
+
+TEST(Model, InitialLossIsLogVocab) {
+  for (Arch a : {Arch::GPT2, Arch::Llama}) {
+    ModelConfig c = model_preset(a == Arch::GPT2 ? "gpt2-mini" : "llama-mini");
+    Transformer m(c, DType::F32);
+    m.init_weights(1337);
+    const int64_t B = 2, T = 64;
+    auto x = random_tokens(B * T, c.vocab_size, 5), y = random_tokens(B * T, c.vocab_size, 6);
+    double l = m.forward(x.data(), y.data(), B, T, false);
+    EXPECT_NEAR(l, std::log(static_cast<double>(c.vocab_size)), 0.1) << arch_name(a);
+  }
+}
+
+// Plain AdamW loop on one batch (the trainer adds clipping, schedules and data).
+double overfit(Transformer& m, const std::vector<int32_t>& x, const std::vector<int32_t>& y, int64_t B, int64_t T,
+               int steps, double lr) {
+  std::vector<float> mom(m.num_params(), 0.0f), var(m.num_params(), 0.0f);
+  double loss = 0;
+  for (int s = 1; s <= steps; ++s) {
+    m.zero_grads();
+    loss = m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
+    m.backward();
+    kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.num_params(),
+                          static_cast<float>(lr), 0.9f, 0.95f, 1e-8f, 0.0f, s);
+    m.sync_compute_weights();
+  }
+  return loss;
+}
+
+TEST(Model, OverfitsOneBatch) {
+  for (Arch a : {Arch::GPT2, Arch::Llama}) {
+    ModelConfig c = tiny(a);
+    Transformer m(c, DType::F32);
+    m.init_weights(11);
+    const int64_t B = 2, T = 16;
+    auto x = random_tokens(B * T, c.vocab_size, 8), y = random_tokens(B * T, c.vocab_size, 9);
+    double l = overfit(m, x, y, B, T, 150, 1e-2);
+    EXPECT_LT(l, 0.05) << arch_name(a);
+  }
+}
+
+TEST(Model, DeterministicBitForBit) {
+  ModelConfig c = tiny(Arch::Llama);
+  auto run = [&]() {
+    Transformer m(c, DType::F32);
+    m.init_weights(5);
+    auto x = random_tokens(32, c.vocab_size, 1), y = random_tokens(32, c.vocab_size, 2);
+    overfit(m, x, y, 2, 16, 5, 1e-3);
+    return std::vector<float>(m.weights().f32(), m.weights().f32() + m.num_params());
+  };
+  EXPECT_EQ(run(), run());
+}
+
+// Recomputing activations must give exactly the gradients of storing them.
+TEST(Model, RecomputeGivesIdenticalGradients) {
+  for (Arch a : {Arch::GPT2, Arch::Llama}) {
+    ModelConfig c = tiny(a);
+    c.n_layer = 4;
+    auto x = random_tokens(32, c.vocab_size, 1), y = random_tokens(32, c.vocab_size, 2);
+    std::vector<std::vector<float>> grads;
+    std::vector<int64_t> act;
+    for (Recompute r : {Recompute::None, Recompute::Full, Recompute::Selective}) {
+      Transformer m(c, DType::F32, r);
+      m.init_weights(5);
+      m.zero_grads();
+      m.forward(x.data(), y.data(), 2, 16, true, 1.0f / 32);
+      act.push_back(m.activation_bytes());
+      m.backward();
+      grads.emplace_back(m.grads().f32(), m.grads().f32() + m.num_params());
+    }
+    EXPECT_EQ(grads[0], grads[1]) << arch_name(a);
+    EXPECT_EQ(grads[0], grads[2]) << arch_name(a);
+    EXPECT_LT(act[1], act[2]);
+    EXPECT_LT(act[2], act[0]);
+  }
+}
+
+// bf16 compute tracks fp32 training: same data, 50 AdamW steps, losses within a stated tolerance.
+TEST(Model, Bf16TracksFp32Over50Steps) {
+  ModelConfig c = model_preset("gpt2-tiny");
+  const int64_t B = 4, T = 32;
+  auto x = random_tokens(B * T, c.vocab_size, 21), y = random_tokens(B * T, c.vocab_size, 22);
+  std::vector<double> l32, l16;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Transformer m(c, dt);
+    m.init_weights(3);
+    std::vector<float> mom(m.num_params(), 0.0f), var(m.num_params(), 0.0f);
+    for (int s = 1; s <= 50; ++s) {
+      m.zero_grads();
+      double l = m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
+      (dt == DType::F32 ? l32 : l16).push_back(l);
+      m.backward();
+      kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.num_params(), 3e-3f, 0.9f,
+                            0.95f, 1e-8f, 0.0f, s);
+      m.sync_compute_weights();
+    }
+  }
+  // Tolerance: bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 0.2%) in matmul inputs;
+  // over 50 steps the loss curves must stay within 2% of each other (and both must fall).
+  for (int s = 0; s < 50; ++s) EXPECT_NEAR(l16[s], l32[s], 0.02 * l32[s]) << "step " << s;
+  EXPECT_LT(l32.back(), l32.front() - 1.0);
+}
+
+// Memory accounting: fp32 params and grads are exactly 4 bytes per parameter.
+TEST(Model, MemoryCategoriesMatchArithmetic) {
+  auto before = MemoryTracker::instance().stats().current;
+  {
+    ModelConfig c = model_preset("gpt2-mini");
+    Transformer m(c, DType::F32);
+    auto now = MemoryTracker::instance().stats().current;
+    EXPECT_EQ(now[static_cast<int>(MemCategory::Params)] - before[static_cast<int>(MemCategory::Params)],
+              4 * m.num_params());
+    EXPECT_EQ(now[static_cast<int>(MemCategory::Grads)] - before[static_cast<int>(MemCategory::Grads)],
+              4 * m.num_params());
+    EXPECT_EQ(m.num_params(), c.num_params());
+  }
+  {
+    ModelConfig c = model_preset("gpt2-mini");
+    Transformer m(c, DType::BF16);
+    auto now = MemoryTracker::instance().stats().current;
+    EXPECT_EQ(now[static_cast<int>(MemCategory::Params)] - before[static_cast<int>(MemCategory::Params)],
+              2 * m.num_params());  // the bf16 compute copy
+    EXPECT_EQ(now[static_cast<int>(MemCategory::Optimizer)] - before[static_cast<int>(MemCategory::Optimizer)],
+              4 * m.num_params());  // the fp32 master copy
+  }
+  auto after = MemoryTracker::instance().stats().current;
+  EXPECT_EQ(after[static_cast<int>(MemCategory::Params)], before[static_cast<int>(MemCategory::Params)]);
+}
+
+TEST(Model, GPT2_124MParameterCount) {
+  ModelConfig c = model_preset("gpt2-124m");
+  // 124,475,904 with the vocabulary padded to 50304 (llm.c's figure); 124,439,808 at 50257.
+  EXPECT_EQ(c.num_params(), 124475904);
+}
+
+TEST(Model, RejectsBadTokensAndLengths) {
+  ModelConfig c = tiny(Arch::GPT2);
+  Transformer m(c, DType::F32);
+  m.init_weights(1);
+  std::vector<int32_t> x(8, 1), y(8, 1);
+  x[3] = 61;
+  EXPECT_THROW(m.forward(x.data(), y.data(), 1, 8, false), std::out_of_range);
+  std::vector<int32_t> big(2 * c.seq_len, 1);
+  EXPECT_THROW(m.forward(big.data(), big.data(), 1, 2 * c.seq_len, false), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace mt
