@@ -37,6 +37,8 @@ const char* kHelp =
     "  --iters N          timed iterations per size (default: 50 for small sizes, fewer above\n"
     "                     4 MiB, at least 3)\n"
     "  --warmup N         untimed iterations per size (default 2)\n"
+    "  --blocking         wait for each operation before issuing the next (latency of a\n"
+    "                     dependent chain); default: issue all timed iterations, then wait\n"
     "  --no-mpi           skip the plain-MPI columns\n"
     "  --no-check         skip the correctness check of each size\n"
     "  --overlap          instead of the table, measure how much of an all_reduce is hidden\n"
@@ -254,7 +256,7 @@ int run_bench_comm_command(int argc, char** argv) {
   if (first < argc && !std::strcmp(argv[first], "comm")) ++first;
   ArgParser ap({"ops", "min-bytes", "max-bytes", "factor", "dtype", "op", "iters", "warmup",
                 "overlap-bytes"},
-               {"no-mpi", "no-check", "overlap", "help", "h"});
+               {"no-mpi", "no-check", "overlap", "blocking", "help", "h"});
   size_t min_b, max_b, ov_bytes;
   double factor;
   DType dt = DType::F32;
@@ -294,6 +296,7 @@ int run_bench_comm_command(int argc, char** argv) {
   const long iters_opt = ap.get_int("iters", 0);
   const long warmup = ap.get_int("warmup", 2);
   const bool no_mpi = ap.flag("no-mpi"), check = !ap.flag("no-check");
+  const bool blocking = ap.flag("blocking");
 
   const bool owned = !World::initialized();  // finalize only a world this command started
   World& world = World::init(&argc, &argv);
@@ -318,8 +321,9 @@ int run_bench_comm_command(int argc, char** argv) {
   const bool print = should_print();
   if (print) {
     std::printf("# meshtrain bench comm: %d ranks on %d node(s), dtype %s, op %s; time = slowest "
-                "rank, mean of the timed iterations\n",
-                n, world.num_nodes(), dtype_name(dt), reduce_op_name(rop));
+                "rank, mean of the timed iterations (%s)\n",
+                n, world.num_nodes(), dtype_name(dt), reduce_op_name(rop),
+                blocking ? "each waited before the next" : "issued back to back, then waited");
     std::printf("# %-14s %9s %11s | %10s %9s %9s %6s | %10s %9s %9s | %6s\n", "collective",
                 "size", "count", "time(us)", "algbw", "busbw", "#wrong", "mpi(us)", "algbw",
                 "busbw", "ratio");
@@ -367,7 +371,10 @@ int run_bench_comm_command(int argc, char** argv) {
           return;
         }
         WorkHandle last;
-        for (long i = 0; i < iters; ++i) last = issue();  // in order: the last done = all done
+        for (long i = 0; i < iters; ++i) {
+          last = issue();  // in order: the last done = all done
+          if (blocking) last->wait();
+        }
         last->wait();
       });
       // Correctness: rank q contributes q+1 (sum n(n+1)/2, avg (n+1)/2, max n); broadcast root 0.

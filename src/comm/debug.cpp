@@ -42,6 +42,14 @@ Config read_config() {
     int v = std::atoi(p);
     if (v >= 0) c.poll_max_us = std::min(v, 100000);
   }
+  if (const char* s = std::getenv("MESHTRAIN_COMM_SPIN_US")) {
+    int v = std::atoi(s);
+    if (v >= 0) c.spin_us = std::min(v, 1000000);
+  }
+  if (const char* s = std::getenv("MESHTRAIN_COMM_ONESHOT_KB")) {
+    long v = std::atol(s);
+    if (v >= 0) c.oneshot_bytes = static_cast<size_t>(v) << 10;
+  }
   if (const char* s = std::getenv("MESHTRAIN_COMM_SLICE_KB")) {
     long v = std::atol(s);
     if (v >= 4) c.slice_bytes = static_cast<size_t>(v) << 10;

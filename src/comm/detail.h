@@ -27,6 +27,8 @@ struct Config {
   int flight_recorder = 64;  // MESHTRAIN_FLIGHT_RECORDER: operations kept per rank
   int poll_max_us = 50;      // MESHTRAIN_COMM_POLL_US: longest sleep between polls of MPI
   size_t slice_bytes = 16u << 20;  // MESHTRAIN_COMM_SLICE_KB: pipelining slice of reductions
+  size_t oneshot_bytes = 16u << 10;  // MESHTRAIN_COMM_ONESHOT_KB: one-round all_reduce up to this
+  int spin_us = 20;  // MESHTRAIN_COMM_SPIN_US: idle thread / wait() poll (yielding) before sleeping
 };
 const Config& config();
 // Re-reads the environment (tests).
@@ -114,6 +116,7 @@ struct GroupImpl {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::unique_ptr<Op>> queue;
+  std::atomic<bool> has_work{false};  // queue not empty (read without the lock while spinning)
   std::thread thr;
   bool stop = false, down = false;
   uint64_t coll_issued = 0, p2p_issued = 0;  // under mu

@@ -13,6 +13,7 @@
 //   broadcast       binomial tree.
 //   barrier         MPI_Ibarrier.
 #include <pthread.h>
+#include <sched.h>
 #include <sys/prctl.h>
 
 #include <algorithm>
@@ -72,6 +73,11 @@ bool Work::test() {
 }
 
 void Work::wait() {
+  if (state_.load(std::memory_order_acquire) == 0) {
+    // Short operations finish within microseconds: poll (yielding the core) before sleeping.
+    const int64_t until = detail::now_ns() + int64_t(detail::config().spin_us) * 1000;
+    while (state_.load(std::memory_order_acquire) == 0 && detail::now_ns() < until) sched_yield();
+  }
   if (state_.load(std::memory_order_acquire) == 0) {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return state_.load() != 0; });
@@ -221,6 +227,7 @@ enum Phase : int {
   kBcRecvWait = 4,
   kBcSendWait = 5,
   kBarrierWait = 6,
+  kOneShotWait = 7,
 };
 
 static std::string mpi_error_string(int rc) {
@@ -345,6 +352,7 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
     op->fr_id = fr_issue(name, d, op->t_issue);
     if (size > 1) {
       queue.push_back(std::move(op));
+      has_work.store(true, std::memory_order_release);
       if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
     }
   }
@@ -600,6 +608,23 @@ int GroupImpl::step(Op& op) {
         }
         // all_reduce / reduce_scatter: reduce-scatter step of the slice at op.pos.
         const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
+        if (kind == OpKind::AllReduce && op.pos == 0 && op.d.count &&
+            op.d.count * es <= config().oneshot_bytes && n <= 16) {
+          // Small: one round. Every rank sends its whole buffer to every peer and reduces all n
+          // in rank order itself (the same inputs in the same order on every rank).
+          const size_t bytes = op.d.count * es;
+          char* stage =
+              static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * bytes));
+          for (int k = 1; k < n; ++k) {
+            const int src = (r - k + n) % n;
+            post(false, stage + (src < r ? src : src - 1) * bytes, bytes, src, coll_tag(op, 3),
+                 coll, reqs);
+          }
+          for (int k = 1; k < n; ++k)
+            post(true, op.rbuf, bytes, (r + k) % n, coll_tag(op, 3), coll, reqs);
+          op.phase = kOneShotWait;
+          break;
+        }
         if (kind == OpKind::AllReduce) {
           if (op.pos >= op.d.count) return 2;
           op.len = std::min(slice_elems, op.d.count - op.pos);
@@ -723,6 +748,22 @@ int GroupImpl::step(Op& op) {
         if (!test_all(reqs, "barrier", op)) return advanced;
         return 2;
 
+      case kOneShotWait: {
+        if (!test_all(reqs, "all-reduce exchange", op)) return advanced;
+        const void* srcs[64];
+        std::vector<const void*> many;
+        const void** sp = srcs;
+        if (n > 64) {
+          many.resize(n);
+          sp = many.data();
+        }
+        const size_t bytes = op.d.count * es;
+        const char* stage = static_cast<const char*>(staging);
+        for (int q = 0; q < n; ++q) sp[q] = q == r ? op.rbuf : stage + (q < r ? q : q - 1) * bytes;
+        reduce_into(op.d.dt, op.d.op, n, sp, op.rbuf, op.d.count);
+        return 2;
+      }
+
       default:
         throw CommError("group " + name + ": internal error (phase " + std::to_string(op.phase) +
                         ")");
@@ -758,6 +799,7 @@ void GroupImpl::thread_main() {
   std::vector<std::unique_ptr<Op>> p2ps;
   unsigned idle = 0;
   const int max_us = config().poll_max_us;
+  const int spin_us = config().spin_us;
 
   for (;;) {
     std::deque<std::unique_ptr<Op>> incoming;
@@ -765,11 +807,17 @@ void GroupImpl::thread_main() {
       std::unique_lock<std::mutex> lk(mu);
       if (queue.empty() && !cur && colls.empty() && p2ps.empty()) {
         if (stop) break;
+        // Idle: poll for new work for a little while (yielding), then sleep.
+        lk.unlock();
+        const int64_t until = now_ns() + int64_t(spin_us) * 1000;
+        while (!has_work.load(std::memory_order_acquire) && now_ns() < until) sched_yield();
+        lk.lock();
         cv.wait(lk, [&] { return stop || !queue.empty(); });
         idle = 0;
         if (queue.empty()) continue;
       }
       incoming.swap(queue);
+      has_work.store(false, std::memory_order_relaxed);
     }
     if (failed.load()) {
       std::string msg;

@@ -56,16 +56,19 @@ constexpr int G_LN1W = 0, G_LN1B = 1, G_QKVW = 2, G_QKVB = 3, G_PROJW = 4, G_PRO
 constexpr int L_LN1W = 0, L_QW = 1, L_OW = 4, L_LN2W = 5, L_GATEW = 6, L_UPW = 7, L_DOWNW = 8;
 }  // namespace
 
-Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute)
-    : cfg_(cfg), compute_(compute), recompute_(recompute) {
+Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage)
+    : cfg_(cfg), compute_(compute), recompute_(recompute), storage_(storage) {
   cfg_.resolve();
+  if (storage_.unit_align < 1) storage_.unit_align = 1;
   build_params();
-  MemCategory master_cat = compute_ == DType::F32 ? MemCategory::Params : MemCategory::Optimizer;
-  weights_ = Tensor::zeros({total_}, DType::F32, master_cat);
-  grads_ = Tensor::zeros({total_}, DType::F32, MemCategory::Grads);
-  if (compute_ == DType::BF16) weights_bf16_ = Tensor::zeros({total_}, DType::BF16, MemCategory::Params);
+  const bool f32 = compute_ == DType::F32;
+  if (f32 ? storage_.weights : storage_.master)
+    weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
+  if (storage_.grads) grads_ = Tensor::zeros({flat_size_}, DType::F32, MemCategory::Grads);
+  if (!f32 && storage_.weights) weights_bf16_ = Tensor::zeros({flat_size_}, DType::BF16, MemCategory::Params);
   unit_w_.assign(units_.size(), nullptr);
   unit_g_.assign(units_.size(), nullptr);
+  upcast_.resize(params_.size());
 }
 
 Transformer::~Transformer() = default;
@@ -74,26 +77,35 @@ void Transformer::build_params() {
   const int64_t C = cfg_.n_embd, hd = cfg_.head_dim(), F = cfg_.ffn_hidden, V = cfg_.padded_vocab;
   const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head;
   int cur_unit = 0;
+  int64_t pos = 0;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false) {
     ParamInfo p;
     p.name = name;
     p.shape = shape;
     p.numel = 1;
     for (auto d : shape) p.numel *= d;
-    p.offset = total_;
+    p.offset = pos;
     p.unit = cur_unit;
     p.decay = decay;
     p.hf_transposed = tr;
     total_ += p.numel;
+    pos += p.numel;
     unit_params_[cur_unit].push_back(static_cast<int>(params_.size()));
     params_.push_back(p);
   };
+  // Parameter offsets are positions in the flat buffer: units are padded to unit_align, so
+  // offsets run ahead of the parameter count (total_) once padding appears.
   auto begin_unit = [&](const std::string& name) {
     cur_unit = static_cast<int>(units_.size());
-    units_.push_back(UnitRange{name, total_, 0});
+    units_.push_back(UnitRange{name, pos, 0});
     unit_params_.emplace_back();
   };
-  auto end_unit = [&]() { units_.back().numel = total_ - units_.back().offset; };
+  auto end_unit = [&]() {
+    const int64_t a = storage_.unit_align;
+    pos = (pos + a - 1) / a * a;
+    units_.back().numel = pos - units_.back().offset;
+    flat_size_ = pos;
+  };
 
   const bool gpt = cfg_.arch == Arch::GPT2;
   begin_unit("embedding");
@@ -151,11 +163,19 @@ const ParamInfo& Transformer::param(const std::string& name) const {
   throw std::out_of_range("no parameter named " + name);
 }
 
-void Transformer::zero_grads() { grads_.zero_(); }
+void Transformer::zero_grads() {
+  if (grads_.defined()) grads_.zero_();
+}
 
 void Transformer::init_weights(uint64_t seed) {
+  if (!weights_.defined()) throw std::logic_error("init_weights: the model holds no full fp32 weights");
+  init_weights_into(seed, weights_.f32());
+  sync_compute_weights();
+}
+
+void Transformer::init_weights_into(uint64_t seed, float* w) const {
   Rng rng(seed);
-  float* w = weights_.f32();
+  std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
   for (const auto& p : params_) {
     float* d = w + p.offset;
@@ -182,21 +202,30 @@ void Transformer::init_weights(uint64_t seed) {
           d[r * cols + c] = (vocab && r >= cfg_.vocab_size) ? 0.0f : static_cast<float>(rng.normal()) * sd;
     }
   }
-  sync_compute_weights();
 }
 
 void Transformer::sync_compute_weights() {
-  if (compute_ == DType::BF16) k::cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), total_);
+  if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined())
+    k::cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
 }
 
 void Transformer::set_unit_weights(int u, const void* w) { unit_w_.at(u) = w; }
 void Transformer::set_unit_grads(int u, float* g) { unit_g_.at(u) = g; }
 
-const float* Transformer::wf(int idx) const {
+// fp32 view of a parameter. In bf16 mode the model computes from the bf16 weights only (so a
+// sharded run that gathers bf16 computes exactly what an unsharded bf16 run does): small
+// parameters (norms, biases, positions) are converted to fp32 on use.
+const float* Transformer::wf(int idx) {
   const ParamInfo& p = params_[idx];
   const UnitRange& ur = units_[p.unit];
-  if (unit_w_[p.unit] && compute_ == DType::F32)
-    return static_cast<const float*>(unit_w_[p.unit]) + (p.offset - ur.offset);
+  if (compute_ == DType::BF16) {
+    Tensor& t = upcast_[idx];
+    if (!t.defined()) t = Tensor::empty({p.numel}, DType::F32, MemCategory::Workspace);
+    k::cast_bf16_to_f32(t.f32(), wb(idx), p.numel);
+    return t.f32();
+  }
+  if (unit_w_[p.unit]) return static_cast<const float*>(unit_w_[p.unit]) + (p.offset - ur.offset);
+  if (!weights_.defined()) throw std::logic_error("unit " + ur.name + " has no weights (not gathered?)");
   return weights_.f32() + p.offset;
 }
 
@@ -204,12 +233,14 @@ const bf16* Transformer::wb(int idx) const {
   const ParamInfo& p = params_[idx];
   const UnitRange& ur = units_[p.unit];
   if (unit_w_[p.unit]) return static_cast<const bf16*>(unit_w_[p.unit]) + (p.offset - ur.offset);
+  if (!weights_bf16_.defined()) throw std::logic_error("unit " + ur.name + " has no weights (not gathered?)");
   return weights_bf16_.bf() + p.offset;
 }
 
 float* Transformer::gp(int idx) const {
   const ParamInfo& p = params_[idx];
   if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - units_[p.unit].offset);
+  if (!grads_.defined()) throw std::logic_error("unit " + units_[p.unit].name + " has no gradient buffer");
   return grads_.f32() + p.offset;
 }
 
@@ -438,7 +469,12 @@ double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t 
   if (hooks_) hooks_->pre_forward(0);
   float* x = block_out_[0].f32();
   const int emb = unit_params_[0][0];
-  k::embedding_forward(x, ids_saved, wf(emb), N, C);
+  if (bf) {  // rows of the bf16 table, widened
+    const bf16* table = wb(emb);
+    for (int64_t i = 0; i < N; ++i) k::cast_bf16_to_f32(x + i * C, table + static_cast<int64_t>(ids_saved[i]) * C, C);
+  } else {
+    k::embedding_forward(x, ids_saved, wf(emb), N, C);
+  }
   if (gpt) k::position_add_forward(x, wf(emb + 1), B, T, C);
   if (hooks_) hooks_->post_forward(0);
   // blocks

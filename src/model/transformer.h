@@ -33,10 +33,20 @@ class UnitHooks {
 
 struct BlockActivations;  // defined in transformer.cpp
 
+// Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
+// at their own buffers instead (set_unit_weights / set_unit_grads).
+struct ModelStorage {
+  bool weights = true;   // full weights in the compute dtype (fp32, or the bf16 compute copy)
+  bool master = true;    // bf16 mode only: full fp32 master weights (weights())
+  bool grads = true;     // full fp32 gradients
+  int64_t unit_align = 1;  // each unit's range is padded to a multiple of this (for even shards)
+};
+
 class Transformer {
  public:
   // compute: F32, or BF16 (bf16 weights and matmul inputs, fp32 accumulation, fp32 master weights).
-  Transformer(const ModelConfig& cfg, DType compute, Recompute recompute = Recompute::None);
+  Transformer(const ModelConfig& cfg, DType compute, Recompute recompute = Recompute::None,
+              ModelStorage storage = {});
   ~Transformer();
 
   const ModelConfig& config() const { return cfg_; }
@@ -46,14 +56,19 @@ class Transformer {
   int num_units() const { return static_cast<int>(units_.size()); }
   const UnitRange& unit(int u) const { return units_[u]; }
   int64_t num_params() const { return total_; }
+  // Elements of a full flat buffer: parameters plus per-unit padding (always zero).
+  int64_t flat_size() const { return flat_size_; }
 
   // fp32 master weights (category Params in fp32 mode, Optimizer in bf16 mode, where the bf16
-  // copy is what the Params category holds) and fp32 gradients.
+  // copy is what the Params category holds) and fp32 gradients; undefined when not allocated.
   Tensor& weights() { return weights_; }
   Tensor& grads() { return grads_; }
+  Tensor& compute_weights() { return compute_ == DType::F32 ? weights_ : weights_bf16_; }
   void zero_grads();
   // GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), norms 1, biases 0.
   void init_weights(uint64_t seed);
+  // The same values written into any full fp32 flat buffer (flat_size() elements).
+  void init_weights_into(uint64_t seed, float* flat) const;
   // bf16 mode: refresh the bf16 copy from the fp32 master weights (after every optimizer step).
   void sync_compute_weights();
 
@@ -84,7 +99,7 @@ class Transformer {
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
   bool recomputes(int layer) const;
-  const float* wf(int idx) const;
+  const float* wf(int idx);
   const bf16* wb(int idx) const;
   float* gp(int idx) const;
 
@@ -94,7 +109,9 @@ class Transformer {
   std::vector<ParamInfo> params_;
   std::vector<UnitRange> units_;
   std::vector<std::vector<int>> unit_params_;  // param indices per unit
-  int64_t total_ = 0;
+  int64_t total_ = 0, flat_size_ = 0;
+  ModelStorage storage_;
+  std::vector<Tensor> upcast_;  // bf16 mode: fp32 copies of small parameters, per param index
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;

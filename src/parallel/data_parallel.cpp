@@ -70,7 +70,7 @@ void DataParallel::verify_and_broadcast() {
                                  " built different models (" + what + " differs): every rank must use the same model config");
       }
   }
-  dp_->broadcast(model_.weights().f32(), static_cast<size_t>(model_.num_params()), DType::F32, 0)->wait();
+  dp_->broadcast(model_.weights().f32(), static_cast<size_t>(model_.flat_size()), DType::F32, 0)->wait();
   model_.sync_compute_weights();
 }
 

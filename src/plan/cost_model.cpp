@@ -394,11 +394,11 @@ std::string why_sentence(const Estimate& e) {
   if (e.dp_exposed_s > 0) {
     std::string what;
     switch (l.strategy) {
-      case Strategy::DDP: what = "the gradient all-reduce"; break;
+      case Strategy::DDP: what = "gradient all-reduce"; break;
       case Strategy::ZeRO1:
-      case Strategy::ZeRO2: what = "the gradient reduce-scatter and parameter all-gather"; break;
-      case Strategy::ZeRO3: what = "the ZeRO-3 all-gathers and reduce-scatters"; break;
-      case Strategy::HSDP: what = "the HSDP shard collectives and replica all-reduce"; break;
+      case Strategy::ZeRO2: what = "gradient reduce-scatter and parameter all-gather"; break;
+      case Strategy::ZeRO3: what = "ZeRO-3 all-gathers and reduce-scatters"; break;
+      case Strategy::HSDP: what = "HSDP shard collectives and replica all-reduce"; break;
     }
     what = "exposed " + what + (e.dp_inter_node ? " across nodes" : " inside the node");
     losses.push_back({e.dp_exposed_s, what});

@@ -37,7 +37,7 @@ bool parse_checkpointing(const std::string& s, Checkpointing* out);
 
 // The training setup that does not depend on the layout.
 struct TrainSetup {
-  int64_t global_batch = 0;     // sequences per optimizer step, all replicas together (0: 4 per GPU)
+  int64_t global_batch = 0;     // sequences per optimizer step, all replicas (0: ~1M tokens, >= 1 per GPU)
   int64_t micro_batch = 0;      // sequences per micro-batch per model replica (0: planner chooses)
   int64_t seq = 0;              // tokens per sequence (0: the model's seq_len)
   bool fp32 = false;            // false: bf16 mixed precision (bf16 params+grads, fp32 master+Adam)

@@ -153,7 +153,7 @@ std::string plan_help() {
          "                          explicit dimensions (default arch llama); with --model or --hf-config they override\n"
          "Training setup:\n"
          "  --gpus N                GPUs (ranks) in the job (required)\n"
-         "  --global-batch B        sequences per optimizer step (default 4 per GPU)\n"
+         "  --global-batch B        sequences per optimizer step (default ~1M tokens, at least one per GPU)\n"
          "  --micro-batch b         sequences per micro-batch (default: the planner chooses)\n"
          "  --seq S                 tokens per sequence (default: the model's; Hugging Face configs capped at 8192)\n"
          "  --dtype bf16|fp32       bf16 mixed precision (default; fp32 master + Adam) or fp32 training\n"

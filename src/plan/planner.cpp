@@ -160,7 +160,12 @@ bool better(const Estimate& a, const Estimate& b) {
     if (sa != sb) return sa < sb;
     return a.mem.total() < b.mem.total();
   }
-  const double ra = a.mem.total() / a.mem_usable, rb = b.mem.total() / b.mem_usable;
+  auto overflow = [](const Estimate& e) {  // how far over its memory (device or host) a layout is
+    double r = e.mem.total() / e.mem_usable;
+    if (!e.host_fits && e.host_bytes_per_node > 0) r = std::max(r, 1.0 + 1e-9 * e.host_bytes_per_node);
+    return r;
+  };
+  const double ra = overflow(a), rb = overflow(b);
   if (ra != rb) return ra < rb;
   return a.time.total() < b.time.total();
 }
@@ -172,7 +177,12 @@ std::string fmt(const char* f, double v) {
 }
 
 std::string gib(double b) { return fmt("%.1f GiB", b / GiB); }
-std::string secs(double s) { return s >= 1.0 ? fmt("%.2f s", s) : fmt("%.0f ms", s * 1e3); }
+std::string secs(double s) {
+  if (s >= 1.0) return fmt("%.2f s", s);
+  if (s >= 0.1) return fmt("%.0f ms", s * 1e3);
+  if (s >= 0.001) return fmt("%.2f ms", s * 1e3);
+  return fmt("%.0f us", s * 1e6);
+}
 
 std::string layout_words(const Layout& l) {
   std::string s;
@@ -263,7 +273,10 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
   if (model.arch == Arch::GPT2 && st.seq > model.seq_len)
     throw std::invalid_argument("--seq " + std::to_string(st.seq) + " exceeds the model's " +
                                 std::to_string(model.seq_len) + " positions");
-  if (st.global_batch <= 0) st.global_batch = 4LL * N;
+  if (st.global_batch <= 0) {  // ~1M tokens per step, at least one sequence per GPU, a multiple of N
+    const int64_t seqs = std::max<int64_t>(1, ((int64_t{1} << 20) + st.seq - 1) / st.seq);
+    st.global_batch = static_cast<int64_t>(N) * ((seqs + N - 1) / N);
+  }
   if (st.micro_batch < 0) throw std::invalid_argument("--micro-batch must be positive");
   R.model_state_bytes = bytes_per_param(st.fp32, st.grad_bytes).total() * static_cast<double>(model.num_params());
 
@@ -332,7 +345,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
           if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
       }
       for (Layout base : dps) {
-        if (opts.strategy && base.strategy != *opts.strategy && !(dp == 1)) continue;
+        if (opts.strategy && base.strategy != *opts.strategy) continue;
         for (auto [sched, v] : scheds) {
           if (opts.schedule && sched != *opts.schedule) continue;
           for (int64_t mb : mbs) {

@@ -127,9 +127,12 @@ void save_checkpoint(const std::string& root, const Transformer& model, const fl
   fs::create_directories(tmp_dir);
   export_weights((tmp_dir / "model.safetensors").string(), model, weights);
   if (exp_avg && exp_avg_sq) {
+    // Moments per parameter (internal [out, in] layout): independent of padding and sharding.
     std::map<std::string, SafeTensor> opt;
-    opt.emplace("exp_avg", flat_tensor(exp_avg, model.num_params()));
-    opt.emplace("exp_avg_sq", flat_tensor(exp_avg_sq, model.num_params()));
+    for (const auto& p : model.params()) {
+      opt.emplace("exp_avg." + p.name, flat_tensor(exp_avg + p.offset, p.numel));
+      opt.emplace("exp_avg_sq." + p.name, flat_tensor(exp_avg_sq + p.offset, p.numel));
+    }
     write_safetensors((tmp_dir / "optimizer.safetensors").string(), opt);
   }
   nlohmann::json j = {{"format_version", 1},
@@ -184,12 +187,15 @@ TrainerState load_checkpoint(const std::string& dir, const Transformer& model, f
     if (!j.value("has_optimizer", false)) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
     const std::string of = (d / "optimizer.safetensors").string();
     auto ts = read_safetensors(of);
-    for (auto [name, dst] : {std::pair<const char*, float*>{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}) {
-      auto it = ts.find(name);
-      if (it == ts.end()) throw std::runtime_error(of + ": missing tensor " + name);
-      if (it->second.shape != std::vector<int64_t>{model.num_params()})
-        throw std::runtime_error(of + ": tensor " + name + " does not match the model size");
-      std::memcpy(dst, it->second.bytes.data(), it->second.bytes.size());
+    for (auto [prefix, dst] : {std::pair<const char*, float*>{"exp_avg.", exp_avg}, {"exp_avg_sq.", exp_avg_sq}}) {
+      for (const auto& p : model.params()) {
+        const std::string name = prefix + p.name;
+        auto it = ts.find(name);
+        if (it == ts.end()) throw std::runtime_error(of + ": missing tensor " + name);
+        if (it->second.shape != std::vector<int64_t>{p.numel})
+          throw std::runtime_error(of + ": tensor " + name + " does not match the model's parameter size");
+        std::memcpy(dst + p.offset, it->second.bytes.data(), it->second.bytes.size());
+      }
     }
   }
   TrainerState st;

@@ -1,6 +1,7 @@
 #include "train/optimizer.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <cmath>
 #include <stdexcept>
 
@@ -8,27 +9,31 @@
 
 namespace mt {
 
-AdamW::AdamW(const std::vector<ParamInfo>& params, int64_t begin, int64_t end, AdamWConfig cfg)
-    : begin_(begin), end_(end), cfg_(cfg) {
-  for (const auto& p : params) {
-    int64_t b = std::max(begin, p.offset), e = std::min(end, p.offset + p.numel);
-    if (b >= e) continue;
-    if (!ranges_.empty() && ranges_.back().end == b && ranges_.back().decay == p.decay)
-      ranges_.back().end = e;  // merge neighbours with the same decay setting
-    else
-      ranges_.push_back({b, e, p.decay});
-  }
-  m_ = Tensor::zeros({end - begin}, DType::F32, MemCategory::Optimizer);
-  v_ = Tensor::zeros({end - begin}, DType::F32, MemCategory::Optimizer);
+AdamW::AdamW(std::vector<AdamSpan> spans, int64_t state_size, AdamWConfig cfg) : spans_(std::move(spans)), cfg_(cfg) {
+  for (const auto& sp : spans_)
+    if (sp.s_off < 0 || sp.s_off + sp.n > state_size) throw std::out_of_range("AdamW span outside its state");
+  m_ = Tensor::zeros({state_size}, DType::F32, MemCategory::Optimizer);
+  v_ = Tensor::zeros({state_size}, DType::F32, MemCategory::Optimizer);
 }
 
-void AdamW::step(float* weights, const float* grads, double lr, float grad_scale) {
+std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
+  std::vector<AdamSpan> v;
+  for (const auto& p : params) {
+    if (!v.empty() && v.back().w_off + v.back().n == p.offset && v.back().decay == p.decay)
+      v.back().n += p.numel;  // merge neighbours with the same decay setting
+    else
+      v.push_back({p.offset, p.offset, p.numel, p.decay});
+  }
+  return v;
+}
+
+void AdamW::step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state, bool g_by_state) {
   ++step_;
-  for (const auto& r : ranges_) {
-    kernels::adamw_update(weights + r.begin, grads + r.begin, m_.f32() + (r.begin - begin_),
-                          v_.f32() + (r.begin - begin_), r.end - r.begin, static_cast<float>(lr),
+  for (const auto& sp : spans_) {
+    kernels::adamw_update(weights + (w_by_state ? sp.s_off : sp.w_off), grads + (g_by_state ? sp.s_off : sp.w_off),
+                          m_.f32() + sp.s_off, v_.f32() + sp.s_off, sp.n, static_cast<float>(lr),
                           static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
-                          r.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, step_, grad_scale);
+                          sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, step_, grad_scale);
   }
 }
 

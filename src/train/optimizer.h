@@ -1,7 +1,10 @@
-// AdamW over a range of the model's flat parameter buffer, and the learning-rate schedule.
+// AdamW over spans of the model's parameters, and the learning-rate schedule.
 //
-// The optimizer owns fp32 moments for the elements [begin, end) of the flat buffer (the whole
-// model for DDP; one rank's shard for ZeRO). Weight decay applies per parameter (ParamInfo::decay).
+// The optimizer owns fp32 moments for `state_size` elements. Each span maps n elements at
+// w_off of a weight buffer to n elements at s_off of the state (and gradient) buffers: for DDP the
+// spans are the parameters and the state is laid out like the flat buffer; for ZeRO a rank's spans
+// are its shard of each unit. Weight decay applies per span (ParamInfo::decay); padding is in no
+// span, so it is never touched.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -16,26 +19,29 @@ struct AdamWConfig {
   double lr = 6e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
 };
 
+struct AdamSpan {
+  int64_t w_off = 0, s_off = 0, n = 0;
+  bool decay = true;
+};
+
 class AdamW {
  public:
-  AdamW(const std::vector<ParamInfo>& params, int64_t begin, int64_t end, AdamWConfig cfg);
-  // One update of weights[begin, end) from grads (both indexed like the flat buffer, i.e. the
-  // pointers address element 0 of the flat buffer). grad_scale multiplies every gradient (clipping).
-  void step(float* weights, const float* grads, double lr, float grad_scale);
+  AdamW(std::vector<AdamSpan> spans, int64_t state_size, AdamWConfig cfg);
+  // Spans for a full (unsharded) flat buffer: one per parameter, state offsets = flat offsets.
+  static std::vector<AdamSpan> full_spans(const std::vector<ParamInfo>& params);
+  // One update. `weights` is indexed by w_off (or by s_off when w_by_state), `grads` by w_off
+  // (or s_off when g_by_state). grad_scale multiplies every gradient (clipping).
+  void step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state = false,
+            bool g_by_state = false);
   int64_t step_count() const { return step_; }
   void set_step_count(int64_t s) { step_ = s; }
   Tensor& exp_avg() { return m_; }
   Tensor& exp_avg_sq() { return v_; }
-  int64_t begin() const { return begin_; }
-  int64_t end() const { return end_; }
+  const std::vector<AdamSpan>& spans() const { return spans_; }
 
  private:
-  struct Range {
-    int64_t begin, end;
-    bool decay;
-  };
-  std::vector<Range> ranges_;
-  int64_t begin_, end_, step_ = 0;
+  std::vector<AdamSpan> spans_;
+  int64_t step_ = 0;
   AdamWConfig cfg_;
   Tensor m_, v_;
 };

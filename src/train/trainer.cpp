@@ -104,7 +104,8 @@ TrainResult train(const RunConfig& cfg) {
 
   Transformer model(mc, dt, rc);
   model.init_weights(static_cast<uint64_t>(tc.seed));
-  AdamW opt(model.params(), 0, model.num_params(), AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay});
+  AdamW opt(AdamW::full_spans(model.params()), model.flat_size(),
+            AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay});
   parallel::DataParallel ddp(model, dp_group, cfg.parallel.bucket_mb);
   model.set_hooks(&ddp);
 
@@ -186,7 +187,7 @@ TrainResult train(const RunConfig& cfg) {
     }
     loss = dp_mean(loss / static_cast<double>(accum));
     const double compute_ms = ms_since(t0) - cs.exposed_ms;
-    double norm = std::sqrt(kernels::sum_squares(model.grads().f32(), model.num_params()));
+    double norm = std::sqrt(kernels::sum_squares(model.grads().f32(), model.flat_size()));
     if (!std::isfinite(norm) || !std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
                                std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");

@@ -168,7 +168,7 @@ TEST(DdpUnit, BucketsCoverTheGradientsInReverseOrder) {
   parallel::DataParallel ddp(m, w.world(), 0.5, 0.2);
   const auto& b = ddp.buckets();
   ASSERT_GE(b.size(), 3u);
-  int64_t end = m.num_params();
+  int64_t end = m.flat_size();
   for (const auto& x : b) {  // contiguous, from the end of the flat buffer backwards
     EXPECT_EQ(x.offset + x.numel, end);
     end = x.offset;

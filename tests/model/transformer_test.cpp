@@ -46,12 +46,12 @@ TEST_P(ModelGrad, MatchesFiniteDifferences) {
   // Larger weights than the 0.02 init so that every path has a sizeable gradient.
   float* w = m.weights().f32();
   Rng r(3);
-  for (int64_t i = 0; i < m.num_params(); ++i) w[i] += static_cast<float>(r.normal() * 0.1);
+  for (int64_t i = 0; i < m.flat_size(); ++i) w[i] += static_cast<float>(r.normal() * 0.1);
   auto x = random_tokens(B * T, c.vocab_size, 1), y = random_tokens(B * T, c.vocab_size, 2);
   m.zero_grads();
   m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
   m.backward();
-  std::vector<float> g(m.grads().f32(), m.grads().f32() + m.num_params());
+  std::vector<float> g(m.grads().f32(), m.grads().f32() + m.flat_size());
   int checked = 0;
   for (const auto& p : m.params()) {
     std::vector<double> d(p.numel);
@@ -100,13 +100,13 @@ TEST(Model, InitialLossIsLogVocab) {
 // Plain AdamW loop on one batch (the trainer adds clipping, schedules and data).
 double overfit(Transformer& m, const std::vector<int32_t>& x, const std::vector<int32_t>& y, int64_t B, int64_t T,
                int steps, double lr) {
-  std::vector<float> mom(m.num_params(), 0.0f), var(m.num_params(), 0.0f);
+  std::vector<float> mom(m.flat_size(), 0.0f), var(m.flat_size(), 0.0f);
   double loss = 0;
   for (int s = 1; s <= steps; ++s) {
     m.zero_grads();
     loss = m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
     m.backward();
-    kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.num_params(),
+    kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.flat_size(),
                           static_cast<float>(lr), 0.9f, 0.95f, 1e-8f, 0.0f, s);
     m.sync_compute_weights();
   }
@@ -132,7 +132,7 @@ TEST(Model, DeterministicBitForBit) {
     m.init_weights(5);
     auto x = random_tokens(32, c.vocab_size, 1), y = random_tokens(32, c.vocab_size, 2);
     overfit(m, x, y, 2, 16, 5, 1e-3);
-    return std::vector<float>(m.weights().f32(), m.weights().f32() + m.num_params());
+    return std::vector<float>(m.weights().f32(), m.weights().f32() + m.flat_size());
   };
   EXPECT_EQ(run(), run());
 }
@@ -152,7 +152,7 @@ TEST(Model, RecomputeGivesIdenticalGradients) {
       m.forward(x.data(), y.data(), 2, 16, true, 1.0f / 32);
       act.push_back(m.activation_bytes());
       m.backward();
-      grads.emplace_back(m.grads().f32(), m.grads().f32() + m.num_params());
+      grads.emplace_back(m.grads().f32(), m.grads().f32() + m.flat_size());
     }
     EXPECT_EQ(grads[0], grads[1]) << arch_name(a);
     EXPECT_EQ(grads[0], grads[2]) << arch_name(a);
@@ -170,13 +170,13 @@ TEST(Model, Bf16TracksFp32Over50Steps) {
   for (DType dt : {DType::F32, DType::BF16}) {
     Transformer m(c, dt);
     m.init_weights(3);
-    std::vector<float> mom(m.num_params(), 0.0f), var(m.num_params(), 0.0f);
+    std::vector<float> mom(m.flat_size(), 0.0f), var(m.flat_size(), 0.0f);
     for (int s = 1; s <= 50; ++s) {
       m.zero_grads();
       double l = m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
       (dt == DType::F32 ? l32 : l16).push_back(l);
       m.backward();
-      kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.num_params(), 3e-3f, 0.9f,
+      kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.flat_size(), 3e-3f, 0.9f,
                             0.95f, 1e-8f, 0.0f, s);
       m.sync_compute_weights();
     }
