@@ -6,6 +6,7 @@
 
 #include "comm/commands.h"
 #include "parallel/pipeline_schedule.h"
+#include "plan/plan_command.h"
 #include "train/data_commands.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
@@ -40,6 +41,7 @@ int dispatch(int argc, char** argv) {
   if (cmd == "sample") return run_sample_command(sub_argc, sub_argv);
   if (cmd == "prepare") return run_prepare_command(sub_argc, sub_argv);
   if (cmd == "tokenize") return run_tokenize_command(sub_argc, sub_argv);
+  if (cmd == "plan") return plan::run_plan_command(sub_argc, sub_argv);
   if (cmd == "schedule") return parallel::run_schedule_command(sub_argc, sub_argv);
   if (cmd == "launch") return comm::run_launch_command(sub_argc, sub_argv);
   if (cmd == "bench") return comm::run_bench_comm_command(sub_argc, sub_argv);

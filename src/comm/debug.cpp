@@ -42,6 +42,8 @@ Config read_config() {
     int v = std::atoi(p);
     if (v >= 0) c.poll_max_us = std::min(v, 100000);
   }
+  if (const char* h = std::getenv("MESHTRAIN_COMM_HIER")) c.hierarchical = std::strcmp(h, "0") != 0;
+  if (const char* f = std::getenv("MESHTRAIN_COMM_FAKE_NODE_SIZE")) c.fake_node_size = std::atoi(f);
   if (const char* s = std::getenv("MESHTRAIN_COMM_SPIN_US")) {
     int v = std::atoi(s);
     if (v >= 0) c.spin_us = std::min(v, 1000000);

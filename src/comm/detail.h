@@ -26,8 +26,10 @@ struct Config {
   double timeout_s = 300;    // MESHTRAIN_TIMEOUT_S; 0 disables the watchdog
   int flight_recorder = 64;  // MESHTRAIN_FLIGHT_RECORDER: operations kept per rank
   int poll_max_us = 50;      // MESHTRAIN_COMM_POLL_US: longest sleep between polls of MPI
-  size_t slice_bytes = 16u << 20;  // MESHTRAIN_COMM_SLICE_KB: pipelining slice of reductions
+  size_t slice_bytes = 8u << 20;   // MESHTRAIN_COMM_SLICE_KB: pipelining slice of reductions
   size_t oneshot_bytes = 16u << 10;  // MESHTRAIN_COMM_ONESHOT_KB: one-round all_reduce up to this
+  bool hierarchical = true;  // MESHTRAIN_COMM_HIER=0 turns the two-level all_reduce off
+  int fake_node_size = 0;   // MESHTRAIN_COMM_FAKE_NODE_SIZE: pretend nodes of k world ranks (tests)
   int spin_us = 20;  // MESHTRAIN_COMM_SPIN_US: idle thread / wait() poll (yielding) before sleeping
 };
 const Config& config();
@@ -82,6 +84,10 @@ inline Seg segment(size_t count, int n, int i) {
 // (bf16 inputs widened, result rounded to nearest even once). Avg divides the sum by n.
 // `out` may alias srcs[q] exactly.
 void reduce_into(DType dt, ReduceOp op, int n, const void* const* srcs, void* out, size_t len);
+// The same with sources of `in_dt` and output of `out_dt`; Avg divides by `divisor` (Sum and Max
+// ignore it). Used for the fp32 partial sums of the two-level all_reduce.
+void reduce_mixed(DType in_dt, DType out_dt, ReduceOp op, int n, const void* const* srcs,
+                  void* out, size_t len, int divisor);
 
 struct Op;
 
@@ -109,6 +115,12 @@ struct GroupImpl {
   int rank = 0, size = 1;
   std::vector<int> granks;
   MPI_Comm coll = MPI_COMM_NULL, p2p = MPI_COMM_NULL, ctrl = MPI_COMM_NULL;
+  // Two-level all_reduce for a group spanning several nodes with the same number (>= 2) of its
+  // ranks on each: `intra` holds this node's members, `inter` the members with the same local
+  // index on every node.
+  bool hier = false;
+  MPI_Comm intra = MPI_COMM_NULL, inter = MPI_COMM_NULL;
+  int local_n = 1, local_r = 0, nodes_n = 1, node_r = 0;
   std::shared_ptr<StatsBlock> stats;
   int tag_bits = 20;  // collective tags: (seq mod 2^tag_bits) * 4 + phase
 
@@ -155,6 +167,7 @@ struct GroupImpl {
   void* ensure_staging(size_t bytes);
   void desync_check(Op& op);
   int coll_tag(const Op& op, int phase) const;
+  void setup_hierarchy();
 };
 
 // Registry of groups (watchdog, finalize) and of their stats (kept after a group is destroyed).

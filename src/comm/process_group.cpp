@@ -3,15 +3,20 @@
 // waiting thread sleeps instead of taking a core from compute.
 //
 // Algorithms (n ranks, buffer of B bytes; see docs/comm.md):
-//   all_reduce      direct reduce-scatter then direct all-gather, in slices of at most
-//                   MESHTRAIN_COMM_SLICE_KB: rank r owns segment r of each slice, receives the n-1
-//                   other contributions to it, reduces all n in rank order in fp32, and sends the
-//                   result to every peer. Each rank sends (n-1)/n B twice = the ring volume, in 2
-//                   steps instead of 2(n-1).
-//   reduce_scatter  the first half of the above.
+//   all_reduce      up to MESHTRAIN_COMM_ONESHOT_KB: one round, every rank sends B to every peer
+//                   and reduces all n itself. Larger: direct reduce-scatter then direct
+//                   all-gather, in slices of at most MESHTRAIN_COMM_SLICE_KB: rank r owns segment
+//                   r of each slice, receives the n-1 other contributions to it, reduces all n in
+//                   rank order in fp32, and sends the result to every peer. Each rank sends
+//                   (n-1)/n B twice = the ring volume, in 2 steps instead of 2(n-1).
+//                   Groups spanning several nodes (same number >= 2 of ranks on each): two-level,
+//                   intra-node reduce-scatter -> inter-node reduce-scatter + all-gather of fp32
+//                   partials -> intra-node all-gather.
+//   reduce_scatter  the first half of the direct all_reduce.
 //   all_gather      every rank sends its part to every peer.
 //   broadcast       binomial tree.
 //   barrier         MPI_Ibarrier.
+
 #include <pthread.h>
 #include <sched.h>
 #include <sys/prctl.h>
@@ -228,6 +233,11 @@ enum Phase : int {
   kBcSendWait = 5,
   kBarrierWait = 6,
   kOneShotWait = 7,
+  kHStart = 8,
+  kHIntraRsWait = 9,
+  kHInterRsWait = 10,
+  kHInterAgWait = 11,
+  kHIntraAgWait = 12,
 };
 
 static std::string mpi_error_string(int rc) {
@@ -272,6 +282,37 @@ GroupImpl::GroupImpl(std::string name_, int uid_, MPI_Comm comm, int world_rank)
   int bits = 0;
   while (bits < 20 && ((1L << (bits + 3)) - 1) <= tag_ub) ++bits;
   tag_bits = bits;
+  setup_hierarchy();
+}
+
+// Collective over the group (part of its creation).
+void GroupImpl::setup_hierarchy() {
+  if (size < 4 || !config().hierarchical) return;
+  MPI_Comm local = MPI_COMM_NULL;
+  const int fake = config().fake_node_size;
+  if (fake > 0)
+    MPI_Comm_split(coll, granks[rank] / fake, rank, &local);
+  else
+    MPI_Comm_split_type(coll, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+  int l = 0, nl = 1;
+  MPI_Comm_rank(local, &l);
+  MPI_Comm_size(local, &nl);
+  int mn = nl, mx = nl;
+  MPI_Allreduce(MPI_IN_PLACE, &mn, 1, MPI_INT, MPI_MIN, coll);
+  MPI_Allreduce(MPI_IN_PLACE, &mx, 1, MPI_INT, MPI_MAX, coll);
+  if (mn != mx || nl < 2 || size / nl < 2) {
+    MPI_Comm_free(&local);
+    return;
+  }
+  intra = local;
+  MPI_Comm_split(coll, l, rank, &inter);
+  MPI_Comm_set_errhandler(intra, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
+  local_n = nl;
+  local_r = l;
+  MPI_Comm_size(inter, &nodes_n);
+  MPI_Comm_rank(inter, &node_r);
+  hier = true;
 }
 
 GroupImpl::~GroupImpl() { shutdown(); }
@@ -289,7 +330,7 @@ void GroupImpl::shutdown() {
   int fin = 0;
   MPI_Finalized(&fin);
   if (!fin) {
-    for (MPI_Comm* c : {&coll, &p2p, &ctrl})
+    for (MPI_Comm* c : {&coll, &p2p, &ctrl, &intra, &inter})
       if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
   }
   if (staging) {
@@ -625,6 +666,10 @@ int GroupImpl::step(Op& op) {
           op.phase = kOneShotWait;
           break;
         }
+        if (kind == OpKind::AllReduce && hier) {
+          op.phase = kHStart;
+          break;
+        }
         if (kind == OpKind::AllReduce) {
           if (op.pos >= op.d.count) return 2;
           op.len = std::min(slice_elems, op.d.count - op.pos);
@@ -747,6 +792,133 @@ int GroupImpl::step(Op& op) {
       case kBarrierWait:
         if (!test_all(reqs, "barrier", op)) return advanced;
         return 2;
+
+      // Two-level all_reduce, per slice [pos, pos+len): (1) reduce-scatter inside the node: local
+      // rank l owns local segment ls; (2) its fp32 partial sums are reduce-scattered and
+      // all-gathered across nodes among the ranks with local index l (sub-segment ss per node),
+      // the final values rounded once; (3) all-gather inside the node.
+      case kHStart: {
+        if (op.pos >= op.d.count) return 2;
+        const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
+        op.len = std::min(slice_elems, op.d.count - op.pos);
+        const int L = local_n, l = local_r;
+        const Seg ls = segment(op.len, L, l);
+        const Seg ss = segment(ls.len, nodes_n, node_r);
+        const size_t a_bytes = static_cast<size_t>(L - 1) * ls.len * es;
+        const size_t p_bytes = ls.len * 4;
+        const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * 4;
+        char* stage = static_cast<char*>(ensure_staging(a_bytes + p_bytes + b_bytes));
+        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
+        if (ls.len) {
+          for (int k = 1; k < L; ++k) {
+            const int src = (l - k + L) % L;
+            post(false, stage + (src < l ? src : src - 1) * ls.len * es, ls.len * es, src,
+                 coll_tag(op, 0), intra, reqs);
+          }
+        }
+        for (int k = 1; k < L; ++k) {
+          const int dst = (l + k) % L;
+          const Seg s2 = segment(op.len, L, dst);
+          if (s2.len) post(true, base + s2.off * es, s2.len * es, dst, coll_tag(op, 0), intra, reqs);
+        }
+        op.phase = kHIntraRsWait;
+        break;
+      }
+
+      case kHIntraRsWait: {
+        if (!test_all(reqs, "intra-node reduce-scatter step", op)) return advanced;
+        const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
+        const Seg ls = segment(op.len, L, l);
+        const Seg ss = segment(ls.len, N, k0);
+        char* stage = static_cast<char*>(staging);
+        char* part = stage + static_cast<size_t>(L - 1) * ls.len * es;  // fp32 partial sums
+        char* recv32 = part + ls.len * 4;
+        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
+        const void* srcs[64];
+        std::vector<const void*> many;
+        const void** sp = srcs;
+        if (L > 64 || N > 64) {
+          many.resize(std::max(L, N));
+          sp = many.data();
+        }
+        for (int q = 0; q < L; ++q)
+          sp[q] = q == l ? base + ls.off * es : stage + (q < l ? q : q - 1) * ls.len * es;
+        const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
+        reduce_mixed(op.d.dt, DType::F32, partial, L, sp, part, ls.len, 1);
+        if (ss.len) {
+          for (int k = 1; k < N; ++k) {
+            const int src = (k0 - k + N) % N;
+            post(false, recv32 + (src < k0 ? src : src - 1) * ss.len * 4, ss.len * 4, src,
+                 coll_tag(op, 1), inter, reqs);
+          }
+        }
+        for (int k = 1; k < N; ++k) {
+          const int dst = (k0 + k) % N;
+          const Seg s2 = segment(ls.len, N, dst);
+          if (s2.len) post(true, part + s2.off * 4, s2.len * 4, dst, coll_tag(op, 1), inter, reqs);
+        }
+        op.phase = kHInterRsWait;
+        advanced = 1;
+        break;
+      }
+
+      case kHInterRsWait: {
+        if (!test_all(reqs, "inter-node reduce-scatter step", op)) return advanced;
+        const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
+        const Seg ls = segment(op.len, L, l);
+        const Seg ss = segment(ls.len, N, k0);
+        char* part = static_cast<char*>(staging) + static_cast<size_t>(L - 1) * ls.len * es;
+        char* recv32 = part + ls.len * 4;
+        char* seg = static_cast<char*>(op.rbuf) + (op.pos + ls.off) * es;
+        const void* srcs[64];
+        std::vector<const void*> many;
+        const void** sp = srcs;
+        if (N > 64) {
+          many.resize(N);
+          sp = many.data();
+        }
+        for (int q = 0; q < N; ++q)
+          sp[q] = q == k0 ? part + ss.off * 4 : recv32 + (q < k0 ? q : q - 1) * ss.len * 4;
+        reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
+        for (int k = 1; k < N; ++k) {
+          const int src = (k0 - k + N) % N;
+          const Seg s2 = segment(ls.len, N, src);
+          if (s2.len) post(false, seg + s2.off * es, s2.len * es, src, coll_tag(op, 2), inter, reqs);
+        }
+        if (ss.len) {
+          for (int k = 1; k < N; ++k)
+            post(true, seg + ss.off * es, ss.len * es, (k0 + k) % N, coll_tag(op, 2), inter, reqs);
+        }
+        op.phase = kHInterAgWait;
+        advanced = 1;
+        break;
+      }
+
+      case kHInterAgWait: {
+        if (!test_all(reqs, "inter-node all-gather step", op)) return advanced;
+        const int L = local_n, l = local_r;
+        const Seg ls = segment(op.len, L, l);
+        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
+        for (int k = 1; k < L; ++k) {
+          const int src = (l - k + L) % L;
+          const Seg s2 = segment(op.len, L, src);
+          if (s2.len) post(false, base + s2.off * es, s2.len * es, src, coll_tag(op, 3), intra, reqs);
+        }
+        if (ls.len) {
+          for (int k = 1; k < L; ++k)
+            post(true, base + ls.off * es, ls.len * es, (l + k) % L, coll_tag(op, 3), intra, reqs);
+        }
+        op.phase = kHIntraAgWait;
+        advanced = 1;
+        break;
+      }
+
+      case kHIntraAgWait:
+        if (!test_all(reqs, "intra-node all-gather step", op)) return advanced;
+        op.pos += op.len;
+        op.phase = kHStart;
+        advanced = 1;
+        break;
 
       case kOneShotWait: {
         if (!test_all(reqs, "all-reduce exchange", op)) return advanced;

@@ -33,25 +33,25 @@ inline void store(uint16_t* p, size_t i, float v) {
 // Max that propagates NaN from any source.
 inline float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 
-template <typename T>
-void reduce_typed(ReduceOp op, int n, const T* const* srcs, T* out, size_t len) {
+template <typename TIn, typename TOut>
+void reduce_typed(ReduceOp op, int n, const TIn* const* srcs, TOut* out, size_t len,
+                  float divisor) {
   float acc[kBlock];
-  const float inv_n = static_cast<float>(n);
   for (size_t b = 0; b < len; b += kBlock) {
     const size_t m = std::min(kBlock, len - b);
-    const T* s0 = srcs[0] + b;
+    const TIn* s0 = srcs[0] + b;
     for (size_t i = 0; i < m; ++i) acc[i] = load(s0, i);
     for (int q = 1; q < n; ++q) {
-      const T* s = srcs[q] + b;
+      const TIn* s = srcs[q] + b;
       if (op == ReduceOp::Max) {
         for (size_t i = 0; i < m; ++i) acc[i] = max_nan(acc[i], load(s, i));
       } else {
         for (size_t i = 0; i < m; ++i) acc[i] += load(s, i);
       }
     }
-    T* o = out + b;
-    if (op == ReduceOp::Avg) {
-      for (size_t i = 0; i < m; ++i) store(o, i, acc[i] / inv_n);
+    TOut* o = out + b;
+    if (op == ReduceOp::Avg && divisor != 1.0f) {
+      for (size_t i = 0; i < m; ++i) store(o, i, acc[i] / divisor);
     } else {
       for (size_t i = 0; i < m; ++i) store(o, i, acc[i]);
     }
@@ -60,15 +60,27 @@ void reduce_typed(ReduceOp op, int n, const T* const* srcs, T* out, size_t len) 
 
 }  // namespace
 
-void reduce_into(DType dt, ReduceOp op, int n, const void* const* srcs, void* out, size_t len) {
+void reduce_mixed(DType in_dt, DType out_dt, ReduceOp op, int n, const void* const* srcs,
+                  void* out, size_t len, int divisor) {
   if (len == 0) return;
-  if (dt == DType::F32) {
-    reduce_typed<float>(op, n, reinterpret_cast<const float* const*>(srcs),
-                        static_cast<float*>(out), len);
+  const float div = static_cast<float>(divisor);
+  if (in_dt == DType::F32) {
+    auto sp = reinterpret_cast<const float* const*>(srcs);
+    if (out_dt == DType::F32)
+      reduce_typed<float, float>(op, n, sp, static_cast<float*>(out), len, div);
+    else
+      reduce_typed<float, uint16_t>(op, n, sp, static_cast<uint16_t*>(out), len, div);
   } else {
-    reduce_typed<uint16_t>(op, n, reinterpret_cast<const uint16_t* const*>(srcs),
-                           static_cast<uint16_t*>(out), len);
+    auto sp = reinterpret_cast<const uint16_t* const*>(srcs);
+    if (out_dt == DType::F32)
+      reduce_typed<uint16_t, float>(op, n, sp, static_cast<float*>(out), len, div);
+    else
+      reduce_typed<uint16_t, uint16_t>(op, n, sp, static_cast<uint16_t*>(out), len, div);
   }
+}
+
+void reduce_into(DType dt, ReduceOp op, int n, const void* const* srcs, void* out, size_t len) {
+  reduce_mixed(dt, dt, op, n, srcs, out, len, n);
 }
 
 }  // namespace mt::comm::detail

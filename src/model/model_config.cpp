@@ -79,8 +79,11 @@ int64_t ModelConfig::num_params() const {
 }
 
 double ModelConfig::flops_per_token() const {
+  // Parameters that multiply activations: the position table and an untied input embedding are
+  // lookups, not matmuls (a tied table counts once, as the output projection).
   double n = static_cast<double>(num_params());
   if (arch == Arch::GPT2) n -= static_cast<double>(seq_len * n_embd);
+  if (!tied_embeddings) n -= static_cast<double>(padded_vocab * n_embd);
   return 6.0 * n + 12.0 * static_cast<double>(n_layer * n_embd * seq_len);
 }
 

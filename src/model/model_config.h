@@ -32,7 +32,8 @@ struct ModelConfig {
   int64_t num_params() const;
   // Parameters of one transformer block.
   int64_t block_params() const;
-  // Model FLOPs per token for training: 6 * N + 12 * L * h * s (N excludes position embeddings).
+  // Model FLOPs per token for training: 6 * N + 12 * L * h * s (N excludes position embeddings and
+  // an untied input embedding).
   double flops_per_token() const;
 };
 

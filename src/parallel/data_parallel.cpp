@@ -36,44 +36,6 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
   }
 }
 
-void DataParallel::verify_and_broadcast() {
-  // Fingerprint: parameter count, unit count and each unit's size, as floats (exact below 2^24
-  // per entry would not hold for big models, so split each count in 16-bit halves).
-  std::vector<float> mine;
-  auto push = [&](int64_t v) {
-    mine.push_back(static_cast<float>(v & 0xffff));
-    mine.push_back(static_cast<float>((v >> 16) & 0xffff));
-    mine.push_back(static_cast<float>((v >> 32) & 0xffff));
-  };
-  push(model_.num_params());
-  push(model_.num_units());
-  for (int u = 0; u < model_.num_units(); ++u) push(model_.unit(u).numel);
-  // Ranks with a different number of units would call the all-gather with different sizes:
-  // exchange the length first.
-  std::vector<float> lens(dp_->size());
-  float len = static_cast<float>(mine.size());
-  dp_->all_gather(&len, lens.data(), 1, DType::F32)->wait();
-  for (int r = 0; r < dp_->size(); ++r)
-    if (lens[r] != len)
-      throw std::runtime_error("data-parallel rank " + std::to_string(r) + " built a model with " +
-                               std::to_string(static_cast<int>(lens[r] / 3) - 2) + " units, rank " +
-                               std::to_string(dp_->rank()) + " has " + std::to_string(model_.num_units()) +
-                               ": every rank must use the same model config");
-  std::vector<float> all(mine.size() * dp_->size());
-  dp_->all_gather(mine.data(), all.data(), mine.size(), DType::F32)->wait();
-  for (int r = 0; r < dp_->size(); ++r) {
-    const float* o = all.data() + r * mine.size();
-    for (size_t i = 0; i < mine.size(); ++i)
-      if (o[i] != mine[i]) {
-        std::string what = i < 3 ? "parameter count" : i < 6 ? "unit count" : "size of unit " + model_.unit(int((i - 6) / 3)).name;
-        throw std::runtime_error("data-parallel rank " + std::to_string(r) + " and rank " + std::to_string(dp_->rank()) +
-                                 " built different models (" + what + " differs): every rank must use the same model config");
-      }
-  }
-  dp_->broadcast(model_.weights().f32(), static_cast<size_t>(model_.flat_size()), DType::F32, 0)->wait();
-  model_.sync_compute_weights();
-}
-
 void DataParallel::set_sync(bool sync) { sync_ = sync; }
 
 void DataParallel::pre_backward(int unit) {

@@ -36,10 +36,6 @@ class DataParallel : public UnitHooks {
   DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
                double first_bucket_mb = 1.0);
 
-  // Collective: checks that every rank built the same model (names the first rank and unit that
-  // differ) and copies rank 0's weights to every rank.
-  void verify_and_broadcast();
-
   // With sync = false (accumulation micro-batches) backward does not communicate.
   void set_sync(bool sync);
   void pre_backward(int unit) override;

@@ -76,6 +76,7 @@ Cluster this_cpu() {
   c.intra = {5 * GB, 1.0e-6};        // OpenMPI shared memory: 9 GB/s at 4 MiB, 4 GB/s at 256 MiB
   c.inter = {0.07 * GB, 50e-6};      // network namespaces over a 1 Gbit/s veth (measured 0.06-0.085)
   c.overlap_efficiency = 0.7;        // no MPI background progress: polling hid at most ~70%
+  c.kernel_overhead_s = 5e-6;        // OpenMP fork/join per parallel kernel
   c.host_link_bw = 0;                // host memory *is* device memory: offload frees nothing
   c.host_mem_per_node = 0;
   c.host_mem_bw_per_node = 0;
@@ -125,6 +126,7 @@ void Cluster::validate() const {
   need(inter.bw > 0, "--inter-bw must be positive");
   need(intra.latency_s >= 0 && inter.latency_s >= 0, "latencies must not be negative");
   need(overlap_efficiency >= 0 && overlap_efficiency <= 1, "overlap efficiency must be in [0, 1]");
+  need(kernel_overhead_s >= 0, "kernel overhead must not be negative");
 }
 
 Cluster cluster_preset(const std::string& name) {

@@ -30,6 +30,8 @@ struct Cluster {
   Link intra;                      // inside a node (NVLink / shared memory)
   Link inter;                      // between nodes, per GPU (one NIC per GPU, rail-optimised)
   double overlap_efficiency = 1.0; // fraction of a collective that can hide behind compute
+  double kernel_overhead_s = 4e-6; // fixed cost per kernel (launch gap, wave tail); ~36 kernels per layer per
+                                   // micro-batch (12 forward, 24 backward) - what makes tiny micro-batches slow
   double host_link_bw = 0;         // host<->device bytes/s per GPU (PCIe), for CPU offload
   double host_mem_per_node = 0;    // bytes of host RAM per node (offloaded optimizer state)
   double host_mem_bw_per_node = 0; // host memory bandwidth CPU Adam achieves per node (~40% of DRAM peak)

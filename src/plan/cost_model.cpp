@@ -368,9 +368,12 @@ struct StageWork {
 
 std::string why_sentence(const Estimate& e) {
   const Layout& l = e.layout;
-  if (!e.host_fits)
-    return "The offloaded optimizer state needs " + gib(e.host_bytes_per_node) +
-           " of host memory per node, more than the node has.";
+  if (!e.host_fits) {
+    std::string s = "Does not fit: the offloaded optimizer state needs " + gib(e.host_bytes_per_node) +
+                    " of host memory per node (" + gib(e.host_usable) + " usable)";
+    if (e.mem.total() > e.mem_usable) s += ", and " + gib(e.mem.total()) + " per GPU exceeds " + gib(e.mem_usable);
+    return s + ".";
+  }
   if (!e.fits) {
     const MemoryBytes& m = e.mem;
     std::pair<double, const char*> parts[] = {{m.params, "parameters"},
@@ -499,7 +502,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   const int ranks_per_node = std::min(c.gpus_per_node, E.world);
   if (l.cpu_offload) {
     E.host_bytes_per_node = (kpp.optimizer + gb) * psi_opt * ranks_per_node;
-    E.host_fits = E.host_bytes_per_node <= 0.8 * c.host_mem_per_node;
+    E.host_usable = 0.8 * c.host_mem_per_node;  // the OS, data loaders and page cache keep the rest
+    E.host_fits = E.host_bytes_per_node <= E.host_usable;
     E.fits = E.fits && E.host_fits;
   }
 
@@ -553,9 +557,11 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     return (w.fwd_flops + w.bwd_flops + w.rc_flops) / flops_rate + (w.fwd_bytes + w.bwd_bytes + w.rc_bytes) / bw_rate;
   };
   const StageWork& w = (p == 1 || stage_time(w_first) >= stage_time(w_last)) ? w_first : w_last;
-  const double T_f = w.fwd_flops / flops_rate + w.fwd_bytes / bw_rate;
-  const double rc_s = w.rc_flops / flops_rate + w.rc_bytes / bw_rate;
-  const double T_b = w.bwd_flops / flops_rate + w.bwd_bytes / bw_rate + rc_s;
+  // Fixed per-kernel cost: ~12 kernels per layer forward, 24 backward (+ the recomputed forward).
+  const double k_f = Lps * 12.0 * c.kernel_overhead_s, k_b = Lps * 24.0 * c.kernel_overhead_s;
+  const double T_f = w.fwd_flops / flops_rate + w.fwd_bytes / bw_rate + k_f;
+  const double rc_s = w.rc_flops / flops_rate + w.rc_bytes / bw_rate + rc_elem * k_f;
+  const double T_b = w.bwd_flops / flops_rate + w.bwd_bytes / bw_rate + k_b + rc_s;
   const double elem_s = (w.fwd_bytes + w.bwd_bytes + w.rc_bytes) / bw_rate;
 
   // ---- groups ----

@@ -166,7 +166,8 @@ struct Estimate {
   MemoryBytes mem;        // per GPU, peak
   double mem_usable = 0;  // what the GPU offers the model (capacity minus reserve)
   bool fits = false;
-  double host_bytes_per_node = 0;  // offloaded optimizer state per node
+  double host_bytes_per_node = 0;  // offloaded optimizer state (+ pinned gradient buffer) per node
+  double host_usable = 0;          // host memory the job may use per node (80% of it); 0 without offload
   bool host_fits = true;
   CommBytes comm;
   StepTime time;

@@ -1,6 +1,7 @@
 #include "plan/planner.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -162,7 +163,7 @@ bool better(const Estimate& a, const Estimate& b) {
   }
   auto overflow = [](const Estimate& e) {  // how far over its memory (device or host) a layout is
     double r = e.mem.total() / e.mem_usable;
-    if (!e.host_fits && e.host_bytes_per_node > 0) r = std::max(r, 1.0 + 1e-9 * e.host_bytes_per_node);
+    if (e.host_usable > 0) r = std::max(r, e.host_bytes_per_node / e.host_usable);
     return r;
   };
   const double ra = overflow(a), rb = overflow(b);
@@ -218,7 +219,12 @@ std::string layout_words(const Layout& l) {
 
 // Why `b` (ranked after `a`) lost, in one sentence.
 std::string lost_because(const Estimate& a, const Estimate& b) {
-  if (a.fits && !b.fits) return b.why;
+  if (!b.fits) {
+    if (a.fits) return b.why;
+    std::string w = b.why;
+    if (!w.empty()) w[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(w[0])));
+    return "it is even further from fitting (" + w.substr(0, w.size() - 1) + ").";
+  }
   const double ta = a.time.total(), tb = b.time.total();
   const double slower = tb / ta - 1.0;
   const double cb = layout_complexity(b.layout), ca = layout_complexity(a.layout);
@@ -412,8 +418,8 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
                        top.why;
   } else {
     R.recommendation = "Nothing fits on " + std::to_string(N) + " GPUs of " + gib(top.mem_usable) +
-                       " usable memory. The closest layout is " + layout_words(top.layout) + ", which needs " +
-                       gib(top.mem.total()) + " per GPU. Add GPUs, shorten --seq, or use a smaller micro-batch.";
+                       " usable memory. The closest layout is " + layout_words(top.layout) + ". " + top.why +
+                       " Add GPUs, shorten --seq, or use a smaller micro-batch.";
   }
   if (R.candidates.size() > 1) {
     const Estimate& ru = R.candidates[1];

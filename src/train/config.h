@@ -56,6 +56,7 @@ struct RunConfig {
     double bucket_mb = 25.0;
     bool reshard_after_forward = true;
     int64_t prefetch = 1;
+    bool reduce_every_microbatch = true;
   } parallel;
   struct Log {
     std::string metrics_out, trace_out;

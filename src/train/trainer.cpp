@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -12,13 +13,13 @@
 
 #include "comm/world.h"
 #include "kernels/activation.h"
-#include "parallel/data_parallel.h"
+#include "parallel/strategy.h"
 #include "model/transformer.h"
 #include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
 #include "train/data_loader.h"
 #include "train/metrics.h"
-#include "train/optimizer.h"
+#include "parallel/optimizer.h"
 #include "train/sampler.h"
 #include "train/tokenizer.h"
 
@@ -44,8 +45,10 @@ void validate_parallel(const RunConfig& c, int world) {
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
   if (p.tp > 1) throw ConfigError("parallel.tp = " + std::to_string(p.tp) + ": tensor parallelism is not implemented yet");
   if (p.pp > 1) throw ConfigError("parallel.pp = " + std::to_string(p.pp) + ": pipeline parallelism is not implemented yet");
-  if (p.strategy != "NO_SHARD")
-    throw ConfigError("parallel.strategy = " + p.strategy + " is not implemented yet (NO_SHARD, i.e. DDP, is)");
+  if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
+  if (p.strategy.rfind("HYBRID", 0) != 0 && p.dp_replicate > 1)
+    throw ConfigError("parallel.dp_replicate = " + std::to_string(p.dp_replicate) + " needs a HYBRID_* strategy (" +
+                      p.strategy + " shards or replicates over every data-parallel rank; set dp_shard instead)");
   try {
     comm::DeviceMesh::resolve({{"pp", static_cast<int>(p.pp)},
                                {"dp_replicate", static_cast<int>(p.dp_replicate)},
@@ -102,30 +105,56 @@ TrainResult train(const RunConfig& cfg) {
     val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
   }
 
-  Transformer model(mc, dt, rc);
-  model.init_weights(static_cast<uint64_t>(tc.seed));
-  AdamW opt(AdamW::full_spans(model.params()), model.flat_size(),
-            AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay});
-  parallel::DataParallel ddp(model, dp_group, cfg.parallel.bucket_mb);
-  model.set_hooks(&ddp);
+  // Groups: non-hybrid strategies shard over every data-parallel rank; hybrid ones shard inside
+  // dp_shard and replicate across dp_replicate.
+  const bool hybrid = cfg.parallel.strategy.rfind("HYBRID", 0) == 0;
+  auto shard_group = hybrid ? mesh.group("dp_shard") : dp_group;
+  auto replicate_group = hybrid ? mesh.group("dp_replicate") : W.split(rank, 0, "replicate_none");
+  parallel::StrategySpec spec;
+  spec.strategy = cfg.parallel.strategy;
+  spec.bucket_mb = cfg.parallel.bucket_mb;
+  spec.reshard_after_forward = cfg.parallel.reshard_after_forward;
+  spec.prefetch = static_cast<int>(cfg.parallel.prefetch);
+  spec.reduce_every_microbatch = cfg.parallel.reduce_every_microbatch;
+  spec.adam = AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay};
+  Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()));
+  parallel::verify_same_model(model, *dp_group);
+  auto strategy = parallel::make_strategy(spec, model, dp_group, shard_group, replicate_group);
+  model.set_hooks(strategy->hooks());
+  const int64_t F = model.flat_size();
 
   TrainerState st;
-  if (!tc.resume.empty()) {
-    std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
-    if (src.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
-    std::string dir = resolve_checkpoint(src);
-    st = load_checkpoint(dir, model, model.weights().f32(), opt.exp_avg().f32(), opt.exp_avg_sq().f32());
-    opt.set_step_count(st.adam_steps);
-    model.sync_compute_weights();
-    for (int64_t i = 0; i < st.micro_batches; ++i) {  // put the data where the saved run left it
-      static thread_local std::vector<int32_t> skip_x, skip_y;
-      skip_x.resize(B * T);
-      skip_y.resize(B * T);
-      loader.next(skip_x.data(), skip_y.data());
+  {
+    // Every rank materialises the full fp32 state once (initialisation or checkpoint) and keeps its
+    // part; the temporaries are workspace and are released before training starts.
+    Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    if (!tc.resume.empty()) {
+      std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
+      if (src.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
+      std::string dir = resolve_checkpoint(src);
+      Tensor m = Tensor::zeros({F}, DType::F32, MemCategory::Workspace);
+      Tensor v = Tensor::zeros({F}, DType::F32, MemCategory::Workspace);
+      w.zero_();
+      st = load_checkpoint(dir, model, w.f32(), m.f32(), v.f32());
+      strategy->load_full(w.f32(), m.f32(), v.f32(), st.adam_steps);
+      std::vector<int32_t> skip_x(B * T), skip_y(B * T);
+      for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
+      if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
+    } else {
+      model.init_weights_into(static_cast<uint64_t>(tc.seed), w.f32());
+      strategy->load_full(w.f32(), nullptr, nullptr, 0);
     }
-    if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
   }
-  ddp.verify_and_broadcast();  // same model everywhere, rank 0's weights
+  mem_release_cache();
+  MemoryTracker::instance().reset_peaks();  // peaks describe training, not the one-off setup
+  // Full fp32 copies for checkpoints and the final sample (collective: every rank takes part).
+  auto save = [&]() {
+    Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    Tensor m = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    Tensor v = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    strategy->gather_full(w.f32(), m.f32(), v.f32());
+    if (rank == 0) save_checkpoint(tc.checkpoint_dir, model, w.f32(), m.f32(), v.f32(), st, cfg);
+  };
 
   if (log) {
     std::printf("model %s (%s): %lld parameters, %lld layers, %lld heads, width %lld, seq %lld, vocab %lld (padded %lld)\n",
@@ -139,8 +168,8 @@ TrainResult train(const RunConfig& cfg) {
                 static_cast<long long>(T), static_cast<long long>(accum), dp_world,
                 static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
     if (world > 1)
-      std::printf("parallel: %s over %s, %zu gradient buckets (bucket_mb %.1f)\n", cfg.parallel.strategy.c_str(),
-                  mesh.describe().c_str(), ddp.buckets().size(), cfg.parallel.bucket_mb);
+      std::printf("parallel: %s over %s (shard group %d, replicas %d)\n", strategy->name(), mesh.describe().c_str(),
+                  shard_group->size(), replicate_group->size());
     std::fflush(stdout);
   }
 
@@ -167,6 +196,7 @@ TrainResult train(const RunConfig& cfg) {
       val_loader->next(x.data(), y.data());
       s += model.forward(x.data(), y.data(), B, T, false);
     }
+    strategy->after_eval();
     return dp_mean(s / static_cast<double>(std::max<int64_t>(1, tc.eval_batches)));
   };
   double comm_ms_total = 0, exposed_ms_total = 0;
@@ -176,29 +206,28 @@ TrainResult train(const RunConfig& cfg) {
     auto t0 = Clock::now();
     model.zero_grads();
     double loss = 0;
-    parallel::DdpStepStats cs;
+    parallel::StepComm cs;
     for (int64_t m = 0; m < accum; ++m) {
       loader.next(x.data(), y.data());
-      ddp.set_sync(m + 1 == accum);  // no_sync for all but the last micro-batch
+      strategy->begin_microbatch(m + 1 == accum);  // only the last micro-batch synchronises
       loss += model.forward(x.data(), y.data(), B, T, true, dloss);
       model.backward();
       ++st.micro_batches;
-      cs = ddp.finish();
+      strategy->finish_backward(&cs);
     }
     loss = dp_mean(loss / static_cast<double>(accum));
-    const double compute_ms = ms_since(t0) - cs.exposed_ms;
-    double norm = std::sqrt(kernels::sum_squares(model.grads().f32(), model.flat_size()));
+    double norm = std::sqrt(strategy->grad_norm_sq());
     if (!std::isfinite(norm) || !std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
                                std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
     float scale = 1.0f;
     if (tc.grad_clip > 0 && norm > tc.grad_clip) scale = static_cast<float>(tc.grad_clip / (norm + 1e-6));
     const double lr = lr_at(step, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);
-    opt.step(model.weights().f32(), model.grads().f32(), lr, scale);
-    model.sync_compute_weights();
+    strategy->optimizer_step(lr, scale, &cs);
     st.step = step + 1;
-    st.adam_steps = opt.step_count();
+    st.adam_steps = strategy->adam_steps();
     const double step_ms = ms_since(t0);
+    const double compute_ms = step_ms - cs.exposed_ms;
     resident = MemoryTracker::instance().stats().current;
 
     StepMetrics sm;
@@ -233,11 +262,9 @@ TrainResult train(const RunConfig& cfg) {
       std::fflush(stdout);
     }
     metrics.step(sm);
-    if (!tc.checkpoint_dir.empty() && tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0 && rank == 0)
-      save_checkpoint(tc.checkpoint_dir, model, model.weights().f32(), opt.exp_avg().f32(), opt.exp_avg_sq().f32(), st, cfg);
+    if (!tc.checkpoint_dir.empty() && tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0) save();
   }
-  if (!tc.checkpoint_dir.empty() && rank == 0 && (tc.checkpoint_every <= 0 || st.step % tc.checkpoint_every != 0))
-    save_checkpoint(tc.checkpoint_dir, model, model.weights().f32(), opt.exp_avg().f32(), opt.exp_avg_sq().f32(), st, cfg);
+  if (!tc.checkpoint_dir.empty() && (tc.checkpoint_every <= 0 || st.step % tc.checkpoint_every != 0)) save();
   res.tokens_per_s = tps_n ? tps_sum / static_cast<double>(tps_n) : 0.0;
 
   MemStats ms = MemoryTracker::instance().stats();
@@ -300,7 +327,14 @@ TrainResult train(const RunConfig& cfg) {
   if (!res.val_losses.empty()) fin["val_loss"] = res.final_val_loss;
   metrics.final(fin);
 
-  if (r0 && tc.sample_tokens > 0) {
+  if (tc.sample_tokens > 0) {
+    // Sample from an unsharded copy of the trained weights (gathered from every rank).
+    Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    strategy->gather_full(w.f32(), nullptr, nullptr);
+    if (!r0) return res;
+    Transformer plain(mc, DType::F32);
+    for (const auto& p : model.params())
+      std::memcpy(plain.weights().f32() + plain.param(p.name).offset, w.f32() + p.offset, p.numel * sizeof(float));
     auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir);
     std::vector<int32_t> prompt = tok->encode(tc.sample_prompt);
     if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
@@ -309,7 +343,7 @@ TrainResult train(const RunConfig& cfg) {
     so.temperature = 0.8f;
     so.top_k = 40;
     so.seed = static_cast<uint64_t>(tc.seed);
-    auto out = generate(model, prompt, so, tok->eot_token());
+    auto out = generate(plain, prompt, so, tok->eot_token());
     std::printf("\n--- sample (%lld tokens, temperature 0.8, top-k 40) ---\n%s\n---\n",
                 static_cast<long long>(tc.sample_tokens), tok->decode(out).c_str());
   }

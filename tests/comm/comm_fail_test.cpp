@@ -42,6 +42,9 @@ Result run(const std::vector<std::string>& argv, const std::vector<std::string>&
     dup2(fds[1], 2);
     close(fds[0]);
     close(fds[1]);
+    // mpirun refuses to run as root without these (harmless otherwise).
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
     for (const auto& kv : env) putenv(const_cast<char*>(kv.c_str()));
     std::vector<char*> v;
     for (const auto& s : argv) v.push_back(const_cast<char*>(s.c_str()));

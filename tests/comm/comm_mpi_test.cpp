@@ -107,21 +107,25 @@ TEST(ProcessGroup, AllReduceEveryDtypeOpAndCount) {
   }
 }
 
-// Small slices: every reduction runs in many pipelined pieces.
+// Small slices and no one-shot path: every reduction runs in many pipelined pieces, and tiny
+// counts (fewer elements than ranks: empty segments) go through the two-step algorithm.
 TEST(ProcessGroup, AllReduceAndReduceScatterInSmallSlices) {
   setenv("MESHTRAIN_COMM_SLICE_KB", "4", 1);
+  setenv("MESHTRAIN_COMM_ONESHOT_KB", "0", 1);
   detail::reload_config();
   auto w = g_world->world();
   const int n = w->size(), r = w->rank();
   for (DType dt : {DType::F32, DType::BF16}) {
-    const size_t count = 50001;
-    Buf b(count, dt);
-    fill(b.p(), count, dt, r);
-    w->all_reduce(b.p(), count, dt, ReduceOp::Sum)->wait();
-    for (size_t i = 0; i < count; ++i)
-      ASSERT_TRUE(bits_equal(get(b.p(), i, dt), reference(ReduceOp::Sum, n, i, dt)))
-          << i << " got " << get(b.p(), i, dt) << " want " << reference(ReduceOp::Sum, n, i, dt)
-          << " in " << input(r, i, dt);
+    for (size_t count : {size_t(1), size_t(2), size_t(3), size_t(5), size_t(50001)}) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+        Buf b(count, dt);
+        fill(b.p(), count, dt, r);
+        w->all_reduce(b.p(), count, dt, op)->wait();
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_TRUE(bits_equal(get(b.p(), i, dt), reference(op, n, i, dt)))
+              << i << " got " << get(b.p(), i, dt) << " want " << reference(op, n, i, dt);
+      }
+    }
     const size_t rc = 7001;
     Buf s(rc * n, dt), out(rc, dt);
     fill(s.p(), rc * n, dt, r);
@@ -129,6 +133,62 @@ TEST(ProcessGroup, AllReduceAndReduceScatterInSmallSlices) {
     for (size_t i = 0; i < rc; ++i)
       ASSERT_TRUE(bits_equal(get(out.p(), i, dt), reference(ReduceOp::Avg, n, r * rc + i, dt)));
   }
+  unsetenv("MESHTRAIN_COMM_SLICE_KB");
+  unsetenv("MESHTRAIN_COMM_ONESHOT_KB");
+  detail::reload_config();
+}
+
+// The two-level all_reduce of groups spanning several nodes, on pretend nodes of 2 ranks: the
+// sum is grouped per node ((x0 + x1) + (x2 + x3)) in fp32, rounded once.
+TEST(ProcessGroup, TwoLevelAllReduceOnPretendNodes) {
+  const int n = g_world->size(), r = g_world->rank();
+  if (n != 4) GTEST_SKIP() << "needs 4 ranks";
+  setenv("MESHTRAIN_COMM_FAKE_NODE_SIZE", "2", 1);
+  setenv("MESHTRAIN_COMM_ONESHOT_KB", "0", 1);
+  detail::reload_config();
+  auto g = g_world->split(0, r, "two_level");
+  ASSERT_TRUE(g->impl().hier);
+  EXPECT_EQ(g->impl().local_n, 2);
+  EXPECT_EQ(g->impl().nodes_n, 2);
+  auto grouped = [&](ReduceOp op, size_t i, DType dt) {
+    float a = input(0, i, dt), b = input(1, i, dt), c = input(2, i, dt), d = input(3, i, dt);
+    float acc;
+    if (op == ReduceOp::Max) {
+      float m0 = b > a ? b : a, m1 = d > c ? d : c;
+      acc = m1 > m0 ? m1 : m0;
+    } else {
+      float p0 = a, p1 = c;
+      p0 += b;
+      p1 += d;
+      acc = p0;
+      acc += p1;
+      if (op == ReduceOp::Avg) acc /= 4.0f;
+    }
+    return dt == DType::BF16 ? round_to_bf16(acc) : acc;
+  };
+  for (const char* slice : {"16384", "4"}) {
+    setenv("MESHTRAIN_COMM_SLICE_KB", slice, 1);
+    detail::reload_config();
+    for (DType dt : {DType::F32, DType::BF16}) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+        for (size_t count : {size_t(1), size_t(3), size_t(7), size_t(1000), size_t(100003)}) {
+          Buf b(count, dt);
+          fill(b.p(), count, dt, r);
+          g->all_reduce(b.p(), count, dt, op)->wait();
+          for (size_t i = 0; i < count; ++i)
+            ASSERT_TRUE(bits_equal(get(b.p(), i, dt), grouped(op, i, dt)))
+                << dtype_name(dt) << " " << reduce_op_name(op) << " count " << count << " [" << i
+                << "] = " << get(b.p(), i, dt) << " want " << grouped(op, i, dt);
+        }
+      }
+    }
+  }
+  // bf16: 256 + 1 + 1 + 1 rounds once (to 260), also across the two levels.
+  std::vector<bf16> v(64, float_to_bf16(r == 0 ? 256.0f : 1.0f));
+  g->all_reduce(v.data(), v.size(), DType::BF16, ReduceOp::Sum)->wait();
+  for (auto x : v) EXPECT_EQ(bf16_to_float(x), 260.0f);
+  unsetenv("MESHTRAIN_COMM_FAKE_NODE_SIZE");
+  unsetenv("MESHTRAIN_COMM_ONESHOT_KB");
   unsetenv("MESHTRAIN_COMM_SLICE_KB");
   detail::reload_config();
 }

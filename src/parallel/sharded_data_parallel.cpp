@@ -1,0 +1,371 @@
+#include "parallel/sharded_data_parallel.h"
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "comm/world.h"
+#include "kernels/activation.h"
+
+namespace mt::parallel {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+}  // namespace
+
+bool parse_shard_strategy(const std::string& s, ShardStrategy* out) {
+  if (s == "ZERO1") *out = ShardStrategy::Zero1;
+  else if (s == "SHARD_GRAD_OP") *out = ShardStrategy::Zero2;
+  else if (s == "FULL_SHARD") *out = ShardStrategy::Zero3;
+  else if (s == "HYBRID_SHARD") *out = ShardStrategy::Hybrid3;
+  else if (s == "HYBRID_SHARD_ZERO2") *out = ShardStrategy::Hybrid2;
+  else return false;
+  return true;
+}
+
+const char* shard_strategy_name(ShardStrategy s) {
+  switch (s) {
+    case ShardStrategy::Zero1: return "ZERO1";
+    case ShardStrategy::Zero2: return "SHARD_GRAD_OP";
+    case ShardStrategy::Zero3: return "FULL_SHARD";
+    case ShardStrategy::Hybrid3: return "HYBRID_SHARD";
+    case ShardStrategy::Hybrid2: return "HYBRID_SHARD_ZERO2";
+  }
+  return "?";
+}
+
+struct ShardedDataParallel::UnitState {
+  int64_t offset = 0, numel = 0;  // the unit's (padded) range of the flat buffer
+  int64_t shard = 0;              // numel / N
+  int64_t local = 0;              // offset of this rank's slice in the shard buffers
+  Tensor gathered;                // ZeRO-3: full parameters in the compute dtype
+  comm::WorkHandle gather_work;
+  Tensor grad;                    // ZeRO-2/3: the unit's full gradient during backward
+  comm::WorkHandle reduce_work;   // reduce-scatter of `grad` (or of the flat grads for ZeRO-1)
+  comm::WorkHandle replicate_work;
+  bool done_backward = false;
+  bool keep = false;              // root unit: not resharded between forward and backward
+};
+
+bool ShardedDataParallel::params_sharded() const {
+  return opts_.strategy == ShardStrategy::Zero3 || opts_.strategy == ShardStrategy::Hybrid3;
+}
+bool ShardedDataParallel::grads_sharded() const { return opts_.strategy != ShardStrategy::Zero1; }
+
+ModelStorage ShardedDataParallel::storage_for(ShardStrategy s, DType compute, int shard_size) {
+  ModelStorage st;
+  const bool p_sharded = s == ShardStrategy::Zero3 || s == ShardStrategy::Hybrid3;
+  st.weights = !p_sharded;  // ZeRO-1/2 keep full parameters in the compute dtype
+  st.master = false;        // fp32 master weights are sharded (bf16 mode)
+  st.grads = s == ShardStrategy::Zero1;
+  st.unit_align = 16 * static_cast<int64_t>(shard_size);  // shards of whole 64-byte lines
+  (void)compute;
+  return st;
+}
+
+ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> shard,
+                                         std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions opts,
+                                         AdamWConfig adam)
+    : model_(model), shard_(std::move(shard)), replicate_(std::move(replicate)), opts_(opts),
+      cd_(model.compute_dtype()), N_(shard_->size()), r_(shard_->rank()), tied_(model.config().tied_embeddings) {
+  if (opts_.prefetch < 0) throw std::invalid_argument("parallel.prefetch must be >= 0");
+  const int U = model_.num_units();
+  units_.resize(U);
+  for (int u = 0; u < U; ++u) {
+    UnitState& s = units_[u];
+    s.offset = model_.unit(u).offset;
+    s.numel = model_.unit(u).numel;
+    if (s.numel % N_ != 0)
+      throw std::logic_error("unit " + model_.unit(u).name + " is not padded to the shard group size " +
+                             std::to_string(N_) + " (build the model with storage_for())");
+    s.shard = s.numel / N_;
+    s.local = shard_total_;
+    shard_total_ += s.shard;
+  }
+  units_[0].keep = tied_;
+  units_[U - 1].keep = true;  // the head's weights are needed again right away by its backward
+  // AdamW spans: this rank's slice of every parameter.
+  std::vector<AdamSpan> spans;
+  for (const auto& p : model_.params()) {
+    const UnitState& s = units_[p.unit];
+    const int64_t lo = s.offset + r_ * s.shard, hi = lo + s.shard;
+    const int64_t b = std::max(lo, p.offset), e = std::min(hi, p.offset + p.numel);
+    if (b < e) spans.push_back({b, s.local + (b - lo), e - b, p.decay});
+  }
+  adam_ = std::make_unique<AdamW>(std::move(spans), shard_total_, adam);
+  const bool f32 = cd_ == DType::F32;
+  if (params_sharded() || !f32)
+    master_ = Tensor::zeros({shard_total_}, DType::F32,
+                            params_sharded() && f32 ? MemCategory::Params : MemCategory::Optimizer);
+  if (grads_sharded()) grad_shard_ = Tensor::zeros({shard_total_}, DType::F32, MemCategory::Grads);
+  // Norms of sharded gradients are summed over the shard group only (replicas hold the same
+  // shard); their own group keeps the shard group's byte counters to gradients and parameters.
+  norm_group_ = comm::World::get().split(replicate_->rank(), r_, "grad_norm");
+}
+
+ShardedDataParallel::~ShardedDataParallel() {
+  for (int u = 0; u < model_.num_units(); ++u) {
+    model_.set_unit_weights(u, nullptr);
+    model_.set_unit_grads(u, nullptr);
+  }
+}
+
+int64_t ShardedDataParallel::my_offset(int u) const { return units_[u].offset + r_ * units_[u].shard; }
+
+float* ShardedDataParallel::master_slice(int u) {
+  if (master_.defined()) return master_.f32() + units_[u].local;
+  return model_.weights().f32() + my_offset(u);  // fp32 ZeRO-1/2: the full weights hold the master
+}
+
+void ShardedDataParallel::load_full(const float* w, const float* m, const float* v, int64_t adam_steps) {
+  release_all();
+  const int U = model_.num_units();
+  for (int u = 0; u < U; ++u) {
+    const UnitState& s = units_[u];
+    if (master_.defined()) std::memcpy(master_.f32() + s.local, w + my_offset(u), s.shard * sizeof(float));
+    if (m) std::memcpy(adam_->exp_avg().f32() + s.local, m + my_offset(u), s.shard * sizeof(float));
+    if (v) std::memcpy(adam_->exp_avg_sq().f32() + s.local, v + my_offset(u), s.shard * sizeof(float));
+  }
+  if (!m) adam_->exp_avg().zero_();
+  if (!v) adam_->exp_avg_sq().zero_();
+  adam_->set_step_count(adam_steps);
+  if (!params_sharded()) {  // full parameters in the compute dtype
+    if (cd_ == DType::F32)
+      std::memcpy(model_.weights().f32(), w, model_.flat_size() * sizeof(float));
+    else
+      kernels::cast_f32_to_bf16(model_.compute_weights().bf(), w, model_.flat_size());
+  }
+}
+
+void ShardedDataParallel::gather_full(float* w, float* m, float* v) {
+  release_all();
+  std::vector<comm::WorkHandle> ws;
+  for (int u = 0; u < model_.num_units(); ++u) {
+    const UnitState& s = units_[u];
+    ws.push_back(shard_->all_gather(master_slice(u), w + s.offset, s.shard, DType::F32));
+    if (m) ws.push_back(shard_->all_gather(adam_->exp_avg().f32() + s.local, m + s.offset, s.shard, DType::F32));
+    if (v) ws.push_back(shard_->all_gather(adam_->exp_avg_sq().f32() + s.local, v + s.offset, s.shard, DType::F32));
+  }
+  comm::wait_all(ws);
+}
+
+// ---- ZeRO-3 parameter gathering ------------------------------------------------------------
+
+void ShardedDataParallel::gather(int u) {
+  UnitState& s = units_[u];
+  if (!params_sharded() || s.gathered.defined()) return;
+  s.gathered = Tensor::empty({s.numel}, cd_, MemCategory::Params);
+  ++gathered_count_;
+  max_gathered_ = std::max(max_gathered_, gathered_count_);
+  const float* src = master_.f32() + s.local;
+  if (cd_ == DType::F32) {
+    float* dst = s.gathered.f32() + r_ * s.shard;
+    std::memcpy(dst, src, s.shard * sizeof(float));
+    s.gather_work = shard_->all_gather(dst, s.gathered.f32(), s.shard, DType::F32);
+  } else {
+    bf16* dst = s.gathered.bf() + r_ * s.shard;
+    kernels::cast_f32_to_bf16(dst, src, s.shard);
+    s.gather_work = shard_->all_gather(dst, s.gathered.bf(), s.shard, DType::BF16);
+  }
+  step_works_.push_back(s.gather_work);
+  model_.set_unit_weights(u, s.gathered.raw());
+}
+
+void ShardedDataParallel::ensure_gathered(int u) {
+  if (!params_sharded()) return;
+  gather(u);
+  UnitState& s = units_[u];
+  if (s.gather_work) {
+    auto t0 = Clock::now();
+    s.gather_work->wait();
+    exposed_ms_ += ms_since(t0);
+    s.gather_work.reset();
+  }
+}
+
+void ShardedDataParallel::release(int u) {
+  UnitState& s = units_[u];
+  if (!s.gathered.defined()) return;
+  if (s.gather_work) s.gather_work->wait();  // never free a buffer a collective still writes
+  s.gather_work.reset();
+  model_.set_unit_weights(u, nullptr);
+  s.gathered = Tensor();
+  --gathered_count_;
+}
+
+void ShardedDataParallel::release_all() {
+  for (int u = 0; u < model_.num_units(); ++u) release(u);
+}
+
+// ---- hooks ------------------------------------------------------------------------------------
+
+void ShardedDataParallel::begin_microbatch(bool last) { last_micro_ = last; }
+
+void ShardedDataParallel::pre_forward(int u) {
+  poll(false);
+  const int U = model_.num_units();
+  if (u == U - 1 && tied_) ensure_gathered(0);
+  ensure_gathered(u);
+  for (int k = 1; k <= opts_.prefetch && u + k < U; ++k) gather(u + k);
+}
+
+void ShardedDataParallel::post_forward(int u) {
+  if (params_sharded() && opts_.reshard_after_forward && !units_[u].keep) release(u);
+}
+
+void ShardedDataParallel::ensure_grad_buffer(int u) {
+  if (!grads_sharded()) return;
+  UnitState& s = units_[u];
+  if (s.grad.defined()) return;  // kept across micro-batches (accumulating unsharded)
+  s.grad = Tensor::zeros({s.numel}, DType::F32, MemCategory::Grads);
+  model_.set_unit_grads(u, s.grad.f32());
+}
+
+void ShardedDataParallel::pre_backward(int u) {
+  poll(false);
+  const int U = model_.num_units();
+  if (u == U - 1) {  // backward of a micro-batch begins
+    for (auto& s : units_) s.done_backward = false;
+    if (tied_) {
+      ensure_gathered(0);
+      ensure_grad_buffer(0);  // the head writes the tied embedding's gradient
+    }
+  }
+  ensure_gathered(u);
+  for (int k = 1; k <= opts_.prefetch && u - k >= 0; ++k) gather(u - k);
+  ensure_grad_buffer(u);
+}
+
+void ShardedDataParallel::post_backward(int u) {
+  units_[u].done_backward = true;
+  if (params_sharded()) release(u);
+  const bool reduce_now = last_micro_ || (grads_sharded() && opts_.reduce_every_microbatch);
+  if (reduce_now) launch_reduce(u);
+  poll(false);
+}
+
+// ---- gradient reduction -----------------------------------------------------------------------
+
+void ShardedDataParallel::launch_reduce(int u) {
+  UnitState& s = units_[u];
+  if (N_ == 1) {  // nothing to exchange: the unit's gradient is the shard
+    s.reduce_work.reset();
+    complete_reduce(u);
+    return;
+  }
+  float* g = grads_sharded() ? s.grad.f32() : model_.grads().f32() + s.offset;
+  s.reduce_work = shard_->reduce_scatter(g, g + r_ * s.shard, s.shard, DType::F32, comm::ReduceOp::Avg);
+  step_works_.push_back(s.reduce_work);
+}
+
+// The reduce-scatter of unit u has finished: fold the result into the gradient shard, free the
+// unit's full gradient, and (last micro-batch, hybrid) start the cross-replica average.
+void ShardedDataParallel::complete_reduce(int u) {
+  UnitState& s = units_[u];
+  s.reduce_work.reset();
+  float* shard_grad;
+  if (grads_sharded()) {
+    kernels::accumulate(grad_shard_.f32() + s.local, s.grad.f32() + r_ * s.shard, s.shard);
+    model_.set_unit_grads(u, nullptr);
+    s.grad = Tensor();
+    shard_grad = grad_shard_.f32() + s.local;
+  } else {
+    shard_grad = model_.grads().f32() + my_offset(u);
+  }
+  if (last_micro_ && replicate_->size() > 1) {
+    s.replicate_work = replicate_->all_reduce(shard_grad, s.shard, DType::F32, comm::ReduceOp::Avg);
+    step_works_.push_back(s.replicate_work);
+  }
+}
+
+void ShardedDataParallel::poll(bool wait_all) {
+  // Complete in unit order of launch (reverse), so accumulation order is deterministic.
+  for (int u = model_.num_units() - 1; u >= 0; --u) {
+    UnitState& s = units_[u];
+    if (!s.reduce_work) continue;
+    if (wait_all) {
+      auto t0 = Clock::now();
+      s.reduce_work->wait();
+      exposed_ms_ += ms_since(t0);
+    } else if (!s.reduce_work->test()) {
+      continue;
+    }
+    complete_reduce(u);
+  }
+}
+
+ShardStepStats ShardedDataParallel::finish_backward() {
+  std::string missing;
+  for (int u = 0; u < model_.num_units(); ++u)
+    if (!units_[u].done_backward) missing += (missing.empty() ? "" : ", ") + model_.unit(u).name;
+  if (!missing.empty())
+    throw std::runtime_error(std::string(shard_strategy_name(opts_.strategy)) +
+                             ": backward finished without producing gradients for unit(s) " + missing +
+                             "; their reductions were never started");
+  poll(true);
+  ShardStepStats st;
+  if (last_micro_) {
+    auto t0 = Clock::now();
+    for (auto& s : units_)
+      if (s.replicate_work) {
+        s.replicate_work->wait();
+        s.replicate_work.reset();
+      }
+    exposed_ms_ += ms_since(t0);
+  }
+  return st;
+}
+
+double ShardedDataParallel::grad_norm_sq() {
+  double local = 0;
+  for (int u = 0; u < model_.num_units(); ++u) {
+    const UnitState& s = units_[u];
+    const float* g = grads_sharded() ? grad_shard_.f32() + s.local : model_.grads().f32() + my_offset(u);
+    local += kernels::sum_squares(g, s.shard);
+  }
+  if (N_ == 1) return local;
+  float f = static_cast<float>(local);
+  norm_group_->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+  return static_cast<double>(f);
+}
+
+void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepStats* stats) {
+  const bool f32 = cd_ == DType::F32;
+  if (master_.defined())
+    adam_->step(master_.f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
+                /*w_by_state=*/true, /*g_by_state=*/grads_sharded());
+  else  // fp32 ZeRO-1/2: this rank's slices of the full fp32 weights are the master
+    adam_->step(model_.weights().f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
+                false, grads_sharded());
+  if (grads_sharded()) grad_shard_.zero_();
+  if (!grads_sharded()) model_.grads().zero_();
+  if (!params_sharded()) {
+    // ZeRO-1/2: every rank needs the updated full parameters: all-gather the slices in place.
+    auto t0 = Clock::now();
+    std::vector<comm::WorkHandle> ws;
+    for (int u = 0; u < model_.num_units(); ++u) {
+      const UnitState& s = units_[u];
+      if (f32) {
+        float* full = model_.weights().f32() + s.offset;
+        if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::F32));
+      } else {
+        bf16* full = model_.compute_weights().bf() + s.offset;
+        kernels::cast_f32_to_bf16(full + r_ * s.shard, master_.f32() + s.local, s.shard);
+        if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::BF16));
+      }
+    }
+    comm::wait_all(ws);
+    for (auto& w : ws) step_works_.push_back(w);
+    exposed_ms_ += ms_since(t0);
+  }
+  if (stats) {
+    for (auto& w : step_works_)
+      if (w) stats->comm_ms += w->elapsed_ms();
+    stats->exposed_ms = exposed_ms_;
+  }
+  step_works_.clear();
+  exposed_ms_ = 0;
+}
+
+}  // namespace mt::parallel

@@ -1,0 +1,119 @@
+// Sharded data parallelism: ZeRO-1 (ZERO1), ZeRO-2 (SHARD_GRAD_OP), ZeRO-3 (FULL_SHARD) and the
+// hybrid forms (HYBRID_SHARD, HYBRID_SHARD_ZERO2: sharded inside dp_shard, replicated across
+// dp_replicate).
+//
+// Sharding is per unit, FSDP1 style: each unit's range of the flat buffer is padded to a multiple
+// of the shard-group size N and rank r owns the r-th contiguous 1/N of every unit. A rank's shard
+// buffers (fp32 master weights, gradients, AdamW moments) are the concatenation of its slices, so
+// one unit's gather / reduce-scatter is a single collective on contiguous memory (docs/design.md
+// explains why units and not single parameters).
+//
+// ZeRO-3 gathers a unit's parameters (in the compute dtype: bf16 all-gathers in mixed precision)
+// just before its forward, frees them after (reshard_after_forward), gathers again before its
+// backward, and reduce-scatters its gradients (fp32) right after. The next `prefetch` units are
+// gathered ahead, on the shard group's communication thread, while the current one computes.
+// The root units (embedding and, with tied embeddings, the head that shares its weight) stay
+// gathered from their forward to their backward, like FSDP's root.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/process_group.h"
+#include "model/transformer.h"
+#include "parallel/optimizer.h"
+
+namespace mt::parallel {
+
+enum class ShardStrategy { Zero1, Zero2, Zero3, Hybrid3, Hybrid2 };
+// Parses the INTERFACE.md names (ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2).
+bool parse_shard_strategy(const std::string& s, ShardStrategy* out);
+const char* shard_strategy_name(ShardStrategy s);
+
+struct ShardOptions {
+  ShardStrategy strategy = ShardStrategy::Zero3;
+  bool reshard_after_forward = true;
+  int prefetch = 1;
+  // Gradient accumulation: reduce-scatter after every micro-batch (less memory) or keep unsharded
+  // gradients until the last one (less communication). The cross-replica all-reduce of hybrid
+  // strategies always waits for the last micro-batch.
+  bool reduce_every_microbatch = true;
+};
+
+struct ShardStepStats {
+  double comm_ms = 0;     // time this step's collectives ran on the communication threads
+  double exposed_ms = 0;  // time the compute thread waited for them
+};
+
+class ShardedDataParallel : public UnitHooks {
+ public:
+  // How the model must be built for this strategy (which flat buffers it keeps, unit padding).
+  static ModelStorage storage_for(ShardStrategy s, DType compute, int shard_size);
+
+  // `shard`: the group parameters are sharded over; `replicate`: the group across which shards are
+  // replicated (size 1 unless hybrid).
+  ShardedDataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> shard,
+                      std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions opts, AdamWConfig adam);
+  ~ShardedDataParallel() override;
+
+  // Every rank passes the same full fp32 flat buffers (model layout; moments may be null = zero):
+  // each keeps its shard. Used after initialisation and when loading a checkpoint.
+  void load_full(const float* weights, const float* exp_avg, const float* exp_avg_sq, int64_t adam_steps);
+  // Collective: full fp32 flat buffers of weights and moments on every rank (for checkpoints).
+  void gather_full(float* weights, float* exp_avg, float* exp_avg_sq);
+
+  // Before each micro-batch: whether it is the last of the step (the one that synchronises).
+  void begin_microbatch(bool last);
+  void pre_forward(int unit) override;
+  void post_forward(int unit) override;
+  void pre_backward(int unit) override;
+  void post_backward(int unit) override;
+  // After each micro-batch's backward: on the last one, waits for every reduction (and throws,
+  // naming the units, if backward skipped any).
+  ShardStepStats finish_backward();
+  // Sum of squared gradients over the whole model (own shard, summed over the shard group).
+  double grad_norm_sq();
+  // AdamW on the shards, then (ZeRO-1/2) all-gathers the updated parameters. Adds its
+  // communication to `stats`.
+  void optimizer_step(double lr, float grad_scale, ShardStepStats* stats);
+  // Frees every gathered unit (after an eval forward, at the end).
+  void release_all();
+
+  int64_t shard_elements() const { return shard_total_; }
+  int max_units_gathered() const { return max_gathered_; }
+  void reset_max_units_gathered() { max_gathered_ = gathered_count_; }
+  AdamW& optimizer() { return *adam_; }
+  ShardStrategy strategy() const { return opts_.strategy; }
+  bool params_sharded() const;
+  bool grads_sharded() const;
+
+ private:
+  struct UnitState;
+  void gather(int u);                 // issue (ZeRO-3)
+  void ensure_gathered(int u);        // issue if needed and wait
+  void release(int u);
+  void ensure_grad_buffer(int u);
+  void launch_reduce(int u);
+  void poll(bool wait_all);           // completes finished reductions
+  void complete_reduce(int u);
+  float* master_slice(int u);
+  int64_t my_offset(int u) const;     // flat offset of this rank's slice of unit u
+
+  Transformer& model_;
+  std::shared_ptr<comm::ProcessGroup> shard_, replicate_, norm_group_;
+  ShardOptions opts_;
+  DType cd_;
+  int N_, r_;
+  bool tied_;
+  std::vector<UnitState> units_;
+  int64_t shard_total_ = 0;
+  Tensor master_;      // fp32 shard of the weights (ZeRO-3 always; ZeRO-1/2 in bf16 mode)
+  Tensor grad_shard_;  // fp32 shard of the gradients (ZeRO-2/3)
+  std::unique_ptr<AdamW> adam_;
+  bool last_micro_ = true;
+  int gathered_count_ = 0, max_gathered_ = 0;
+  std::vector<comm::WorkHandle> step_works_;
+  double exposed_ms_ = 0;
+};
+
+}  // namespace mt::parallel

@@ -1,0 +1,143 @@
+#include "parallel/strategy.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/activation.h"
+#include "parallel/data_parallel.h"
+#include "parallel/sharded_data_parallel.h"
+
+namespace mt::parallel {
+
+namespace {
+
+// DDP: full replicas, bucketed all-reduce overlapped with backward, AdamW on the whole model.
+class DdpStrategy final : public Strategy {
+ public:
+  DdpStrategy(Transformer& m, std::shared_ptr<comm::ProcessGroup> dp, const StrategySpec& spec)
+      : model_(m), dp_(std::move(dp)), ddp_(m, dp_, spec.bucket_mb),
+        adam_(AdamW::full_spans(m.params()), m.flat_size(), spec.adam) {}
+  const char* name() const override { return "NO_SHARD"; }
+  UnitHooks* hooks() override { return &ddp_; }
+  void load_full(const float* w, const float* m, const float* v, int64_t steps) override {
+    std::memcpy(model_.weights().f32(), w, model_.flat_size() * sizeof(float));
+    copy_or_zero(adam_.exp_avg(), m);
+    copy_or_zero(adam_.exp_avg_sq(), v);
+    adam_.set_step_count(steps);
+    // Like torch DDP: rank 0's weights everywhere (identical already when every rank loaded the same).
+    if (dp_->size() > 1)
+      dp_->broadcast(model_.weights().f32(), static_cast<size_t>(model_.flat_size()), DType::F32, 0)->wait();
+    model_.sync_compute_weights();
+  }
+  void gather_full(float* w, float* m, float* v) override {
+    std::memcpy(w, model_.weights().f32(), model_.flat_size() * sizeof(float));
+    if (m) std::memcpy(m, adam_.exp_avg().f32(), model_.flat_size() * sizeof(float));
+    if (v) std::memcpy(v, adam_.exp_avg_sq().f32(), model_.flat_size() * sizeof(float));
+  }
+  void begin_microbatch(bool last) override { ddp_.set_sync(last); }
+  void finish_backward(StepComm* c) override {
+    DdpStepStats s = ddp_.finish();
+    c->comm_ms += s.comm_ms;
+    c->exposed_ms += s.exposed_ms;
+  }
+  double grad_norm_sq() override { return kernels::sum_squares(model_.grads().f32(), model_.flat_size()); }
+  void optimizer_step(double lr, float scale, StepComm*) override {
+    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale);
+    model_.sync_compute_weights();
+    model_.zero_grads();
+  }
+  int64_t adam_steps() const override { return adam_.step_count(); }
+
+ private:
+  void copy_or_zero(Tensor& t, const float* src) {
+    if (src) std::memcpy(t.f32(), src, t.nbytes());
+    else t.zero_();
+  }
+  Transformer& model_;
+  std::shared_ptr<comm::ProcessGroup> dp_;
+  DataParallel ddp_;
+  AdamW adam_;
+};
+
+class ShardedStrategy final : public Strategy {
+ public:
+  ShardedStrategy(Transformer& m, std::shared_ptr<comm::ProcessGroup> shard,
+                  std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions o, AdamWConfig adam)
+      : sdp_(m, std::move(shard), std::move(replicate), o, adam) {}
+  const char* name() const override { return shard_strategy_name(sdp_.strategy()); }
+  UnitHooks* hooks() override { return &sdp_; }
+  void load_full(const float* w, const float* m, const float* v, int64_t steps) override {
+    sdp_.load_full(w, m, v, steps);
+  }
+  void gather_full(float* w, float* m, float* v) override { sdp_.gather_full(w, m, v); }
+  void begin_microbatch(bool last) override { sdp_.begin_microbatch(last); }
+  void finish_backward(StepComm*) override { sdp_.finish_backward(); }
+  double grad_norm_sq() override { return sdp_.grad_norm_sq(); }
+  void optimizer_step(double lr, float scale, StepComm* c) override {
+    ShardStepStats s;
+    sdp_.optimizer_step(lr, scale, &s);
+    c->comm_ms += s.comm_ms;
+    c->exposed_ms += s.exposed_ms;
+  }
+  void after_eval() override { sdp_.release_all(); }
+  int64_t adam_steps() const override { return const_cast<ShardedDataParallel&>(sdp_).optimizer().step_count(); }
+  ShardedDataParallel& sdp() { return sdp_; }
+
+ private:
+  ShardedDataParallel sdp_;
+};
+
+}  // namespace
+
+ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_size) {
+  if (spec.strategy == "NO_SHARD") return ModelStorage{};
+  ShardStrategy s;
+  if (!parse_shard_strategy(spec.strategy, &s)) throw std::invalid_argument("unknown strategy " + spec.strategy);
+  return ShardedDataParallel::storage_for(s, compute, shard_size);
+}
+
+std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& model,
+                                        std::shared_ptr<comm::ProcessGroup> dp,
+                                        std::shared_ptr<comm::ProcessGroup> shard,
+                                        std::shared_ptr<comm::ProcessGroup> replicate) {
+  if (spec.strategy == "NO_SHARD") return std::make_unique<DdpStrategy>(model, dp, spec);
+  ShardOptions o;
+  if (!parse_shard_strategy(spec.strategy, &o.strategy)) throw std::invalid_argument("unknown strategy " + spec.strategy);
+  o.reshard_after_forward = spec.reshard_after_forward;
+  o.prefetch = spec.prefetch;
+  o.reduce_every_microbatch = spec.reduce_every_microbatch;
+  return std::make_unique<ShardedStrategy>(model, shard, replicate, o, spec.adam);
+}
+
+void verify_same_model(const Transformer& model, comm::ProcessGroup& group) {
+  if (group.size() == 1) return;
+  // Fingerprint: parameter count, unit count and unit sizes, each in 16-bit pieces (exact as f32).
+  std::vector<float> mine;
+  auto push = [&](int64_t v) {
+    for (int s = 0; s < 48; s += 16) mine.push_back(static_cast<float>((v >> s) & 0xffff));
+  };
+  push(model.num_params());
+  push(model.num_units());
+  for (int u = 0; u < model.num_units(); ++u) push(model.unit(u).numel);
+  // Ranks with different unit counts would disagree on the size of the gather: lengths first.
+  std::vector<float> lens(group.size());
+  float len = static_cast<float>(mine.size());
+  group.all_gather(&len, lens.data(), 1, DType::F32)->wait();
+  for (int r = 0; r < group.size(); ++r)
+    if (lens[r] != len)
+      throw std::runtime_error("data-parallel rank " + std::to_string(r) + " built a model with " +
+                               std::to_string(static_cast<int>(lens[r] / 3) - 2) + " units, rank " +
+                               std::to_string(group.rank()) + " has " + std::to_string(model.num_units()) +
+                               ": every rank must use the same model config");
+  std::vector<float> all(mine.size() * group.size());
+  group.all_gather(mine.data(), all.data(), mine.size(), DType::F32)->wait();
+  for (int r = 0; r < group.size(); ++r)
+    for (size_t i = 0; i < mine.size(); ++i)
+      if (all[r * mine.size() + i] != mine[i]) {
+        std::string what = i < 3 ? "parameter count" : i < 6 ? "unit count" : "size of unit " + model.unit(int((i - 6) / 3)).name;
+        throw std::runtime_error("data-parallel rank " + std::to_string(r) + " and rank " + std::to_string(group.rank()) +
+                                 " built different models (" + what + " differs): every rank must use the same model config");
+      }
+}
+
+}  // namespace mt::parallel

@@ -1,0 +1,60 @@
+// The trainer's view of a data-parallel strategy: who holds which part of the weights, gradients
+// and optimizer state, and what happens between backward and the next forward.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "comm/process_group.h"
+#include "model/transformer.h"
+#include "parallel/optimizer.h"
+
+namespace mt::parallel {
+
+struct StepComm {
+  double comm_ms = 0;     // time the step's collectives ran (communication threads)
+  double exposed_ms = 0;  // time the compute thread waited for them
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual const char* name() const = 0;
+  virtual UnitHooks* hooks() = 0;
+  // Every rank passes the same full fp32 flat buffers in the model's layout (moments may be null).
+  virtual void load_full(const float* w, const float* m, const float* v, int64_t adam_steps) = 0;
+  // Collective: full fp32 weights and moments on every rank.
+  virtual void gather_full(float* w, float* m, float* v) = 0;
+  virtual void begin_microbatch(bool last) = 0;
+  // After each micro-batch's backward (communication of the last one finishes here).
+  virtual void finish_backward(StepComm* c) = 0;
+  // Squared global gradient norm (each element counted once over the data-parallel ranks).
+  virtual double grad_norm_sq() = 0;
+  virtual void optimizer_step(double lr, float grad_scale, StepComm* c) = 0;
+  // After a forward-only pass (eval): drop whatever it gathered.
+  virtual void after_eval() {}
+  virtual int64_t adam_steps() const = 0;
+};
+
+struct StrategySpec {
+  std::string strategy = "NO_SHARD";  // INTERFACE.md names
+  double bucket_mb = 25.0;
+  bool reshard_after_forward = true;
+  int prefetch = 1;
+  bool reduce_every_microbatch = true;
+  AdamWConfig adam;
+};
+
+// How to build the model for this strategy with a shard group of `shard_size` ranks.
+ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_size);
+// `dp`: all data-parallel ranks; `shard` / `replicate`: the hybrid split (for non-hybrid sharded
+// strategies shard = dp and replicate has size 1).
+std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& model,
+                                        std::shared_ptr<comm::ProcessGroup> dp,
+                                        std::shared_ptr<comm::ProcessGroup> shard,
+                                        std::shared_ptr<comm::ProcessGroup> replicate);
+
+// Collective over `group`: throws, naming the rank and what differs, unless every rank built the
+// same model (parameter count, unit count and sizes).
+void verify_same_model(const Transformer& model, comm::ProcessGroup& group);
+
+}  // namespace mt::parallel
