@@ -44,6 +44,7 @@ Config read_config() {
   }
   if (const char* h = std::getenv("MESHTRAIN_COMM_HIER")) c.hierarchical = std::strcmp(h, "0") != 0;
   if (const char* f = std::getenv("MESHTRAIN_COMM_FAKE_NODE_SIZE")) c.fake_node_size = std::atoi(f);
+  if (const char* v = std::getenv("MESHTRAIN_COMM_NICE")) c.nice = std::clamp(std::atoi(v), -20, 19);
   if (const char* s = std::getenv("MESHTRAIN_COMM_SPIN_US")) {
     int v = std::atoi(s);
     if (v >= 0) c.spin_us = std::min(v, 1000000);

@@ -30,6 +30,7 @@ struct Config {
   size_t oneshot_bytes = 16u << 10;  // MESHTRAIN_COMM_ONESHOT_KB: one-round all_reduce up to this
   bool hierarchical = true;  // MESHTRAIN_COMM_HIER=0 turns the two-level all_reduce off
   int fake_node_size = 0;   // MESHTRAIN_COMM_FAKE_NODE_SIZE: pretend nodes of k world ranks (tests)
+  int nice = -10;    // MESHTRAIN_COMM_NICE: nice value of communication threads (if permitted)
   int spin_us = 20;  // MESHTRAIN_COMM_SPIN_US: idle thread / wait() poll (yielding) before sleeping
 };
 const Config& config();

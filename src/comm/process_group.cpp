@@ -20,6 +20,8 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
@@ -963,6 +965,11 @@ static void backoff(unsigned idle, int max_us) {
 
 void GroupImpl::thread_main() {
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: short sleeps stay short
+  // A higher scheduling weight than the compute threads (like a high-priority stream): when a
+  // message arrives the thread preempts compute at once instead of after a scheduler slice. It
+  // sleeps whenever it waits, so it takes only the CPU the transfers need. Needs CAP_SYS_NICE
+  // for negative values; otherwise the default priority stays.
+  if (config().nice != 0) setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), config().nice);
   std::string tname = ("mt-" + name).substr(0, 15);
   pthread_setname_np(pthread_self(), tname.c_str());
 

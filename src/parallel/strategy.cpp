@@ -109,6 +109,31 @@ std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& m
   return std::make_unique<ShardedStrategy>(model, shard, replicate, o, spec.adam);
 }
 
+StateBytes expected_state_bytes(const std::string& strategy, DType compute, int64_t flat, int shard_size) {
+  const int64_t N = shard_size;
+  const bool f32 = compute == DType::F32;
+  const int64_t pb = f32 ? 4 : 2, ob = f32 ? 8 : 12;  // bf16: fp32 master lives with the moments
+  StateBytes b;
+  if (strategy == "NO_SHARD") {
+    b = {pb * flat, 4 * flat, ob * flat};
+  } else if (strategy == "ZERO1") {
+    b = {pb * flat, 4 * flat, ob * flat / N};
+  } else if (strategy == "SHARD_GRAD_OP" || strategy == "HYBRID_SHARD_ZERO2") {
+    b = {pb * flat, 4 * flat / N, ob * flat / N};
+  } else {  // FULL_SHARD, HYBRID_SHARD: only shards persist (fp32 master counted as params in fp32)
+    b = f32 ? StateBytes{4 * flat / N, 4 * flat / N, 8 * flat / N} : StateBytes{0, 4 * flat / N, 12 * flat / N};
+  }
+  return b;
+}
+
+int64_t zero_paper_bytes(const std::string& strategy, int64_t P, int shard_size) {
+  const int64_t N = shard_size;
+  if (strategy == "NO_SHARD") return 16 * P;
+  if (strategy == "ZERO1") return 4 * P + 12 * P / N;
+  if (strategy == "SHARD_GRAD_OP" || strategy == "HYBRID_SHARD_ZERO2") return 2 * P + 14 * P / N;
+  return 16 * P / N;
+}
+
 void verify_same_model(const Transformer& model, comm::ProcessGroup& group) {
   if (group.size() == 1) return;
   // Fingerprint: parameter count, unit count and unit sizes, each in 16-bit pieces (exact as f32).

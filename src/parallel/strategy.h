@@ -53,6 +53,18 @@ std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& m
                                         std::shared_ptr<comm::ProcessGroup> shard,
                                         std::shared_ptr<comm::ProcessGroup> replicate);
 
+// Model-state bytes per rank (params, grads, optimizer) this engine keeps between steps for a
+// strategy: fp32 gradients always (reduce_dtype fp32), fp32 master + two moments in the optimizer;
+// in bf16 mode the params category is the bf16 compute copy. `flat` counts elements with padding.
+struct StateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0;
+  int64_t total() const { return params + grads + optimizer; }
+};
+StateBytes expected_state_bytes(const std::string& strategy, DType compute, int64_t flat, int shard_size);
+// The ZeRO paper's mixed-precision figure (bf16 params and grads, fp32 master and moments):
+// DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
+int64_t zero_paper_bytes(const std::string& strategy, int64_t params, int shard_size);
+
 // Collective over `group`: throws, naming the rank and what differs, unless every rank built the
 // same model (parameter count, unit count and sizes).
 void verify_same_model(const Transformer& model, comm::ProcessGroup& group);

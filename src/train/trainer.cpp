@@ -286,11 +286,15 @@ TrainResult train(const RunConfig& cfg) {
       std::printf("  %-12s %16s %16s\n", mem_category_name(static_cast<MemCategory>(i)), format_bytes(ms.peak[i]).c_str(),
                   format_bytes(resident[i]).c_str());
     std::printf("  %-12s %16s\n", "total", format_bytes(ms.total_peak).c_str());
-    const int64_t P = model.num_params();
-    std::printf("  model state: %lld params x (%s) = %s expected for params+grads+optimizer, measured %s\n",
-                static_cast<long long>(P), dt == DType::F32 ? "4 + 4 + 8 bytes" : "2 bf16 + 4 grad + 12 master/moments bytes",
-                format_bytes(P * (dt == DType::F32 ? 16 : 18)).c_str(),
-                format_bytes(resident[0] + resident[1] + resident[2]).c_str());
+    const parallel::StateBytes want = parallel::expected_state_bytes(spec.strategy, dt, F, shard_group->size());
+    std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
+                "(params %s, grads %s, optimizer %s)\n",
+                format_bytes(resident[0] + resident[1] + resident[2]).c_str(), format_bytes(want.total()).c_str(),
+                strategy->name(), dtype_name(dt), shard_group->size(), format_bytes(want.params).c_str(),
+                format_bytes(want.grads).c_str(), format_bytes(want.optimizer).c_str());
+    if (dt == DType::BF16)
+      std::printf("  ZeRO paper's mixed-precision figure: %s (it assumes bf16 gradients; this engine keeps them fp32)\n",
+                  format_bytes(parallel::zero_paper_bytes(spec.strategy, F, shard_group->size())).c_str());
     if (tps_n) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res.tokens_per_s);
     if (world > 1) {
       std::printf("communication (rank 0): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute\n",
@@ -308,6 +312,9 @@ TrainResult train(const RunConfig& cfg) {
                         {"comm_ms_per_step", tps_n ? comm_ms_total / tps_n : 0.0},
                         {"exposed_comm_ms_per_step", tps_n ? exposed_ms_total / tps_n : 0.0},
                         {"world_size", world},
+                        {"strategy", strategy->name()},
+                        {"shard_group_size", shard_group->size()},
+                        {"flat_size", F},
                         {"num_params", model.num_params()}};
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
   if (world > 1) {

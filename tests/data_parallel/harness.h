@@ -1,0 +1,139 @@
+// Helpers for tests that run `meshtrain train` as real processes (single, or under mpirun) and
+// compare what they wrote: metrics JSON lines and checkpoints.
+#pragma once
+#include <sys/wait.h>
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <filesystem>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "train/safetensors.h"
+#include "train/token_shards.h"
+
+namespace mt {
+
+struct RunOut {
+  int code = -1;
+  std::string output;
+};
+
+inline RunOut run(const std::string& cmd) {
+  RunOut r;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  int st = ::pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+inline std::string mpirun(int np) {
+  return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 300 mpirun -np " + std::to_string(np) +
+         " --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -x OMP_NUM_THREADS=1 "
+         "-x GLIBC_TUNABLES=glibc.malloc.hugetlb=1 ";
+}
+
+inline std::vector<double> losses(const std::string& metrics) {
+  std::vector<double> v;
+  std::ifstream f(metrics);
+  std::string line;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("final")) v.push_back(j["loss"].get<double>());
+  }
+  return v;
+}
+
+inline std::vector<float> weights(const std::string& ckdir) {
+  auto ts = read_safetensors(ckdir + "/step_00000008/model.safetensors");
+  std::vector<float> all;
+  for (auto& [name, t] : ts) {
+    const float* p = reinterpret_cast<const float*>(t.bytes.data());
+    all.insert(all.end(), p, p + t.bytes.size() / 4);
+  }
+  return all;
+}
+
+// The final summary object of a metrics file.
+inline nlohmann::json final_metrics(const std::string& metrics) {
+  std::ifstream f(metrics);
+  std::string line;
+  nlohmann::json last;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("final")) last = j;
+  }
+  return last;
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<float> weights;  // final weights, every tensor concatenated (HF layout)
+  nlohmann::json final;        // the metrics file's summary object
+};
+
+// A temporary directory with a small byte-level corpus, and runs of 8 training steps on it.
+class ParityFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("mt_par_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    std::string text;
+    for (int i = 0; i < 300; ++i) text += "to be or not to be, that is the question " + std::to_string(i % 11) + ";\n";
+    std::vector<int32_t> toks(text.begin(), text.end());
+    write_token_shard((dir_ / "train.bin").string(), toks);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // 8 steps of gpt2-tiny (or what `extra` overrides) on `np` ranks (np = 1: a plain process).
+  RunResult train(int np, int micro_batch, int accum, const std::string& tag, const std::string& extra = "") {
+    std::string ck = (dir_ / ("ck_" + tag)).string(), m = (dir_ / ("m_" + tag + ".jsonl")).string();
+    std::string args = std::string(" train --model.preset gpt2-tiny --data.train ") + (dir_ / "train.bin").string() +
+                       " --data.val '' --train.steps 8 --train.warmup_steps 2 --train.lr 3e-3 --train.threads 1"
+                       " --train.micro_batch " + std::to_string(micro_batch) + " --train.grad_accum " +
+                       std::to_string(accum) + " --train.checkpoint_dir " + ck + " --log.metrics_out " + m +
+                       " --parallel.bucket_mb 0.01 " + extra;  // tiny DDP buckets: several all-reduces per step
+    std::string cmd = (np > 1 ? mpirun(np) : std::string("MESHTRAIN_MPI=0 ")) + MT_BINARY + args;
+    RunOut r = run(cmd);
+    EXPECT_EQ(r.code, 0) << cmd << "\n" << r.output;
+    RunResult out;
+    if (r.code != 0) return out;
+    out.losses = losses(m);
+    out.weights = weights(ck);
+    out.final = final_metrics(m);
+    return out;
+  }
+  std::filesystem::path dir_;
+};
+
+// Losses within loss_tol and weights within weight_tol (absolute), over 8 steps.
+inline void expect_close(const RunResult& a, const RunResult& b, double loss_tol, double weight_tol, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), 8u) << what;
+  ASSERT_EQ(b.losses.size(), 8u) << what;
+  double maxl = 0;
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(a.losses[i], b.losses[i], loss_tol) << what << " step " << i + 1;
+    maxl = std::max(maxl, std::abs(a.losses[i] - b.losses[i]));
+  }
+  ASSERT_EQ(a.weights.size(), b.weights.size());
+  double maxd = 0;
+  for (size_t i = 0; i < a.weights.size(); ++i) maxd = std::max(maxd, (double)std::abs(a.weights[i] - b.weights[i]));
+  EXPECT_LT(maxd, weight_tol) << what << ": max weight difference " << maxd;
+  std::printf("[%s] final loss %.6f vs %.6f, max |dloss| %.3g, max |dw| %.3g\n", what.c_str(), a.losses.back(),
+              b.losses.back(), maxl, maxd);
+}
+
+}  // namespace mt
