@@ -10,6 +10,14 @@
 
 namespace mt {
 
+// How tensor parallelism splits a parameter across the tp ranks (Megatron layout).
+enum class TpSplit : uint8_t {
+  None,     // replicated (norms, row-parallel biases, position embeddings)
+  Rows,     // dimension 0 split: column-parallel weights and their biases, vocab-parallel embeddings
+  Cols,     // dimension 1 split: row-parallel weights
+  QkvRows,  // GPT-2's fused [q; k; v] rows: each of the three blocks split by heads
+};
+
 struct ParamInfo {
   std::string name;
   std::vector<int64_t> shape;
@@ -18,6 +26,7 @@ struct ParamInfo {
   int unit = 0;        // which model unit owns it
   bool decay = true;   // weight decay applies (matrices yes; norms, biases, embeddings no)
   bool hf_transposed = false;
+  TpSplit tp_split = TpSplit::None;
 };
 
 // A contiguous range of the flat buffer owned by one unit (embedding, block i, head).

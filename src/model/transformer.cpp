@@ -1,5 +1,6 @@
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -56,10 +57,30 @@ constexpr int G_LN1W = 0, G_LN1B = 1, G_QKVW = 2, G_QKVB = 3, G_PROJW = 4, G_PRO
 constexpr int L_LN1W = 0, L_QW = 1, L_OW = 4, L_LN2W = 5, L_GATEW = 6, L_UPW = 7, L_DOWNW = 8;
 }  // namespace
 
-Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage)
-    : cfg_(cfg), compute_(compute), recompute_(recompute), storage_(storage) {
+Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage,
+                         TpComm* tp)
+    : cfg_(cfg), compute_(compute), recompute_(recompute), storage_(storage), tp_(tp) {
   cfg_.resolve();
   if (storage_.unit_align < 1) storage_.unit_align = 1;
+  if (tp_) {
+    tp_size_ = tp_->size();
+    tp_rank_ = tp_->rank();
+  }
+  const int64_t t = tp_size_;
+  auto need = [&](int64_t v, const char* what) {
+    if (v % t != 0)
+      throw std::invalid_argument(std::string(what) + " (" + std::to_string(v) + ") is not divisible by parallel.tp (" +
+                                  std::to_string(t) + ")");
+  };
+  need(cfg_.n_head, "model.n_head");
+  need(cfg_.n_kv_head, "model.n_kv_head");
+  need(cfg_.ffn_hidden, "model.ffn_hidden");
+  need(cfg_.padded_vocab, "the padded vocabulary");
+  nh_l_ = cfg_.n_head / t;
+  nkv_l_ = cfg_.n_kv_head / t;
+  F_l_ = cfg_.ffn_hidden / t;
+  Vp_l_ = cfg_.padded_vocab / t;
+  vocab_lo_ = tp_rank_ * Vp_l_;
   build_params();
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)
@@ -74,11 +95,13 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
 Transformer::~Transformer() = default;
 
 void Transformer::build_params() {
-  const int64_t C = cfg_.n_embd, hd = cfg_.head_dim(), F = cfg_.ffn_hidden, V = cfg_.padded_vocab;
-  const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head;
+  // Shapes are this tp rank's share (the whole model when tp = 1).
+  const int64_t C = cfg_.n_embd, hd = cfg_.head_dim(), F = F_l_, V = Vp_l_;
+  const int64_t nh = nh_l_, nkv = nkv_l_;
   int cur_unit = 0;
   int64_t pos = 0;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false) {
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false,
+                 TpSplit split = TpSplit::None) {
     ParamInfo p;
     p.name = name;
     p.shape = shape;
@@ -88,6 +111,7 @@ void Transformer::build_params() {
     p.unit = cur_unit;
     p.decay = decay;
     p.hf_transposed = tr;
+    p.tp_split = split;
     total_ += p.numel;
     pos += p.numel;
     unit_params_[cur_unit].push_back(static_cast<int>(params_.size()));
@@ -110,10 +134,10 @@ void Transformer::build_params() {
   const bool gpt = cfg_.arch == Arch::GPT2;
   begin_unit("embedding");
   if (gpt) {
-    add("wte.weight", {V, C}, false);
+    add("wte.weight", {V, C}, false, false, TpSplit::Rows);
     add("wpe.weight", {cfg_.seq_len, C}, false);
   } else {
-    add("model.embed_tokens.weight", {V, C}, false);
+    add("model.embed_tokens.weight", {V, C}, false, false, TpSplit::Rows);
   }
   end_unit();
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
@@ -122,27 +146,27 @@ void Transformer::build_params() {
       std::string p = "h." + std::to_string(l) + ".";
       add(p + "ln_1.weight", {C}, false);
       add(p + "ln_1.bias", {C}, false);
-      add(p + "attn.c_attn.weight", {3 * C, C}, true, true);
-      add(p + "attn.c_attn.bias", {3 * C}, false);
-      add(p + "attn.c_proj.weight", {C, C}, true, true);
+      add(p + "attn.c_attn.weight", {3 * nh * hd, C}, true, true, TpSplit::QkvRows);
+      add(p + "attn.c_attn.bias", {3 * nh * hd}, false, false, TpSplit::QkvRows);
+      add(p + "attn.c_proj.weight", {C, nh * hd}, true, true, TpSplit::Cols);
       add(p + "attn.c_proj.bias", {C}, false);
       add(p + "ln_2.weight", {C}, false);
       add(p + "ln_2.bias", {C}, false);
-      add(p + "mlp.c_fc.weight", {F, C}, true, true);
-      add(p + "mlp.c_fc.bias", {F}, false);
-      add(p + "mlp.c_proj.weight", {C, F}, true, true);
+      add(p + "mlp.c_fc.weight", {F, C}, true, true, TpSplit::Rows);
+      add(p + "mlp.c_fc.bias", {F}, false, false, TpSplit::Rows);
+      add(p + "mlp.c_proj.weight", {C, F}, true, true, TpSplit::Cols);
       add(p + "mlp.c_proj.bias", {C}, false);
     } else {
       std::string p = "model.layers." + std::to_string(l) + ".";
       add(p + "input_layernorm.weight", {C}, false);
-      add(p + "self_attn.q_proj.weight", {nh * hd, C}, true);
-      add(p + "self_attn.k_proj.weight", {nkv * hd, C}, true);
-      add(p + "self_attn.v_proj.weight", {nkv * hd, C}, true);
-      add(p + "self_attn.o_proj.weight", {C, nh * hd}, true);
+      add(p + "self_attn.q_proj.weight", {nh * hd, C}, true, false, TpSplit::Rows);
+      add(p + "self_attn.k_proj.weight", {nkv * hd, C}, true, false, TpSplit::Rows);
+      add(p + "self_attn.v_proj.weight", {nkv * hd, C}, true, false, TpSplit::Rows);
+      add(p + "self_attn.o_proj.weight", {C, nh * hd}, true, false, TpSplit::Cols);
       add(p + "post_attention_layernorm.weight", {C}, false);
-      add(p + "mlp.gate_proj.weight", {F, C}, true);
-      add(p + "mlp.up_proj.weight", {F, C}, true);
-      add(p + "mlp.down_proj.weight", {C, F}, true);
+      add(p + "mlp.gate_proj.weight", {F, C}, true, false, TpSplit::Rows);
+      add(p + "mlp.up_proj.weight", {F, C}, true, false, TpSplit::Rows);
+      add(p + "mlp.down_proj.weight", {C, F}, true, false, TpSplit::Cols);
     }
     end_unit();
   }
@@ -152,7 +176,7 @@ void Transformer::build_params() {
     add("ln_f.bias", {C}, false);
   } else {
     add("model.norm.weight", {C}, false);
-    add("lm_head.weight", {V, C}, true);
+    add("lm_head.weight", {V, C}, true, false, TpSplit::Rows);
   }
   end_unit();
 }
@@ -174,6 +198,7 @@ void Transformer::init_weights(uint64_t seed) {
 }
 
 void Transformer::init_weights_into(uint64_t seed, float* w) const {
+  if (tp_size_ > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_from_full");
   Rng rng(seed);
   std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
@@ -250,16 +275,18 @@ bool Transformer::recomputes(int layer) const {
   return false;
 }
 
-static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t B) {
-  const int64_t C = c.n_embd, F = c.ffn_hidden, QKV = (c.n_head + 2 * c.n_kv_head) * c.head_dim();
+// nh, nkv, F: this tp rank's heads and MLP width.
+static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t B, int64_t nh,
+                             int64_t nkv, int64_t F) {
+  const int64_t C = c.n_embd, QKV = (nh + 2 * nkv) * c.head_dim();
   auto A = MemCategory::Activations;
   a.ln1 = Tensor::empty({BT, C}, cd, A);
   a.ln1_rstd = Tensor::empty({BT}, DType::F32, A);
   if (c.arch == Arch::GPT2) a.ln1_mean = Tensor::empty({BT}, DType::F32, A);
   a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
-  a.atty = Tensor::empty({BT, c.n_head * c.head_dim()}, DType::F32, A);
-  if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, c.n_head * c.head_dim()}, DType::BF16, A);
-  a.lse = Tensor::empty({B * c.n_head * (BT / B)}, DType::F32, A);
+  a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);
+  if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, nh * c.head_dim()}, DType::BF16, A);
+  a.lse = Tensor::empty({B * nh * (BT / B)}, DType::F32, A);
   a.res2 = Tensor::empty({BT, C}, DType::F32, A);
   a.ln2 = Tensor::empty({BT, C}, cd, A);
   a.ln2_rstd = Tensor::empty({BT}, DType::F32, A);
@@ -278,8 +305,8 @@ void Transformer::ensure_buffers(int64_t B, int64_t T) {
   // (the caching allocator hands the same blocks back when the shape returns).
   B_ = B;
   T_ = T;
-  const int64_t BT = B * T, C = cfg_.n_embd, V = cfg_.padded_vocab, F = cfg_.ffn_hidden;
-  const int64_t QKV = (cfg_.n_head + 2 * cfg_.n_kv_head) * cfg_.head_dim();
+  const int64_t BT = B * T, C = cfg_.n_embd, V = Vp_l_, F = F_l_;
+  const int64_t QKV = (nh_l_ + 2 * nkv_l_) * cfg_.head_dim();
   cap_bt_ = BT;
   acts_.clear();
   scratch_acts_.reset();
@@ -290,12 +317,12 @@ void Transformer::ensure_buffers(int64_t B, int64_t T) {
     acts_.emplace_back();
     if (!recomputes(static_cast<int>(l))) {
       acts_.back() = std::make_unique<BlockActivations>();
-      alloc_block_acts(*acts_.back(), cfg_, compute_, BT, B);
+      alloc_block_acts(*acts_.back(), cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
     }
   }
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
-    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, B);
+    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
   }
   for (int64_t u = 0; u <= cfg_.n_layer; ++u) block_out_.push_back(Tensor::empty({BT, C}, DType::F32, A));
   ids_ = Tensor::empty({BT}, DType::F32, A);  // int32 storage (same size)
@@ -346,11 +373,18 @@ void store(const Tensor& dst, const float* src, int64_t n) {
     k::cast_f32_to_bf16(dst.bf(), src, n);
   }
 }
+// x[n, :] += b for x [N, C].
+void add_bias(float* x, const float* b, int64_t N, int64_t C) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) x[n * C + c] += b[c];
+}
 }  // namespace
 
 void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = cfg_.ffn_hidden, hd = cfg_.head_dim();
-  const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head, QKV = (nh + 2 * nkv) * hd;
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
+  const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
+  const bool tp = tp_size_ > 1;
   const int base = unit_params_[layer + 1][0];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
@@ -373,7 +407,13 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   if (bf) store(a.atty_bf, a.atty.f32(), N * nh * hd);
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
   int proj_w = gpt ? G_PROJW : L_OW;
-  lin.fwd(a.res2.f32(), atty_in, WF(proj_w), WB(proj_w), gpt ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
+  // Row-parallel output projection: partial sums over this rank's heads, summed across tp ranks,
+  // then the (replicated) bias once.
+  lin.fwd(a.res2.f32(), atty_in, WF(proj_w), WB(proj_w), gpt && !tp ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
+  if (tp) {
+    tp_->all_reduce_sum(a.res2.f32(), N * C);
+    if (gpt) add_bias(a.res2.f32(), wf(base + G_PROJB), N, C);
+  }
   k::accumulate(a.res2.f32(), x, N * C);
   float* ln2_out = bf ? tmp : a.ln2.f32();
   if (gpt)
@@ -393,14 +433,19 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   }
   if (bf) store(a.act, act_out, N * F);
   int down_w = gpt ? G_MPW : L_DOWNW;
-  lin.fwd(out, a.act, WF(down_w), WB(down_w), gpt ? wf(base + G_MPB) : nullptr, N, F, C);
+  lin.fwd(out, a.act, WF(down_w), WB(down_w), gpt && !tp ? wf(base + G_MPB) : nullptr, N, F, C);
+  if (tp) {
+    tp_->all_reduce_sum(out, N * C);
+    if (gpt) add_bias(out, wf(base + G_MPB), N, C);
+  }
   k::accumulate(out, a.res2.f32(), N * C);
 }
 
 // dx holds d(block output) on entry and d(block input) on exit.
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = cfg_.ffn_hidden, hd = cfg_.head_dim();
-  const int64_t nh = cfg_.n_head, nkv = cfg_.n_kv_head, QKV = (nh + 2 * nkv) * hd;
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
+  const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
+  const bool tp = tp_size_ > 1;
   const int base = unit_params_[layer + 1][0];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
@@ -423,6 +468,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   if (gpt) {
     k::gelu_backward(dfc, a.fc.f32(), dact, N * F);
     lin.bwd(dnorm, gp(base + G_FCW), gp(base + G_FCB), dfc, a.ln2, WF(G_FCW), WB(G_FCW), N, C, F);
+    if (tp) tp_->all_reduce_sum(dnorm, N * C);  // column-parallel: input gradient summed over ranks
     k::layernorm_backward(dx, gp(base + G_LN2W), gp(base + G_LN2B), dnorm, a.res2.f32(), wf(base + G_LN2W),
                           a.ln2_mean.f32(), a.ln2_rstd.f32(), N, C);
   } else {
@@ -430,6 +476,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     k::swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
     lin.bwd(dnorm, gp(base + L_GATEW), nullptr, dfc, a.ln2, WF(L_GATEW), WB(L_GATEW), N, C, F);
     lin.bwd(dnorm, gp(base + L_UPW), nullptr, dup, a.ln2, WF(L_UPW), WB(L_UPW), N, C, F);
+    if (tp) tp_->all_reduce_sum(dnorm, N * C);
     k::rmsnorm_backward(dx, gp(base + L_LN2W), dnorm, a.res2.f32(), wf(base + L_LN2W), a.ln2_rstd.f32(), N, C);
   }
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
@@ -444,6 +491,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   std::memset(dnorm, 0, N * C * sizeof(float));
   int qkv_w = gpt ? G_QKVW : L_QW;
   lin.bwd(dnorm, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
+  if (tp) tp_->all_reduce_sum(dnorm, N * C);
   if (gpt)
     k::layernorm_backward(dx, gp(base + G_LN1W), gp(base + G_LN1B), dnorm, x, wf(base + G_LN1W), a.ln1_mean.f32(),
                           a.ln1_rstd.f32(), N, C);
@@ -454,9 +502,10 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
                            float dloss_scale) {
   ensure_buffers(B, T);
-  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = cfg_.padded_vocab;
+  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
+  const bool tp = tp_size_ > 1;
   for (int64_t i = 0; i < N; ++i)
     if (ids[i] < 0 || ids[i] >= V)
       throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
@@ -469,7 +518,20 @@ double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t 
   if (hooks_) hooks_->pre_forward(0);
   float* x = block_out_[0].f32();
   const int emb = unit_params_[0][0];
-  if (bf) {  // rows of the bf16 table, widened
+  if (tp) {
+    // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp ranks.
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t row = ids_saved[i] - vocab_lo_;
+      if (row < 0 || row >= Vp_l_) {
+        std::memset(x + i * C, 0, C * sizeof(float));
+      } else if (bf) {
+        k::cast_bf16_to_f32(x + i * C, wb(emb) + row * C, C);
+      } else {
+        std::memcpy(x + i * C, wf(emb) + row * C, C * sizeof(float));
+      }
+    }
+    tp_->all_reduce_sum(x, N * C);
+  } else if (bf) {  // rows of the bf16 table, widened
     const bf16* table = wb(emb);
     for (int64_t i = 0; i < N; ++i) k::cast_bf16_to_f32(x + i * C, table + static_cast<int64_t>(ids_saved[i]) * C, C);
   } else {
@@ -507,7 +569,9 @@ double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t 
     for (int64_t i = 0; i < N; ++i)
       if (targets[i] >= V)
         throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
-    if (train)
+    if (tp)
+      tp_cross_entropy(train, dloss_scale);
+    else if (train)
       k::softmax_cross_entropy(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp, dloss_scale);
     else
       k::softmax_cross_entropy_forward(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp);
@@ -522,9 +586,10 @@ double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t 
 
 void Transformer::backward() {
   if (!have_backward_) throw std::logic_error("backward() without a training forward with targets");
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = cfg_.padded_vocab;
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
+  const bool tp = tp_size_ > 1;
   float* dx = dres_.f32();
   const int hu = num_units() - 1, hb = unit_params_[hu][0], emb = unit_params_[0][0];
   const int head_w = gpt ? emb : hb + 1;
@@ -535,6 +600,7 @@ void Transformer::backward() {
     k::linear_backward_bf16(dhin, gp(head_w), nullptr, logits_.f32(), head_in_bf_.bf(), wb(head_w), N, C, Vp);
   else
     k::linear_backward(dhin, gp(head_w), nullptr, logits_.f32(), head_in_.f32(), wf(head_w), N, C, Vp);
+  if (tp) tp_->all_reduce_sum(dhin, N * C);  // vocab-parallel head: sum the partial input gradients
   std::memset(dx, 0, N * C * sizeof(float));
   const float* xl = block_out_[cfg_.n_layer].f32();
   if (gpt)
@@ -554,10 +620,117 @@ void Transformer::backward() {
     if (hooks_) hooks_->post_backward(u);
   }
   if (hooks_) hooks_->pre_backward(0);
-  k::embedding_backward(gp(emb), dx, ids_.data<int32_t>(), N, C);
+  if (tp) {  // only the rows this rank holds
+    float* dt = gp(emb);
+    const int32_t* ids = ids_.data<int32_t>();
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t row = ids[i] - vocab_lo_;
+      if (row >= 0 && row < Vp_l_) k::accumulate(dt + row * C, dx + i * C, C);
+    }
+  } else {
+    k::embedding_backward(gp(emb), dx, ids_.data<int32_t>(), N, C);
+  }
   if (gpt) k::position_add_backward(gp(emb + 1), dx, B, T, C);
   if (hooks_) hooks_->post_backward(0);
   have_backward_ = false;
+}
+
+// Vocab-parallel softmax cross-entropy (Megatron): each rank holds Vp/t columns of the logits;
+// the row max, then the sum of exponentials and the target's logit are reduced across tp ranks,
+// so the full [N, V] logits are never gathered. With train, the local logits become their gradient.
+void Transformer::tp_cross_entropy(bool train, float dloss) {
+  const int64_t N = B_ * T_, Vl = Vp_l_, V = cfg_.vocab_size, lo = vocab_lo_;
+  const int64_t valid = std::clamp<int64_t>(V - lo, 0, Vl);  // real vocabulary columns on this rank
+  float* lg = logits_.f32();
+  const int32_t* tg = targets_.data<int32_t>();
+  std::vector<float> mx(N), red(2 * N);  // red: [sum of exp | target logit]
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < valid; ++j) m = std::max(m, lg[n * Vl + j]);
+    mx[n] = m;
+  }
+  tp_->all_reduce_max(mx.data(), N);
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n) {
+    double se = 0;
+    for (int64_t j = 0; j < valid; ++j) se += std::exp(static_cast<double>(lg[n * Vl + j] - mx[n]));
+    red[n] = static_cast<float>(se);
+    const int64_t t = tg[n] - lo;
+    red[N + n] = (tg[n] >= 0 && t >= 0 && t < valid) ? lg[n * Vl + t] : 0.0f;
+  }
+  tp_->all_reduce_sum(red.data(), 2 * N);
+  float* losses = losses_.f32();
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n) {
+    const bool ignore = tg[n] < 0;
+    losses[n] = ignore ? 0.0f : std::log(red[n]) + mx[n] - red[N + n];
+    if (!train) continue;
+    const float inv = 1.0f / red[n];
+    const int64_t t = tg[n] - lo;
+    for (int64_t j = 0; j < Vl; ++j) {
+      float g = 0.0f;
+      if (!ignore && j < valid) g = (std::exp(lg[n * Vl + j] - mx[n]) * inv - (j == t ? 1.0f : 0.0f)) * dloss;
+      lg[n * Vl + j] = g;
+    }
+  }
+}
+
+namespace {
+// Calls f(full_index, local_index, count) for the contiguous runs that make up rank r's share of
+// parameter p (local shape `lp`, full shape `fp`) under tensor parallelism of size t.
+template <typename Fn>
+void for_each_tp_run(const ParamInfo& lp, const ParamInfo& fp, int r, int t, const ModelConfig& c, Fn f) {
+  const int64_t rows = lp.shape[0], cols = lp.shape.size() > 1 ? lp.numel / rows : 1;
+  switch (lp.tp_split) {
+    case TpSplit::None:
+      f(0, 0, lp.numel);
+      break;
+    case TpSplit::Rows:
+      f(r * rows * cols, 0, rows * cols);
+      break;
+    case TpSplit::Cols: {
+      const int64_t full_cols = fp.numel / fp.shape[0];
+      for (int64_t i = 0; i < rows; ++i) f(i * full_cols + r * cols, i * cols, cols);
+      break;
+    }
+    case TpSplit::QkvRows: {  // [q; k; v] blocks of nh*hd, nkv*hd, nkv*hd rows, each split by heads
+      const int64_t hd = c.head_dim();
+      const int64_t full_blocks[3] = {c.n_head * hd, c.n_kv_head * hd, c.n_kv_head * hd};
+      int64_t full_off = 0, local_off = 0;
+      for (int b = 0; b < 3; ++b) {
+        const int64_t lrows = full_blocks[b] / t;
+        f((full_off + r * lrows) * cols, local_off * cols, lrows * cols);
+        full_off += full_blocks[b];
+        local_off += lrows;
+      }
+      break;
+    }
+  }
+}
+}  // namespace
+
+void Transformer::shard_from_full(const Transformer& full_layout, const float* full, float* local) const {
+  std::memset(local, 0, static_cast<size_t>(flat_size_) * sizeof(float));
+  for (const auto& lp : params_) {
+    const ParamInfo& fp = full_layout.param(lp.name);
+    for_each_tp_run(lp, fp, tp_rank_, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+      std::memcpy(local + lp.offset + li, full + fp.offset + fi, static_cast<size_t>(n) * sizeof(float));
+    });
+  }
+}
+
+void Transformer::assemble_full(const Transformer& full_layout, const std::vector<const float*>& locals,
+                                float* full) const {
+  if (static_cast<int>(locals.size()) != tp_size_) throw std::invalid_argument("assemble_full: one buffer per tp rank");
+  std::memset(full, 0, static_cast<size_t>(full_layout.flat_size()) * sizeof(float));
+  for (const auto& lp : params_) {
+    const ParamInfo& fp = full_layout.param(lp.name);
+    for (int r = 0; r < tp_size_; ++r)
+      for_each_tp_run(lp, fp, r, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+        std::memcpy(full + fp.offset + fi, locals[r] + lp.offset + li, static_cast<size_t>(n) * sizeof(float));
+      });
+  }
 }
 
 const float* Transformer::logits() const { return logits_.f32(); }

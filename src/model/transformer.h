@@ -33,6 +33,17 @@ class UnitHooks {
 
 struct BlockActivations;  // defined in transformer.cpp
 
+// The collectives tensor parallelism needs inside units (implemented over the tp process group by
+// the parallel layer; the model layer does not depend on the comm layer). Blocking.
+class TpComm {
+ public:
+  virtual ~TpComm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void all_reduce_sum(float* x, int64_t n) = 0;
+  virtual void all_reduce_max(float* x, int64_t n) = 0;
+};
+
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
 // at their own buffers instead (set_unit_weights / set_unit_grads).
 struct ModelStorage {
@@ -45,8 +56,10 @@ struct ModelStorage {
 class Transformer {
  public:
   // compute: F32, or BF16 (bf16 weights and matmul inputs, fp32 accumulation, fp32 master weights).
+  // With `tp` (size t > 1) the model holds this rank's Megatron shard of every split parameter:
+  // heads, MLP hidden and vocabulary divided by t (cfg.padded_vocab must be a multiple of t).
   Transformer(const ModelConfig& cfg, DType compute, Recompute recompute = Recompute::None,
-              ModelStorage storage = {});
+              ModelStorage storage = {}, TpComm* tp = nullptr);
   ~Transformer();
 
   const ModelConfig& config() const { return cfg_; }
@@ -92,6 +105,14 @@ class Transformer {
   // Bytes of activations currently held for backward (for reporting).
   int64_t activation_bytes() const;
 
+  int tp_size() const { return tp_size_; }
+  int tp_rank() const { return tp_rank_; }
+  // Tensor parallelism: this rank's part of every parameter, taken from a full flat buffer laid
+  // out like `full_layout` (an unsplit model of the same config), and the inverse from every
+  // tp rank's local flat buffer (rank order). Also maps between two unsplit layouts (padding).
+  void shard_from_full(const Transformer& full_layout, const float* full, float* local) const;
+  void assemble_full(const Transformer& full_layout, const std::vector<const float*>& locals, float* full) const;
+
  private:
   struct UnitParams;
   void build_params();
@@ -112,6 +133,10 @@ class Transformer {
   int64_t total_ = 0, flat_size_ = 0;
   ModelStorage storage_;
   std::vector<Tensor> upcast_;  // bf16 mode: fp32 copies of small parameters, per param index
+  TpComm* tp_ = nullptr;
+  int tp_size_ = 1, tp_rank_ = 0;
+  int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
+  void tp_cross_entropy(bool train, float dloss);
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;

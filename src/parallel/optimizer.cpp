@@ -18,12 +18,8 @@ AdamW::AdamW(std::vector<AdamSpan> spans, int64_t state_size, AdamWConfig cfg) :
 
 std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
   std::vector<AdamSpan> v;
-  for (const auto& p : params) {
-    if (!v.empty() && v.back().w_off + v.back().n == p.offset && v.back().decay == p.decay)
-      v.back().n += p.numel;  // merge neighbours with the same decay setting
-    else
-      v.push_back({p.offset, p.offset, p.numel, p.decay});
-  }
+  for (size_t i = 0; i < params.size(); ++i)
+    v.push_back({params[i].offset, params[i].offset, params[i].numel, params[i].decay, static_cast<int>(i)});
   return v;
 }
 

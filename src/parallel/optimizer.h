@@ -22,12 +22,14 @@ struct AdamWConfig {
 struct AdamSpan {
   int64_t w_off = 0, s_off = 0, n = 0;
   bool decay = true;
+  int param = -1;  // index into the model's params (spans never cross parameters)
 };
 
 class AdamW {
  public:
   AdamW(std::vector<AdamSpan> spans, int64_t state_size, AdamWConfig cfg);
   // Spans for a full (unsharded) flat buffer: one per parameter, state offsets = flat offsets.
+  // (Not merged across parameters, so norms can be weighted per parameter.)
   static std::vector<AdamSpan> full_spans(const std::vector<ParamInfo>& params);
   // One update. `weights` is indexed by w_off (or by s_off when w_by_state), `grads` by w_off
   // (or s_off when g_by_state). grad_scale multiplies every gradient (clipping).

@@ -87,11 +87,12 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
   units_[U - 1].keep = true;  // the head's weights are needed again right away by its backward
   // AdamW spans: this rank's slice of every parameter.
   std::vector<AdamSpan> spans;
-  for (const auto& p : model_.params()) {
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const ParamInfo& p = model_.params()[i];
     const UnitState& s = units_[p.unit];
     const int64_t lo = s.offset + r_ * s.shard, hi = lo + s.shard;
     const int64_t b = std::max(lo, p.offset), e = std::min(hi, p.offset + p.numel);
-    if (b < e) spans.push_back({b, s.local + (b - lo), e - b, p.decay});
+    if (b < e) spans.push_back({b, s.local + (b - lo), e - b, p.decay, static_cast<int>(i)});
   }
   adam_ = std::make_unique<AdamW>(std::move(spans), shard_total_, adam);
   const bool f32 = cd_ == DType::F32;
@@ -101,7 +102,9 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
   if (grads_sharded()) grad_shard_ = Tensor::zeros({shard_total_}, DType::F32, MemCategory::Grads);
   // Norms of sharded gradients are summed over the shard group only (replicas hold the same
   // shard); their own group keeps the shard group's byte counters to gradients and parameters.
-  norm_group_ = comm::World::get().split(replicate_->rank(), r_, "grad_norm");
+  // Same members as the shard group (named by its first world rank, so each shard group of a
+  // hybrid or tensor-parallel mesh gets its own).
+  norm_group_ = comm::World::get().split(shard_->global_ranks()[0], r_, "grad_norm");
 }
 
 ShardedDataParallel::~ShardedDataParallel() {
@@ -317,12 +320,11 @@ ShardStepStats ShardedDataParallel::finish_backward() {
   return st;
 }
 
-double ShardedDataParallel::grad_norm_sq() {
+double ShardedDataParallel::grad_norm_sq(const std::vector<double>& weight) {
   double local = 0;
-  for (int u = 0; u < model_.num_units(); ++u) {
-    const UnitState& s = units_[u];
-    const float* g = grads_sharded() ? grad_shard_.f32() + s.local : model_.grads().f32() + my_offset(u);
-    local += kernels::sum_squares(g, s.shard);
+  for (const auto& sp : adam_->spans()) {
+    const float* g = grads_sharded() ? grad_shard_.f32() + sp.s_off : model_.grads().f32() + sp.w_off;
+    local += (weight.empty() ? 1.0 : weight[sp.param]) * kernels::sum_squares(g, sp.n);
   }
   if (N_ == 1) return local;
   float f = static_cast<float>(local);

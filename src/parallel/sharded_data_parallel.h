@@ -71,8 +71,9 @@ class ShardedDataParallel : public UnitHooks {
   // After each micro-batch's backward: on the last one, waits for every reduction (and throws,
   // naming the units, if backward skipped any).
   ShardStepStats finish_backward();
-  // Sum of squared gradients over the whole model (own shard, summed over the shard group).
-  double grad_norm_sq();
+  // Sum of squared gradients (own shard, summed over the shard group), each parameter's
+  // contribution multiplied by weight[param index] (empty = all 1).
+  double grad_norm_sq(const std::vector<double>& weight = {});
   // AdamW on the shards, then (ZeRO-1/2) all-gathers the updated parameters. Adds its
   // communication to `stats`.
   void optimizer_step(double lr, float grad_scale, ShardStepStats* stats);

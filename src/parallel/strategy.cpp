@@ -40,7 +40,14 @@ class DdpStrategy final : public Strategy {
     c->comm_ms += s.comm_ms;
     c->exposed_ms += s.exposed_ms;
   }
-  double grad_norm_sq() override { return kernels::sum_squares(model_.grads().f32(), model_.flat_size()); }
+  double grad_norm_sq(const std::vector<double>& weight) override {
+    double s = 0;
+    for (size_t i = 0; i < model_.params().size(); ++i) {
+      const ParamInfo& p = model_.params()[i];
+      s += (weight.empty() ? 1.0 : weight[i]) * kernels::sum_squares(model_.grads().f32() + p.offset, p.numel);
+    }
+    return s;
+  }
   void optimizer_step(double lr, float scale, StepComm*) override {
     adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale);
     model_.sync_compute_weights();
@@ -72,7 +79,7 @@ class ShardedStrategy final : public Strategy {
   void gather_full(float* w, float* m, float* v) override { sdp_.gather_full(w, m, v); }
   void begin_microbatch(bool last) override { sdp_.begin_microbatch(last); }
   void finish_backward(StepComm*) override { sdp_.finish_backward(); }
-  double grad_norm_sq() override { return sdp_.grad_norm_sq(); }
+  double grad_norm_sq(const std::vector<double>& weight) override { return sdp_.grad_norm_sq(weight); }
   void optimizer_step(double lr, float scale, StepComm* c) override {
     ShardStepStats s;
     sdp_.optimizer_step(lr, scale, &s);

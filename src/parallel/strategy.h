@@ -27,8 +27,10 @@ class Strategy {
   virtual void begin_microbatch(bool last) = 0;
   // After each micro-batch's backward (communication of the last one finishes here).
   virtual void finish_backward(StepComm* c) = 0;
-  // Squared global gradient norm (each element counted once over the data-parallel ranks).
-  virtual double grad_norm_sq() = 0;
+  // Squared gradient norm over the data-parallel ranks (each element counted once), each
+  // parameter's part multiplied by weight[param index] (empty = 1): tensor parallelism weights
+  // replicated parameters by 1/tp so that a sum over tp ranks counts them once.
+  virtual double grad_norm_sq(const std::vector<double>& weight) = 0;
   virtual void optimizer_step(double lr, float grad_scale, StepComm* c) = 0;
   // After a forward-only pass (eval): drop whatever it gathered.
   virtual void after_eval() {}

@@ -63,6 +63,12 @@ void from_hf(const ParamInfo& p, const SafeTensor& t, float* flat, const ModelCo
   if (vocab) std::memset(dst + rows * cols, 0, static_cast<size_t>((p.shape[0] - rows) * cols) * 4);
 }
 
+// Elements of a parameter without the padded vocabulary rows (those are always zero).
+int64_t real_numel(const ParamInfo& p, const ModelConfig& cfg) {
+  bool vocab = p.shape.size() == 2 && p.shape[0] == cfg.padded_vocab && p.name.find("wpe") == std::string::npos;
+  return vocab ? cfg.vocab_size * p.shape[1] : p.numel;
+}
+
 SafeTensor flat_tensor(const float* data, int64_t n) {
   SafeTensor t;
   t.dtype = "F32";
@@ -130,8 +136,8 @@ void save_checkpoint(const std::string& root, const Transformer& model, const fl
     // Moments per parameter (internal [out, in] layout): independent of padding and sharding.
     std::map<std::string, SafeTensor> opt;
     for (const auto& p : model.params()) {
-      opt.emplace("exp_avg." + p.name, flat_tensor(exp_avg + p.offset, p.numel));
-      opt.emplace("exp_avg_sq." + p.name, flat_tensor(exp_avg_sq + p.offset, p.numel));
+      opt.emplace("exp_avg." + p.name, flat_tensor(exp_avg + p.offset, real_numel(p, model.config())));
+      opt.emplace("exp_avg_sq." + p.name, flat_tensor(exp_avg_sq + p.offset, real_numel(p, model.config())));
     }
     write_safetensors((tmp_dir / "optimizer.safetensors").string(), opt);
   }
@@ -192,9 +198,9 @@ TrainerState load_checkpoint(const std::string& dir, const Transformer& model, f
         const std::string name = prefix + p.name;
         auto it = ts.find(name);
         if (it == ts.end()) throw std::runtime_error(of + ": missing tensor " + name);
-        if (it->second.shape != std::vector<int64_t>{p.numel})
+        if (it->second.shape != std::vector<int64_t>{real_numel(p, model.config())})
           throw std::runtime_error(of + ": tensor " + name + " does not match the model's parameter size");
-        std::memcpy(dst + p.offset, it->second.bytes.data(), it->second.bytes.size());
+        std::memcpy(dst + p.offset, it->second.bytes.data(), it->second.bytes.size());  // padding rows stay 0
       }
     }
   }

@@ -14,6 +14,7 @@
 #include "comm/world.h"
 #include "kernels/activation.h"
 #include "parallel/strategy.h"
+#include "parallel/tensor_parallel.h"
 #include "model/transformer.h"
 #include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
@@ -43,7 +44,6 @@ void validate_parallel(const RunConfig& c, int world) {
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
-  if (p.tp > 1) throw ConfigError("parallel.tp = " + std::to_string(p.tp) + ": tensor parallelism is not implemented yet");
   if (p.pp > 1) throw ConfigError("parallel.pp = " + std::to_string(p.pp) + ": pipeline parallelism is not implemented yet");
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   if (p.strategy.rfind("HYBRID", 0) != 0 && p.dp_replicate > 1)
@@ -81,6 +81,15 @@ TrainResult train(const RunConfig& cfg) {
   auto metrics_group = W.split(0, rank, "metrics");
   const int dp_rank = dp_group->rank(), dp_world = dp_group->size();
   ModelConfig mc = cfg.model_config();
+  const int tp = static_cast<int>(cfg.parallel.tp);
+  if (tp > 1) {  // vocabulary padded to a multiple of 64 * tp so every tp rank holds whole 64-row blocks
+    mc.padded_vocab = (mc.vocab_size + 64 * tp - 1) / (64 * tp) * (64 * tp);
+    for (auto [v, what] : {std::pair<int64_t, const char*>{mc.n_head, "model.n_head"}, {mc.n_kv_head, "model.n_kv_head"},
+                           {mc.ffn_hidden, "model.ffn_hidden"}})
+      if (v % tp != 0)
+        throw ConfigError(std::string(what) + " (" + std::to_string(v) + ") must be divisible by parallel.tp (" +
+                          std::to_string(tp) + ")");
+  }
   DType dt;
   if (!parse_dtype(cfg.train.dtype, &dt)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + cfg.train.dtype + "'");
   Recompute rc;
@@ -117,43 +126,72 @@ TrainResult train(const RunConfig& cfg) {
   spec.prefetch = static_cast<int>(cfg.parallel.prefetch);
   spec.reduce_every_microbatch = cfg.parallel.reduce_every_microbatch;
   spec.adam = AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay};
-  Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()));
+  auto tp_group = mesh.group("tp");
+  // Ranks of one tp group are adjacent (tp is the mesh's last dimension): a second communicator
+  // over them carries gradient norms and checkpoint gathers, keeping the tp counters to the model.
+  auto tp_aux = W.split(rank - mesh.coord("tp"), mesh.coord("tp"), "tp_aux");
+  parallel::ProcessGroupTpComm tp_comm(tp_group);
+  Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()), tp > 1 ? &tp_comm : nullptr);
+  // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
+  const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  std::vector<double> norm_weight(model.params().size(), 1.0);
+  for (size_t i = 0; i < model.params().size(); ++i)
+    if (model.params()[i].tp_split == TpSplit::None) norm_weight[i] = 1.0 / tp;  // replicated on every tp rank
   parallel::verify_same_model(model, *dp_group);
   auto strategy = parallel::make_strategy(spec, model, dp_group, shard_group, replicate_group);
   model.set_hooks(strategy->hooks());
   const int64_t F = model.flat_size();
 
   TrainerState st;
+  const int64_t RF = ref.flat_size();
+  auto local_of = [&](const Tensor& full) {  // this tp rank's part, in the model's (padded) layout
+    Tensor l = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    model.shard_from_full(ref, full.f32(), l.f32());
+    return l;
+  };
   {
     // Every rank materialises the full fp32 state once (initialisation or checkpoint) and keeps its
     // part; the temporaries are workspace and are released before training starts.
-    Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
+    Tensor w = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
     if (!tc.resume.empty()) {
       std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
       if (src.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
       std::string dir = resolve_checkpoint(src);
-      Tensor m = Tensor::zeros({F}, DType::F32, MemCategory::Workspace);
-      Tensor v = Tensor::zeros({F}, DType::F32, MemCategory::Workspace);
-      w.zero_();
-      st = load_checkpoint(dir, model, w.f32(), m.f32(), v.f32());
-      strategy->load_full(w.f32(), m.f32(), v.f32(), st.adam_steps);
+      Tensor m = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
+      Tensor v = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
+      st = load_checkpoint(dir, ref, w.f32(), m.f32(), v.f32());
+      strategy->load_full(local_of(w).f32(), local_of(m).f32(), local_of(v).f32(), st.adam_steps);
       std::vector<int32_t> skip_x(B * T), skip_y(B * T);
       for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
       if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
     } else {
-      model.init_weights_into(static_cast<uint64_t>(tc.seed), w.f32());
-      strategy->load_full(w.f32(), nullptr, nullptr, 0);
+      ref.init_weights_into(static_cast<uint64_t>(tc.seed), w.f32());
+      strategy->load_full(local_of(w).f32(), nullptr, nullptr, 0);
     }
   }
   mem_release_cache();
   MemoryTracker::instance().reset_peaks();  // peaks describe training, not the one-off setup
-  // Full fp32 copies for checkpoints and the final sample (collective: every rank takes part).
+  // Full fp32 copies for checkpoints and the final sample (collective: every rank takes part):
+  // the strategy gathers this tp rank's part, the tp ranks' parts are assembled in `ref` layout.
+  auto to_full = [&](const Tensor& local) {
+    Tensor full = Tensor::empty({RF}, DType::F32, MemCategory::Workspace);
+    Tensor all = Tensor::empty({F * tp}, DType::F32, MemCategory::Workspace);
+    if (tp > 1)
+      tp_aux->all_gather(local.f32(), all.f32(), static_cast<size_t>(F), DType::F32)->wait();
+    else
+      std::memcpy(all.f32(), local.f32(), F * sizeof(float));
+    std::vector<const float*> parts;
+    for (int r = 0; r < tp; ++r) parts.push_back(all.f32() + r * F);
+    model.assemble_full(ref, parts, full.f32());
+    return full;
+  };
   auto save = [&]() {
     Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
     Tensor m = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
     Tensor v = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
     strategy->gather_full(w.f32(), m.f32(), v.f32());
-    if (rank == 0) save_checkpoint(tc.checkpoint_dir, model, w.f32(), m.f32(), v.f32(), st, cfg);
+    Tensor fw = to_full(w), fm = to_full(m), fv = to_full(v);
+    if (rank == 0) save_checkpoint(tc.checkpoint_dir, ref, fw.f32(), fm.f32(), fv.f32(), st, cfg);
   };
 
   if (log) {
@@ -216,7 +254,13 @@ TrainResult train(const RunConfig& cfg) {
       strategy->finish_backward(&cs);
     }
     loss = dp_mean(loss / static_cast<double>(accum));
-    double norm = std::sqrt(strategy->grad_norm_sq());
+    double norm_sq = strategy->grad_norm_sq(norm_weight);
+    if (tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
+      float f = static_cast<float>(norm_sq);
+      tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+      norm_sq = f;
+    }
+    double norm = std::sqrt(norm_sq);
     if (!std::isfinite(norm) || !std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
                                std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
@@ -227,6 +271,9 @@ TrainResult train(const RunConfig& cfg) {
     st.step = step + 1;
     st.adam_steps = strategy->adam_steps();
     const double step_ms = ms_since(t0);
+    const double tp_ms = tp_comm.take_ms();  // tensor-parallel collectives: on the critical path
+    cs.comm_ms += tp_ms;
+    cs.exposed_ms += tp_ms;
     const double compute_ms = step_ms - cs.exposed_ms;
     resident = MemoryTracker::instance().stats().current;
 
@@ -338,10 +385,10 @@ TrainResult train(const RunConfig& cfg) {
     // Sample from an unsharded copy of the trained weights (gathered from every rank).
     Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
     strategy->gather_full(w.f32(), nullptr, nullptr);
+    Tensor full = to_full(w);
     if (!r0) return res;
     Transformer plain(mc, DType::F32);
-    for (const auto& p : model.params())
-      std::memcpy(plain.weights().f32() + plain.param(p.name).offset, w.f32() + p.offset, p.numel * sizeof(float));
+    std::memcpy(plain.weights().f32(), full.f32(), RF * sizeof(float));
     auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir);
     std::vector<int32_t> prompt = tok->encode(tc.sample_prompt);
     if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));

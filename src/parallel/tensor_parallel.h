@@ -1,0 +1,32 @@
+// Tensor parallelism's collectives for the model (TpComm) over the mesh's tp process group.
+// They sit on the critical path (the next op needs the result), so their whole duration is
+// exposed communication; take_ms() hands the accumulated time to the step's accounting.
+#pragma once
+#include <memory>
+
+#include "comm/process_group.h"
+#include "model/transformer.h"
+
+namespace mt::parallel {
+
+class ProcessGroupTpComm final : public TpComm {
+ public:
+  explicit ProcessGroupTpComm(std::shared_ptr<comm::ProcessGroup> group) : g_(std::move(group)) {}
+  int rank() const override { return g_->rank(); }
+  int size() const override { return g_->size(); }
+  void all_reduce_sum(float* x, int64_t n) override { run(x, n, comm::ReduceOp::Sum); }
+  void all_reduce_max(float* x, int64_t n) override { run(x, n, comm::ReduceOp::Max); }
+  // Milliseconds spent in tp collectives since the last call.
+  double take_ms() {
+    double v = ms_;
+    ms_ = 0;
+    return v;
+  }
+
+ private:
+  void run(float* x, int64_t n, comm::ReduceOp op);
+  std::shared_ptr<comm::ProcessGroup> g_;
+  double ms_ = 0;
+};
+
+}  // namespace mt::parallel
