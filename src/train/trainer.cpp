@@ -196,7 +196,7 @@ TrainResult train(const RunConfig& cfg) {
 
   if (log) {
     std::printf("model %s (%s): %lld parameters, %lld layers, %lld heads, width %lld, seq %lld, vocab %lld (padded %lld)\n",
-                mc.name.c_str(), arch_name(mc.arch), static_cast<long long>(model.num_params()),
+                mc.name.c_str(), arch_name(mc.arch), static_cast<long long>(ref.num_params()),
                 static_cast<long long>(mc.n_layer), static_cast<long long>(mc.n_head), static_cast<long long>(mc.n_embd),
                 static_cast<long long>(mc.seq_len), static_cast<long long>(mc.vocab_size),
                 static_cast<long long>(mc.padded_vocab));
@@ -206,8 +206,9 @@ TrainResult train(const RunConfig& cfg) {
                 static_cast<long long>(T), static_cast<long long>(accum), dp_world,
                 static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
     if (world > 1)
-      std::printf("parallel: %s over %s (shard group %d, replicas %d)\n", strategy->name(), mesh.describe().c_str(),
-                  shard_group->size(), replicate_group->size());
+      std::printf("parallel: %s over %s (shard group %d, replicas %d); this rank holds %lld parameters\n",
+                  strategy->name(), mesh.describe().c_str(), shard_group->size(), replicate_group->size(),
+                  static_cast<long long>(model.num_params()));
     std::fflush(stdout);
   }
 
