@@ -735,6 +735,13 @@ void Transformer::assemble_full(const Transformer& full_layout, const std::vecto
 
 const float* Transformer::logits() const { return logits_.f32(); }
 
+int64_t Transformer::activation_bytes_saved() const {
+  if (!scratch_acts_) return 0;
+  int64_t recomputed = 0;
+  for (const auto& a : acts_) recomputed += a ? 0 : 1;
+  return (recomputed - 1) * scratch_acts_->bytes();
+}
+
 int64_t Transformer::activation_bytes() const {
   int64_t b = 0;
   for (const auto& a : acts_)

@@ -104,6 +104,9 @@ class Transformer {
 
   // Bytes of activations currently held for backward (for reporting).
   int64_t activation_bytes() const;
+  // Bytes activation checkpointing saves at the current shape: the blocks it recomputes would
+  // otherwise each hold a full set (it keeps one shared scratch set instead).
+  int64_t activation_bytes_saved() const;
 
   int tp_size() const { return tp_size_; }
   int tp_rank() const { return tp_rank_; }

@@ -334,6 +334,9 @@ TrainResult train(const RunConfig& cfg) {
       std::printf("  %-12s %16s %16s\n", mem_category_name(static_cast<MemCategory>(i)), format_bytes(ms.peak[i]).c_str(),
                   format_bytes(resident[i]).c_str());
     std::printf("  %-12s %16s\n", "total", format_bytes(ms.total_peak).c_str());
+    if (rc != Recompute::None)
+      std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", recompute_name(rc),
+                  format_bytes(model.activation_bytes_saved()).c_str(), format_bytes(model.activation_bytes()).c_str());
     const parallel::StateBytes want = parallel::expected_state_bytes(spec.strategy, dt, F, shard_group->size());
     std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
                 "(params %s, grads %s, optimizer %s)\n",
@@ -363,6 +366,7 @@ TrainResult train(const RunConfig& cfg) {
                         {"strategy", strategy->name()},
                         {"shard_group_size", shard_group->size()},
                         {"flat_size", F},
+                        {"activation_bytes_saved_by_recompute", model.activation_bytes_saved()},
                         {"num_params", model.num_params()}};
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
   if (world > 1) {
