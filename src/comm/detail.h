@@ -26,7 +26,7 @@ struct Config {
   double timeout_s = 300;    // MESHTRAIN_TIMEOUT_S; 0 disables the watchdog
   int flight_recorder = 64;  // MESHTRAIN_FLIGHT_RECORDER: operations kept per rank
   int poll_max_us = 50;      // MESHTRAIN_COMM_POLL_US: longest sleep between polls of MPI
-  size_t slice_bytes = 8u << 20;   // MESHTRAIN_COMM_SLICE_KB: pipelining slice of reductions
+  size_t slice_bytes = 16u << 20;  // MESHTRAIN_COMM_SLICE_KB: pipelining slice of reductions
   size_t oneshot_bytes = 16u << 10;  // MESHTRAIN_COMM_ONESHOT_KB: one-round all_reduce up to this
   bool hierarchical = true;  // MESHTRAIN_COMM_HIER=0 turns the two-level all_reduce off
   int fake_node_size = 0;   // MESHTRAIN_COMM_FAKE_NODE_SIZE: pretend nodes of k world ranks (tests)

@@ -492,7 +492,7 @@ TEST(ProcessGroup, CommunicationProgressesWhileComputing) {
     std::printf("[overlap] all_reduce 32 MiB alone %.1f ms; compute %.1f ms; together %.1f ms; "
                 "wait after compute %.2f ms -> %.0f%% of the communication hidden\n",
                 comm_ms, 3 * comm_ms, total_ms, wait_ms, hidden);
-  EXPECT_LT(wait_ms, 0.25 * comm_ms);
+  EXPECT_LT(wait_ms, 0.5 * comm_ms);  // typically 0 here; lenient for shared machines
 }
 
 // Prints only rank 0's progress; failures of any rank are shown with the rank.
