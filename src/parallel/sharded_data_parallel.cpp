@@ -292,7 +292,8 @@ void ShardedDataParallel::poll(bool wait_all) {
       s.reduce_work->wait();
       exposed_ms_ += ms_since(t0);
     } else if (!s.reduce_work->test()) {
-      continue;
+      break;  // a group's collectives finish in launch order: later units are not done either,
+              // and completing strictly in order keeps the replicas' all-reduces in one order
     }
     complete_reduce(u);
   }

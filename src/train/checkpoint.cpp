@@ -16,13 +16,18 @@ namespace mt {
 
 namespace {
 
+// Tables with one row per vocabulary entry (padded rows beyond vocab_size are never saved).
+bool is_vocab_table(const ParamInfo& p) {
+  return p.name == "wte.weight" || p.name == "model.embed_tokens.weight" || p.name == "lm_head.weight";
+}
+
 // A parameter's tensor as Hugging Face stores it: real vocabulary rows only, Conv1D transposed.
 SafeTensor to_hf(const ParamInfo& p, const float* flat, const ModelConfig& cfg) {
   SafeTensor t;
   t.dtype = "F32";
   const float* src = flat + p.offset;
   std::vector<int64_t> shape = p.shape;
-  bool vocab = p.shape.size() == 2 && p.shape[0] == cfg.padded_vocab && p.name.find("wpe") == std::string::npos;
+  bool vocab = is_vocab_table(p);
   if (vocab) shape[0] = cfg.vocab_size;
   int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
   t.bytes.resize(static_cast<size_t>(rows * cols) * 4);
@@ -40,7 +45,7 @@ SafeTensor to_hf(const ParamInfo& p, const float* flat, const ModelConfig& cfg) 
 
 void from_hf(const ParamInfo& p, const SafeTensor& t, float* flat, const ModelConfig& cfg, const std::string& file) {
   std::vector<int64_t> shape = p.shape;
-  bool vocab = p.shape.size() == 2 && p.shape[0] == cfg.padded_vocab && p.name.find("wpe") == std::string::npos;
+  bool vocab = is_vocab_table(p);
   if (vocab) shape[0] = cfg.vocab_size;
   int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
   std::vector<int64_t> want = p.hf_transposed ? std::vector<int64_t>{cols, rows} : shape;
@@ -65,7 +70,7 @@ void from_hf(const ParamInfo& p, const SafeTensor& t, float* flat, const ModelCo
 
 // Elements of a parameter without the padded vocabulary rows (those are always zero).
 int64_t real_numel(const ParamInfo& p, const ModelConfig& cfg) {
-  bool vocab = p.shape.size() == 2 && p.shape[0] == cfg.padded_vocab && p.name.find("wpe") == std::string::npos;
+  bool vocab = is_vocab_table(p);
   return vocab ? cfg.vocab_size * p.shape[1] : p.numel;
 }
 

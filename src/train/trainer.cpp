@@ -206,7 +206,7 @@ TrainResult train(const RunConfig& cfg) {
                 static_cast<long long>(T), static_cast<long long>(accum), dp_world,
                 static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
     if (world > 1)
-      std::printf("parallel: %s over %s (shard group %d, replicas %d); this rank holds %lld parameters\n",
+      std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
                   strategy->name(), mesh.describe().c_str(), shard_group->size(), replicate_group->size(),
                   static_cast<long long>(model.num_params()));
     std::fflush(stdout);

@@ -67,6 +67,20 @@ TEST_F(TrainerTest, ResumeReproducesUninterruptedRun) {
   EXPECT_TRUE(fs::exists(fs::path(ck) / "latest"));
 }
 
+// Regression: with vocab 123 (padded to 128) the MLP weight [4*32, 32] has as many rows as the padded vocabulary;
+// only the vocabulary tables may lose their padding rows in a checkpoint.
+TEST_F(TrainerTest, ResumeIsExactWhenAMatrixHasAsManyRowsAsTheVocabulary) {
+  auto ck = (dir_ / "ck").string();
+  std::vector<std::pair<std::string, std::string>> v = {{"model.vocab_size", "123"}};
+  TrainResult full = train(config(v));
+  v.push_back({"train.checkpoint_dir", ck});
+  v.push_back({"train.checkpoint_every", "5"});
+  train(config(v));
+  TrainResult resumed = train(config({{"model.vocab_size", "123"}, {"train.resume", ck + "/step_00000005"}}));
+  ASSERT_EQ(resumed.losses.size(), 7u);
+  for (size_t i = 0; i < 7; ++i) EXPECT_EQ(resumed.losses[i], full.losses[5 + i]) << "step " << 6 + i;
+}
+
 TEST_F(TrainerTest, GradientAccumulationMatchesLargeBatch) {
   TrainResult big = train(config({{"train.micro_batch", "4"}, {"train.grad_accum", "1"}}));
   TrainResult acc = train(config({{"train.micro_batch", "1"}, {"train.grad_accum", "4"}}));
