@@ -4,7 +4,7 @@
 // training step: forward / backward of micro-batch m on (virtual) stage s, and the point-to-point
 // sends and receives that move activations forward and gradients backward. Because it is plain
 // data it can be printed, checked (complete, matched, deadlock-free) and timed without a model;
-// the pipeline runner executes exactly these lists.
+// a pipeline runner is to execute exactly these lists (the trainer does not run pp > 1 yet).
 //
 // Layout (Megatron): the model is cut into pp * v contiguous virtual stages; rank r owns stages
 // r, r + pp, r + 2pp, ... (v = 1 is the ordinary one-stage-per-rank pipeline). The output of
