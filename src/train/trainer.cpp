@@ -18,6 +18,7 @@
 #include "model/transformer.h"
 #include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
+#include "train/chrome_trace.h"
 #include "train/data_loader.h"
 #include "train/metrics.h"
 #include "parallel/optimizer.h"
@@ -139,7 +140,9 @@ TrainResult train(const RunConfig& cfg) {
     if (model.params()[i].tp_split == TpSplit::None) norm_weight[i] = 1.0 / tp;  // replicated on every tp rank
   parallel::verify_same_model(model, *dp_group);
   auto strategy = parallel::make_strategy(spec, model, dp_group, shard_group, replicate_group);
-  model.set_hooks(strategy->hooks());
+  ChromeTrace trace(cfg.log.trace_out, rank);
+  TracingHooks tracing(strategy->hooks(), &trace, &model);
+  model.set_hooks(trace.enabled() ? static_cast<UnitHooks*>(&tracing) : strategy->hooks());
   const int64_t F = model.flat_size();
 
   TrainerState st;
@@ -229,6 +232,7 @@ TrainResult train(const RunConfig& cfg) {
     return static_cast<double>(f);
   };
   auto evaluate = [&]() {
+    trace.begin("eval", "eval");
     val_loader->reset();
     double s = 0;
     for (int64_t i = 0; i < tc.eval_batches; ++i) {
@@ -236,6 +240,7 @@ TrainResult train(const RunConfig& cfg) {
       s += model.forward(x.data(), y.data(), B, T, false);
     }
     strategy->after_eval();
+    trace.end();
     return dp_mean(s / static_cast<double>(std::max<int64_t>(1, tc.eval_batches)));
   };
   double comm_ms_total = 0, exposed_ms_total = 0;
@@ -243,6 +248,7 @@ TrainResult train(const RunConfig& cfg) {
   const int64_t first_step = st.step;
   for (int64_t step = st.step; step < tc.steps; ++step) {
     auto t0 = Clock::now();
+    trace.begin("step " + std::to_string(step + 1), "step");
     model.zero_grads();
     double loss = 0;
     parallel::StepComm cs;
@@ -268,7 +274,10 @@ TrainResult train(const RunConfig& cfg) {
     float scale = 1.0f;
     if (tc.grad_clip > 0 && norm > tc.grad_clip) scale = static_cast<float>(tc.grad_clip / (norm + 1e-6));
     const double lr = lr_at(step, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);
+    trace.begin("optimizer + parameter sync", "optimizer");
     strategy->optimizer_step(lr, scale, &cs);
+    trace.end();
+    trace.end();  // step
     st.step = step + 1;
     st.adam_steps = strategy->adam_steps();
     const double step_ms = ms_since(t0);

@@ -120,6 +120,26 @@ TEST_F(TrainerTest, MetricsFileHasTheInterfaceKeys) {
   EXPECT_GT(last["mem_peak_by_category"]["activations"].get<int64_t>(), 0);
 }
 
+TEST_F(TrainerTest, ChromeTraceHasEveryUnitOfEveryStep) {
+  auto path = (dir_ / "trace.json").string();
+  train(config({{"log.trace_out", path}, {"train.steps", "3"}}));
+  std::ifstream f((dir_ / "trace.rank0.json").string());
+  ASSERT_TRUE(f.good()) << "no per-rank trace file";
+  auto j = nlohmann::json::parse(f);
+  int fwd = 0, bwd = 0, steps = 0;
+  for (const auto& e : j["traceEvents"]) {
+    std::string n = e["name"];
+    if (e["ph"] != "X") continue;
+    EXPECT_GE(e["dur"].get<int64_t>(), 0);
+    fwd += n.rfind("forward ", 0) == 0;
+    bwd += n.rfind("backward ", 0) == 0;
+    steps += n.rfind("step ", 0) == 0;
+  }
+  EXPECT_EQ(steps, 3);
+  EXPECT_EQ(bwd, 3 * 4);       // gpt2-tiny: embedding, 2 blocks, head
+  EXPECT_GE(fwd, 3 * 4);       // plus the evaluation forwards
+}
+
 TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   auto expect_error = [&](std::vector<std::pair<std::string, std::string>> ov, const std::string& needle) {
     try {
