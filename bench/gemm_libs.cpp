@@ -1,16 +1,18 @@
 // GEMM library comparison at the benchmark model's shapes (GPT-2 small-cpu: n_embd 384, MLP 1536,
 // fused qkv 1152, vocab 50304, N = B*T = 1024 rows): OpenBLAS (cblas_sgemm), BLIS (bli_sgemm),
 // oneDNN (dnnl_sgemm, f32 matmul primitive, bf16 matmul primitive) and meshtrain's own
-// gemm_f32 / gemm_bf16, on 1 and 2 threads. Prints a table of GFLOP/s (median of the timed
-// repetitions).
+// gemm_f32 / gemm_bf16, on 1 and 2 threads. Prints a table of GFLOP/s (median over rounds of
+// side-by-side samples, see "timing" below).
 //
 // OpenBLAS and BLIS both export the CBLAS/BLAS symbols, so they are loaded with dlopen into
 // separate local namespaces instead of being linked. The environment is used as given (in
 // particular OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE and BLIS_ARCH_TYPE are neither set nor
 // changed here).
 //
-// Usage: gemm_libs [--min-time SECONDS] [--threads 1,2] [--libs openblas,blis,sgemm,matmul,bf16,mt,mtbf16]
+// Usage: gemm_libs [--rounds R] [--sample-time SECONDS] [--threads 1,2]
+//                  [--libs openblas,blis,sgemm,matmul,bf16,mt,mtbf16]
 #include <dlfcn.h>
+#include <time.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <random>
@@ -152,22 +155,39 @@ struct Matmuls {
 };
 
 // ---- timing -------------------------------------------------------------------------------------
+//
+// The machines are shared, so libraries are measured side by side: for each shape, several
+// rounds, and in each round one sample of every library (a sample repeats the call until it has
+// run for g_sample_time). A pause before each sample lets the previous library's worker threads
+// stop spinning (OpenBLAS's pthreads spin for ~0.1 s after a call). The table reports the median
+// sample of each library.
 
-double g_min_time = 0.3;  // seconds of timed repetitions per cell (at least 3 repetitions)
+double g_sample_time = 0.05;  // seconds per sample
+int g_rounds = 5;
+
+double cpu_now() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+struct Sample {
+  double wall, cpu;  // seconds per call: elapsed, and CPU time of the whole process
+};
 
 template <class F>
-double median_seconds(F&& f) {
-  f();  // warm-up (page faults, packing buffers, primitive scratch)
-  std::vector<double> t;
-  const auto start = Clock::now();
-  while (t.size() < 3 || std::chrono::duration<double>(Clock::now() - start).count() < g_min_time) {
-    const auto t0 = Clock::now();
+Sample sample_seconds(F&& f) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  int reps = 0;
+  const auto t0 = Clock::now();
+  const double c0 = cpu_now();
+  double el = 0.0;
+  do {
     f();
-    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    if (t.size() >= 50) break;
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+    ++reps;
+    el = std::chrono::duration<double>(Clock::now() - t0).count();
+  } while (el < g_sample_time);
+  return {el / reps, (cpu_now() - c0) / reps};
 }
 
 std::vector<std::string> split(const std::string& s) {
@@ -189,13 +209,14 @@ int main(int argc, char** argv) {
   std::vector<std::string> libs = {"openblas", "blis", "sgemm", "matmul", "bf16", "mt", "mtbf16"};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
+    if (a == "--sample-time" && i + 1 < argc) g_sample_time = std::atof(argv[++i]);
+    else if (a == "--rounds" && i + 1 < argc) g_rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--threads" && i + 1 < argc) {
       threads.clear();
       for (auto& s : split(argv[++i])) threads.push_back(std::atoi(s.c_str()));
     } else if (a == "--libs" && i + 1 < argc) libs = split(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--libs %s]\n", argv[0],
+      std::fprintf(stderr, "usage: %s [--rounds R] [--sample-time S] [--threads 1,2] [--libs %s]\n", argv[0],
                    "openblas,blis,sgemm,matmul,bf16,mt,mtbf16");
       return 2;
     }
@@ -233,88 +254,117 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < B.size(); ++i) B16[i] = mt::float_to_bf16(B[i]);
 
   // results[lib][threads][shape] = GFLOP/s (negative: not available)
-  std::map<std::string, std::map<int, std::vector<double>>> res;
+  std::map<std::string, std::map<int, std::vector<double>>> res, res_cpu;
   std::map<std::string, std::string> notes;
-  for (const std::string& lib : libs) {
-    for (int nt : threads) {
-      omp_set_num_threads(nt);
-      if (lib == "openblas" && have_ob) ob.set_threads(nt);
-      if (lib == "blis" && have_bl) bl.set_threads(nt);
-      std::vector<double>& row = res[lib][nt];
-      for (const Shape& s : shapes) {
-        const double flop = 2.0 * double(s.M) * double(s.N) * double(s.K);
-        const int lda = int(s.ta ? s.M : s.K), ldb = int(s.tb ? s.K : s.N), ldc = int(s.N);
-        double sec = -1.0;
+  for (int nt : threads) {
+    omp_set_num_threads(nt);
+    if (have_ob) ob.set_threads(nt);
+    if (have_bl) bl.set_threads(nt);
+    for (const Shape& s : shapes) {
+      const double flop = 2.0 * double(s.M) * double(s.N) * double(s.K);
+      const int lda = int(s.ta ? s.M : s.K), ldb = int(s.tb ? s.K : s.N), ldc = int(s.N);
+      // One callable per library; empty when not available.
+      std::vector<std::function<void()>> fns(libs.size());
+      for (size_t li = 0; li < libs.size(); ++li) {
+        const std::string& lib = libs[li];
         if (lib == "openblas" && have_ob) {
-          sec = median_seconds([&] {
+          fns[li] = [&, lda, ldb, ldc] {
             ob.sgemm(101, s.ta ? 112 : 111, s.tb ? 112 : 111, int(s.M), int(s.N), int(s.K), 1.0f,
                      A.data(), lda, B.data(), ldb, 0.0f, C.data(), ldc);
-          });
+          };
         } else if (lib == "blis" && have_bl) {
-          const float one = 1.0f, zero = 0.0f;
-          sec = median_seconds([&] {
+          fns[li] = [&, lda, ldb, ldc] {
+            const float one = 1.0f, zero = 0.0f;
             bl.sgemm(s.ta ? kBliTrans : kBliNoTrans, s.tb ? kBliTrans : kBliNoTrans, s.M, s.N, s.K,
                      &one, A.data(), lda, 1, B.data(), ldb, 1, &zero, C.data(), ldc, 1);
-          });
+          };
         } else if (lib == "sgemm") {
-          sec = median_seconds([&] {
+          fns[li] = [&, lda, ldb, ldc] {
             dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.M, s.N, s.K, 1.0f, A.data(), lda,
                        B.data(), ldb, 0.0f, C.data(), ldc);
-          });
+          };
         } else if (lib == "matmul" || lib == "bf16") {
           Matmuls::Entry* e = mm.get(s, lib == "bf16");
-          if (e) {
+          if (!e) {
+            notes[lib] = "primitive not available on this CPU";
+          } else if (e->impl.rfind("ref", 0) == 0) {
+            notes[lib] = e->impl + " (reference implementation, not timed)";
+          } else {
             notes[lib] = e->impl;
             const void* a = lib == "bf16" ? static_cast<const void*>(A16.data()) : A.data();
             const void* b = lib == "bf16" ? static_cast<const void*>(B16.data()) : B.data();
-            if (e->impl.rfind("ref", 0) != 0) sec = median_seconds([&] { mm.run(*e, a, b, C.data()); });
-            else notes[lib] = e->impl + " (reference implementation, not timed)";
-          } else {
-            notes[lib] = "primitive not available on this CPU";
+            fns[li] = [&mm, e, a, b, &C] { mm.run(*e, a, b, C.data()); };
           }
         } else if (lib == "mt") {
-          sec = median_seconds([&] {
+          fns[li] = [&] {
             mt::kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), B.data(), 0.0f, C.data());
-          });
+          };
         } else if (lib == "mtbf16") {
           notes[lib] = mt::kernels::detail::bf16_gemm_is_native(s.ta, s.tb, s.M, s.N, s.K, 1.0f, 0.0f)
                            ? "oneDNN bf16 matmul"
                            : "widened to fp32 + sgemm";
-          sec = median_seconds([&] {
+          fns[li] = [&] {
             mt::kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A16.data(), B16.data(), 0.0f,
                                    C.data());
-          });
+          };
         }
-        row.push_back(sec > 0 ? flop / sec * 1e-9 : -1.0);
-        std::fprintf(stderr, "  %-8s %dt %-28s %8.1f GFLOP/s\n", lib.c_str(), nt, s.name.c_str(),
-                     row.back());
       }
-      if (lib == "openblas" && have_ob) ob.set_threads(1);  // park its spinning threads
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      for (auto& f : fns)
+        if (f) f();  // warm-up: page faults, packing buffers, primitive scratch
+      std::vector<std::vector<double>> wall(libs.size()), cpu(libs.size());
+      for (int r = 0; r < g_rounds; ++r)
+        for (size_t li = 0; li < libs.size(); ++li)
+          if (fns[li]) {
+            const Sample smp = sample_seconds(fns[li]);
+            wall[li].push_back(smp.wall);
+            cpu[li].push_back(smp.cpu);
+          }
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      for (size_t li = 0; li < libs.size(); ++li) {
+        const bool ok = !wall[li].empty();
+        res[libs[li]][nt].push_back(ok ? flop / median(wall[li]) * 1e-9 : -1.0);
+        res_cpu[libs[li]][nt].push_back(ok ? flop / median(cpu[li]) * 1e-9 : -1.0);
+        std::fprintf(stderr, "  %-8s %dt %-28s %8.1f GFLOP/s (%.1f per CPU-second)\n",
+                     libs[li].c_str(), nt, s.name.c_str(), res[libs[li]][nt].back(),
+                     res_cpu[libs[li]][nt].back());
+      }
     }
   }
 
-  // Table: one row per shape, one column per (library, threads).
-  std::printf("\nGFLOP/s (median; 2*M*N*K / time), M x N x K as op(A)[M,K] @ op(B)[K,N]\n\n");
-  std::printf("| %-30s | %-18s |", "shape", "M x N x K");
-  for (const std::string& lib : libs)
-    for (int nt : threads) std::printf(" %s %dt |", lib.c_str(), nt);
-  std::printf("\n|%s|%s|", std::string(32, '-').c_str(), std::string(20, '-').c_str());
-  for (size_t i = 0; i < libs.size() * threads.size(); ++i) std::printf("------:|");
-  std::printf("\n");
-  for (size_t si = 0; si < shapes.size(); ++si) {
-    const Shape& s = shapes[si];
-    char dims[64];
-    std::snprintf(dims, sizeof dims, "%ldx%ldx%ld", long(s.M), long(s.N), long(s.K));
-    std::printf("| %-30s | %-18s |", s.name.c_str(), dims);
+  // Tables: one row per shape, one column per (library, threads).
+  auto table = [&](const char* title, std::map<std::string, std::map<int, std::vector<double>>>& r) {
+    std::printf("\n%s\n\n", title);
+    std::printf("| %-30s | %-18s |", "shape", "M x N x K");
     for (const std::string& lib : libs)
-      for (int nt : threads) {
-        const double g = res[lib][nt][si];
-        if (g > 0) std::printf(" %6.1f |", g);
-        else std::printf("    n/a |");
-      }
+      for (int nt : threads) std::printf(" %s %dt |", lib.c_str(), nt);
+    std::printf("\n|%s|%s|", std::string(32, '-').c_str(), std::string(20, '-').c_str());
+    for (size_t i = 0; i < libs.size() * threads.size(); ++i) std::printf("------:|");
     std::printf("\n");
-  }
+    for (size_t si = 0; si < shapes.size(); ++si) {
+      const Shape& s = shapes[si];
+      char dims[64];
+      std::snprintf(dims, sizeof dims, "%ldx%ldx%ld", long(s.M), long(s.N), long(s.K));
+      std::printf("| %-30s | %-18s |", s.name.c_str(), dims);
+      for (const std::string& lib : libs)
+        for (int nt : threads) {
+          const double g = r[lib][nt][si];
+          if (g > 0) std::printf(" %6.1f |", g);
+          else std::printf("    n/a |");
+        }
+      std::printf("\n");
+    }
+  };
+  char title[256];
+  std::snprintf(title, sizeof title,
+                "GFLOP/s, wall clock (2*M*N*K / elapsed; median of %d side-by-side rounds)", g_rounds);
+  table(title, res);
+  table("GFLOP per CPU-second of the process (2*M*N*K / process CPU time; median). On a shared "
+        "machine this is the less load-sensitive figure; with 2 threads it includes time the "
+        "library's threads spin or wait.",
+        res_cpu);
   std::printf("\nlegend: openblas = cblas_sgemm, blis = bli_sgemm, sgemm = dnnl_sgemm, matmul = oneDNN "
               "f32 matmul primitive, bf16 = oneDNN bf16 matmul primitive (bf16 in, f32 out), mt = "
               "mt::kernels::gemm_f32, mtbf16 = mt::kernels::gemm_bf16\n");

@@ -70,7 +70,7 @@ struct Bf16Key {
 struct Bf16Entry {
   bool native = false;  // false: use the widen-to-fp32 path
   dnnl::matmul prim;
-  dnnl::memory::desc a_md, b_md, c_md;
+  dnnl::memory::desc a_md, b_md, c_md, scratch_md;
   size_t scratch_bytes = 0;
 };
 
@@ -117,7 +117,8 @@ std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
       std::string impl = pd.impl_info_str();
       if (impl.rfind("ref", 0) != 0) {  // a reference implementation is far slower than widening
         e->prim = dnnl::matmul(pd);
-        e->scratch_bytes = pd.scratchpad_desc().get_size();
+        e->scratch_md = pd.scratchpad_desc();
+        e->scratch_bytes = e->scratch_md.get_size();
         e->native = true;
       }
     } catch (const dnnl::error&) {
@@ -264,9 +265,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   std::unordered_map<int, dnnl::memory> args = {
       {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
   if (e->scratch_bytes > 0) {
-    dnnl::memory sm(dnnl::memory::desc({static_cast<int64_t>(e->scratch_bytes)},
-                                       dnnl::memory::data_type::u8, dnnl::memory::dims{1}),
-                    eng, scratch.get(e->scratch_bytes));
+    dnnl::memory sm(e->scratch_md, eng, scratch.get(e->scratch_bytes));
     args.emplace(DNNL_ARG_SCRATCHPAD, sm);
   }
   e->prim.execute(*strm, args);

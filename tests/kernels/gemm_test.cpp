@@ -239,6 +239,18 @@ TEST(LinearBf16, ForwardAndBackwardMatchRoundedReference) {
   EXPECT_TRUE(kt::close(dx, gx, 1e-4, 1e-5));
   EXPECT_TRUE(kt::close(dW, gW, 1e-4, 1e-5));
   EXPECT_TRUE(kt::close(db, gb, 1e-4, 1e-5));
+  // Accumulates into existing gradients.
+  auto g0x = kt::randn(N * C, 55), g0W = kt::randn(OC * C, 56), g0b = kt::randn(OC, 57);
+  auto ax = g0x, aW = g0W, ab = g0b;
+  linear_backward_bf16(ax.data(), aW.data(), ab.data(), dout.data(), x16.data(), W16.data(), N, C, OC);
+  auto plus = [](const std::vector<float>& a, const std::vector<float>& b) {
+    std::vector<double> r(a.size());
+    for (size_t i = 0; i < a.size(); ++i) r[i] = double(a[i]) + double(b[i]);
+    return r;
+  };
+  EXPECT_TRUE(kt::close(ax, plus(g0x, dx), 1e-6, 1e-6));
+  EXPECT_TRUE(kt::close(aW, plus(g0W, dW), 1e-6, 1e-6));
+  EXPECT_TRUE(kt::close(ab, plus(g0b, db), 1e-6, 1e-6));
 }
 
 // The gradient check must reject a wrong gradient: a linear backward that forgets the bias
