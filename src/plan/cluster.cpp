@@ -59,18 +59,20 @@ Cluster h100_like(const std::string& name, const std::string& gpu, double mem, d
 Cluster this_cpu() {
   Cluster c;
   c.name = "this-cpu";
-  c.description = "this machine: 2 Zen 5 cores (one rank per core), ~23 GiB shared, MPI over shared memory";
+  c.description = "this machine: 2 AMD EPYC (Zen 3, AVX2) cores (one rank per core), ~23 GiB shared, MPI over shared memory";
   c.gpus_per_node = 2;
   c.shared_node = true;
   // Whole-node figures (per_rank() splits them): reference/machine.md.
   c.mem_per_gpu = 23 * GiB;
   c.mem_reserved = 2 * GiB;          // OS, MPI, page cache the job needs
-  c.peak_flops_fp32 = 407e9;         // 2 x 204 GFLOP/s FMA
-  c.peak_flops_bf16 = 793e9;         // 2 x vdpbf16ps
-  c.compute_efficiency = 0.50;
+  // /proc/cpuinfo shows AVX2 and no AVX-512: 2 FMA units x 8 floats x 2 flops x ~3 GHz per core.
+  // No bf16 arithmetic: bf16 matmuls are widened to fp32 (docs/bench-notes/gemm.md).
+  c.peak_flops_fp32 = 2 * 96e9;
+  c.peak_flops_bf16 = 2 * 96e9;
+  c.compute_efficiency = 0.20;
   c.efficiency_note =
-      "this-cpu: oneDNN GEMMs reach 95-100% of peak alone, but small models spend much time in "
-      "attention/softmax/elementwise code; 0.50 until issue 7 part 5 measures it";
+      "this-cpu: `plan --validate` measured the engine at 0.1-0.25 of peak on the tiny validation "
+      "models (attention, softmax and elementwise code dominate at these shapes)";
   c.mem_bw = 46 * GB;                // STREAM triad, 2 threads
   c.mem_bw_efficiency = 1.0;         // already a measured figure
   c.intra = {5 * GB, 1.0e-6};        // OpenMPI shared memory: 9 GB/s at 4 MiB, 4 GB/s at 256 MiB

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "plan/published.h"
+#include "plan/validate.h"
 #include "runtime/arg_parser.h"
 
 namespace mt::plan {
@@ -138,6 +139,8 @@ std::string plan_help() {
          "       meshtrain plan --published [--json]     predicted vs published results (Megatron-LM, torchtitan, llm.c)\n"
          "       meshtrain plan --article [--cluster PRESET] [--json]\n"
          "                                               the seed article's numbers checked, and its decision bands recomputed\n"
+         "       meshtrain plan --validate [--steps N] [--layouts LIST] [--no-time-check] [--keep DIR] [--json]\n"
+         "                                               runs real jobs of this engine and checks the planner against them\n"
          "\n"
          "Enumerates every layout of the model on N GPUs - strategy (DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP with each\n"
          "shard-group size), tensor parallel (inside a node), pipeline parallel with schedule and micro-batches,\n"
@@ -184,6 +187,16 @@ std::string plan_help() {
          "  --schedule S            gpipe|1f1b|interleaved_1f1b\n"
          "  --ac none|selective|full  fix activation checkpointing (selective = every second block recomputed)\n"
          "  --no-offload            do not consider CPU offload\n"
+         "Validation against this engine (--validate):\n"
+         "  Measures the machine first (the model's matmul and attention kernels with as many probe processes as\n"
+         "  the job has ranks, a streaming kernel, `launch -n N -- bench comm`), then runs `meshtrain launch -n N --\n"
+         "  train` for each layout and prints predicted vs measured per-rank memory by category (model state to the\n"
+         "  byte), bytes per collective group (exactly) and step time (within 25%). Exit status 1 when a check fails.\n"
+         "  --steps N               training steps per job (default 8; the first is not timed)\n"
+         "  --layouts LIST          comma-separated subset of: ddp, zero1, zero2, zero3, zero3x4, hsdp, ddp-bf16,\n"
+         "                          llama-zero3-bf16 (default: all eight)\n"
+         "  --no-time-check         report step time without failing on it (shared, noisy machines)\n"
+         "  --keep DIR              run in DIR and keep the metrics and logs\n"
          "Output:\n"
          "  --top K                 candidates shown (default 10; the best micro-batch of each layout family)\n"
          "  --json                  JSON (keys as in INTERFACE.md: model, model_state_bytes, candidates[...])\n"
@@ -390,14 +403,63 @@ double pos_num(const ArgParser& a, const std::string& name, double fallback) {
   return v;
 }
 
+// Internal (used by --validate): this process's compute ceiling for a model, as one JSON line.
+int run_probe(const ArgParser& a) {
+  ModelConfig m;
+  try {
+    m = plan_model_preset(a.get("model", "gpt2-mini"));
+  } catch (const std::invalid_argument& e) {
+    throw Bad(std::string("--model: ") + e.what());
+  }
+  const std::string d = a.get("dtype", "fp32");
+  if (d != "fp32" && d != "bf16") throw Bad("--dtype must be bf16 or fp32, got '" + d + "'");
+  const double secs = pos_num(a, "probe-seconds", 0.4);
+  std::cout << compute_probe_json(measure_compute_here(m, pos_int(a, "micro-batch", 4), d == "bf16", secs));
+  return 0;
+}
+
+std::vector<EngineLayout> pick_layouts(const std::string& list) {
+  const std::vector<EngineLayout> all = default_validation_layouts();
+  const char* names[] = {"ddp", "zero1", "zero2", "zero3", "zero3x4", "hsdp", "ddp-bf16", "llama-zero3-bf16"};
+  static_assert(sizeof names / sizeof *names == 8);
+  if (list.empty()) return all;
+  std::vector<EngineLayout> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    bool found = false;
+    for (size_t i = 0; i < all.size() && i < 8; ++i)
+      if (item == names[i]) out.push_back(all[i]), found = true;
+    if (!found) throw Bad("--layouts: unknown layout '" + item + "' (known: " + join(std::vector<std::string>(names, names + 8), ", ") + ")");
+  }
+  return out;
+}
+
+int run_validate(const ArgParser& a, bool as_json) {
+  ValidateOptions o;
+  o.steps = static_cast<int>(pos_int(a, "steps", 8));
+  if (o.steps < 2) throw Bad("--steps must be at least 2 (the first step is not timed)");
+  o.layouts = pick_layouts(a.get("layouts"));
+  o.check_time = !a.flag("no-time-check");
+  if (a.has("keep")) {
+    o.work_dir = a.get("keep");
+    o.keep = true;
+  }
+  if (a.has("probe-seconds")) o.probe_seconds = pos_num(a, "probe-seconds", 0.4);
+  o.progress = &std::cerr;
+  ValidationReport r = run_validation(o);
+  std::cout << (as_json ? validation_json(r) : format_validation(r));
+  return r.ok ? 0 : 1;
+}
+
 int run(int argc, char** argv) {
   ArgParser a({"model", "hf-config", "arch", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "gpus",
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
                "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
                "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
-               "schedule", "ac", "top"},
+               "schedule", "ac", "top", "steps", "layouts", "keep", "probe-seconds"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
-               "no-offload"});
+               "no-offload", "validate", "no-time-check", "probe-compute"});
   a.parse(argc, argv, 1);
   if (!a.positional().empty()) throw Bad("unexpected argument '" + a.positional()[0] + "'");
   if (a.flag("help")) {
@@ -405,6 +467,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   const bool as_json = a.flag("json");
+  if (a.flag("probe-compute")) return run_probe(a);
+  if (a.flag("validate")) return run_validate(a, as_json);
 
   // Cluster.
   Cluster c;

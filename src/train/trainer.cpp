@@ -14,6 +14,7 @@
 #include "comm/world.h"
 #include "kernels/activation.h"
 #include "parallel/strategy.h"
+#include "plan/auto_layout.h"
 #include "parallel/tensor_parallel.h"
 #include "model/transformer.h"
 #include "runtime/arg_parser.h"
@@ -418,6 +419,30 @@ TrainResult train(const RunConfig& cfg) {
   return res;
 }
 
+// `train --auto`: the planner picks the data-parallel layout for this job's ranks (same global batch).
+static void choose_layout(RunConfig& cfg) {
+  comm::World& W = comm::World::init(nullptr, nullptr);
+  const ModelConfig mc = cfg.model_config();
+  plan::AutoLayoutOptions o;
+  o.fp32 = cfg.train.dtype != "bf16";
+  const int64_t tokens = cfg.train.micro_batch * cfg.train.grad_accum * mc.seq_len * W.size();
+  plan::AutoLayout a = plan::auto_layout(mc, W.size(), W.local_size(), tokens, o);
+  cfg.parallel.strategy = a.strategy;
+  cfg.parallel.dp_replicate = a.dp_replicate;
+  cfg.parallel.dp_shard = a.dp_shard;
+  cfg.parallel.tp = a.tp;
+  cfg.parallel.pp = a.pp;
+  cfg.train.activation_checkpointing = a.activation_checkpointing;
+  cfg.train.micro_batch = a.micro_batch;
+  cfg.train.grad_accum = a.grad_accum;
+  if (comm::should_print(W.rank()))
+    std::printf("--auto: %s dp_replicate %d x dp_shard %d, activation checkpointing %s, micro-batch %lld x %lld%s\n"
+                "        %s\n",
+                a.strategy.c_str(), a.dp_replicate, a.dp_shard, a.activation_checkpointing.c_str(),
+                static_cast<long long>(a.micro_batch), static_cast<long long>(a.grad_accum),
+                a.fits ? "" : " (nothing fits: the closest layout)", a.why.c_str());
+}
+
 // Reports an error. In a multi-rank job the whole job is ended (MPI_Abort via World::abort, which
 // names this rank and dumps its recent collectives) so no rank is left waiting in a collective.
 static int fail(const std::string& msg, int code) {
@@ -428,7 +453,7 @@ static int fail(const std::string& msg, int code) {
 }
 
 int run_train_command(int argc, char** argv) {
-  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*"}, {"help"});
+  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*"}, {"help", "auto"});
   try {
     ap.parse(argc, argv, 1);
   } catch (const ArgError& e) {
@@ -441,7 +466,10 @@ int run_train_command(int argc, char** argv) {
         "Trains a GPT-2 or Llama-style model. Run it directly for one process, or under mpirun\n"
         "(or `meshtrain launch -n N -- train ...`) where each process is one rank.\n"
         "The config is TOML with sections [model] [data] [train] [parallel] [log]; any key can be\n"
-        "overridden on the command line as --section.key value or --section.key=value.\n\n"
+        "overridden on the command line as --section.key value or --section.key=value.\n"
+        "--auto lets the planner choose parallel.strategy, dp_replicate / dp_shard, activation\n"
+        "checkpointing and the micro-batch split for the ranks the job was given, keeping the global\n"
+        "batch (micro_batch x grad_accum x ranks sequences).\n\n"
         "keys (default value, meaning):\n%s\n"
         "model presets: ",
         RunConfig::keys_help().c_str());
@@ -451,6 +479,7 @@ int run_train_command(int argc, char** argv) {
   }
   try {
     RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
+    if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);
   } catch (const ConfigError& e) {
     return fail(std::string("config error: ") + e.what(), 2);

@@ -1,0 +1,54 @@
+// `meshtrain train --auto`: the planner's choice of layout for the ranks a job was given, restricted
+// to what the engine implements today (data parallelism: DDP, ZeRO-1/2/3, HSDP; activation
+// checkpointing; gradient accumulation; no tensor or pipeline parallelism, no CPU offload).
+//
+//   mt::plan::AutoLayout a = mt::plan::auto_layout(model_config, world_size, ranks_per_node,
+//                                                  micro_batch * seq_len * grad_accum * world_size);
+//   if (!a.fits) ...;  // a.why says by how much it does not
+//   --parallel.strategy a.strategy --parallel.dp_replicate a.dp_replicate --parallel.dp_shard a.dp_shard
+//   --train.activation_checkpointing a.activation_checkpointing
+//   --train.micro_batch a.micro_batch --train.grad_accum a.grad_accum
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "model/model_config.h"
+#include "plan/cost_model.h"
+
+namespace mt::plan {
+
+struct AutoLayoutOptions {
+  std::string cluster = "this-cpu";  // cluster preset describing the devices (see cluster.h)
+  bool fp32 = true;                  // train.dtype fp32; false = bf16 mixed precision (fp32 master)
+  int64_t micro_batch = 0;           // sequences per rank per micro-batch; 0 = the planner chooses
+  int64_t seq = 0;                   // tokens per sequence; 0 = the model's seq_len
+  std::optional<Strategy> strategy;  // pinned by the user (else free)
+  std::optional<Checkpointing> checkpointing;  // pinned by the user (else free)
+};
+
+// Everything is in the engine's config spellings: pass them straight to the trainer's config.
+struct AutoLayout {
+  std::string strategy = "NO_SHARD";  // parallel.strategy: NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD
+  int dp_replicate = 1;               // parallel.dp_replicate (> 1 only for HYBRID_SHARD)
+  int dp_shard = 1;                   // parallel.dp_shard (the world size for NO_SHARD / ZERO1 / ...; the shard
+                                      // group for HYBRID_SHARD); dp_replicate x dp_shard = world_size
+  int tp = 1, pp = 1;                 // always 1 today
+  std::string activation_checkpointing = "none";  // train.activation_checkpointing: none | selective | full
+  int64_t micro_batch = 1;            // train.micro_batch
+  int64_t grad_accum = 1;             // train.grad_accum; micro_batch x grad_accum x world = global batch
+  int64_t global_batch = 0;           // sequences per step (global_batch_tokens / seq, rounded up)
+  bool fits = false;                  // false: nothing fits; this is the layout that misses by the least
+  std::string why;                    // the recommendation in plain words (the planner's)
+  Estimate estimate;                  // predicted memory, communication, step time
+};
+
+// Chooses the layout for `world_size` ranks, `gpus_per_node` of them per node, training
+// `global_batch_tokens` tokens per optimizer step. The batch in sequences is
+// ceil(global_batch_tokens / seq), rounded up to a multiple of world_size (x micro_batch when it is
+// pinned). Throws std::invalid_argument naming the bad input (world_size < 1, gpus_per_node < 1,
+// global_batch_tokens < 1, unknown cluster, a pinned strategy that cannot run on world_size ranks).
+AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_node, int64_t global_batch_tokens,
+                       const AutoLayoutOptions& opts = {});
+
+}  // namespace mt::plan

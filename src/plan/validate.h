@@ -1,0 +1,213 @@
+// The planner checked against this engine (issue 7 part 5): `meshtrain plan --validate`.
+//
+// 1. Ceilings, measured first, the way the ranks of a job will see the machine:
+//    * compute: N probe processes at once (N = the job's ranks, each with the OpenMP threads
+//      `meshtrain launch` gives a rank) time the model's own linear layers (kernels::linear_* over
+//      gemm_f32 / gemm_bf16, forward and backward, one micro-batch) and its attention kernel, and a
+//      streaming kernel — just before and just after each job (the mean is used; the spread shows
+//      how much the shared machine's load moved meanwhile);
+//    * collectives: `meshtrain launch -n N -- bench comm` at the sizes the layouts use, on an idle
+//      machine and with one single-threaded compute process per rank keeping a core busy (the job's
+//      conditions: on a CPU the communication threads compete with the compute threads), fitted to
+//      the planner's t = bytes per rank / bw + ring steps x alpha.
+// 2. Real jobs: `meshtrain launch -n N -- train ...` for each layout, a few steps of a small model.
+// 3. Predicted vs measured:
+//    * per-rank memory by category: the model state from the planner's ZeRO formulas under this
+//      engine's precision policy (fp32 gradients; a sharded-parameter strategy keeps no bf16 shard,
+//      it casts the fp32 master when it gathers) against `mem_resident_by_category_per_rank` on every
+//      rank — to the byte; the activations this engine keeps — within 10% (exact in practice); the
+//      model's backward workspace — a lower bound (kernels add scratch of their own);
+//    * bytes per collective group: the planner's collective volumes (all-reduce 2(n-1)/n x buffer,
+//      all-gather / reduce-scatter (n-1)/n x full buffer) applied to the engine's schedule of
+//      collectives (per bucket, per unit, roots kept through backward) plus the one-off setup and
+//      summary traffic predicted the same way, against `comm_bytes_by_group` — exactly;
+//    * step time: mt::plan::estimate() on a cluster built from the measured ceilings, against the
+//      median measured step (the steps after the first) — within 25%, one rerun on a miss.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "model/model_config.h"
+#include "plan/cluster.h"
+#include "plan/cost_model.h"
+
+namespace mt::plan {
+
+// One job of the engine: what `meshtrain train` is given.
+struct EngineLayout {
+  std::string model = "gpt2-mini";   // model preset
+  std::string strategy = "NO_SHARD"; // --parallel.strategy (INTERFACE.md spelling)
+  int ranks = 2;
+  int dp_replicate = 1;              // HYBRID_*: replicas; the shard group is ranks / dp_replicate
+  bool bf16 = false;                 // --train.dtype bf16 (bf16 compute, fp32 master, fp32 gradients)
+  Checkpointing checkpointing = Checkpointing::None;
+  int64_t micro_batch = 4;           // sequences per rank per micro-batch
+  int64_t grad_accum = 1;
+  bool reduce_every_microbatch = true;  // --parallel.reduce_every_microbatch
+  bool reshard_after_forward = true;
+  double bucket_mb = 25.0;           // --parallel.bucket_mb (the engine's MB are 1e6 bytes)
+
+  int shard_size() const;            // ranks the parameters / gradients / optimizer are split over
+  int replicas() const;              // 1 unless hybrid
+  bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
+  std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini"
+  // The engine's command line after `train` (without data / metrics paths).
+  std::vector<std::string> train_args() const;
+};
+
+// The planner's layout and setup for an engine job (DDP = dp_replicate x ranks for the planner,
+// `dp_shard = ranks` for the engine's mesh).
+Layout planner_layout(const EngineLayout& e);
+TrainSetup planner_setup(const ModelConfig& m, const EngineLayout& e);
+// Throws std::invalid_argument when the engine cannot run the layout.
+void check_engine_layout(const EngineLayout& e);
+
+// ---- this engine's exact accounting, from the model's dimensions --------------------------------
+
+// Elements of each unit (embedding, blocks, head) as the engine lays them out, each padded to a
+// multiple of `align` (16 x shard size for sharded strategies, 1 for DDP).
+std::vector<int64_t> engine_unit_sizes(const ModelConfig& m, int64_t align);
+int64_t engine_unit_align(const EngineLayout& e);
+int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e);
+
+// Per-rank bytes by category between steps. Params / grads / optimizer are the planner's
+// zero_model_state() over the padded flat size with fp32 gradients (grad_bytes 4), adjusted for the
+// one policy the ZeRO table does not describe: ZeRO-3 / HSDP in bf16 keep no bf16 shard (0 params;
+// the fp32 master is optimizer state). Activations and workspace are what the engine's model keeps
+// for one micro-batch (see engine_activation_bytes).
+struct EngineMemory {
+  double params = 0, grads = 0, optimizer = 0, activations = 0, workspace = 0;
+};
+EngineMemory engine_memory(const ModelConfig& m, const EngineLayout& e);
+// Activation bytes the engine's Transformer keeps for backward (MemCategory::Activations): per
+// stored block the norm inputs (compute dtype) and statistics, fused qkv, attention output (+ its
+// bf16 copy), log-sum-exp, the second residual input, FFN pre-activation (and Llama's up
+// projection) in fp32 and the FFN activation in the compute dtype; every unit's output; the head's
+// input, statistics, fp32 logits and losses. With recomputation only the kept blocks store theirs,
+// plus one scratch block.
+double engine_activation_bytes(const ModelConfig& m, const EngineLayout& e);
+// Backward workspace (MemCategory::Workspace): the residual gradient and seven per-token scratch
+// buffers, fp32.
+double engine_workspace_bytes(const ModelConfig& m, const EngineLayout& e);
+
+// Bytes (the comm layer's algorithm volume, rank 0) per process-group name.
+struct EngineComm {
+  std::map<std::string, uint64_t> per_step;  // every training step
+  std::map<std::string, uint64_t> setup;     // once per run: model check, DDP broadcast, final summary
+  uint64_t total(const std::string& group, int64_t steps) const;
+  uint64_t dp_per_step() const;              // gradient and parameter traffic only (no losses / norms)
+};
+// Volume of one collective as the comm layer counts it (integer bytes): all-reduce
+// 2(n-1)/n x buffer, all-gather / reduce-scatter (n-1) x per-rank count (= (n-1)/n x full buffer),
+// broadcast the buffer.
+uint64_t collective_bytes(Collective kind, uint64_t count, int elem_bytes, int n);
+uint64_t broadcast_bytes(uint64_t count, int elem_bytes, int n);
+// The engine's collectives for a run: DDP buckets (first bucket capped at 1 MB, walking units from
+// the head), ZeRO-1/2 per-unit reduce-scatter (fp32) and post-step all-gather (compute dtype),
+// ZeRO-3 per-unit gathers in forward and backward (the head — and the tied embedding — stay
+// gathered from their forward through their backward), per-unit reduce-scatters, the hybrid
+// all-reduce of gradient shards across replicas, the gradient-norm and loss all-reduces, and the
+// setup / summary traffic.
+EngineComm engine_comm(const ModelConfig& m, const EngineLayout& e);
+
+// ---- ceilings ----------------------------------------------------------------------------------------
+
+struct ComputeCeiling {
+  double flops_per_s = 0;   // matmul + attention FLOPs (the planner's count) per second, per rank
+  double gemm_flops_per_s = 0;  // the matmuls alone
+  double mem_bw = 0;        // bytes/s per rank, streaming (triad)
+  int procs = 0, threads = 0;
+};
+// Runs in this process: times the model's forward and backward matmuls (its exact shapes, one
+// micro-batch) and its attention kernel for about `seconds`, and a triad over `stream_bytes`.
+ComputeCeiling measure_compute_here(const ModelConfig& m, int64_t micro_batch, bool bf16, double seconds,
+                                    double stream_bytes = 48e6);
+
+struct CommCeiling {
+  int ranks = 0;
+  double bw = 0;          // bytes per rank per second (nccl-tests busbw) at the layouts' sizes
+  double latency_s = 0;   // per ring step
+  bool busy = false;      // measured while one single-threaded compute process per rank ran (the
+                          // job's conditions; used for the prediction), or on an otherwise idle machine
+  std::string source;     // how it was measured
+};
+
+// ---- the validation run --------------------------------------------------------------------------------
+
+struct ValidateOptions {
+  std::string binary;        // the meshtrain executable (default: this process's executable)
+  std::vector<EngineLayout> layouts;  // default: default_validation_layouts()
+  int steps = 8;
+  bool check_time = true;    // step time within time_tolerance (the command; the test skips it)
+  double mem_tolerance = 0.10;
+  double time_tolerance = 0.25;
+  double probe_seconds = 0.4;
+  int retries = 1;           // extra runs of a layout whose step time missed (noisy shared machines)
+  std::string work_dir;      // default: a fresh directory under $TMPDIR, removed afterwards
+  bool keep = false;         // keep work_dir (metrics, logs)
+  std::ostream* progress = nullptr;  // one line per job as it runs
+};
+
+// DDP, ZeRO-1, ZeRO-2 (2 micro-batches), ZeRO-3 at 2 and 4 ranks, HSDP 2x2 in fp32 on gpt2-mini;
+// DDP bf16 on gpt2-mini; ZeRO-3 bf16 with selective checkpointing on llama-mini (untied embeddings).
+std::vector<EngineLayout> default_validation_layouts();
+
+// Exact: to the byte (the model state). Within: mem_tolerance (activations). AtLeast: the model's own
+// buffers, the kernels add scratch of their own (workspace). Info: measured only (comm buffers).
+enum class MemCheck { Exact, Within, AtLeast, Info };
+struct MemRow {
+  std::string category;
+  double predicted = 0, measured = 0;  // measured: the rank furthest from the prediction
+  MemCheck check = MemCheck::Exact;
+  bool ok = false;
+};
+struct CommRow {
+  std::string group;
+  uint64_t per_step = 0, setup = 0;    // predicted
+  uint64_t measured_total = 0;         // comm_bytes_by_group
+  double measured_per_step = 0;        // (measured_total - predicted setup) / steps
+  bool ok = false;                     // measured_total == setup + steps x per_step
+};
+struct TimeRow {
+  double predicted_s = 0, compute_s = 0, exposed_s = 0;
+  double measured_s = 0;               // median step after the first
+  double measured_min_s = 0, measured_max_s = 0;
+  double measured_exposed_s = 0;       // median exposed_comm_ms (the engine's own measure)
+  double error = 0;                    // predicted / measured - 1
+  double ceiling_drift = 0;            // compute ceiling after the job / before - 1
+  bool checked = false, ok = false;
+};
+struct LayoutResult {
+  EngineLayout layout;
+  std::string error;                   // the job failed (then nothing else is valid)
+  ComputeCeiling compute;
+  CommCeiling comm_ceiling;
+  int64_t flat_predicted = 0, flat_measured = 0;
+  std::vector<MemRow> mem;
+  std::vector<CommRow> comm;
+  double textbook_dp_bytes = 0;        // estimate().comm for the same layout (the generic formula)
+  TimeRow time;
+  int attempts = 0;                    // jobs run (a step-time miss is retried `retries` times)
+  double first_time_error = 0;         // the first attempt's error when it was retried
+  bool ok = false;
+};
+struct ValidationReport {
+  std::vector<CommCeiling> comm_ceilings;
+  std::vector<LayoutResult> results;
+  int cores = 0;
+  double seconds = 0;
+  bool ok = false;
+};
+
+// Runs everything above. Throws std::runtime_error when the binary or the data preparation fails.
+ValidationReport run_validation(const ValidateOptions& o);
+std::string format_validation(const ValidationReport& r);
+std::string validation_json(const ValidationReport& r);
+
+// `meshtrain plan --probe-compute` (internal): measure_compute_here, printed as one JSON line.
+std::string compute_probe_json(const ComputeCeiling& c);
+
+}  // namespace mt::plan
