@@ -87,21 +87,8 @@ double ModelConfig::flops_per_token() const {
   return 6.0 * n + 12.0 * static_cast<double>(n_layer * n_embd * seq_len);
 }
 
-namespace {
-ModelConfig gpt2(const char* name, int64_t L, int64_t H, int64_t C, int64_t T, int64_t V) {
-  ModelConfig m;
-  m.name = name;
-  m.arch = Arch::GPT2;
-  m.n_layer = L;
-  m.n_head = H;
-  m.n_kv_head = H;
-  m.n_embd = C;
-  m.seq_len = T;
-  m.vocab_size = V;
-  return m;
-}
-ModelConfig llama(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
-                  int64_t V, float theta) {
+ModelConfig llama_config(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
+                         int64_t V, float theta) {
   ModelConfig m;
   m.name = name;
   m.arch = Arch::Llama;
@@ -117,6 +104,19 @@ ModelConfig llama(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C,
   return m;
 }
 
+namespace {
+ModelConfig gpt2(const char* name, int64_t L, int64_t H, int64_t C, int64_t T, int64_t V) {
+  ModelConfig m;
+  m.name = name;
+  m.arch = Arch::GPT2;
+  m.n_layer = L;
+  m.n_head = H;
+  m.n_kv_head = H;
+  m.n_embd = C;
+  m.seq_len = T;
+  m.vocab_size = V;
+  return m;
+}
 std::vector<ModelConfig> all_presets() {
   return {
       gpt2("gpt2-124m", 12, 12, 768, 1024, 50257),
@@ -124,16 +124,16 @@ std::vector<ModelConfig> all_presets() {
       gpt2("gpt2-774m", 36, 20, 1280, 1024, 50257),
       gpt2("gpt2-1.5b", 48, 25, 1600, 1024, 50257),
       gpt2("gpt3-175b", 96, 96, 12288, 2048, 50257),
-      llama("llama3-8b", 32, 32, 8, 4096, 14336, 8192, 128256, 500000.0f),
-      llama("llama3-70b", 80, 64, 8, 8192, 28672, 8192, 128256, 500000.0f),
-      llama("llama3-405b", 126, 128, 8, 16384, 53248, 8192, 128256, 500000.0f),
+      llama_config("llama3-8b", 32, 32, 8, 4096, 14336, 8192, 128256, 500000.0f),
+      llama_config("llama3-70b", 80, 64, 8, 8192, 28672, 8192, 128256, 500000.0f),
+      llama_config("llama3-405b", 126, 128, 8, 16384, 53248, 8192, 128256, 500000.0f),
       // Small models that train on a CPU.
       gpt2("gpt2-tiny", 2, 2, 32, 32, 256),          // unit tests
       gpt2("gpt2-mini", 4, 4, 128, 128, 256),        // the default demo (byte tokenizer)
       gpt2("gpt2-small-cpu", 6, 6, 384, 256, 50257), // the benchmark config (GPT-2 vocabulary)
-      llama("llama-tiny", 2, 4, 2, 32, 64, 32, 256, 10000.0f),
-      llama("llama-mini", 4, 4, 2, 128, 352, 128, 256, 10000.0f),
-      llama("llama-small-cpu", 6, 6, 2, 384, 1024, 256, 50257, 10000.0f),
+      llama_config("llama-tiny", 2, 4, 2, 32, 64, 32, 256, 10000.0f),
+      llama_config("llama-mini", 4, 4, 2, 128, 352, 128, 256, 10000.0f),
+      llama_config("llama-small-cpu", 6, 6, 2, 384, 1024, 256, 50257, 10000.0f),
   };
 }
 }  // namespace

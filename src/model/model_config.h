@@ -40,6 +40,10 @@ struct ModelConfig {
 const char* arch_name(Arch a);
 bool parse_arch(const std::string& s, Arch* out);
 
+// A Llama-style configuration from its dimensions (untied embeddings; call resolve() before use).
+ModelConfig llama_config(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
+                         int64_t V, float theta = 10000.0f);
+
 // Named presets: gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt3-175b, llama3-8b, llama3-70b,
 // llama3-405b, and tiny ones for tests and demos (gpt2-tiny, gpt2-small-cpu, llama-tiny, llama-small-cpu).
 // Throws std::invalid_argument for an unknown name, listing the known ones.

@@ -19,16 +19,7 @@ namespace {
 
 ModelConfig llama_like(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
                        int64_t V, bool tied) {
-  ModelConfig m;
-  m.name = name;
-  m.arch = Arch::Llama;
-  m.n_layer = L;
-  m.n_head = H;
-  m.n_kv_head = KV;
-  m.n_embd = C;
-  m.ffn_hidden = F;
-  m.seq_len = T;
-  m.vocab_size = V;
+  ModelConfig m = llama_config(name, L, H, KV, C, F, T, V);
   m.resolve();
   m.tied_embeddings = tied;  // resolve() unties every Llama; Llama 3.2 1B/3B tie them
   return m;
