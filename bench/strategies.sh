@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Sharded data parallelism per strategy (issue 5, "Performance"; results in docs/bench-notes/fsdp.md):
+# NO_SHARD (DDP), ZERO1, SHARD_GRAD_OP, FULL_SHARD at 2 and 4 ranks, HYBRID_SHARD (2 replicas x
+# 2 shards) at 4 ranks, on the benchmark config (gpt2-small-cpu, micro-batch 4 per rank, fp32,
+# 1 thread per rank). Per run, from rank 0's metrics file (--log.metrics_out):
+#   tokens/s   median of the per-step tokens_per_s (global tokens) over the steps after the first
+#   step ms, comm ms, exposed ms   medians over the same steps (rank 0's communication thread)
+#   memory     peak and resident-after-step bytes per rank by category (mem_peak_by_category_per_rank,
+#              mem_resident_by_category_per_rank): the table shows rank 0 (all ranks are in the raw
+#              files), the model state params+grads+optimizer, and the peak RSS (VmHWM) of every rank
+#              process sampled from /proc every 0.3 s (max over ranks).
+# Before each run the script waits until no other benchmark runs (this machine has 2 cores and is
+# shared: see WAIT_PATTERN) and records the load average next to the run.
+#
+# usage: bench/strategies.sh [--steps N] [--repeats R] [--ranks "2 4"] [--strategies "NO_SHARD ..."]
+#                            [--dtype f32|bf16] [--build DIR] [--data DIR] [--out DIR] [--no-wait]
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+STEPS=8
+REPEATS=1
+RANKS="2 4"
+STRATEGIES="NO_SHARD ZERO1 SHARD_GRAD_OP FULL_SHARD HYBRID_SHARD"
+DTYPE=f32
+BUILD=$ROOT/build-fsdpbench
+DATA=/tmp/fsdpdata
+OUT=
+WAIT=1
+WAIT_PATTERN=${WAIT_PATTERN:-'ddp_overlap|ddp_scaling|train_throughput|pytorch_compare|two_nodes'}
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --steps) STEPS=$2; shift 2 ;;
+    --repeats) REPEATS=$2; shift 2 ;;
+    --ranks) RANKS=$2; shift 2 ;;
+    --strategies) STRATEGIES=$2; shift 2 ;;
+    --dtype) DTYPE=$2; shift 2 ;;
+    --build) BUILD=$2; shift 2 ;;
+    --data) DATA=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --no-wait) WAIT=0; shift ;;
+    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "strategies.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_strategies.XXXXXX)
+mkdir -p "$OUT"
+if [[ ! -x "$BUILD/meshtrain" ]]; then
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja >/dev/null
+  ninja -C "$BUILD" meshtrain >/dev/null
+fi
+MT=$(realpath "$BUILD/meshtrain")
+[[ -f "$DATA/train.bin" ]] ||
+  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes \
+    --input /usr/share/games/fortunes/literature --out "$DATA" >/dev/null
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''
+  --train.steps "$STEPS" --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000
+  --train.threads 1 --train.dtype "$DTYPE")
+
+wait_quiet() {
+  [[ $WAIT == 1 ]] || return 0
+  local waited=0
+  while pgrep -f "$WAIT_PATTERN" >/dev/null; do sleep 10; waited=$((waited + 10)); done
+  ((waited == 0)) || echo "  (waited ${waited}s for other benchmarks to finish)"
+}
+
+# Peak RSS of the rank processes (argv[0] = $MT, argv[1] = train), sampled until $1 exits.
+sample_hwm() {  # sample_hwm PID FILE
+  local pid=$1 file=$2 p
+  : >"$file"
+  while kill -0 "$pid" 2>/dev/null; do
+    for p in $(pgrep -x meshtrain || true); do
+      if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q "^$MT train "; then
+        awk -v p="$p" '/^VmHWM:/ {print p, $2}' "/proc/$p/status" 2>/dev/null >>"$file" || true
+      fi
+    done
+    sleep 0.3
+  done
+}
+
+runs=()
+for n in $RANKS; do
+  for s in $STRATEGIES; do
+    if [[ $s == HYBRID_SHARD* ]]; then
+      ((n == 4)) && runs+=("$s:$n")  # 2 replicas x 2 shards; at 2 ranks a hybrid mesh is degenerate
+    else
+      runs+=("$s:$n")
+    fi
+  done
+done
+
+echo "strategies: ${runs[*]}; $STEPS steps, $REPEATS repeat(s), $DTYPE; raw output in $OUT"
+echo "load before: $(uptime)" | tee "$OUT/load.txt"
+: >"$OUT/runs.txt"
+for ((r = 1; r <= REPEATS; r++)); do
+  for run in "${runs[@]}"; do
+    s=${run%%:*} n=${run##*:}
+    tag="${s}_n${n}_r${r}"
+    extra=(--parallel.strategy "$s")
+    [[ $s == HYBRID_SHARD* ]] && extra+=(--parallel.dp_replicate 2 --parallel.dp_shard 2)
+    wait_quiet
+    load=$(cut -d' ' -f1-3 /proc/loadavg)
+    t0=$(date +%s)
+    "$MT" launch -n "$n" --threads 1 -- train "${ARGS[@]}" "${extra[@]}" \
+      --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 &
+    pid=$!
+    sample_hwm "$pid" "$OUT/$tag.hwm" &
+    spid=$!
+    rc=0
+    wait "$pid" || rc=$?
+    wait "$spid" || true
+    echo "$tag $rc $load" >>"$OUT/runs.txt"
+    echo "  $tag: rc $rc, $(($(date +%s) - t0)) s, load before $load, uptime after: $(uptime | sed 's/.*load/load/')"
+  done
+done
+echo "load after: $(uptime)" | tee -a "$OUT/load.txt"
+
+python3 - "$OUT" "$REPEATS" <<'EOF'
+import json, statistics, sys, collections
+out, R = sys.argv[1], int(sys.argv[2])
+med = statistics.median
+MiB = 2**20
+runs = [l.split() for l in open(f"{out}/runs.txt")]
+rows = collections.OrderedDict()
+for tag, rc, *load in runs:
+    s, n, r = tag.rsplit("_", 2)
+    key = (s, int(n[1:]))
+    rec = {"rc": int(rc), "load": load[0]}
+    if rc == "0":
+        recs = [json.loads(l) for l in open(f"{out}/{tag}.jsonl") if l.strip()]
+        st = [x for x in recs if not x.get("final")][1:]
+        fin = [x for x in recs if x.get("final")][0]
+        hwm = collections.defaultdict(int)
+        for l in open(f"{out}/{tag}.hwm"):
+            p, kb = l.split()
+            hwm[p] = max(hwm[p], int(kb))
+        pk = fin.get("mem_peak_by_category_per_rank") or [fin["mem_peak_by_category"]]
+        rs = fin.get("mem_resident_by_category_per_rank") or [fin["mem_resident_by_category"]]
+        rec.update(tps=med(x["tokens_per_s"] for x in st), step=med(x["step_ms"] for x in st),
+                   comm=med(x["comm_ms"] for x in st), exp=med(x["exposed_comm_ms"] for x in st),
+                   peak=pk, res=rs, tracked=max(x.get("mem_peak_bytes", 0) for x in st) / MiB, hwm=max(hwm.values()) / 1024 if hwm else float("nan"),
+                   state=[sum(x.get(k, 0) for k in ("params", "grads", "optimizer")) / MiB for x in rs])
+    rows.setdefault(key, []).append(rec)
+
+def cat(d, k): return d.get(k, 0) / MiB
+print("\n### Throughput and communication (rank 0; medians over the steps after the first" +
+      (", then over repeats" if R > 1 else "") + ")\n")
+print("| strategy | ranks | tokens/s (global) | step ms | comm ms/step | exposed ms/step | hidden | vs NO_SHARD | load (1/5/15 min) before |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+base = {}
+for (s, n), recs in rows.items():
+    ok = [x for x in recs if x["rc"] == 0]
+    if s == "NO_SHARD" and ok: base[n] = med(x["tps"] for x in ok)
+for (s, n), recs in rows.items():
+    ok = [x for x in recs if x["rc"] == 0]
+    loads = ", ".join(x["load"] for x in recs)
+    if not ok:
+        print(f"| {s} | {n} | failed (rc {recs[0]['rc']}) | | | | | | {loads} |"); continue
+    tps, step, comm, exp = (med(x[k] for x in ok) for k in ("tps", "step", "comm", "exp"))
+    hid = f"{100 * (1 - exp / comm):.0f}%" if comm > 0 else "-"
+    rel = f"{tps / base[n]:.2f}x" if n in base else "-"
+    per = " / ".join(f"{x['tps']:.0f}" for x in ok)
+    print(f"| {s} | {n} | {tps:.0f}" + (f" ({per})" if len(ok) > 1 else "") +
+          f" | {step:.0f} | {comm:.1f} | {exp:.1f} | {hid} | {rel} | {loads} |")
+
+print("\n### Memory per rank, MiB (rank 0's tracked allocator categories: peak / resident after the step)\n")
+cats = ["params", "grads", "optimizer", "activations", "comm", "workspace"]
+print("| strategy | ranks | " + " | ".join(cats) + " | tracked peak total (rank 0) | model state resident (all ranks) | peak RSS (max over ranks) |")
+print("|---|---:|" + "---|" * len(cats) + "---:|---|---:|")
+for (s, n), recs in rows.items():
+    ok = [x for x in recs if x["rc"] == 0]
+    if not ok: continue
+    x = ok[-1]
+    cells = [f"{cat(x['peak'][0], c):.1f} / {cat(x['res'][0], c):.1f}" for c in cats]
+    st = sorted(set(f"{v:.2f}" for v in x["state"]))
+    print(f"| {s} | {n} | " + " | ".join(cells) + f" | {x['tracked']:.0f} | {', '.join(st)} | {x['hwm']:.0f} |")
+EOF
