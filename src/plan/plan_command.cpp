@@ -11,6 +11,7 @@
 
 #include "plan/published.h"
 #include "plan/validate.h"
+#include "plan/text_table.h"
 #include "runtime/arg_parser.h"
 
 namespace mt::plan {
@@ -33,26 +34,6 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
   return s;
 }
 
-// Column-aligned text table; numeric-looking columns are right-aligned.
-std::string table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows,
-                  const std::vector<bool>& right) {
-  std::vector<size_t> w(head.size());
-  for (size_t i = 0; i < head.size(); ++i) w[i] = head[i].size();
-  for (const auto& r : rows)
-    for (size_t i = 0; i < r.size() && i < w.size(); ++i) w[i] = std::max(w[i], r[i].size());
-  auto line = [&](const std::vector<std::string>& r) {
-    std::string s;
-    for (size_t i = 0; i < w.size(); ++i) {
-      const std::string& c = i < r.size() ? r[i] : std::string();
-      const std::string pad(w[i] - c.size(), ' ');
-      s += (i ? "  " : "") + (right[i] ? pad + c : c + (i + 1 < w.size() ? pad : ""));
-    }
-    return s + "\n";
-  };
-  std::string out = line(head);
-  for (const auto& r : rows) out += line(r);
-  return out;
-}
 
 std::string human_count(double n) {
   if (n >= 1e9) return fmt("%.2f B", n / 1e9);
@@ -236,7 +217,7 @@ std::string format_plan(const PlanResult& r) {
                     fmt("%.3f", e.time.total()), fmt("%.3f", e.time.compute), fmt("%.3f", e.time.exposed_comm),
                     fmt("%.3f", e.time.bubble), fmt("%.0f", e.tokens_per_s), fmt("%.1f%%", 100 * e.mfu)});
   }
-  o << table({"#", "data par.", "tp", "pp", "sched", "mb x m", "ac", "offl", "GiB/GPU", "par/grad/opt/act/comm", "fits",
+  o << format_table({"#", "data par.", "tp", "pp", "sched", "mb x m", "ac", "offl", "GiB/GPU", "par/grad/opt/act/comm", "fits",
               "GB intra", "GB inter", "step s", "compute", "exp.comm", "bubble", "tok/s", "MFU"},
              rows,
              {true, false, true, true, false, false, false, false, true, false, false, true, true, true, true, true, true,
@@ -328,7 +309,7 @@ std::string format_published(bool as_json) {
                     fmt("%.2f", r.e.time.total()),
                     fmt("%.2f", r.e.time.compute) + "/" + fmt("%.2f", r.e.time.exposed_comm) + "/" +
                         fmt("%.2f", r.e.time.bubble)});
-  o << table({"case", "system", "metric", "published", "predicted", "error", "within", "MFU pub", "MFU pred", "step s",
+  o << format_table({"case", "system", "metric", "published", "predicted", "error", "within", "MFU pub", "MFU pred", "step s",
               "compute/comm/bubble"},
              rows, {false, false, false, true, true, true, false, true, true, true, false});
   o << "\n";
@@ -378,7 +359,7 @@ std::string format_article(const Cluster& bands_cluster, bool as_json) {
                     b.any_fits ? cell : "nothing fits", b.any_fits ? fmt("%.1f%%", 100 * b.top.mfu) : "-",
                     b.any_fits ? fmt("%.1f", b.top.mem.total() / GiB) : fmt("(%.0f)", b.top.mem.total() / GiB)});
   }
-  o << table({"model", "params", "GPUs", "article says", "planner's top layout", "MFU", "GiB/GPU"}, rows,
+  o << format_table({"model", "params", "GPUs", "article says", "planner's top layout", "MFU", "GiB/GPU"}, rows,
              {false, true, true, false, false, true, true});
   return o.str();
 }

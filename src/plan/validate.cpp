@@ -26,6 +26,7 @@
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
 #include "plan/planner.h"
+#include "plan/text_table.h"
 #include "runtime/memory.h"
 #include "runtime/tensor.h"
 
@@ -1016,26 +1017,6 @@ ValidationReport run_validation(const ValidateOptions& in) {
 
 namespace {
 
-std::string table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows,
-                  const std::vector<bool>& right) {
-  std::vector<size_t> w(head.size());
-  for (size_t i = 0; i < head.size(); ++i) w[i] = head[i].size();
-  for (const auto& r : rows)
-    for (size_t i = 0; i < r.size() && i < w.size(); ++i) w[i] = std::max(w[i], r[i].size());
-  auto line = [&](const std::vector<std::string>& r) {
-    std::string s;
-    for (size_t i = 0; i < w.size(); ++i) {
-      const std::string& c = i < r.size() ? r[i] : std::string();
-      const std::string pad(w[i] - c.size(), ' ');
-      s += (i ? "  " : "") + (right[i] ? pad + c : c + (i + 1 < w.size() ? pad : ""));
-    }
-    while (!s.empty() && s.back() == ' ') s.pop_back();
-    return s + "\n";
-  };
-  std::string out = line(head);
-  for (const auto& r : rows) out += line(r);
-  return out;
-}
 
 std::string num(double v) {
   // 1234567 -> "1,234,567"
@@ -1094,7 +1075,7 @@ std::string format_validation(const ValidationReport& rep) {
                     diff_cell(static_cast<double>(r.flat_predicted), static_cast<double>(r.flat_measured)), "exact",
                     r.flat_predicted == r.flat_measured ? "ok" : "FAIL"});
   }
-  o << table({"layout", "category", "predicted", "measured", "diff", "check", ""}, rows,
+  o << format_table({"layout", "category", "predicted", "measured", "diff", "check", ""}, rows,
              {false, false, true, true, true, false, false});
 
   // Communication.
@@ -1114,7 +1095,7 @@ std::string format_validation(const ValidationReport& rep) {
     }
     rows.push_back({"", "(textbook dp/step)", num(r.textbook_dp_bytes), "", "", "", ""});
   }
-  o << table({"layout", "group", "predicted/step", "measured/step", "setup", "measured total", ""}, rows,
+  o << format_table({"layout", "group", "predicted/step", "measured/step", "setup", "measured total", ""}, rows,
              {false, false, true, true, true, true, false});
   o << "(textbook: estimate()'s DP volume for the same layout — Psi x dtype per collective without the engine's\n"
        " unit padding, kept roots or gradient-norm / loss all-reduces)\n";
@@ -1134,7 +1115,7 @@ std::string format_validation(const ValidationReport& rep) {
                     fmt("%.0f", r.time.measured_min_s * 1e3) + "-" + fmt("%.0f", r.time.measured_max_s * 1e3),
                     fmt("%+.1f%%", 100 * r.time.error), verdict});
   }
-  o << table({"layout", "GFLOP/s", "drift", "compute ms", "exposed ms pred/meas", "predicted ms", "measured ms", "range",
+  o << format_table({"layout", "GFLOP/s", "drift", "compute ms", "exposed ms pred/meas", "predicted ms", "measured ms", "range",
               "error", "25%"},
              rows, {false, true, true, true, true, true, true, true, true, false});
   o << "\n" << (rep.ok ? "All checks passed." : "Some checks FAILED.") << "\n";
