@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "run_command.h"
 #include "train/data_commands.h"
 #include "train/data_loader.h"
 #include "train/token_shards.h"
@@ -46,19 +47,6 @@ Batch take(mt::BatchLoader& l) {
   return b;
 }
 
-int run_cmd(int (*cmd)(int, char**), std::vector<std::string> args, std::string* out = nullptr,
-            std::string* err = nullptr) {
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  ::testing::internal::CaptureStdout();
-  ::testing::internal::CaptureStderr();
-  const int rc = cmd(static_cast<int>(argv.size()), argv.data());
-  std::string o = ::testing::internal::GetCapturedStdout();
-  std::string e = ::testing::internal::GetCapturedStderr();
-  if (out) *out = o;
-  if (err) *err = e;
-  return rc;
-}
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "run_command.h"
 #include "train/data_commands.h"
 #include "train/tokenizer.h"
 #include "train/unicode_tables.h"
@@ -45,20 +46,6 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-// Runs a subcommand in-process; returns the exit code and captures stdout / stderr.
-int run_cmd(int (*cmd)(int, char**), std::vector<std::string> args, std::string* out = nullptr,
-            std::string* err = nullptr) {
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  ::testing::internal::CaptureStdout();
-  ::testing::internal::CaptureStderr();
-  const int rc = cmd(static_cast<int>(argv.size()), argv.data());
-  std::string o = ::testing::internal::GetCapturedStdout();
-  std::string e = ::testing::internal::GetCapturedStderr();
-  if (out) *out = o;
-  if (err) *err = e;
-  return rc;
-}
 
 std::vector<std::string> pieces(std::string_view text) {
   std::vector<std::string> out;
