@@ -164,6 +164,11 @@ struct GroupImpl {
   void run_local(std::unique_ptr<Op> op);
   void post(bool is_send, void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
             std::vector<MPI_Request>& into);
+  // Direct all-gather step over `n` peers of `comm`: the `len` elements at `base` (`es` bytes
+  // each) are cut with segment(); this rank (`me`) sends its segment to every peer and receives
+  // every peer's segment in place.
+  void post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
+                      std::vector<MPI_Request>& into);
   bool test_all(std::vector<MPI_Request>& r, const char* what, Op& op);
   void* ensure_staging(size_t bytes);
   void desync_check(Op& op);

@@ -520,6 +520,18 @@ void GroupImpl::post(bool is_send, void* buf, size_t bytes, int peer, int tag, M
   } while (bytes > 0);
 }
 
+void GroupImpl::post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
+                               std::vector<MPI_Request>& into) {
+  for (int k = 1; k < n; ++k) {
+    const int src = (me - k + n) % n;
+    const Seg s = segment(len, n, src);
+    if (s.len) post(false, base + s.off * es, s.len * es, src, tag, comm, into);
+  }
+  const Seg mine = segment(len, n, me);
+  if (mine.len)
+    for (int k = 1; k < n; ++k) post(true, base + mine.off * es, mine.len * es, (me + k) % n, tag, comm, into);
+}
+
 bool GroupImpl::test_all(std::vector<MPI_Request>& r, const char* what, Op& op) {
   if (r.empty()) return true;
   int flag = 0;
@@ -749,18 +761,7 @@ int GroupImpl::step(Op& op) {
       }
 
       case kAgPost: {  // all_reduce: send the reduced segment to every peer
-        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        const Seg mine = segment(op.len, n, r);
-        for (int k = 1; k < n; ++k) {
-          const int src = (r - k + n) % n;
-          const Seg s = segment(op.len, n, src);
-          if (s.len) post(false, base + s.off * es, s.len * es, src, coll_tag(op, 1), coll, reqs);
-        }
-        if (mine.len) {
-          for (int k = 1; k < n; ++k)
-            post(true, base + mine.off * es, mine.len * es, (r + k) % n, coll_tag(op, 1), coll,
-                 reqs);
-        }
+        post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, n, r, coll_tag(op, 1), coll, reqs);
         op.phase = kAgWait;
         break;
       }
@@ -885,15 +886,7 @@ int GroupImpl::step(Op& op) {
         for (int q = 0; q < N; ++q)
           sp[q] = q == k0 ? part + ss.off * 4 : recv32 + (q < k0 ? q : q - 1) * ss.len * 4;
         reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
-        for (int k = 1; k < N; ++k) {
-          const int src = (k0 - k + N) % N;
-          const Seg s2 = segment(ls.len, N, src);
-          if (s2.len) post(false, seg + s2.off * es, s2.len * es, src, coll_tag(op, 2), inter, reqs);
-        }
-        if (ss.len) {
-          for (int k = 1; k < N; ++k)
-            post(true, seg + ss.off * es, ss.len * es, (k0 + k) % N, coll_tag(op, 2), inter, reqs);
-        }
+        post_allgather(seg, ls.len, es, N, k0, coll_tag(op, 2), inter, reqs);
         op.phase = kHInterAgWait;
         advanced = 1;
         break;
@@ -902,17 +895,7 @@ int GroupImpl::step(Op& op) {
       case kHInterAgWait: {
         if (!test_all(reqs, "inter-node all-gather step", op)) return advanced;
         const int L = local_n, l = local_r;
-        const Seg ls = segment(op.len, L, l);
-        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        for (int k = 1; k < L; ++k) {
-          const int src = (l - k + L) % L;
-          const Seg s2 = segment(op.len, L, src);
-          if (s2.len) post(false, base + s2.off * es, s2.len * es, src, coll_tag(op, 3), intra, reqs);
-        }
-        if (ls.len) {
-          for (int k = 1; k < L; ++k)
-            post(true, base + ls.off * es, ls.len * es, (l + k) % L, coll_tag(op, 3), intra, reqs);
-        }
+        post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, L, l, coll_tag(op, 3), intra, reqs);
         op.phase = kHIntraAgWait;
         advanced = 1;
         break;
