@@ -57,10 +57,24 @@ constexpr int G_LN1W = 0, G_LN1B = 1, G_QKVW = 2, G_QKVB = 3, G_PROJW = 4, G_PRO
 constexpr int L_LN1W = 0, L_QW = 1, L_OW = 4, L_LN2W = 5, L_GATEW = 6, L_UPW = 7, L_DOWNW = 8;
 }  // namespace
 
+// Everything one micro-batch keeps between its forward and its backward.
+struct Transformer::Slot {
+  int64_t B = 0, T = 0;
+  bool have_backward = false;
+  std::vector<std::unique_ptr<BlockActivations>> acts;  // per block (null: not owned or recomputed)
+  std::vector<Tensor> block_out;                         // output of unit u (0..L), [B*T, C]
+  Tensor ids, targets, head_in, head_in_bf, head_mean, head_rstd, logits, losses;
+};
+
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage,
-                         TpComm* tp)
-    : cfg_(cfg), compute_(compute), recompute_(recompute), storage_(storage), tp_(tp) {
+                         TpComm* tp, std::vector<char> owned_units)
+    : cfg_(cfg), compute_(compute), recompute_(recompute), storage_(storage), tp_(tp), owned_(std::move(owned_units)) {
   cfg_.resolve();
+  const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
+  if (owned_.empty()) owned_.assign(U, 1);
+  if (owned_.size() != U)
+    throw std::invalid_argument("owned_units has " + std::to_string(owned_.size()) + " entries, the model has " +
+                                std::to_string(U) + " units");
   if (storage_.unit_align < 1) storage_.unit_align = 1;
   if (tp_) {
     tp_size_ = tp_->size();
@@ -90,6 +104,11 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   unit_w_.assign(units_.size(), nullptr);
   unit_g_.assign(units_.size(), nullptr);
   upcast_.resize(params_.size());
+  if (cfg_.tied_embeddings && owned_[U - 1] && !owned_[0]) {
+    tied_w_ = Tensor::zeros({Vp_l_, cfg_.n_embd}, compute_, MemCategory::Params);
+    tied_g_ = Tensor::zeros({Vp_l_, cfg_.n_embd}, DType::F32, MemCategory::Grads);
+  }
+  select_slot(0);
 }
 
 Transformer::~Transformer() = default;
@@ -102,6 +121,7 @@ void Transformer::build_params() {
   int64_t pos = 0;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false,
                  TpSplit split = TpSplit::None) {
+    if (!owned_[cur_unit]) return;  // another pipeline rank's unit
     ParamInfo p;
     p.name = name;
     p.shape = shape;
@@ -189,6 +209,7 @@ const ParamInfo& Transformer::param(const std::string& name) const {
 
 void Transformer::zero_grads() {
   if (grads_.defined()) grads_.zero_();
+  if (tied_g_.defined()) tied_g_.zero_();
 }
 
 void Transformer::init_weights(uint64_t seed) {
@@ -296,43 +317,75 @@ static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd
   a.act = Tensor::empty({BT, F}, cd, A);
 }
 
-void Transformer::ensure_buffers(int64_t B, int64_t T) {
+void Transformer::select_slot(int slot) {
+  if (slot < 0) throw std::invalid_argument("negative activation slot");
+  while (static_cast<int>(slots_.size()) <= slot) slots_.push_back(std::make_unique<Slot>());
+  s_ = slots_[slot].get();
+  B_ = s_->B;
+  T_ = s_->T;
+}
+
+Tensor& Transformer::out_buf(int64_t l) {
+  Tensor& t = s_->block_out[l];
+  if (!t.defined()) t = Tensor::empty({B_ * T_, cfg_.n_embd}, DType::F32, MemCategory::Activations);
+  return t;
+}
+
+// Allocates what units first..last need on the current slot (kept across steps; a new shape
+// reallocates, and the caching allocator hands the same blocks back when the shape returns).
+void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   if (T > cfg_.seq_len)
     throw std::invalid_argument("sequence of " + std::to_string(T) + " tokens is longer than the model's seq_len " +
                                 std::to_string(cfg_.seq_len));
-  if (B == B_ && T == T_ && cap_bt_ > 0) return;
-  // Activations are sized for the exact (B, T) and kept across steps; a new shape reallocates
-  // (the caching allocator hands the same blocks back when the shape returns).
+  for (int u = first; u <= last; ++u)
+    if (!owned_[u]) throw std::logic_error("unit " + units_[u].name + " belongs to another pipeline stage");
+  const int64_t L = cfg_.n_layer;
+  Slot& s = *s_;
+  if (s.B != B || s.T != T) {
+    Slot fresh;
+    s = std::move(fresh);
+    s.B = B;
+    s.T = T;
+    s.acts.resize(L);
+    s.block_out.resize(L + 1);
+  }
   B_ = B;
   T_ = T;
   const int64_t BT = B * T, C = cfg_.n_embd, V = Vp_l_, F = F_l_;
   const int64_t QKV = (nh_l_ + 2 * nkv_l_) * cfg_.head_dim();
-  cap_bt_ = BT;
-  acts_.clear();
-  scratch_acts_.reset();
-  block_out_.clear();
-  bwd_ws_.clear();
   auto A = MemCategory::Activations;
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    acts_.emplace_back();
-    if (!recomputes(static_cast<int>(l))) {
-      acts_.back() = std::make_unique<BlockActivations>();
-      alloc_block_acts(*acts_.back(), cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
+  for (int u = first; u <= last; ++u) {
+    if (u == 0) {
+      if (!s.ids.defined()) s.ids = Tensor::empty({BT}, DType::F32, A);  // int32 storage (same size)
+      out_buf(0);
+    } else if (u <= L) {
+      const int64_t l = u - 1;
+      out_buf(l);
+      out_buf(l + 1);
+      if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
+        s.acts[l] = std::make_unique<BlockActivations>();
+        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
+      }
+    } else if (!s.logits.defined()) {
+      out_buf(L);
+      s.targets = Tensor::empty({BT}, DType::F32, A);
+      s.head_in = Tensor::empty({BT, C}, DType::F32, A);
+      if (compute_ == DType::BF16) s.head_in_bf = Tensor::empty({BT, C}, DType::BF16, A);
+      s.head_rstd = Tensor::empty({BT}, DType::F32, A);
+      s.head_mean = Tensor::empty({BT}, DType::F32, A);
+      s.logits = Tensor::empty({BT, V}, DType::F32, A);
+      s.losses = Tensor::empty({BT}, DType::F32, A);
     }
   }
+  if (ws_bt_ == BT) return;
+  // Workspace shared by every slot (one backward or recompute runs at a time).
+  ws_bt_ = BT;
+  scratch_acts_.reset();
+  bwd_ws_.clear();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
     alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
   }
-  for (int64_t u = 0; u <= cfg_.n_layer; ++u) block_out_.push_back(Tensor::empty({BT, C}, DType::F32, A));
-  ids_ = Tensor::empty({BT}, DType::F32, A);  // int32 storage (same size)
-  targets_ = Tensor::empty({BT}, DType::F32, A);
-  head_in_ = Tensor::empty({BT, C}, DType::F32, A);
-  if (compute_ == DType::BF16) head_in_bf_ = Tensor::empty({BT, C}, DType::BF16, A);
-  head_rstd_ = Tensor::empty({BT}, DType::F32, A);
-  head_mean_ = Tensor::empty({BT}, DType::F32, A);
-  logits_ = Tensor::empty({BT, V}, DType::F32, A);
-  losses_ = Tensor::empty({BT}, DType::F32, A);
   auto W = MemCategory::Workspace;
   dres_ = Tensor::empty({BT, C}, DType::F32, W);
   // backward workspace: [0] d(normed) [N,C], [1] dqkv [N,QKV], [2] datty [N,C], [3] dfc [N,F],
@@ -501,138 +554,209 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
                            float dloss_scale) {
-  ensure_buffers(B, T);
+  return forward_units(0, num_units() - 1, ids, targets, nullptr, B, T, train, dloss_scale);
+}
+
+void Transformer::backward() { backward_units(0, num_units() - 1, nullptr); }
+
+double Transformer::forward_units(int first, int last, const int32_t* ids, const int32_t* targets,
+                                  const float* input, int64_t B, int64_t T, bool train, float dloss_scale) {
+  const int hu = num_units() - 1;
+  if (first < 0 || last > hu || first > last) throw std::invalid_argument("forward_units: bad unit range");
+  ensure_buffers(B, T, first, last);
+  Slot& s = *s_;
   const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   const bool tp = tp_size_ > 1;
-  for (int64_t i = 0; i < N; ++i)
-    if (ids[i] < 0 || ids[i] >= V)
-      throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
-                              " is outside the vocabulary of " + std::to_string(V));
-  std::memcpy(ids_.raw(), ids, N * sizeof(int32_t));
-  if (targets) std::memcpy(targets_.raw(), targets, N * sizeof(int32_t));
-  const int32_t* ids_saved = ids_.data<int32_t>();
+  s.have_backward = false;
 
-  // unit 0: embedding
-  if (hooks_) hooks_->pre_forward(0);
-  float* x = block_out_[0].f32();
-  const int emb = unit_params_[0][0];
-  if (tp) {
-    // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp ranks.
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t row = ids_saved[i] - vocab_lo_;
-      if (row < 0 || row >= Vp_l_) {
-        std::memset(x + i * C, 0, C * sizeof(float));
-      } else if (bf) {
-        k::cast_bf16_to_f32(x + i * C, wb(emb) + row * C, C);
-      } else {
-        std::memcpy(x + i * C, wf(emb) + row * C, C * sizeof(float));
+  if (first == 0) {  // unit 0: embedding
+    for (int64_t i = 0; i < N; ++i)
+      if (ids[i] < 0 || ids[i] >= V)
+        throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                                " is outside the vocabulary of " + std::to_string(V));
+    std::memcpy(s.ids.raw(), ids, N * sizeof(int32_t));
+    const int32_t* ids_saved = s.ids.data<int32_t>();
+    if (hooks_) hooks_->pre_forward(0);
+    float* x = s.block_out[0].f32();
+    const int emb = unit_params_[0][0];
+    if (tp) {
+      // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp ranks.
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t row = ids_saved[i] - vocab_lo_;
+        if (row < 0 || row >= Vp_l_) {
+          std::memset(x + i * C, 0, C * sizeof(float));
+        } else if (bf) {
+          k::cast_bf16_to_f32(x + i * C, wb(emb) + row * C, C);
+        } else {
+          std::memcpy(x + i * C, wf(emb) + row * C, C * sizeof(float));
+        }
       }
+      tp_->all_reduce_sum(x, N * C);
+    } else if (bf) {  // rows of the bf16 table, widened
+      const bf16* table = wb(emb);
+      for (int64_t i = 0; i < N; ++i) k::cast_bf16_to_f32(x + i * C, table + static_cast<int64_t>(ids_saved[i]) * C, C);
+    } else {
+      k::embedding_forward(x, ids_saved, wf(emb), N, C);
     }
-    tp_->all_reduce_sum(x, N * C);
-  } else if (bf) {  // rows of the bf16 table, widened
-    const bf16* table = wb(emb);
-    for (int64_t i = 0; i < N; ++i) k::cast_bf16_to_f32(x + i * C, table + static_cast<int64_t>(ids_saved[i]) * C, C);
+    if (gpt) k::position_add_forward(x, wf(emb + 1), B, T, C);
+    if (hooks_) hooks_->post_forward(0);
   } else {
-    k::embedding_forward(x, ids_saved, wf(emb), N, C);
+    if (!input) throw std::invalid_argument("forward_units: a stage that starts after the embedding needs its input");
+    std::memcpy(s.block_out[first - 1].f32(), input, static_cast<size_t>(N * C) * sizeof(float));
   }
-  if (gpt) k::position_add_forward(x, wf(emb + 1), B, T, C);
-  if (hooks_) hooks_->post_forward(0);
   // blocks
-  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    int u = static_cast<int>(l) + 1;
+  for (int u = std::max(first, 1); u <= std::min(last, hu - 1); ++u) {
+    const int64_t l = u - 1;
     if (hooks_) hooks_->pre_forward(u);
-    BlockActivations& a = acts_[l] ? *acts_[l] : *scratch_acts_;
-    block_forward(static_cast<int>(l), block_out_[l].f32(), a, block_out_[l + 1].f32());
+    BlockActivations& a = s.acts[l] ? *s.acts[l] : *scratch_acts_;
+    block_forward(static_cast<int>(l), s.block_out[l].f32(), a, s.block_out[l + 1].f32());
     if (hooks_) hooks_->post_forward(u);
   }
+  if (last < hu) {
+    s.have_backward = train;
+    return 0.0;
+  }
   // head
-  const int hu = num_units() - 1;
   if (hooks_) hooks_->pre_forward(hu);
   const int hb = unit_params_[hu][0];
-  const float* xl = block_out_[cfg_.n_layer].f32();
-  float* hin = head_in_.f32();
+  const float* xl = s.block_out[cfg_.n_layer].f32();
+  float* hin = s.head_in.f32();
   if (gpt)
-    k::layernorm_forward(hin, head_mean_.f32(), head_rstd_.f32(), xl, wf(hb), wf(hb + 1), N, C, cfg_.norm_eps);
+    k::layernorm_forward(hin, s.head_mean.f32(), s.head_rstd.f32(), xl, wf(hb), wf(hb + 1), N, C, cfg_.norm_eps);
   else
-    k::rmsnorm_forward(hin, head_rstd_.f32(), xl, wf(hb), N, C, cfg_.norm_eps);
-  const int head_w = gpt ? emb : hb + 1;  // GPT-2 ties the head to wte
+    k::rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), N, C, cfg_.norm_eps);
   if (bf) {
-    k::cast_f32_to_bf16(head_in_bf_.bf(), hin, N * C);
-    k::linear_forward_bf16(logits_.f32(), head_in_bf_.bf(), wb(head_w), nullptr, N, C, Vp);
+    k::cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
+    k::linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
   } else {
-    k::linear_forward(logits_.f32(), hin, wf(head_w), nullptr, N, C, Vp);
+    k::linear_forward(s.logits.f32(), hin, head_wf(), nullptr, N, C, Vp);
   }
   double loss = 0.0;
   if (targets) {
     for (int64_t i = 0; i < N; ++i)
       if (targets[i] >= V)
         throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
+    std::memcpy(s.targets.raw(), targets, N * sizeof(int32_t));
     if (tp)
       tp_cross_entropy(train, dloss_scale);
     else if (train)
-      k::softmax_cross_entropy(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp, dloss_scale);
+      k::softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
-      k::softmax_cross_entropy_forward(logits_.f32(), losses_.f32(), targets_.data<int32_t>(), N, V, Vp);
-    double s = 0.0;
-    for (int64_t i = 0; i < N; ++i) s += losses_.f32()[i];
-    loss = s / static_cast<double>(N);
+      k::softmax_cross_entropy_forward(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp);
+    double sum = 0.0;
+    for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
+    loss = sum / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
-  have_backward_ = train && targets;
+  s.have_backward = train && targets;
   return loss;
 }
 
-void Transformer::backward() {
-  if (!have_backward_) throw std::logic_error("backward() without a training forward with targets");
+// The head's output weight: the token embedding (tied; the replica when a pipeline cut them
+// apart) or lm_head.
+const float* Transformer::head_wf() {
+  if (tied_w_.defined()) return tied_w_.f32();
+  return wf(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
+}
+const bf16* Transformer::head_wb() const {
+  if (tied_w_.defined()) return tied_w_.bf();
+  return wb(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
+}
+float* Transformer::head_gp() const {
+  if (tied_g_.defined()) return tied_g_.f32();
+  return gp(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
+}
+
+void Transformer::backward_units(int first, int last, const float* dout) {
+  Slot& s = *s_;
+  if (!s.have_backward) throw std::logic_error("backward without a training forward (with targets at the head)");
+  const int hu = num_units() - 1;
+  if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   const bool tp = tp_size_ > 1;
   float* dx = dres_.f32();
-  const int hu = num_units() - 1, hb = unit_params_[hu][0], emb = unit_params_[0][0];
-  const int head_w = gpt ? emb : hb + 1;
-  if (hooks_) hooks_->pre_backward(hu);
-  float* dhin = bwd_ws_[0].f32();
-  std::memset(dhin, 0, N * C * sizeof(float));
-  if (bf)
-    k::linear_backward_bf16(dhin, gp(head_w), nullptr, logits_.f32(), head_in_bf_.bf(), wb(head_w), N, C, Vp);
-  else
-    k::linear_backward(dhin, gp(head_w), nullptr, logits_.f32(), head_in_.f32(), wf(head_w), N, C, Vp);
-  if (tp) tp_->all_reduce_sum(dhin, N * C);  // vocab-parallel head: sum the partial input gradients
-  std::memset(dx, 0, N * C * sizeof(float));
-  const float* xl = block_out_[cfg_.n_layer].f32();
-  if (gpt)
-    k::layernorm_backward(dx, gp(hb), gp(hb + 1), dhin, xl, wf(hb), head_mean_.f32(), head_rstd_.f32(), N, C);
-  else
-    k::rmsnorm_backward(dx, gp(hb), dhin, xl, wf(hb), head_rstd_.f32(), N, C);
-  if (hooks_) hooks_->post_backward(hu);
-  for (int64_t l = cfg_.n_layer - 1; l >= 0; --l) {
-    int u = static_cast<int>(l) + 1;
+  if (last == hu) {
+    const int hb = unit_params_[hu][0];
+    if (hooks_) hooks_->pre_backward(hu);
+    float* dhin = bwd_ws_[0].f32();
+    std::memset(dhin, 0, N * C * sizeof(float));
+    if (bf)
+      k::linear_backward_bf16(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
+    else
+      k::linear_backward(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
+    if (tp) tp_->all_reduce_sum(dhin, N * C);  // vocab-parallel head: sum the partial input gradients
+    std::memset(dx, 0, N * C * sizeof(float));
+    const float* xl = s.block_out[cfg_.n_layer].f32();
+    if (gpt)
+      k::layernorm_backward(dx, gp(hb), gp(hb + 1), dhin, xl, wf(hb), s.head_mean.f32(), s.head_rstd.f32(), N, C);
+    else
+      k::rmsnorm_backward(dx, gp(hb), dhin, xl, wf(hb), s.head_rstd.f32(), N, C);
+    if (hooks_) hooks_->post_backward(hu);
+  } else {
+    if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
+    std::memcpy(dx, dout, static_cast<size_t>(N * C) * sizeof(float));
+  }
+  for (int u = std::min(last, hu - 1); u >= std::max(first, 1); --u) {
+    const int64_t l = u - 1;
     if (hooks_) hooks_->pre_backward(u);
-    BlockActivations* a = acts_[l].get();
+    BlockActivations* a = s.acts[l].get();
     if (!a) {  // recompute this block's forward from its saved input
       a = scratch_acts_.get();
-      block_forward(static_cast<int>(l), block_out_[l].f32(), *a, bwd_ws_[6].f32() /*discarded output*/);
+      block_forward(static_cast<int>(l), s.block_out[l].f32(), *a, bwd_ws_[6].f32() /*discarded output*/);
     }
-    block_backward(static_cast<int>(l), block_out_[l].f32(), *a, dx);
+    block_backward(static_cast<int>(l), s.block_out[l].f32(), *a, dx);
     if (hooks_) hooks_->post_backward(u);
   }
-  if (hooks_) hooks_->pre_backward(0);
-  if (tp) {  // only the rows this rank holds
-    float* dt = gp(emb);
-    const int32_t* ids = ids_.data<int32_t>();
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t row = ids[i] - vocab_lo_;
-      if (row >= 0 && row < Vp_l_) k::accumulate(dt + row * C, dx + i * C, C);
+  if (first == 0) {
+    const int emb = unit_params_[0][0];
+    if (hooks_) hooks_->pre_backward(0);
+    if (tp) {  // only the rows this rank holds
+      float* dt = gp(emb);
+      const int32_t* ids = s.ids.data<int32_t>();
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t row = ids[i] - vocab_lo_;
+        if (row >= 0 && row < Vp_l_) k::accumulate(dt + row * C, dx + i * C, C);
+      }
+    } else {
+      k::embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), N, C);
     }
-  } else {
-    k::embedding_backward(gp(emb), dx, ids_.data<int32_t>(), N, C);
+    if (extra_emb_grad_) {  // the pipeline's head contribution to a tied embedding
+      k::accumulate(gp(emb), extra_emb_grad_, Vp * C);
+      extra_emb_grad_ = nullptr;
+    }
+    if (gpt) k::position_add_backward(gp(emb + 1), dx, B, T, C);
+    if (hooks_) hooks_->post_backward(0);
   }
-  if (gpt) k::position_add_backward(gp(emb + 1), dx, B, T, C);
-  if (hooks_) hooks_->post_backward(0);
-  have_backward_ = false;
+  s.have_backward = false;
+}
+
+const float* Transformer::unit_output(int u) const {
+  if (u < 0 || u > cfg_.n_layer || !s_->block_out[u].defined())
+    throw std::logic_error("unit_output: no output of unit " + std::to_string(u) + " on this slot");
+  return s_->block_out[u].f32();
+}
+
+const float* Transformer::input_grad() const { return dres_.f32(); }
+
+void Transformer::load_tied_replica(const Transformer& full_layout, const float* full) {
+  if (!tied_w_.defined()) return;
+  const ParamInfo& fp = full_layout.params().at(full_layout.unit_params_[0][0]);
+  const int64_t C = cfg_.n_embd, rows = Vp_l_;
+  // This tp rank's rows (vocab-parallel split); rows past the full table stay zero.
+  std::vector<float> tmp(static_cast<size_t>(rows * C), 0.0f);
+  const int64_t full_rows = fp.shape[0];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = vocab_lo_ + r;
+    if (g < full_rows) std::memcpy(tmp.data() + r * C, full + fp.offset + g * C, C * sizeof(float));
+  }
+  if (compute_ == DType::F32)
+    std::memcpy(tied_w_.f32(), tmp.data(), tmp.size() * sizeof(float));
+  else
+    k::cast_f32_to_bf16(tied_w_.bf(), tmp.data(), rows * C);
 }
 
 // Vocab-parallel softmax cross-entropy (Megatron): each rank holds Vp/t columns of the logits;
@@ -641,8 +765,8 @@ void Transformer::backward() {
 void Transformer::tp_cross_entropy(bool train, float dloss) {
   const int64_t N = B_ * T_, Vl = Vp_l_, V = cfg_.vocab_size, lo = vocab_lo_;
   const int64_t valid = std::clamp<int64_t>(V - lo, 0, Vl);  // real vocabulary columns on this rank
-  float* lg = logits_.f32();
-  const int32_t* tg = targets_.data<int32_t>();
+  float* lg = s_->logits.f32();
+  const int32_t* tg = s_->targets.data<int32_t>();
   std::vector<float> mx(N), red(2 * N);  // red: [sum of exp | target logit]
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
@@ -660,7 +784,7 @@ void Transformer::tp_cross_entropy(bool train, float dloss) {
     red[N + n] = (tg[n] >= 0 && t >= 0 && t < valid) ? lg[n * Vl + t] : 0.0f;
   }
   tp_->all_reduce_sum(red.data(), 2 * N);
-  float* losses = losses_.f32();
+  float* losses = s_->losses.f32();
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
     const bool ignore = tg[n] < 0;
@@ -733,23 +857,27 @@ void Transformer::assemble_full(const Transformer& full_layout, const std::vecto
   }
 }
 
-const float* Transformer::logits() const { return logits_.f32(); }
+const float* Transformer::logits() const { return s_->logits.f32(); }
 
 int64_t Transformer::activation_bytes_saved() const {
   if (!scratch_acts_) return 0;
   int64_t recomputed = 0;
-  for (const auto& a : acts_) recomputed += a ? 0 : 1;
-  return (recomputed - 1) * scratch_acts_->bytes();
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) recomputed += owned_[l + 1] && recomputes(static_cast<int>(l)) ? 1 : 0;
+  return std::max<int64_t>(0, recomputed - 1) * scratch_acts_->bytes();
 }
 
 int64_t Transformer::activation_bytes() const {
   int64_t b = 0;
-  for (const auto& a : acts_)
-    if (a) b += a->bytes();
+  for (const auto& sp : slots_) {
+    for (const auto& a : sp->acts)
+      if (a) b += a->bytes();
+    for (const auto& t : sp->block_out)
+      if (t.defined()) b += static_cast<int64_t>(t.nbytes());
+    for (const Tensor* t : {&sp->ids, &sp->targets, &sp->head_in, &sp->head_in_bf, &sp->head_mean, &sp->head_rstd,
+                            &sp->logits, &sp->losses})
+      if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+  }
   if (scratch_acts_) b += scratch_acts_->bytes();
-  for (const auto& t : block_out_) b += static_cast<int64_t>(t.nbytes());
-  for (const Tensor* t : {&ids_, &targets_, &head_in_, &head_in_bf_, &head_mean_, &head_rstd_, &logits_, &losses_})
-    if (t->defined()) b += static_cast<int64_t>(t->nbytes());
   return b;
 }
 

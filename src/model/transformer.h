@@ -58,8 +58,12 @@ class Transformer {
   // compute: F32, or BF16 (bf16 weights and matmul inputs, fp32 accumulation, fp32 master weights).
   // With `tp` (size t > 1) the model holds this rank's Megatron shard of every split parameter:
   // heads, MLP hidden and vocabulary divided by t (cfg.padded_vocab must be a multiple of t).
+  // With `owned_units` (one flag per unit; empty = all) the model is one pipeline rank's part:
+  // units it does not own hold no parameters (numel 0) and are never run. A part that owns the
+  // head of a tied-embedding model but not the embedding keeps a replica of the token embedding
+  // outside the flat buffers (see tied_replica()).
   Transformer(const ModelConfig& cfg, DType compute, Recompute recompute = Recompute::None,
-              ModelStorage storage = {}, TpComm* tp = nullptr);
+              ModelStorage storage = {}, TpComm* tp = nullptr, std::vector<char> owned_units = {});
   ~Transformer();
 
   const ModelConfig& config() const { return cfg_; }
@@ -68,6 +72,7 @@ class Transformer {
   const ParamInfo& param(const std::string& name) const;
   int num_units() const { return static_cast<int>(units_.size()); }
   const UnitRange& unit(int u) const { return units_[u]; }
+  bool owns_unit(int u) const { return owned_[u] != 0; }
   int64_t num_params() const { return total_; }
   // Elements of a full flat buffer: parameters plus per-unit padding (always zero).
   int64_t flat_size() const { return flat_size_; }
@@ -102,6 +107,37 @@ class Transformer {
   // Logits of the last forward ([B*T, padded_vocab]); valid after a forward without train.
   const float* logits() const;
 
+  // ---- pipeline stages ----
+  // Activation slots: each holds one micro-batch's saved activations, so several micro-batches can
+  // be in flight between their forward and backward (slot 0 is the default). Selecting a slot
+  // makes it current for forward_units / backward_units; slots are created on first use and keep
+  // their buffers for reuse.
+  void select_slot(int slot);
+  int num_slots() const { return static_cast<int>(slots_.size()); }
+  // Runs units first..last of one micro-batch on the current slot. The first unit reads `ids` when
+  // it is the embedding, else `input` ([B*T, C], the previous unit's output). With the head as last
+  // unit and targets it returns the mean loss (and with train turns the logits into their
+  // gradient); otherwise 0 and the output is unit_output(last).
+  double forward_units(int first, int last, const int32_t* ids, const int32_t* targets, const float* input, int64_t B,
+                       int64_t T, bool train, float dloss_scale = 0.0f);
+  const float* unit_output(int u) const;
+  // Backward of the current slot's units last..first. `dout` is the gradient of unit last's
+  // output (null when last is the head). Afterwards input_grad() holds the gradient of unit first's
+  // input (when first > 0) until the next backward.
+  void backward_units(int first, int last, const float* dout);
+  const float* input_grad() const;
+  // Tied embeddings cut by a pipeline: the head's copy of the token embedding (this tp rank's rows,
+  // compute dtype, [Vp/t, C]) and the fp32 gradient the head accumulates into it over a step.
+  bool has_tied_replica() const { return tied_w_.defined(); }
+  Tensor& tied_replica() { return tied_w_; }
+  Tensor& tied_replica_grad() { return tied_g_; }
+  // Fills the replica from a full fp32 buffer laid out like `full_layout` (unsplit model).
+  void load_tied_replica(const Transformer& full_layout, const float* full);
+  // The embedding's own part of a tied model cut by a pipeline: `g` ([Vp/t, C] fp32) is added to the
+  // token embedding's gradient by the next embedding backward (the head's contribution), then
+  // forgotten.
+  void set_extra_embedding_grad(const float* g) { extra_emb_grad_ = g; }
+
   // Bytes of activations currently held for backward (for reporting).
   int64_t activation_bytes() const;
   // Bytes activation checkpointing saves at the current shape: the blocks it recomputes would
@@ -118,14 +154,19 @@ class Transformer {
 
  private:
   struct UnitParams;
+  struct Slot;
   void build_params();
-  void ensure_buffers(int64_t B, int64_t T);
+  void ensure_buffers(int64_t B, int64_t T, int first, int last);
+  Tensor& out_buf(int64_t l);
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
   bool recomputes(int layer) const;
   const float* wf(int idx);
   const bf16* wb(int idx) const;
   float* gp(int idx) const;
+  const float* head_wf();
+  const bf16* head_wb() const;
+  float* head_gp() const;
 
   ModelConfig cfg_;
   DType compute_;
@@ -145,14 +186,17 @@ class Transformer {
   std::vector<float*> unit_g_;
   UnitHooks* hooks_ = nullptr;
 
-  // activations
-  int64_t cap_bt_ = 0, B_ = 0, T_ = 0;
-  bool have_backward_ = false;
-  std::vector<std::unique_ptr<BlockActivations>> acts_;  // one per block, or one shared (recompute)
-  std::unique_ptr<BlockActivations> scratch_acts_;
-  std::vector<Tensor> block_out_;                         // output of unit u (0..L), [B*T, C]
-  Tensor ids_, targets_, head_in_, head_in_bf_, head_mean_, head_rstd_, logits_, losses_;
-  Tensor dres_, dtmp_;                                    // backward workspace
+  std::vector<char> owned_;
+  Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
+  const float* extra_emb_grad_ = nullptr;
+
+  // activations: per slot; B_, T_ mirror the current slot's shape
+  int64_t B_ = 0, T_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  Slot* s_ = nullptr;
+  std::unique_ptr<BlockActivations> scratch_acts_;        // shared by recomputed blocks
+  int64_t ws_bt_ = 0;                                     // size of the shared workspace
+  Tensor dres_;                                           // backward workspace
   std::vector<Tensor> bwd_ws_;
 };
 

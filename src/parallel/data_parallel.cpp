@@ -17,6 +17,7 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
   const int64_t first_cap = static_cast<int64_t>(std::min(first_bucket_mb, bucket_mb) * 1e6 / sizeof(float));
   // Walk units from the last (first to finish backward) to the first.
   for (int u = U - 1; u >= 0; --u) {
+    if (!model_.owns_unit(u)) continue;  // another pipeline stage's unit
     const UnitRange& r = model_.unit(u);
     // The open bucket is buckets_.back(); bucket 0 (the first to be reduced) has the small cap.
     bool fits = !buckets_.empty() && buckets_.back().numel + r.numel <= (buckets_.size() == 1 ? first_cap : cap);
@@ -34,24 +35,27 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     }
     bucket_of_unit_[u] = static_cast<int>(buckets_.size()) - 1;
   }
+  reset();
+}
+
+void DataParallel::reset() {
+  std::fill(unit_done_.begin(), unit_done_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = b.last_unit - b.first_unit + 1;
+    for (int u = b.first_unit; u <= b.last_unit; ++u) b.pending -= model_.owns_unit(u) ? 0 : 1;
+    b.work.reset();
+  }
 }
 
 void DataParallel::set_sync(bool sync) { sync_ = sync; }
 
-void DataParallel::pre_backward(int unit) {
-  if (unit == model_.num_units() - 1) {  // the head: backward of a micro-batch begins
-    std::fill(unit_done_.begin(), unit_done_.end(), 0);
-    for (auto& b : buckets_) {
-      b.pending = b.last_unit - b.first_unit + 1;
-      b.work.reset();
-    }
-  }
-}
-
 void DataParallel::post_backward(int unit) {
+  // Only the synchronising backward counts: each unit runs it once per step (with a pipeline, the
+  // last micro-batch of the unit's stage), and its bucket starts when every unit in it is done.
+  if (!sync_) return;
   unit_done_[unit] = 1;
   Bucket& b = buckets_[bucket_of_unit_[unit]];
-  if (--b.pending == 0 && sync_ && dp_->size() > 1) launch(b);
+  if (--b.pending == 0 && dp_->size() > 1) launch(b);
 }
 
 void DataParallel::launch(Bucket& b) {
@@ -61,14 +65,18 @@ void DataParallel::launch(Bucket& b) {
 
 DdpStepStats DataParallel::finish() {
   DdpStepStats st;
+  if (!sync_) return st;
   std::string missing;
   for (int u = 0; u < model_.num_units(); ++u)
-    if (!unit_done_[u]) missing += (missing.empty() ? "" : ", ") + model_.unit(u).name;
+    if (model_.owns_unit(u) && !unit_done_[u]) missing += (missing.empty() ? "" : ", ") + model_.unit(u).name;
   if (!missing.empty())
     throw std::runtime_error("DDP: backward finished without producing gradients for unit(s) " + missing +
                              " on rank " + std::to_string(dp_->rank()) +
                              "; their buckets were never reduced (every unit must take part in the loss)");
-  if (!sync_ || dp_->size() == 1) return st;
+  if (dp_->size() == 1) {
+    reset();
+    return st;
+  }
   auto t0 = std::chrono::steady_clock::now();
   for (auto& b : buckets_)
     if (b.work) b.work->wait();
@@ -78,6 +86,7 @@ DdpStepStats DataParallel::finish() {
       st.comm_ms += b.work->elapsed_ms();
       ++st.buckets;
     }
+  reset();
   return st;
 }
 

@@ -38,10 +38,10 @@ class DataParallel : public UnitHooks {
 
   // With sync = false (accumulation micro-batches) backward does not communicate.
   void set_sync(bool sync);
-  void pre_backward(int unit) override;
   void post_backward(int unit) override;
-  // Waits for the all-reduces of this step. Throws naming the units that produced no gradient
-  // when backward did not finish every unit (instead of hanging like the classic DDP bug).
+  // Waits for the all-reduces of this step (nothing to do after a no_sync micro-batch). Throws
+  // naming the units that produced no gradient when the synchronising backward did not finish
+  // every unit this rank owns (instead of hanging like the classic DDP bug).
   DdpStepStats finish();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
@@ -49,6 +49,7 @@ class DataParallel : public UnitHooks {
 
  private:
   void launch(Bucket& b);
+  void reset();  // before the next synchronising backward
   Transformer& model_;
   std::shared_ptr<comm::ProcessGroup> dp_;
   std::vector<Bucket> buckets_;

@@ -45,6 +45,7 @@ struct ShardedDataParallel::UnitState {
   comm::WorkHandle reduce_work;   // reduce-scatter of `grad` (or of the flat grads for ZeRO-1)
   comm::WorkHandle replicate_work;
   bool done_backward = false;
+  bool replicate_after = false;   // the reduction belongs to the last micro-batch (hybrid all-reduce)
   bool keep = false;              // root unit: not resharded between forward and backward
 };
 
@@ -68,7 +69,7 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
                                          std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions opts,
                                          AdamWConfig adam)
     : model_(model), shard_(std::move(shard)), replicate_(std::move(replicate)), opts_(opts),
-      cd_(model.compute_dtype()), N_(shard_->size()), r_(shard_->rank()), tied_(model.config().tied_embeddings) {
+      cd_(model.compute_dtype()), N_(shard_->size()), r_(shard_->rank()), tied_(model.config().tied_embeddings && model.owns_unit(0) && model.owns_unit(model.num_units() - 1)) {
   if (opts_.prefetch < 0) throw std::invalid_argument("parallel.prefetch must be >= 0");
   const int U = model_.num_units();
   units_.resize(U);
@@ -146,6 +147,7 @@ void ShardedDataParallel::gather_full(float* w, float* m, float* v) {
   std::vector<comm::WorkHandle> ws;
   for (int u = 0; u < model_.num_units(); ++u) {
     const UnitState& s = units_[u];
+    if (s.numel == 0) continue;
     ws.push_back(shard_->all_gather(master_slice(u), w + s.offset, s.shard, DType::F32));
     if (m) ws.push_back(shard_->all_gather(adam_->exp_avg().f32() + s.local, m + s.offset, s.shard, DType::F32));
     if (v) ws.push_back(shard_->all_gather(adam_->exp_avg_sq().f32() + s.local, v + s.offset, s.shard, DType::F32));
@@ -157,7 +159,7 @@ void ShardedDataParallel::gather_full(float* w, float* m, float* v) {
 
 void ShardedDataParallel::gather(int u) {
   UnitState& s = units_[u];
-  if (!params_sharded() || s.gathered.defined()) return;
+  if (!params_sharded() || s.gathered.defined() || s.numel == 0) return;  // numel 0: another stage's unit
   s.gathered = Tensor::empty({s.numel}, cd_, MemCategory::Params);
   ++gathered_count_;
   max_gathered_ = std::max(max_gathered_, gathered_count_);
@@ -220,6 +222,7 @@ void ShardedDataParallel::post_forward(int u) {
 void ShardedDataParallel::ensure_grad_buffer(int u) {
   if (!grads_sharded()) return;
   UnitState& s = units_[u];
+  if (s.reduce_work) poll(false, u);  // a pipeline runs the unit again before its last reduction ended
   if (s.grad.defined()) return;  // kept across micro-batches (accumulating unsharded)
   s.grad = Tensor::zeros({s.numel}, DType::F32, MemCategory::Grads);
   model_.set_unit_grads(u, s.grad.f32());
@@ -228,12 +231,9 @@ void ShardedDataParallel::ensure_grad_buffer(int u) {
 void ShardedDataParallel::pre_backward(int u) {
   poll(false);
   const int U = model_.num_units();
-  if (u == U - 1) {  // backward of a micro-batch begins
-    for (auto& s : units_) s.done_backward = false;
-    if (tied_) {
-      ensure_gathered(0);
-      ensure_grad_buffer(0);  // the head writes the tied embedding's gradient
-    }
+  if (u == U - 1 && tied_) {
+    ensure_gathered(0);
+    ensure_grad_buffer(0);  // the head writes the tied embedding's gradient
   }
   ensure_gathered(u);
   for (int k = 1; k <= opts_.prefetch && u - k >= 0; ++k) gather(u - k);
@@ -241,7 +241,7 @@ void ShardedDataParallel::pre_backward(int u) {
 }
 
 void ShardedDataParallel::post_backward(int u) {
-  units_[u].done_backward = true;
+  if (last_micro_) units_[u].done_backward = true;  // the synchronising backward of the unit
   if (params_sharded()) release(u);
   const bool reduce_now = last_micro_ || (grads_sharded() && opts_.reduce_every_microbatch);
   if (reduce_now) launch_reduce(u);
@@ -252,12 +252,14 @@ void ShardedDataParallel::post_backward(int u) {
 
 void ShardedDataParallel::launch_reduce(int u) {
   UnitState& s = units_[u];
+  s.replicate_after = last_micro_;
   if (N_ == 1) {  // nothing to exchange: the unit's gradient is the shard
     s.reduce_work.reset();
     complete_reduce(u);
     return;
   }
   float* g = grads_sharded() ? s.grad.f32() : model_.grads().f32() + s.offset;
+  inflight_.push_back(u);
   s.reduce_work = shard_->reduce_scatter(g, g + r_ * s.shard, s.shard, DType::F32, comm::ReduceOp::Avg);
   step_works_.push_back(s.reduce_work);
 }
@@ -276,33 +278,37 @@ void ShardedDataParallel::complete_reduce(int u) {
   } else {
     shard_grad = model_.grads().f32() + my_offset(u);
   }
-  if (last_micro_ && replicate_->size() > 1) {
+  if (s.replicate_after && replicate_->size() > 1) {
     s.replicate_work = replicate_->all_reduce(shard_grad, s.shard, DType::F32, comm::ReduceOp::Avg);
     step_works_.push_back(s.replicate_work);
   }
 }
 
-void ShardedDataParallel::poll(bool wait_all) {
-  // Complete in unit order of launch (reverse), so accumulation order is deterministic.
-  for (int u = model_.num_units() - 1; u >= 0; --u) {
+void ShardedDataParallel::poll(bool wait_all, int until) {
+  // Completes reductions in launch order (a group's collectives finish in that order), which is
+  // the same on every rank: the gradient shards accumulate deterministically and the replicas'
+  // all-reduces are issued in one order everywhere.
+  while (!inflight_.empty()) {
+    const int u = inflight_.front();
     UnitState& s = units_[u];
-    if (!s.reduce_work) continue;
-    if (wait_all) {
+    const bool must = wait_all || until >= 0;
+    if (must) {
       auto t0 = Clock::now();
       s.reduce_work->wait();
       exposed_ms_ += ms_since(t0);
     } else if (!s.reduce_work->test()) {
-      break;  // a group's collectives finish in launch order: later units are not done either,
-              // and completing strictly in order keeps the replicas' all-reduces in one order
+      break;
     }
+    inflight_.pop_front();
     complete_reduce(u);
+    if (u == until) break;
   }
 }
 
 ShardStepStats ShardedDataParallel::finish_backward() {
   std::string missing;
   for (int u = 0; u < model_.num_units(); ++u)
-    if (!units_[u].done_backward) missing += (missing.empty() ? "" : ", ") + model_.unit(u).name;
+    if (last_micro_ && model_.owns_unit(u) && !units_[u].done_backward) missing += (missing.empty() ? "" : ", ") + model_.unit(u).name;
   if (!missing.empty())
     throw std::runtime_error(std::string(shard_strategy_name(opts_.strategy)) +
                              ": backward finished without producing gradients for unit(s) " + missing +
@@ -317,6 +323,7 @@ ShardStepStats ShardedDataParallel::finish_backward() {
         s.replicate_work.reset();
       }
     exposed_ms_ += ms_since(t0);
+    for (auto& s : units_) s.done_backward = false;
   }
   return st;
 }
@@ -349,6 +356,7 @@ void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepS
     std::vector<comm::WorkHandle> ws;
     for (int u = 0; u < model_.num_units(); ++u) {
       const UnitState& s = units_[u];
+      if (s.numel == 0) continue;
       if (f32) {
         float* full = model_.weights().f32() + s.offset;
         if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::F32));

@@ -15,6 +15,7 @@
 // The root units (embedding and, with tied embeddings, the head that shares its weight) stay
 // gathered from their forward to their backward, like FSDP's root.
 #pragma once
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -95,7 +96,9 @@ class ShardedDataParallel : public UnitHooks {
   void release(int u);
   void ensure_grad_buffer(int u);
   void launch_reduce(int u);
-  void poll(bool wait_all);           // completes finished reductions
+  // Completes finished reductions in launch order; wait_all: all of them; until >= 0: waits up to
+  // and including unit `until`'s.
+  void poll(bool wait_all, int until = -1);
   void complete_reduce(int u);
   float* master_slice(int u);
   int64_t my_offset(int u) const;     // flat offset of this rank's slice of unit u
@@ -114,6 +117,7 @@ class ShardedDataParallel : public UnitHooks {
   bool last_micro_ = true;
   int gathered_count_ = 0, max_gathered_ = 0;
   std::vector<comm::WorkHandle> step_works_;
+  std::deque<int> inflight_;  // units whose reduce-scatter runs, in launch order
   double exposed_ms_ = 0;
 };
 

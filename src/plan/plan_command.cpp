@@ -175,7 +175,8 @@ std::string plan_help() {
          "  byte), bytes per collective group (exactly) and step time (within 25%). Exit status 1 when a check fails.\n"
          "  --steps N               training steps per job (default 8; the first is not timed)\n"
          "  --layouts LIST          comma-separated subset of: ddp, zero1, zero2, zero3, zero3x4, hsdp, ddp-bf16,\n"
-         "                          llama-zero3-bf16 (default: all eight)\n"
+         "                          llama-zero3-bf16, tp2 (tp = 2 on 2 ranks), tp2-zero3x4 (tp = 2 x ZeRO-3\n"
+         "                          dp_shard = 2 on 4 ranks) (default: all ten)\n"
          "  --no-time-check         report step time without failing on it (shared, noisy machines)\n"
          "  --keep DIR              run in DIR and keep the metrics and logs\n"
          "Output:\n"
@@ -395,23 +396,25 @@ int run_probe(const ArgParser& a) {
   const std::string d = a.get("dtype", "fp32");
   if (d != "fp32" && d != "bf16") throw Bad("--dtype must be bf16 or fp32, got '" + d + "'");
   const double secs = pos_num(a, "probe-seconds", 0.4);
-  std::cout << compute_probe_json(measure_compute_here(m, pos_int(a, "micro-batch", 4), d == "bf16", secs));
+  const int tp = static_cast<int>(pos_int(a, "tp", 1));
+  for (int64_t v : {m.n_head, m.n_kv_head, m.ffn_hidden})
+    if (v % tp != 0) throw Bad("--tp " + std::to_string(tp) + " does not divide the model's heads / kv heads / ffn");
+  std::cout << compute_probe_json(measure_compute_here(m, pos_int(a, "micro-batch", 4), d == "bf16", secs, 48e6, tp));
   return 0;
 }
 
 std::vector<EngineLayout> pick_layouts(const std::string& list) {
   const std::vector<EngineLayout> all = default_validation_layouts();
-  const char* names[] = {"ddp", "zero1", "zero2", "zero3", "zero3x4", "hsdp", "ddp-bf16", "llama-zero3-bf16"};
-  static_assert(sizeof names / sizeof *names == 8);
+  const std::vector<std::string> names = validation_layout_names();
   if (list.empty()) return all;
   std::vector<EngineLayout> out;
   std::stringstream ss(list);
   std::string item;
   while (std::getline(ss, item, ',')) {
     bool found = false;
-    for (size_t i = 0; i < all.size() && i < 8; ++i)
+    for (size_t i = 0; i < all.size() && i < names.size(); ++i)
       if (item == names[i]) out.push_back(all[i]), found = true;
-    if (!found) throw Bad("--layouts: unknown layout '" + item + "' (known: " + join(std::vector<std::string>(names, names + 8), ", ") + ")");
+    if (!found) throw Bad("--layouts: unknown layout '" + item + "' (known: " + join(names, ", ") + ")");
   }
   return out;
 }

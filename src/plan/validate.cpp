@@ -66,18 +66,19 @@ Strategy planner_strategy(const std::string& s) {
 
 int EngineLayout::shard_size() const {
   if (strategy == "NO_SHARD") return 1;
-  return hybrid() ? ranks / std::max(1, dp_replicate) : ranks;
+  return hybrid() ? dp_ranks() / std::max(1, dp_replicate) : dp_ranks();
 }
 
 int EngineLayout::replicas() const { return hybrid() ? std::max(1, dp_replicate) : 1; }
 
 std::string EngineLayout::label() const {
   std::string s;
-  if (strategy == "NO_SHARD") s = "DDP x" + std::to_string(ranks);
+  if (strategy == "NO_SHARD") s = "DDP x" + std::to_string(dp_ranks());
   else if (strategy == "HYBRID_SHARD") s = "HSDP " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
   else if (strategy == "HYBRID_SHARD_ZERO2")
     s = "HSDP-ZeRO-2 " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
-  else s = std::string(strategy_label(planner_strategy(strategy))) + " x" + std::to_string(ranks);
+  else s = std::string(strategy_label(planner_strategy(strategy))) + " x" + std::to_string(dp_ranks());
+  if (tp > 1) s += " tp" + std::to_string(tp);
   s += bf16 ? " bf16" : " fp32";
   if (grad_accum > 1) s += " accum" + std::to_string(grad_accum);
   if (checkpointing != Checkpointing::None) s += std::string(" ac:") + checkpointing_name(checkpointing);
@@ -93,6 +94,7 @@ std::vector<std::string> EngineLayout::train_args() const {
           "--parallel.strategy", strategy,
           "--parallel.dp_replicate", std::to_string(replicas()),
           "--parallel.dp_shard", "-1",
+          "--parallel.tp", std::to_string(tp),
           "--parallel.reduce_every_microbatch", reduce_every_microbatch ? "true" : "false",
           "--parallel.reshard_after_forward", reshard_after_forward ? "true" : "false",
           "--parallel.bucket_mb", fmt("%g", bucket_mb)};
@@ -101,19 +103,27 @@ std::vector<std::string> EngineLayout::train_args() const {
 void check_engine_layout(const EngineLayout& e) {
   if (!known_strategy(e.strategy)) throw std::invalid_argument("unknown strategy '" + e.strategy + "'");
   if (e.ranks < 1) throw std::invalid_argument("ranks must be >= 1");
-  if (e.hybrid() && (e.dp_replicate < 1 || e.ranks % e.dp_replicate != 0))
+  if (e.tp < 1 || e.ranks % e.tp != 0)
+    throw std::invalid_argument("tp " + std::to_string(e.tp) + " does not divide " + std::to_string(e.ranks) + " ranks");
+  if (e.hybrid() && (e.dp_replicate < 1 || e.dp_ranks() % e.dp_replicate != 0))
     throw std::invalid_argument("dp_replicate " + std::to_string(e.dp_replicate) + " does not divide " +
-                                std::to_string(e.ranks) + " ranks");
+                                std::to_string(e.dp_ranks()) + " data-parallel ranks");
   if (!e.hybrid() && e.dp_replicate != 1) throw std::invalid_argument("dp_replicate > 1 needs a HYBRID_* strategy");
   if (e.micro_batch < 1 || e.grad_accum < 1) throw std::invalid_argument("micro_batch and grad_accum must be >= 1");
-  (void)plan_model_preset(e.model);
+  const ModelConfig m = plan_model_preset(e.model);
+  for (auto [v, what] : {std::pair<int64_t, const char*>{m.n_head, "n_head"}, {m.n_kv_head, "n_kv_head"},
+                         {m.ffn_hidden, "ffn_hidden"}})
+    if (v % e.tp != 0)
+      throw std::invalid_argument(e.model + ": " + what + " (" + std::to_string(v) + ") is not divisible by tp " +
+                                  std::to_string(e.tp));
 }
 
 Layout planner_layout(const EngineLayout& e) {
   Layout l;
   l.strategy = planner_strategy(e.strategy);
+  l.tp = e.tp;
   if (l.strategy == Strategy::DDP) {
-    l.dp_replicate = e.ranks;
+    l.dp_replicate = e.dp_ranks();
     l.dp_shard = 1;
   } else if (e.hybrid()) {
     l.dp_replicate = e.replicas();
@@ -121,7 +131,7 @@ Layout planner_layout(const EngineLayout& e) {
     if (e.replicas() == 1) l.strategy = Strategy::ZeRO3;  // a hybrid over one replica is plain sharding
   } else {
     l.dp_replicate = 1;
-    l.dp_shard = e.ranks;
+    l.dp_shard = e.dp_ranks();
   }
   l.micro_batch = e.micro_batch;
   l.microbatches = e.grad_accum;
@@ -135,27 +145,42 @@ TrainSetup planner_setup(const ModelConfig& m, const EngineLayout& e) {
   st.grad_bytes = 4;     // this engine keeps fp32 gradients
   st.reduce_bytes = 4;   // and reduces in fp32
   st.seq = m.seq_len;    // it trains at the model's full context
-  st.global_batch = static_cast<int64_t>(e.ranks) * e.micro_batch * e.grad_accum;
+  st.global_batch = static_cast<int64_t>(e.dp_ranks()) * e.micro_batch * e.grad_accum;
   st.micro_batch = e.micro_batch;
   st.attention = AttentionImpl::Flash;  // kernels/attention.h keeps only the log-sum-exp
   st.dropout = false;
+  st.sequence_parallel = false;  // tp all-reduces whole activations (model/transformer.cpp), no SP
   st.bucket_bytes = e.bucket_mb * 1e6;
   return st;
 }
 
 // ---- exact accounting --------------------------------------------------------------------------------------
 
-std::vector<int64_t> engine_unit_sizes(const ModelConfig& m_in, int64_t align) {
+ModelConfig engine_model(const ModelConfig& m_in, const EngineLayout& e) {
   ModelConfig m = m_in;
   m.resolve();
-  const int64_t C = m.n_embd, V = m.padded_vocab, F = m.ffn_hidden, hd = m.head_dim();
-  const int64_t nh = m.n_head, nkv = m.n_kv_head;
+  if (e.tp > 1) {
+    const int64_t q = 64 * static_cast<int64_t>(e.tp);
+    m.padded_vocab = (m.vocab_size + q - 1) / q * q;
+  }
+  return m;
+}
+
+std::vector<int64_t> engine_unit_sizes(const ModelConfig& m_in, int64_t align, int tp) {
+  ModelConfig m = m_in;
+  m.resolve();
+  const int64_t t = std::max(1, tp);
+  // One tp rank's share: heads, MLP width and vocabulary rows divided by t.
+  const int64_t C = m.n_embd, V = m.padded_vocab / t, F = m.ffn_hidden / t, hd = m.head_dim();
+  const int64_t nh = m.n_head / t, nkv = m.n_kv_head / t;
   const bool gpt = m.arch == Arch::GPT2;
   align = std::max<int64_t>(1, align);
   auto pad = [&](int64_t n) { return (n + align - 1) / align * align; };
   std::vector<int64_t> u;
-  u.push_back(pad(V * C + (gpt ? m.seq_len * C : 0)));  // wte (+ wpe)
-  const int64_t block = gpt ? (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + F * C + F + C * F + C)
+  u.push_back(pad(V * C + (gpt ? m.seq_len * C : 0)));  // wte (+ wpe, replicated)
+  // GPT-2: ln_1, c_attn (q, k, v heads split) + its bias, c_proj (split by input) + its bias
+  // (replicated), ln_2, c_fc + bias (split), mlp c_proj (split by input) + bias (replicated).
+  const int64_t block = gpt ? (2 * C + 3 * nh * hd * C + 3 * nh * hd + C * nh * hd + C + 2 * C + F * C + F + C * F + C)
                             : (C + nh * hd * C + 2 * nkv * hd * C + C * nh * hd + C + 3 * F * C);
   for (int64_t l = 0; l < m.n_layer; ++l) u.push_back(pad(block));
   u.push_back(pad(gpt ? 2 * C : C + V * C));  // ln_f (head tied to wte) | norm + lm_head
@@ -168,15 +193,15 @@ int64_t engine_unit_align(const EngineLayout& e) {
 
 int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e) {
   int64_t s = 0;
-  for (int64_t n : engine_unit_sizes(m, engine_unit_align(e))) s += n;
+  for (int64_t n : engine_unit_sizes(engine_model(m, e), engine_unit_align(e), e.tp)) s += n;
   return s;
 }
 
 double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e) {
-  ModelConfig m = m_in;
-  m.resolve();
-  const double C = m.n_embd, F = m.ffn_hidden, hd = m.head_dim(), nh = m.n_head, nkv = m.n_kv_head;
-  const double V = m.padded_vocab, L = m.n_layer;
+  const ModelConfig m = engine_model(m_in, e);
+  const double t = std::max(1, e.tp);  // this tp rank's heads, MLP width and vocabulary columns
+  const double C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim(), nh = m.n_head / t, nkv = m.n_kv_head / t;
+  const double V = m.padded_vocab / t, L = m.n_layer;
   const bool gpt = m.arch == Arch::GPT2, bf = e.bf16;
   const double ce = bf ? 2 : 4;  // compute dtype
   const double qkv = (nh + 2 * nkv) * hd;
@@ -196,24 +221,24 @@ double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e) {
   const double rest = (L + 1) * 4 * C    // every unit's output (the residual stream)
                       + 4 + 4             // ids, targets
                       + 4 * C + (bf ? 2 * C : 0) + 4 + 4  // head input (+ bf16), rstd, mean
-                      + 4 * V + 4;        // fp32 logits, per-token losses
+                      + 4 * V + 4;        // fp32 logits (this rank's vocabulary columns), losses
   const double tokens = static_cast<double>(e.micro_batch) * static_cast<double>(m.seq_len);
   return tokens * (static_cast<double>(stored) * block + rest);
 }
 
 double engine_workspace_bytes(const ModelConfig& m_in, const EngineLayout& e) {
-  ModelConfig m = m_in;
-  m.resolve();
-  const double C = m.n_embd, F = m.ffn_hidden, hd = m.head_dim(), nh = m.n_head, nkv = m.n_kv_head;
+  const ModelConfig m = engine_model(m_in, e);
+  const double t = std::max(1, e.tp);
+  const double C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim(), nh = m.n_head / t, nkv = m.n_kv_head / t;
   const double qkv = (nh + 2 * nkv) * hd;
   const double tokens = static_cast<double>(e.micro_batch) * static_cast<double>(m.seq_len);
   // Residual gradient + d(normed), dqkv, datty, dfc, dup/dact, d act, scratch.
   double ws = tokens * 4 * (C + C + qkv + C + 3 * F + std::max(C, F));
   if (e.bf16) {
     // bf16 computes from bf16 weights only; vectors (norms, biases) and GPT-2's position table are
-    // widened to fp32 copies on first use and kept.
+    // widened to fp32 copies on first use and kept (the qkv and fc biases are tp-split).
     const bool gpt = m.arch == Arch::GPT2;
-    const double vec_block = gpt ? (2 * C + 3 * C + C + 2 * C + F + C) : 2 * C;
+    const double vec_block = gpt ? (2 * C + 3 * nh * hd + C + 2 * C + F + C) : 2 * C;
     const double vec = m.n_layer * vec_block + (gpt ? 2 * C : C) + (gpt ? static_cast<double>(m.seq_len) * C : 0);
     ws += 4 * vec;
   }
@@ -261,19 +286,53 @@ uint64_t EngineComm::total(const std::string& g, int64_t steps) const {
 uint64_t EngineComm::dp_per_step() const {
   uint64_t t = 0;
   for (const auto& [g, b] : per_step)
-    if (g != "metrics" && g != "grad_norm") t += b;
+    if (g != "metrics" && g != "grad_norm" && g != "tp" && g != "tp_aux") t += b;
   return t;
+}
+
+uint64_t EngineComm::tp_per_step() const {
+  auto it = per_step.find("tp");
+  return it == per_step.end() ? 0 : it->second;
+}
+
+std::vector<uint64_t> engine_tp_allreduces(const ModelConfig& m_in, const EngineLayout& e) {
+  std::vector<uint64_t> v;
+  if (e.tp <= 1) return v;
+  const ModelConfig m = engine_model(m_in, e);
+  const uint64_t N = static_cast<uint64_t>(e.micro_batch * m.seq_len), NC = N * static_cast<uint64_t>(m.n_embd);
+  // Forward (Transformer::forward, block_forward, tp_cross_entropy).
+  v.push_back(NC);                                   // vocab-parallel embedding: partial rows summed
+  for (int64_t l = 0; l < m.n_layer; ++l) v.insert(v.end(), {NC, NC});  // attention c_proj, MLP c_proj
+  v.push_back(N);                                    // cross-entropy: row maxima (max)
+  v.push_back(2 * N);                                // sums of exponentials | target logits (sum)
+  // Backward (Transformer::backward, block_backward); a recomputed block re-runs block_forward.
+  v.push_back(NC);                                   // head: partial input gradients
+  for (int64_t l = m.n_layer - 1; l >= 0; --l) {
+    const bool rc = e.checkpointing == Checkpointing::Full ||
+                    (e.checkpointing == Checkpointing::Selective && l % 2 == 1);  // recomputes()
+    if (rc) v.insert(v.end(), {NC, NC});
+    v.insert(v.end(), {NC, NC});                     // MLP and attention column-parallel input gradients
+  }
+  return v;
+}
+
+double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c) {
+  if (e.tp <= 1) return 0;
+  const GroupShape g = group_shape(e.tp, 1, c.gpus_per_node);  // tp ranks are adjacent
+  double s = 0;
+  for (uint64_t n : engine_tp_allreduces(m, e)) s += collective(Collective::AllReduce, 4.0 * static_cast<double>(n), g, c).time;
+  return static_cast<double>(e.grad_accum) * s;
 }
 
 EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
   check_engine_layout(e);
-  ModelConfig m = m_in;
-  m.resolve();
+  const ModelConfig m = engine_model(m_in, e);
   EngineComm c;
-  const int W = e.ranks, N = e.shard_size(), R = e.replicas();
+  // W: every rank (the metrics group); D: the data-parallel group (ranks / tp); N: the shard group.
+  const int W = e.ranks, D = e.dp_ranks(), N = e.shard_size(), R = e.replicas(), t = e.tp;
   const int es = e.bf16 ? 2 : 4;  // parameters travel in the compute dtype, gradients in fp32
   const int64_t M = e.grad_accum;
-  const std::vector<int64_t> units = engine_unit_sizes(m, engine_unit_align(e));
+  const std::vector<int64_t> units = engine_unit_sizes(m, engine_unit_align(e), t);
   const int U = static_cast<int>(units.size());
   int64_t flat = 0;
   for (int64_t n : units) flat += n;
@@ -284,12 +343,21 @@ EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
   // fingerprint length, then 3 x (2 + units) values, over the data-parallel group); DDP then
   // broadcasts rank 0's weights. Summary: the per-rank memory table (2 x categories int64 values,
   // sent as 4 x categories f32 slots) is all-gathered over the metrics group.
-  add(c.setup, "dp", collective_bytes(Collective::AllGather, 1, 4, W));
-  add(c.setup, "dp", collective_bytes(Collective::AllGather, 3 * (2 + static_cast<uint64_t>(U)), 4, W));
-  if (e.strategy == "NO_SHARD") add(c.setup, "dp", broadcast_bytes(static_cast<uint64_t>(flat), 4, W));
+  add(c.setup, "dp", collective_bytes(Collective::AllGather, 1, 4, D));
+  add(c.setup, "dp", collective_bytes(Collective::AllGather, 3 * (2 + static_cast<uint64_t>(U)), 4, D));
+  if (e.strategy == "NO_SHARD") add(c.setup, "dp", broadcast_bytes(static_cast<uint64_t>(flat), 4, D));
   add(c.setup, "metrics", collective_bytes(Collective::AllGather, 4 * static_cast<uint64_t>(kNumMemCategories), 4, W));
-  // Per step: the mean loss over the data-parallel ranks, on the metrics group.
-  add(c.per_step, "metrics", collective_bytes(Collective::AllReduce, 1, 4, W));
+  // Per step: the mean loss over the data-parallel ranks, on the metrics group (which holds every
+  // rank; the trainer skips it when there is a single data-parallel rank).
+  if (D > 1) add(c.per_step, "metrics", collective_bytes(Collective::AllReduce, 1, 4, W));
+  // Tensor parallelism: the model's all-reduces every micro-batch; the gradient norm's sum over the
+  // tp ranks once per step on the auxiliary tp communicator.
+  if (t > 1) {
+    uint64_t tp_bytes = 0;
+    for (uint64_t n : engine_tp_allreduces(m, e)) tp_bytes += collective_bytes(Collective::AllReduce, n, 4, t);
+    add(c.per_step, "tp", static_cast<uint64_t>(M) * tp_bytes);
+    add(c.per_step, "tp_aux", collective_bytes(Collective::AllReduce, 1, 4, t));
+  }
 
   if (e.strategy == "NO_SHARD") {
     // Buckets of whole units from the head backwards; the first bucket is capped at 1 MB
@@ -303,7 +371,7 @@ EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
       if (fits) buckets.back() += units[u];
       else buckets.push_back(units[u]);
     }
-    for (int64_t b : buckets) add(c.per_step, "dp", collective_bytes(Collective::AllReduce, static_cast<uint64_t>(b), 4, W));
+    for (int64_t b : buckets) add(c.per_step, "dp", collective_bytes(Collective::AllReduce, static_cast<uint64_t>(b), 4, D));
     return c;
   }
 
@@ -339,15 +407,17 @@ EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
 // ---- ceilings ----------------------------------------------------------------------------------------------
 
 ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch, bool use_bf16, double seconds,
-                                    double stream_bytes) {
-  ModelConfig m = m_in;
-  m.resolve();
-  const int64_t T = m.seq_len, B = micro_batch, N = B * T, C = m.n_embd, F = m.ffn_hidden, hd = m.head_dim();
-  const int64_t nh = m.n_head, nkv = m.n_kv_head, V = m.padded_vocab;
+                                    double stream_bytes, int tp) {
+  EngineLayout shape;
+  shape.tp = std::max(1, tp);
+  const ModelConfig m = engine_model(m_in, shape);
+  const int64_t t = shape.tp;  // one tp rank's share: heads, MLP width, vocabulary columns
+  const int64_t T = m.seq_len, B = micro_batch, N = B * T, C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim();
+  const int64_t nh = m.n_head / t, nkv = m.n_kv_head / t, V = m.padded_vocab / t;
   const bool gpt = m.arch == Arch::GPT2;
   // (in, out) of every linear of one block, and the head.
   std::vector<std::pair<int64_t, int64_t>> lin;
-  if (gpt) lin = {{C, 3 * C}, {C, C}, {C, F}, {F, C}};
+  if (gpt) lin = {{C, 3 * nh * hd}, {nh * hd, C}, {C, F}, {F, C}};
   else lin = {{C, (nh + 2 * nkv) * hd}, {nh * hd, C}, {C, F}, {C, F}, {F, C}};
   const int64_t qkvw = (nh + 2 * nkv) * hd;
   int64_t max_in = C, max_out = V, max_w = C * V;  // the head: C -> V
@@ -384,7 +454,7 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   double gemm_flops_layer = 0;
   for (auto [in, o] : lin) gemm_flops_layer += 6.0 * static_cast<double>(N) * in * o;
   const double head_flops = 6.0 * static_cast<double>(N) * C * V;
-  const double attn_flops_layer = 12.0 * static_cast<double>(N) * T * C;
+  const double attn_flops_layer = 12.0 * static_cast<double>(N) * T * nh * hd;
 
   // Warm-up (library JIT, page faults): one layer.
   for (auto [in, o] : lin) linear(in, o, gpt);
@@ -551,8 +621,8 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
   std::vector<Child> kids;
   for (int i = 0; i < e.ranks; ++i)
     kids.push_back(spawn({o.binary, "plan", "--probe-compute", "--model", e.model, "--micro-batch",
-                          std::to_string(e.micro_batch), "--dtype", e.bf16 ? "bf16" : "fp32", "--probe-seconds",
-                          fmt("%g", o.probe_seconds)},
+                          std::to_string(e.micro_batch), "--dtype", e.bf16 ? "bf16" : "fp32", "--tp",
+                          std::to_string(e.tp), "--probe-seconds", fmt("%g", o.probe_seconds)},
                          rank_env(threads), dir + "/probe" + std::to_string(i) + ".log"));
   ComputeCeiling sum;
   std::string err;
@@ -616,7 +686,7 @@ CommCeiling probe_comm(const ValidateOptions& o, const std::string& dir, int ran
     for (int i = 0; i < ranks; ++i)
       load.push_back(spawn({o.binary, "plan", "--probe-compute", "--model", busy_like->model, "--micro-batch",
                             std::to_string(busy_like->micro_batch), "--dtype", busy_like->bf16 ? "bf16" : "fp32",
-                            "--probe-seconds", "20"},
+                            "--tp", std::to_string(busy_like->tp), "--probe-seconds", "20"},
                            rank_env(1), dir + "/load" + tag + std::to_string(i) + ".log"));
   const int rc = run_child(argv, {}, log, 120);
   guard.stop();
@@ -772,9 +842,17 @@ JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::stri
   return j;
 }
 
-void time_check(const ValidateOptions& o, const ModelConfig& m, const EngineLayout& e, const CommCeiling& cc,
-                const JobRun& j, LayoutResult& r) {
-  const Estimate est = estimate(m, measured_cluster(j.mean, cc, e.ranks), planner_setup(m, e), planner_layout(e));
+void time_check(const ValidateOptions& o, const ModelConfig& m_in, const EngineLayout& e, const CommCeiling& cc,
+                const CommCeiling& tp_cc, const JobRun& j, LayoutResult& r) {
+  const ModelConfig m = engine_model(m_in, e);
+  const Cluster cl = measured_cluster(j.mean, cc, e.ranks);
+  const Estimate est = estimate(m, cl, planner_setup(m, e), planner_layout(e));
+  // Tensor parallelism: estimate() charges the textbook collectives (one all-reduce pair per layer
+  // each way, another for embedding + head, three loss all-reduces, in the activation dtype); the
+  // engine's own schedule (engine_tp_allreduces, fp32) replaces them, all exposed — on the link the
+  // tp ranks see while they wait for the result (tp_cc, chosen by run_validation).
+  const double tp_s = e.tp > 1 ? engine_tp_seconds(m, e, measured_cluster(j.mean, tp_cc, e.ranks)) : 0.0;
+  const double tp_delta = e.tp > 1 ? tp_s - est.tp_exposed_s : 0.0;
   std::vector<double> ms, ex;
   for (size_t i = 1; i < j.steps.size(); ++i) {
     ms.push_back(j.steps[i].value("step_ms", 0.0) / 1e3);
@@ -782,9 +860,10 @@ void time_check(const ValidateOptions& o, const ModelConfig& m, const EngineLayo
   }
   TimeRow& t = r.time;
   t.measured_exposed_s = median(ex);
-  t.predicted_s = est.time.total();
+  t.predicted_s = est.time.total() + tp_delta;
   t.compute_s = est.time.compute;
-  t.exposed_s = est.time.exposed_comm;
+  t.exposed_s = est.time.exposed_comm + tp_delta;
+  t.tp_exposed_s = tp_s;
   t.measured_s = median(ms);
   if (!ms.empty()) {
     t.measured_min_s = *std::min_element(ms.begin(), ms.end());
@@ -799,10 +878,11 @@ void time_check(const ValidateOptions& o, const ModelConfig& m, const EngineLayo
 }
 
 LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const std::string& data,
-                        const EngineLayout& e, int index, int cores, const CommCeiling& cc) {
+                        const EngineLayout& e, int index, int cores, const CommCeiling& cc, const CommCeiling& tp_cc) {
   LayoutResult r;
   r.layout = e;
   r.comm_ceiling = cc;
+  r.tp_comm_ceiling = tp_cc;
   const ModelConfig m = plan_model_preset(e.model);
   const std::string tag = std::to_string(index);
   JobRun j = run_job(o, dir, data, e, tag, cores);
@@ -886,7 +966,7 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
 
   // Step time; on a miss, one more run (a shared machine's load can move between the ceiling probes
   // and the job: the spread of the two probes shows it).
-  time_check(o, m, e, cc, j, r);
+  time_check(o, m, e, cc, tp_cc, j, r);
   r.attempts = 1;
   if (o.check_time && !r.time.ok && o.retries > 0) {
     for (int k = 0; k < o.retries && !r.time.ok; ++k) {
@@ -894,7 +974,7 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
       JobRun again = run_job(o, dir, data, e, tag + "r" + std::to_string(k + 1), cores);
       if (!again.error.empty()) break;
       ++r.attempts;
-      time_check(o, m, e, cc, again, r);
+      time_check(o, m, e, cc, tp_cc, again, r);
     }
   }
 
@@ -926,7 +1006,19 @@ std::vector<EngineLayout> default_validation_layouts() {
   llama.bf16 = true;
   llama.checkpointing = Checkpointing::Selective;
   v.push_back(llama);
+  // Tensor parallelism: tp = 2 alone (one data-parallel rank), and tp = 2 inside ZeRO-3 over two
+  // data-parallel ranks (mesh dp_shard = 2 x tp = 2).
+  EngineLayout tp2 = mk("NO_SHARD", 2);
+  tp2.tp = 2;
+  v.push_back(tp2);
+  EngineLayout tp2z3 = mk("FULL_SHARD", 4);
+  tp2z3.tp = 2;
+  v.push_back(tp2z3);
   return v;
+}
+
+std::vector<std::string> validation_layout_names() {
+  return {"ddp", "zero1", "zero2", "zero3", "zero3x4", "hsdp", "ddp-bf16", "llama-zero3-bf16", "tp2", "tp2-zero3x4"};
 }
 
 ValidationReport run_validation(const ValidateOptions& in) {
@@ -992,8 +1084,15 @@ ValidationReport run_validation(const ValidateOptions& in) {
     cc.source = "this-cpu preset (not measured)";
     for (const auto& c : rep.comm_ceilings)  // the job's conditions: its ranks computing
       if (c.ranks == e.ranks && c.busy) cc = c;
+    // Tensor parallelism's blocking all-reduces: every rank of the tp group waits for the result, so
+    // with a core per rank nothing competes with the communication threads (the idle ceiling); with
+    // more ranks than cores the other ranks keep computing meanwhile (the busy one).
+    CommCeiling tp_cc = cc;
+    if (e.ranks <= rep.cores)
+      for (const auto& c : rep.comm_ceilings)
+        if (c.ranks == e.ranks && !c.busy) tp_cc = c;
     const auto tj = Clock::now();
-    LayoutResult r = run_layout(o, dir, data, e, i++, rep.cores, cc);
+    LayoutResult r = run_layout(o, dir, data, e, i++, rep.cores, cc, tp_cc);
     if (o.progress) {
       *o.progress << (r.ok ? "ok    " : "FAIL  ") << e.label() << fmt(" (%.1f s)", secs_since(tj));
       if (r.error.empty())
@@ -1093,12 +1192,14 @@ std::string format_validation(const ValidationReport& rep) {
                       num(static_cast<double>(c.measured_total)), c.ok ? "exact" : "FAIL"});
       first = false;
     }
-    rows.push_back({"", "(textbook dp/step)", num(r.textbook_dp_bytes), "", "", "", ""});
+    rows.push_back({"", r.layout.tp > 1 ? "(textbook dp+tp/step)" : "(textbook dp/step)", num(r.textbook_dp_bytes), "",
+                    "", "", ""});
   }
   o << format_table({"layout", "group", "predicted/step", "measured/step", "setup", "measured total", ""}, rows,
              {false, false, true, true, true, true, false});
   o << "(textbook: estimate()'s DP volume for the same layout — Psi x dtype per collective without the engine's\n"
-       " unit padding, kept roots or gradient-norm / loss all-reduces)\n";
+       " unit padding, kept roots or gradient-norm / loss all-reduces; with tp also its TP volume: a pair of\n"
+       " all-reduces per layer each way, one pair each for embedding and head, three loss all-reduces)\n";
 
   // Step time.
   o << "\nStep time: estimate() on the ceilings measured just before and after each job (drift: after/before)\n"
@@ -1110,7 +1211,9 @@ std::string format_validation(const ValidationReport& rep) {
     if (r.attempts > 1) verdict += fmt(" (run %.0f; first ", r.attempts) + fmt("%+.0f%%)", 100 * r.first_time_error);
     rows.push_back({r.layout.label(), fmt("%.1f", r.compute.flops_per_s / 1e9), fmt("%+.0f%%", 100 * r.time.ceiling_drift),
                     fmt("%.1f", r.time.compute_s * 1e3),
-                    fmt("%.1f", r.time.exposed_s * 1e3) + " / " + fmt("%.1f", r.time.measured_exposed_s * 1e3),
+                    fmt("%.1f", r.time.exposed_s * 1e3) +
+                        (r.layout.tp > 1 ? " (tp " + fmt("%.1f", r.time.tp_exposed_s * 1e3) + ")" : std::string()) +
+                        " / " + fmt("%.1f", r.time.measured_exposed_s * 1e3),
                     fmt("%.1f", r.time.predicted_s * 1e3), fmt("%.1f", r.time.measured_s * 1e3),
                     fmt("%.0f", r.time.measured_min_s * 1e3) + "-" + fmt("%.0f", r.time.measured_max_s * 1e3),
                     fmt("%+.1f%%", 100 * r.time.error), verdict});
@@ -1134,7 +1237,8 @@ std::string validation_json(const ValidationReport& rep) {
   j["layouts"] = json::array();
   for (const auto& r : rep.results) {
     json x = {{"label", r.layout.label()}, {"ok", r.ok}, {"error", r.error}, {"strategy", r.layout.strategy},
-              {"ranks", r.layout.ranks}, {"dp_replicate", r.layout.replicas()}, {"dtype", r.layout.bf16 ? "bf16" : "fp32"},
+              {"ranks", r.layout.ranks}, {"tp", r.layout.tp}, {"dp_replicate", r.layout.replicas()},
+              {"dtype", r.layout.bf16 ? "bf16" : "fp32"},
               {"model", r.layout.model}};
     if (r.error.empty()) {
       x["compute_ceiling"] = {{"flops_per_s", r.compute.flops_per_s},
@@ -1156,7 +1260,8 @@ std::string validation_json(const ValidationReport& rep) {
                              {"ok", c.ok}});
       x["textbook_dp_bytes_per_step"] = r.textbook_dp_bytes;
       x["step_time_s"] = {{"predicted", r.time.predicted_s}, {"compute", r.time.compute_s},
-                          {"exposed_comm", r.time.exposed_s}, {"measured_median", r.time.measured_s},
+                          {"exposed_comm", r.time.exposed_s}, {"tp_exposed_comm", r.time.tp_exposed_s},
+                          {"measured_median", r.time.measured_s},
                           {"measured_exposed_comm_median", r.time.measured_exposed_s},
                           {"error", r.time.error}, {"checked", r.time.checked}, {"ok", r.time.ok},
                           {"ceiling_drift", r.time.ceiling_drift}, {"attempts", r.attempts}};

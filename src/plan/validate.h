@@ -23,6 +23,11 @@
 //      summary traffic predicted the same way, against `comm_bytes_by_group` — exactly;
 //    * step time: mt::plan::estimate() on a cluster built from the measured ceilings, against the
 //      median measured step (the steps after the first) — within 25%, one rerun on a miss.
+// Tensor parallelism (`parallel.tp`, Megatron-style, no sequence parallelism): every rank holds its
+// tp share of each split parameter (heads, MLP width, vocabulary), the data-parallel strategy works
+// on that share over the ranks ranks / tp of its dp group; the model's own all-reduces (embedding,
+// two per block forward and backward, head input gradient, vocab-parallel cross-entropy) go over the
+// "tp" group and are exposed (on the critical path); gradient norms travel on "tp_aux".
 #pragma once
 #include <cstdint>
 #include <map>
@@ -41,7 +46,8 @@ struct EngineLayout {
   std::string model = "gpt2-mini";   // model preset
   std::string strategy = "NO_SHARD"; // --parallel.strategy (INTERFACE.md spelling)
   int ranks = 2;
-  int dp_replicate = 1;              // HYBRID_*: replicas; the shard group is ranks / dp_replicate
+  int tp = 1;                        // --parallel.tp: tensor-parallel degree (innermost mesh dimension)
+  int dp_replicate = 1;              // HYBRID_*: replicas; the shard group is dp_ranks() / dp_replicate
   bool bf16 = false;                 // --train.dtype bf16 (bf16 compute, fp32 master, fp32 gradients)
   Checkpointing checkpointing = Checkpointing::None;
   int64_t micro_batch = 4;           // sequences per rank per micro-batch
@@ -50,10 +56,11 @@ struct EngineLayout {
   bool reshard_after_forward = true;
   double bucket_mb = 25.0;           // --parallel.bucket_mb (the engine's MB are 1e6 bytes)
 
+  int dp_ranks() const { return ranks / (tp > 0 ? tp : 1); }  // the data-parallel group: ranks / tp
   int shard_size() const;            // ranks the parameters / gradients / optimizer are split over
   int replicas() const;              // 1 unless hybrid
   bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
-  std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini"
+  std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini", "ZeRO-3 x2 tp2 fp32 gpt2-mini"
   // The engine's command line after `train` (without data / metrics paths).
   std::vector<std::string> train_args() const;
 };
@@ -67,9 +74,16 @@ void check_engine_layout(const EngineLayout& e);
 
 // ---- this engine's exact accounting, from the model's dimensions --------------------------------
 
-// Elements of each unit (embedding, blocks, head) as the engine lays them out, each padded to a
-// multiple of `align` (16 x shard size for sharded strategies, 1 for DDP).
-std::vector<int64_t> engine_unit_sizes(const ModelConfig& m, int64_t align);
+// The model as the engine builds it for the layout: resolved, and with tp > 1 the vocabulary padded
+// to a multiple of 64 x tp so that every tp rank holds whole 64-row blocks (train/trainer.cpp).
+ModelConfig engine_model(const ModelConfig& m, const EngineLayout& e);
+
+// Elements of each unit (embedding, blocks, head) of one tp rank's share as the engine lays them out
+// (model/transformer.cpp build_params: heads, MLP width and vocabulary divided by tp; norms,
+// position table and row-parallel biases replicated), each padded to a multiple of `align`
+// (16 x shard size for sharded strategies, 1 for DDP). `m` must already carry the engine's padded
+// vocabulary (engine_model) when tp > 1.
+std::vector<int64_t> engine_unit_sizes(const ModelConfig& m, int64_t align, int tp = 1);
 int64_t engine_unit_align(const EngineLayout& e);
 int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e);
 
@@ -93,12 +107,24 @@ double engine_activation_bytes(const ModelConfig& m, const EngineLayout& e);
 // buffers, fp32.
 double engine_workspace_bytes(const ModelConfig& m, const EngineLayout& e);
 
+// Tensor parallelism's all-reduces (fp32 elements each, in issue order) of one training micro-batch
+// (forward + backward) on the "tp" group: embedding (N x C, N = micro_batch x seq tokens); per block
+// the attention and MLP row-parallel outputs (2 x N x C); the vocab-parallel cross-entropy's row
+// maxima (N) and its sums of exponentials with the target logits (2 N); in backward the head's input
+// gradient (N x C), per block the forward ones again when the block is recomputed, then the MLP and
+// attention input gradients (2 x N x C). Empty when tp = 1.
+std::vector<uint64_t> engine_tp_allreduces(const ModelConfig& m, const EngineLayout& e);
+// Seconds of those collectives per step (grad_accum micro-batches) on the cluster: all of them on the
+// critical path (the next op needs the result), so this is exposed communication.
+double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c);
+
 // Bytes (the comm layer's algorithm volume, rank 0) per process-group name.
 struct EngineComm {
   std::map<std::string, uint64_t> per_step;  // every training step
   std::map<std::string, uint64_t> setup;     // once per run: model check, DDP broadcast, final summary
   uint64_t total(const std::string& group, int64_t steps) const;
-  uint64_t dp_per_step() const;              // gradient and parameter traffic only (no losses / norms)
+  uint64_t dp_per_step() const;              // gradient and parameter traffic only (no losses / norms / tp)
+  uint64_t tp_per_step() const;              // the "tp" group (the model's activations)
 };
 // Volume of one collective as the comm layer counts it (integer bytes): all-reduce
 // 2(n-1)/n x buffer, all-gather / reduce-scatter (n-1) x per-rank count (= (n-1)/n x full buffer),
@@ -110,7 +136,10 @@ uint64_t broadcast_bytes(uint64_t count, int elem_bytes, int n);
 // ZeRO-3 per-unit gathers in forward and backward (the head — and the tied embedding — stay
 // gathered from their forward through their backward), per-unit reduce-scatters, the hybrid
 // all-reduce of gradient shards across replicas, the gradient-norm and loss all-reduces, and the
-// setup / summary traffic.
+// setup / summary traffic. With tp > 1 the data-parallel traffic is that of one tp rank's share over
+// the dp group (ranks / tp), the "tp" group carries engine_tp_allreduces() every micro-batch, and
+// "tp_aux" the gradient norm summed over the tp ranks (1 float per step); the mean loss is
+// all-reduced over every rank only when there is more than one data-parallel rank.
 EngineComm engine_comm(const ModelConfig& m, const EngineLayout& e);
 
 // ---- ceilings ----------------------------------------------------------------------------------------
@@ -122,9 +151,10 @@ struct ComputeCeiling {
   int procs = 0, threads = 0;
 };
 // Runs in this process: times the model's forward and backward matmuls (its exact shapes, one
-// micro-batch) and its attention kernel for about `seconds`, and a triad over `stream_bytes`.
+// micro-batch, one tp rank's share when tp > 1) and its attention kernel (the rank's heads) for about
+// `seconds`, and a triad over `stream_bytes`.
 ComputeCeiling measure_compute_here(const ModelConfig& m, int64_t micro_batch, bool bf16, double seconds,
-                                    double stream_bytes = 48e6);
+                                    double stream_bytes = 48e6, int tp = 1);
 
 struct CommCeiling {
   int ranks = 0;
@@ -152,8 +182,13 @@ struct ValidateOptions {
 };
 
 // DDP, ZeRO-1, ZeRO-2 (2 micro-batches), ZeRO-3 at 2 and 4 ranks, HSDP 2x2 in fp32 on gpt2-mini;
-// DDP bf16 on gpt2-mini; ZeRO-3 bf16 with selective checkpointing on llama-mini (untied embeddings).
+// DDP bf16 on gpt2-mini; ZeRO-3 bf16 with selective checkpointing on llama-mini (untied embeddings);
+// tensor parallelism: tp = 2 alone on 2 ranks (NO_SHARD over one dp rank), and tp = 2 x ZeRO-3
+// dp_shard = 2 on 4 ranks, fp32 gpt2-mini.
 std::vector<EngineLayout> default_validation_layouts();
+// The `--layouts` names of default_validation_layouts(), in the same order: ddp, zero1, zero2, zero3,
+// zero3x4, hsdp, ddp-bf16, llama-zero3-bf16, tp2, tp2-zero3x4.
+std::vector<std::string> validation_layout_names();
 
 // Exact: to the byte (the model state). Within: mem_tolerance (activations). AtLeast: the model's own
 // buffers, the kernels add scratch of their own (workspace). Info: measured only (comm buffers).
@@ -176,6 +211,7 @@ struct TimeRow {
   double measured_s = 0;               // median step after the first
   double measured_min_s = 0, measured_max_s = 0;
   double measured_exposed_s = 0;       // median exposed_comm_ms (the engine's own measure)
+  double tp_exposed_s = 0;             // of exposed_s: the tp all-reduces (engine_tp_seconds)
   double error = 0;                    // predicted / measured - 1
   double ceiling_drift = 0;            // compute ceiling after the job / before - 1
   bool checked = false, ok = false;
@@ -185,6 +221,7 @@ struct LayoutResult {
   std::string error;                   // the job failed (then nothing else is valid)
   ComputeCeiling compute;
   CommCeiling comm_ceiling;
+  CommCeiling tp_comm_ceiling;         // the link the tp all-reduces are charged on (idle when ranks <= cores)
   int64_t flat_predicted = 0, flat_measured = 0;
   std::vector<MemRow> mem;
   std::vector<CommRow> comm;

@@ -53,6 +53,7 @@ struct RunConfig {
     int64_t dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;
     std::string pp_schedule = "1f1b";
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
+    std::string pp_partition;
     double bucket_mb = 25.0;
     bool reshard_after_forward = true;
     int64_t prefetch = 1;

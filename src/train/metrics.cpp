@@ -25,6 +25,8 @@ void MetricsWriter::step(const StepMetrics& m) {
                       {"exposed_comm_ms", m.exposed_comm_ms},
                       {"grad_norm", m.grad_norm}};
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (m.pp_bubble) j["pp_bubble"] = *m.pp_bubble;
+  if (m.pp_bubble_formula) j["pp_bubble_formula"] = *m.pp_bubble_formula;
   out_ << j.dump() << "\n";
   out_.flush();
 }
@@ -41,11 +43,14 @@ std::string progress_line(const StepMetrics& m, int64_t total_steps) {
   if (m.mfu) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", *m.mfu * 100.0);
   char val[48] = "";
   if (m.val_loss) std::snprintf(val, sizeof val, " | val %.4f", *m.val_loss);
+  char bubble[48] = "";
+  if (m.pp_bubble) std::snprintf(bubble, sizeof bubble, " | bubble %.0f%%", *m.pp_bubble * 100.0);
   std::snprintf(buf, sizeof buf,
                 "step %5lld/%lld | loss %.4f%s | lr %.2e | norm %.3f | %8.0f tok/s | %7.1f ms%s | comm %.1f ms "
-                "(exposed %.1f) | peak %s",
+                "(exposed %.1f)%s | peak %s",
                 static_cast<long long>(m.step), static_cast<long long>(total_steps), m.loss, val, m.lr, m.grad_norm,
-                m.tokens_per_s, m.step_ms, mfu, m.comm_ms, m.exposed_comm_ms, format_bytes(m.mem_peak_bytes).c_str());
+                m.tokens_per_s, m.step_ms, mfu, m.comm_ms, m.exposed_comm_ms, bubble,
+                format_bytes(m.mem_peak_bytes).c_str());
   return buf;
 }
 

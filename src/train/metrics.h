@@ -17,6 +17,9 @@ struct StepMetrics {
   double loss = 0, lr = 0, tokens_per_s = 0, step_ms = 0, compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
   double grad_norm = 0;
   std::optional<double> mfu, val_loss;
+  // Pipeline parallelism: idle share of the schedule (mean over the pipeline ranks) and the
+  // formula's value for the same schedule.
+  std::optional<double> pp_bubble, pp_bubble_formula;
   int64_t mem_peak_bytes = 0;
 };
 

@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include "comm/world.h"
 #include "kernels/activation.h"
+#include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
 #include "plan/auto_layout.h"
 #include "parallel/tensor_parallel.h"
@@ -46,7 +48,13 @@ void validate_parallel(const RunConfig& c, int world) {
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
-  if (p.pp > 1) throw ConfigError("parallel.pp = " + std::to_string(p.pp) + ": pipeline parallelism is not implemented yet");
+  if (p.pp > 1 && c.model_config().tied_embeddings &&
+      (p.strategy == "FULL_SHARD" || p.strategy == "HYBRID_SHARD"))
+    throw ConfigError("parallel.pp = " + std::to_string(p.pp) + " with " + p.strategy +
+                      ": a tied-embedding model (GPT-2) cut by a pipeline keeps a replica of the token embedding on "
+                      "the last stage, refreshed from the first stage's full parameters, which " + p.strategy +
+                      " does not keep; use NO_SHARD, ZERO1 or SHARD_GRAD_OP (or an untied Llama model)");
+  if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   if (p.strategy.rfind("HYBRID", 0) != 0 && p.dp_replicate > 1)
     throw ConfigError("parallel.dp_replicate = " + std::to_string(p.dp_replicate) + " needs a HYBRID_* strategy (" +
@@ -106,7 +114,10 @@ TrainResult train(const RunConfig& cfg) {
   const int threads = tc.threads > 0 ? static_cast<int>(tc.threads) : std::max(1, auto_threads() / W.local_size());
   omp_set_num_threads(threads);
 
-  const int64_t B = tc.micro_batch, T = mc.seq_len, accum = tc.grad_accum;
+  const int pp = static_cast<int>(cfg.parallel.pp);
+  // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
+  const int64_t B = tc.micro_batch, T = mc.seq_len,
+                accum = pp > 1 && cfg.parallel.pp_microbatches > 0 ? cfg.parallel.pp_microbatches : tc.grad_accum;
   TokenDataset train_ds(cfg.data.train, mc.vocab_size);
   BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
   std::unique_ptr<TokenDataset> val_ds;
@@ -133,7 +144,32 @@ TrainResult train(const RunConfig& cfg) {
   // over them carries gradient norms and checkpoint gathers, keeping the tp counters to the model.
   auto tp_aux = W.split(rank - mesh.coord("tp"), mesh.coord("tp"), "tp_aux");
   parallel::ProcessGroupTpComm tp_comm(tp_group);
-  Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()), tp > 1 ? &tp_comm : nullptr);
+  // Pipeline: the schedule (checked before it runs), the stages' units, this rank's share.
+  const int pp_rank = mesh.coord("pp");
+  std::unique_ptr<parallel::PipeSchedule> schedule;
+  parallel::StagePartition partition;
+  std::vector<char> owned;
+  std::shared_ptr<comm::ProcessGroup> pp_group, pp_aux;
+  if (pp > 1) {
+    try {
+      schedule = std::make_unique<parallel::PipeSchedule>(parallel::make_schedule(
+          cfg.parallel.pp_schedule, pp, static_cast<int>(accum), static_cast<int>(cfg.parallel.pp_virtual_stages)));
+      partition = parallel::partition_stages(mc, schedule->num_stages(), cfg.parallel.pp_partition);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(std::string("pipeline: ") + e.what());
+    }
+    owned = parallel::stage_units_of_rank(partition, pp, pp_rank, static_cast<int>(mc.n_layer) + 2);
+    pp_group = mesh.group("pp");
+    // Same members as the pp group, for loss and gradient-norm sums (keeps the pp counters to
+    // activations and gradients): colour = this rank's coordinates with pp = 0.
+    std::vector<int> c0 = {0, mesh.coord("dp_replicate"), mesh.coord("dp_shard"), mesh.coord("tp")};
+    pp_aux = W.split(mesh.rank_at(c0), pp_rank, "pp_aux");
+  } else if (cfg.parallel.pp_virtual_stages != 1) {
+    throw ConfigError("parallel.pp_virtual_stages = " + std::to_string(cfg.parallel.pp_virtual_stages) +
+                      " needs parallel.pp > 1");
+  }
+  Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()), tp > 1 ? &tp_comm : nullptr,
+                    owned);
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
   const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
   std::vector<double> norm_weight(model.params().size(), 1.0);
@@ -141,6 +177,15 @@ TrainResult train(const RunConfig& cfg) {
     if (model.params()[i].tp_split == TpSplit::None) norm_weight[i] = 1.0 / tp;  // replicated on every tp rank
   parallel::verify_same_model(model, *dp_group);
   auto strategy = parallel::make_strategy(spec, model, dp_group, shard_group, replicate_group);
+  std::unique_ptr<parallel::PipelineExecutor> pipe;
+  if (pp > 1) pipe = std::make_unique<parallel::PipelineExecutor>(model, *schedule, partition, pp_group, strategy.get());
+  // Sum of a per-rank value over the pipeline ranks (each stage holds its own part).
+  auto pp_sum = [&](double v) {
+    if (pp == 1) return v;
+    float f = static_cast<float>(v);
+    pp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+    return static_cast<double>(f);
+  };
   ChromeTrace trace(cfg.log.trace_out, rank);
   TracingHooks tracing(strategy->hooks(), &trace, &model);
   model.set_hooks(trace.enabled() ? static_cast<UnitHooks*>(&tracing) : strategy->hooks());
@@ -165,12 +210,14 @@ TrainResult train(const RunConfig& cfg) {
       Tensor v = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
       st = load_checkpoint(dir, ref, w.f32(), m.f32(), v.f32());
       strategy->load_full(local_of(w).f32(), local_of(m).f32(), local_of(v).f32(), st.adam_steps);
+      model.load_tied_replica(ref, w.f32());
       std::vector<int32_t> skip_x(B * T), skip_y(B * T);
       for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
       if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
     } else {
       ref.init_weights_into(static_cast<uint64_t>(tc.seed), w.f32());
       strategy->load_full(local_of(w).f32(), nullptr, nullptr, 0);
+      model.load_tied_replica(ref, w.f32());
     }
   }
   mem_release_cache();
@@ -187,6 +234,8 @@ TrainResult train(const RunConfig& cfg) {
     std::vector<const float*> parts;
     for (int r = 0; r < tp; ++r) parts.push_back(all.f32() + r * F);
     model.assemble_full(ref, parts, full.f32());
+    // Pipeline stages hold disjoint parameters (zero elsewhere): their sum is the whole model.
+    if (pp > 1) pp_aux->all_reduce(full.f32(), static_cast<size_t>(RF), DType::F32, comm::ReduceOp::Sum)->wait();
     return full;
   };
   auto save = [&]() {
@@ -213,6 +262,10 @@ TrainResult train(const RunConfig& cfg) {
       std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
                   strategy->name(), mesh.describe().c_str(), shard_group->size(), replicate_group->size(),
                   static_cast<long long>(model.num_params()));
+    if (pipe)
+      std::printf("pipeline: %s, %d ranks x %d virtual stages, %lld micro-batches; stages %s%s\n",
+                  schedule->name.c_str(), pp, schedule->virtual_stages, static_cast<long long>(accum),
+                  partition.describe().c_str(), pipe->tied_split() ? "; tied embedding replicated on the last stage" : "");
     std::fflush(stdout);
   }
 
@@ -238,13 +291,22 @@ TrainResult train(const RunConfig& cfg) {
     double s = 0;
     for (int64_t i = 0; i < tc.eval_batches; ++i) {
       val_loader->next(x.data(), y.data());
-      s += model.forward(x.data(), y.data(), B, T, false);
+      s += pipe ? pipe->eval_forward(x.data(), y.data(), B, T) : model.forward(x.data(), y.data(), B, T, false);
     }
     strategy->after_eval();
     trace.end();
-    return dp_mean(s / static_cast<double>(std::max<int64_t>(1, tc.eval_batches)));
+    return dp_mean(pp_sum(s) / static_cast<double>(std::max<int64_t>(1, tc.eval_batches)));
   };
   double comm_ms_total = 0, exposed_ms_total = 0;
+  double bubble_sum = 0;
+  int peak_slots = 0;
+  std::vector<std::vector<int32_t>> xs(pipe ? accum : 0, std::vector<int32_t>(B * T)), ys = xs;
+  std::vector<const int32_t*> xp, yp;
+  for (int64_t m = 0; m < static_cast<int64_t>(xs.size()); ++m) {
+    xp.push_back(xs[m].data());
+    yp.push_back(ys[m].data());
+  }
+  const double bubble_formula = pipe ? parallel::bubble_formula(*schedule).fraction : 0.0;
 
   const int64_t first_step = st.step;
   for (int64_t step = st.step; step < tc.steps; ++step) {
@@ -253,16 +315,26 @@ TrainResult train(const RunConfig& cfg) {
     model.zero_grads();
     double loss = 0;
     parallel::StepComm cs;
-    for (int64_t m = 0; m < accum; ++m) {
-      loader.next(x.data(), y.data());
-      strategy->begin_microbatch(m + 1 == accum);  // only the last micro-batch synchronises
-      loss += model.forward(x.data(), y.data(), B, T, true, dloss);
-      model.backward();
-      ++st.micro_batches;
-      strategy->finish_backward(&cs);
+    std::optional<double> bubble;
+    if (pipe) {
+      for (int64_t m = 0; m < accum; ++m) loader.next(xs[m].data(), ys[m].data());
+      st.micro_batches += accum;
+      parallel::PipelineStepStats ps = pipe->train_step(xp, yp, B, T, dloss, &cs);
+      loss = ps.loss_sum;  // the last stage's; summed over the pipeline below
+      bubble = pp_sum(ps.idle_fraction()) / pp;
+      peak_slots = std::max(peak_slots, ps.peak_slots);
+    } else {
+      for (int64_t m = 0; m < accum; ++m) {
+        loader.next(x.data(), y.data());
+        strategy->begin_microbatch(m + 1 == accum);  // only the last micro-batch synchronises
+        loss += model.forward(x.data(), y.data(), B, T, true, dloss);
+        model.backward();
+        ++st.micro_batches;
+        strategy->finish_backward(&cs);
+      }
     }
-    loss = dp_mean(loss / static_cast<double>(accum));
-    double norm_sq = strategy->grad_norm_sq(norm_weight);
+    loss = dp_mean(pp_sum(loss) / static_cast<double>(accum));
+    double norm_sq = pp_sum(strategy->grad_norm_sq(norm_weight));
     if (tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
       float f = static_cast<float>(norm_sq);
       tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
@@ -277,6 +349,7 @@ TrainResult train(const RunConfig& cfg) {
     const double lr = lr_at(step, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);
     trace.begin("optimizer + parameter sync", "optimizer");
     strategy->optimizer_step(lr, scale, &cs);
+    if (pipe) pipe->tied_weights_sync();
     trace.end();
     trace.end();  // step
     st.step = step + 1;
@@ -297,6 +370,11 @@ TrainResult train(const RunConfig& cfg) {
     sm.compute_ms = compute_ms;
     sm.comm_ms = cs.comm_ms;
     sm.exposed_comm_ms = cs.exposed_ms;
+    if (bubble) {
+      sm.pp_bubble = bubble;
+      sm.pp_bubble_formula = bubble_formula;
+      if (step > first_step) bubble_sum += *bubble;
+    }
     if (step > first_step) {
       comm_ms_total += cs.comm_ms;
       exposed_ms_total += cs.exposed_ms;
@@ -347,7 +425,11 @@ TrainResult train(const RunConfig& cfg) {
     if (rc != Recompute::None)
       std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", recompute_name(rc),
                   format_bytes(model.activation_bytes_saved()).c_str(), format_bytes(model.activation_bytes()).c_str());
-    const parallel::StateBytes want = parallel::expected_state_bytes(spec.strategy, dt, F, shard_group->size());
+    parallel::StateBytes want = parallel::expected_state_bytes(spec.strategy, dt, F, shard_group->size());
+    if (model.has_tied_replica()) {  // the last pipeline stage's copy of a tied embedding
+      want.params += static_cast<int64_t>(model.tied_replica().nbytes());
+      want.grads += static_cast<int64_t>(model.tied_replica_grad().nbytes());
+    }
     std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
                 "(params %s, grads %s, optimizer %s)\n",
                 format_bytes(resident[0] + resident[1] + resident[2]).c_str(), format_bytes(want.total()).c_str(),
@@ -357,6 +439,11 @@ TrainResult train(const RunConfig& cfg) {
       std::printf("  ZeRO paper's mixed-precision figure: %s (it assumes bf16 gradients; this engine keeps them fp32)\n",
                   format_bytes(parallel::zero_paper_bytes(spec.strategy, F, shard_group->size())).c_str());
     if (tps_n) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res.tokens_per_s);
+    if (pipe && tps_n)
+      std::printf("pipeline bubble: %.1f%% of the step idle (mean over pp ranks and steps after the first); "
+                  "formula %s = %.1f%%; peak activation slots on rank 0: %d\n",
+                  100.0 * bubble_sum / tps_n, parallel::bubble_formula(*schedule).text.c_str(), 100.0 * bubble_formula,
+                  peak_slots);
     if (world > 1) {
       std::printf("communication (rank 0): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute\n",
                   tps_n ? comm_ms_total / tps_n : 0.0, tps_n ? exposed_ms_total / tps_n : 0.0,
@@ -378,6 +465,15 @@ TrainResult train(const RunConfig& cfg) {
                         {"flat_size", F},
                         {"activation_bytes_saved_by_recompute", model.activation_bytes_saved()},
                         {"num_params", model.num_params()}};
+  if (pipe) {
+    fin["pp_schedule"] = schedule->name;
+    fin["pp_microbatches"] = accum;
+    fin["pp_virtual_stages"] = schedule->virtual_stages;
+    fin["pp_bubble"] = tps_n ? bubble_sum / tps_n : 0.0;
+    fin["pp_bubble_formula"] = bubble_formula;
+    fin["pp_peak_activation_slots"] = peak_slots;
+    fin["pp_stages"] = partition.describe();
+  }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
   if (world > 1) {
     nlohmann::json peaks = nlohmann::json::array(), res_all = nlohmann::json::array();

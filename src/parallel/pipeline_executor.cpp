@@ -1,0 +1,331 @@
+#include "parallel/pipeline_executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+namespace mt::parallel {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+// Message kinds (part of the tag, so a message is matched by what it is, not by posting order).
+enum MsgKind { kAct = 0, kGrad = 1, kTiedGrad = 2, kTiedWeights = 3 };
+// Tags stay within MPI's guaranteed 15 bits: kind (2) | chunk = stage / pp (3) | micro-batch (10);
+// the pair of ranks and the direction determine the rest of the stage.
+constexpr int kMaxChunks = 8, kMaxMicrobatches = 1024;
+}  // namespace
+
+// ---- stages ---------------------------------------------------------------------------------
+
+std::string StagePartition::describe() const {
+  std::ostringstream o;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    if (i) o << " | ";
+    o << "units " << stages[i].first << "-" << stages[i].second;
+  }
+  return o.str();
+}
+
+std::vector<double> unit_costs(const ModelConfig& c) {
+  const double C = static_cast<double>(c.n_embd), T = static_cast<double>(c.seq_len);
+  const double hd = static_cast<double>(c.head_dim());
+  const double qkv = (static_cast<double>(c.n_head) + 2.0 * static_cast<double>(c.n_kv_head)) * hd;
+  const double F = static_cast<double>(c.ffn_hidden) * (c.arch == Arch::Llama ? 3.0 : 2.0);
+  // Per token, forward + backward = 3 x forward: 2 FLOPs per multiply-add.
+  const double block = 3.0 * 2.0 * (C * qkv + static_cast<double>(c.n_head) * hd * C + C * F +
+                                    2.0 * T * static_cast<double>(c.n_head) * hd / 2.0);
+  const double head = 3.0 * 2.0 * C * static_cast<double>(c.padded_vocab) + 10.0 * C;
+  const double embedding = 10.0 * C;  // a row copy and its scatter-add
+  std::vector<double> cost;
+  cost.push_back(embedding);
+  for (int64_t l = 0; l < c.n_layer; ++l) cost.push_back(block);
+  cost.push_back(head);
+  return cost;
+}
+
+StagePartition partition_stages(const ModelConfig& c, int S, const std::string& manual) {
+  const int U = static_cast<int>(c.n_layer) + 2;
+  if (S < 1) throw std::invalid_argument("pipeline stages must be >= 1");
+  if (S > U)
+    throw std::invalid_argument(std::to_string(S) + " pipeline stages (pp x virtual stages) but the model has only " +
+                                std::to_string(U) + " units (embedding, " + std::to_string(c.n_layer) +
+                                " blocks, head): every stage needs at least one unit");
+  StagePartition p;
+  if (!manual.empty()) {
+    std::vector<int> blocks;
+    std::stringstream ss(manual);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      try {
+        size_t used = 0;
+        int v = std::stoi(item, &used);
+        if (used != item.size() || v < 0) throw std::invalid_argument("");
+        blocks.push_back(v);
+      } catch (const std::exception&) {
+        throw std::invalid_argument("parallel.pp_partition: '" + item + "' is not a block count (use e.g. \"3,3,2\")");
+      }
+    }
+    if (static_cast<int>(blocks.size()) != S)
+      throw std::invalid_argument("parallel.pp_partition lists " + std::to_string(blocks.size()) +
+                                  " stages, the pipeline has " + std::to_string(S) + " (pp x virtual stages)");
+    int64_t sum = 0;
+    for (int b : blocks) sum += b;
+    if (sum != c.n_layer)
+      throw std::invalid_argument("parallel.pp_partition assigns " + std::to_string(sum) + " blocks, the model has " +
+                                  std::to_string(c.n_layer));
+    int u = 0;
+    for (int i = 0; i < S; ++i) {
+      const int first = u;
+      int last = first + blocks[i] - 1 + (i == 0 ? 1 : 0) + (i == S - 1 ? 1 : 0);
+      if (last < first)
+        throw std::invalid_argument("parallel.pp_partition: stage " + std::to_string(i) +
+                                    " has no unit (only the first and last stage may have 0 blocks)");
+      p.stages.push_back({first, last});
+      u = last + 1;
+    }
+    return p;
+  }
+  // Minimise the largest stage cost over contiguous cuts (dynamic programming over prefixes).
+  const std::vector<double> cost = unit_costs(c);
+  std::vector<double> pre(U + 1, 0.0);
+  for (int u = 0; u < U; ++u) pre[u + 1] = pre[u] + cost[u];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[s][u]: the smallest max-stage cost of the first u units in s stages; cut[s][u]: start of the last.
+  std::vector<std::vector<double>> best(S + 1, std::vector<double>(U + 1, inf));
+  std::vector<std::vector<int>> cut(S + 1, std::vector<int>(U + 1, 0));
+  best[0][0] = 0;
+  for (int s = 1; s <= S; ++s)
+    for (int u = s; u <= U; ++u)
+      for (int k = s - 1; k < u; ++k) {
+        const double v = std::max(best[s - 1][k], pre[u] - pre[k]);
+        if (v < best[s][u] - 1e-9 * v) {  // ties: keep the earlier cut (fewer units up front)
+          best[s][u] = v;
+          cut[s][u] = k;
+        }
+      }
+  std::vector<std::pair<int, int>> rev;
+  int u = U;
+  for (int s = S; s >= 1; --s) {
+    const int k = cut[s][u];
+    rev.push_back({k, u - 1});
+    u = k;
+  }
+  p.stages.assign(rev.rbegin(), rev.rend());
+  return p;
+}
+
+std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units) {
+  std::vector<char> own(static_cast<size_t>(num_units), 0);
+  for (size_t s = 0; s < p.stages.size(); ++s)
+    if (static_cast<int>(s) % pp == r)
+      for (int u = p.stages[s].first; u <= p.stages[s].second; ++u) own[u] = 1;
+  return own;
+}
+
+// ---- executor -------------------------------------------------------------------------------
+
+PipelineExecutor::PipelineExecutor(Transformer& model, PipeSchedule schedule, StagePartition partition,
+                                   std::shared_ptr<comm::ProcessGroup> pp, Strategy* strategy)
+    : model_(model), sched_(std::move(schedule)), part_(std::move(partition)), pp_(std::move(pp)),
+      strategy_(strategy) {
+  rank_ = pp_->rank();
+  S_ = sched_.num_stages();
+  head_unit_ = model_.num_units() - 1;
+  if (pp_->size() != sched_.pp)
+    throw std::invalid_argument("pipeline schedule for " + std::to_string(sched_.pp) + " ranks on a pp group of " +
+                                std::to_string(pp_->size()));
+  if (static_cast<int>(part_.stages.size()) != S_)
+    throw std::invalid_argument("stage partition has " + std::to_string(part_.stages.size()) + " stages, schedule " +
+                                std::to_string(S_));
+  if (sched_.virtual_stages > kMaxChunks || sched_.microbatches > kMaxMicrobatches)
+    throw std::invalid_argument("pipeline: at most " + std::to_string(kMaxChunks) + " virtual stages per rank and " +
+                                std::to_string(kMaxMicrobatches) + " micro-batches per step");
+  ScheduleCheck chk = check_schedule(sched_);
+  if (!chk.ok) throw std::invalid_argument("pipeline schedule '" + sched_.name + "' fails its check: " + chk.message);
+  tied_split_ = model_.config().tied_embeddings && sched_.stage_rank(0) != sched_.stage_rank(S_ - 1);
+  if (tied_split_ && rank_ == sched_.stage_rank(0))
+    tied_grad_in_ = Tensor::zeros({model_.param(model_.params()[0].name).numel}, DType::F32, MemCategory::Grads);
+}
+
+int PipelineExecutor::tag(int kind, int m, int s) const { return (kind << 13) | ((s / sched_.pp) << 10) | m; }
+
+int PipelineExecutor::acquire_slot(int m, int s) {
+  const int key = m * S_ + s;
+  auto it = slot_of_.find(key);
+  if (it != slot_of_.end()) return it->second;
+  int slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = slots_made_++;
+  }
+  slot_of_[key] = slot;
+  peak_slots_ = std::max(peak_slots_, ++slots_used_);
+  return slot;
+}
+
+void PipelineExecutor::release_slot(int m, int s) {
+  auto it = slot_of_.find(m * S_ + s);
+  if (it == slot_of_.end()) return;
+  free_slots_.push_back(it->second);
+  slot_of_.erase(it);
+  --slots_used_;
+}
+
+PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>& ids,
+                                               const std::vector<const int32_t*>& targets, int64_t B, int64_t T,
+                                               float dloss, StepComm* comm) {
+  const int M = sched_.microbatches;
+  if (static_cast<int>(ids.size()) != M || static_cast<int>(targets.size()) != M)
+    throw std::invalid_argument("pipeline step needs one batch per micro-batch (" + std::to_string(M) + ")");
+  const int64_t NC = B * T * model_.config().n_embd;
+  PipelineStepStats st;
+  peak_slots_ = slots_used_;
+  // Messages in flight, by (kind, micro-batch, stage): receive buffers and handles, send buffers.
+  struct Msg {
+    Tensor buf;
+    comm::WorkHandle work;
+  };
+  std::map<int, Msg> recvs, sends;
+  const int first_rank = sched_.stage_rank(0), last_rank = sched_.stage_rank(S_ - 1);
+  auto t_start = Clock::now();
+  auto wait_recv = [&](int key) -> const float* {
+    auto it = recvs.find(key);
+    if (it == recvs.end()) throw std::logic_error("pipeline: compute before its receive was posted");
+    auto t0 = Clock::now();
+    it->second.work->wait();
+    st.wait_ms += ms_between(t0, Clock::now());
+    return it->second.buf.f32();
+  };
+  for (const PipeAction& a : sched_.per_rank[rank_]) {
+    const int m = a.microbatch, s = a.stage;
+    const auto [first, last] = part_.stages[s];
+    switch (a.kind) {
+      case PipeAction::Forward: {
+        model_.select_slot(acquire_slot(m, s));
+        const float* input = first == 0 ? nullptr : wait_recv(tag(kAct, m, s - 1));
+        auto t0 = Clock::now();
+        st.loss_sum += model_.forward_units(first, last, first == 0 ? ids[m] : nullptr,
+                                            last == head_unit_ ? targets[m] : nullptr, input, B, T, true, dloss);
+        st.busy_ms += ms_between(t0, Clock::now());
+        if (first != 0) recvs.erase(tag(kAct, m, s - 1));
+        break;
+      }
+      case PipeAction::SendAct: {
+        model_.select_slot(acquire_slot(m, s));
+        Msg& msg = sends[tag(kAct, m, s)];
+        msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+        std::memcpy(msg.buf.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));
+        msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kAct, m, s));
+        break;
+      }
+      case PipeAction::RecvAct: {
+        Msg& msg = recvs[tag(kAct, m, s)];
+        msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+        msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kAct, m, s));
+        break;
+      }
+      case PipeAction::Backward: {
+        model_.select_slot(acquire_slot(m, s));
+        const float* dout = last == head_unit_ ? nullptr : wait_recv(tag(kGrad, m, s + 1));
+        const bool last_mb = m == M - 1;
+        strategy_->begin_microbatch(last_mb);  // only a stage's last micro-batch synchronises
+        if (tied_split_ && first == 0 && last_mb) {
+          // The head's summed contribution to the tied embedding's gradient, sent by the last
+          // stage after its last backward (which precedes this one in the data dependencies).
+          auto t0 = Clock::now();
+          pp_->recv(tied_grad_in_.f32(), static_cast<size_t>(tied_grad_in_.numel()), DType::F32, last_rank,
+                    tag(kTiedGrad, 0, 0))
+              ->wait();
+          st.wait_ms += ms_between(t0, Clock::now());
+          model_.set_extra_embedding_grad(tied_grad_in_.f32());
+        }
+        auto t0 = Clock::now();
+        model_.backward_units(first, last, dout);
+        st.busy_ms += ms_between(t0, Clock::now());
+        if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
+        if (tied_split_ && last == head_unit_ && last_mb) {
+          Tensor& g = model_.tied_replica_grad();
+          Msg& msg = sends[tag(kTiedGrad, 0, 0)];
+          msg.work = pp_->send(g.f32(), static_cast<size_t>(g.numel()), DType::F32, first_rank, tag(kTiedGrad, 0, 0));
+        }
+        if (first != 0) {  // keep the input gradient for SendGrad (the workspace is reused)
+          Msg& msg = sends[tag(kGrad, m, s)];
+          msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+          std::memcpy(msg.buf.f32(), model_.input_grad(), static_cast<size_t>(NC) * sizeof(float));
+        }
+        release_slot(m, s);
+        break;
+      }
+      case PipeAction::SendGrad: {
+        Msg& msg = sends.at(tag(kGrad, m, s));
+        msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kGrad, m, s));
+        break;
+      }
+      case PipeAction::RecvGrad: {
+        Msg& msg = recvs[tag(kGrad, m, s)];
+        msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+        msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kGrad, m, s));
+        break;
+      }
+    }
+  }
+  {
+    auto t0 = Clock::now();
+    for (auto& [k, msg] : sends)
+      if (msg.work) msg.work->wait();
+    st.wait_ms += ms_between(t0, Clock::now());
+  }
+  st.span_ms = ms_between(t_start, Clock::now());
+  st.peak_slots = peak_slots_;
+  strategy_->finish_backward(comm);
+  return st;
+}
+
+double PipelineExecutor::eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T) {
+  const int64_t NC = B * T * model_.config().n_embd;
+  Tensor in = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+  Tensor out = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+  comm::WorkHandle pending;
+  double loss = 0;
+  model_.select_slot(0);
+  for (int s = 0; s < S_; ++s) {
+    if (sched_.stage_rank(s) != rank_) continue;
+    const auto [first, last] = part_.stages[s];
+    if (first != 0) pp_->recv(in.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s - 1), tag(kAct, 0, s - 1))->wait();
+    loss = model_.forward_units(first, last, ids, last == head_unit_ ? targets : nullptr, in.f32(), B, T, false);
+    if (last != head_unit_) {
+      if (pending) pending->wait();
+      std::memcpy(out.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));
+      pending = pp_->send(out.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s + 1), tag(kAct, 0, s));
+    }
+  }
+  if (pending) pending->wait();
+  return sched_.stage_rank(S_ - 1) == rank_ ? loss : 0.0;
+}
+
+void PipelineExecutor::tied_weights_sync() {
+  if (!tied_split_) return;
+  const int first_rank = sched_.stage_rank(0), last_rank = sched_.stage_rank(S_ - 1);
+  const DType cd = model_.compute_dtype();
+  if (rank_ == first_rank) {
+    const ParamInfo& p = model_.params()[0];  // the token embedding (first parameter of unit 0)
+    if (!model_.compute_weights().defined())
+      throw std::logic_error("tied embeddings across pipeline stages need the full parameters on the first stage");
+    const void* src = cd == DType::F32 ? static_cast<const void*>(model_.compute_weights().f32() + p.offset)
+                                       : static_cast<const void*>(model_.compute_weights().bf() + p.offset);
+    pp_->send(src, static_cast<size_t>(p.numel), cd, last_rank, tag(kTiedWeights, 0, 0))->wait();
+  } else if (rank_ == last_rank) {
+    Tensor& w = model_.tied_replica();
+    pp_->recv(w.raw(), static_cast<size_t>(w.numel()), cd, first_rank, tag(kTiedWeights, 0, 0))->wait();
+  }
+}
+
+}  // namespace mt::parallel

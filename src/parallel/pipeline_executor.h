@@ -1,0 +1,94 @@
+// Pipeline parallelism: cutting the model into stages and running a schedule's action lists.
+//
+// The model's units (embedding, blocks, head) are cut into pp * v contiguous virtual stages
+// (pipeline_schedule.h: rank r runs stages r, r + pp, ...). Each pipeline rank builds a Transformer
+// that owns only its stages' units; the executor walks the rank's list of the schedule in order:
+// a forward or backward of micro-batch m on stage s runs those units on m's activation slot,
+// activations and input gradients travel as asynchronous point-to-point messages over the pp
+// group (a receive is posted at its place in the list and waited on just before the compute that
+// needs it), and the data-parallel strategy's hooks see every unit exactly as without a pipeline
+// (only the last micro-batch of a stage synchronises gradients).
+//
+// Tied embeddings (GPT-2) cut apart by the pipeline: the last stage keeps a replica of the token
+// embedding for its head. Its gradient, summed over the step's micro-batches, is sent to the first
+// stage before that stage's last backward and added to the embedding's own gradient (so the data-
+// parallel reduction and the optimizer see one tied parameter); after the optimizer step the first
+// stage sends the updated weights back (tied_weights_sync).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/process_group.h"
+#include "model/transformer.h"
+#include "parallel/pipeline_schedule.h"
+#include "parallel/strategy.h"
+
+namespace mt::parallel {
+
+// Units [first, last] of each virtual stage, in stage order.
+struct StagePartition {
+  std::vector<std::pair<int, int>> stages;
+  std::string describe() const;  // "0-2 | 3-4 | 5-7" with unit names' short form
+};
+
+// Relative cost (forward + backward FLOPs per token) of each unit: the embedding is a lookup, a block
+// its matmuls and attention, the head its final norm and the [C x V] output projection.
+std::vector<double> unit_costs(const ModelConfig& c);
+// Contiguous stages that minimise the most expensive stage (every stage gets at least one unit).
+// `manual`: blocks per stage ("3,3,2"; the embedding joins the first stage, the head the last),
+// overriding the cost model. Throws std::invalid_argument naming the problem.
+StagePartition partition_stages(const ModelConfig& c, int num_stages, const std::string& manual = "");
+// The owned-unit flags (for the Transformer constructor) of pipeline rank r.
+std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units);
+
+struct PipelineStepStats {
+  double loss_sum = 0;     // sum of the micro-batch losses (last stage only; 0 elsewhere)
+  double span_ms = 0;      // first action to the end of the last one on this rank
+  double busy_ms = 0;      // forward / backward compute
+  double wait_ms = 0;      // blocked on receives (pipeline bubble and transfer)
+  int peak_slots = 0;      // most micro-batch activation sets alive at once
+  double idle_fraction() const { return span_ms > 0 ? 1.0 - busy_ms / span_ms : 0.0; }
+};
+
+class PipelineExecutor {
+ public:
+  PipelineExecutor(Transformer& model, PipeSchedule schedule, StagePartition partition,
+                   std::shared_ptr<comm::ProcessGroup> pp, Strategy* strategy);
+
+  // One training step: the schedule's micro-batches (ids[m], targets[m]: B*T tokens each; only the
+  // first stage reads ids and the last targets), each token's loss gradient scaled by dloss.
+  PipelineStepStats train_step(const std::vector<const int32_t*>& ids, const std::vector<const int32_t*>& targets,
+                               int64_t B, int64_t T, float dloss, StepComm* comm);
+  // Forward only, one micro-batch after the other: returns the mean loss on the last stage, 0 elsewhere.
+  double eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T);
+  // After the optimizer step (tied embeddings cut apart): the first stage sends the updated token
+  // embedding to the last stage's replica. Collective over the pp group's first and last rank.
+  void tied_weights_sync();
+
+  const PipeSchedule& schedule() const { return sched_; }
+  const StagePartition& partition() const { return part_; }
+  bool tied_split() const { return tied_split_; }
+
+ private:
+  int acquire_slot(int m, int s);
+  void release_slot(int m, int s);
+  int tag(int kind, int m, int s) const;
+
+  Transformer& model_;
+  PipeSchedule sched_;
+  StagePartition part_;
+  std::shared_ptr<comm::ProcessGroup> pp_;
+  Strategy* strategy_;
+  int rank_, S_, head_unit_;
+  bool tied_split_ = false;  // tied embeddings whose embedding and head live on different ranks
+  std::map<int, int> slot_of_;  // m * S + s -> activation slot
+  std::vector<int> free_slots_;
+  int slots_used_ = 0, peak_slots_ = 0, slots_made_ = 0;
+  Tensor tied_grad_in_;  // first stage: the head's contribution to the tied embedding's gradient
+};
+
+}  // namespace mt::parallel
