@@ -297,21 +297,23 @@ bool Transformer::recomputes(int layer) const {
 }
 
 // nh, nkv, F: this tp rank's heads and MLP width.
-static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t B, int64_t nh,
-                             int64_t nkv, int64_t F) {
+// R: rows of the residual stream this rank holds (BT, or BT / tp with sequence parallelism): the
+// norms' inputs, outputs and statistics and the residual are kept for R rows only.
+static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
+                             int64_t nh, int64_t nkv, int64_t F) {
   const int64_t C = c.n_embd, QKV = (nh + 2 * nkv) * c.head_dim();
   auto A = MemCategory::Activations;
-  a.ln1 = Tensor::empty({BT, C}, cd, A);
-  a.ln1_rstd = Tensor::empty({BT}, DType::F32, A);
-  if (c.arch == Arch::GPT2) a.ln1_mean = Tensor::empty({BT}, DType::F32, A);
+  a.ln1 = Tensor::empty({R, C}, cd, A);
+  a.ln1_rstd = Tensor::empty({R}, DType::F32, A);
+  if (c.arch == Arch::GPT2) a.ln1_mean = Tensor::empty({R}, DType::F32, A);
   a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
   a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);
   if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, nh * c.head_dim()}, DType::BF16, A);
   a.lse = Tensor::empty({B * nh * (BT / B)}, DType::F32, A);
-  a.res2 = Tensor::empty({BT, C}, DType::F32, A);
-  a.ln2 = Tensor::empty({BT, C}, cd, A);
-  a.ln2_rstd = Tensor::empty({BT}, DType::F32, A);
-  if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({BT}, DType::F32, A);
+  a.res2 = Tensor::empty({R, C}, DType::F32, A);
+  a.ln2 = Tensor::empty({R, C}, cd, A);
+  a.ln2_rstd = Tensor::empty({R}, DType::F32, A);
+  if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({R}, DType::F32, A);
   a.fc = Tensor::empty({BT, F}, DType::F32, A);
   if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, DType::F32, A);
   a.act = Tensor::empty({BT, F}, cd, A);
@@ -327,7 +329,7 @@ void Transformer::select_slot(int slot) {
 
 Tensor& Transformer::out_buf(int64_t l) {
   Tensor& t = s_->block_out[l];
-  if (!t.defined()) t = Tensor::empty({B_ * T_, cfg_.n_embd}, DType::F32, MemCategory::Activations);
+  if (!t.defined()) t = Tensor::empty({residual_rows(B_ * T_), cfg_.n_embd}, DType::F32, MemCategory::Activations);
   return t;
 }
 
@@ -353,6 +355,10 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   T_ = T;
   const int64_t BT = B * T, C = cfg_.n_embd, V = Vp_l_, F = F_l_;
   const int64_t QKV = (nh_l_ + 2 * nkv_l_) * cfg_.head_dim();
+  if (sp_ && BT % tp_size_ != 0)
+    throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
+                                " tokens) divisible by parallel.tp (" + std::to_string(tp_size_) + ")");
+  const int64_t R = residual_rows(BT);
   auto A = MemCategory::Activations;
   for (int u = first; u <= last; ++u) {
     if (u == 0) {
@@ -364,15 +370,15 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       out_buf(l + 1);
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
-        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
+        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_);
       }
     } else if (!s.logits.defined()) {
       out_buf(L);
       s.targets = Tensor::empty({BT}, DType::F32, A);
       s.head_in = Tensor::empty({BT, C}, DType::F32, A);
       if (compute_ == DType::BF16) s.head_in_bf = Tensor::empty({BT, C}, DType::BF16, A);
-      s.head_rstd = Tensor::empty({BT}, DType::F32, A);
-      s.head_mean = Tensor::empty({BT}, DType::F32, A);
+      s.head_rstd = Tensor::empty({R}, DType::F32, A);
+      s.head_mean = Tensor::empty({R}, DType::F32, A);
       s.logits = Tensor::empty({BT, V}, DType::F32, A);
       s.losses = Tensor::empty({BT}, DType::F32, A);
     }
@@ -384,7 +390,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   bwd_ws_.clear();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
-    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, B, nh_l_, nkv_l_, F_l_);
+    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_);
   }
   auto W = MemCategory::Workspace;
   dres_ = Tensor::empty({BT, C}, DType::F32, W);
@@ -397,6 +403,56 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
   bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
   bwd_ws_.push_back(Tensor::empty({BT, std::max(C, F)}, DType::F32, W));
+  if (sp_) {
+    sp_full_ = Tensor::empty({BT, C}, DType::F32, W);
+    if (compute_ == DType::BF16) sp_full_bf_ = Tensor::empty({BT, C}, DType::BF16, W);
+    sp_dfull_ = Tensor::empty({BT, C}, DType::F32, W);
+    sp_part_ = Tensor::empty({BT, C}, DType::F32, W);
+    sp_pgrad_ = Tensor::empty({std::max<int64_t>(2 * C, 16)}, DType::F32, W);
+  }
+}
+
+void TpComm::all_gather(const float* in, float* out, int64_t n) {
+  std::memset(out, 0, static_cast<size_t>(n * size()) * sizeof(float));
+  std::memcpy(out + rank() * n, in, static_cast<size_t>(n) * sizeof(float));
+  all_reduce_sum(out, n * size());
+}
+
+void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
+  std::vector<float> all(in, in + n * size());
+  all_reduce_sum(all.data(), n * size());
+  std::memcpy(out, all.data() + rank() * n, static_cast<size_t>(n) * sizeof(float));
+}
+
+void Transformer::set_sequence_parallel(bool on) {
+  if (ws_bt_ != 0) throw std::logic_error("set_sequence_parallel must come before the first forward");
+  sp_ = on && tp_size_ > 1;
+}
+
+// The full [N, C] rows from this rank's R = N / t (fp32 shard) in the compute dtype.
+const Tensor& Transformer::sp_gather(const float* shard, int64_t n) {
+  tp_->all_gather(shard, sp_full_.f32(), n * cfg_.n_embd);
+  if (compute_ == DType::F32) return sp_full_;
+  k::cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), n * tp_size_ * cfg_.n_embd);
+  return sp_full_bf_;
+}
+
+// A replicated parameter whose gradient each rank computes from its own rows only (norms under
+// sequence parallelism): the contribution goes to a zeroed buffer, is summed over the tp ranks,
+// and is then added to the gradient, so every rank accumulates the same full value.
+// `grads`: (gradient, count) pairs; `contribute` writes them one after the other into its buffer.
+void Transformer::sp_replicated_grad(const std::vector<std::pair<float*, int64_t>>& grads,
+                                     const std::function<void(float*)>& contribute) {
+  int64_t total = 0;
+  for (const auto& g : grads) total += g.second;
+  float* t = sp_pgrad_.f32();
+  std::memset(t, 0, static_cast<size_t>(total) * sizeof(float));
+  contribute(t);
+  tp_->all_reduce_sum(t, total);
+  for (const auto& g : grads) {
+    k::accumulate(g.first, t, g.second);
+    t += g.second;
+  }
 }
 
 // y = x @ W^T (+ b), with x in the compute dtype.
@@ -444,54 +500,62 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   Lin lin{compute_};
   auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
   auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
+  const int64_t R = residual_rows(N);  // rows of x, out, the norms and the residual on this rank
   float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
-  float* ln1_out = bf ? tmp : a.ln1.f32();
+  // Sequence parallelism: the norm runs on this rank's rows; the matmul gets all rows (gathered).
+  float* ln1_out = bf || sp_ ? tmp : a.ln1.f32();
   if (gpt)
-    k::layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, wf(base + G_LN1W), wf(base + G_LN1B), N, C,
+    k::layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, wf(base + G_LN1W), wf(base + G_LN1B), R, C,
                          cfg_.norm_eps);
   else
-    k::rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, wf(base + L_LN1W), N, C, cfg_.norm_eps);
-  if (bf) store(a.ln1, ln1_out, N * C);
+    k::rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, wf(base + L_LN1W), R, C, cfg_.norm_eps);
+  if (bf || sp_) store(a.ln1, ln1_out, R * C);
+  const Tensor& ln1_in = sp_ ? sp_gather(ln1_out, R) : a.ln1;
   // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
   int qkv_w = gpt ? G_QKVW : L_QW;
-  lin.fwd(a.qkv.f32(), a.ln1, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
+  lin.fwd(a.qkv.f32(), ln1_in, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
   if (!gpt) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
   k::attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
   if (bf) store(a.atty_bf, a.atty.f32(), N * nh * hd);
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
   int proj_w = gpt ? G_PROJW : L_OW;
-  // Row-parallel output projection: partial sums over this rank's heads, summed across tp ranks,
-  // then the (replicated) bias once.
-  lin.fwd(a.res2.f32(), atty_in, WF(proj_w), WB(proj_w), gpt && !tp ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
-  if (tp) {
+  // Row-parallel output projection: partial sums over this rank's heads, summed across tp ranks
+  // (reduce-scattered to this rank's rows with sequence parallelism), then the (replicated) bias once.
+  float* proj_out = sp_ ? sp_part_.f32() : a.res2.f32();
+  lin.fwd(proj_out, atty_in, WF(proj_w), WB(proj_w), gpt && !tp ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
+  if (sp_)
+    tp_->reduce_scatter_sum(proj_out, a.res2.f32(), R * C);
+  else if (tp)
     tp_->all_reduce_sum(a.res2.f32(), N * C);
-    if (gpt) add_bias(a.res2.f32(), wf(base + G_PROJB), N, C);
-  }
-  k::accumulate(a.res2.f32(), x, N * C);
-  float* ln2_out = bf ? tmp : a.ln2.f32();
+  if (tp && gpt) add_bias(a.res2.f32(), wf(base + G_PROJB), R, C);
+  k::accumulate(a.res2.f32(), x, R * C);
+  float* ln2_out = bf || sp_ ? tmp : a.ln2.f32();
   if (gpt)
     k::layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), wf(base + G_LN2W),
-                         wf(base + G_LN2B), N, C, cfg_.norm_eps);
+                         wf(base + G_LN2B), R, C, cfg_.norm_eps);
   else
-    k::rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), wf(base + L_LN2W), N, C, cfg_.norm_eps);
-  if (bf) store(a.ln2, ln2_out, N * C);
+    k::rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), wf(base + L_LN2W), R, C, cfg_.norm_eps);
+  if (bf || sp_) store(a.ln2, ln2_out, R * C);
+  const Tensor& ln2_in = sp_ ? sp_gather(ln2_out, R) : a.ln2;
   float* act_out = bf ? tmp : a.act.f32();
   if (gpt) {
-    lin.fwd(a.fc.f32(), a.ln2, WF(G_FCW), WB(G_FCW), wf(base + G_FCB), N, C, F);
+    lin.fwd(a.fc.f32(), ln2_in, WF(G_FCW), WB(G_FCW), wf(base + G_FCB), N, C, F);
     k::gelu_forward(act_out, a.fc.f32(), N * F);
   } else {
-    lin.fwd(a.fc.f32(), a.ln2, WF(L_GATEW), WB(L_GATEW), nullptr, N, C, F);
-    lin.fwd(a.up.f32(), a.ln2, WF(L_UPW), WB(L_UPW), nullptr, N, C, F);
+    lin.fwd(a.fc.f32(), ln2_in, WF(L_GATEW), WB(L_GATEW), nullptr, N, C, F);
+    lin.fwd(a.up.f32(), ln2_in, WF(L_UPW), WB(L_UPW), nullptr, N, C, F);
     k::swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
   }
   if (bf) store(a.act, act_out, N * F);
   int down_w = gpt ? G_MPW : L_DOWNW;
-  lin.fwd(out, a.act, WF(down_w), WB(down_w), gpt && !tp ? wf(base + G_MPB) : nullptr, N, F, C);
-  if (tp) {
+  float* down_out = sp_ ? sp_part_.f32() : out;
+  lin.fwd(down_out, a.act, WF(down_w), WB(down_w), gpt && !tp ? wf(base + G_MPB) : nullptr, N, F, C);
+  if (sp_)
+    tp_->reduce_scatter_sum(down_out, out, R * C);
+  else if (tp)
     tp_->all_reduce_sum(out, N * C);
-    if (gpt) add_bias(out, wf(base + G_MPB), N, C);
-  }
-  k::accumulate(out, a.res2.f32(), N * C);
+  if (tp && gpt) add_bias(out, wf(base + G_MPB), R, C);
+  k::accumulate(out, a.res2.f32(), R * C);
 }
 
 // dx holds d(block output) on entry and d(block input) on exit.
@@ -512,44 +576,95 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   float* dup = bwd_ws_[4].f32();
   float* dact = bwd_ws_[5].f32();
 
+  // Sequence parallelism: dx holds this rank's R rows; the row-parallel matmuls' backward needs
+  // every row (all-gather, the conjugate of the forward's reduce-scatter), the column-parallel
+  // ones' input gradients are reduce-scattered back to R rows, and the norms' parameter gradients
+  // (computed from R rows) are summed over the tp ranks.
+  const int64_t R = residual_rows(N);
+  float* dsh = sp_ ? sp_part_.f32() : nullptr;  // reduce-scattered input gradient of a norm
+  auto all_rows = [&](const float* g) -> const float* {
+    if (!sp_) return g;
+    tp_->all_gather(g, sp_dfull_.f32(), R * C);
+    return sp_dfull_.f32();
+  };
+  auto norm_input = [&](const Tensor& stored) -> const Tensor& {  // the matmul's input, all rows
+    if (!sp_) return stored;
+    if (!bf) return sp_gather(stored.f32(), R);
+    k::cast_bf16_to_f32(bwd_ws_[6].f32(), stored.bf(), R * C);
+    return sp_gather(bwd_ws_[6].f32(), R);
+  };
+  auto sum_input_grad = [&](float* partial) -> const float* {  // over the tp ranks' partial sums
+    if (sp_) {
+      tp_->reduce_scatter_sum(partial, dsh, R * C);
+      return dsh;
+    }
+    if (tp) tp_->all_reduce_sum(partial, N * C);
+    return partial;
+  };
+
   // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
   std::memset(dact, 0, N * F * sizeof(float));
   int down_w = gpt ? G_MPW : L_DOWNW;
-  lin.bwd(dact, gp(base + down_w), gpt ? gp(base + G_MPB) : nullptr, dx, a.act, WF(down_w), WB(down_w), N, F, C);
+  const float* dout = all_rows(dx);
+  lin.bwd(dact, gp(base + down_w), gpt ? gp(base + G_MPB) : nullptr, dout, a.act, WF(down_w), WB(down_w), N, F, C);
   std::memset(dfc, 0, N * F * sizeof(float));
   std::memset(dnorm, 0, N * C * sizeof(float));
   if (gpt) {
     k::gelu_backward(dfc, a.fc.f32(), dact, N * F);
-    lin.bwd(dnorm, gp(base + G_FCW), gp(base + G_FCB), dfc, a.ln2, WF(G_FCW), WB(G_FCW), N, C, F);
-    if (tp) tp_->all_reduce_sum(dnorm, N * C);  // column-parallel: input gradient summed over ranks
-    k::layernorm_backward(dx, gp(base + G_LN2W), gp(base + G_LN2B), dnorm, a.res2.f32(), wf(base + G_LN2W),
-                          a.ln2_mean.f32(), a.ln2_rstd.f32(), N, C);
+    lin.bwd(dnorm, gp(base + G_FCW), gp(base + G_FCB), dfc, norm_input(a.ln2), WF(G_FCW), WB(G_FCW), N, C, F);
+    const float* dn = sum_input_grad(dnorm);  // column-parallel: input gradient summed over ranks
+    auto lnb = [&](float* dw, float* db) {
+      k::layernorm_backward(dx, dw, db, dn, a.res2.f32(), wf(base + G_LN2W), a.ln2_mean.f32(), a.ln2_rstd.f32(), R, C);
+    };
+    if (sp_)
+      sp_replicated_grad({{gp(base + G_LN2W), C}, {gp(base + G_LN2B), C}}, [&](float* t) { lnb(t, t + C); });
+    else
+      lnb(gp(base + G_LN2W), gp(base + G_LN2B));
   } else {
     std::memset(dup, 0, N * F * sizeof(float));
     k::swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
-    lin.bwd(dnorm, gp(base + L_GATEW), nullptr, dfc, a.ln2, WF(L_GATEW), WB(L_GATEW), N, C, F);
-    lin.bwd(dnorm, gp(base + L_UPW), nullptr, dup, a.ln2, WF(L_UPW), WB(L_UPW), N, C, F);
-    if (tp) tp_->all_reduce_sum(dnorm, N * C);
-    k::rmsnorm_backward(dx, gp(base + L_LN2W), dnorm, a.res2.f32(), wf(base + L_LN2W), a.ln2_rstd.f32(), N, C);
+    const Tensor& ln2_in = norm_input(a.ln2);
+    lin.bwd(dnorm, gp(base + L_GATEW), nullptr, dfc, ln2_in, WF(L_GATEW), WB(L_GATEW), N, C, F);
+    lin.bwd(dnorm, gp(base + L_UPW), nullptr, dup, ln2_in, WF(L_UPW), WB(L_UPW), N, C, F);
+    const float* dn = sum_input_grad(dnorm);
+    auto rmb = [&](float* dw) {
+      k::rmsnorm_backward(dx, dw, dn, a.res2.f32(), wf(base + L_LN2W), a.ln2_rstd.f32(), R, C);
+    };
+    if (sp_)
+      sp_replicated_grad({{gp(base + L_LN2W), C}}, [&](float* t) { rmb(t); });
+    else
+      rmb(gp(base + L_LN2W));
   }
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
   std::memset(datty, 0, N * nh * hd * sizeof(float));
   int proj_w = gpt ? G_PROJW : L_OW;
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
-  lin.bwd(datty, gp(base + proj_w), gpt ? gp(base + G_PROJB) : nullptr, dx, atty_in, WF(proj_w), WB(proj_w), N,
+  const float* dres2 = all_rows(dx);
+  lin.bwd(datty, gp(base + proj_w), gpt ? gp(base + G_PROJB) : nullptr, dres2, atty_in, WF(proj_w), WB(proj_w), N,
           nh * hd, C);
   std::memset(dqkv, 0, N * QKV * sizeof(float));
   k::attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
   if (!gpt) k::rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
   std::memset(dnorm, 0, N * C * sizeof(float));
   int qkv_w = gpt ? G_QKVW : L_QW;
-  lin.bwd(dnorm, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
-  if (tp) tp_->all_reduce_sum(dnorm, N * C);
-  if (gpt)
-    k::layernorm_backward(dx, gp(base + G_LN1W), gp(base + G_LN1B), dnorm, x, wf(base + G_LN1W), a.ln1_mean.f32(),
-                          a.ln1_rstd.f32(), N, C);
-  else
-    k::rmsnorm_backward(dx, gp(base + L_LN1W), dnorm, x, wf(base + L_LN1W), a.ln1_rstd.f32(), N, C);
+  lin.bwd(dnorm, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, norm_input(a.ln1), WF(qkv_w), WB(qkv_w), N,
+          C, QKV);
+  const float* dn = sum_input_grad(dnorm);
+  if (gpt) {
+    auto lnb = [&](float* dw, float* db) {
+      k::layernorm_backward(dx, dw, db, dn, x, wf(base + G_LN1W), a.ln1_mean.f32(), a.ln1_rstd.f32(), R, C);
+    };
+    if (sp_)
+      sp_replicated_grad({{gp(base + G_LN1W), C}, {gp(base + G_LN1B), C}}, [&](float* t) { lnb(t, t + C); });
+    else
+      lnb(gp(base + G_LN1W), gp(base + G_LN1B));
+  } else {
+    auto rmb = [&](float* dw) { k::rmsnorm_backward(dx, dw, dn, x, wf(base + L_LN1W), a.ln1_rstd.f32(), R, C); };
+    if (sp_)
+      sp_replicated_grad({{gp(base + L_LN1W), C}}, [&](float* t) { rmb(t); });
+    else
+      rmb(gp(base + L_LN1W));
+  }
 }
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
@@ -565,7 +680,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("forward_units: bad unit range");
   ensure_buffers(B, T, first, last);
   Slot& s = *s_;
-  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_;
+  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   const bool tp = tp_size_ > 1;
@@ -579,7 +694,9 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     std::memcpy(s.ids.raw(), ids, N * sizeof(int32_t));
     const int32_t* ids_saved = s.ids.data<int32_t>();
     if (hooks_) hooks_->pre_forward(0);
-    float* x = s.block_out[0].f32();
+    // With sequence parallelism the vocab-parallel partial rows of all N tokens are built in
+    // workspace and reduce-scattered to this rank's R rows.
+    float* x = sp_ ? sp_part_.f32() : s.block_out[0].f32();
     const int emb = unit_params_[0][0];
     if (tp) {
       // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp ranks.
@@ -593,18 +710,28 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
           std::memcpy(x + i * C, wf(emb) + row * C, C * sizeof(float));
         }
       }
-      tp_->all_reduce_sum(x, N * C);
+      if (sp_) {
+        tp_->reduce_scatter_sum(x, s.block_out[0].f32(), R * C);
+        x = s.block_out[0].f32();
+      } else {
+        tp_->all_reduce_sum(x, N * C);
+      }
     } else if (bf) {  // rows of the bf16 table, widened
       const bf16* table = wb(emb);
       for (int64_t i = 0; i < N; ++i) k::cast_bf16_to_f32(x + i * C, table + static_cast<int64_t>(ids_saved[i]) * C, C);
     } else {
       k::embedding_forward(x, ids_saved, wf(emb), N, C);
     }
-    if (gpt) k::position_add_forward(x, wf(emb + 1), B, T, C);
+    if (gpt && sp_) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
+      const float* pos = wf(emb + 1);
+      for (int64_t i = 0; i < R; ++i) k::accumulate(x + i * C, pos + ((tp_rank_ * R + i) % T) * C, C);
+    } else if (gpt) {
+      k::position_add_forward(x, wf(emb + 1), B, T, C);
+    }
     if (hooks_) hooks_->post_forward(0);
   } else {
     if (!input) throw std::invalid_argument("forward_units: a stage that starts after the embedding needs its input");
-    std::memcpy(s.block_out[first - 1].f32(), input, static_cast<size_t>(N * C) * sizeof(float));
+    std::memcpy(s.block_out[first - 1].f32(), input, static_cast<size_t>(R * C) * sizeof(float));
   }
   // blocks
   for (int u = std::max(first, 1); u <= std::min(last, hu - 1); ++u) {
@@ -622,11 +749,17 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   if (hooks_) hooks_->pre_forward(hu);
   const int hb = unit_params_[hu][0];
   const float* xl = s.block_out[cfg_.n_layer].f32();
-  float* hin = s.head_in.f32();
+  // Sequence parallelism: the final norm on this rank's rows, gathered for the (vocab-parallel)
+  // output projection, which needs every row; head_in keeps the gathered rows for its backward.
+  float* hin = sp_ ? bwd_ws_[6].f32() : s.head_in.f32();
   if (gpt)
-    k::layernorm_forward(hin, s.head_mean.f32(), s.head_rstd.f32(), xl, wf(hb), wf(hb + 1), N, C, cfg_.norm_eps);
+    k::layernorm_forward(hin, s.head_mean.f32(), s.head_rstd.f32(), xl, wf(hb), wf(hb + 1), R, C, cfg_.norm_eps);
   else
-    k::rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), N, C, cfg_.norm_eps);
+    k::rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), R, C, cfg_.norm_eps);
+  if (sp_) {
+    tp_->all_gather(hin, s.head_in.f32(), R * C);
+    hin = s.head_in.f32();
+  }
   if (bf) {
     k::cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
     k::linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
@@ -674,11 +807,11 @@ void Transformer::backward_units(int first, int last, const float* dout) {
   if (!s.have_backward) throw std::logic_error("backward without a training forward (with targets at the head)");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_;
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   const bool tp = tp_size_ > 1;
-  float* dx = dres_.f32();
+  float* dx = dres_.f32();  // R rows
   if (last == hu) {
     const int hb = unit_params_[hu][0];
     if (hooks_) hooks_->pre_backward(hu);
@@ -688,17 +821,31 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       k::linear_backward_bf16(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
     else
       k::linear_backward(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
-    if (tp) tp_->all_reduce_sum(dhin, N * C);  // vocab-parallel head: sum the partial input gradients
-    std::memset(dx, 0, N * C * sizeof(float));
+    // vocab-parallel head: sum the partial input gradients (to this rank's rows with sequence parallelism)
+    if (sp_) {
+      tp_->reduce_scatter_sum(dhin, sp_part_.f32(), R * C);
+      dhin = sp_part_.f32();
+    } else if (tp) {
+      tp_->all_reduce_sum(dhin, N * C);
+    }
+    std::memset(dx, 0, R * C * sizeof(float));
     const float* xl = s.block_out[cfg_.n_layer].f32();
-    if (gpt)
-      k::layernorm_backward(dx, gp(hb), gp(hb + 1), dhin, xl, wf(hb), s.head_mean.f32(), s.head_rstd.f32(), N, C);
+    auto nb = [&](float* dw, float* db) {
+      if (gpt)
+        k::layernorm_backward(dx, dw, db, dhin, xl, wf(hb), s.head_mean.f32(), s.head_rstd.f32(), R, C);
+      else
+        k::rmsnorm_backward(dx, dw, dhin, xl, wf(hb), s.head_rstd.f32(), R, C);
+    };
+    if (sp_ && gpt)
+      sp_replicated_grad({{gp(hb), C}, {gp(hb + 1), C}}, [&](float* t) { nb(t, t + C); });
+    else if (sp_)
+      sp_replicated_grad({{gp(hb), C}}, [&](float* t) { nb(t, nullptr); });
     else
-      k::rmsnorm_backward(dx, gp(hb), dhin, xl, wf(hb), s.head_rstd.f32(), N, C);
+      nb(gp(hb), gpt ? gp(hb + 1) : nullptr);
     if (hooks_) hooks_->post_backward(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
-    std::memcpy(dx, dout, static_cast<size_t>(N * C) * sizeof(float));
+    std::memcpy(dx, dout, static_cast<size_t>(R * C) * sizeof(float));
   }
   for (int u = std::min(last, hu - 1); u >= std::max(first, 1); --u) {
     const int64_t l = u - 1;
@@ -714,6 +861,10 @@ void Transformer::backward_units(int first, int last, const float* dout) {
   if (first == 0) {
     const int emb = unit_params_[0][0];
     if (hooks_) hooks_->pre_backward(0);
+    if (sp_) {  // every token's gradient (any may index this rank's vocabulary rows)
+      tp_->all_gather(dx, sp_dfull_.f32(), R * C);
+      dx = sp_dfull_.f32();
+    }
     if (tp) {  // only the rows this rank holds
       float* dt = gp(emb);
       const int32_t* ids = s.ids.data<int32_t>();

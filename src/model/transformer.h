@@ -7,8 +7,10 @@
 // which is how sharded data parallel substitutes gathered parameters.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/model_config.h"
@@ -42,6 +44,12 @@ class TpComm {
   virtual int size() const = 0;
   virtual void all_reduce_sum(float* x, int64_t n) = 0;
   virtual void all_reduce_max(float* x, int64_t n) = 0;
+  // Sequence parallelism. `out` receives size() x n elements in rank order; `in` is this rank's n.
+  // The defaults express both through all_reduce_sum (exact: the other ranks add zeros); a real
+  // implementation uses the all-gather / reduce-scatter collectives at 1/2 the traffic.
+  virtual void all_gather(const float* in, float* out, int64_t n);
+  // out (n elements) = the sum over ranks of segment rank() of `in` (size() x n elements).
+  virtual void reduce_scatter_sum(const float* in, float* out, int64_t n);
 };
 
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
@@ -146,6 +154,14 @@ class Transformer {
 
   int tp_size() const { return tp_size_; }
   int tp_rank() const { return tp_rank_; }
+  // Sequence parallelism (Megatron, with tp > 1): between the tensor-parallel regions (norms,
+  // residual adds, the pipeline's stage boundaries) each tp rank holds only its 1/t of the B*T
+  // rows; all-gathers before the column-parallel matmuls and reduce-scatters after the row-parallel
+  // ones replace the all-reduces. Set before the first forward; needs B*T divisible by t.
+  void set_sequence_parallel(bool on);
+  bool sequence_parallel() const { return sp_; }
+  // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
+  int64_t residual_rows(int64_t N) const { return sp_ ? N / tp_size_ : N; }
   // Tensor parallelism: this rank's part of every parameter, taken from a full flat buffer laid
   // out like `full_layout` (an unsplit model of the same config), and the inverse from every
   // tp rank's local flat buffer (rank order). Also maps between two unsplit layouts (padding).
@@ -179,6 +195,13 @@ class Transformer {
   std::vector<Tensor> upcast_;  // bf16 mode: fp32 copies of small parameters, per param index
   TpComm* tp_ = nullptr;
   int tp_size_ = 1, tp_rank_ = 0;
+  bool sp_ = false;
+  // sequence-parallel workspace: gathered rows (f32 and compute dtype), gathered gradient, partial
+  // sums before a reduce-scatter, the replicated parameters' gradient contributions
+  Tensor sp_full_, sp_full_bf_, sp_dfull_, sp_part_, sp_pgrad_;
+  const Tensor& sp_gather(const float* shard, int64_t n);  // -> [N, C] in the compute dtype
+  void sp_replicated_grad(const std::vector<std::pair<float*, int64_t>>& grads,
+                          const std::function<void(float*)>& contribute);
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
   void tp_cross_entropy(bool train, float dloss);
   Tensor weights_, grads_, weights_bf16_;

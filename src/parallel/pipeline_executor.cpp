@@ -185,7 +185,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   const int M = sched_.microbatches;
   if (static_cast<int>(ids.size()) != M || static_cast<int>(targets.size()) != M)
     throw std::invalid_argument("pipeline step needs one batch per micro-batch (" + std::to_string(M) + ")");
-  const int64_t NC = B * T * model_.config().n_embd;
+  const int64_t NC = model_.residual_rows(B * T) * model_.config().n_embd;  // a stage boundary's rows
   PipelineStepStats st;
   peak_slots_ = slots_used_;
   // Messages in flight, by (kind, micro-batch, stage): receive buffers and handles, send buffers.
@@ -290,7 +290,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
 }
 
 double PipelineExecutor::eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T) {
-  const int64_t NC = B * T * model_.config().n_embd;
+  const int64_t NC = model_.residual_rows(B * T) * model_.config().n_embd;  // a stage boundary's rows
   Tensor in = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
   Tensor out = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
   comm::WorkHandle pending;

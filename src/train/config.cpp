@@ -67,6 +67,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, "gpipe | 1f1b | interleaved_1f1b"},
       {"parallel.pp_virtual_stages", Kind::Int, &c.parallel.pp_virtual_stages, "stages per rank (interleaved)"},
       {"parallel.pp_microbatches", Kind::Int, &c.parallel.pp_microbatches, "0 = grad_accum"},
+      {"parallel.sequence_parallel", Kind::Bool, &c.parallel.sequence_parallel,
+       "with tp > 1: norms and residuals on sequence shards (all-gather / reduce-scatter instead of all-reduce)"},
       {"parallel.pp_partition", Kind::String, &c.parallel.pp_partition,
        "blocks per (virtual) stage, e.g. \"3,3,2\" (embedding joins the first, head the last); empty = balanced by cost"},
       {"parallel.bucket_mb", Kind::Float, &c.parallel.bucket_mb, "gradient bucket size in MB (DDP)"},

@@ -54,6 +54,7 @@ struct RunConfig {
     std::string pp_schedule = "1f1b";
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;
+    bool sequence_parallel = false;
     double bucket_mb = 25.0;
     bool reshard_after_forward = true;
     int64_t prefetch = 1;

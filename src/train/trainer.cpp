@@ -170,6 +170,13 @@ TrainResult train(const RunConfig& cfg) {
   }
   Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()), tp > 1 ? &tp_comm : nullptr,
                     owned);
+  if (cfg.parallel.sequence_parallel) {
+    if (tp == 1) throw ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel group's rows)");
+    if ((B * T) % tp != 0)
+      throw ConfigError("parallel.sequence_parallel: micro_batch x seq_len = " + std::to_string(B * T) +
+                        " tokens is not divisible by parallel.tp = " + std::to_string(tp));
+    model.set_sequence_parallel(true);
+  }
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
   const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
   std::vector<double> norm_weight(model.params().size(), 1.0);

@@ -72,6 +72,9 @@ TEST_F(PipelineParallel, ComposedOn4Ranks) {
   check("pp=2 x SHARD_GRAD_OP 2, full recompute", ref,
         train(4, 1, 4, "ppz2", "--parallel.pp 2 --parallel.strategy SHARD_GRAD_OP --train.activation_checkpointing full"));
   check("pp=2 x tp=2", ref, train(4, 2, 4, "pptp", "--parallel.pp 2 --parallel.tp 2"));
+  check("pp=2 x tp=2 + sequence parallel, gpipe", ref,
+        train(4, 2, 4, "pptpsp",
+              "--parallel.pp 2 --parallel.tp 2 --parallel.sequence_parallel true --parallel.pp_schedule gpipe"));
 }
 
 TEST_F(PipelineParallel, LlamaWithFullShardAndHybrid) {

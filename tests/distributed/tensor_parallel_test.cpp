@@ -50,6 +50,30 @@ TEST_F(TensorParallel, Bf16) {
                kBf16WeightTol, "bf16 tp=2 vs fp32 single");
 }
 
+// Sequence parallelism: norms and residuals on 1/t of the rows, all-gather / reduce-scatter in
+// place of the all-reduces. The sums are the same (this engine's all-reduce is a reduce-scatter
+// plus an all-gather), only the norms' parameter gradients are summed from row shards: fp32
+// tolerance as above; bf16 sequence parallel vs bf16 tp stays at fp32-rounding distance.
+TEST_F(TensorParallel, SequenceParallel) {
+  auto ref = train(1, 8, 1, "single");
+  const std::string sp = "--parallel.tp 2 --parallel.sequence_parallel true ";
+  auto tp2 = train(2, 8, 1, "tp2", "--parallel.tp 2");
+  auto sp2 = train(2, 8, 1, "sp2", sp);
+  expect_close(ref, sp2, kLossTol, kWeightTol, "gpt2 tp=2 + sequence parallel");
+  // Less activation memory per rank: the norms' inputs/outputs and the residual stream are split.
+  ASSERT_FALSE(tp2.final.is_null());
+  ASSERT_FALSE(sp2.final.is_null());
+  EXPECT_LT(sp2.final["mem_peak_by_category"]["activations"].get<double>(),
+            0.9 * tp2.final["mem_peak_by_category"]["activations"].get<double>());
+  const std::string l = "--model.preset llama-tiny ";
+  expect_close(train(1, 8, 1, "lsingle", l), train(2, 8, 1, "lsp2", l + sp), kLossTol, kWeightTol,
+               "llama tp=2 + sequence parallel");
+  expect_close(ref, train(4, 4, 1, "spfs", sp + "--parallel.strategy FULL_SHARD --train.activation_checkpointing full"),
+               kLossTol, kWeightTol, "tp=2 + sp x FULL_SHARD 2, full recompute");
+  expect_close(train(2, 8, 1, "tpbf", "--parallel.tp 2 --train.dtype bf16"),
+               train(2, 8, 1, "spbf", sp + "--train.dtype bf16"), kLossTol, kWeightTol, "bf16 sp vs bf16 tp");
+}
+
 TEST_F(TensorParallel, IndivisibleHeadsAreRefused) {
   RunOut r = run(mpirun(3) + MT_BINARY + " train --model.preset gpt2-tiny --data.train " +
                  (dir_ / "train.bin").string() + " --data.val '' --train.steps 1 --parallel.tp 3");
