@@ -72,6 +72,9 @@ class PipelineExecutor {
   const PipeSchedule& schedule() const { return sched_; }
   const StagePartition& partition() const { return part_; }
   bool tied_split() const { return tied_split_; }
+  // Gradient bytes the executor itself keeps (the first stage's receive buffer for the head's
+  // contribution to a tied embedding).
+  int64_t grad_bytes() const { return tied_grad_in_.defined() ? static_cast<int64_t>(tied_grad_in_.nbytes()) : 0; }
 
  private:
   int acquire_slot(int m, int s);

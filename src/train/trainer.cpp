@@ -437,6 +437,7 @@ TrainResult train(const RunConfig& cfg) {
       want.params += static_cast<int64_t>(model.tied_replica().nbytes());
       want.grads += static_cast<int64_t>(model.tied_replica_grad().nbytes());
     }
+    if (pipe) want.grads += pipe->grad_bytes();
     std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
                 "(params %s, grads %s, optimizer %s)\n",
                 format_bytes(resident[0] + resident[1] + resident[2]).c_str(), format_bytes(want.total()).c_str(),
