@@ -872,6 +872,14 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         const int64_t row = ids[i] - vocab_lo_;
         if (row >= 0 && row < Vp_l_) k::accumulate(dt + row * C, dx + i * C, C);
       }
+    } else if (defer_emb_) {  // kept for the caller (see set_defer_embedding_grad)
+      if (!deferred_rows_.defined() || deferred_rows_.numel() != N * C) {
+        deferred_rows_ = Tensor::empty({N, C}, DType::F32, MemCategory::Workspace);
+        deferred_ids_ = Tensor::empty({N}, DType::F32, MemCategory::Workspace);  // int32 storage
+      }
+      std::memcpy(deferred_rows_.f32(), dx, static_cast<size_t>(N * C) * sizeof(float));
+      std::memcpy(deferred_ids_.raw(), s.ids.raw(), static_cast<size_t>(N) * sizeof(int32_t));
+      deferred_n_ = N;
     } else {
       k::embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), N, C);
     }
@@ -883,6 +891,10 @@ void Transformer::backward_units(int first, int last, const float* dout) {
     if (hooks_) hooks_->post_backward(0);
   }
   s.have_backward = false;
+}
+
+bool Transformer::can_defer_embedding_grad() const {
+  return cfg_.tied_embeddings && tp_size_ == 1 && owned_.front() && owned_.back();
 }
 
 const float* Transformer::unit_output(int u) const {

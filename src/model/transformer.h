@@ -145,6 +145,16 @@ class Transformer {
   // token embedding's gradient by the next embedding backward (the head's contribution), then
   // forgotten.
   void set_extra_embedding_grad(const float* g) { extra_emb_grad_ = g; }
+  // Data parallelism with a tied embedding in one model (tp = 1): while on, the embedding lookup's
+  // gradient is not added to the token embedding's gradient; the next backward keeps it as token
+  // ids and gradient rows (deferred_embedding_*) for the caller to reduce and add, so the head's
+  // dense part of that gradient is complete - and can be reduced - right after the head's backward.
+  bool can_defer_embedding_grad() const;
+  void set_defer_embedding_grad(bool on) { defer_emb_ = on && can_defer_embedding_grad(); }
+  bool defers_embedding_grad() const { return defer_emb_; }
+  int64_t deferred_embedding_count() const { return deferred_n_; }  // rows (B*T of the last backward)
+  const int32_t* deferred_embedding_ids() const { return deferred_ids_.data<int32_t>(); }
+  const float* deferred_embedding_rows() const { return deferred_rows_.f32(); }
 
   // Bytes of activations currently held for backward (for reporting).
   int64_t activation_bytes() const;
@@ -212,6 +222,9 @@ class Transformer {
   std::vector<char> owned_;
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
   const float* extra_emb_grad_ = nullptr;
+  bool defer_emb_ = false;
+  int64_t deferred_n_ = 0;
+  Tensor deferred_ids_, deferred_rows_;  // [N] int32, [N, C]
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;

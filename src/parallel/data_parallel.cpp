@@ -4,6 +4,9 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "kernels/activation.h"
+#include "kernels/embedding.h"
+
 namespace mt::parallel {
 
 DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
@@ -35,6 +38,19 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     }
     bucket_of_unit_[u] = static_cast<int>(buckets_.size()) - 1;
   }
+  // Tied embedding: the token embedding (the embedding unit's first parameter) becomes its own
+  // bucket, reduced when the head's backward has written its dense gradient; the embedding
+  // unit's bucket keeps the rest (position table).
+  tied_ = model_.can_defer_embedding_grad() && dp_->size() > 1;
+  if (tied_) {
+    const ParamInfo& wte = model_.params()[0];
+    Bucket& b0 = buckets_[bucket_of_unit_[0]];
+    if (b0.offset != wte.offset) throw std::logic_error("DDP: the token embedding does not start its bucket");
+    b0.offset += wte.numel;
+    b0.numel -= wte.numel;
+    tied_bucket_.offset = wte.offset;
+    tied_bucket_.numel = wte.numel;
+  }
   reset();
 }
 
@@ -45,9 +61,15 @@ void DataParallel::reset() {
     for (int u = b.first_unit; u <= b.last_unit; ++u) b.pending -= model_.owns_unit(u) ? 0 : 1;
     b.work.reset();
   }
+  tied_bucket_.work.reset();
+  ids_work_.reset();
+  rows_work_.reset();
 }
 
-void DataParallel::set_sync(bool sync) { sync_ = sync; }
+void DataParallel::set_sync(bool sync) {
+  sync_ = sync;
+  model_.set_defer_embedding_grad(sync && tied_);
+}
 
 void DataParallel::post_backward(int unit) {
   // Only the synchronising backward counts: each unit runs it once per step (with a pipeline, the
@@ -55,7 +77,18 @@ void DataParallel::post_backward(int unit) {
   if (!sync_) return;
   unit_done_[unit] = 1;
   Bucket& b = buckets_[bucket_of_unit_[unit]];
-  if (--b.pending == 0 && dp_->size() > 1) launch(b);
+  if (tied_ && unit == model_.num_units() - 1) launch(tied_bucket_);  // the head's dense part is complete
+  if (tied_ && unit == 0) {  // the lookup's rows of every rank (ids as raw 32-bit words)
+    const int64_t n = model_.deferred_embedding_count(), C = model_.config().n_embd, W = dp_->size();
+    if (!gathered_rows_.defined() || gathered_rows_.numel() != W * n * C) {
+      gathered_rows_ = Tensor::empty({W * n, C}, DType::F32, MemCategory::Comm);
+      gathered_ids_ = Tensor::empty({W * n}, DType::F32, MemCategory::Comm);
+    }
+    ids_work_ = dp_->all_gather(model_.deferred_embedding_ids(), gathered_ids_.raw(), static_cast<size_t>(n), DType::F32);
+    rows_work_ = dp_->all_gather(model_.deferred_embedding_rows(), gathered_rows_.f32(), static_cast<size_t>(n * C),
+                                 DType::F32);
+  }
+  if (--b.pending == 0 && dp_->size() > 1 && b.numel > 0) launch(b);
 }
 
 void DataParallel::launch(Bucket& b) {
@@ -80,10 +113,26 @@ DdpStepStats DataParallel::finish() {
   auto t0 = std::chrono::steady_clock::now();
   for (auto& b : buckets_)
     if (b.work) b.work->wait();
+  if (tied_) {
+    for (auto* w : {&tied_bucket_.work, &ids_work_, &rows_work_})
+      if (*w) (*w)->wait();
+    // The dense part is averaged; add every rank's lookup rows / world, in rank order (the same
+    // sum on every rank).
+    const int64_t W = dp_->size(), n = model_.deferred_embedding_count(), C = model_.config().n_embd;
+    kernels::scale(gathered_rows_.f32(), 1.0f / static_cast<float>(W), W * n * C);
+    float* g = model_.grads().f32() + tied_bucket_.offset;
+    for (int64_t r = 0; r < W; ++r)
+      kernels::embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.data<int32_t>() + r * n, n, C);
+  }
   st.exposed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   for (auto& b : buckets_)
     if (b.work) {
       st.comm_ms += b.work->elapsed_ms();
+      ++st.buckets;
+    }
+  for (auto* w : {&tied_bucket_.work, &ids_work_, &rows_work_})
+    if (*w) {
+      st.comm_ms += (*w)->elapsed_ms();
       ++st.buckets;
     }
   reset();

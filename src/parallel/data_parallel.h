@@ -15,6 +15,7 @@
 
 #include "comm/process_group.h"
 #include "model/transformer.h"
+#include "runtime/tensor.h"
 
 namespace mt::parallel {
 
@@ -43,6 +44,10 @@ class DataParallel : public UnitHooks {
   // naming the units that produced no gradient when the synchronising backward did not finish
   // every unit this rank owns (instead of hanging like the classic DDP bug).
   DdpStepStats finish();
+  // Tied embedding (GPT-2 in one model): the token embedding's gradient is reduced in two parts,
+  // the head's dense part as its own bucket right after the head's backward, and the embedding
+  // lookup's rows (all-gathered: ids and B*T gradient rows per rank) added after it.
+  bool splits_tied_gradient() const { return tied_; }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   comm::ProcessGroup& group() { return *dp_; }
@@ -50,6 +55,10 @@ class DataParallel : public UnitHooks {
  private:
   void launch(Bucket& b);
   void reset();  // before the next synchronising backward
+  bool tied_ = false;
+  Bucket tied_bucket_;                          // the token embedding's range (head's dense part)
+  Tensor gathered_ids_, gathered_rows_;         // every rank's deferred lookup gradient
+  comm::WorkHandle ids_work_, rows_work_;
   Transformer& model_;
   std::shared_ptr<comm::ProcessGroup> dp_;
   std::vector<Bucket> buckets_;
