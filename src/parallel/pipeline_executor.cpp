@@ -159,10 +159,13 @@ int PipelineExecutor::acquire_slot(int m, int s) {
   const int key = m * S_ + s;
   auto it = slot_of_.find(key);
   if (it != slot_of_.end()) return it->second;
+  // Slots are pooled per chunk (s / pp): a slot keeps the buffers of the units it ran, so reusing
+  // it for the same chunk allocates nothing new.
+  auto& pool = free_slots_[s / sched_.pp];
   int slot;
-  if (!free_slots_.empty()) {
-    slot = free_slots_.back();
-    free_slots_.pop_back();
+  if (!pool.empty()) {
+    slot = pool.back();
+    pool.pop_back();
   } else {
     slot = slots_made_++;
   }
@@ -174,7 +177,7 @@ int PipelineExecutor::acquire_slot(int m, int s) {
 void PipelineExecutor::release_slot(int m, int s) {
   auto it = slot_of_.find(m * S_ + s);
   if (it == slot_of_.end()) return;
-  free_slots_.push_back(it->second);
+  free_slots_[s / sched_.pp].push_back(it->second);
   slot_of_.erase(it);
   --slots_used_;
 }

@@ -89,7 +89,7 @@ class PipelineExecutor {
   int rank_, S_, head_unit_;
   bool tied_split_ = false;  // tied embeddings whose embedding and head live on different ranks
   std::map<int, int> slot_of_;  // m * S + s -> activation slot
-  std::vector<int> free_slots_;
+  std::map<int, std::vector<int>> free_slots_;  // per chunk
   int slots_used_ = 0, peak_slots_ = 0, slots_made_ = 0;
   Tensor tied_grad_in_;  // first stage: the head's contribution to the tied embedding's gradient
 };
