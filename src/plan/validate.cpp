@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -25,6 +26,8 @@
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
+#include "parallel/pipeline_executor.h"
+#include "parallel/pipeline_schedule.h"
 #include "plan/planner.h"
 #include "plan/text_table.h"
 #include "runtime/memory.h"
@@ -78,7 +81,8 @@ std::string EngineLayout::label() const {
   else if (strategy == "HYBRID_SHARD_ZERO2")
     s = "HSDP-ZeRO-2 " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
   else s = std::string(strategy_label(planner_strategy(strategy))) + " x" + std::to_string(dp_ranks());
-  if (tp > 1) s += " tp" + std::to_string(tp);
+  if (tp > 1) s += " tp" + std::to_string(tp) + (sequence_parallel ? " sp" : "");
+  if (pp > 1) s += " pp" + std::to_string(pp) + " " + pp_schedule;
   s += bf16 ? " bf16" : " fp32";
   if (grad_accum > 1) s += " accum" + std::to_string(grad_accum);
   if (checkpointing != Checkpointing::None) s += std::string(" ac:") + checkpointing_name(checkpointing);
@@ -86,7 +90,7 @@ std::string EngineLayout::label() const {
 }
 
 std::vector<std::string> EngineLayout::train_args() const {
-  return {"--model.preset", model,
+  std::vector<std::string> a = {"--model.preset", model,
           "--train.micro_batch", std::to_string(micro_batch),
           "--train.grad_accum", std::to_string(grad_accum),
           "--train.dtype", bf16 ? "bf16" : "fp32",
@@ -98,6 +102,9 @@ std::vector<std::string> EngineLayout::train_args() const {
           "--parallel.reduce_every_microbatch", reduce_every_microbatch ? "true" : "false",
           "--parallel.reshard_after_forward", reshard_after_forward ? "true" : "false",
           "--parallel.bucket_mb", fmt("%g", bucket_mb)};
+  if (sequence_parallel) a.insert(a.end(), {"--parallel.sequence_parallel", "true"});
+  if (pp > 1) a.insert(a.end(), {"--parallel.pp", std::to_string(pp), "--parallel.pp_schedule", pp_schedule});
+  return a;
 }
 
 void check_engine_layout(const EngineLayout& e) {
@@ -105,6 +112,13 @@ void check_engine_layout(const EngineLayout& e) {
   if (e.ranks < 1) throw std::invalid_argument("ranks must be >= 1");
   if (e.tp < 1 || e.ranks % e.tp != 0)
     throw std::invalid_argument("tp " + std::to_string(e.tp) + " does not divide " + std::to_string(e.ranks) + " ranks");
+  if (e.pp < 1 || e.ranks % (e.tp * e.pp) != 0)
+    throw std::invalid_argument("tp " + std::to_string(e.tp) + " x pp " + std::to_string(e.pp) + " does not divide " +
+                                std::to_string(e.ranks) + " ranks");
+  if (e.pp > 1 && e.pp_schedule != "gpipe" && e.pp_schedule != "1f1b")
+    throw std::invalid_argument("pipeline schedule '" + e.pp_schedule +
+                                "': the validation predicts gpipe and 1f1b (one stage per rank) only");
+  if (e.sequence_parallel && e.tp < 2) throw std::invalid_argument("sequence parallelism needs tp > 1");
   if (e.hybrid() && (e.dp_replicate < 1 || e.dp_ranks() % e.dp_replicate != 0))
     throw std::invalid_argument("dp_replicate " + std::to_string(e.dp_replicate) + " does not divide " +
                                 std::to_string(e.dp_ranks()) + " data-parallel ranks");
@@ -116,6 +130,15 @@ void check_engine_layout(const EngineLayout& e) {
     if (v % e.tp != 0)
       throw std::invalid_argument(e.model + ": " + what + " (" + std::to_string(v) + ") is not divisible by tp " +
                                   std::to_string(e.tp));
+  if (e.sequence_parallel && (e.micro_batch * m.seq_len) % e.tp != 0)
+    throw std::invalid_argument("sequence parallelism needs micro_batch x seq_len divisible by tp");
+  if (e.pp > 1) {
+    if (e.pp > m.n_layer + 2) throw std::invalid_argument("pp " + std::to_string(e.pp) + " exceeds the model's units");
+    ModelConfig r = m;
+    r.resolve();
+    if (r.tied_embeddings && sharded_params(e.strategy))
+      throw std::invalid_argument("pp > 1 with " + e.strategy + " on a tied-embedding model: the engine refuses it");
+  }
 }
 
 Layout planner_layout(const EngineLayout& e) {
@@ -136,6 +159,10 @@ Layout planner_layout(const EngineLayout& e) {
   l.micro_batch = e.micro_batch;
   l.microbatches = e.grad_accum;
   l.checkpointing = e.checkpointing;
+  if (e.pp > 1) {
+    l.pp = e.pp;
+    l.schedule = e.pp_schedule == "gpipe" ? Schedule::GPipe : Schedule::OneFOneB;
+  }
   return l;
 }
 
@@ -149,7 +176,7 @@ TrainSetup planner_setup(const ModelConfig& m, const EngineLayout& e) {
   st.micro_batch = e.micro_batch;
   st.attention = AttentionImpl::Flash;  // kernels/attention.h keeps only the log-sum-exp
   st.dropout = false;
-  st.sequence_parallel = false;  // tp all-reduces whole activations (model/transformer.cpp), no SP
+  st.sequence_parallel = e.sequence_parallel && e.tp > 1;  // model/transformer.cpp set_sequence_parallel
   st.bucket_bytes = e.bucket_mb * 1e6;
   return st;
 }
@@ -191,42 +218,139 @@ int64_t engine_unit_align(const EngineLayout& e) {
   return e.strategy == "NO_SHARD" ? 1 : 16 * static_cast<int64_t>(e.shard_size());  // 64-byte shard lines
 }
 
-int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e) {
+// ---- pipeline stages -----------------------------------------------------------------------------------------
+
+std::vector<double> engine_unit_costs(const ModelConfig& c_in) {
+  ModelConfig c = c_in;
+  c.resolve();
+  return parallel::unit_costs(c);
+}
+
+std::vector<std::pair<int, int>> engine_stage_partition(const ModelConfig& m_in, int S) {
+  ModelConfig m = m_in;
+  m.resolve();
+  return parallel::partition_stages(m, S).stages;
+}
+
+std::string describe_stage_partition(const std::vector<std::pair<int, int>>& p) {
+  parallel::StagePartition part;
+  part.stages = p;
+  return part.describe();
+}
+
+std::vector<char> engine_owned_units(const ModelConfig& m_in, const EngineLayout& e, int pp_rank) {
+  const ModelConfig m = engine_model(m_in, e);
+  const int U = static_cast<int>(m.n_layer) + 2;
+  if (e.pp <= 1) return std::vector<char>(static_cast<size_t>(U), 1);
+  parallel::StagePartition part;
+  part.stages = engine_stage_partition(m, e.pp);  // one stage per rank (gpipe, 1f1b)
+  return parallel::stage_units_of_rank(part, e.pp, pp_rank, U);
+}
+
+std::vector<int64_t> engine_stage_unit_sizes(const ModelConfig& m, const EngineLayout& e, int pp_rank) {
+  std::vector<int64_t> u = engine_unit_sizes(engine_model(m, e), engine_unit_align(e), e.tp);
+  const std::vector<char> own = engine_owned_units(m, e, pp_rank);
+  for (size_t i = 0; i < u.size(); ++i)
+    if (!own[i]) u[i] = 0;  // another stage's unit: no parameters, no padding
+  return u;
+}
+
+int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e, int pp_rank) {
   int64_t s = 0;
-  for (int64_t n : engine_unit_sizes(engine_model(m, e), engine_unit_align(e), e.tp)) s += n;
+  for (int64_t n : engine_stage_unit_sizes(m, e, pp_rank)) s += n;
   return s;
 }
 
-double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e) {
+int engine_activation_slots(const EngineLayout& e, int pp_rank) {
+  if (e.pp <= 1) return 1;
+  // The schedule checker's in-flight count is what the executor's slot pool reaches.
+  const parallel::ScheduleCheck c =
+      parallel::check_schedule(parallel::make_schedule(e.pp_schedule, e.pp, static_cast<int>(e.grad_accum)));
+  return c.peak_in_flight.at(static_cast<size_t>(pp_rank));
+}
+
+namespace {
+int64_t residual_rows(const ModelConfig& m, const EngineLayout& e) {
+  const int64_t N = e.micro_batch * m.seq_len;
+  return e.sequence_parallel && e.tp > 1 ? N / e.tp : N;
+}
+// DDP over a tied embedding held whole by one rank (parallel/data_parallel.cpp, Transformer::
+// can_defer_embedding_grad): the head's dense part of the token embedding's gradient is its own
+// bucket, all-reduced right after the head's backward, and the last micro-batch's lookup rows (token
+// ids and their N x C gradient rows, kept as workspace) are all-gathered and added at the end.
+bool ddp_defers_embedding(const ModelConfig& m, const EngineLayout& e, const std::vector<char>& own) {
+  return e.strategy == "NO_SHARD" && e.dp_ranks() > 1 && m.tied_embeddings && e.tp == 1 && own.front() && own.back();
+}
+}  // namespace
+
+uint64_t engine_pp_message_bytes(const ModelConfig& m_in, const EngineLayout& e) {
+  const ModelConfig m = engine_model(m_in, e);
+  return static_cast<uint64_t>(residual_rows(m, e) * m.n_embd) * 4;
+}
+
+int engine_pp_boundaries(const EngineLayout& e, int pp_rank) {
+  if (e.pp <= 1) return 0;
+  // Stage s = pp_rank (one per rank): a boundary with s - 1 unless first, with s + 1 unless last.
+  return (pp_rank > 0 ? 1 : 0) + (pp_rank < e.pp - 1 ? 1 : 0);
+}
+
+bool engine_tied_split(const ModelConfig& m_in, const EngineLayout& e) {
+  ModelConfig m = m_in;
+  m.resolve();
+  return e.pp > 1 && m.tied_embeddings;  // stage 0 on rank 0, the last stage on rank pp - 1
+}
+
+uint64_t engine_tied_rows_elems(const ModelConfig& m_in, const EngineLayout& e) {
+  const ModelConfig m = engine_model(m_in, e);
+  return static_cast<uint64_t>(m.padded_vocab / std::max(1, e.tp) * m.n_embd);
+}
+
+double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e, int pp_rank) {
   const ModelConfig m = engine_model(m_in, e);
   const double t = std::max(1, e.tp);  // this tp rank's heads, MLP width and vocabulary columns
   const double C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim(), nh = m.n_head / t, nkv = m.n_kv_head / t;
-  const double V = m.padded_vocab / t, L = m.n_layer;
+  const double V = m.padded_vocab / t;
+  const int64_t L = m.n_layer;
   const bool gpt = m.arch == Arch::GPT2, bf = e.bf16;
   const double ce = bf ? 2 : 4;  // compute dtype
   const double qkv = (nh + 2 * nkv) * hd;
-  // One stored block, per token.
-  const double block = ce * C + 4 + (gpt ? 4 : 0)           // ln1 output, rstd (+ mean)
-                       + 4 * qkv + 4 * nh * hd + (bf ? 2 * nh * hd : 0)  // qkv, attention output (+ bf16 copy)
-                       + 4 * nh                                // log-sum-exp per head
-                       + 4 * C + ce * C + 4 + (gpt ? 4 : 0)    // second residual input, ln2 output, stats
-                       + 4 * F + (gpt ? 0 : 4 * F) + ce * F;   // FFN pre-activation (+ up), activation
-  int64_t stored = 0;
-  for (int64_t l = 0; l < m.n_layer; ++l) {
-    const bool rc = e.checkpointing == Checkpointing::Full ||
-                    (e.checkpointing == Checkpointing::Selective && l % 2 == 1);  // model/transformer.cpp recomputes()
-    stored += rc ? 0 : 1;
+  const double N = static_cast<double>(e.micro_batch) * static_cast<double>(m.seq_len);
+  const double R = static_cast<double>(residual_rows(m, e));  // N, or N / tp with sequence parallelism
+  // One stored block: per residual row (this rank's rows) the norm outputs and statistics and the
+  // second residual input; per token the split tensors.
+  const double block = R * (ce * C + 4 + (gpt ? 4 : 0)     // ln1 output, rstd (+ mean)
+                            + 4 * C                          // second residual input
+                            + ce * C + 4 + (gpt ? 4 : 0))    // ln2 output, stats
+                       + N * (4 * qkv + 4 * nh * hd + (bf ? 2 * nh * hd : 0)  // qkv, attention out (+ bf16)
+                              + 4 * nh                                        // log-sum-exp per head
+                              + 4 * F + (gpt ? 0 : 4 * F) + ce * F);          // FFN pre-act (+ up), act
+  auto recomputed = [&](int64_t l) {
+    return e.checkpointing == Checkpointing::Full || (e.checkpointing == Checkpointing::Selective && l % 2 == 1);
+  };
+  const std::vector<char> own = engine_owned_units(m_in, e, pp_rank);
+  double slot = 0;
+  std::vector<char> out(static_cast<size_t>(L + 1), 0);  // unit outputs this stage's slot keeps
+  for (int64_t u = 0; u <= L + 1; ++u) {
+    if (!own[static_cast<size_t>(u)]) continue;
+    if (u == 0) {
+      slot += 4 * N;  // ids
+      out[0] = 1;
+    } else if (u <= L) {
+      out[static_cast<size_t>(u - 1)] = out[static_cast<size_t>(u)] = 1;  // input (the stage's received one) and output
+      if (!recomputed(u - 1)) slot += block;
+    } else {
+      out[static_cast<size_t>(L)] = 1;
+      slot += 4 * N                       // targets
+              + N * (4 * C + (bf ? 2 * C : 0))  // head input, all rows (+ bf16)
+              + R * 8                     // final norm's rstd, mean
+              + N * 4 * V + 4 * N;        // fp32 logits (this rank's columns), losses
+    }
   }
-  if (e.checkpointing != Checkpointing::None) stored += 1;  // the scratch block recomputation fills
-  const double rest = (L + 1) * 4 * C    // every unit's output (the residual stream)
-                      + 4 + 4             // ids, targets
-                      + 4 * C + (bf ? 2 * C : 0) + 4 + 4  // head input (+ bf16), rstd, mean
-                      + 4 * V + 4;        // fp32 logits (this rank's vocabulary columns), losses
-  const double tokens = static_cast<double>(e.micro_batch) * static_cast<double>(m.seq_len);
-  return tokens * (static_cast<double>(stored) * block + rest);
+  for (char o : out) slot += o ? R * 4 * C : 0;
+  return engine_activation_slots(e, pp_rank) * slot + (e.checkpointing != Checkpointing::None ? block : 0.0);
 }
 
-double engine_workspace_bytes(const ModelConfig& m_in, const EngineLayout& e) {
+double engine_workspace_bytes(const ModelConfig& m_in, const EngineLayout& e, int pp_rank) {
   const ModelConfig m = engine_model(m_in, e);
   const double t = std::max(1, e.tp);
   const double C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim(), nh = m.n_head / t, nkv = m.n_kv_head / t;
@@ -234,19 +358,28 @@ double engine_workspace_bytes(const ModelConfig& m_in, const EngineLayout& e) {
   const double tokens = static_cast<double>(e.micro_batch) * static_cast<double>(m.seq_len);
   // Residual gradient + d(normed), dqkv, datty, dfc, dup/dact, d act, scratch.
   double ws = tokens * 4 * (C + C + qkv + C + 3 * F + std::max(C, F));
+  if (e.sequence_parallel && e.tp > 1)  // gathered rows (+ bf16), gathered gradient, partial sums, norm grads
+    ws += tokens * C * (4 + (e.bf16 ? 2 : 0) + 4 + 4) + 4 * std::max(2 * C, 16.0);
+  if (ddp_defers_embedding(m, e, engine_owned_units(m_in, e, pp_rank)))
+    ws += tokens * (4 * C + 4);  // the lookup's deferred gradient rows and token ids
   if (e.bf16) {
     // bf16 computes from bf16 weights only; vectors (norms, biases) and GPT-2's position table are
-    // widened to fp32 copies on first use and kept (the qkv and fc biases are tp-split).
+    // widened to fp32 copies on first use and kept (the qkv and fc biases are tp-split) — of the
+    // units this rank owns.
+    const std::vector<char> own = engine_owned_units(m_in, e, pp_rank);
     const bool gpt = m.arch == Arch::GPT2;
     const double vec_block = gpt ? (2 * C + 3 * nh * hd + C + 2 * C + F + C) : 2 * C;
-    const double vec = m.n_layer * vec_block + (gpt ? 2 * C : C) + (gpt ? static_cast<double>(m.seq_len) * C : 0);
+    double vec = 0;
+    for (int64_t l = 0; l < m.n_layer; ++l) vec += own[static_cast<size_t>(l + 1)] ? vec_block : 0;
+    if (own.back()) vec += gpt ? 2 * C : C;
+    if (own.front() && gpt) vec += static_cast<double>(m.seq_len) * C;
     ws += 4 * vec;
   }
   return ws;
 }
 
-EngineMemory engine_memory(const ModelConfig& m, const EngineLayout& e) {
-  const double flat = static_cast<double>(engine_flat_size(m, e));
+EngineMemory engine_memory(const ModelConfig& m, const EngineLayout& e, int pp_rank) {
+  const double flat = static_cast<double>(engine_flat_size(m, e, pp_rank));
   const Strategy s = planner_strategy(e.strategy);
   ModelStateBytes z = zero_model_state(flat, s, e.shard_size(), !e.bf16, false, /*grad_bytes=*/4);
   EngineMemory r;
@@ -256,8 +389,16 @@ EngineMemory engine_memory(const ModelConfig& m, const EngineLayout& e) {
   // The policy the ZeRO table does not describe: sharded parameters in bf16 keep no bf16 shard (a
   // unit's bf16 weights are cast from the fp32 master when it is gathered, and freed after use).
   if (e.bf16 && sharded_params(e.strategy)) r.params = 0;
-  r.activations = engine_activation_bytes(m, e);
-  r.workspace = engine_workspace_bytes(m, e);
+  if (engine_tied_split(m, e)) {
+    const double rows = static_cast<double>(engine_tied_rows_elems(m, e));
+    if (pp_rank == e.pp - 1) {  // the head's replica of the token embedding and its gradient
+      r.params += rows * (e.bf16 ? 2 : 4);
+      r.grads += rows * 4;
+    }
+    if (pp_rank == 0) r.grads += rows * 4;  // receives the head's gradient (PipelineExecutor::grad_bytes)
+  }
+  r.activations = engine_activation_bytes(m, e, pp_rank);
+  r.workspace = engine_workspace_bytes(m, e, pp_rank);
   return r;
 }
 
@@ -286,7 +427,7 @@ uint64_t EngineComm::total(const std::string& g, int64_t steps) const {
 uint64_t EngineComm::dp_per_step() const {
   uint64_t t = 0;
   for (const auto& [g, b] : per_step)
-    if (g != "metrics" && g != "grad_norm" && g != "tp" && g != "tp_aux") t += b;
+    if (g != "metrics" && g != "grad_norm" && g != "tp" && g != "tp_aux" && g != "pp" && g != "pp_aux") t += b;
   return t;
 }
 
@@ -295,44 +436,129 @@ uint64_t EngineComm::tp_per_step() const {
   return it == per_step.end() ? 0 : it->second;
 }
 
-std::vector<uint64_t> engine_tp_allreduces(const ModelConfig& m_in, const EngineLayout& e) {
-  std::vector<uint64_t> v;
+std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m_in, const EngineLayout& e, int pp_rank) {
+  std::vector<TpCollective> v;
   if (e.tp <= 1) return v;
   const ModelConfig m = engine_model(m_in, e);
-  const uint64_t N = static_cast<uint64_t>(e.micro_batch * m.seq_len), NC = N * static_cast<uint64_t>(m.n_embd);
-  // Forward (Transformer::forward, block_forward, tp_cross_entropy).
-  v.push_back(NC);                                   // vocab-parallel embedding: partial rows summed
-  for (int64_t l = 0; l < m.n_layer; ++l) v.insert(v.end(), {NC, NC});  // attention c_proj, MLP c_proj
-  v.push_back(N);                                    // cross-entropy: row maxima (max)
-  v.push_back(2 * N);                                // sums of exponentials | target logits (sum)
-  // Backward (Transformer::backward, block_backward); a recomputed block re-runs block_forward.
-  v.push_back(NC);                                   // head: partial input gradients
-  for (int64_t l = m.n_layer - 1; l >= 0; --l) {
-    const bool rc = e.checkpointing == Checkpointing::Full ||
-                    (e.checkpointing == Checkpointing::Selective && l % 2 == 1);  // recomputes()
-    if (rc) v.insert(v.end(), {NC, NC});
-    v.insert(v.end(), {NC, NC});                     // MLP and attention column-parallel input gradients
+  const std::vector<char> own = engine_owned_units(m_in, e, pp_rank);
+  const int64_t L = m.n_layer;
+  const bool sp = e.sequence_parallel, gpt = m.arch == Arch::GPT2;
+  const uint64_t N = static_cast<uint64_t>(e.micro_batch * m.seq_len), C = static_cast<uint64_t>(m.n_embd);
+  const uint64_t NC = N * C, RC = static_cast<uint64_t>(residual_rows(m, e)) * C;
+  const uint64_t norm_grads = gpt ? 2 * C : C;  // a norm's weight (+ bias) gradient contributions
+  const TpCollective AR{Collective::AllReduce, NC}, AG{Collective::AllGather, RC}, RS{Collective::ReduceScatter, RC};
+  auto ar = [](uint64_t n) { return TpCollective{Collective::AllReduce, n}; };
+  auto rc = [&](int64_t l) {
+    return e.checkpointing == Checkpointing::Full || (e.checkpointing == Checkpointing::Selective && l % 2 == 1);
+  };
+  auto block_fwd = [&]() {
+    if (sp) v.insert(v.end(), {AG, RS, AG, RS});  // ln1 gathered, attention out scattered, ln2, MLP
+    else v.insert(v.end(), {AR, AR});               // attention c_proj, MLP c_proj
+  };
+  // Forward (Transformer::forward_units, block_forward, tp_cross_entropy).
+  if (own.front()) v.push_back(sp ? RS : AR);  // vocab-parallel embedding: partial rows summed
+  for (int64_t l = 0; l < L; ++l)
+    if (own[static_cast<size_t>(l + 1)]) block_fwd();
+  if (own.back()) {
+    if (sp) v.push_back(AG);  // the final norm's rows gathered for the output projection
+    v.push_back(ar(N));       // cross-entropy: row maxima (max)
+    v.push_back(ar(2 * N));   // sums of exponentials | target logits (sum)
   }
+  // Backward (backward_units, block_backward); a recomputed block re-runs block_forward.
+  if (own.back()) {
+    v.push_back(sp ? RS : AR);       // head: partial input gradients
+    if (sp) v.push_back(ar(norm_grads));  // the final norm's gradient from this rank's rows, summed
+  }
+  for (int64_t l = L - 1; l >= 0; --l) {
+    if (!own[static_cast<size_t>(l + 1)]) continue;
+    if (rc(l)) block_fwd();
+    if (sp)  // per half (MLP, attention): output gradient gathered, norm output re-gathered, input
+             // gradient reduce-scattered, the norm's gradient summed
+      v.insert(v.end(), {AG, AG, RS, ar(norm_grads), AG, AG, RS, ar(norm_grads)});
+    else
+      v.insert(v.end(), {AR, AR});  // MLP and attention column-parallel input gradients
+  }
+  if (own.front() && sp) v.push_back(AG);  // every token's gradient for this rank's vocabulary rows
   return v;
 }
 
-double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c) {
+std::vector<uint64_t> engine_tp_allreduces(const ModelConfig& m, const EngineLayout& e) {
+  std::vector<uint64_t> v;
+  for (const TpCollective& c : engine_tp_collectives(m, e, 0))
+    if (c.kind == Collective::AllReduce) v.push_back(c.count);
+  return v;
+}
+
+double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c, int pp_rank) {
   if (e.tp <= 1) return 0;
   const GroupShape g = group_shape(e.tp, 1, c.gpus_per_node);  // tp ranks are adjacent
   double s = 0;
-  for (uint64_t n : engine_tp_allreduces(m, e)) s += collective(Collective::AllReduce, 4.0 * static_cast<double>(n), g, c).time;
+  for (const TpCollective& x : engine_tp_collectives(m, e, pp_rank)) {
+    // collective() takes the whole buffer: the reduced one, or the gathered / scattered n x part.
+    const double bytes = 4.0 * static_cast<double>(x.count) * (x.kind == Collective::AllReduce ? 1.0 : e.tp);
+    s += collective(x.kind, bytes, g, c).time;
+  }
   return static_cast<double>(e.grad_accum) * s;
+}
+
+PipeTimeline engine_pp_timeline(const EngineLayout& e, const std::vector<double>& fwd, const std::vector<double>& bwd,
+                                double msg_s) {
+  const int P = std::max(1, e.pp), M = static_cast<int>(e.grad_accum);
+  // Each rank's compute order: the engine's own action lists (parallel/pipeline_schedule.h).
+  std::vector<std::vector<std::pair<bool, int>>> order(static_cast<size_t>(P));  // (forward?, micro-batch)
+  const parallel::PipeSchedule sched = parallel::make_schedule(P == 1 ? "gpipe" : e.pp_schedule, P, M);
+  for (int r = 0; r < P; ++r)
+    for (const parallel::PipeAction& a : sched.per_rank[static_cast<size_t>(r)])
+      if (parallel::is_compute(a.kind)) order[static_cast<size_t>(r)].push_back({a.kind == parallel::PipeAction::Forward, a.microbatch});
+  std::vector<std::vector<double>> fdone(static_cast<size_t>(P), std::vector<double>(static_cast<size_t>(M), -1)),
+      bdone = fdone;
+  std::vector<double> free_at(static_cast<size_t>(P), 0.0);
+  std::vector<size_t> next(static_cast<size_t>(P), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < P; ++r) {
+      const size_t ur = static_cast<size_t>(r);
+      while (next[ur] < order[ur].size()) {
+        const auto [is_f, m] = order[ur][next[ur]];
+        const size_t um = static_cast<size_t>(m);
+        double ready = 0;
+        if (is_f && r > 0) {
+          if (fdone[ur - 1][um] < 0) break;
+          ready = fdone[ur - 1][um] + msg_s;  // the activation from the previous stage
+        }
+        if (!is_f && r < P - 1) {
+          if (bdone[ur + 1][um] < 0) break;
+          ready = bdone[ur + 1][um] + msg_s;  // the gradient from the next stage
+        }
+        const double end = std::max(free_at[ur], ready) + (is_f ? fwd[ur] : bwd[ur]);
+        (is_f ? fdone : bdone)[ur][um] = end;
+        free_at[ur] = end;
+        ++next[ur];
+        progress = true;
+      }
+    }
+  }
+  PipeTimeline t;
+  for (double f : free_at) t.makespan = std::max(t.makespan, f);
+  for (int r = 0; r < P; ++r) {
+    const size_t ur = static_cast<size_t>(r);
+    t.busy.push_back(M * (fwd[ur] + bwd[ur]));
+    t.bubble += t.makespan > 0 ? (1.0 - t.busy.back() / t.makespan) / P : 0.0;
+  }
+  return t;
 }
 
 EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
   check_engine_layout(e);
   const ModelConfig m = engine_model(m_in, e);
   EngineComm c;
-  // W: every rank (the metrics group); D: the data-parallel group (ranks / tp); N: the shard group.
-  const int W = e.ranks, D = e.dp_ranks(), N = e.shard_size(), R = e.replicas(), t = e.tp;
+  // W: every rank (the metrics group); D: the data-parallel group (ranks / (tp x pp)); N: the shard
+  // group. Rank 0 — the first pipeline stage — is the one the metrics report.
+  const int W = e.ranks, D = e.dp_ranks(), N = e.shard_size(), R = e.replicas(), t = e.tp, P = e.pp;
   const int es = e.bf16 ? 2 : 4;  // parameters travel in the compute dtype, gradients in fp32
   const int64_t M = e.grad_accum;
-  const std::vector<int64_t> units = engine_unit_sizes(m, engine_unit_align(e), t);
+  const std::vector<int64_t> units = engine_stage_unit_sizes(m_in, e, 0);
+  const std::vector<char> own = engine_owned_units(m_in, e, 0);
   const int U = static_cast<int>(units.size());
   int64_t flat = 0;
   for (int64_t n : units) flat += n;
@@ -350,26 +576,46 @@ EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
   // Per step: the mean loss over the data-parallel ranks, on the metrics group (which holds every
   // rank; the trainer skips it when there is a single data-parallel rank).
   if (D > 1) add(c.per_step, "metrics", collective_bytes(Collective::AllReduce, 1, 4, W));
-  // Tensor parallelism: the model's all-reduces every micro-batch; the gradient norm's sum over the
+  // Tensor parallelism: the model's collectives every micro-batch; the gradient norm's sum over the
   // tp ranks once per step on the auxiliary tp communicator.
   if (t > 1) {
     uint64_t tp_bytes = 0;
-    for (uint64_t n : engine_tp_allreduces(m, e)) tp_bytes += collective_bytes(Collective::AllReduce, n, 4, t);
+    for (const TpCollective& x : engine_tp_collectives(m_in, e, 0)) tp_bytes += collective_bytes(x.kind, x.count, 4, t);
     add(c.per_step, "tp", static_cast<uint64_t>(M) * tp_bytes);
     add(c.per_step, "tp_aux", collective_bytes(Collective::AllReduce, 1, 4, t));
   }
+  // Pipeline: per micro-batch an activation and its gradient across each of this stage's boundaries
+  // (a send and a receive each count their buffer); per step, for a tied embedding cut apart, the
+  // head's fp32 gradient in and the updated weights (compute dtype) out; on pp_aux the loss, the
+  // gradient norm and the bubble figure summed over the stages.
+  if (P > 1) {
+    add(c.per_step, "pp", static_cast<uint64_t>(M) * 2 * static_cast<uint64_t>(engine_pp_boundaries(e, 0)) *
+                              engine_pp_message_bytes(m_in, e));
+    if (engine_tied_split(m_in, e)) add(c.per_step, "pp", engine_tied_rows_elems(m_in, e) * (4 + static_cast<uint64_t>(es)));
+    add(c.per_step, "pp_aux", 3 * collective_bytes(Collective::AllReduce, 1, 4, P));
+  }
 
   if (e.strategy == "NO_SHARD") {
-    // Buckets of whole units from the head backwards; the first bucket is capped at 1 MB
-    // (parallel/data_parallel.cpp), the rest at bucket_mb. All-reduced once per step (the last
+    // Buckets of whole units (this stage's) from the head backwards; the first bucket is capped at
+    // 1 MB (parallel/data_parallel.cpp), the rest at bucket_mb. All-reduced once per step (the last
     // micro-batch; the others accumulate locally).
     const int64_t cap = static_cast<int64_t>(e.bucket_mb * 1e6 / sizeof(float));
     const int64_t first_cap = static_cast<int64_t>(std::min(1.0, e.bucket_mb) * 1e6 / sizeof(float));
     std::vector<int64_t> buckets;
     for (int u = U - 1; u >= 0; --u) {
+      if (!own[static_cast<size_t>(u)]) continue;
       const bool fits = !buckets.empty() && buckets.back() + units[u] <= (buckets.size() == 1 ? first_cap : cap);
       if (fits) buckets.back() += units[u];
       else buckets.push_back(units[u]);
+    }
+    if (ddp_defers_embedding(m, e, own)) {
+      // The token embedding leaves the embedding's bucket (the last one) for a bucket of its own;
+      // the lookup's ids (N int32) and gradient rows (N x C fp32) are all-gathered.
+      const int64_t wte = m.padded_vocab * m.n_embd, Ntok = e.micro_batch * m.seq_len;
+      buckets.back() -= wte;
+      buckets.push_back(wte);
+      add(c.per_step, "dp", collective_bytes(Collective::AllGather, static_cast<uint64_t>(Ntok), 4, D));
+      add(c.per_step, "dp", collective_bytes(Collective::AllGather, static_cast<uint64_t>(Ntok * m.n_embd), 4, D));
     }
     for (int64_t b : buckets) add(c.per_step, "dp", collective_bytes(Collective::AllReduce, static_cast<uint64_t>(b), 4, D));
     return c;
@@ -383,6 +629,7 @@ EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
   // micro-batch only; ZeRO-2/3 reduce every micro-batch unless told not to.
   const int64_t reductions = (!zero1 && e.reduce_every_microbatch) ? M : 1;
   for (int u = 0; u < U; ++u) {
+    if (!own[static_cast<size_t>(u)]) continue;
     const uint64_t shard = static_cast<uint64_t>(units[u] / N);
     add(c.per_step, shard_g, static_cast<uint64_t>(reductions) * collective_bytes(Collective::ReduceScatter, shard, 4, N));
     // Hybrid: the gradient shard is averaged across replicas once per step.
@@ -853,17 +1100,67 @@ void time_check(const ValidateOptions& o, const ModelConfig& m_in, const EngineL
   // tp ranks see while they wait for the result (tp_cc, chosen by run_validation).
   const double tp_s = e.tp > 1 ? engine_tp_seconds(m, e, measured_cluster(j.mean, tp_cc, e.ranks)) : 0.0;
   const double tp_delta = e.tp > 1 ? tp_s - est.tp_exposed_s : 0.0;
+  TimeRow& t = r.time;
+  t.predicted_s = est.time.total() + tp_delta;
+  t.compute_s = est.time.compute;
+  t.exposed_s = est.time.exposed_comm + tp_delta;
+  t.tp_exposed_s = tp_s;
+  t.bubble_s = 0;
+  if (e.pp > 1) {
+    // Pipeline: estimate() assumes even stages (ceil(L / pp) blocks each, the head on the last);
+    // the engine cuts by cost. Each rank's forward / backward time per micro-batch is the whole
+    // model's (estimate() of the same job without the pipeline, on one rank's measured ceilings)
+    // times its units' share of the cost (engine_unit_costs), 1/3 forward and 2/3 backward; the
+    // schedule's timeline of those, with a stage-boundary message on the link the waiting rank
+    // sees (tp_cc), gives compute + bubble + exposed sends; then the optimizer on the largest stage,
+    // the tied embedding's exchange, the stages' data-parallel reduction and the pp_aux sums.
+    EngineLayout one = e;
+    one.pp = 1;
+    one.ranks = e.ranks / e.pp;
+    const Cluster cl1 = measured_cluster(j.mean, cc, one.ranks);
+    const Estimate whole = estimate(m, cl1, planner_setup(m, one), planner_layout(one));
+    const double M = static_cast<double>(e.grad_accum);
+    const double per_mb = (whole.time.compute - whole.optimizer_s) / M;  // forward + backward, whole model
+    const std::vector<double> cost = engine_unit_costs(m);
+    double total_cost = 0;
+    for (double x : cost) total_cost += x;
+    const Cluster tcl = measured_cluster(j.mean, tp_cc, e.ranks);
+    std::vector<double> fwd, bwd;
+    double worst_busy = 0, opt_s = 0, frac_max = 0;
+    for (int p = 0; p < e.pp; ++p) {
+      const std::vector<char> own = engine_owned_units(m, e, p);
+      double c = 0;
+      for (size_t u = 0; u < own.size(); ++u) c += own[u] ? cost[u] : 0.0;
+      const double frac = c / total_cost;
+      const double tp_mb = e.tp > 1 ? engine_tp_seconds(m, e, tcl, p) / M : 0.0;
+      fwd.push_back(per_mb * frac / 3 + tp_mb / 3);
+      bwd.push_back(2 * per_mb * frac / 3 + 2 * tp_mb / 3);
+      worst_busy = std::max(worst_busy, M * (fwd.back() + bwd.back()));
+      frac_max = std::max(frac_max, frac);
+      // Adam over the stage's shard (estimate()'s 28 bytes per parameter at the streaming rate).
+      opt_s = std::max(opt_s, 28.0 * static_cast<double>(engine_flat_size(m, e, p)) / e.shard_size() / cl1.mem_bw);
+    }
+    const Link link = tcl.intra;  // point-to-point: one message, its bytes once
+    const double msg_s = static_cast<double>(engine_pp_message_bytes(m, e)) / link.bw + link.latency_s;
+    const PipeTimeline tl = engine_pp_timeline(e, fwd, bwd, msg_s);
+    double exposed = whole.dp_exposed_s * frac_max;  // the stage's own gradient reduction
+    if (engine_tied_split(m, e))  // head gradient in, weights out: blocking, one after the other
+      exposed += static_cast<double>(engine_tied_rows_elems(m, e)) * (4 + (e.bf16 ? 2 : 4)) / link.bw + 2 * link.latency_s;
+    exposed += 3 * collective(Collective::AllReduce, 4, group_shape(e.pp, e.ranks / e.pp, e.ranks), tcl).time;
+    t.compute_s = worst_busy + opt_s;
+    t.bubble_s = tl.makespan - worst_busy;
+    t.exposed_s = exposed;
+    t.tp_exposed_s = e.tp > 1 ? engine_tp_seconds(m, e, tcl, 0) : 0.0;
+    t.predicted_s = tl.makespan + opt_s + exposed;
+    t.bubble_predicted = tl.bubble;
+    t.bubble_measured = j.fin.value("pp_bubble", 0.0);
+  }
   std::vector<double> ms, ex;
   for (size_t i = 1; i < j.steps.size(); ++i) {
     ms.push_back(j.steps[i].value("step_ms", 0.0) / 1e3);
     ex.push_back(j.steps[i].value("exposed_comm_ms", 0.0) / 1e3);
   }
-  TimeRow& t = r.time;
   t.measured_exposed_s = median(ex);
-  t.predicted_s = est.time.total() + tp_delta;
-  t.compute_s = est.time.compute;
-  t.exposed_s = est.time.exposed_comm + tp_delta;
-  t.tp_exposed_s = tp_s;
   t.measured_s = median(ms);
   if (!ms.empty()) {
     t.measured_min_s = *std::min_element(ms.begin(), ms.end());
@@ -892,10 +1189,16 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
   }
   const json& fin = j.fin;
 
-  // Memory: every rank's resident bytes against the prediction.
-  const EngineMemory pm = engine_memory(m, e);
-  r.flat_predicted = engine_flat_size(m, e);
+  // Memory: every rank's resident bytes against the prediction (per pipeline stage: the ranks of
+  // pipeline coordinate k hold stage k).
+  r.flat_predicted = engine_flat_size(m, e, 0);
   r.flat_measured = fin.value("flat_size", int64_t{0});
+  if (e.pp > 1) {
+    r.stages_predicted = describe_stage_partition(engine_stage_partition(engine_model(m, e), e.pp));
+    r.stages_measured = fin.value("pp_stages", std::string());
+    r.slots_predicted = engine_activation_slots(e, 0);
+    r.slots_measured = fin.value("pp_peak_activation_slots", 0);
+  }
   std::vector<json> per_rank;
   if (fin.contains("mem_resident_by_category_per_rank"))
     for (const auto& x : fin["mem_resident_by_category_per_rank"]) per_rank.push_back(x);
@@ -910,34 +1213,40 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
     double pred;
     MemCheck check;
   };
-  const Want wants[] = {{"model state", pm.params + pm.grads + pm.optimizer, MemCheck::Exact},
-                        {"params", pm.params, MemCheck::Exact},
-                        {"grads", pm.grads, MemCheck::Exact},
-                        {"optimizer", pm.optimizer, MemCheck::Exact},
-                        {"activations", pm.activations, MemCheck::Within},
-                        {"workspace", pm.workspace, MemCheck::AtLeast},
-                        {"comm", 0.0, MemCheck::Info}};
-  for (const Want& w : wants) {
-    MemRow row;
-    row.category = w.cat;
-    row.predicted = w.pred;
-    row.check = w.check;
-    row.ok = true;
-    double worst = -1;
-    for (const auto& pr : per_rank) {
-      const double meas = measured_of(pr, w.cat);
-      bool ok = true;
-      switch (w.check) {
-        case MemCheck::Exact: ok = std::llround(meas) == std::llround(w.pred); break;
-        case MemCheck::Within: ok = std::fabs(meas - w.pred) <= o.mem_tolerance * std::max(w.pred, 1.0); break;
-        case MemCheck::AtLeast: ok = meas >= w.pred; break;
-        case MemCheck::Info: break;
+  for (int stage = 0; stage < e.pp; ++stage) {
+    const EngineMemory pm = engine_memory(m, e, stage);
+    const Want wants[] = {{"model state", pm.params + pm.grads + pm.optimizer, MemCheck::Exact},
+                          {"params", pm.params, MemCheck::Exact},
+                          {"grads", pm.grads, MemCheck::Exact},
+                          {"optimizer", pm.optimizer, MemCheck::Exact},
+                          {"activations", pm.activations, MemCheck::Within},
+                          {"workspace", pm.workspace, MemCheck::AtLeast},
+                          {"comm", 0.0, MemCheck::Info}};
+    for (const Want& w : wants) {
+      MemRow row;
+      row.category = w.cat;
+      row.pp_rank = e.pp > 1 ? stage : -1;
+      row.predicted = w.pred;
+      row.check = w.check;
+      row.ok = true;
+      double worst = -1;
+      for (size_t rank = 0; rank < per_rank.size(); ++rank) {
+        if (per_rank.size() > 1 && e.pp_rank_of(static_cast<int>(rank)) != stage) continue;
+        const json& pr = per_rank[rank];
+        const double meas = measured_of(pr, w.cat);
+        bool ok = true;
+        switch (w.check) {
+          case MemCheck::Exact: ok = std::llround(meas) == std::llround(w.pred); break;
+          case MemCheck::Within: ok = std::fabs(meas - w.pred) <= o.mem_tolerance * std::max(w.pred, 1.0); break;
+          case MemCheck::AtLeast: ok = meas >= w.pred; break;
+          case MemCheck::Info: break;
+        }
+        if (worst < 0 || std::fabs(meas - w.pred) > std::fabs(worst - w.pred)) worst = meas;
+        row.ok = row.ok && ok;
       }
-      if (worst < 0 || std::fabs(meas - w.pred) > std::fabs(worst - w.pred)) worst = meas;
-      row.ok = row.ok && ok;
+      row.measured = worst;
+      r.mem.push_back(row);
     }
-    row.measured = worst;
-    r.mem.push_back(row);
   }
 
   // Communication: every group's total against setup + steps x per step, to the byte.
@@ -978,7 +1287,8 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
     }
   }
 
-  r.ok = r.flat_predicted == r.flat_measured;
+  r.ok = r.flat_predicted == r.flat_measured && r.stages_predicted == r.stages_measured &&
+         r.slots_predicted == r.slots_measured;
   for (const auto& x : r.mem) r.ok = r.ok && x.ok;
   for (const auto& x : r.comm) r.ok = r.ok && x.ok;
   if (o.check_time) r.ok = r.ok && r.time.ok;
@@ -1014,11 +1324,28 @@ std::vector<EngineLayout> default_validation_layouts() {
   EngineLayout tp2z3 = mk("FULL_SHARD", 4);
   tp2z3.tp = 2;
   v.push_back(tp2z3);
+  // Sequence parallelism: tp = 2 with the residual stream split over the tp ranks.
+  EngineLayout sp = tp2;
+  sp.sequence_parallel = true;
+  v.push_back(sp);
+  // Pipelines: pp = 2 with 4 micro-batches (GPT-2's tied embedding cut apart), 1F1B and GPipe, and
+  // 1F1B x DDP over 2 data-parallel ranks (mesh pp = 2 x dp_shard = 2).
+  EngineLayout pp2 = mk("NO_SHARD", 2);
+  pp2.pp = 2;
+  pp2.grad_accum = 4;
+  v.push_back(pp2);
+  EngineLayout gpipe = pp2;
+  gpipe.pp_schedule = "gpipe";
+  v.push_back(gpipe);
+  EngineLayout ppdp = pp2;
+  ppdp.ranks = 4;
+  v.push_back(ppdp);
   return v;
 }
 
 std::vector<std::string> validation_layout_names() {
-  return {"ddp", "zero1", "zero2", "zero3", "zero3x4", "hsdp", "ddp-bf16", "llama-zero3-bf16", "tp2", "tp2-zero3x4"};
+  return {"ddp", "zero1",       "zero2",  "zero3", "zero3x4",   "hsdp",   "ddp-bf16",
+          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "pp2", "pp2-gpipe", "pp2-dp2"};
 }
 
 ValidationReport run_validation(const ValidateOptions& in) {
@@ -1165,14 +1492,22 @@ std::string format_validation(const ValidationReport& rep) {
       const char* chk = m.check == MemCheck::Exact ? "exact" : m.check == MemCheck::Within ? "10%"
                         : m.check == MemCheck::AtLeast ? ">=" : "info";
       const bool info = m.check == MemCheck::Info;
-      rows.push_back({first ? r.layout.label() : "", m.category, info ? "-" : num(m.predicted), num(m.measured),
+      const std::string cat = m.pp_rank >= 0 ? "stage " + std::to_string(m.pp_rank) + ": " + m.category : m.category;
+      rows.push_back({first ? r.layout.label() : "", cat, info ? "-" : num(m.predicted), num(m.measured),
                       info ? "" : diff_cell(m.predicted, m.measured), chk, info ? "" : m.ok ? "ok" : "FAIL"});
       first = false;
     }
-    rows.push_back({"", "flat elements", num(static_cast<double>(r.flat_predicted)),
-                    num(static_cast<double>(r.flat_measured)),
+    rows.push_back({"", r.layout.pp > 1 ? "stage 0: flat elements" : "flat elements",
+                    num(static_cast<double>(r.flat_predicted)), num(static_cast<double>(r.flat_measured)),
                     diff_cell(static_cast<double>(r.flat_predicted), static_cast<double>(r.flat_measured)), "exact",
                     r.flat_predicted == r.flat_measured ? "ok" : "FAIL"});
+    if (r.layout.pp > 1) {
+      rows.push_back({"", "stage 0: activation slots", std::to_string(r.slots_predicted),
+                      std::to_string(r.slots_measured), "", "exact",
+                      r.slots_predicted == r.slots_measured ? "ok" : "FAIL"});
+      rows.push_back({"", "stages: " + r.stages_predicted, "", r.stages_measured, "", "exact",
+                      r.stages_predicted == r.stages_measured ? "ok" : "FAIL"});
+    }
   }
   o << format_table({"layout", "category", "predicted", "measured", "diff", "check", ""}, rows,
              {false, false, true, true, true, false, false});
@@ -1192,14 +1527,18 @@ std::string format_validation(const ValidationReport& rep) {
                       num(static_cast<double>(c.measured_total)), c.ok ? "exact" : "FAIL"});
       first = false;
     }
-    rows.push_back({"", r.layout.tp > 1 ? "(textbook dp+tp/step)" : "(textbook dp/step)", num(r.textbook_dp_bytes), "",
-                    "", "", ""});
+    rows.push_back({"",
+                    r.layout.pp > 1   ? "(textbook dp+pp/step)"
+                    : r.layout.tp > 1 ? "(textbook dp+tp/step)"
+                                      : "(textbook dp/step)",
+                    num(r.textbook_dp_bytes), "", "", "", ""});
   }
   o << format_table({"layout", "group", "predicted/step", "measured/step", "setup", "measured total", ""}, rows,
              {false, false, true, true, true, true, false});
   o << "(textbook: estimate()'s DP volume for the same layout — Psi x dtype per collective without the engine's\n"
        " unit padding, kept roots or gradient-norm / loss all-reduces; with tp also its TP volume: a pair of\n"
-       " all-reduces per layer each way, one pair each for embedding and head, three loss all-reduces)\n";
+       " all-reduces per layer each way, one pair each for embedding and head, three loss all-reduces; with\n"
+       " pp its 2 sends per micro-batch of B x T x C in the activation dtype, no tied-embedding exchange)\n";
 
   // Step time.
   o << "\nStep time: estimate() on the ceilings measured just before and after each job (drift: after/before)\n"
@@ -1213,11 +1552,17 @@ std::string format_validation(const ValidationReport& rep) {
                     fmt("%.1f", r.time.compute_s * 1e3),
                     fmt("%.1f", r.time.exposed_s * 1e3) +
                         (r.layout.tp > 1 ? " (tp " + fmt("%.1f", r.time.tp_exposed_s * 1e3) + ")" : std::string()) +
+                        (r.layout.pp > 1 ? " + bubble " + fmt("%.1f", r.time.bubble_s * 1e3) +
+                                               fmt(" (%.0f%% / ", 100 * r.time.bubble_predicted) +
+                                               fmt("%.0f%% idle)", 100 * r.time.bubble_measured)
+                                         : std::string()) +
                         " / " + fmt("%.1f", r.time.measured_exposed_s * 1e3),
                     fmt("%.1f", r.time.predicted_s * 1e3), fmt("%.1f", r.time.measured_s * 1e3),
                     fmt("%.0f", r.time.measured_min_s * 1e3) + "-" + fmt("%.0f", r.time.measured_max_s * 1e3),
                     fmt("%+.1f%%", 100 * r.time.error), verdict});
   }
+  o << "(pipelines: + bubble = the critical rank's idle time in the schedule's timeline, then the predicted / measured\n"
+       " mean idle share of the pp ranks; the engine's exposed is the data-parallel wait only)\n";
   o << format_table({"layout", "GFLOP/s", "drift", "compute ms", "exposed ms pred/meas", "predicted ms", "measured ms", "range",
               "error", "25%"},
              rows, {false, true, true, true, true, true, true, true, true, false});
@@ -1237,7 +1582,9 @@ std::string validation_json(const ValidationReport& rep) {
   j["layouts"] = json::array();
   for (const auto& r : rep.results) {
     json x = {{"label", r.layout.label()}, {"ok", r.ok}, {"error", r.error}, {"strategy", r.layout.strategy},
-              {"ranks", r.layout.ranks}, {"tp", r.layout.tp}, {"dp_replicate", r.layout.replicas()},
+              {"ranks", r.layout.ranks}, {"tp", r.layout.tp}, {"sequence_parallel", r.layout.sequence_parallel},
+              {"pp", r.layout.pp}, {"pp_schedule", r.layout.pp > 1 ? r.layout.pp_schedule : std::string()},
+              {"dp_replicate", r.layout.replicas()},
               {"dtype", r.layout.bf16 ? "bf16" : "fp32"},
               {"model", r.layout.model}};
     if (r.error.empty()) {
@@ -1247,7 +1594,8 @@ std::string validation_json(const ValidationReport& rep) {
       x["flat_size"] = {{"predicted", r.flat_predicted}, {"measured", r.flat_measured}};
       x["memory"] = json::array();
       for (const auto& m : r.mem)
-        x["memory"].push_back({{"category", m.category}, {"predicted", m.predicted}, {"measured", m.measured},
+        x["memory"].push_back({{"category", m.category}, {"pp_rank", m.pp_rank}, {"predicted", m.predicted},
+                               {"measured", m.measured},
                                {"check", m.check == MemCheck::Exact    ? "exact"
                                          : m.check == MemCheck::Within ? "within"
                                          : m.check == MemCheck::AtLeast ? "at_least"
@@ -1264,7 +1612,13 @@ std::string validation_json(const ValidationReport& rep) {
                           {"measured_median", r.time.measured_s},
                           {"measured_exposed_comm_median", r.time.measured_exposed_s},
                           {"error", r.time.error}, {"checked", r.time.checked}, {"ok", r.time.ok},
-                          {"ceiling_drift", r.time.ceiling_drift}, {"attempts", r.attempts}};
+                          {"ceiling_drift", r.time.ceiling_drift}, {"attempts", r.attempts},
+                          {"bubble", r.time.bubble_s}, {"pp_bubble_predicted", r.time.bubble_predicted},
+                          {"pp_bubble_measured", r.time.bubble_measured}};
+      if (r.layout.pp > 1)
+        x["pipeline"] = {{"stages_predicted", r.stages_predicted}, {"stages_measured", r.stages_measured},
+                         {"activation_slots_predicted", r.slots_predicted},
+                         {"activation_slots_measured", r.slots_measured}};
     }
     j["layouts"].push_back(x);
   }

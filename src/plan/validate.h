@@ -28,11 +28,22 @@
 // on that share over the ranks ranks / tp of its dp group; the model's own all-reduces (embedding,
 // two per block forward and backward, head input gradient, vocab-parallel cross-entropy) go over the
 // "tp" group and are exposed (on the critical path); gradient norms travel on "tp_aux".
+// Sequence parallelism (`parallel.sequence_parallel`, tp > 1): norms, residuals and the pipeline's
+// stage boundaries hold B*T/tp rows per rank; all-gathers before the column-parallel matmuls and
+// reduce-scatters after the row-parallel ones replace the all-reduces (engine_tp_collectives).
+// Pipeline parallelism (`parallel.pp`, GPipe or 1F1B, one stage per rank): every pipeline rank holds
+// its stage's units only (the engine's cost-balanced cut, engine_stage_partition), keeps its schedule's
+// peak of in-flight micro-batches' activations, sends activations and input gradients over "pp" and
+// losses, gradient norms and bubble figures over "pp_aux"; a tied GPT-2 embedding cut apart by the
+// pipeline adds a replica (last stage) and a gradient buffer (first stage). Its step time comes from a
+// timeline of the schedule with each stage's forward / backward time (engine_pp_timeline).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/model_config.h"
@@ -47,20 +58,25 @@ struct EngineLayout {
   std::string strategy = "NO_SHARD"; // --parallel.strategy (INTERFACE.md spelling)
   int ranks = 2;
   int tp = 1;                        // --parallel.tp: tensor-parallel degree (innermost mesh dimension)
+  bool sequence_parallel = false;    // --parallel.sequence_parallel (needs tp > 1)
+  int pp = 1;                        // --parallel.pp: pipeline ranks (outermost mesh dimension)
+  std::string pp_schedule = "1f1b";  // --parallel.pp_schedule: gpipe | 1f1b (interleaved: not validated)
   int dp_replicate = 1;              // HYBRID_*: replicas; the shard group is dp_ranks() / dp_replicate
   bool bf16 = false;                 // --train.dtype bf16 (bf16 compute, fp32 master, fp32 gradients)
   Checkpointing checkpointing = Checkpointing::None;
   int64_t micro_batch = 4;           // sequences per rank per micro-batch
-  int64_t grad_accum = 1;
+  int64_t grad_accum = 1;            // micro-batches per step (with pp > 1: the schedule's)
   bool reduce_every_microbatch = true;  // --parallel.reduce_every_microbatch
   bool reshard_after_forward = true;
   double bucket_mb = 25.0;           // --parallel.bucket_mb (the engine's MB are 1e6 bytes)
 
-  int dp_ranks() const { return ranks / (tp > 0 ? tp : 1); }  // the data-parallel group: ranks / tp
+  int dp_ranks() const { return ranks / ((tp > 0 ? tp : 1) * (pp > 0 ? pp : 1)); }  // ranks / (tp x pp)
+  int pp_rank_of(int rank) const { return rank / std::max(1, ranks / std::max(1, pp)); }  // pp is outermost
   int shard_size() const;            // ranks the parameters / gradients / optimizer are split over
   int replicas() const;              // 1 unless hybrid
   bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
-  std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini", "ZeRO-3 x2 tp2 fp32 gpt2-mini"
+  std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini", "ZeRO-3 x2 tp2 fp32 gpt2-mini",
+                                     // "DDP x1 pp2 1f1b fp32 accum4 gpt2-mini", "DDP x1 tp2 sp fp32 gpt2-mini"
   // The engine's command line after `train` (without data / metrics paths).
   std::vector<std::string> train_args() const;
 };
@@ -85,7 +101,35 @@ ModelConfig engine_model(const ModelConfig& m, const EngineLayout& e);
 // vocabulary (engine_model) when tp > 1.
 std::vector<int64_t> engine_unit_sizes(const ModelConfig& m, int64_t align, int tp = 1);
 int64_t engine_unit_align(const EngineLayout& e);
-int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e);
+// The padded flat size of pipeline rank `pp_rank`'s share (its stage's units; all units when pp = 1).
+int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
+
+// ---- pipeline stages: the engine's own cut (parallel/pipeline_executor.h), for a model as the
+// validation builds it; each real job also checks it against the run's `pp_stages` ----
+// Relative forward + backward cost per token of every unit (parallel::unit_costs).
+std::vector<double> engine_unit_costs(const ModelConfig& m);
+// Units [first, last] of each of `stages` contiguous stages minimising the most expensive one (ties:
+// the earlier cut). `m` as the engine builds it (engine_model: tp-padded vocabulary).
+std::vector<std::pair<int, int>> engine_stage_partition(const ModelConfig& m, int stages);
+std::string describe_stage_partition(const std::vector<std::pair<int, int>>& p);  // "units 0-2 | units 3-5"
+// One flag per unit: the units pipeline rank `pp_rank` owns (all when pp = 1) — what the engine
+// gives mt::Transformer's owned-units argument.
+std::vector<char> engine_owned_units(const ModelConfig& m, const EngineLayout& e, int pp_rank);
+// engine_unit_sizes of pp_rank's share: the units it does not own are 0.
+std::vector<int64_t> engine_stage_unit_sizes(const ModelConfig& m, const EngineLayout& e, int pp_rank);
+// Micro-batches whose activations a pipeline rank holds at once, i.e. the activation slots the
+// executor creates (the schedule checker's peak_in_flight: GPipe M, 1F1B min(pp - r, M)); 1 without
+// a pipeline.
+int engine_activation_slots(const EngineLayout& e, int pp_rank);
+// Bytes of one stage boundary's message (an activation or its gradient): B*T rows (B*T / tp with
+// sequence parallelism) x C, fp32.
+uint64_t engine_pp_message_bytes(const ModelConfig& m, const EngineLayout& e);
+// Stage boundaries pipeline rank `pp_rank` sends or receives across (each one: an activation and a
+// gradient per micro-batch).
+int engine_pp_boundaries(const EngineLayout& e, int pp_rank);
+// The tied GPT-2 embedding cut apart by the pipeline: [Vp/tp x C] rows of the token embedding.
+bool engine_tied_split(const ModelConfig& m, const EngineLayout& e);
+uint64_t engine_tied_rows_elems(const ModelConfig& m, const EngineLayout& e);
 
 // Per-rank bytes by category between steps. Params / grads / optimizer are the planner's
 // zero_model_state() over the padded flat size with fp32 gradients (grad_bytes 4), adjusted for the
@@ -95,17 +139,24 @@ int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e);
 struct EngineMemory {
   double params = 0, grads = 0, optimizer = 0, activations = 0, workspace = 0;
 };
-EngineMemory engine_memory(const ModelConfig& m, const EngineLayout& e);
+// With a pipeline: pipeline rank `pp_rank`'s stage; the last stage of a tied model adds the embedding
+// replica (compute dtype, params) and its fp32 gradient (grads), the first stage the fp32 buffer that
+// receives the head's gradient (grads); activations x engine_activation_slots().
+EngineMemory engine_memory(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
 // Activation bytes the engine's Transformer keeps for backward (MemCategory::Activations): per
 // stored block the norm inputs (compute dtype) and statistics, fused qkv, attention output (+ its
 // bf16 copy), log-sum-exp, the second residual input, FFN pre-activation (and Llama's up
 // projection) in fp32 and the FFN activation in the compute dtype; every unit's output; the head's
 // input, statistics, fp32 logits and losses. With recomputation only the kept blocks store theirs,
 // plus one scratch block.
-double engine_activation_bytes(const ModelConfig& m, const EngineLayout& e);
+// With sequence parallelism the norms' inputs, outputs and statistics, the residual and every
+// unit's output hold B*T / tp rows. With a pipeline: the units of pp_rank's stage, per activation
+// slot (engine_activation_slots), plus the recomputation scratch block once.
+double engine_activation_bytes(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
 // Backward workspace (MemCategory::Workspace): the residual gradient and seven per-token scratch
-// buffers, fp32.
-double engine_workspace_bytes(const ModelConfig& m, const EngineLayout& e);
+// buffers, fp32 (+ with sequence parallelism the gathered rows, their gradient, the partial sums
+// and the norms' gradient contributions).
+double engine_workspace_bytes(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
 
 // Tensor parallelism's all-reduces (fp32 elements each, in issue order) of one training micro-batch
 // (forward + backward) on the "tp" group: embedding (N x C, N = micro_batch x seq tokens); per block
@@ -113,10 +164,37 @@ double engine_workspace_bytes(const ModelConfig& m, const EngineLayout& e);
 // maxima (N) and its sums of exponentials with the target logits (2 N); in backward the head's input
 // gradient (N x C), per block the forward ones again when the block is recomputed, then the MLP and
 // attention input gradients (2 x N x C). Empty when tp = 1.
+// (Rank 0's units with a pipeline.) With sequence parallelism: the all-reduce ones of
+// engine_tp_collectives.
 std::vector<uint64_t> engine_tp_allreduces(const ModelConfig& m, const EngineLayout& e);
+// Every collective of one micro-batch on the "tp" group for pipeline rank pp_rank's units, in issue
+// order. `count`: elements of an all-reduce; for an all-gather / reduce-scatter this rank's part
+// (R x C, R = B*T / tp), as collective_bytes() takes it. Without sequence parallelism:
+// engine_tp_allreduces. With it, per micro-batch: embedding reduce-scatter; per block forward
+// all-gather (ln1), reduce-scatter (attention), all-gather (ln2), reduce-scatter (MLP); head
+// all-gather, the cross-entropy's N and 2N all-reduces; backward: head reduce-scatter + the final
+// norm's gradient all-reduce (2C GPT-2, C Llama); per block (the recomputed forward's four again
+// when recomputed) all-gather (output gradient), all-gather (ln2 re-gathered), reduce-scatter (MLP
+// input gradient), norm-gradient all-reduce, and the same for attention; embedding all-gather of
+// the input gradient.
+struct TpCollective {
+  Collective kind;
+  uint64_t count;
+};
+std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
 // Seconds of those collectives per step (grad_accum micro-batches) on the cluster: all of them on the
 // critical path (the next op needs the result), so this is exposed communication.
-double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c);
+double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c, int pp_rank = 0);
+
+// The schedule's timeline (GPipe / 1F1B, one stage per rank) with per-rank forward and backward
+// seconds per micro-batch and `msg_s` per stage-boundary message (delays the receiver).
+struct PipeTimeline {
+  double makespan = 0;
+  std::vector<double> busy;  // per rank
+  double bubble = 0;         // mean over ranks of 1 - busy / makespan (the engine's pp_bubble)
+};
+PipeTimeline engine_pp_timeline(const EngineLayout& e, const std::vector<double>& fwd_s, const std::vector<double>& bwd_s,
+                                double msg_s);
 
 // Bytes (the comm layer's algorithm volume, rank 0) per process-group name.
 struct EngineComm {
@@ -139,7 +217,11 @@ uint64_t broadcast_bytes(uint64_t count, int elem_bytes, int n);
 // setup / summary traffic. With tp > 1 the data-parallel traffic is that of one tp rank's share over
 // the dp group (ranks / tp), the "tp" group carries engine_tp_allreduces() every micro-batch, and
 // "tp_aux" the gradient norm summed over the tp ranks (1 float per step); the mean loss is
-// all-reduced over every rank only when there is more than one data-parallel rank.
+// all-reduced over every rank only when there is more than one data-parallel rank. With a pipeline
+// (rank 0 = the first stage is what the metrics report): the dp traffic of its stage's units; "pp"
+// carries per micro-batch an activation and a gradient (engine_pp_message_bytes) across each of its
+// boundaries, and per step the tied embedding's head gradient (fp32) in and its updated weights
+// (compute dtype) out; "pp_aux" three 1-float all-reduces per step (loss, gradient norm, bubble).
 EngineComm engine_comm(const ModelConfig& m, const EngineLayout& e);
 
 // ---- ceilings ----------------------------------------------------------------------------------------
@@ -184,7 +266,9 @@ struct ValidateOptions {
 // DDP, ZeRO-1, ZeRO-2 (2 micro-batches), ZeRO-3 at 2 and 4 ranks, HSDP 2x2 in fp32 on gpt2-mini;
 // DDP bf16 on gpt2-mini; ZeRO-3 bf16 with selective checkpointing on llama-mini (untied embeddings);
 // tensor parallelism: tp = 2 alone on 2 ranks (NO_SHARD over one dp rank), and tp = 2 x ZeRO-3
-// dp_shard = 2 on 4 ranks, fp32 gpt2-mini.
+// dp_shard = 2 on 4 ranks, fp32 gpt2-mini; tp = 2 with sequence parallelism on 2 ranks; pipelines
+// (NO_SHARD, 4 micro-batches, fp32 gpt2-mini, tied embedding cut apart): pp = 2 1F1B, pp = 2 GPipe,
+// and pp = 2 1F1B x DDP over 2 data-parallel ranks (4 ranks).
 std::vector<EngineLayout> default_validation_layouts();
 // The `--layouts` names of default_validation_layouts(), in the same order: ddp, zero1, zero2, zero3,
 // zero3x4, hsdp, ddp-bf16, llama-zero3-bf16, tp2, tp2-zero3x4.
@@ -195,6 +279,7 @@ std::vector<std::string> validation_layout_names();
 enum class MemCheck { Exact, Within, AtLeast, Info };
 struct MemRow {
   std::string category;
+  int pp_rank = -1;                    // the pipeline rank's stage it describes (-1: every rank)
   double predicted = 0, measured = 0;  // measured: the rank furthest from the prediction
   MemCheck check = MemCheck::Exact;
   bool ok = false;
@@ -212,6 +297,8 @@ struct TimeRow {
   double measured_min_s = 0, measured_max_s = 0;
   double measured_exposed_s = 0;       // median exposed_comm_ms (the engine's own measure)
   double tp_exposed_s = 0;             // of exposed_s: the tp all-reduces (engine_tp_seconds)
+  double bubble_s = 0;                 // pipeline: idle time of the critical rank (timeline - its compute)
+  double bubble_predicted = 0, bubble_measured = 0;  // pp_bubble: mean idle fraction over pp ranks
   double error = 0;                    // predicted / measured - 1
   double ceiling_drift = 0;            // compute ceiling after the job / before - 1
   bool checked = false, ok = false;
@@ -222,7 +309,9 @@ struct LayoutResult {
   ComputeCeiling compute;
   CommCeiling comm_ceiling;
   CommCeiling tp_comm_ceiling;         // the link the tp all-reduces are charged on (idle when ranks <= cores)
-  int64_t flat_predicted = 0, flat_measured = 0;
+  int64_t flat_predicted = 0, flat_measured = 0;  // rank 0's (the first stage's with a pipeline)
+  std::string stages_predicted, stages_measured;  // pipeline: the stage cut ("units 0-2 | units 3-5")
+  int slots_predicted = 0, slots_measured = 0;    // pipeline: rank 0's peak activation slots
   std::vector<MemRow> mem;
   std::vector<CommRow> comm;
   double textbook_dp_bytes = 0;        // estimate().comm for the same layout (the generic formula)
