@@ -34,14 +34,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_pp_bubble.XXXXXX)
 mkdir -p "$OUT"
-if [[ ! -x "$BUILD/meshtrain" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja >/dev/null
-  ninja -C "$BUILD" meshtrain >/dev/null
-fi
-MT=$BUILD/meshtrain
-[[ -f "$DATA/train.bin" ]] ||
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes --out "$DATA" >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source "$ROOT/bench/common.sh"
+bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-mini --model.n_layer 8 --model.n_embd 256 --model.n_head 4 --model.seq_len 128
   --train.micro_batch 1 --data.train "$DATA/train.bin" --data.val '' --train.steps "$STEPS"

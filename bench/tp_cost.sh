@@ -32,14 +32,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_tp_cost.XXXXXX)
 mkdir -p "$OUT"
-if [[ ! -x "$BUILD/meshtrain" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja >/dev/null
-  ninja -C "$BUILD" meshtrain >/dev/null
-fi
-MT=$BUILD/meshtrain
-[[ -f "$DATA/train.bin" ]] ||
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes --out "$DATA" >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+source "$ROOT/bench/common.sh"
+bench_setup "$BUILD" "$DATA"
 
 # 6 blocks of width 384, seq 256, byte vocabulary (10.6 M parameters), 1 thread per rank.
 ARGS=(--model.preset gpt2-mini --model.n_layer 6 --model.n_embd 384 --model.n_head 6 --model.seq_len 256

@@ -207,6 +207,22 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     st.wait_ms += ms_between(t0, Clock::now());
     return it->second.buf.f32();
   };
+  // A copy of `src` (a stage boundary's rows) kept until its send completes.
+  auto stash = [&](int key, const float* src) -> Msg& {
+    Msg& msg = sends[key];
+    msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+    std::memcpy(msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
+    return msg;
+  };
+  auto post_recv = [&](int key, int peer) {
+    Msg& msg = recvs[key];
+    msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+    msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
+  };
+  auto post_send = [&](int key, int peer) {
+    Msg& msg = sends.at(key);
+    msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
+  };
   for (const PipeAction& a : sched_.per_rank[rank_]) {
     const int m = a.microbatch, s = a.stage;
     const auto [first, last] = part_.stages[s];
@@ -223,18 +239,13 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
       }
       case PipeAction::SendAct: {
         model_.select_slot(acquire_slot(m, s));
-        Msg& msg = sends[tag(kAct, m, s)];
-        msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
-        std::memcpy(msg.buf.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));
-        msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kAct, m, s));
+        stash(tag(kAct, m, s), model_.unit_output(last));
+        post_send(tag(kAct, m, s), a.peer);
         break;
       }
-      case PipeAction::RecvAct: {
-        Msg& msg = recvs[tag(kAct, m, s)];
-        msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
-        msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kAct, m, s));
+      case PipeAction::RecvAct:
+        post_recv(tag(kAct, m, s), a.peer);
         break;
-      }
       case PipeAction::Backward: {
         model_.select_slot(acquire_slot(m, s));
         const float* dout = last == head_unit_ ? nullptr : wait_recv(tag(kGrad, m, s + 1));
@@ -259,25 +270,16 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
           Msg& msg = sends[tag(kTiedGrad, 0, 0)];
           msg.work = pp_->send(g.f32(), static_cast<size_t>(g.numel()), DType::F32, first_rank, tag(kTiedGrad, 0, 0));
         }
-        if (first != 0) {  // keep the input gradient for SendGrad (the workspace is reused)
-          Msg& msg = sends[tag(kGrad, m, s)];
-          msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
-          std::memcpy(msg.buf.f32(), model_.input_grad(), static_cast<size_t>(NC) * sizeof(float));
-        }
+        if (first != 0) stash(tag(kGrad, m, s), model_.input_grad());  // for SendGrad (the workspace is reused)
         release_slot(m, s);
         break;
       }
-      case PipeAction::SendGrad: {
-        Msg& msg = sends.at(tag(kGrad, m, s));
-        msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kGrad, m, s));
+      case PipeAction::SendGrad:
+        post_send(tag(kGrad, m, s), a.peer);
         break;
-      }
-      case PipeAction::RecvGrad: {
-        Msg& msg = recvs[tag(kGrad, m, s)];
-        msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
-        msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, a.peer, tag(kGrad, m, s));
+      case PipeAction::RecvGrad:
+        post_recv(tag(kGrad, m, s), a.peer);
         break;
-      }
     }
   }
   {
