@@ -14,10 +14,13 @@
 # step ms, comm and exposed comm ms (medians over the steps after the first, rank 0's metrics) and
 # the bytes node 0 sent over the link (tc counters, divided by the steps run incl. start-up).
 # Rates: each of RATES (default "1gbit unshaped": the slow inter-node link, and the bare veth as a
-# control). Before each run it waits until no other benchmark runs and records the load.
+# control). Before each run it waits until no other benchmark runs, then until the 1-minute load
+# average is at most --max-load (polled every 30 s, at most --load-wait seconds; after that it
+# starts anyway and says so), and records `uptime` next to the run (uptime.txt, load column).
 #
 # usage: bench/hybrid_vs_full.sh [--steps N] [--repeats R] [--rates "1gbit unshaped"] [--build DIR]
-#                                [--data DIR] [--out DIR] [--no-wait]
+#                                [--data DIR] [--out DIR] [--no-wait] [--max-load L (1.5)]
+#                                [--load-wait S (300)]
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,6 +31,8 @@ BUILD=$ROOT/build-fsdpbench
 DATA=/tmp/fsdpdata
 OUT=
 WAIT=1
+MAX_LOAD=1.5
+LOAD_WAIT=300
 WAIT_PATTERN=${WAIT_PATTERN:-'ddp_overlap|ddp_scaling|train_throughput|pytorch_compare|two_nodes'}
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -38,7 +43,9 @@ while [[ $# -gt 0 ]]; do
     --data) DATA=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --no-wait) WAIT=0; shift ;;
-    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    --max-load) MAX_LOAD=$2; shift 2 ;;
+    --load-wait) LOAD_WAIT=$2; shift 2 ;;
+    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "hybrid_vs_full.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -71,11 +78,43 @@ wait_quiet() {
     echo "hybrid_vs_full.sh: namespaces mtnode* exist (another two_nodes.sh job, or a --keep run); not touching them" >&2
     exit 1
   fi
+  [[ $WAIT == 1 ]] || return 0
+  local l
+  waited=0
+  while :; do
+    l=$(cut -d' ' -f1 /proc/loadavg)
+    awk -v l="$l" -v m="$MAX_LOAD" 'BEGIN { exit !(l <= m) }' && break
+    if ((waited >= LOAD_WAIT)); then
+      echo "  (1-min load still $l after ${waited}s; starting anyway)"
+      break
+    fi
+    sleep 30
+    waited=$((waited + 30))
+  done
+  ((waited == 0)) || echo "  (waited ${waited}s for the 1-min load to fall to $MAX_LOAD; now $l)"
 }
+
+# CPU ticks (utime+stime) of the rank processes, sampled until $1 exits: lines "pid ticks".
+sample_ticks() {  # sample_ticks PID FILE
+  local pid=$1 file=$2 p
+  : >"$file"
+  while kill -0 "$pid" 2>/dev/null; do
+    for p in $(pgrep -x meshtrain || true); do
+      if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q "^$MT train "; then
+        awk -v p="$p" '{print p, $14 + $15}' "/proc/$p/stat" 2>/dev/null >>"$file" || true
+      fi
+    done
+    sleep 0.5
+  done
+}
+# Busy CPU ticks of the whole machine (all cores, /proc/stat: user nice system irq softirq steal).
+busy_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
 
 echo "hybrid_vs_full: rates $RATES, $STEPS steps, $REPEATS repeat(s); raw output in $OUT"
 echo "load before: $(uptime)" | tee "$OUT/load.txt"
 : >"$OUT/runs.txt"
+: >"$OUT/uptime.txt"
+: >"$OUT/cpu.txt"
 for ((r = 1; r <= REPEATS; r++)); do
   for rate in $RATES; do
     cfgs=(FULL_SHARD HYBRID_SHARD)
@@ -87,11 +126,19 @@ for ((r = 1; r <= REPEATS; r++)); do
       ropt=()
       [[ $rate != unshaped ]] && ropt=(-r "$rate")
       wait_quiet
-      load=$(cut -d' ' -f1-3 /proc/loadavg)
+      load=$(cut -d' ' -f1-3 /proc/loadavg | tr ' ' /)
+      echo "$tag: $(uptime)" >>"$OUT/uptime.txt"
       t0=$(date +%s)
       rc=0
+      b0=$(busy_ticks)
       "$ROOT/bench/two_nodes.sh" -p 2 "${ropt[@]}" -- "$MT" train "${ARGS[@]}" "${extra[@]}" \
-        --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 || rc=$?
+        --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 &
+      jpid=$!
+      sample_ticks "$jpid" "$OUT/$tag.ticks" &
+      spid=$!
+      wait "$jpid" || rc=$?
+      wait "$spid" || true
+      echo "$tag $(($(busy_ticks) - b0)) $(($(date +%s) - t0))" >>"$OUT/cpu.txt"
       # node 0's egress over the link (only with a tc qdisc, i.e. a shaped rate)
       sent=$(sed -n 's/.*node0 qdisc:  *Sent \([0-9]*\) bytes.*/\1/p' "$OUT/$tag.log" | head -1)
       echo "$tag $rc ${sent:-0} $load" >>"$OUT/runs.txt"
@@ -108,10 +155,21 @@ python3 - "$OUT" "$STEPS" <<'EOF'
 import json, statistics, sys, collections
 out, steps = sys.argv[1], int(sys.argv[2])
 med = statistics.median
+import os
+HZ, NCPU = os.sysconf("SC_CLK_TCK"), os.cpu_count()
+cpu = {t: (int(b), int(w)) for t, b, w in (l.split() for l in open(f"{out}/cpu.txt"))}
 rows = collections.OrderedDict()
 for tag, rc, sent, *load in (l.split() for l in open(f"{out}/runs.txt")):
     s, rate, r = tag.rsplit("_", 2)
     rec = {"rc": int(rc), "load": load[0], "sent": int(sent)}
+    ticks = collections.defaultdict(int)
+    for l in open(f"{out}/{tag}.ticks"):
+        p, tk = l.split()
+        ticks[p] = max(ticks[p], int(tk))
+    busy, wall = cpu[tag]
+    # CPU-seconds used during the run by everything but the rank processes (other users' jobs,
+    # mpirun/orted, tc, this script's sampler), and that as a share of the machine's cores
+    rec["other"] = f"{(busy - sum(ticks.values())) / HZ:.0f} core-s ({100 * (busy - sum(ticks.values())) / HZ / (wall * NCPU):.0f}%)"
     if rc == "0":
         recs = [json.loads(l) for l in open(f"{out}/{tag}.jsonl") if l.strip()]
         st = [x for x in recs if not x.get("final")][1:]
@@ -120,22 +178,23 @@ for tag, rc, sent, *load in (l.split() for l in open(f"{out}/runs.txt")):
                    comm=med(x["comm_ms"] for x in st), exp=med(x["exposed_comm_ms"] for x in st),
                    groups=fin.get("comm_bytes_by_group", {}))
     rows.setdefault((rate, s), []).append(rec)
-print("\n| link | strategy | tokens/s (global) | step ms | comm ms/step | exposed ms/step | node 0 -> link MB/step | load before |")
-print("|---|---|---:|---:|---:|---:|---:|---|")
+print("\n| link | strategy | tokens/s (global) | step ms | comm ms/step | exposed ms/step | node 0 -> link MB/step | load (1/5/15 min) before | CPU used by others during the run |")
+print("|---|---|---:|---:|---:|---:|---:|---|---|")
 for (rate, s), recs in rows.items():
     ok = [x for x in recs if x["rc"] == 0]
     loads = ", ".join(x["load"] for x in recs)
     if not ok:
-        print(f"| {rate} | {s} | failed (rc {recs[0]['rc']}) | | | | | {loads} |"); continue
+        print(f"| {rate} | {s} | failed (rc {recs[0]['rc']}) | | | | | {loads} | |"); continue
     v = {k: med(x[k] for x in ok) for k in ("tps", "step", "comm", "exp")}
     sent = med(x["sent"] for x in ok)
     sent_s = f"{sent / steps / 1e6:.0f}" if sent else "-"
     per = " / ".join(f"{x['tps']:.0f}" for x in ok)
     print(f"| {rate} | {s} | {v['tps']:.0f}" + (f" ({per})" if len(ok) > 1 else "") +
-          f" | {v['step']:.0f} | {v['comm']:.0f} | {v['exp']:.0f} | {sent_s} | {loads} |")
+          f" | {v['step']:.0f} | {v['comm']:.0f} | {v['exp']:.0f} | {sent_s} | {loads} | " +
+          ", ".join(x["other"] for x in ok) + " |")
 for (rate, s), recs in rows.items():
     ok = [x for x in recs if x["rc"] == 0]
     if ok:
-        g = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in ok[-1]["groups"].items())
+        g = ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in ok[-1]["groups"].items() if b)
         print(f"- {rate} {s}: bytes per rank by group over the run (rank 0): {g}")
 EOF

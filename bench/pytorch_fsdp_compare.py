@@ -63,6 +63,8 @@ def parse():
     p.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--first-repeat", type=int, default=1,
+                   help="number of the first repeat (even: start with the reversed order), to add repeats to a series")
     p.add_argument("--meshtrain", default="", help="meshtrain binary: run it side by side")
     p.add_argument("--data", default="/tmp/fsdpdata", help="meshtrain data dir (train.bin)")
     p.add_argument("--mt-steps", type=int, default=8)
@@ -70,7 +72,10 @@ def parse():
     p.add_argument("--probe", action="store_true", help="show stock 1.13 failing, exact errors, then exit")
     p.add_argument("--no-shim", action="store_true", help="run without the CPU workarounds (fails)")
     p.add_argument("--no-tcmalloc", action="store_true")
-    p.add_argument("--no-wait", action="store_true", help="do not wait for other benchmarks before each run")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for other benchmarks or load before each run")
+    p.add_argument("--max-load", type=float, default=1.5,
+                   help="before each run wait (polling every 30 s) until the 1-min load is at most this")
+    p.add_argument("--load-wait", type=int, default=300, help="give up waiting for the load after this many s")
     p.add_argument("--port", type=int, default=29581)
     p.add_argument("--child", nargs=2, metavar=("STRATEGY", "RESULT_FILE"), help=argparse.SUPPRESS)
     return p.parse_args()
@@ -400,24 +405,49 @@ def probe():
     del traceback
 
 
+def busy_ticks():
+    """busy CPU ticks of the whole machine (all cores; /proc/stat user nice system irq softirq steal)"""
+    f = open("/proc/stat").readline().split()
+    return sum(int(f[i]) for i in (1, 2, 3, 6, 7, 8))
+
+
+def children_cpu_s():
+    """user+system CPU of every reaped descendant (the run's whole process tree once it has exited)"""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 WAIT_PATTERN = os.environ.get("WAIT_PATTERN", "ddp_overlap|ddp_scaling|train_throughput|pytorch_compare|two_nodes")
 
 
-def wait_quiet():
-    """wait until no other benchmark runs on this shared 2-core machine"""
+def wait_quiet(max_load, load_wait):
+    """wait until no other benchmark runs on this shared 2-core machine, then for the load"""
     waited = 0
     while subprocess.call(["pgrep", "-f", WAIT_PATTERN], stdout=subprocess.DEVNULL) == 0:
         time.sleep(10)
         waited += 10
     if waited:
         print(f"# waited {waited} s for other benchmarks", file=sys.stderr, flush=True)
+    waited = 0
+    while True:
+        load1 = float(open("/proc/loadavg").read().split()[0])
+        if load1 <= max_load:
+            break
+        if waited >= load_wait:
+            print(f"# 1-min load still {load1} after {waited} s; starting anyway", file=sys.stderr, flush=True)
+            break
+        time.sleep(30)
+        waited += 30
+    if waited:
+        print(f"# waited {waited} s for the 1-min load to fall to {max_load} (now {load1})", file=sys.stderr, flush=True)
 
 
 def table(rows):
     med = statistics.median
     print("\n| engine | strategy | ranks | tokens/s (median over repeats) | step ms | peak RSS MiB per rank (VmHWM) "
-          "| model state MiB per rank | per-repeat tokens/s | load before |")
-    print("|---|---|---:|---:|---:|---|---|---|---|")
+          "| model state MiB per rank | per-repeat tokens/s | load (1/5/15 min) before | CPU used by others during the run |")
+    print("|---|---|---:|---:|---:|---|---|---|---|---|")
     keys = []
     for r in rows:
         if (r["engine"], r["strategy"]) not in keys:
@@ -426,14 +456,15 @@ def table(rows):
         rs = [r for r in rows if r["engine"] == eng and r["strategy"] == strat]
         ok = [r for r in rs if "error" not in r]
         if not ok:
-            print(f"| {eng} | {strat} | {rs[0]['ranks']} | failed: {rs[0]['error']} | | | | |")
+            print(f"| {eng} | {strat} | {rs[0]['ranks']} | failed: {rs[0]['error']} | | | | | | |")
             continue
         hwm = [max(r["vmhwm_mib_per_rank"]) for r in ok if r["vmhwm_mib_per_rank"]]
         per = " / ".join("%.0f" % r["tokens_per_s"] for r in ok)
-        load = ", ".join(r["load_before"].split()[0] for r in ok)
+        load = ", ".join(r["load_before"].replace(" ", "/") for r in ok)
         print(f"| {eng} | {strat} | {ok[0]['ranks']} | {med(r['tokens_per_s'] for r in ok):.0f} | "
               f"{med(r['step_ms'] for r in ok):.0f} | {med(hwm) if hwm else float('nan'):.0f} (max over ranks) | "
-              f"{ok[-1]['model_state_mib_per_rank'][0]:.1f} | {per} | {load} |")
+              f"{ok[-1]['model_state_mib_per_rank'][0]:.1f} | {per} | {load} | " +
+              ", ".join(f"{r['other_cpu_s']:.0f} core-s ({100 * r['other_cpu_share']:.0f}%)" for r in ok) + " |")
 
 
 def main():
@@ -462,15 +493,23 @@ def main():
         if args.meshtrain:
             runs.append(("mt", s))
     rows = []
-    for r in range(1, args.repeats + 1):
+    for r in range(args.first_repeat, args.first_repeat + args.repeats):
         order = runs if r % 2 else runs[::-1]
         for eng, s in order:
             tag = f"{s}_n{args.ranks}_r{r}"
             if not args.no_wait:
-                wait_quiet()
+                wait_quiet(args.max_load, args.load_wait)
             load = " ".join(open("/proc/loadavg").read().split()[:3])
+            with open(os.path.join(args.out, "uptime.txt"), "a") as f:
+                f.write(f"{eng} {tag}: " + subprocess.run(["uptime"], capture_output=True, text=True).stdout)
             print(f"# repeat {r}: {eng} {s}, load {load}", file=sys.stderr, flush=True)
+            b0, c0, t0 = busy_ticks(), children_cpu_s(), time.time()
             row = run_pytorch(args, s, tag) if eng == "pt" else run_meshtrain(args, s, tag)
+            # CPU-seconds used during the run by everything outside this run's process tree (other
+            # users' jobs, this script's sampler), and that as a share of the machine's cores
+            other = (busy_ticks() - b0) / os.sysconf("SC_CLK_TCK") - (children_cpu_s() - c0)
+            row["other_cpu_s"] = round(other, 1)
+            row["other_cpu_share"] = round(other / ((time.time() - t0) * os.cpu_count()), 3)
             row["repeat"] = r
             row["load_before"] = load
             print(json.dumps(row), flush=True)

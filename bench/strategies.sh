@@ -10,10 +10,14 @@
 #              files), the model state params+grads+optimizer, and the peak RSS (VmHWM) of every rank
 #              process sampled from /proc every 0.3 s (max over ranks).
 # Before each run the script waits until no other benchmark runs (this machine has 2 cores and is
-# shared: see WAIT_PATTERN) and records the load average next to the run.
+# shared: see WAIT_PATTERN), then until the 1-minute load average is at most --max-load (polled
+# every 30 s, at most --load-wait seconds; after that it starts anyway and says so), and records
+# `uptime` next to the run (uptime.txt; the load column of the table).
 #
 # usage: bench/strategies.sh [--steps N] [--repeats R] [--ranks "2 4"] [--strategies "NO_SHARD ..."]
 #                            [--dtype f32|bf16] [--build DIR] [--data DIR] [--out DIR] [--no-wait]
+#                            [--max-load L (1.5)] [--load-wait S (300)]
+#                            [--resume: keep OUT's earlier results and skip the runs that succeeded]
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,6 +30,9 @@ BUILD=$ROOT/build-fsdpbench
 DATA=/tmp/fsdpdata
 OUT=
 WAIT=1
+RESUME=0
+MAX_LOAD=1.5
+LOAD_WAIT=300
 WAIT_PATTERN=${WAIT_PATTERN:-'ddp_overlap|ddp_scaling|train_throughput|pytorch_compare|two_nodes'}
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -38,7 +45,10 @@ while [[ $# -gt 0 ]]; do
     --data) DATA=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --no-wait) WAIT=0; shift ;;
-    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+    --max-load) MAX_LOAD=$2; shift 2 ;;
+    --load-wait) LOAD_WAIT=$2; shift 2 ;;
+    --resume) RESUME=1; shift ;;
+    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "strategies.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -63,21 +73,46 @@ wait_quiet() {
   local waited=0
   while pgrep -f "$WAIT_PATTERN" >/dev/null; do sleep 10; waited=$((waited + 10)); done
   ((waited == 0)) || echo "  (waited ${waited}s for other benchmarks to finish)"
+  # then for the load left by the previous run or by anything else on the machine
+  local l
+  waited=0
+  while :; do
+    l=$(cut -d' ' -f1 /proc/loadavg)
+    awk -v l="$l" -v m="$MAX_LOAD" 'BEGIN { exit !(l <= m) }' && break
+    if ((waited >= LOAD_WAIT)); then
+      echo "  (1-min load still $l after ${waited}s; starting anyway)"
+      break
+    fi
+    sleep 30
+    waited=$((waited + 30))
+  done
+  ((waited == 0)) || echo "  (waited ${waited}s for the 1-min load to fall to $MAX_LOAD; now $l)"
 }
 
-# Peak RSS of the rank processes (argv[0] = $MT, argv[1] = train), sampled until $1 exits.
+# Peak RSS and CPU ticks (utime+stime) of the rank processes (argv[0] = $MT, argv[1] = train),
+# sampled every 0.5 s until $1 exits: lines "pid VmHWM_kB ticks". Bash builtins only (no process
+# per sample), so that the sampler itself costs little of the two cores.
 sample_hwm() {  # sample_hwm PID FILE
-  local pid=$1 file=$2 p
+  local pid=$1 file=$2 d p c k v rest hwm st argv
   : >"$file"
   while kill -0 "$pid" 2>/dev/null; do
-    for p in $(pgrep -x meshtrain || true); do
-      if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q "^$MT train "; then
-        awk -v p="$p" '/^VmHWM:/ {print p, $2}' "/proc/$p/status" 2>/dev/null >>"$file" || true
-      fi
+    for d in /proc/[0-9]*; do
+      p=${d#/proc/}
+      { read -r c <"$d/comm"; } 2>/dev/null || continue
+      [[ $c == meshtrain ]] || continue
+      { mapfile -d '' -t argv <"$d/cmdline"; } 2>/dev/null || continue
+      [[ ${argv[0]:-} == "$MT" && ${argv[1]:-} == train ]] || continue
+      hwm=
+      { while read -r k v rest; do [[ $k == VmHWM: ]] && { hwm=$v; break; }; done <"$d/status"; } 2>/dev/null
+      { read -r -a st <"$d/stat"; } 2>/dev/null || continue
+      [[ -n $hwm ]] && echo "$p $hwm $((st[13] + st[14]))" >>"$file"
     done
-    sleep 0.3
+    sleep 0.5
   done
 }
+
+# Busy CPU ticks of the whole machine (all cores, /proc/stat: user nice system irq softirq steal).
+busy_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
 
 runs=()
 for n in $RANKS; do
@@ -91,17 +126,36 @@ for n in $RANKS; do
 done
 
 echo "strategies: ${runs[*]}; $STEPS steps, $REPEATS repeat(s), $DTYPE; raw output in $OUT"
-echo "load before: $(uptime)" | tee "$OUT/load.txt"
-: >"$OUT/runs.txt"
+echo "load before: $(uptime)" | tee -a "$OUT/load.txt"
+if [[ $RESUME == 1 ]]; then
+  touch "$OUT/runs.txt" "$OUT/uptime.txt" "$OUT/cpu.txt"
+  # drop failed or unfinished runs, keep the ones that succeeded
+  awk '$2 != 0 {print $1}' "$OUT/runs.txt" >"$OUT/.drop"
+  for f in runs uptime cpu; do
+    grep -v -F -f "$OUT/.drop" "$OUT/$f.txt" >"$OUT/.$f" || true
+    mv "$OUT/.$f" "$OUT/$f.txt"
+  done
+  rm -f "$OUT/.drop"
+else
+  : >"$OUT/runs.txt"
+  : >"$OUT/uptime.txt"
+  : >"$OUT/cpu.txt"
+fi
 for ((r = 1; r <= REPEATS; r++)); do
   for run in "${runs[@]}"; do
     s=${run%%:*} n=${run##*:}
     tag="${s}_n${n}_r${r}"
+    if grep -q "^$tag 0 " "$OUT/runs.txt"; then
+      echo "  $tag: done earlier (--resume)"
+      continue
+    fi
     extra=(--parallel.strategy "$s")
     [[ $s == HYBRID_SHARD* ]] && extra+=(--parallel.dp_replicate 2 --parallel.dp_shard 2)
     wait_quiet
-    load=$(cut -d' ' -f1-3 /proc/loadavg)
+    load=$(cut -d' ' -f1-3 /proc/loadavg | tr ' ' /)
+    echo "$tag: $(uptime)" >>"$OUT/uptime.txt"
     t0=$(date +%s)
+    b0=$(busy_ticks)
     "$MT" launch -n "$n" --threads 1 -- train "${ARGS[@]}" "${extra[@]}" \
       --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 &
     pid=$!
@@ -110,6 +164,7 @@ for ((r = 1; r <= REPEATS; r++)); do
     rc=0
     wait "$pid" || rc=$?
     wait "$spid" || true
+    echo "$tag $(($(busy_ticks) - b0)) $(($(date +%s) - t0))" >>"$OUT/cpu.txt"
     echo "$tag $rc $load" >>"$OUT/runs.txt"
     echo "  $tag: rc $rc, $(($(date +%s) - t0)) s, load before $load, uptime after: $(uptime | sed 's/.*load/load/')"
   done
@@ -122,6 +177,9 @@ out, R = sys.argv[1], int(sys.argv[2])
 med = statistics.median
 MiB = 2**20
 runs = [l.split() for l in open(f"{out}/runs.txt")]
+cpu = {t: (int(b), int(w)) for t, b, w in (l.split() for l in open(f"{out}/cpu.txt"))}
+import os
+HZ, NCPU = os.sysconf("SC_CLK_TCK"), os.cpu_count()
 rows = collections.OrderedDict()
 for tag, rc, *load in runs:
     s, n, r = tag.rsplit("_", 2)
@@ -132,9 +190,16 @@ for tag, rc, *load in runs:
         st = [x for x in recs if not x.get("final")][1:]
         fin = [x for x in recs if x.get("final")][0]
         hwm = collections.defaultdict(int)
+        ticks = collections.defaultdict(int)
         for l in open(f"{out}/{tag}.hwm"):
-            p, kb = l.split()
+            p, kb, tk = l.split()
             hwm[p] = max(hwm[p], int(kb))
+            ticks[p] = max(ticks[p], int(tk))
+        busy, wall = cpu[tag]
+        # CPU-seconds used during the run by everything but the rank processes (other users'
+        # jobs, mpirun, this script's sampler), and that as a share of the machine's cores
+        rec["other_cpu"] = (busy - sum(ticks.values())) / HZ
+        rec["other_share"] = rec["other_cpu"] / (wall * NCPU)
         pk = fin.get("mem_peak_by_category_per_rank") or [fin["mem_peak_by_category"]]
         rs = fin.get("mem_resident_by_category_per_rank") or [fin["mem_resident_by_category"]]
         rec.update(tps=med(x["tokens_per_s"] for x in st), step=med(x["step_ms"] for x in st),
@@ -146,8 +211,8 @@ for tag, rc, *load in runs:
 def cat(d, k): return d.get(k, 0) / MiB
 print("\n### Throughput and communication (rank 0; medians over the steps after the first" +
       (", then over repeats" if R > 1 else "") + ")\n")
-print("| strategy | ranks | tokens/s (global) | step ms | comm ms/step | exposed ms/step | hidden | vs NO_SHARD | load (1/5/15 min) before |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+print("| strategy | ranks | tokens/s (global) | step ms | comm ms/step | exposed ms/step | hidden | vs NO_SHARD | load (1/5/15 min) before | CPU used by others during the run |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
 base = {}
 for (s, n), recs in rows.items():
     ok = [x for x in recs if x["rc"] == 0]
@@ -156,13 +221,14 @@ for (s, n), recs in rows.items():
     ok = [x for x in recs if x["rc"] == 0]
     loads = ", ".join(x["load"] for x in recs)
     if not ok:
-        print(f"| {s} | {n} | failed (rc {recs[0]['rc']}) | | | | | | {loads} |"); continue
+        print(f"| {s} | {n} | failed (rc {recs[0]['rc']}) | | | | | | {loads} | |"); continue
     tps, step, comm, exp = (med(x[k] for x in ok) for k in ("tps", "step", "comm", "exp"))
     hid = f"{100 * (1 - exp / comm):.0f}%" if comm > 0 else "-"
     rel = f"{tps / base[n]:.2f}x" if n in base else "-"
     per = " / ".join(f"{x['tps']:.0f}" for x in ok)
     print(f"| {s} | {n} | {tps:.0f}" + (f" ({per})" if len(ok) > 1 else "") +
-          f" | {step:.0f} | {comm:.1f} | {exp:.1f} | {hid} | {rel} | {loads} |")
+          f" | {step:.0f} | {comm:.1f} | {exp:.1f} | {hid} | {rel} | {loads} | " +
+          ", ".join(f"{x['other_cpu']:.0f} core-s ({100 * x['other_share']:.0f}%)" for x in ok) + " |")
 
 print("\n### Memory per rank, MiB (rank 0's tracked allocator categories: peak / resident after the step)\n")
 cats = ["params", "grads", "optimizer", "activations", "comm", "workspace"]
