@@ -817,10 +817,31 @@ void Transformer::backward_units(int first, int last, const float* dout) {
     if (hooks_) hooks_->pre_backward(hu);
     float* dhin = bwd_ws_[0].f32();
     std::memset(dhin, 0, N * C * sizeof(float));
-    if (bf)
+    if (defer_emb_ && head_chunk_done_) {
+      // In vocabulary-row chunks, each chunk's weight-gradient rows handed over when complete.
+      const int64_t rows = std::clamp<int64_t>(head_chunk_rows_, 1, Vp);
+      if (rows < Vp && head_chunk_buf_.numel() != N * rows)
+        head_chunk_buf_ = Tensor::empty({N, rows}, DType::F32, MemCategory::Workspace);
+      for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
+        const int64_t cv = std::min(rows, Vp - r0);
+        const float* dl = s.logits.f32();
+        if (cv < Vp) {  // the chunk's columns of the logits' gradient, contiguous
+          float* buf = head_chunk_buf_.f32();
+#pragma omp parallel for
+          for (int64_t n = 0; n < N; ++n) std::memcpy(buf + n * cv, dl + n * Vp + r0, cv * sizeof(float));
+          dl = buf;
+        }
+        if (bf)
+          k::linear_backward_bf16(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in_bf.bf(), head_wb() + r0 * C, N, C, cv);
+        else
+          k::linear_backward(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in.f32(), head_wf() + r0 * C, N, C, cv);
+        head_chunk_done_(r0, r0 + cv);
+      }
+    } else if (bf) {
       k::linear_backward_bf16(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
-    else
+    } else {
       k::linear_backward(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
+    }
     // vocab-parallel head: sum the partial input gradients (to this rank's rows with sequence parallelism)
     if (sp_) {
       tp_->reduce_scatter_sum(dhin, sp_part_.f32(), R * C);

@@ -155,6 +155,13 @@ class Transformer {
   int64_t deferred_embedding_count() const { return deferred_n_; }  // rows (B*T of the last backward)
   const int32_t* deferred_embedding_ids() const { return deferred_ids_.data<int32_t>(); }
   const float* deferred_embedding_rows() const { return deferred_rows_.f32(); }
+  // While the embedding gradient is deferred, the head computes its (tied) weight gradient in
+  // chunks of `rows` vocabulary rows and calls `done(first_row, end_row)` after each, so the caller
+  // can start reducing those rows while the rest of backward runs.
+  void set_head_grad_chunks(int64_t rows, std::function<void(int64_t, int64_t)> done) {
+    head_chunk_rows_ = rows;
+    head_chunk_done_ = std::move(done);
+  }
 
   // Bytes of activations currently held for backward (for reporting).
   int64_t activation_bytes() const;
@@ -225,6 +232,9 @@ class Transformer {
   bool defer_emb_ = false;
   int64_t deferred_n_ = 0;
   Tensor deferred_ids_, deferred_rows_;  // [N] int32, [N, C]
+  int64_t head_chunk_rows_ = 0;
+  std::function<void(int64_t, int64_t)> head_chunk_done_;
+  Tensor head_chunk_buf_;  // [N, rows] slice of the logits' gradient
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;

@@ -50,8 +50,20 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     b0.numel -= wte.numel;
     tied_bucket_.offset = wte.offset;
     tied_bucket_.numel = wte.numel;
+    // The head hands over its weight gradient in chunks of about one bucket (at least 64 rows),
+    // each reduced as soon as it is complete, while the head's backward goes on.
+    const int64_t C = model_.config().n_embd;
+    model_.set_head_grad_chunks(std::max<int64_t>(64, cap / C), [this, C](int64_t r0, int64_t r1) {
+      float* g = model_.grads().f32() + tied_bucket_.offset + r0 * C;
+      tied_works_.push_back(dp_->all_reduce(g, static_cast<size_t>((r1 - r0) * C), DType::F32, comm::ReduceOp::Avg));
+    });
   }
   reset();
+}
+
+DataParallel::~DataParallel() {
+  model_.set_defer_embedding_grad(false);
+  model_.set_head_grad_chunks(0, nullptr);
 }
 
 void DataParallel::reset() {
@@ -61,7 +73,7 @@ void DataParallel::reset() {
     for (int u = b.first_unit; u <= b.last_unit; ++u) b.pending -= model_.owns_unit(u) ? 0 : 1;
     b.work.reset();
   }
-  tied_bucket_.work.reset();
+  tied_works_.clear();
   ids_work_.reset();
   rows_work_.reset();
 }
@@ -77,7 +89,6 @@ void DataParallel::post_backward(int unit) {
   if (!sync_) return;
   unit_done_[unit] = 1;
   Bucket& b = buckets_[bucket_of_unit_[unit]];
-  if (tied_ && unit == model_.num_units() - 1) launch(tied_bucket_);  // the head's dense part is complete
   if (tied_ && unit == 0) {  // the lookup's rows of every rank (ids as raw 32-bit words)
     const int64_t n = model_.deferred_embedding_count(), C = model_.config().n_embd, W = dp_->size();
     if (!gathered_rows_.defined() || gathered_rows_.numel() != W * n * C) {
@@ -114,7 +125,8 @@ DdpStepStats DataParallel::finish() {
   for (auto& b : buckets_)
     if (b.work) b.work->wait();
   if (tied_) {
-    for (auto* w : {&tied_bucket_.work, &ids_work_, &rows_work_})
+    for (auto& w : tied_works_) w->wait();
+    for (auto* w : {&ids_work_, &rows_work_})
       if (*w) (*w)->wait();
     // The dense part is averaged; add every rank's lookup rows / world, in rank order (the same
     // sum on every rank).
@@ -130,7 +142,11 @@ DdpStepStats DataParallel::finish() {
       st.comm_ms += b.work->elapsed_ms();
       ++st.buckets;
     }
-  for (auto* w : {&tied_bucket_.work, &ids_work_, &rows_work_})
+  for (auto& w : tied_works_) {
+    st.comm_ms += w->elapsed_ms();
+    ++st.buckets;
+  }
+  for (auto* w : {&ids_work_, &rows_work_})
     if (*w) {
       st.comm_ms += (*w)->elapsed_ms();
       ++st.buckets;

@@ -36,6 +36,7 @@ class DataParallel : public UnitHooks {
  public:
   DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
                double first_bucket_mb = 1.0);
+  ~DataParallel() override;
 
   // With sync = false (accumulation micro-batches) backward does not communicate.
   void set_sync(bool sync);
@@ -57,6 +58,7 @@ class DataParallel : public UnitHooks {
   void reset();  // before the next synchronising backward
   bool tied_ = false;
   Bucket tied_bucket_;                          // the token embedding's range (head's dense part)
+  std::vector<comm::WorkHandle> tied_works_;    // its all-reduces, one per chunk of vocabulary rows
   Tensor gathered_ids_, gathered_rows_;         // every rank's deferred lookup gradient
   comm::WorkHandle ids_work_, rows_work_;
   Transformer& model_;
