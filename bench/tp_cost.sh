@@ -9,12 +9,15 @@
 # crosses the link, overlapped with backward) and once with the tp pairs spanning the nodes
 # (mpirun --map-by node: every tensor-parallel all-reduce, on the critical path, crosses the link).
 #
-# usage: [sudo] bench/tp_cost.sh [--steps 4] [--rate 1gbit] [--part 1|2|both] [--build DIR] [--data DIR] [--out DIR]
+# usage: [sudo] bench/tp_cost.sh [--steps 4] [--rate 1gbit] [--part 1|2|both] [--micro 4] [--build DIR] [--data DIR] [--out DIR]
+# --micro: part 2's sequences per rank per step; the tensor-parallel traffic grows with it, the
+# data-parallel traffic (the gradients) does not.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 STEPS=4
 RATE=1gbit
 PART=both
+MICRO=4
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
@@ -23,6 +26,7 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS=$2; shift 2 ;;
     --rate) RATE=$2; shift 2 ;;
     --part) PART=$2; shift 2 ;;
+    --micro) MICRO=$2; shift 2 ;;
     --build) BUILD=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
@@ -56,12 +60,12 @@ if [[ $PART == 2 || $PART == both ]]; then
   [[ $EUID -eq 0 ]] || { echo "tp_cost.sh: part 2 needs root (network namespaces)" >&2; exit 1; }
   trap '"$ROOT/bench/two_nodes.sh" --cleanup >/dev/null 2>&1 || true' EXIT
   T=("$ROOT/bench/two_nodes.sh" --rate "$RATE" -p 2)
-  TA=("$MT" train "${ARGS[@]}" --parallel.tp 2 --train.micro_batch 4)
+  TA=("$MT" train "${ARGS[@]}" --parallel.tp 2 --train.micro_batch "$MICRO")
   OMP_NUM_THREADS=1 run tp_in_node "${T[@]}" -- "${TA[@]}"
   OMP_NUM_THREADS=1 run tp_across "${T[@]}" -x "--map-by node" -- "${TA[@]}"
 fi
 
-python3 - "$OUT" <<'EOF'
+MICRO=$MICRO python3 - "$OUT" <<'EOF'
 import json, os, re, statistics, sys
 out = sys.argv[1]
 def res(tag):
@@ -78,6 +82,7 @@ rows = [("ddp2", "2 ranks, DDP (NO_SHARD), micro-batch 4 per rank"),
         ("tp2sp", "2 ranks, tp=2 + sequence parallel, micro-batch 8"),
         ("tp_in_node", "2 nodes x 2 ranks, tp=2 inside each node x DDP 2 across the link"),
         ("tp_across", "2 nodes x 2 ranks, tp=2 across the link x DDP 2 inside each node")]
+micro = os.environ.get("MICRO", "")
 print("\n| run | step ms | tokens/s | comm ms/step | exposed ms/step | MiB per step per group (rank 0) |")
 print("|---|---:|---:|---:|---:|---|")
 for tag, what in rows:
@@ -85,5 +90,7 @@ for tag, what in rows:
     if not r:
         continue
     g = ", ".join(f"{k} {v/2**20/r['steps']:.1f}" for k, v in sorted(r["groups"].items()) if k in ("dp", "tp") and v)
+    if tag.startswith("tp_") and micro:
+        what += f", micro-batch {micro}"
     print(f"| {what} | {r['step']:.0f} | {r['tps']:.0f} | {r['comm']:.0f} | {r['exp']:.0f} | {g} |")
 EOF
