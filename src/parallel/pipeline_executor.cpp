@@ -321,12 +321,12 @@ void PipelineExecutor::tied_weights_sync() {
   const int first_rank = sched_.stage_rank(0), last_rank = sched_.stage_rank(S_ - 1);
   const DType cd = model_.compute_dtype();
   if (rank_ == first_rank) {
-    const ParamInfo& p = model_.params()[0];  // the token embedding (first parameter of unit 0)
-    if (!model_.compute_weights().defined())
-      throw std::logic_error("tied embeddings across pipeline stages need the full parameters on the first stage");
-    const void* src = cd == DType::F32 ? static_cast<const void*>(model_.compute_weights().f32() + p.offset)
-                                       : static_cast<const void*>(model_.compute_weights().bf() + p.offset);
-    pp_->send(src, static_cast<size_t>(p.numel), cd, last_rank, tag(kTiedWeights, 0, 0))->wait();
+    // The token embedding is the first parameter of the embedding unit (gathered for this call
+    // when the strategy shards parameters).
+    const ParamInfo& p = model_.params()[0];
+    strategy_->with_full_unit(0, [&](const void* unit) {
+      pp_->send(unit, static_cast<size_t>(p.numel), cd, last_rank, tag(kTiedWeights, 0, 0))->wait();
+    });
   } else if (rank_ == last_rank) {
     Tensor& w = model_.tied_replica();
     pp_->recv(w.raw(), static_cast<size_t>(w.numel()), cd, first_rank, tag(kTiedWeights, 0, 0))->wait();

@@ -199,6 +199,19 @@ void ShardedDataParallel::release(int u) {
   --gathered_count_;
 }
 
+void ShardedDataParallel::with_full_unit(int u, const std::function<void(const void*)>& f) {
+  if (!params_sharded()) {
+    const int64_t off = units_[u].offset;
+    Tensor& w = model_.compute_weights();
+    f(cd_ == DType::F32 ? static_cast<const void*>(w.f32() + off) : static_cast<const void*>(w.bf() + off));
+    return;
+  }
+  const bool was = units_[u].gathered.defined();
+  ensure_gathered(u);
+  f(units_[u].gathered.raw());
+  if (!was) release(u);
+}
+
 void ShardedDataParallel::release_all() {
   for (int u = 0; u < model_.num_units(); ++u) release(u);
 }

@@ -16,6 +16,7 @@
 // gathered from their forward to their backward, like FSDP's root.
 #pragma once
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -80,6 +81,9 @@ class ShardedDataParallel : public UnitHooks {
   void optimizer_step(double lr, float grad_scale, ShardStepStats* stats);
   // Frees every gathered unit (after an eval forward, at the end).
   void release_all();
+  // f(unit u's full weights in the compute dtype): ZeRO-3 gathers the unit for the call
+  // (collective over the shard group) and frees it after; ZeRO-1/2 pass the full parameters.
+  void with_full_unit(int u, const std::function<void(const void*)>& f);
 
   int64_t shard_elements() const { return shard_total_; }
   int max_units_gathered() const { return max_gathered_; }

@@ -54,6 +54,11 @@ class DdpStrategy final : public Strategy {
     model_.zero_grads();
   }
   int64_t adam_steps() const override { return adam_.step_count(); }
+  void with_full_unit(int u, const std::function<void(const void*)>& f) override {
+    const int64_t off = model_.unit(u).offset;
+    Tensor& w = model_.compute_weights();
+    f(w.dtype() == DType::F32 ? static_cast<const void*>(w.f32() + off) : static_cast<const void*>(w.bf() + off));
+  }
 
  private:
   void copy_or_zero(Tensor& t, const float* src) {
@@ -87,6 +92,7 @@ class ShardedStrategy final : public Strategy {
     c->exposed_ms += s.exposed_ms;
   }
   void after_eval() override { sdp_.release_all(); }
+  void with_full_unit(int u, const std::function<void(const void*)>& f) override { sdp_.with_full_unit(u, f); }
   int64_t adam_steps() const override { return const_cast<ShardedDataParallel&>(sdp_).optimizer().step_count(); }
   ShardedDataParallel& sdp() { return sdp_; }
 

@@ -1,6 +1,7 @@
 // The trainer's view of a data-parallel strategy: who holds which part of the weights, gradients
 // and optimizer state, and what happens between backward and the next forward.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -34,6 +35,9 @@ class Strategy {
   virtual void optimizer_step(double lr, float grad_scale, StepComm* c) = 0;
   // After a forward-only pass (eval): drop whatever it gathered.
   virtual void after_eval() {}
+  // Calls f with unit u's full weights in the compute dtype (gathered for the call when the
+  // strategy shards parameters: then collective over the shard group).
+  virtual void with_full_unit(int u, const std::function<void(const void*)>& f) = 0;
   virtual int64_t adam_steps() const = 0;
 };
 

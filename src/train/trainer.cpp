@@ -48,12 +48,6 @@ void validate_parallel(const RunConfig& c, int world) {
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
-  if (p.pp > 1 && c.model_config().tied_embeddings &&
-      (p.strategy == "FULL_SHARD" || p.strategy == "HYBRID_SHARD"))
-    throw ConfigError("parallel.pp = " + std::to_string(p.pp) + " with " + p.strategy +
-                      ": a tied-embedding model (GPT-2) cut by a pipeline keeps a replica of the token embedding on "
-                      "the last stage, refreshed from the first stage's full parameters, which " + p.strategy +
-                      " does not keep; use NO_SHARD, ZERO1 or SHARD_GRAD_OP (or an untied Llama model)");
   if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   if (p.strategy.rfind("HYBRID", 0) != 0 && p.dp_replicate > 1)
