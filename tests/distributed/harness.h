@@ -123,8 +123,27 @@ class ParityFixture : public ::testing::Test {
   std::filesystem::path dir_;
 };
 
+// The two runs' per-step losses side by side: printed, and written to
+// parity_<test name>.txt in the test's working directory (one file per test; each test runs in its
+// own process, and its first table rewrites the file).
+inline void loss_table(const std::string& what, const RunResult& a, const RunResult& b) {
+  std::string out = "# " + what + "\nstep  reference       run             difference\n";
+  for (size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i) {
+    char line[128];
+    std::snprintf(line, sizeof line, "%4zu  %.9f  %.9f  %+.3e\n", i + 1, a.losses[i], b.losses[i],
+                  b.losses[i] - a.losses[i]);
+    out += line;
+  }
+  std::printf("%s", out.c_str());
+  static bool first = true;
+  const std::string file = std::string("parity_") + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".txt";
+  std::ofstream(file, first ? std::ios::trunc : std::ios::app) << out << "\n";
+  first = false;
+}
+
 // Losses within loss_tol and weights within weight_tol (absolute), over 8 steps.
 inline void expect_close(const RunResult& a, const RunResult& b, double loss_tol, double weight_tol, const std::string& what) {
+  loss_table(what, a, b);
   ASSERT_EQ(a.losses.size(), 8u) << what;
   ASSERT_EQ(b.losses.size(), 8u) << what;
   double maxl = 0;

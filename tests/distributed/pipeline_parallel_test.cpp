@@ -2,12 +2,9 @@
 // parallelism, against single-process training on the same global batch (the single run uses
 // gradient accumulation over the same micro-batches); stage memory; checkpoints across layouts.
 //
-// Every run's per-step losses are printed side by side with its reference and written to
-// pipeline_parity_<test name>.txt in the test's working directory.
+// Every comparison's per-step losses are printed side by side and written to a file (harness.h).
 #include <gtest/gtest.h>
 
-#include <cstdio>
-#include <fstream>
 #include <string>
 
 #include "harness.h"
@@ -26,26 +23,8 @@ constexpr double kBf16LossTol = 2e-2, kBf16WeightTol = 1e-2;
 
 using PipelineParallel = ParityFixture;
 
-void table(const std::string& what, const RunResult& ref, const RunResult& run) {
-  std::string out = "# " + what + "\nstep  single          pipeline        difference\n";
-  for (size_t i = 0; i < ref.losses.size() && i < run.losses.size(); ++i) {
-    char line[128];
-    std::snprintf(line, sizeof line, "%4zu  %.9f  %.9f  %+.3e\n", i + 1, ref.losses[i], run.losses[i],
-                  run.losses[i] - ref.losses[i]);
-    out += line;
-  }
-  std::printf("%s", out.c_str());
-  // One file per test (each test runs in its own process), rewritten by its first table.
-  static bool first = true;
-  const std::string file =
-      std::string("pipeline_parity_") + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".txt";
-  std::ofstream(file, first ? std::ios::trunc : std::ios::app) << out << "\n";
-  first = false;
-}
-
 void check(const std::string& what, const RunResult& ref, const RunResult& run, double lt = kLossTol,
            double wt = kWeightTol) {
-  table(what, ref, run);
   expect_close(ref, run, lt, wt, what);
 }
 
