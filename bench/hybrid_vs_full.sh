@@ -24,6 +24,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 STEPS=6
 REPEATS=1
 RATES="1gbit unshaped"
@@ -79,19 +80,7 @@ wait_quiet() {
     exit 1
   fi
   [[ $WAIT == 1 ]] || return 0
-  local l
-  waited=0
-  while :; do
-    l=$(cut -d' ' -f1 /proc/loadavg)
-    awk -v l="$l" -v m="$MAX_LOAD" 'BEGIN { exit !(l <= m) }' && break
-    if ((waited >= LOAD_WAIT)); then
-      echo "  (1-min load still $l after ${waited}s; starting anyway)"
-      break
-    fi
-    sleep 30
-    waited=$((waited + 30))
-  done
-  ((waited == 0)) || echo "  (waited ${waited}s for the 1-min load to fall to $MAX_LOAD; now $l)"
+  wait_for_load "$MAX_LOAD" "$LOAD_WAIT"
 }
 
 # CPU ticks (utime+stime) of the rank processes, sampled until $1 exits: lines "pid ticks".

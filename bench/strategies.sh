@@ -21,6 +21,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 STEPS=8
 REPEATS=1
 RANKS="2 4"
@@ -74,19 +75,7 @@ wait_quiet() {
   while pgrep -f "$WAIT_PATTERN" >/dev/null; do sleep 10; waited=$((waited + 10)); done
   ((waited == 0)) || echo "  (waited ${waited}s for other benchmarks to finish)"
   # then for the load left by the previous run or by anything else on the machine
-  local l
-  waited=0
-  while :; do
-    l=$(cut -d' ' -f1 /proc/loadavg)
-    awk -v l="$l" -v m="$MAX_LOAD" 'BEGIN { exit !(l <= m) }' && break
-    if ((waited >= LOAD_WAIT)); then
-      echo "  (1-min load still $l after ${waited}s; starting anyway)"
-      break
-    fi
-    sleep 30
-    waited=$((waited + 30))
-  done
-  ((waited == 0)) || echo "  (waited ${waited}s for the 1-min load to fall to $MAX_LOAD; now $l)"
+  wait_for_load "$MAX_LOAD" "$LOAD_WAIT"
 }
 
 # Peak RSS and CPU ticks (utime+stime) of the rank processes (argv[0] = $MT, argv[1] = train),
