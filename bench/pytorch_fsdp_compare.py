@@ -45,7 +45,6 @@ their peak RSS is sampled from /proc; a markdown table with medians over repeats
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -53,7 +52,9 @@ import sys
 import time
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"
-L, H, C, T, V, B = 6, 6, 384, 256, 50304, 4
+# The model and its configuration (gpt2-small-cpu) are bench/pytorch_compare.py's, this script's
+# sibling (its folder is on sys.path when it runs).
+from pytorch_compare import B, T, build_model  # noqa: E402
 
 
 def parse():
@@ -152,70 +153,6 @@ def install_cpu_shim():
     dist._reduce_scatter_base = reduce_scatter_base
 
 
-# ---------------------------------------------------------------------------------------------
-# Model (as bench/pytorch_compare.py)
-def build_model(torch):
-    nn = torch.nn
-    F = torch.nn.functional
-
-    class Attn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c_attn = nn.Linear(C, 3 * C)
-            self.c_proj = nn.Linear(C, C)
-            self.mask = torch.tril(torch.ones(T, T, dtype=torch.bool)).view(1, 1, T, T)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            q, k, v = self.c_attn(x).split(C, dim=2)
-            q = q.view(b, t, H, c // H).transpose(1, 2)
-            k = k.view(b, t, H, c // H).transpose(1, 2)
-            v = v.view(b, t, H, c // H).transpose(1, 2)
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // H))
-            att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
-            att = F.softmax(att, dim=-1)
-            y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-            return self.c_proj(y)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1 = nn.LayerNorm(C)
-            self.attn = Attn()
-            self.ln_2 = nn.LayerNorm(C)
-            self.c_fc = nn.Linear(C, 4 * C)
-            self.c_proj = nn.Linear(4 * C, C)
-
-        def forward(self, x):
-            x = x + self.attn(self.ln_1(x))
-            return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(V, C)
-            self.wpe = nn.Embedding(T, C)
-            self.h = nn.ModuleList([Block() for _ in range(L)])
-            self.ln_f = nn.LayerNorm(C)
-            self.lm_head = nn.Linear(C, V, bias=False)
-            self.lm_head.weight = self.wte.weight  # tied
-            for n, p in self.named_parameters():
-                if p.dim() == 2:
-                    nn.init.normal_(p, 0.0, 0.02)
-                else:
-                    nn.init.zeros_(p) if n.endswith("bias") else nn.init.ones_(p)
-
-        def forward(self, idx, targets):
-            pos = torch.arange(idx.shape[1], device=idx.device)
-            x = self.wte(idx) + self.wpe(pos)
-            for blk in self.h:
-                x = blk(x)
-            logits = self.lm_head(self.ln_f(x))
-            return F.cross_entropy(logits.float().view(-1, V), targets.view(-1))
-
-    return GPT(), Block
-
-
 def rss_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -237,7 +174,8 @@ def worker(rank, args, strategy, result_file):
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     rss0 = rss_kib("VmRSS")
     torch.manual_seed(0)
-    model, Block = build_model(torch)
+    model = build_model(torch)
+    Block = type(model.h[0])  # the wrapping unit, as meshtrain's
     fsdp = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
