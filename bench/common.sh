@@ -1,17 +1,25 @@
-# Sourced by the bench scripts: builds the binary if it is missing, prepares the byte-level
+# Sourced by the bench scripts: builds the programs if they are missing, prepares the byte-level
 # benchmark corpus (Debian's fortunes) if it is missing, and lets mpirun run as root.
 #
-#   bench_setup BUILD_DIR DATA_DIR   -> sets MT=BUILD_DIR/meshtrain
+#   bench_setup BUILD_DIR DATA_DIR [PROGRAM ...]   -> sets MT (absolute path of BUILD_DIR/meshtrain)
+# PROGRAM: further programs the script needs, relative to BUILD_DIR (e.g. bench/kernel_bench).
+# BENCH_TEXTS: the fortunes files the corpus is made of (default "fortunes").
 bench_setup() {
-  local build=$1 data=$2 root
+  local build=$1 data=$2 root p missing=0 targets=(meshtrain) inputs=()
+  shift 2
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  if [[ ! -x "$build/meshtrain" ]]; then
-    cmake -S "$root" -B "$build" -G Ninja >/dev/null
-    ninja -C "$build" meshtrain >/dev/null
+  [[ -x "$build/meshtrain" ]] || missing=1
+  for p in "$@"; do
+    [[ -x "$build/$p" ]] || missing=1
+    targets+=("$(basename "$p")")
+  done
+  if ((missing)); then
+    cmake -S "$root" -B "$build" -G Ninja -DMESHTRAIN_BENCH=ON >/dev/null
+    ninja -C "$build" "${targets[@]}" >/dev/null
   fi
-  MT=$build/meshtrain
-  [[ -f "$data/train.bin" ]] ||
-    "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes --out "$data" >/dev/null
+  MT=$(realpath "$build/meshtrain")
+  for p in ${BENCH_TEXTS:-fortunes}; do inputs+=(--input "/usr/share/games/fortunes/$p"); done
+  [[ -f "$data/train.bin" ]] || "$MT" prepare --tokenizer byte "${inputs[@]}" --out "$data" >/dev/null
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 }
 

@@ -20,6 +20,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 RATE=1gbit
 STEPS=6
 REPEATS=2
@@ -45,13 +46,7 @@ done
 [[ $EUID -eq 0 ]] || { echo "ddp_overlap.sh: needs root" >&2; exit 1; }
 [[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_ddp_overlap.XXXXXX)
 mkdir -p "$OUT"
-if [[ ! -x "$BUILD/meshtrain" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DMESHTRAIN_BENCH=ON >/dev/null
-  ninja -C "$BUILD" meshtrain >/dev/null
-fi
-MT=$BUILD/meshtrain
-[[ -f "$DATA/train.bin" ]] ||
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes --out "$DATA" >/dev/null
+bench_setup "$BUILD" "$DATA"
 trap '"$ROOT/bench/two_nodes.sh" --cleanup >/dev/null 2>&1 || true' EXIT
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''

@@ -17,6 +17,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 STEPS=12
 REPEATS=3
 TORCH_STEPS=6
@@ -43,14 +44,7 @@ mkdir -p "$OUT"
 if [[ $PYTORCH == auto ]]; then
   if /usr/bin/python3 -c 'import torch' 2>/dev/null; then PYTORCH=1; else PYTORCH=0; fi
 fi
-if [[ ! -x "$BUILD/meshtrain" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DMESHTRAIN_BENCH=ON >/dev/null
-  ninja -C "$BUILD" meshtrain >/dev/null
-fi
-MT=$BUILD/meshtrain
-[[ -f "$DATA/train.bin" ]] ||
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes --out "$DATA" >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''
   --train.steps "$STEPS" --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000

@@ -53,14 +53,7 @@ done
 [[ $EUID -eq 0 ]] || { echo "hybrid_vs_full.sh: needs root (network namespaces)" >&2; exit 1; }
 [[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_hybrid.XXXXXX)
 mkdir -p "$OUT"
-if [[ ! -x "$BUILD/meshtrain" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja >/dev/null
-  ninja -C "$BUILD" meshtrain >/dev/null
-fi
-MT=$(realpath "$BUILD/meshtrain")
-[[ -f "$DATA/train.bin" ]] ||
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes \
-    --input /usr/share/games/fortunes/literature --out "$DATA" >/dev/null
+BENCH_TEXTS="fortunes literature" bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''
   --train.steps "$STEPS" --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000

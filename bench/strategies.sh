@@ -55,15 +55,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_strategies.XXXXXX)
 mkdir -p "$OUT"
-if [[ ! -x "$BUILD/meshtrain" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja >/dev/null
-  ninja -C "$BUILD" meshtrain >/dev/null
-fi
-MT=$(realpath "$BUILD/meshtrain")
-[[ -f "$DATA/train.bin" ]] ||
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes \
-    --input /usr/share/games/fortunes/literature --out "$DATA" >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+BENCH_TEXTS="fortunes literature" bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''
   --train.steps "$STEPS" --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000

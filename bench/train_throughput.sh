@@ -41,6 +41,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 STEPS=12
 REPEATS=3
 THREADS="1 2"
@@ -66,14 +67,7 @@ done
 [[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_train_throughput.XXXXXX)
 mkdir -p "$OUT"
 
-if [[ ! -x "$BUILD/meshtrain" || ! -x "$BUILD/bench/kernel_bench" ]]; then
-  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DMESHTRAIN_BENCH=ON >/dev/null
-  ninja -C "$BUILD" meshtrain kernel_bench >/dev/null
-fi
-MT=$BUILD/meshtrain
-if [[ ! -f "$DATA/train.bin" ]]; then
-  "$MT" prepare --tokenizer byte --input /usr/share/games/fortunes/fortunes --out "$DATA" >/dev/null
-fi
+bench_setup "$BUILD" "$DATA" bench/kernel_bench
 
 MODEL=(--model.preset gpt2-small-cpu --train.micro_batch 4)
 TRAIN_ARGS=("${MODEL[@]}" --data.train "$DATA/train.bin" --data.val '' --train.steps "$STEPS"
