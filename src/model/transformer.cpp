@@ -437,22 +437,28 @@ const Tensor& Transformer::sp_gather(const float* shard, int64_t n) {
   return sp_full_bf_;
 }
 
-// A replicated parameter whose gradient each rank computes from its own rows only (norms under
-// sequence parallelism): the contribution goes to a zeroed buffer, is summed over the tp ranks,
-// and is then added to the gradient, so every rank accumulates the same full value.
-// `grads`: (gradient, count) pairs; `contribute` writes them one after the other into its buffer.
-void Transformer::sp_replicated_grad(const std::vector<std::pair<float*, int64_t>>& grads,
-                                     const std::function<void(float*)>& contribute) {
-  int64_t total = 0;
-  for (const auto& g : grads) total += g.second;
+// Backward of the norm whose weight is parameter w (GPT-2: LayerNorm with its bias at w + 1;
+// Llama: RMSNorm) over R rows: dx += d(input), and the parameters' gradients accumulate. Under
+// sequence parallelism each rank saw only its rows, so the parameters' contribution is computed
+// into a zeroed buffer and summed over the tp ranks first: every rank adds the same full value.
+void Transformer::norm_backward(float* dx, int w, const float* dout, const float* x, const Tensor& mean,
+                                const Tensor& rstd, int64_t R) {
+  const int64_t C = cfg_.n_embd;
+  const bool layernorm = cfg_.arch == Arch::GPT2;
+  auto run = [&](float* dw, float* db) {
+    if (layernorm)
+      k::layernorm_backward(dx, dw, db, dout, x, wf(w), mean.f32(), rstd.f32(), R, C);
+    else
+      k::rmsnorm_backward(dx, dw, dout, x, wf(w), rstd.f32(), R, C);
+  };
+  if (!sp_) return run(gp(w), layernorm ? gp(w + 1) : nullptr);
+  const int64_t n = layernorm ? 2 * C : C;
   float* t = sp_pgrad_.f32();
-  std::memset(t, 0, static_cast<size_t>(total) * sizeof(float));
-  contribute(t);
-  tp_->all_reduce_sum(t, total);
-  for (const auto& g : grads) {
-    k::accumulate(g.first, t, g.second);
-    t += g.second;
-  }
+  std::memset(t, 0, static_cast<size_t>(n) * sizeof(float));
+  run(t, layernorm ? t + C : nullptr);
+  tp_->all_reduce_sum(t, n);
+  k::accumulate(gp(w), t, C);
+  if (layernorm) k::accumulate(gp(w + 1), t + C, C);
 }
 
 // y = x @ W^T (+ b), with x in the compute dtype.
@@ -612,28 +618,15 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   if (gpt) {
     k::gelu_backward(dfc, a.fc.f32(), dact, N * F);
     lin.bwd(dnorm, gp(base + G_FCW), gp(base + G_FCB), dfc, norm_input(a.ln2), WF(G_FCW), WB(G_FCW), N, C, F);
-    const float* dn = sum_input_grad(dnorm);  // column-parallel: input gradient summed over ranks
-    auto lnb = [&](float* dw, float* db) {
-      k::layernorm_backward(dx, dw, db, dn, a.res2.f32(), wf(base + G_LN2W), a.ln2_mean.f32(), a.ln2_rstd.f32(), R, C);
-    };
-    if (sp_)
-      sp_replicated_grad({{gp(base + G_LN2W), C}, {gp(base + G_LN2B), C}}, [&](float* t) { lnb(t, t + C); });
-    else
-      lnb(gp(base + G_LN2W), gp(base + G_LN2B));
+    // column-parallel: input gradient summed over ranks
+    norm_backward(dx, base + G_LN2W, sum_input_grad(dnorm), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
     std::memset(dup, 0, N * F * sizeof(float));
     k::swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
     const Tensor& ln2_in = norm_input(a.ln2);
     lin.bwd(dnorm, gp(base + L_GATEW), nullptr, dfc, ln2_in, WF(L_GATEW), WB(L_GATEW), N, C, F);
     lin.bwd(dnorm, gp(base + L_UPW), nullptr, dup, ln2_in, WF(L_UPW), WB(L_UPW), N, C, F);
-    const float* dn = sum_input_grad(dnorm);
-    auto rmb = [&](float* dw) {
-      k::rmsnorm_backward(dx, dw, dn, a.res2.f32(), wf(base + L_LN2W), a.ln2_rstd.f32(), R, C);
-    };
-    if (sp_)
-      sp_replicated_grad({{gp(base + L_LN2W), C}}, [&](float* t) { rmb(t); });
-    else
-      rmb(gp(base + L_LN2W));
+    norm_backward(dx, base + L_LN2W, sum_input_grad(dnorm), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   }
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
   std::memset(datty, 0, N * nh * hd * sizeof(float));
@@ -649,22 +642,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   int qkv_w = gpt ? G_QKVW : L_QW;
   lin.bwd(dnorm, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, norm_input(a.ln1), WF(qkv_w), WB(qkv_w), N,
           C, QKV);
-  const float* dn = sum_input_grad(dnorm);
-  if (gpt) {
-    auto lnb = [&](float* dw, float* db) {
-      k::layernorm_backward(dx, dw, db, dn, x, wf(base + G_LN1W), a.ln1_mean.f32(), a.ln1_rstd.f32(), R, C);
-    };
-    if (sp_)
-      sp_replicated_grad({{gp(base + G_LN1W), C}, {gp(base + G_LN1B), C}}, [&](float* t) { lnb(t, t + C); });
-    else
-      lnb(gp(base + G_LN1W), gp(base + G_LN1B));
-  } else {
-    auto rmb = [&](float* dw) { k::rmsnorm_backward(dx, dw, dn, x, wf(base + L_LN1W), a.ln1_rstd.f32(), R, C); };
-    if (sp_)
-      sp_replicated_grad({{gp(base + L_LN1W), C}}, [&](float* t) { rmb(t); });
-    else
-      rmb(gp(base + L_LN1W));
-  }
+  norm_backward(dx, base + (gpt ? G_LN1W : L_LN1W), sum_input_grad(dnorm), x, a.ln1_mean, a.ln1_rstd, R);
 }
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
@@ -850,19 +828,7 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       tp_->all_reduce_sum(dhin, N * C);
     }
     std::memset(dx, 0, R * C * sizeof(float));
-    const float* xl = s.block_out[cfg_.n_layer].f32();
-    auto nb = [&](float* dw, float* db) {
-      if (gpt)
-        k::layernorm_backward(dx, dw, db, dhin, xl, wf(hb), s.head_mean.f32(), s.head_rstd.f32(), R, C);
-      else
-        k::rmsnorm_backward(dx, dw, dhin, xl, wf(hb), s.head_rstd.f32(), R, C);
-    };
-    if (sp_ && gpt)
-      sp_replicated_grad({{gp(hb), C}, {gp(hb + 1), C}}, [&](float* t) { nb(t, t + C); });
-    else if (sp_)
-      sp_replicated_grad({{gp(hb), C}}, [&](float* t) { nb(t, nullptr); });
-    else
-      nb(gp(hb), gpt ? gp(hb + 1) : nullptr);
+    norm_backward(dx, hb, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
     if (hooks_) hooks_->post_backward(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");

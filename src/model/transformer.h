@@ -214,11 +214,11 @@ class Transformer {
   int tp_size_ = 1, tp_rank_ = 0;
   bool sp_ = false;
   // sequence-parallel workspace: gathered rows (f32 and compute dtype), gathered gradient, partial
-  // sums before a reduce-scatter, the replicated parameters' gradient contributions
+  // sums before a reduce-scatter, the norms' parameter-gradient contributions
   Tensor sp_full_, sp_full_bf_, sp_dfull_, sp_part_, sp_pgrad_;
   const Tensor& sp_gather(const float* shard, int64_t n);  // -> [N, C] in the compute dtype
-  void sp_replicated_grad(const std::vector<std::pair<float*, int64_t>>& grads,
-                          const std::function<void(float*)>& contribute);
+  void norm_backward(float* dx, int w, const float* dout, const float* x, const Tensor& mean, const Tensor& rstd,
+                     int64_t R);
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
   void tp_cross_entropy(bool train, float dloss);
   Tensor weights_, grads_, weights_bf16_;
