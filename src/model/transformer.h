@@ -90,6 +90,12 @@ class Transformer {
   Tensor& weights() { return weights_; }
   Tensor& grads() { return grads_; }
   Tensor& compute_weights() { return compute_ == DType::F32 ? weights_ : weights_bf16_; }
+  // Unit u's range of compute_weights() (fp32 or bf16 elements).
+  const void* unit_compute_weights(int u) {
+    Tensor& w = compute_weights();
+    const int64_t off = units_[u].offset;
+    return compute_ == DType::F32 ? static_cast<const void*>(w.f32() + off) : static_cast<const void*>(w.bf() + off);
+  }
   void zero_grads();
   // GPT-2 initialisation: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), norms 1, biases 0.
   void init_weights(uint64_t seed);

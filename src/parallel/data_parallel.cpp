@@ -29,12 +29,14 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
       b.first_unit = b.last_unit = u;
       b.offset = r.offset;
       b.numel = r.numel;
+      b.units = 1;
       buckets_.push_back(b);
     } else {
       Bucket& b = buckets_.back();
       b.first_unit = u;
       b.offset = r.offset;
       b.numel += r.numel;
+      ++b.units;
     }
     bucket_of_unit_[u] = static_cast<int>(buckets_.size()) - 1;
   }
@@ -48,13 +50,12 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     if (b0.offset != wte.offset) throw std::logic_error("DDP: the token embedding does not start its bucket");
     b0.offset += wte.numel;
     b0.numel -= wte.numel;
-    tied_bucket_.offset = wte.offset;
-    tied_bucket_.numel = wte.numel;
+    tied_offset_ = wte.offset;
     // The head hands over its weight gradient in chunks of about one bucket (at least 64 rows),
     // each reduced as soon as it is complete, while the head's backward goes on.
     const int64_t C = model_.config().n_embd;
     model_.set_head_grad_chunks(std::max<int64_t>(64, cap / C), [this, C](int64_t r0, int64_t r1) {
-      float* g = model_.grads().f32() + tied_bucket_.offset + r0 * C;
+      float* g = model_.grads().f32() + tied_offset_ + r0 * C;
       tied_works_.push_back(dp_->all_reduce(g, static_cast<size_t>((r1 - r0) * C), DType::F32, comm::ReduceOp::Avg));
     });
   }
@@ -69,8 +70,7 @@ DataParallel::~DataParallel() {
 void DataParallel::reset() {
   std::fill(unit_done_.begin(), unit_done_.end(), 0);
   for (auto& b : buckets_) {
-    b.pending = b.last_unit - b.first_unit + 1;
-    for (int u = b.first_unit; u <= b.last_unit; ++u) b.pending -= model_.owns_unit(u) ? 0 : 1;
+    b.pending = b.units;
     b.work.reset();
   }
   tied_works_.clear();
@@ -132,7 +132,7 @@ DdpStepStats DataParallel::finish() {
     // sum on every rank).
     const int64_t W = dp_->size(), n = model_.deferred_embedding_count(), C = model_.config().n_embd;
     kernels::scale(gathered_rows_.f32(), 1.0f / static_cast<float>(W), W * n * C);
-    float* g = model_.grads().f32() + tied_bucket_.offset;
+    float* g = model_.grads().f32() + tied_offset_;
     for (int64_t r = 0; r < W; ++r)
       kernels::embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.data<int32_t>() + r * n, n, C);
   }

@@ -22,7 +22,8 @@ namespace mt::parallel {
 struct Bucket {
   int first_unit = 0, last_unit = 0;  // inclusive unit range
   int64_t offset = 0, numel = 0;      // range of the flat gradient buffer
-  int pending = 0;                    // units not yet finished in this backward
+  int units = 0;                      // units this rank owns in the range
+  int pending = 0;                    // of them, not yet finished in this backward
   comm::WorkHandle work;
 };
 
@@ -57,7 +58,7 @@ class DataParallel : public UnitHooks {
   void launch(Bucket& b);
   void reset();  // before the next synchronising backward
   bool tied_ = false;
-  Bucket tied_bucket_;                          // the token embedding's range (head's dense part)
+  int64_t tied_offset_ = 0;                     // the token embedding's offset in the gradients
   std::vector<comm::WorkHandle> tied_works_;    // its all-reduces, one per chunk of vocabulary rows
   Tensor gathered_ids_, gathered_rows_;         // every rank's deferred lookup gradient
   comm::WorkHandle ids_work_, rows_work_;

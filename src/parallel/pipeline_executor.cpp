@@ -150,7 +150,7 @@ PipelineExecutor::PipelineExecutor(Transformer& model, PipeSchedule schedule, St
   if (!chk.ok) throw std::invalid_argument("pipeline schedule '" + sched_.name + "' fails its check: " + chk.message);
   tied_split_ = model_.config().tied_embeddings && sched_.stage_rank(0) != sched_.stage_rank(S_ - 1);
   if (tied_split_ && rank_ == sched_.stage_rank(0))
-    tied_grad_in_ = Tensor::zeros({model_.param(model_.params()[0].name).numel}, DType::F32, MemCategory::Grads);
+    tied_grad_in_ = Tensor::zeros({model_.params()[0].numel}, DType::F32, MemCategory::Grads);  // the token embedding
 }
 
 int PipelineExecutor::tag(int kind, int m, int s) const { return (kind << 13) | ((s / sched_.pp) << 10) | m; }

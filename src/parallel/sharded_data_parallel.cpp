@@ -200,12 +200,7 @@ void ShardedDataParallel::release(int u) {
 }
 
 void ShardedDataParallel::with_full_unit(int u, const std::function<void(const void*)>& f) {
-  if (!params_sharded()) {
-    const int64_t off = units_[u].offset;
-    Tensor& w = model_.compute_weights();
-    f(cd_ == DType::F32 ? static_cast<const void*>(w.f32() + off) : static_cast<const void*>(w.bf() + off));
-    return;
-  }
+  if (!params_sharded()) return f(model_.unit_compute_weights(u));
   const bool was = units_[u].gathered.defined();
   ensure_gathered(u);
   f(units_[u].gathered.raw());

@@ -54,11 +54,7 @@ class DdpStrategy final : public Strategy {
     model_.zero_grads();
   }
   int64_t adam_steps() const override { return adam_.step_count(); }
-  void with_full_unit(int u, const std::function<void(const void*)>& f) override {
-    const int64_t off = model_.unit(u).offset;
-    Tensor& w = model_.compute_weights();
-    f(w.dtype() == DType::F32 ? static_cast<const void*>(w.f32() + off) : static_cast<const void*>(w.bf() + off));
-  }
+  void with_full_unit(int u, const std::function<void(const void*)>& f) override { f(model_.unit_compute_weights(u)); }
 
  private:
   void copy_or_zero(Tensor& t, const float* src) {
