@@ -32,6 +32,23 @@
 
 namespace mt::comm {
 
+namespace {
+// The source pointers of a local reduction: on the stack up to 64 ranks, on the heap beyond.
+struct SourceList {
+  const void* small[64];
+  std::vector<const void*> big;
+  const void** data = small;
+  explicit SourceList(size_t n) {
+    if (n > 64) {
+      big.resize(n);
+      data = big.data();
+    }
+  }
+  SourceList(const SourceList&) = delete;
+  SourceList& operator=(const SourceList&) = delete;
+};
+}  // namespace
+
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum: return "sum";
@@ -731,13 +748,8 @@ int GroupImpl::step(Op& op) {
 
       case kRsWait: {
         if (!test_all(reqs, "reduce-scatter step", op)) return advanced;
-        const void* srcs[64];
-        std::vector<const void*> many;
-        const void** sp = srcs;
-        if (n > 64) {
-          many.resize(n);
-          sp = many.data();
-        }
+        SourceList srcs(n);
+        const void** sp = srcs.data;
         const char* stage = static_cast<const char*>(staging);
         if (kind == OpKind::AllReduce) {
           const Seg mine = segment(op.len, n, r);
@@ -840,13 +852,8 @@ int GroupImpl::step(Op& op) {
         char* part = stage + static_cast<size_t>(L - 1) * ls.len * es;  // fp32 partial sums
         char* recv32 = part + ls.len * 4;
         char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        const void* srcs[64];
-        std::vector<const void*> many;
-        const void** sp = srcs;
-        if (L > 64 || N > 64) {
-          many.resize(std::max(L, N));
-          sp = many.data();
-        }
+        SourceList srcs(std::max(L, N));
+        const void** sp = srcs.data;
         for (int q = 0; q < L; ++q)
           sp[q] = q == l ? base + ls.off * es : stage + (q < l ? q : q - 1) * ls.len * es;
         const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
@@ -876,13 +883,8 @@ int GroupImpl::step(Op& op) {
         char* part = static_cast<char*>(staging) + static_cast<size_t>(L - 1) * ls.len * es;
         char* recv32 = part + ls.len * 4;
         char* seg = static_cast<char*>(op.rbuf) + (op.pos + ls.off) * es;
-        const void* srcs[64];
-        std::vector<const void*> many;
-        const void** sp = srcs;
-        if (N > 64) {
-          many.resize(N);
-          sp = many.data();
-        }
+        SourceList srcs(N);
+        const void** sp = srcs.data;
         for (int q = 0; q < N; ++q)
           sp[q] = q == k0 ? part + ss.off * 4 : recv32 + (q < k0 ? q : q - 1) * ss.len * 4;
         reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
@@ -910,13 +912,8 @@ int GroupImpl::step(Op& op) {
 
       case kOneShotWait: {
         if (!test_all(reqs, "all-reduce exchange", op)) return advanced;
-        const void* srcs[64];
-        std::vector<const void*> many;
-        const void** sp = srcs;
-        if (n > 64) {
-          many.resize(n);
-          sp = many.data();
-        }
+        SourceList srcs(n);
+        const void** sp = srcs.data;
         const size_t bytes = op.d.count * es;
         const char* stage = static_cast<const char*>(staging);
         for (int q = 0; q < n; ++q) sp[q] = q == r ? op.rbuf : stage + (q < r ? q : q - 1) * bytes;
