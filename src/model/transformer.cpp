@@ -984,26 +984,47 @@ void for_each_tp_run(const ParamInfo& lp, const ParamInfo& fp, int r, int t, con
 }
 }  // namespace
 
-void Transformer::shard_from_full(const Transformer& full_layout, const float* full, float* local) const {
-  std::memset(local, 0, static_cast<size_t>(flat_size_) * sizeof(float));
+void Transformer::shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const {
+  const int64_t lo = units_[u].offset, fo = full_layout.units_[u].offset;
+  std::memset(local, 0, static_cast<size_t>(units_[u].numel) * sizeof(float));
   for (const auto& lp : params_) {
+    if (lp.unit != u) continue;
     const ParamInfo& fp = full_layout.param(lp.name);
     for_each_tp_run(lp, fp, tp_rank_, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
-      std::memcpy(local + lp.offset + li, full + fp.offset + fi, static_cast<size_t>(n) * sizeof(float));
+      std::memcpy(local + (lp.offset - lo) + li, full + (fp.offset - fo) + fi, static_cast<size_t>(n) * sizeof(float));
     });
   }
+}
+
+void Transformer::assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
+                                     float* full) const {
+  if (static_cast<int>(locals.size()) != tp_size_) throw std::invalid_argument("assemble_unit_full: one buffer per tp rank");
+  const int64_t lo = units_[u].offset, fo = full_layout.units_[u].offset;
+  std::memset(full, 0, static_cast<size_t>(full_layout.units_[u].numel) * sizeof(float));
+  for (const auto& lp : params_) {
+    if (lp.unit != u) continue;
+    const ParamInfo& fp = full_layout.param(lp.name);
+    for (int r = 0; r < tp_size_; ++r)
+      for_each_tp_run(lp, fp, r, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+        std::memcpy(full + (fp.offset - fo) + fi, locals[r] + (lp.offset - lo) + li, static_cast<size_t>(n) * sizeof(float));
+      });
+  }
+}
+
+void Transformer::shard_from_full(const Transformer& full_layout, const float* full, float* local) const {
+  std::memset(local, 0, static_cast<size_t>(flat_size_) * sizeof(float));
+  for (int u = 0; u < num_units(); ++u)
+    shard_unit_from_full(full_layout, u, full + full_layout.units_[u].offset, local + units_[u].offset);
 }
 
 void Transformer::assemble_full(const Transformer& full_layout, const std::vector<const float*>& locals,
                                 float* full) const {
   if (static_cast<int>(locals.size()) != tp_size_) throw std::invalid_argument("assemble_full: one buffer per tp rank");
   std::memset(full, 0, static_cast<size_t>(full_layout.flat_size()) * sizeof(float));
-  for (const auto& lp : params_) {
-    const ParamInfo& fp = full_layout.param(lp.name);
-    for (int r = 0; r < tp_size_; ++r)
-      for_each_tp_run(lp, fp, r, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
-        std::memcpy(full + fp.offset + fi, locals[r] + lp.offset + li, static_cast<size_t>(n) * sizeof(float));
-      });
+  std::vector<const float*> unit_locals(locals.size());
+  for (int u = 0; u < num_units(); ++u) {
+    for (size_t r = 0; r < locals.size(); ++r) unit_locals[r] = locals[r] + units_[u].offset;
+    assemble_unit_full(full_layout, u, unit_locals, full + full_layout.units_[u].offset);
   }
 }
 

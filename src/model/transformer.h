@@ -145,7 +145,8 @@ class Transformer {
   bool has_tied_replica() const { return tied_w_.defined(); }
   Tensor& tied_replica() { return tied_w_; }
   Tensor& tied_replica_grad() { return tied_g_; }
-  // Fills the replica from a full fp32 buffer laid out like `full_layout` (unsplit model).
+  // Fills the replica from a full fp32 buffer laid out like `full_layout` (unsplit model); unit 0's
+  // range alone is enough (the token embedding is the first parameter of unit 0, at offset 0).
   void load_tied_replica(const Transformer& full_layout, const float* full);
   // The embedding's own part of a tied model cut by a pipeline: `g` ([Vp/t, C] fp32) is added to the
   // token embedding's gradient by the next embedding backward (the head's contribution), then
@@ -190,6 +191,11 @@ class Transformer {
   // tp rank's local flat buffer (rank order). Also maps between two unsplit layouts (padding).
   void shard_from_full(const Transformer& full_layout, const float* full, float* local) const;
   void assemble_full(const Transformer& full_layout, const std::vector<const float*>& locals, float* full) const;
+  // The same for one unit: `full` points at unit u's first element in `full_layout`, `local` /
+  // `locals[r]` at unit u's first element in this (or tp rank r's) layout.
+  void shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const;
+  void assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
+                          float* full) const;
 
  private:
   struct UnitParams;

@@ -122,36 +122,32 @@ float* ShardedDataParallel::master_slice(int u) {
   return model_.weights().f32() + my_offset(u);  // fp32 ZeRO-1/2: the full weights hold the master
 }
 
-void ShardedDataParallel::load_full(const float* w, const float* m, const float* v, int64_t adam_steps) {
-  release_all();
-  const int U = model_.num_units();
-  for (int u = 0; u < U; ++u) {
-    const UnitState& s = units_[u];
-    if (master_.defined()) std::memcpy(master_.f32() + s.local, w + my_offset(u), s.shard * sizeof(float));
-    if (m) std::memcpy(adam_->exp_avg().f32() + s.local, m + my_offset(u), s.shard * sizeof(float));
-    if (v) std::memcpy(adam_->exp_avg_sq().f32() + s.local, v + my_offset(u), s.shard * sizeof(float));
+void ShardedDataParallel::load_unit(int u, const float* w, const float* m, const float* v) {
+  const UnitState& s = units_[u];
+  if (s.numel == 0) return;  // another pipeline stage's unit
+  const int64_t mine = r_ * s.shard;  // this rank's slice of the unit
+  const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
+  if (master_.defined()) std::memcpy(master_.f32() + s.local, w + mine, bytes);
+  for (auto [t, src] : {std::pair<Tensor*, const float*>{&adam_->exp_avg(), m}, {&adam_->exp_avg_sq(), v}}) {
+    if (src) std::memcpy(t->f32() + s.local, src + mine, bytes);
+    else std::memset(t->f32() + s.local, 0, bytes);
   }
-  if (!m) adam_->exp_avg().zero_();
-  if (!v) adam_->exp_avg_sq().zero_();
-  adam_->set_step_count(adam_steps);
   if (!params_sharded()) {  // full parameters in the compute dtype
     if (cd_ == DType::F32)
-      std::memcpy(model_.weights().f32(), w, model_.flat_size() * sizeof(float));
+      std::memcpy(model_.weights().f32() + s.offset, w, static_cast<size_t>(s.numel) * sizeof(float));
     else
-      kernels::cast_f32_to_bf16(model_.compute_weights().bf(), w, model_.flat_size());
+      kernels::cast_f32_to_bf16(model_.compute_weights().bf() + s.offset, w, s.numel);
   }
 }
 
-void ShardedDataParallel::gather_full(float* w, float* m, float* v) {
+void ShardedDataParallel::gather_unit(int u, float* w, float* m, float* v) {
   release_all();
+  const UnitState& s = units_[u];
+  if (s.numel == 0) return;
   std::vector<comm::WorkHandle> ws;
-  for (int u = 0; u < model_.num_units(); ++u) {
-    const UnitState& s = units_[u];
-    if (s.numel == 0) continue;
-    ws.push_back(shard_->all_gather(master_slice(u), w + s.offset, s.shard, DType::F32));
-    if (m) ws.push_back(shard_->all_gather(adam_->exp_avg().f32() + s.local, m + s.offset, s.shard, DType::F32));
-    if (v) ws.push_back(shard_->all_gather(adam_->exp_avg_sq().f32() + s.local, v + s.offset, s.shard, DType::F32));
-  }
+  ws.push_back(shard_->all_gather(master_slice(u), w, s.shard, DType::F32));
+  if (m) ws.push_back(shard_->all_gather(adam_->exp_avg().f32() + s.local, m, s.shard, DType::F32));
+  if (v) ws.push_back(shard_->all_gather(adam_->exp_avg_sq().f32() + s.local, v, s.shard, DType::F32));
   comm::wait_all(ws);
 }
 

@@ -58,11 +58,13 @@ class ShardedDataParallel : public UnitHooks {
                       std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions opts, AdamWConfig adam);
   ~ShardedDataParallel() override;
 
-  // Every rank passes the same full fp32 flat buffers (model layout; moments may be null = zero):
-  // each keeps its shard. Used after initialisation and when loading a checkpoint.
-  void load_full(const float* weights, const float* exp_avg, const float* exp_avg_sq, int64_t adam_steps);
-  // Collective: full fp32 flat buffers of weights and moments on every rank (for checkpoints).
-  void gather_full(float* weights, float* exp_avg, float* exp_avg_sq);
+  // Unit u's full fp32 values (model layout, the unit's model.unit(u).numel elements; moments may be
+  // null = zero), the same on every rank: each keeps its shard (after initialisation and when
+  // loading a checkpoint; call release_all() first and set the optimizer's step count after).
+  void load_unit(int u, const float* weights, const float* exp_avg, const float* exp_avg_sq);
+  // Collective over the shard group: unit u's full fp32 weights and moments (null = skip) on every
+  // rank (checkpoints, the final sample).
+  void gather_unit(int u, float* weights, float* exp_avg, float* exp_avg_sq);
 
   // Before each micro-batch: whether it is the last of the step (the one that synchronises).
   void begin_microbatch(bool last);

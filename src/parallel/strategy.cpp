@@ -19,20 +19,27 @@ class DdpStrategy final : public Strategy {
         adam_(AdamW::full_spans(m.params()), m.flat_size(), spec.adam) {}
   const char* name() const override { return "NO_SHARD"; }
   UnitHooks* hooks() override { return &ddp_; }
-  void load_full(const float* w, const float* m, const float* v, int64_t steps) override {
-    std::memcpy(model_.weights().f32(), w, model_.flat_size() * sizeof(float));
-    copy_or_zero(adam_.exp_avg(), m);
-    copy_or_zero(adam_.exp_avg_sq(), v);
+  void load_unit(int u, const float* w, const float* m, const float* v) override {
+    const UnitRange& r = model_.unit(u);
+    if (r.numel == 0) return;
+    std::memcpy(model_.weights().f32() + r.offset, w, r.numel * sizeof(float));
+    put(adam_.exp_avg(), r, m);
+    put(adam_.exp_avg_sq(), r, v);
+  }
+  void end_load(int64_t steps) override {
     adam_.set_step_count(steps);
     // Like torch DDP: rank 0's weights everywhere (identical already when every rank loaded the same).
     if (dp_->size() > 1)
       dp_->broadcast(model_.weights().f32(), static_cast<size_t>(model_.flat_size()), DType::F32, 0)->wait();
     model_.sync_compute_weights();
   }
-  void gather_full(float* w, float* m, float* v) override {
-    std::memcpy(w, model_.weights().f32(), model_.flat_size() * sizeof(float));
-    if (m) std::memcpy(m, adam_.exp_avg().f32(), model_.flat_size() * sizeof(float));
-    if (v) std::memcpy(v, adam_.exp_avg_sq().f32(), model_.flat_size() * sizeof(float));
+  void gather_unit(int u, float* w, float* m, float* v) override {
+    const UnitRange& r = model_.unit(u);
+    if (r.numel == 0) return;
+    const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
+    std::memcpy(w, model_.weights().f32() + r.offset, bytes);
+    if (m) std::memcpy(m, adam_.exp_avg().f32() + r.offset, bytes);
+    if (v) std::memcpy(v, adam_.exp_avg_sq().f32() + r.offset, bytes);
   }
   void begin_microbatch(bool last) override { ddp_.set_sync(last); }
   void finish_backward(StepComm* c) override {
@@ -57,9 +64,9 @@ class DdpStrategy final : public Strategy {
   void with_full_unit(int u, const std::function<void(const void*)>& f) override { f(model_.unit_compute_weights(u)); }
 
  private:
-  void copy_or_zero(Tensor& t, const float* src) {
-    if (src) std::memcpy(t.f32(), src, t.nbytes());
-    else t.zero_();
+  static void put(Tensor& t, const UnitRange& r, const float* src) {
+    if (src) std::memcpy(t.f32() + r.offset, src, r.numel * sizeof(float));
+    else std::memset(t.f32() + r.offset, 0, r.numel * sizeof(float));
   }
   Transformer& model_;
   std::shared_ptr<comm::ProcessGroup> dp_;
@@ -74,10 +81,10 @@ class ShardedStrategy final : public Strategy {
       : sdp_(m, std::move(shard), std::move(replicate), o, adam) {}
   const char* name() const override { return shard_strategy_name(sdp_.strategy()); }
   UnitHooks* hooks() override { return &sdp_; }
-  void load_full(const float* w, const float* m, const float* v, int64_t steps) override {
-    sdp_.load_full(w, m, v, steps);
-  }
-  void gather_full(float* w, float* m, float* v) override { sdp_.gather_full(w, m, v); }
+  void begin_load() override { sdp_.release_all(); }
+  void load_unit(int u, const float* w, const float* m, const float* v) override { sdp_.load_unit(u, w, m, v); }
+  void end_load(int64_t steps) override { sdp_.optimizer().set_step_count(steps); }
+  void gather_unit(int u, float* w, float* m, float* v) override { sdp_.gather_unit(u, w, m, v); }
   void begin_microbatch(bool last) override { sdp_.begin_microbatch(last); }
   void finish_backward(StepComm*) override { sdp_.finish_backward(); }
   double grad_norm_sq(const std::vector<double>& weight) override { return sdp_.grad_norm_sq(weight); }

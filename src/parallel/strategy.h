@@ -21,10 +21,18 @@ class Strategy {
   virtual ~Strategy() = default;
   virtual const char* name() const = 0;
   virtual UnitHooks* hooks() = 0;
-  // Every rank passes the same full fp32 flat buffers in the model's layout (moments may be null).
-  virtual void load_full(const float* w, const float* m, const float* v, int64_t adam_steps) = 0;
-  // Collective: full fp32 weights and moments on every rank.
-  virtual void gather_full(float* w, float* m, float* v) = 0;
+  // Model state moves in and out one unit at a time (checkpoints, initialisation, the final
+  // sample), so no rank needs the whole model's full state at once. Buffers hold unit u's range in
+  // this rank's model layout (model.unit(u).numel fp32 elements); units a pipeline rank does not
+  // own (numel 0) are skipped. Loading: begin_load(), load_unit for every unit (every rank passes
+  // the same values; null moments = zero), end_load(). Not collective except end_load (DDP
+  // broadcasts rank 0's weights).
+  virtual void begin_load() {}
+  virtual void load_unit(int u, const float* w, const float* m, const float* v) = 0;
+  virtual void end_load(int64_t adam_steps) = 0;
+  // Unit u's fp32 weights and moments (m / v may be null); collective over the shard group when
+  // the strategy shards them (every rank calls it for the same units in the same order).
+  virtual void gather_unit(int u, float* w, float* m, float* v) = 0;
   virtual void begin_microbatch(bool last) = 0;
   // After each micro-batch's backward (communication of the last one finishes here).
   virtual void finish_backward(StepComm* c) = 0;

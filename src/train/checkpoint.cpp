@@ -1,5 +1,9 @@
 #include "train/checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -21,77 +25,108 @@ bool is_vocab_table(const ParamInfo& p) {
   return p.name == "wte.weight" || p.name == "model.embed_tokens.weight" || p.name == "lm_head.weight";
 }
 
-// A parameter's tensor as Hugging Face stores it: real vocabulary rows only, Conv1D transposed.
-SafeTensor to_hf(const ParamInfo& p, const float* flat, const ModelConfig& cfg) {
-  SafeTensor t;
-  t.dtype = "F32";
-  const float* src = flat + p.offset;
-  std::vector<int64_t> shape = p.shape;
-  bool vocab = is_vocab_table(p);
-  if (vocab) shape[0] = cfg.vocab_size;
-  int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
-  t.bytes.resize(static_cast<size_t>(rows * cols) * 4);
-  float* dst = reinterpret_cast<float*>(t.bytes.data());
-  if (p.hf_transposed) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
-    t.shape = {cols, rows};
-  } else {
-    std::memcpy(dst, src, t.bytes.size());
-    t.shape = shape;
-  }
-  return t;
-}
-
-void from_hf(const ParamInfo& p, const SafeTensor& t, float* flat, const ModelConfig& cfg, const std::string& file) {
-  std::vector<int64_t> shape = p.shape;
-  bool vocab = is_vocab_table(p);
-  if (vocab) shape[0] = cfg.vocab_size;
-  int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
-  std::vector<int64_t> want = p.hf_transposed ? std::vector<int64_t>{cols, rows} : shape;
-  auto str = [](const std::vector<int64_t>& s) {
-    std::string o = "[";
-    for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-    return o + "]";
-  };
-  if (t.dtype != "F32") throw std::runtime_error(file + ": tensor " + p.name + " has dtype " + t.dtype + ", expected F32");
-  if (t.shape != want)
-    throw std::runtime_error(file + ": tensor " + p.name + " has shape " + str(t.shape) + ", the model expects " + str(want));
-  const float* src = reinterpret_cast<const float*>(t.bytes.data());
-  float* dst = flat + p.offset;
-  if (p.hf_transposed) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = src[c * rows + r];
-  } else {
-    std::memcpy(dst, src, static_cast<size_t>(rows * cols) * 4);
-  }
-  if (vocab) std::memset(dst + rows * cols, 0, static_cast<size_t>((p.shape[0] - rows) * cols) * 4);
+// Rows and columns of a parameter as saved: real vocabulary rows only.
+std::pair<int64_t, int64_t> saved_rows_cols(const ParamInfo& p, const ModelConfig& cfg) {
+  const int64_t rows = is_vocab_table(p) ? cfg.vocab_size : p.shape[0];
+  const int64_t cols = p.shape.size() == 2 ? p.shape[1] : 1;
+  return {rows, cols};
 }
 
 // Elements of a parameter without the padded vocabulary rows (those are always zero).
 int64_t real_numel(const ParamInfo& p, const ModelConfig& cfg) {
-  bool vocab = is_vocab_table(p);
-  return vocab ? cfg.vocab_size * p.shape[1] : p.numel;
+  auto [rows, cols] = saved_rows_cols(p, cfg);
+  return rows * cols;
 }
 
-SafeTensor flat_tensor(const float* data, int64_t n) {
-  SafeTensor t;
-  t.dtype = "F32";
-  t.shape = {n};
-  t.bytes.resize(static_cast<size_t>(n) * 4);
-  std::memcpy(t.bytes.data(), data, t.bytes.size());
-  return t;
+// The shape Hugging Face stores: real vocabulary rows, Conv1D weights transposed.
+std::vector<int64_t> hf_shape(const ParamInfo& p, const ModelConfig& cfg) {
+  auto [rows, cols] = saved_rows_cols(p, cfg);
+  if (p.hf_transposed) return {cols, rows};
+  std::vector<int64_t> s = p.shape;
+  s[0] = rows;
+  return s;
 }
 
+// One parameter (src: its first element) into Hugging Face layout (dst: real_numel elements).
+void to_hf(const ParamInfo& p, const float* src, const ModelConfig& cfg, float* dst) {
+  auto [rows, cols] = saved_rows_cols(p, cfg);
+  if (p.hf_transposed) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  } else {
+    std::memcpy(dst, src, static_cast<size_t>(rows * cols) * sizeof(float));
+  }
+}
+
+// The inverse; padded vocabulary rows are set to zero.
+void from_hf(const ParamInfo& p, const float* src, const ModelConfig& cfg, float* dst) {
+  auto [rows, cols] = saved_rows_cols(p, cfg);
+  if (p.hf_transposed) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = src[c * rows + r];
+  } else {
+    std::memcpy(dst, src, static_cast<size_t>(rows * cols) * sizeof(float));
+  }
+  if (rows < p.shape[0]) std::memset(dst + rows * cols, 0, static_cast<size_t>((p.shape[0] - rows) * cols) * sizeof(float));
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+// Checks one tensor of a file against what the model expects; returns its entry.
+const SafeTensorInfo& expect_tensor(const SafetensorsReader& r, const std::string& name,
+                                    const std::vector<int64_t>& shape) {
+  const SafeTensorInfo* t = r.find(name);
+  if (!t) throw std::runtime_error(r.path() + ": missing tensor " + name);
+  if (t->dtype != "F32") throw std::runtime_error(r.path() + ": tensor " + name + " has dtype " + t->dtype + ", expected F32");
+  if (t->shape != shape)
+    throw std::runtime_error(r.path() + ": tensor " + name + " has shape " + shape_str(t->shape) + ", the model expects " +
+                             shape_str(shape));
+  return *t;
+}
+
+std::map<std::string, std::string> weights_metadata(const ModelConfig& c) {
+  return {{"format", "pt"},
+          {"arch", arch_name(c.arch)},
+          {"n_layer", std::to_string(c.n_layer)},
+          {"n_embd", std::to_string(c.n_embd)},
+          {"vocab_size", std::to_string(c.vocab_size)}};
+}
+
+std::vector<std::pair<std::string, SafeTensorInfo>> weights_header(const Transformer& model) {
+  std::vector<std::pair<std::string, SafeTensorInfo>> h;
+  for (const auto& p : model.params()) {
+    SafeTensorInfo i;
+    i.shape = hf_shape(p, model.config());
+    h.emplace_back(p.name, i);
+  }
+  return h;
+}
+
+// Writes a small file durably: temporary file, fsync, rename over `path`.
 void write_text_atomic(const fs::path& path, const std::string& text) {
   fs::path tmp = path;
   tmp += ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) throw std::runtime_error("cannot write " + tmp.string());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + tmp.string() + ": " + std::strerror(errno));
+  const char* p = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    ssize_t w = ::write(fd, p, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      ::close(fd);
+      throw std::runtime_error("error writing " + tmp.string() + ": " + std::strerror(errno));
+    }
+    p += w;
+    left -= static_cast<size_t>(w);
   }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  if (!synced) throw std::runtime_error("cannot flush " + tmp.string() + ": " + std::strerror(errno));
   fs::rename(tmp, path);
 }
 
@@ -105,66 +140,184 @@ std::string read_text(const fs::path& p) {
 
 }  // namespace
 
+// ---- writing --------------------------------------------------------------------------------------
+
+CheckpointWriter::CheckpointWriter(const std::string& root, const Transformer& model, bool with_optimizer, int64_t step)
+    : model_(model), root_(root), with_opt_(with_optimizer), unit_done_(static_cast<size_t>(model.num_units()), 0) {
+  if (model.tp_size() != 1) throw std::logic_error("CheckpointWriter needs an unsplit (tp = 1) model layout");
+  fs::create_directories(root);
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(step));
+  name_ = name;
+  tmp_dir_ = (fs::path(root) / (".tmp-" + name_)).string();
+  fs::remove_all(tmp_dir_);
+  fs::create_directories(tmp_dir_);
+  weights_ = std::make_unique<SafetensorsWriter>((fs::path(tmp_dir_) / "model.safetensors").string(),
+                                                 weights_header(model), weights_metadata(model.config()));
+  if (with_opt_) {
+    // Moments per parameter in the internal [out, in] layout: independent of padding and sharding.
+    std::vector<std::pair<std::string, SafeTensorInfo>> h;
+    for (const auto& p : model.params()) {
+      SafeTensorInfo i;
+      i.shape = {real_numel(p, model.config())};
+      h.emplace_back("exp_avg." + p.name, i);
+      h.emplace_back("exp_avg_sq." + p.name, i);
+    }
+    moments_ = std::make_unique<SafetensorsWriter>((fs::path(tmp_dir_) / "optimizer.safetensors").string(), h);
+  }
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  weights_.reset();  // an unfinished writer removes its temporary file
+  moments_.reset();
+  if (!tmp_dir_.empty()) {
+    std::error_code ec;
+    fs::remove_all(tmp_dir_, ec);
+  }
+}
+
+void CheckpointWriter::write_unit(int u, const float* w, const float* m, const float* v) {
+  if (unit_done_.at(static_cast<size_t>(u))) throw std::logic_error("CheckpointWriter: unit written twice");
+  const int64_t base = model_.unit(u).offset;
+  for (const auto& p : model_.params()) {
+    if (p.unit != u) continue;
+    const int64_t n = real_numel(p, model_.config());
+    const uint64_t bytes = static_cast<uint64_t>(n) * sizeof(float);
+    scratch_.resize(static_cast<size_t>(n));
+    to_hf(p, w + (p.offset - base), model_.config(), scratch_.data());
+    weights_->write(p.name, scratch_.data(), bytes);
+    if (with_opt_) {
+      if (!m || !v) throw std::logic_error("CheckpointWriter: moments missing for a checkpoint with optimizer state");
+      moments_->write("exp_avg." + p.name, m + (p.offset - base), bytes);
+      moments_->write("exp_avg_sq." + p.name, v + (p.offset - base), bytes);
+    }
+  }
+  unit_done_[static_cast<size_t>(u)] = 1;
+}
+
+void CheckpointWriter::commit(const TrainerState& st, const RunConfig& cfg) {
+  weights_->finish();
+  if (moments_) moments_->finish();
+  nlohmann::json j = {{"format_version", 1},
+                      {"step", st.step},
+                      {"adam_steps", st.adam_steps},
+                      {"micro_batches", st.micro_batches},
+                      {"num_params", model_.num_params()},
+                      {"has_optimizer", with_opt_}};
+  const fs::path tmp(tmp_dir_), root(root_);
+  write_text_atomic(tmp / "trainer.json", j.dump(2) + "\n");
+  write_text_atomic(tmp / "config.toml", cfg.to_toml());
+  fsync_directory(tmp_dir_);
+  // Swap into place: an existing checkpoint of the same step is removed only after the new one is complete.
+  const fs::path final_dir = root / name_;
+  if (fs::exists(final_dir)) {
+    const fs::path old = root / (".old-" + name_);
+    fs::remove_all(old);
+    fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fs::remove_all(old);
+  } else {
+    fs::rename(tmp, final_dir);
+  }
+  tmp_dir_.clear();  // committed: nothing to clean up
+  fsync_directory(root_);
+  write_text_atomic(root / "latest", name_ + "\n");
+  fsync_directory(root_);
+}
+
+// ---- reading --------------------------------------------------------------------------------------
+
+CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer)
+    : model_(model), dir_(dir) {
+  if (model.tp_size() != 1) throw std::logic_error("CheckpointReader needs an unsplit (tp = 1) model layout");
+  const fs::path d(dir);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text(d / "trainer.json"));
+    st_.step = j.at("step").get<int64_t>();
+    st_.adam_steps = j.at("adam_steps").get<int64_t>();
+    st_.micro_batches = j.at("micro_batches").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
+  }
+  if (j.value("num_params", int64_t{-1}) != model.num_params())
+    throw std::runtime_error(dir + ": checkpoint has " + std::to_string(j.value("num_params", int64_t{-1})) +
+                             " parameters, the configured model has " + std::to_string(model.num_params()));
+  weights_ = std::make_unique<SafetensorsReader>((d / "model.safetensors").string());
+  for (const auto& p : model.params()) {
+    std::string name = p.name;
+    if (!weights_->find(name) && weights_->find("transformer." + name)) name = "transformer." + name;  // GPT2LMHeadModel spelling
+    expect_tensor(*weights_, name, hf_shape(p, model.config()));
+    weight_names_.push_back(name);
+  }
+  if (with_optimizer) {
+    if (!j.value("has_optimizer", false)) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
+    moments_ = std::make_unique<SafetensorsReader>((d / "optimizer.safetensors").string());
+    for (const auto& p : model.params())
+      for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
+        expect_tensor(*moments_, prefix + p.name, {real_numel(p, model.config())});
+  }
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
+  const UnitRange& ur = model_.unit(u);
+  std::memset(w, 0, static_cast<size_t>(ur.numel) * sizeof(float));
+  const bool moments = moments_ && m && v;
+  if (moments) {
+    std::memset(m, 0, static_cast<size_t>(ur.numel) * sizeof(float));
+    std::memset(v, 0, static_cast<size_t>(ur.numel) * sizeof(float));
+  }
+  std::vector<float> tmp;
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const ParamInfo& p = model_.params()[i];
+    if (p.unit != u) continue;
+    tmp.resize(static_cast<size_t>(real_numel(p, model_.config())));
+    weights_->read(weight_names_[i], tmp.data());
+    from_hf(p, tmp.data(), model_.config(), w + (p.offset - ur.offset));
+    if (moments) {  // padding rows stay zero
+      moments_->read("exp_avg." + p.name, m + (p.offset - ur.offset));
+      moments_->read("exp_avg_sq." + p.name, v + (p.offset - ur.offset));
+    }
+  }
+}
+
+// ---- whole-model helpers --------------------------------------------------------------------------
+
 void export_weights(const std::string& path, const Transformer& model, const float* weights) {
-  std::map<std::string, SafeTensor> ts;
-  for (const auto& p : model.params()) ts.emplace(p.name, to_hf(p, weights, model.config()));
-  const ModelConfig& c = model.config();
-  write_safetensors(path, ts,
-                    {{"format", "pt"},
-                     {"arch", arch_name(c.arch)},
-                     {"n_layer", std::to_string(c.n_layer)},
-                     {"n_embd", std::to_string(c.n_embd)},
-                     {"vocab_size", std::to_string(c.vocab_size)}});
+  SafetensorsWriter w(path, weights_header(model), weights_metadata(model.config()));
+  std::vector<float> tmp;
+  for (const auto& p : model.params()) {
+    tmp.resize(static_cast<size_t>(real_numel(p, model.config())));
+    to_hf(p, weights + p.offset, model.config(), tmp.data());
+    w.write(p.name, tmp.data(), tmp.size() * sizeof(float));
+  }
+  w.finish();
 }
 
 void import_weights(const std::string& path, const Transformer& model, float* weights) {
-  auto ts = read_safetensors(path);
+  SafetensorsReader r(path);
+  std::vector<float> tmp;
   for (const auto& p : model.params()) {
-    auto it = ts.find(p.name);
-    if (it == ts.end()) it = ts.find("transformer." + p.name);  // GPT2LMHeadModel state-dict spelling
-    if (it == ts.end()) throw std::runtime_error(path + ": missing tensor " + p.name);
-    from_hf(p, it->second, weights, model.config(), path);
+    std::string name = p.name;
+    if (!r.find(name) && r.find("transformer." + name)) name = "transformer." + name;  // GPT2LMHeadModel spelling
+    expect_tensor(r, name, hf_shape(p, model.config()));
+    tmp.resize(static_cast<size_t>(real_numel(p, model.config())));
+    r.read(name, tmp.data());
+    from_hf(p, tmp.data(), model.config(), weights + p.offset);
   }
 }
 
 void save_checkpoint(const std::string& root, const Transformer& model, const float* weights, const float* exp_avg,
                      const float* exp_avg_sq, const TrainerState& st, const RunConfig& cfg) {
-  fs::create_directories(root);
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(st.step));
-  const fs::path final_dir = fs::path(root) / name;
-  const fs::path tmp_dir = fs::path(root) / (std::string(".tmp-") + name);
-  fs::remove_all(tmp_dir);
-  fs::create_directories(tmp_dir);
-  export_weights((tmp_dir / "model.safetensors").string(), model, weights);
-  if (exp_avg && exp_avg_sq) {
-    // Moments per parameter (internal [out, in] layout): independent of padding and sharding.
-    std::map<std::string, SafeTensor> opt;
-    for (const auto& p : model.params()) {
-      opt.emplace("exp_avg." + p.name, flat_tensor(exp_avg + p.offset, real_numel(p, model.config())));
-      opt.emplace("exp_avg_sq." + p.name, flat_tensor(exp_avg_sq + p.offset, real_numel(p, model.config())));
-    }
-    write_safetensors((tmp_dir / "optimizer.safetensors").string(), opt);
+  const bool opt = exp_avg && exp_avg_sq;
+  CheckpointWriter w(root, model, opt, st.step);
+  for (int u = 0; u < model.num_units(); ++u) {
+    const int64_t o = model.unit(u).offset;
+    w.write_unit(u, weights + o, opt ? exp_avg + o : nullptr, opt ? exp_avg_sq + o : nullptr);
   }
-  nlohmann::json j = {{"format_version", 1},
-                      {"step", st.step},
-                      {"adam_steps", st.adam_steps},
-                      {"micro_batches", st.micro_batches},
-                      {"num_params", model.num_params()},
-                      {"has_optimizer", exp_avg != nullptr}};
-  write_text_atomic(tmp_dir / "trainer.json", j.dump(2) + "\n");
-  write_text_atomic(tmp_dir / "config.toml", cfg.to_toml());
-  // Swap into place: an existing checkpoint of the same step is removed only after the new one is complete.
-  if (fs::exists(final_dir)) {
-    fs::path old = fs::path(root) / (std::string(".old-") + name);
-    fs::remove_all(old);
-    fs::rename(final_dir, old);
-    fs::rename(tmp_dir, final_dir);
-    fs::remove_all(old);
-  } else {
-    fs::rename(tmp_dir, final_dir);
-  }
-  write_text_atomic(fs::path(root) / "latest", std::string(name) + "\n");
+  w.commit(st, cfg);
 }
 
 std::string resolve_checkpoint(const std::string& root_or_dir) {
@@ -183,37 +336,19 @@ std::string resolve_checkpoint(const std::string& root_or_dir) {
 
 TrainerState load_checkpoint(const std::string& dir, const Transformer& model, float* weights, float* exp_avg,
                              float* exp_avg_sq) {
-  fs::path d(dir);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_text(d / "trainer.json"));
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
+  const bool opt = exp_avg && exp_avg_sq;
+  CheckpointReader r(dir, model, opt);
+  const size_t bytes = static_cast<size_t>(model.flat_size()) * sizeof(float);
+  std::memset(weights, 0, bytes);  // anything between units stays zero
+  if (opt) {
+    std::memset(exp_avg, 0, bytes);
+    std::memset(exp_avg_sq, 0, bytes);
   }
-  if (j.value("num_params", int64_t{-1}) != model.num_params())
-    throw std::runtime_error(dir + ": checkpoint has " + std::to_string(j.value("num_params", int64_t{-1})) +
-                             " parameters, the configured model has " + std::to_string(model.num_params()));
-  import_weights((d / "model.safetensors").string(), model, weights);
-  if (exp_avg && exp_avg_sq) {
-    if (!j.value("has_optimizer", false)) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
-    const std::string of = (d / "optimizer.safetensors").string();
-    auto ts = read_safetensors(of);
-    for (auto [prefix, dst] : {std::pair<const char*, float*>{"exp_avg.", exp_avg}, {"exp_avg_sq.", exp_avg_sq}}) {
-      for (const auto& p : model.params()) {
-        const std::string name = prefix + p.name;
-        auto it = ts.find(name);
-        if (it == ts.end()) throw std::runtime_error(of + ": missing tensor " + name);
-        if (it->second.shape != std::vector<int64_t>{real_numel(p, model.config())})
-          throw std::runtime_error(of + ": tensor " + name + " does not match the model's parameter size");
-        std::memcpy(dst + p.offset, it->second.bytes.data(), it->second.bytes.size());  // padding rows stay 0
-      }
-    }
+  for (int u = 0; u < model.num_units(); ++u) {
+    const int64_t o = model.unit(u).offset;
+    r.read_unit(u, weights + o, opt ? exp_avg + o : nullptr, opt ? exp_avg_sq + o : nullptr);
   }
-  TrainerState st;
-  st.step = j.at("step").get<int64_t>();
-  st.adam_steps = j.at("adam_steps").get<int64_t>();
-  st.micro_batches = j.at("micro_batches").get<int64_t>();
-  return st;
+  return r.state();
 }
 
 RunConfig load_checkpoint_config(const std::string& dir) {

@@ -3,12 +3,18 @@
 //   optimizer.safetensors  AdamW moments over the flat buffer (layout-independent: full, unsharded)
 //   trainer.json           step, optimizer step count, data position, format version
 //   config.toml            the run configuration (what `sample` rebuilds the model from)
-// A checkpoint is written into a hidden temporary directory and renamed into place when complete,
-// then CHECKPOINT_DIR/latest is replaced atomically: a crash never leaves a half-written
-// checkpoint where a good one was.
+// A checkpoint is written into a hidden temporary directory and renamed into place when complete
+// (files and directories fsynced), then CHECKPOINT_DIR/latest is replaced atomically: a crash never
+// leaves a half-written checkpoint where a good one was.
+//
+// Checkpoints stream one model unit at a time (CheckpointWriter / CheckpointReader): a sharded run
+// gathers, writes, reads and re-shards unit by unit, so saving or loading needs the full state of
+// one unit at a time, never of the whole model.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "model/transformer.h"
 #include "train/config.h"
@@ -19,6 +25,50 @@ struct TrainerState {
   int64_t step = 0;            // optimizer steps completed
   int64_t adam_steps = 0;
   int64_t micro_batches = 0;   // micro-batches consumed from the training data (per rank)
+};
+
+class SafetensorsWriter;
+class SafetensorsReader;
+
+// Writes CHECKPOINT_DIR/step_NNNNNNNN for `model` (an unsplit layout: every unit, tp = 1). Every
+// unit is written once with write_unit, in any order; commit() finishes the files and swaps the
+// checkpoint into place. Destroyed without commit (an error on the way), it removes its hidden
+// directory and leaves every existing checkpoint as it was.
+class CheckpointWriter {
+ public:
+  CheckpointWriter(const std::string& root, const Transformer& model, bool with_optimizer, int64_t step);
+  ~CheckpointWriter();
+  // Unit u's full fp32 weights and moments in `model`'s layout, each pointing at the unit's first
+  // element (model.unit(u).numel elements); m / v are ignored without optimizer state.
+  void write_unit(int u, const float* w, const float* m, const float* v);
+  void commit(const TrainerState& st, const RunConfig& cfg);
+
+ private:
+  const Transformer& model_;
+  std::string root_, name_, tmp_dir_;
+  bool with_opt_;
+  std::unique_ptr<SafetensorsWriter> weights_, moments_;
+  std::vector<char> unit_done_;
+  std::vector<float> scratch_;  // one parameter in Hugging Face layout
+};
+
+// Opens a checkpoint for `model` (an unsplit layout) and checks, before anything is read, the step
+// file, the parameter count and every tensor's presence and shape (errors name file and tensor).
+class CheckpointReader {
+ public:
+  CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer);
+  ~CheckpointReader();
+  const TrainerState& state() const { return st_; }
+  // Unit u's weights (and moments when opened with_optimizer and m / v are non-null), pointers to
+  // the unit's first element; padding (vocabulary rows past vocab_size, unit alignment) is zero.
+  void read_unit(int u, float* w, float* m, float* v) const;
+
+ private:
+  const Transformer& model_;
+  std::string dir_;
+  TrainerState st_;
+  std::unique_ptr<SafetensorsReader> weights_, moments_;
+  std::vector<std::string> weight_names_;  // per parameter: its name in model.safetensors
 };
 
 // Full fp32 weights and moments (already gathered if the run was sharded). m / v may be null.

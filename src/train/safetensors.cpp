@@ -3,14 +3,17 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
-#include <fstream>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
 namespace mt {
 
-static size_t dtype_bytes(const std::string& d) {
+namespace {
+
+size_t dtype_bytes(const std::string& d) {
   if (d == "F32" || d == "I32") return 4;
   if (d == "BF16" || d == "F16" || d == "I16") return 2;
   if (d == "F64" || d == "I64") return 8;
@@ -18,85 +21,206 @@ static size_t dtype_bytes(const std::string& d) {
   return 0;
 }
 
-void write_safetensors(const std::string& path, const std::map<std::string, SafeTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+uint64_t shape_numel(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// pwrite / pread of a whole range (they may transfer less than asked).
+void write_all(int fd, const void* data, uint64_t n, uint64_t off, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) throw std::runtime_error("error writing " + path + ": " + std::strerror(errno) + " (disk full?)");
+    p += w;
+    n -= static_cast<uint64_t>(w);
+    off += static_cast<uint64_t>(w);
+  }
+}
+
+void read_all(int fd, void* data, uint64_t n, uint64_t off, const std::string& what) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw std::runtime_error(what + ": read error: " + std::strerror(errno));
+    if (r == 0) throw std::runtime_error(what + ": truncated data");
+    p += r;
+    n -= static_cast<uint64_t>(r);
+    off += static_cast<uint64_t>(r);
+  }
+}
+
+}  // namespace
+
+// ---- writer ---------------------------------------------------------------------------------------
+
+SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<std::pair<std::string, SafeTensorInfo>>& tensors,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), tmp_(path_ + ".tmp") {
   nlohmann::ordered_json h;
   if (!metadata.empty()) h["__metadata__"] = metadata;
   uint64_t off = 0;
   for (const auto& [name, t] : tensors) {
-    h[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
-    off += t.bytes.size();
+    const size_t eb = dtype_bytes(t.dtype);
+    if (eb == 0) throw std::invalid_argument(path_ + ": tensor " + name + ": unsupported dtype " + t.dtype);
+    if (info_.count(name)) throw std::invalid_argument(path_ + ": tensor " + name + " listed twice");
+    SafeTensorInfo i = t;
+    i.begin = off;
+    i.end = off + shape_numel(t.shape) * eb;
+    off = i.end;
+    h[name] = {{"dtype", i.dtype}, {"shape", i.shape}, {"data_offsets", {i.begin, i.end}}};
+    info_.emplace(name, i);
+    written_.emplace(name, false);
   }
   std::string hs = h.dump();
   while (hs.size() % 8) hs.push_back(' ');
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw std::runtime_error("cannot write " + tmp);
-    uint64_t n = hs.size();
-    f.write(reinterpret_cast<const char*>(&n), 8);
-    f.write(hs.data(), static_cast<std::streamsize>(hs.size()));
-    for (const auto& kv : tensors) f.write(kv.second.bytes.data(), static_cast<std::streamsize>(kv.second.bytes.size()));
-    f.flush();
-    if (!f) throw std::runtime_error("error writing " + tmp + " (disk full?)");
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw std::runtime_error("cannot write " + tmp_ + ": " + std::strerror(errno));
+  const uint64_t n = hs.size();
+  write_all(fd_, &n, 8, 0, tmp_);
+  write_all(fd_, hs.data(), n, 8, tmp_);
+  data_start_ = 8 + n;
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    std::remove(tmp_.c_str());
   }
-  int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
+}
+
+void SafetensorsWriter::write(const std::string& name, const void* data, uint64_t nbytes) {
+  auto it = info_.find(name);
+  if (it == info_.end()) throw std::logic_error(path_ + ": tensor " + name + " is not in the header");
+  if (nbytes != it->second.nbytes())
+    throw std::logic_error(path_ + ": tensor " + name + ": " + std::to_string(nbytes) + " bytes given, header says " +
+                           std::to_string(it->second.nbytes()));
+  if (written_[name]) throw std::logic_error(path_ + ": tensor " + name + " written twice");
+  write_all(fd_, data, nbytes, data_start_ + it->second.begin, tmp_);
+  written_[name] = true;
+}
+
+void SafetensorsWriter::finish() {
+  for (const auto& [name, done] : written_)
+    if (!done) throw std::logic_error(path_ + ": tensor " + name + " was never written");
+  if (::fsync(fd_) != 0) throw std::runtime_error("cannot flush " + tmp_ + ": " + std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    std::remove(tmp_.c_str());
+    throw std::runtime_error("cannot rename " + tmp_ + " to " + path_);
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp + " to " + path);
+}
+
+// ---- reader ---------------------------------------------------------------------------------------
+
+SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw std::runtime_error(path_ + ": cannot open");
+  const off_t end = ::lseek(fd_, 0, SEEK_END);
+  const uint64_t size = end < 0 ? 0 : static_cast<uint64_t>(end);
+  uint64_t n = 0;
+  if (size < 8) {
+    ::close(fd_);
+    throw std::runtime_error(path_ + ": truncated (no header)");
+  }
+  try {
+    read_all(fd_, &n, 8, 0, path_);
+    if (n > size - 8) throw std::runtime_error(path_ + ": header length " + std::to_string(n) + " exceeds file size");
+    std::string hs(n, '\0');
+    read_all(fd_, hs.data(), n, 8, path_);
+    nlohmann::json h;
+    try {
+      h = nlohmann::json::parse(hs);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(path_ + ": bad safetensors header: " + e.what());
+    }
+    data_start_ = 8 + n;
+    const uint64_t data_size = size - data_start_;
+    for (auto it = h.begin(); it != h.end(); ++it) {
+      if (it.key() == "__metadata__") {
+        for (auto m = it->begin(); m != it->end(); ++m) metadata_[m.key()] = m->get<std::string>();
+        continue;
+      }
+      SafeTensorInfo t;
+      try {
+        t.dtype = it->at("dtype").get<std::string>();
+        t.shape = it->at("shape").get<std::vector<int64_t>>();
+        auto offs = it->at("data_offsets").get<std::vector<uint64_t>>();
+        if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > data_size)
+          throw std::runtime_error("data_offsets outside the file (truncated?)");
+        const size_t eb = dtype_bytes(t.dtype);
+        if (eb == 0) throw std::runtime_error("unsupported dtype " + t.dtype);
+        if (offs[1] - offs[0] != shape_numel(t.shape) * eb) throw std::runtime_error("byte size does not match its shape");
+        t.begin = offs[0];
+        t.end = offs[1];
+      } catch (const std::runtime_error& e) {
+        throw std::runtime_error(path_ + ": tensor " + it.key() + ": " + e.what());
+      } catch (const std::exception& e) {
+        throw std::runtime_error(path_ + ": tensor " + it.key() + ": malformed entry (" + e.what() + ")");
+      }
+      info_.emplace(it.key(), std::move(t));
+    }
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafeTensorInfo* SafetensorsReader::find(const std::string& name) const {
+  auto it = info_.find(name);
+  return it == info_.end() ? nullptr : &it->second;
+}
+
+void SafetensorsReader::read(const std::string& name, void* dst) const {
+  const SafeTensorInfo* t = find(name);
+  if (!t) throw std::runtime_error(path_ + ": missing tensor " + name);
+  read_all(fd_, dst, t->nbytes(), data_start_ + t->begin, path_ + ": tensor " + name);
+}
+
+// ---- whole-file helpers ---------------------------------------------------------------------------
+
+void write_safetensors(const std::string& path, const std::map<std::string, SafeTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<std::pair<std::string, SafeTensorInfo>> header;
+  for (const auto& [name, t] : tensors) {
+    SafeTensorInfo i;
+    i.dtype = t.dtype;
+    i.shape = t.shape;
+    header.emplace_back(name, i);
+  }
+  SafetensorsWriter w(path, header, metadata);
+  for (const auto& [name, t] : tensors) w.write(name, t.bytes.data(), t.bytes.size());
+  w.finish();
 }
 
 std::map<std::string, SafeTensor> read_safetensors(const std::string& path, std::map<std::string, std::string>* metadata) {
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  if (!f) throw std::runtime_error(path + ": cannot open");
-  const uint64_t size = static_cast<uint64_t>(f.tellg());
-  f.seekg(0);
-  uint64_t n = 0;
-  if (size < 8 || !f.read(reinterpret_cast<char*>(&n), 8)) throw std::runtime_error(path + ": truncated (no header)");
-  if (n > size - 8) throw std::runtime_error(path + ": header length " + std::to_string(n) + " exceeds file size");
-  std::string hs(n, '\0');
-  f.read(hs.data(), static_cast<std::streamsize>(n));
-  nlohmann::json h;
-  try {
-    h = nlohmann::json::parse(hs);
-  } catch (const std::exception& e) {
-    throw std::runtime_error(path + ": bad safetensors header: " + e.what());
-  }
-  const uint64_t data_start = 8 + n, data_size = size - data_start;
+  SafetensorsReader r(path);
+  if (metadata) *metadata = r.metadata();
   std::map<std::string, SafeTensor> out;
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (metadata)
-        for (auto m = it->begin(); m != it->end(); ++m) (*metadata)[m.key()] = m->get<std::string>();
-      continue;
-    }
+  for (const auto& [name, info] : r.tensors()) {
     SafeTensor t;
-    try {
-      t.dtype = it->at("dtype").get<std::string>();
-      t.shape = it->at("shape").get<std::vector<int64_t>>();
-      auto offs = it->at("data_offsets").get<std::vector<uint64_t>>();
-      if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > data_size)
-        throw std::runtime_error("data_offsets outside the file (truncated?)");
-      int64_t numel = 1;
-      for (auto d : t.shape) numel *= d;
-      size_t eb = dtype_bytes(t.dtype);
-      if (eb == 0) throw std::runtime_error("unsupported dtype " + t.dtype);
-      if (offs[1] - offs[0] != static_cast<uint64_t>(numel) * eb)
-        throw std::runtime_error("byte size does not match its shape");
-      t.bytes.resize(offs[1] - offs[0]);
-      f.seekg(static_cast<std::streamoff>(data_start + offs[0]));
-      if (!f.read(t.bytes.data(), static_cast<std::streamsize>(t.bytes.size())))
-        throw std::runtime_error("truncated data");
-    } catch (const std::runtime_error& e) {
-      throw std::runtime_error(path + ": tensor " + it.key() + ": " + e.what());
-    } catch (const std::exception& e) {
-      throw std::runtime_error(path + ": tensor " + it.key() + ": malformed entry (" + e.what() + ")");
-    }
-    out.emplace(it.key(), std::move(t));
+    t.dtype = info.dtype;
+    t.shape = info.shape;
+    t.bytes.resize(info.nbytes());
+    r.read(name, t.bytes.data());
+    out.emplace(name, std::move(t));
   }
   return out;
+}
+
+void fsync_directory(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some filesystems do not allow opening directories
+  ::fsync(fd);
+  ::close(fd);
 }
 
 }  // namespace mt

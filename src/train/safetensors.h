@@ -1,9 +1,14 @@
 // Reading and writing the safetensors format (8-byte little-endian header length, a JSON header
 // of name -> {dtype, shape, data_offsets}, then the raw tensor bytes).
+//
+// Besides whole-file helpers, a streaming writer and a random-access reader: checkpoints of
+// sharded models are written and read one unit at a time, so no rank ever holds a full copy of
+// the model's state for them.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mt {
@@ -14,11 +19,68 @@ struct SafeTensor {
   std::vector<char> bytes;
 };
 
+// A tensor's entry in the header: dtype, shape and its byte range in the data section.
+struct SafeTensorInfo {
+  std::string dtype = "F32";
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+  uint64_t nbytes() const { return end - begin; }
+};
+
+// Streaming writer. The header (every tensor's name, dtype and shape, in the order given; the data
+// is laid out contiguously in that order) is written first; then each tensor's bytes, in any
+// order, exactly once. finish() checks that every tensor was written, fsyncs and renames the
+// temporary file (path + ".tmp") over `path`. Destroyed unfinished, it removes the temporary file.
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(std::string path, const std::vector<std::pair<std::string, SafeTensorInfo>>& tensors,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void write(const std::string& name, const void* data, uint64_t nbytes);
+  void finish();
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t data_start_ = 0;
+  std::map<std::string, SafeTensorInfo> info_;
+  std::map<std::string, bool> written_;
+};
+
+// Random-access reader: parses and checks the header (every entry's dtype, shape, byte size and
+// range inside the file) on construction; read() fetches one tensor's bytes. Errors name the file
+// and the tensor.
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(std::string path);
+  ~SafetensorsReader();
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+  const std::string& path() const { return path_; }
+  const std::map<std::string, SafeTensorInfo>& tensors() const { return info_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const SafeTensorInfo* find(const std::string& name) const;
+  // Copies the tensor's bytes (info.nbytes()) into dst.
+  void read(const std::string& name, void* dst) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t data_start_ = 0;
+  std::map<std::string, SafeTensorInfo> info_;
+  std::map<std::string, std::string> metadata_;
+};
+
 // Writes atomically: into path + ".tmp", fsync, then rename over path.
 void write_safetensors(const std::string& path, const std::map<std::string, SafeTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 // Throws std::runtime_error naming the file and what is wrong (truncated, bad header, ...).
 std::map<std::string, SafeTensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata = nullptr);
+
+// Flushes a directory entry to disk (after renames into it), so a completed rename survives a crash.
+void fsync_directory(const std::string& dir);
 
 }  // namespace mt

@@ -193,59 +193,94 @@ TrainResult train(const RunConfig& cfg) {
   const int64_t F = model.flat_size();
 
   TrainerState st;
+  const int U = model.num_units();
   const int64_t RF = ref.flat_size();
-  auto local_of = [&](const Tensor& full) {  // this tp rank's part, in the model's (padded) layout
-    Tensor l = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
-    model.shard_from_full(ref, full.f32(), l.f32());
-    return l;
-  };
+  auto workspace = [](int64_t n) { return Tensor::empty({n}, DType::F32, MemCategory::Workspace); };
+  if (ref.unit(0).offset != 0) throw std::logic_error("the embedding unit must start the flat buffer");
+  // Model state moves between the unsplit layout `ref` (checkpoints, initialisation) and this rank's
+  // strategy one unit at a time, so no rank ever holds the whole model's full state for it.
   {
-    // Every rank materialises the full fp32 state once (initialisation or checkpoint) and keeps its
-    // part; the temporaries are workspace and are released before training starts.
-    Tensor w = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
+    std::unique_ptr<CheckpointReader> reader;
+    Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
+    std::string resume_dir;
     if (!tc.resume.empty()) {
       std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
       if (src.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
-      std::string dir = resolve_checkpoint(src);
-      Tensor m = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
-      Tensor v = Tensor::zeros({RF}, DType::F32, MemCategory::Workspace);
-      st = load_checkpoint(dir, ref, w.f32(), m.f32(), v.f32());
-      strategy->load_full(local_of(w).f32(), local_of(m).f32(), local_of(v).f32(), st.adam_steps);
-      model.load_tied_replica(ref, w.f32());
+      resume_dir = resolve_checkpoint(src);
+      reader = std::make_unique<CheckpointReader>(resume_dir, ref, true);
+      st = reader->state();
+    } else {
+      init = workspace(RF);
+      ref.init_weights_into(static_cast<uint64_t>(tc.seed), init.f32());
+    }
+    strategy->begin_load();
+    for (int u = 0; u < U; ++u) {
+      const int64_t rn = ref.unit(u).numel, ln = model.unit(u).numel;
+      const bool replica = u == 0 && model.has_tied_replica();
+      if (ln == 0 && !replica) continue;  // another pipeline stage's unit
+      Tensor fw, fm, fv;
+      const float* w = init.defined() ? init.f32() + ref.unit(u).offset : nullptr;
+      if (reader) {
+        fw = workspace(rn), fm = workspace(rn), fv = workspace(rn);
+        reader->read_unit(u, fw.f32(), fm.f32(), fv.f32());
+        w = fw.f32();
+      }
+      if (replica) model.load_tied_replica(ref, w);  // unit 0's range starts with the token embedding
+      if (ln == 0) continue;
+      Tensor lw = workspace(ln), lm, lv;
+      model.shard_unit_from_full(ref, u, w, lw.f32());
+      if (reader) {
+        lm = workspace(ln), lv = workspace(ln);
+        model.shard_unit_from_full(ref, u, fm.f32(), lm.f32());
+        model.shard_unit_from_full(ref, u, fv.f32(), lv.f32());
+      }
+      strategy->load_unit(u, lw.f32(), reader ? lm.f32() : nullptr, reader ? lv.f32() : nullptr);
+    }
+    strategy->end_load(st.adam_steps);
+    if (reader) {
       std::vector<int32_t> skip_x(B * T), skip_y(B * T);
       for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
-      if (log) std::printf("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(st.step));
-    } else {
-      ref.init_weights_into(static_cast<uint64_t>(tc.seed), w.f32());
-      strategy->load_full(local_of(w).f32(), nullptr, nullptr, 0);
-      model.load_tied_replica(ref, w.f32());
+      if (log) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st.step));
     }
   }
   mem_release_cache();
   MemoryTracker::instance().reset_peaks();  // peaks describe training, not the one-off setup
-  // Full fp32 copies for checkpoints and the final sample (collective: every rank takes part):
-  // the strategy gathers this tp rank's part, the tp ranks' parts are assembled in `ref` layout.
-  auto to_full = [&](const Tensor& local) {
-    Tensor full = Tensor::empty({RF}, DType::F32, MemCategory::Workspace);
-    Tensor all = Tensor::empty({F * tp}, DType::F32, MemCategory::Workspace);
-    if (tp > 1)
-      tp_aux->all_gather(local.f32(), all.f32(), static_cast<size_t>(F), DType::F32)->wait();
-    else
-      std::memcpy(all.f32(), local.f32(), F * sizeof(float));
-    std::vector<const float*> parts;
-    for (int r = 0; r < tp; ++r) parts.push_back(all.f32() + r * F);
-    model.assemble_full(ref, parts, full.f32());
-    // Pipeline stages hold disjoint parameters (zero elsewhere): their sum is the whole model.
-    if (pp > 1) pp_aux->all_reduce(full.f32(), static_cast<size_t>(RF), DType::F32, comm::ReduceOp::Sum)->wait();
-    return full;
+  // Unit u's full fp32 state in `ref` layout (collective: every rank calls it for every unit): the
+  // strategy gathers this tp rank's part, the tp ranks' parts are assembled, and pipeline stages,
+  // which hold disjoint units (zero elsewhere), are summed. `out` gets 1 (weights) or 3 tensors.
+  auto gather_full_unit = [&](int u, bool moments, Tensor* out) {
+    const int64_t rn = ref.unit(u).numel, ln = model.unit(u).numel;
+    const int n = moments ? 3 : 1;
+    Tensor local[3];
+    for (int i = 0; i < n; ++i) out[i] = Tensor::zeros({rn}, DType::F32, MemCategory::Workspace);
+    if (ln > 0) {
+      for (int i = 0; i < n; ++i) local[i] = workspace(ln);
+      strategy->gather_unit(u, local[0].f32(), moments ? local[1].f32() : nullptr, moments ? local[2].f32() : nullptr);
+      Tensor all = tp > 1 ? workspace(ln * tp) : Tensor();
+      for (int i = 0; i < n; ++i) {
+        std::vector<const float*> parts{local[i].f32()};
+        if (tp > 1) {
+          tp_aux->all_gather(local[i].f32(), all.f32(), static_cast<size_t>(ln), DType::F32)->wait();
+          parts.clear();
+          for (int r = 0; r < tp; ++r) parts.push_back(all.f32() + r * ln);
+        }
+        model.assemble_unit_full(ref, u, parts, out[i].f32());
+      }
+    }
+    if (pp > 1)
+      for (int i = 0; i < n; ++i)
+        pp_aux->all_reduce(out[i].f32(), static_cast<size_t>(rn), DType::F32, comm::ReduceOp::Sum)->wait();
   };
+  // Only rank 0 writes; every rank takes part in the gathers.
   auto save = [&]() {
-    Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
-    Tensor m = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
-    Tensor v = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
-    strategy->gather_full(w.f32(), m.f32(), v.f32());
-    Tensor fw = to_full(w), fm = to_full(m), fv = to_full(v);
-    if (rank == 0) save_checkpoint(tc.checkpoint_dir, ref, fw.f32(), fm.f32(), fv.f32(), st, cfg);
+    std::unique_ptr<CheckpointWriter> writer;
+    if (rank == 0) writer = std::make_unique<CheckpointWriter>(tc.checkpoint_dir, ref, true, st.step);
+    for (int u = 0; u < U; ++u) {
+      Tensor full[3];
+      gather_full_unit(u, true, full);
+      if (writer) writer->write_unit(u, full[0].f32(), full[1].f32(), full[2].f32());
+    }
+    if (writer) writer->commit(st, cfg);
   };
 
   if (log) {
@@ -495,10 +530,13 @@ TrainResult train(const RunConfig& cfg) {
   metrics.final(fin);
 
   if (tc.sample_tokens > 0) {
-    // Sample from an unsharded copy of the trained weights (gathered from every rank).
-    Tensor w = Tensor::empty({F}, DType::F32, MemCategory::Workspace);
-    strategy->gather_full(w.f32(), nullptr, nullptr);
-    Tensor full = to_full(w);
+    // Sample from an unsharded copy of the trained weights (gathered unit by unit onto rank 0).
+    Tensor full = r0 ? Tensor::zeros({RF}, DType::F32, MemCategory::Workspace) : Tensor();
+    for (int u = 0; u < U; ++u) {
+      Tensor w;
+      gather_full_unit(u, false, &w);
+      if (r0) std::memcpy(full.f32() + ref.unit(u).offset, w.f32(), ref.unit(u).numel * sizeof(float));
+    }
     if (!r0) return res;
     Transformer plain(mc, DType::F32);
     std::memcpy(plain.weights().f32(), full.f32(), RF * sizeof(float));

@@ -3,6 +3,8 @@
 // bound on gathered units under FULL_SHARD.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <string>
 
 #include "harness.h"
@@ -131,6 +133,41 @@ TEST_F(Sharded, FullShardGathersAtMostOnePlusPrefetchUnits) {
                 static_cast<long long>(gathered), static_cast<long long>(bound), static_cast<long long>(block),
                 static_cast<long long>(root));
   }
+}
+
+// Checkpoints are gathered and written one unit at a time: saving (here after every step) adds a
+// few copies of the largest unit to the workspace peak, never copies of the whole model's state.
+TEST_F(Sharded, CheckpointSavingHoldsOneUnitAtATime) {
+  const std::string layout = " --parallel.strategy FULL_SHARD --model.n_layer 6";
+  const std::string m0 = (dir_ / "m_nock.jsonl").string();
+  RunOut r = run(mpirun(2) + MT_BINARY + " train --model.preset gpt2-tiny --data.train " + (dir_ / "train.bin").string() +
+                 " --data.val '' --train.steps 8 --train.warmup_steps 2 --train.lr 3e-3 --train.threads 1"
+                 " --train.micro_batch 4 --parallel.bucket_mb 0.01 --log.metrics_out " + m0 + layout);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto saving = train(2, 4, 1, "ckevery", layout + " --train.checkpoint_every 1");
+  ASSERT_TRUE(saving.final.is_object());
+  const nlohmann::json plain = final_metrics(m0);
+  EXPECT_EQ(losses(m0), saving.losses);  // saving changes nothing in the run
+
+  ModelConfig c = model_preset("gpt2-tiny");
+  c.n_layer = 6;
+  const Transformer ref(c, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  parallel::StrategySpec spec;
+  spec.strategy = "FULL_SHARD";
+  const Transformer local(c, DType::F32, Recompute::None,
+                          ModelStorage{false, false, false, parallel::model_storage(spec, DType::F32, 2).unit_align});
+  int64_t largest = 0;  // elements of the largest unit (its padded local range if that is larger)
+  for (int u = 0; u < ref.num_units(); ++u) largest = std::max({largest, ref.unit(u).numel, local.unit(u).numel});
+  const int64_t extra = saving.final["mem_peak_by_category"]["workspace"].get<int64_t>() -
+                        plain["mem_peak_by_category"]["workspace"].get<int64_t>();
+  // Per unit: weights and two moments, gathered (shard -> unit) and assembled (unit, ref layout).
+  const int64_t bound = 4 * 6 * largest, whole = 4 * 3 * ref.flat_size();
+  std::printf("checkpoint saving: workspace peak +%lld bytes; bound %lld (6 x the largest unit, %lld elements); "
+              "the whole model's weights + moments: %lld bytes\n",
+              static_cast<long long>(extra), static_cast<long long>(bound), static_cast<long long>(largest),
+              static_cast<long long>(whole));
+  EXPECT_LE(extra, bound);
+  EXPECT_LT(bound, whole);  // the test model is large enough to tell the two apart
 }
 
 TEST_F(Sharded, BadMeshIsAClearError) {
