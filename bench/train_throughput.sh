@@ -19,7 +19,11 @@
 #      This CPU (AMD EPYC Zen 3, AVX2+FMA) has no AVX-512 and no AVX512_BF16: oneDNN 2.6 has no bf16
 #      GEMM for it, so gemm_bf16 widens bf16 blocks to fp32 and calls sgemm; its "ceiling" is that
 #      widening path, and the fp32 sgemm ceiling is also the best any bf16 path can reach here.
+#      kernel_bench also measures the cores' fp32 FMA peak (independent vector FMA chains on every
+#      thread): no GEMM, and so no engine that performs the model's flops, can run faster.
 #   2. `meshtrain train` in fp32 1t, fp32 2t, bf16 1t, bf16 2t.
+#   3. with --pytorch PY: bench/pytorch_compare.py (PyTorch eager, same model, tcmalloc) in fp32
+#      at each thread count ("1" pins torch and OpenBLAS to one thread, "2" gives both two).
 # Reported per configuration: median over repeats of the run's tokens/s (the median of the per-step
 # tokens_per_s of the metrics file, steps after the first), achieved GFLOP/s = tokens/s x
 # flops/token (6 N + 12 L h T, N = parameters without the position table, h = n_embd, T = seq),
@@ -37,6 +41,10 @@
 #                    configured with -DMESHTRAIN_BENCH=ON and built when missing)
 #   --data DIR       token shards (default /tmp/mt_benchdata, made from the fortunes file with the
 #                    byte tokenizer when missing; ids < 256 are valid for the 50257-token model)
+#   --pytorch PY     also run PyTorch eager fp32 in every repeat with interpreter PY (e.g.
+#                    /usr/bin/python3 with Debian's python3-torch); the summary then gives the
+#                    meshtrain / PyTorch ratio per thread count and the largest ratio the FMA peak
+#                    allows (peak / PyTorch's achieved model GFLOP/s)
 #   --out DIR        where raw outputs go (default: a new /tmp/mt_train_throughput.XXXXXX)
 set -euo pipefail
 
@@ -50,6 +58,7 @@ KB_TIME=0.03
 BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
+PYTORCH=
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) STEPS=$2; shift 2 ;;
@@ -60,7 +69,8 @@ while [[ $# -gt 0 ]]; do
     --build) BUILD=$2; shift 2 ;;
     --data) DATA=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h | --help) sed -n '2,44p' "$0"; exit 0 ;;
+    --pytorch) PYTORCH=$2; shift 2 ;;
+    -h | --help) sed -n '2,52p' "$0"; exit 0 ;;
     *) echo "train_throughput.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -99,6 +109,14 @@ for ((r = 1; r <= REPEATS; r++)); do
     read -r wall user sys <"$OUT/$tag.time" || true
     printf '  %-10s wall %6ss  user %6ss  sys %5ss\n' "$dt ${t}t" "$wall" "$user" "$sys"
   done
+  if [[ -n "$PYTORCH" ]]; then
+    for t in $THREADS; do
+      "$PYTORCH" "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes fp32 --threads "$t" \
+        --steps "$((STEPS - 1))" --warmup 1 >"$OUT/torch_${t}t_r$r.json" 2>"$OUT/torch_${t}t_r$r.err"
+      printf '  %-10s %s tokens/s\n' "torch ${t}t" \
+        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/torch_${t}t_r$r.json")"
+    done
+  fi
 done
 echo "after: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
 
@@ -126,7 +144,12 @@ def ceilings(path):
                 for key, val in ((c, v[0]), (c + " per-cpu-s", v[1].strip("()"))):
                     f, t = acc.get(key, (0.0, 0.0))
                     acc[key] = (f + flops, t + flops / float(val))
-    return {c: f / t for c, (f, t) in acc.items()}
+    res = {c: f / t for c, (f, t) in acc.items()}
+    for line in open(path):
+        if line.startswith("fp32 FMA peak"):
+            for t, g in re.findall(r"(\d+)t ([\d.]+) GFLOP/s", line):
+                res[f"peak {t}t"] = float(g)
+    return res
 
 def run(dt, t, r):
     tag = f"{out}/{dt}_{t}t_r{r}"
@@ -148,8 +171,8 @@ for r, g in enumerate(gem, 1):
     print(f"  repeat {r}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(g.items())))
 med = lambda xs: statistics.median(xs)
 print()
-print("| dtype | threads | tokens/s | GFLOP/s | sgemm ceiling | % of sgemm ceiling | bf16-path ceiling (mtbf16) | % of it | cpu share | per-repeat tokens/s |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print("| dtype | threads | tokens/s | GFLOP/s | sgemm ceiling | % of sgemm ceiling | bf16-path ceiling (mtbf16) | % of it | FMA peak | % of it | cpu share | per-repeat tokens/s |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 res = {}
 for dt in dtypes:
     for t in threads:
@@ -158,10 +181,13 @@ for dt in dtypes:
         gf = [x * fpt / 1e9 for x in tps]
         c32 = [g.get(f"sgemm {t}t", float("nan")) for g in gem]
         cbf = [g.get(f"mtbf16 {t}t", float("nan")) for g in gem]
+        cpk = [g.get(f"peak {t}t", float("nan")) for g in gem]
         r32 = med([a / c for a, c in zip(gf, c32)])
         rbf = med([a / c for a, c in zip(gf, cbf)])
+        rpk = med([a / c for a, c in zip(gf, cpk)])
         res[(dt, t)] = med(tps)
         print(f"| {dt} | {t} | {med(tps):.0f} | {med(gf):.1f} | {med(c32):.1f} | {100*r32:.0f}% | {med(cbf):.1f} | {100*rbf:.0f}% "
+              f"| {med(cpk):.1f} | {100*rpk:.0f}% "
               f"| {med([x[2] for x in rs]):.2f} | {' / '.join(f'{x:.0f}' for x in tps)} |")
 print()
 for dt in dtypes:
@@ -170,4 +196,21 @@ for dt in dtypes:
 if ("fp32", 1) in res and ("bf16", 1) in res:
     for t in threads:
         print(f"bf16 / fp32 at {t} thread(s) = {res[('bf16', t)] / res[('fp32', t)]:.2f}x")
+
+import os
+if "fp32" in dtypes and os.path.exists(f"{out}/torch_{threads[0]}t_r1.json"):
+    print()
+    print("PyTorch eager fp32 (bench/pytorch_compare.py) in the same repeats. 'bound' = FMA peak / PyTorch's model")
+    print("GFLOP/s: the largest meshtrain/PyTorch ratio any engine performing the model's flops could reach.")
+    print()
+    print("| threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | per-repeat ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for t in threads:
+        pt = [json.load(open(f"{out}/torch_{t}t_r{r}.json"))["tokens_per_s"] for r in range(1, R + 1)]
+        mt = [run("fp32", t, r)[0] for r in range(1, R + 1)]
+        pk = [g.get(f"peak {t}t", float("nan")) for g in gem]
+        ratio = [a / b for a, b in zip(mt, pt)]
+        bound = [p / (b * fpt / 1e9) for p, b in zip(pk, pt)]
+        print(f"| {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "
+              f"| {' / '.join(f'{x:.2f}' for x in ratio)} |")
 EOF
