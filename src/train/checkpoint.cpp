@@ -243,19 +243,29 @@ CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& mo
   if (j.value("num_params", int64_t{-1}) != model.num_params())
     throw std::runtime_error(dir + ": checkpoint has " + std::to_string(j.value("num_params", int64_t{-1})) +
                              " parameters, the configured model has " + std::to_string(model.num_params()));
-  weights_ = std::make_unique<SafetensorsReader>((d / "model.safetensors").string());
-  for (const auto& p : model.params()) {
-    std::string name = p.name;
-    if (!weights_->find(name) && weights_->find("transformer." + name)) name = "transformer." + name;  // GPT2LMHeadModel spelling
-    expect_tensor(*weights_, name, hf_shape(p, model.config()));
-    weight_names_.push_back(name);
-  }
+  open_weights((d / "model.safetensors").string());
   if (with_optimizer) {
     if (!j.value("has_optimizer", false)) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
     moments_ = std::make_unique<SafetensorsReader>((d / "optimizer.safetensors").string());
     for (const auto& p : model.params())
       for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
         expect_tensor(*moments_, prefix + p.name, {real_numel(p, model.config())});
+  }
+}
+
+CheckpointReader::CheckpointReader(const Transformer& model, const std::string& weights_file)
+    : model_(model), dir_(weights_file) {
+  if (model.tp_size() != 1) throw std::logic_error("CheckpointReader needs an unsplit (tp = 1) model layout");
+  open_weights(weights_file);
+}
+
+void CheckpointReader::open_weights(const std::string& file) {
+  weights_ = std::make_unique<SafetensorsReader>(file);
+  for (const auto& p : model_.params()) {
+    std::string name = p.name;
+    if (!weights_->find(name) && weights_->find("transformer." + name)) name = "transformer." + name;  // GPT2LMHeadModel spelling
+    expect_tensor(*weights_, name, hf_shape(p, model_.config()));
+    weight_names_.push_back(name);
   }
 }
 

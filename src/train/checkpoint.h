@@ -57,8 +57,13 @@ class CheckpointWriter {
 class CheckpointReader {
  public:
   CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer);
+  // Weights only, from one safetensors file with Hugging Face names (a checkpoint's
+  // model.safetensors, or an exported / Hugging Face GPT-2 file; "transformer."-prefixed names are
+  // accepted): state() is all zero and there are no moments.
+  CheckpointReader(const Transformer& model, const std::string& weights_file);
   ~CheckpointReader();
   const TrainerState& state() const { return st_; }
+  bool has_moments() const { return moments_ != nullptr; }
   // Unit u's weights (and moments when opened with_optimizer and m / v are non-null), pointers to
   // the unit's first element; padding (vocabulary rows past vocab_size, unit alignment) is zero.
   void read_unit(int u, float* w, float* m, float* v) const;
@@ -69,6 +74,7 @@ class CheckpointReader {
   TrainerState st_;
   std::unique_ptr<SafetensorsReader> weights_, moments_;
   std::vector<std::string> weight_names_;  // per parameter: its name in model.safetensors
+  void open_weights(const std::string& file);
 };
 
 // Full fp32 weights and moments (already gathered if the run was sharded). m / v may be null.

@@ -56,6 +56,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.checkpoint_dir", Kind::String, &c.train.checkpoint_dir, "where checkpoints go (empty = none)"},
       {"train.checkpoint_every", Kind::Int, &c.train.checkpoint_every, "steps between checkpoints (0 = only at the end)"},
       {"train.resume", Kind::String, &c.train.resume, "\"latest\" or a checkpoint directory to resume from"},
+      {"train.init_from", Kind::String, &c.train.init_from,
+       "start from these weights (a .safetensors file with Hugging Face names, or a checkpoint): fresh optimizer, step 0"},
       {"train.sample_tokens", Kind::Int, &c.train.sample_tokens, "tokens to generate after training (0 = none)"},
       {"train.sample_prompt", Kind::String, &c.train.sample_prompt, "prompt of the end-of-run sample"},
       {"parallel.strategy", Kind::String, &c.parallel.strategy,

@@ -45,6 +45,7 @@ struct RunConfig {
     std::string checkpoint_dir;
     int64_t checkpoint_every = 0;
     std::string resume;                  // "" | "latest" | a checkpoint directory
+    std::string init_from;               // "" | weights (.safetensors, HF names) or a checkpoint: fresh optimizer
     int64_t sample_tokens = 0;           // generate this many tokens at the end (0 = no sample)
     std::string sample_prompt = "";
   } train;

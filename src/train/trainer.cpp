@@ -203,16 +203,32 @@ TrainResult train(const RunConfig& cfg) {
     std::unique_ptr<CheckpointReader> reader;
     Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
     std::string resume_dir;
-    if (!tc.resume.empty()) {
+    bool resume = !tc.resume.empty();
+    if (tc.resume == "latest") {
+      if (cfg.train.checkpoint_dir.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
+      // Like torchtitan: a restartable job's first launch has nothing to resume yet.
+      if (!std::filesystem::exists(std::filesystem::path(cfg.train.checkpoint_dir) / "latest")) {
+        resume = false;
+        if (log) std::printf("train.resume = latest: no checkpoint in %s yet, starting fresh\n", cfg.train.checkpoint_dir.c_str());
+      }
+    }
+    if (resume) {
       std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
-      if (src.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
       resume_dir = resolve_checkpoint(src);
       reader = std::make_unique<CheckpointReader>(resume_dir, ref, true);
       st = reader->state();
+      if (log && !tc.init_from.empty()) std::printf("resuming: train.init_from (%s) is not used\n", tc.init_from.c_str());
+    } else if (!tc.init_from.empty()) {
+      // Weights only (fine-tuning): a safetensors file, or a checkpoint (directory or root with `latest`).
+      std::string file = tc.init_from;
+      if (std::filesystem::is_directory(file)) file = resolve_checkpoint(file) + "/model.safetensors";
+      reader = std::make_unique<CheckpointReader>(ref, file);
+      if (log) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
     } else {
       init = workspace(RF);
       ref.init_weights_into(static_cast<uint64_t>(tc.seed), init.f32());
     }
+    const bool moments = reader && reader->has_moments();
     strategy->begin_load();
     for (int u = 0; u < U; ++u) {
       const int64_t rn = ref.unit(u).numel, ln = model.unit(u).numel;
@@ -221,23 +237,28 @@ TrainResult train(const RunConfig& cfg) {
       Tensor fw, fm, fv;
       const float* w = init.defined() ? init.f32() + ref.unit(u).offset : nullptr;
       if (reader) {
-        fw = workspace(rn), fm = workspace(rn), fv = workspace(rn);
-        reader->read_unit(u, fw.f32(), fm.f32(), fv.f32());
+        fw = workspace(rn);
+        if (moments) {
+          fm = workspace(rn);
+          fv = workspace(rn);
+        }
+        reader->read_unit(u, fw.f32(), moments ? fm.f32() : nullptr, moments ? fv.f32() : nullptr);
         w = fw.f32();
       }
       if (replica) model.load_tied_replica(ref, w);  // unit 0's range starts with the token embedding
       if (ln == 0) continue;
       Tensor lw = workspace(ln), lm, lv;
       model.shard_unit_from_full(ref, u, w, lw.f32());
-      if (reader) {
-        lm = workspace(ln), lv = workspace(ln);
+      if (moments) {
+        lm = workspace(ln);
+        lv = workspace(ln);
         model.shard_unit_from_full(ref, u, fm.f32(), lm.f32());
         model.shard_unit_from_full(ref, u, fv.f32(), lv.f32());
       }
-      strategy->load_unit(u, lw.f32(), reader ? lm.f32() : nullptr, reader ? lv.f32() : nullptr);
+      strategy->load_unit(u, lw.f32(), moments ? lm.f32() : nullptr, moments ? lv.f32() : nullptr);
     }
     strategy->end_load(st.adam_steps);
-    if (reader) {
+    if (!resume_dir.empty()) {
       std::vector<int32_t> skip_x(B * T), skip_y(B * T);
       for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
       if (log) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st.step));

@@ -81,6 +81,43 @@ TEST_F(TrainerTest, ResumeIsExactWhenAMatrixHasAsManyRowsAsTheVocabulary) {
   for (size_t i = 0; i < 7; ++i) EXPECT_EQ(resumed.losses[i], full.losses[5 + i]) << "step " << 6 + i;
 }
 
+// train.init_from starts from saved weights (a checkpoint, or its model.safetensors file) with fresh
+// optimizer state at step 0. With lr 0 the weights stay as loaded, so the first evaluation gives
+// the saved run's final validation loss exactly.
+TEST_F(TrainerTest, InitFromStartsFromSavedWeights) {
+  auto ck = (dir_ / "ck").string();
+  TrainResult a = train(config({{"train.steps", "6"}, {"train.checkpoint_dir", ck}}));
+  for (const std::string& src : {ck, ck + "/step_00000006/model.safetensors"}) {
+    SCOPED_TRACE(src);
+    TrainResult b = train(config({{"train.steps", "1"}, {"train.lr", "0"}, {"train.init_from", src}}));
+    ASSERT_EQ(b.losses.size(), 1u);
+    ASSERT_EQ(b.val_losses.size(), 1u);
+    EXPECT_EQ(b.val_losses[0], a.final_val_loss);
+    EXPECT_LT(b.losses[0], a.losses[0] - 0.3);  // well below a fresh model's first loss
+  }
+  // A restartable fine-tuning job sets both: its first launch (no checkpoint yet) starts from
+  // init_from, a relaunch resumes from its own latest checkpoint.
+  const std::string ck2 = (dir_ / "ck2").string();
+  std::vector<std::pair<std::string, std::string>> job = {
+      {"train.lr", "0"}, {"train.init_from", ck}, {"train.resume", "latest"}, {"train.checkpoint_dir", ck2}};
+  job.push_back({"train.steps", "1"});
+  TrainResult first = train(config(job));
+  ASSERT_EQ(first.val_losses.size(), 1u);
+  EXPECT_EQ(first.val_losses[0], a.final_val_loss);
+  job.back().second = "3";
+  TrainResult again = train(config(job));
+  EXPECT_EQ(again.losses.size(), 2u);  // steps 2 and 3: resumed at step 1
+  // Weights of another shape: the error names the file and the tensor.
+  try {
+    train(config({{"model.n_embd", "64"}, {"train.init_from", ck}}));
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("model.safetensors"), std::string::npos) << m;
+    EXPECT_NE(m.find("wte.weight"), std::string::npos) << m;
+  }
+}
+
 TEST_F(TrainerTest, GradientAccumulationMatchesLargeBatch) {
   TrainResult big = train(config({{"train.micro_batch", "4"}, {"train.grad_accum", "1"}}));
   TrainResult acc = train(config({{"train.micro_batch", "1"}, {"train.grad_accum", "4"}}));
