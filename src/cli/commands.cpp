@@ -8,6 +8,7 @@
 #include "parallel/pipeline_schedule.h"
 #include "plan/plan_command.h"
 #include "train/data_commands.h"
+#include "train/metrics_plot.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
 
@@ -21,6 +22,7 @@ static void print_usage(FILE* f) {
                "  prepare   turn a text file into train.bin / val.bin token shards\n"
                "  tokenize  print the token ids of a text\n"
                "  sample    generate text from a checkpoint\n"
+               "  plot      draw loss, throughput and exposed communication from metrics files (SVG)\n"
                "  launch    run a subcommand on N ranks of this machine through mpirun\n"
                "  bench     benchmarks (`meshtrain bench comm`)\n"
                "  schedule  print and check a pipeline schedule\n"
@@ -41,6 +43,7 @@ int dispatch(int argc, char** argv) {
   if (cmd == "sample") return run_sample_command(sub_argc, sub_argv);
   if (cmd == "prepare") return run_prepare_command(sub_argc, sub_argv);
   if (cmd == "tokenize") return run_tokenize_command(sub_argc, sub_argv);
+  if (cmd == "plot") return run_plot_command(sub_argc, sub_argv);
   if (cmd == "plan") return plan::run_plan_command(sub_argc, sub_argv);
   if (cmd == "schedule") return parallel::run_schedule_command(sub_argc, sub_argv);
   if (cmd == "launch") return comm::run_launch_command(sub_argc, sub_argv);
