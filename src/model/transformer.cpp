@@ -431,7 +431,7 @@ void Transformer::set_sequence_parallel(bool on) {
 
 // The full [N, C] rows from this rank's R = N / t (fp32 shard) in the compute dtype.
 const Tensor& Transformer::sp_gather(const float* shard, int64_t n) {
-  tp_->all_gather(shard, sp_full_.f32(), n * cfg_.n_embd);
+  tp_->all_gather_activations(shard, sp_full_.f32(), n * cfg_.n_embd);
   if (compute_ == DType::F32) return sp_full_;
   k::cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), n * tp_size_ * cfg_.n_embd);
   return sp_full_bf_;
@@ -530,9 +530,9 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   float* proj_out = sp_ ? sp_part_.f32() : a.res2.f32();
   lin.fwd(proj_out, atty_in, WF(proj_w), WB(proj_w), gpt && !tp ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
   if (sp_)
-    tp_->reduce_scatter_sum(proj_out, a.res2.f32(), R * C);
+    tp_->reduce_scatter_activations(proj_out, a.res2.f32(), R * C);
   else if (tp)
-    tp_->all_reduce_sum(a.res2.f32(), N * C);
+    tp_->all_reduce_activations(a.res2.f32(), N * C);
   if (tp && gpt) add_bias(a.res2.f32(), wf(base + G_PROJB), R, C);
   k::accumulate(a.res2.f32(), x, R * C);
   float* ln2_out = bf || sp_ ? tmp : a.ln2.f32();
@@ -557,9 +557,9 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   float* down_out = sp_ ? sp_part_.f32() : out;
   lin.fwd(down_out, a.act, WF(down_w), WB(down_w), gpt && !tp ? wf(base + G_MPB) : nullptr, N, F, C);
   if (sp_)
-    tp_->reduce_scatter_sum(down_out, out, R * C);
+    tp_->reduce_scatter_activations(down_out, out, R * C);
   else if (tp)
-    tp_->all_reduce_sum(out, N * C);
+    tp_->all_reduce_activations(out, N * C);
   if (tp && gpt) add_bias(out, wf(base + G_MPB), R, C);
   k::accumulate(out, a.res2.f32(), R * C);
 }
@@ -590,6 +590,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   float* dsh = sp_ ? sp_part_.f32() : nullptr;  // reduce-scattered input gradient of a norm
   auto all_rows = [&](const float* g) -> const float* {
     if (!sp_) return g;
+    // fp32 on the wire: besides the matmuls (bf16 inputs) this gradient feeds the bias gradient,
+    // which tensor parallelism without SP computes from the fp32 rows.
     tp_->all_gather(g, sp_dfull_.f32(), R * C);
     return sp_dfull_.f32();
   };
@@ -601,10 +603,10 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   };
   auto sum_input_grad = [&](float* partial) -> const float* {  // over the tp ranks' partial sums
     if (sp_) {
-      tp_->reduce_scatter_sum(partial, dsh, R * C);
+      tp_->reduce_scatter_activations(partial, dsh, R * C);
       return dsh;
     }
-    if (tp) tp_->all_reduce_sum(partial, N * C);
+    if (tp) tp_->all_reduce_activations(partial, N * C);
     return partial;
   };
 
@@ -689,10 +691,10 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
         }
       }
       if (sp_) {
-        tp_->reduce_scatter_sum(x, s.block_out[0].f32(), R * C);
+        tp_->reduce_scatter_activations(x, s.block_out[0].f32(), R * C);
         x = s.block_out[0].f32();
       } else {
-        tp_->all_reduce_sum(x, N * C);
+        tp_->all_reduce_activations(x, N * C);
       }
     } else if (bf) {  // rows of the bf16 table, widened
       const bf16* table = wb(emb);
@@ -735,7 +737,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   else
     k::rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), R, C, cfg_.norm_eps);
   if (sp_) {
-    tp_->all_gather(hin, s.head_in.f32(), R * C);
+    tp_->all_gather_activations(hin, s.head_in.f32(), R * C);
     hin = s.head_in.f32();
   }
   if (bf) {
@@ -822,10 +824,10 @@ void Transformer::backward_units(int first, int last, const float* dout) {
     }
     // vocab-parallel head: sum the partial input gradients (to this rank's rows with sequence parallelism)
     if (sp_) {
-      tp_->reduce_scatter_sum(dhin, sp_part_.f32(), R * C);
+      tp_->reduce_scatter_activations(dhin, sp_part_.f32(), R * C);
       dhin = sp_part_.f32();
     } else if (tp) {
-      tp_->all_reduce_sum(dhin, N * C);
+      tp_->all_reduce_activations(dhin, N * C);
     }
     std::memset(dx, 0, R * C * sizeof(float));
     norm_backward(dx, hb, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
@@ -848,7 +850,7 @@ void Transformer::backward_units(int first, int last, const float* dout) {
   if (first == 0) {
     const int emb = unit_params_[0][0];
     if (hooks_) hooks_->pre_backward(0);
-    if (sp_) {  // every token's gradient (any may index this rank's vocabulary rows)
+    if (sp_) {  // every token's gradient (any may index this rank's vocabulary rows); fp32: a parameter gradient
       tp_->all_gather(dx, sp_dfull_.f32(), R * C);
       dx = sp_dfull_.f32();
     }

@@ -50,6 +50,13 @@ class TpComm {
   virtual void all_gather(const float* in, float* out, int64_t n);
   // out (n elements) = the sum over ranks of segment rank() of `in` (size() x n elements).
   virtual void reduce_scatter_sum(const float* in, float* out, int64_t n);
+  // The same three for activations and activation gradients (the Megatron collectives around the
+  // parallel matmuls and the vocab-parallel embedding / head). An implementation may move them in
+  // the compute dtype (bf16 in bf16 runs, as Megatron does); loss statistics and parameter
+  // gradients always go through the fp32 calls above.
+  virtual void all_reduce_activations(float* x, int64_t n) { all_reduce_sum(x, n); }
+  virtual void all_gather_activations(const float* in, float* out, int64_t n) { all_gather(in, out, n); }
+  virtual void reduce_scatter_activations(const float* in, float* out, int64_t n) { reduce_scatter_sum(in, out, n); }
 };
 
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units

@@ -446,8 +446,12 @@ std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m_in, const E
   const uint64_t N = static_cast<uint64_t>(e.micro_batch * m.seq_len), C = static_cast<uint64_t>(m.n_embd);
   const uint64_t NC = N * C, RC = static_cast<uint64_t>(residual_rows(m, e)) * C;
   const uint64_t norm_grads = gpt ? 2 * C : C;  // a norm's weight (+ bias) gradient contributions
-  const TpCollective AR{Collective::AllReduce, NC}, AG{Collective::AllGather, RC}, RS{Collective::ReduceScatter, RC};
-  auto ar = [](uint64_t n) { return TpCollective{Collective::AllReduce, n}; };
+  // Activations (and the input gradients summed over the tp ranks) move in the compute dtype
+  // (ProcessGroupTpComm::*_activations); AG32 is an fp32 gather of gradient rows.
+  const int es = e.bf16 ? 2 : 4;
+  const TpCollective AR{Collective::AllReduce, NC, es}, AG{Collective::AllGather, RC, es},
+      RS{Collective::ReduceScatter, RC, es}, AG32{Collective::AllGather, RC, 4};
+  auto ar = [](uint64_t n) { return TpCollective{Collective::AllReduce, n, 4}; };
   auto rc = [&](int64_t l) {
     return e.checkpointing == Checkpointing::Full || (e.checkpointing == Checkpointing::Selective && l % 2 == 1);
   };
@@ -472,13 +476,13 @@ std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m_in, const E
   for (int64_t l = L - 1; l >= 0; --l) {
     if (!own[static_cast<size_t>(l + 1)]) continue;
     if (rc(l)) block_fwd();
-    if (sp)  // per half (MLP, attention): output gradient gathered, norm output re-gathered, input
-             // gradient reduce-scattered, the norm's gradient summed
-      v.insert(v.end(), {AG, AG, RS, ar(norm_grads), AG, AG, RS, ar(norm_grads)});
+    if (sp)  // per half (MLP, attention): output gradient gathered (fp32), norm output re-gathered,
+             // input gradient reduce-scattered, the norm's gradient summed
+      v.insert(v.end(), {AG32, AG, RS, ar(norm_grads), AG32, AG, RS, ar(norm_grads)});
     else
       v.insert(v.end(), {AR, AR});  // MLP and attention column-parallel input gradients
   }
-  if (own.front() && sp) v.push_back(AG);  // every token's gradient for this rank's vocabulary rows
+  if (own.front() && sp) v.push_back(AG32);  // every token's gradient for this rank's vocabulary rows
   return v;
 }
 
@@ -495,7 +499,7 @@ double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Clus
   double s = 0;
   for (const TpCollective& x : engine_tp_collectives(m, e, pp_rank)) {
     // collective() takes the whole buffer: the reduced one, or the gathered / scattered n x part.
-    const double bytes = 4.0 * static_cast<double>(x.count) * (x.kind == Collective::AllReduce ? 1.0 : e.tp);
+    const double bytes = x.elem_bytes * static_cast<double>(x.count) * (x.kind == Collective::AllReduce ? 1.0 : e.tp);
     s += collective(x.kind, bytes, g, c).time;
   }
   return static_cast<double>(e.grad_accum) * s;
@@ -580,7 +584,8 @@ EngineComm engine_comm(const ModelConfig& m_in, const EngineLayout& e) {
   // tp ranks once per step on the auxiliary tp communicator.
   if (t > 1) {
     uint64_t tp_bytes = 0;
-    for (const TpCollective& x : engine_tp_collectives(m_in, e, 0)) tp_bytes += collective_bytes(x.kind, x.count, 4, t);
+    for (const TpCollective& x : engine_tp_collectives(m_in, e, 0))
+      tp_bytes += collective_bytes(x.kind, x.count, x.elem_bytes, t);
     add(c.per_step, "tp", static_cast<uint64_t>(M) * tp_bytes);
     add(c.per_step, "tp_aux", collective_bytes(Collective::AllReduce, 1, 4, t));
   }
@@ -1328,6 +1333,10 @@ std::vector<EngineLayout> default_validation_layouts() {
   EngineLayout sp = tp2;
   sp.sequence_parallel = true;
   v.push_back(sp);
+  // ... in bf16: activations cross the tp group in bf16, gradients and statistics in fp32.
+  EngineLayout sp_bf16 = sp;
+  sp_bf16.bf16 = true;
+  v.push_back(sp_bf16);
   // Pipelines: pp = 2 with 4 micro-batches (GPT-2's tied embedding cut apart), 1F1B and GPipe, and
   // 1F1B x DDP over 2 data-parallel ranks (mesh pp = 2 x dp_shard = 2).
   EngineLayout pp2 = mk("NO_SHARD", 2);
@@ -1345,7 +1354,7 @@ std::vector<EngineLayout> default_validation_layouts() {
 
 std::vector<std::string> validation_layout_names() {
   return {"ddp", "zero1",       "zero2",  "zero3", "zero3x4",   "hsdp",   "ddp-bf16",
-          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "pp2", "pp2-gpipe", "pp2-dp2"};
+          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "tp2-sp-bf16", "pp2", "pp2-gpipe", "pp2-dp2"};
 }
 
 ValidationReport run_validation(const ValidateOptions& in) {

@@ -180,6 +180,7 @@ std::vector<uint64_t> engine_tp_allreduces(const ModelConfig& m, const EngineLay
 struct TpCollective {
   Collective kind;
   uint64_t count;
+  int elem_bytes = 4;  // activations travel in the compute dtype; statistics and gradients in fp32
 };
 std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
 // Seconds of those collectives per step (grad_accum micro-batches) on the cluster: all of them on the

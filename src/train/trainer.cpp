@@ -138,6 +138,7 @@ TrainResult train(const RunConfig& cfg) {
   // over them carries gradient norms and checkpoint gathers, keeping the tp counters to the model.
   auto tp_aux = W.split(rank - mesh.coord("tp"), mesh.coord("tp"), "tp_aux");
   parallel::ProcessGroupTpComm tp_comm(tp_group);
+  tp_comm.set_activation_dtype(dt);  // bf16 runs move activations in bf16 (Megatron)
   // Pipeline: the schedule (checked before it runs), the stages' units, this rank's share.
   const int pp_rank = mesh.coord("pp");
   std::unique_ptr<parallel::PipeSchedule> schedule;
