@@ -7,7 +7,10 @@
 # Part 2, two network-namespace "nodes" joined by a shaped link (bench/two_nodes.sh; needs root):
 # 4 ranks as tp=2 x DDP 2, once with each tp pair inside a node (the data-parallel all-reduce
 # crosses the link, overlapped with backward) and once with the tp pairs spanning the nodes
-# (mpirun --map-by node: every tensor-parallel all-reduce, on the critical path, crosses the link).
+# (mpirun --map-by node: every tensor-parallel all-reduce crosses the link).
+# Both parts also run tensor parallelism with --parallel.tp_overlap false: the column-parallel
+# layers' input-gradient reductions then complete before the weight gradients are computed instead
+# of overlapping them (the difference is what that overlap hides).
 #
 # usage: [sudo] bench/tp_cost.sh [--steps 4] [--rate 1gbit] [--part 1|2|both] [--micro 4] [--build DIR] [--data DIR] [--out DIR]
 # --micro: part 2's sequences per rank per step; the tensor-parallel traffic grows with it, the
@@ -54,6 +57,7 @@ if [[ $PART == 1 || $PART == both ]]; then
   L=(mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" --train.micro_batch 4)
   run ddp2 "${L[@]}"
   run tp2 "${L[@]}" --parallel.tp 2 --train.micro_batch 8
+  run tp2_sync "${L[@]}" --parallel.tp 2 --train.micro_batch 8 --parallel.tp_overlap false
   run tp2sp "${L[@]}" --parallel.tp 2 --parallel.sequence_parallel true --train.micro_batch 8
 fi
 if [[ $PART == 2 || $PART == both ]]; then
@@ -63,6 +67,7 @@ if [[ $PART == 2 || $PART == both ]]; then
   TA=("$MT" train "${ARGS[@]}" --parallel.tp 2 --train.micro_batch "$MICRO")
   OMP_NUM_THREADS=1 run tp_in_node "${T[@]}" -- "${TA[@]}"
   OMP_NUM_THREADS=1 run tp_across "${T[@]}" -x "--map-by node" -- "${TA[@]}"
+  OMP_NUM_THREADS=1 run tp_across_sync "${T[@]}" -x "--map-by node" -- "${TA[@]}" --parallel.tp_overlap false
 fi
 
 MICRO=$MICRO python3 - "$OUT" <<'EOF'
@@ -79,9 +84,11 @@ def res(tag):
                 groups=fin["comm_bytes_by_group"], steps=fin["steps"])
 rows = [("ddp2", "2 ranks, DDP (NO_SHARD), micro-batch 4 per rank"),
         ("tp2", "2 ranks, tp=2, micro-batch 8 (same global batch)"),
+        ("tp2_sync", "2 ranks, tp=2, micro-batch 8, tp_overlap false"),
         ("tp2sp", "2 ranks, tp=2 + sequence parallel, micro-batch 8"),
         ("tp_in_node", "2 nodes x 2 ranks, tp=2 inside each node x DDP 2 across the link"),
-        ("tp_across", "2 nodes x 2 ranks, tp=2 across the link x DDP 2 inside each node")]
+        ("tp_across", "2 nodes x 2 ranks, tp=2 across the link x DDP 2 inside each node"),
+        ("tp_across_sync", "2 nodes x 2 ranks, tp=2 across the link, tp_overlap false")]
 micro = os.environ.get("MICRO", "")
 print("\n| run | step ms | tokens/s | comm ms/step | exposed ms/step | MiB per step per group (rank 0) |")
 print("|---|---:|---:|---:|---:|---|")

@@ -595,19 +595,41 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     tp_->all_gather(g, sp_dfull_.f32(), R * C);
     return sp_dfull_.f32();
   };
-  auto norm_input = [&](const Tensor& stored) -> const Tensor& {  // the matmul's input, all rows
-    if (!sp_) return stored;
-    if (!bf) return sp_gather(stored.f32(), R);
-    k::cast_bf16_to_f32(bwd_ws_[6].f32(), stored.bf(), R * C);
-    return sp_gather(bwd_ws_[6].f32(), R);
-  };
-  auto sum_input_grad = [&](float* partial) -> const float* {  // over the tp ranks' partial sums
-    if (sp_) {
-      tp_->reduce_scatter_activations(partial, dsh, R * C);
-      return dsh;
+  // The norm output a column-parallel layer's weight gradient needs, all rows: under sequence
+  // parallelism re-gathered from the stored R rows, started before the input-gradient matmul
+  // (which does not need it) so that the gather overlaps it.
+  auto start_norm_input = [&](const Tensor& stored) -> int {
+    if (!sp_) return -1;
+    const float* src = nullptr;
+    if (bf) {
+      k::cast_bf16_to_f32(bwd_ws_[6].f32(), stored.bf(), R * C);
+      src = bwd_ws_[6].f32();
+    } else {
+      src = stored.f32();
     }
-    if (tp) tp_->all_reduce_activations(partial, N * C);
-    return partial;
+    return tp_->start_all_gather_activations(src, sp_full_.f32(), R * C);
+  };
+  auto norm_input = [&](const Tensor& stored, int h) -> const Tensor& {
+    if (!sp_) return stored;
+    tp_->wait(h);
+    if (!bf) return sp_full_;
+    k::cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), N * C);
+    return sp_full_bf_;
+  };
+  // The column-parallel input gradient summed over the tp ranks (reduce-scattered to R rows under
+  // sequence parallelism), started as soon as the input-gradient matmul is done so that it overlaps
+  // the weight-gradient matmul (Megatron's async tensor-parallel all-reduce).
+  auto start_input_grad_sum = [&](float* partial) -> int {
+    if (!tp) return -1;
+    const int h = sp_ ? tp_->start_reduce_scatter_activations(partial, dsh, R * C)
+                      : tp_->start_all_reduce_activations(partial, N * C);
+    if (tp_overlap_) return h;
+    tp_->wait(h);
+    return -1;
+  };
+  auto input_grad_sum = [&](float* partial, int h) -> const float* {
+    if (tp) tp_->wait(h);
+    return sp_ ? dsh : partial;
   };
 
   // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
@@ -619,16 +641,22 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   std::memset(dnorm, 0, N * C * sizeof(float));
   if (gpt) {
     k::gelu_backward(dfc, a.fc.f32(), dact, N * F);
-    lin.bwd(dnorm, gp(base + G_FCW), gp(base + G_FCB), dfc, norm_input(a.ln2), WF(G_FCW), WB(G_FCW), N, C, F);
-    // column-parallel: input gradient summed over ranks
-    norm_backward(dx, base + G_LN2W, sum_input_grad(dnorm), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    const int hin = start_norm_input(a.ln2);
+    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(G_FCW), WB(G_FCW), N, C, F);  // input gradient first
+    const int hsum = start_input_grad_sum(dnorm);
+    lin.bwd(nullptr, gp(base + G_FCW), gp(base + G_FCB), dfc, norm_input(a.ln2, hin), WF(G_FCW), WB(G_FCW), N, C, F);
+    norm_backward(dx, base + G_LN2W, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
     std::memset(dup, 0, N * F * sizeof(float));
     k::swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
-    const Tensor& ln2_in = norm_input(a.ln2);
-    lin.bwd(dnorm, gp(base + L_GATEW), nullptr, dfc, ln2_in, WF(L_GATEW), WB(L_GATEW), N, C, F);
-    lin.bwd(dnorm, gp(base + L_UPW), nullptr, dup, ln2_in, WF(L_UPW), WB(L_UPW), N, C, F);
-    norm_backward(dx, base + L_LN2W, sum_input_grad(dnorm), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    const int hin = start_norm_input(a.ln2);
+    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(L_GATEW), WB(L_GATEW), N, C, F);
+    lin.bwd(dnorm, nullptr, nullptr, dup, a.ln2, WF(L_UPW), WB(L_UPW), N, C, F);
+    const int hsum = start_input_grad_sum(dnorm);
+    const Tensor& ln2_in = norm_input(a.ln2, hin);
+    lin.bwd(nullptr, gp(base + L_GATEW), nullptr, dfc, ln2_in, WF(L_GATEW), WB(L_GATEW), N, C, F);
+    lin.bwd(nullptr, gp(base + L_UPW), nullptr, dup, ln2_in, WF(L_UPW), WB(L_UPW), N, C, F);
+    norm_backward(dx, base + L_LN2W, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   }
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
   std::memset(datty, 0, N * nh * hd * sizeof(float));
@@ -642,9 +670,12 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   if (!gpt) k::rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
   std::memset(dnorm, 0, N * C * sizeof(float));
   int qkv_w = gpt ? G_QKVW : L_QW;
-  lin.bwd(dnorm, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, norm_input(a.ln1), WF(qkv_w), WB(qkv_w), N,
-          C, QKV);
-  norm_backward(dx, base + (gpt ? G_LN1W : L_LN1W), sum_input_grad(dnorm), x, a.ln1_mean, a.ln1_rstd, R);
+  const int hin = start_norm_input(a.ln1);
+  lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
+  const int hsum = start_input_grad_sum(dnorm);
+  lin.bwd(nullptr, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, norm_input(a.ln1, hin), WF(qkv_w),
+          WB(qkv_w), N, C, QKV);
+  norm_backward(dx, base + (gpt ? G_LN1W : L_LN1W), input_grad_sum(dnorm, hsum), x, a.ln1_mean, a.ln1_rstd, R);
 }
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
@@ -817,17 +848,28 @@ void Transformer::backward_units(int first, int last, const float* dout) {
           k::linear_backward(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in.f32(), head_wf() + r0 * C, N, C, cv);
         head_chunk_done_(r0, r0 + cv);
       }
-    } else if (bf) {
-      k::linear_backward_bf16(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
     } else {
-      k::linear_backward(dhin, head_gp(), nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
-    }
-    // vocab-parallel head: sum the partial input gradients (to this rank's rows with sequence parallelism)
-    if (sp_) {
-      tp_->reduce_scatter_activations(dhin, sp_part_.f32(), R * C);
-      dhin = sp_part_.f32();
-    } else if (tp) {
-      tp_->all_reduce_activations(dhin, N * C);
+      // Input gradient first: with a vocab-parallel head its sum over the tp ranks (reduce-scattered
+      // to this rank's rows under sequence parallelism) runs while the weight gradient is computed.
+      auto head_bwd = [&](float* dinp, float* dw) {
+        if (bf)
+          k::linear_backward_bf16(dinp, dw, nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
+        else
+          k::linear_backward(dinp, dw, nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
+      };
+      head_bwd(dhin, nullptr);
+      int h = -1;
+      if (sp_)
+        h = tp_->start_reduce_scatter_activations(dhin, sp_part_.f32(), R * C);
+      else if (tp)
+        h = tp_->start_all_reduce_activations(dhin, N * C);
+      if (tp && !tp_overlap_) {
+        tp_->wait(h);
+        h = -1;
+      }
+      head_bwd(nullptr, head_gp());
+      if (tp) tp_->wait(h);
+      if (sp_) dhin = sp_part_.f32();
     }
     std::memset(dx, 0, R * C * sizeof(float));
     norm_backward(dx, hb, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);

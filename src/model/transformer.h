@@ -57,6 +57,22 @@ class TpComm {
   virtual void all_reduce_activations(float* x, int64_t n) { all_reduce_sum(x, n); }
   virtual void all_gather_activations(const float* in, float* out, int64_t n) { all_gather(in, out, n); }
   virtual void reduce_scatter_activations(const float* in, float* out, int64_t n) { reduce_scatter_sum(in, out, n); }
+  // Asynchronous forms: start_* begins the collective and returns a handle; the output (and the
+  // input buffer) belong to the collective until wait(handle). Used to overlap the input-gradient
+  // reductions with the weight-gradient matmuls. The defaults complete before returning (-1).
+  virtual int start_all_reduce_activations(float* x, int64_t n) {
+    all_reduce_activations(x, n);
+    return -1;
+  }
+  virtual int start_all_gather_activations(const float* in, float* out, int64_t n) {
+    all_gather_activations(in, out, n);
+    return -1;
+  }
+  virtual int start_reduce_scatter_activations(const float* in, float* out, int64_t n) {
+    reduce_scatter_activations(in, out, n);
+    return -1;
+  }
+  virtual void wait(int handle) { (void)handle; }
 };
 
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
@@ -190,6 +206,9 @@ class Transformer {
   // rows; all-gathers before the column-parallel matmuls and reduce-scatters after the row-parallel
   // ones replace the all-reduces. Set before the first forward; needs B*T divisible by t.
   void set_sequence_parallel(bool on);
+  // Tensor parallelism: the column-parallel layers' (and the head's) input-gradient reductions run
+  // while the weight gradients are computed (default on; off = each one completes first).
+  void set_tp_overlap(bool on) { tp_overlap_ = on; }
   bool sequence_parallel() const { return sp_; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
   int64_t residual_rows(int64_t N) const { return sp_ ? N / tp_size_ : N; }
@@ -232,6 +251,7 @@ class Transformer {
   TpComm* tp_ = nullptr;
   int tp_size_ = 1, tp_rank_ = 0;
   bool sp_ = false;
+  bool tp_overlap_ = true;
   // sequence-parallel workspace: gathered rows (f32 and compute dtype), gathered gradient, partial
   // sums before a reduce-scatter, the norms' parameter-gradient contributions
   Tensor sp_full_, sp_full_bf_, sp_dfull_, sp_part_, sp_pgrad_;

@@ -1,66 +1,121 @@
 #include "parallel/tensor_parallel.h"
 
 #include <chrono>
+#include <stdexcept>
 
 #include "kernels/activation.h"
 
 namespace mt::parallel {
 
-void ProcessGroupTpComm::timed(const comm::WorkHandle& w, std::chrono::steady_clock::time_point t0) {
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+void ProcessGroupTpComm::blocking(const comm::WorkHandle& w) {
+  const auto t0 = std::chrono::steady_clock::now();
   w->wait();
-  ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  exposed_ms_ += ms_since(t0);
+  comm_ms_ += w->elapsed_ms();
 }
 
-void ProcessGroupTpComm::run(float* x, int64_t n, comm::ReduceOp op) {
-  if (g_->size() == 1) return;
-  auto t0 = std::chrono::steady_clock::now();
-  timed(g_->all_reduce(x, static_cast<size_t>(n), DType::F32, op), t0);
+void ProcessGroupTpComm::all_reduce_sum(float* x, int64_t n) {
+  if (g_->size() > 1) blocking(g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum));
+}
+
+void ProcessGroupTpComm::all_reduce_max(float* x, int64_t n) {
+  if (g_->size() > 1) blocking(g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Max));
 }
 
 void ProcessGroupTpComm::all_gather(const float* in, float* out, int64_t n) {
-  auto t0 = std::chrono::steady_clock::now();
-  timed(g_->all_gather(in, out, static_cast<size_t>(n), DType::F32), t0);
+  blocking(g_->all_gather(in, out, static_cast<size_t>(n), DType::F32));
 }
 
 void ProcessGroupTpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
-  auto t0 = std::chrono::steady_clock::now();
-  timed(g_->reduce_scatter(in, out, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum), t0);
+  blocking(g_->reduce_scatter(in, out, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum));
 }
 
-bf16* ProcessGroupTpComm::staging(Tensor& t, int64_t n) {
-  if (t.numel() < n) t = Tensor::empty({n}, DType::BF16, MemCategory::Comm);
-  return t.bf();
+int ProcessGroupTpComm::slot() {
+  for (size_t i = 0; i < pending_.size(); ++i)
+    if (!pending_[i].active) return static_cast<int>(i);
+  pending_.emplace_back();
+  return static_cast<int>(pending_.size()) - 1;
 }
 
-void ProcessGroupTpComm::all_reduce_activations(float* x, int64_t n) {
-  if (act_dt_ != DType::BF16 || g_->size() == 1) return all_reduce_sum(x, n);
-  bf16* b = staging(in16_, n);
-  kernels::cast_f32_to_bf16(b, x, n);
-  const auto t0 = std::chrono::steady_clock::now();  // the collective only, not the casts
-  timed(g_->all_reduce(b, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum), t0);
-  kernels::cast_bf16_to_f32(x, b, n);
+bf16* ProcessGroupTpComm::staging(Pending& p, int64_t n) {
+  if (p.staging.numel() < n) p.staging = Tensor::empty({n}, DType::BF16, MemCategory::Comm);
+  return p.staging.bf();
 }
 
-void ProcessGroupTpComm::all_gather_activations(const float* in, float* out, int64_t n) {
-  if (act_dt_ != DType::BF16) return all_gather(in, out, n);
+// In bf16 the staging buffer holds [input | output] for gathers and scatters (the collective
+// needs separate send and receive buffers) and the buffer itself for the all-reduce.
+int ProcessGroupTpComm::start_all_reduce_activations(float* x, int64_t n) {
+  if (g_->size() == 1) return -1;
+  const int h = slot();
+  Pending& p = pending_[static_cast<size_t>(h)];
+  if (act_dt_ == DType::BF16) {
+    bf16* b = staging(p, n);
+    kernels::cast_f32_to_bf16(b, x, n);
+    p.work = g_->all_reduce(b, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum);
+    p.result = b;
+    p.out = x;
+    p.n = n;
+  } else {
+    p.work = g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum);
+    p.out = nullptr;
+  }
+  p.active = true;
+  return h;
+}
+
+int ProcessGroupTpComm::start_all_gather_activations(const float* in, float* out, int64_t n) {
+  const int h = slot();
+  Pending& p = pending_[static_cast<size_t>(h)];
   const int64_t all = n * g_->size();
-  bf16* a = staging(in16_, n);
-  bf16* b = staging(out16_, all);
-  kernels::cast_f32_to_bf16(a, in, n);
-  const auto t0 = std::chrono::steady_clock::now();  // the collective only, not the casts
-  timed(g_->all_gather(a, b, static_cast<size_t>(n), DType::BF16), t0);
-  kernels::cast_bf16_to_f32(out, b, all);
+  if (act_dt_ == DType::BF16) {
+    bf16* b = staging(p, n + all);
+    kernels::cast_f32_to_bf16(b, in, n);
+    p.work = g_->all_gather(b, b + n, static_cast<size_t>(n), DType::BF16);
+    p.result = b + n;
+    p.out = out;
+    p.n = all;
+  } else {
+    p.work = g_->all_gather(in, out, static_cast<size_t>(n), DType::F32);
+    p.out = nullptr;
+  }
+  p.active = true;
+  return h;
 }
 
-void ProcessGroupTpComm::reduce_scatter_activations(const float* in, float* out, int64_t n) {
-  if (act_dt_ != DType::BF16) return reduce_scatter_sum(in, out, n);
+int ProcessGroupTpComm::start_reduce_scatter_activations(const float* in, float* out, int64_t n) {
+  const int h = slot();
+  Pending& p = pending_[static_cast<size_t>(h)];
   const int64_t all = n * g_->size();
-  bf16* a = staging(in16_, all);
-  bf16* b = staging(out16_, n);
-  kernels::cast_f32_to_bf16(a, in, all);
-  const auto t0 = std::chrono::steady_clock::now();  // the collective only, not the casts
-  timed(g_->reduce_scatter(a, b, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum), t0);
-  kernels::cast_bf16_to_f32(out, b, n);
+  if (act_dt_ == DType::BF16) {
+    bf16* b = staging(p, all + n);
+    kernels::cast_f32_to_bf16(b, in, all);
+    p.work = g_->reduce_scatter(b, b + all, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum);
+    p.result = b + all;
+    p.out = out;
+    p.n = n;
+  } else {
+    p.work = g_->reduce_scatter(in, out, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum);
+    p.out = nullptr;
+  }
+  p.active = true;
+  return h;
+}
+
+void ProcessGroupTpComm::wait(int handle) {
+  if (handle < 0) return;
+  if (static_cast<size_t>(handle) >= pending_.size() || !pending_[static_cast<size_t>(handle)].active)
+    throw std::logic_error("ProcessGroupTpComm::wait: no such operation in flight");
+  Pending& p = pending_[static_cast<size_t>(handle)];
+  blocking(p.work);
+  if (p.out) kernels::cast_bf16_to_f32(p.out, p.result, p.n);
+  p.work.reset();
+  p.active = false;
 }
 
 }  // namespace mt::parallel

@@ -1,9 +1,12 @@
 // Tensor parallelism's collectives for the model (TpComm) over the mesh's tp process group.
-// They sit on the critical path (the next op needs the result), so their whole duration is
-// exposed communication; take_ms() hands the accumulated time to the step's accounting.
+// Most sit on the critical path (the next op needs the result); the input-gradient reductions of
+// the column-parallel layers and the head are started asynchronously and overlap the weight-
+// gradient matmuls (Megatron's async tensor-parallel all-reduce). take_times() hands the step's
+// communication time and the part of it the compute thread waited for to the step's accounting.
 #pragma once
 #include <chrono>
 #include <memory>
+#include <vector>
 
 #include "comm/process_group.h"
 #include "model/transformer.h"
@@ -15,31 +18,50 @@ class ProcessGroupTpComm final : public TpComm {
   explicit ProcessGroupTpComm(std::shared_ptr<comm::ProcessGroup> group) : g_(std::move(group)) {}
   int rank() const override { return g_->rank(); }
   int size() const override { return g_->size(); }
-  void all_reduce_sum(float* x, int64_t n) override { run(x, n, comm::ReduceOp::Sum); }
-  void all_reduce_max(float* x, int64_t n) override { run(x, n, comm::ReduceOp::Max); }
+  void all_reduce_sum(float* x, int64_t n) override;
+  void all_reduce_max(float* x, int64_t n) override;
   void all_gather(const float* in, float* out, int64_t n) override;
   void reduce_scatter_sum(const float* in, float* out, int64_t n) override;
   // Activations travel in `dt` (BF16 in bf16 runs: half the bytes; the sums are formed in fp32 and
   // rounded once). F32 (the default) makes them the same as the calls above.
   void set_activation_dtype(DType dt) { act_dt_ = dt; }
-  void all_reduce_activations(float* x, int64_t n) override;
-  void all_gather_activations(const float* in, float* out, int64_t n) override;
-  void reduce_scatter_activations(const float* in, float* out, int64_t n) override;
-  // Milliseconds spent in tp collectives since the last call.
-  double take_ms() {
-    double v = ms_;
-    ms_ = 0;
-    return v;
+  void all_reduce_activations(float* x, int64_t n) override { wait(start_all_reduce_activations(x, n)); }
+  void all_gather_activations(const float* in, float* out, int64_t n) override {
+    wait(start_all_gather_activations(in, out, n));
+  }
+  void reduce_scatter_activations(const float* in, float* out, int64_t n) override {
+    wait(start_reduce_scatter_activations(in, out, n));
+  }
+  int start_all_reduce_activations(float* x, int64_t n) override;
+  int start_all_gather_activations(const float* in, float* out, int64_t n) override;
+  int start_reduce_scatter_activations(const float* in, float* out, int64_t n) override;
+  void wait(int handle) override;
+  // Since the last call: milliseconds the tp collectives ran (communication thread) and the
+  // milliseconds the compute thread waited for them (exposed).
+  void take_times(double* comm_ms, double* exposed_ms) {
+    *comm_ms = comm_ms_;
+    *exposed_ms = exposed_ms_;
+    comm_ms_ = exposed_ms_ = 0;
   }
 
  private:
-  void run(float* x, int64_t n, comm::ReduceOp op);
-  void timed(const comm::WorkHandle& w, std::chrono::steady_clock::time_point t0);
-  bf16* staging(Tensor& t, int64_t n);
+  // An operation in flight: its work, and for bf16 transfers the staging buffer and where the
+  // widened result goes when it completes.
+  struct Pending {
+    comm::WorkHandle work;
+    Tensor staging;  // bf16 (comm category); kept for reuse
+    bf16* result = nullptr;
+    float* out = nullptr;
+    int64_t n = 0;
+    bool active = false;
+  };
+  int slot();
+  bf16* staging(Pending& p, int64_t n);
+  void blocking(const comm::WorkHandle& w);
   std::shared_ptr<comm::ProcessGroup> g_;
-  double ms_ = 0;
+  double comm_ms_ = 0, exposed_ms_ = 0;
   DType act_dt_ = DType::F32;
-  Tensor in16_, out16_;  // bf16 staging (comm category), grown to the largest message
+  std::vector<Pending> pending_;
 };
 
 }  // namespace mt::parallel

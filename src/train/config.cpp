@@ -70,6 +70,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, "gpipe | 1f1b | interleaved_1f1b"},
       {"parallel.pp_virtual_stages", Kind::Int, &c.parallel.pp_virtual_stages, "stages per rank (interleaved)"},
       {"parallel.pp_microbatches", Kind::Int, &c.parallel.pp_microbatches, "0 = grad_accum"},
+      {"parallel.tp_overlap", Kind::Bool, &c.parallel.tp_overlap,
+       "with tp > 1: reduce the column-parallel input gradients while the weight gradients are computed"},
       {"parallel.sequence_parallel", Kind::Bool, &c.parallel.sequence_parallel,
        "with tp > 1: norms and residuals on sequence shards (all-gather / reduce-scatter instead of all-reduce)"},
       {"parallel.pp_partition", Kind::String, &c.parallel.pp_partition,

@@ -56,6 +56,7 @@ struct RunConfig {
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;
     bool sequence_parallel = false;
+    bool tp_overlap = true;  // input-gradient reductions overlap the weight-gradient matmuls
     double bucket_mb = 25.0;
     bool reshard_after_forward = true;
     int64_t prefetch = 1;

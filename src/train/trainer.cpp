@@ -165,6 +165,7 @@ TrainResult train(const RunConfig& cfg) {
   }
   Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()), tp > 1 ? &tp_comm : nullptr,
                     owned);
+  model.set_tp_overlap(cfg.parallel.tp_overlap);
   if (cfg.parallel.sequence_parallel) {
     if (tp == 1) throw ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel group's rows)");
     if ((B * T) % tp != 0)
@@ -413,9 +414,10 @@ TrainResult train(const RunConfig& cfg) {
     st.step = step + 1;
     st.adam_steps = strategy->adam_steps();
     const double step_ms = ms_since(t0);
-    const double tp_ms = tp_comm.take_ms();  // tensor-parallel collectives: on the critical path
-    cs.comm_ms += tp_ms;
-    cs.exposed_ms += tp_ms;
+    double tp_comm_ms = 0, tp_exposed_ms = 0;  // tensor-parallel collectives (mostly on the critical path)
+    tp_comm.take_times(&tp_comm_ms, &tp_exposed_ms);
+    cs.comm_ms += tp_comm_ms;
+    cs.exposed_ms += tp_exposed_ms;
     const double compute_ms = step_ms - cs.exposed_ms;
     resident = MemoryTracker::instance().stats().current;
 
