@@ -27,7 +27,8 @@
 // tp share of each split parameter (heads, MLP width, vocabulary), the data-parallel strategy works
 // on that share over the ranks ranks / tp of its dp group; the model's own all-reduces (embedding,
 // two per block forward and backward, head input gradient, vocab-parallel cross-entropy) go over the
-// "tp" group and are exposed (on the critical path); gradient norms travel on "tp_aux".
+// "tp" group and are counted as exposed (an upper bound: the engine overlaps the backward
+// input-gradient reductions with the weight-gradient matmuls); gradient norms travel on "tp_aux".
 // Sequence parallelism (`parallel.sequence_parallel`, tp > 1): norms, residuals and the pipeline's
 // stage boundaries hold B*T/tp rows per rank; all-gathers before the column-parallel matmuls and
 // reduce-scatters after the row-parallel ones replace the all-reduces (engine_tp_collectives).
@@ -183,8 +184,9 @@ struct TpCollective {
   int elem_bytes = 4;  // activations travel in the compute dtype; statistics and gradients in fp32
 };
 std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
-// Seconds of those collectives per step (grad_accum micro-batches) on the cluster: all of them on the
-// critical path (the next op needs the result), so this is exposed communication.
+// Seconds of those collectives per step (grad_accum micro-batches) on the cluster, all counted as
+// exposed communication (most are on the critical path; the backward input-gradient reductions,
+// which the engine overlaps with the weight-gradient matmuls, make this an upper bound).
 double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c, int pp_rank = 0);
 
 // The schedule's timeline (GPipe / 1F1B, one stage per rank) with per-rank forward and backward
