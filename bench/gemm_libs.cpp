@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernels/gemm.h"
+#include "runtime/arg_parser.h"
 #include "kernels/gemm_internal.h"
 #include "runtime/dtype.h"
 
@@ -190,17 +191,6 @@ Sample sample_seconds(F&& f) {
   return {el / reps, (cpu_now() - c0) / reps};
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t p = 0;
-  while (p <= s.size()) {
-    size_t q = s.find(',', p);
-    if (q == std::string::npos) q = s.size();
-    if (q > p) out.push_back(s.substr(p, q - p));
-    p = q + 1;
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -213,8 +203,8 @@ int main(int argc, char** argv) {
     else if (a == "--rounds" && i + 1 < argc) g_rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--threads" && i + 1 < argc) {
       threads.clear();
-      for (auto& s : split(argv[++i])) threads.push_back(std::atoi(s.c_str()));
-    } else if (a == "--libs" && i + 1 < argc) libs = split(argv[++i]);
+      for (auto& s : mt::split_list(argv[++i])) threads.push_back(std::atoi(s.c_str()));
+    } else if (a == "--libs" && i + 1 < argc) libs = mt::split_list(argv[++i]);
     else {
       std::fprintf(stderr, "usage: %s [--rounds R] [--sample-time S] [--threads 1,2] [--libs %s]\n", argv[0],
                    "openblas,blis,sgemm,matmul,bf16,mt,mtbf16");

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "comm/commands.h"
 #include "comm/detail.h"
@@ -281,9 +280,7 @@ int run_bench_comm_command(int argc, char** argv) {
     else if (o == "avg") rop = ReduceOp::Avg;
     else if (o == "max") rop = ReduceOp::Max;
     else throw ArgError("--op must be sum, avg or max");
-    std::stringstream ss(ap.get("ops", "all_reduce,all_gather,reduce_scatter,broadcast"));
-    std::string item;
-    while (std::getline(ss, item, ',')) {
+    for (const std::string& item : split_list(ap.get("ops", "all_reduce,all_gather,reduce_scatter,broadcast"))) {
       if (item != "all_reduce" && item != "all_gather" && item != "reduce_scatter" &&
           item != "broadcast")
         throw ArgError("unknown collective '" + item + "' in --ops");

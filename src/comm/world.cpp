@@ -7,9 +7,9 @@
 #include <cstring>
 #include <mutex>
 #include <set>
-#include <sstream>
 
 #include "comm/detail.h"
+#include "runtime/arg_parser.h"
 
 namespace mt::comm {
 
@@ -311,10 +311,7 @@ bool should_print(int rank) {
   if (!v) return false;
   std::string s = v;
   if (s == "all" || s == "ALL" || s == "*") return true;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
+  for (const std::string& item : split_list(s)) {
     char* end = nullptr;
     long r = std::strtol(item.c_str(), &end, 10);
     if (end && *end == 0 && r == rank) return true;

@@ -410,9 +410,7 @@ std::vector<EngineLayout> pick_layouts(const std::string& list) {
   const std::vector<std::string> names = validation_layout_names();
   if (list.empty()) return all;
   std::vector<EngineLayout> out;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  for (const std::string& item : split_list(list)) {
     bool found = false;
     for (size_t i = 0; i < all.size() && i < names.size(); ++i)
       if (item == names[i]) out.push_back(all[i]), found = true;

@@ -41,4 +41,7 @@ class ArgParser {
   std::vector<std::string> positional_, rest_;
 };
 
+// The items of a comma-separated list ("a,b,,c" -> a, b, c: empty items dropped).
+std::vector<std::string> split_list(const std::string& s, char sep = ',');
+
 }  // namespace mt

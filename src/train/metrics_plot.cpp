@@ -212,18 +212,6 @@ const char* kPlotHelp =
     "  --out FILE       SVG to write (default metrics.svg)\n"
     "  --title TEXT     title (default \"meshtrain metrics\")\n";
 
-std::vector<std::string> split_commas(const std::string& s) {
-  std::vector<std::string> out;
-  size_t a = 0;
-  while (a <= s.size()) {
-    size_t b = s.find(',', a);
-    if (b == std::string::npos) b = s.size();
-    if (b > a) out.push_back(s.substr(a, b - a));
-    a = b + 1;
-  }
-  return out;
-}
-
 double mean_after_first(const std::vector<double>& v) {
   if (v.size() < 2) return v.empty() ? 0.0 : v[0];
   double s = 0;
@@ -243,9 +231,9 @@ int run_plot_command(int argc, char** argv) {
     ArgParser ap({"metrics", "labels", "out", "title"}, {});
     ap.parse(argc, argv);
     if (!ap.positional().empty()) throw ArgError("unexpected argument '" + ap.positional()[0] + "'");
-    const std::vector<std::string> files = split_commas(ap.get("metrics"));
+    const std::vector<std::string> files = split_list(ap.get("metrics"));
     if (files.empty()) throw ArgError("--metrics FILE[,FILE...] is required");
-    std::vector<std::string> labels = split_commas(ap.get("labels"));
+    std::vector<std::string> labels = split_list(ap.get("labels"));
     if (!labels.empty() && labels.size() != files.size())
       throw ArgError("--labels has " + std::to_string(labels.size()) + " names for " + std::to_string(files.size()) +
                      " metrics files");
