@@ -178,7 +178,7 @@ std::string plan_help() {
          "                          llama-zero3-bf16, tp2 (tp = 2 on 2 ranks), tp2-zero3x4 (tp = 2 x ZeRO-3\n"
          "                          dp_shard = 2 on 4 ranks), tp2-sp (tp = 2 + sequence parallelism), tp2-sp-bf16,\n"
          "                          pp2 (pp = 2 1f1b, 4 micro-batches), pp2-gpipe, pp2-dp2 (pp = 2 x DDP 2 on 4\n"
-         "                          ranks) (default: all fifteen)\n"
+         "                          ranks), pp2-interleaved (2 chunks per rank) (default: all sixteen)\n"
          "  --no-time-check         report step time without failing on it (shared, noisy machines)\n"
          "  --keep DIR              run in DIR and keep the metrics and logs\n"
          "Output:\n"

@@ -83,6 +83,7 @@ std::string EngineLayout::label() const {
   else s = std::string(strategy_label(planner_strategy(strategy))) + " x" + std::to_string(dp_ranks());
   if (tp > 1) s += " tp" + std::to_string(tp) + (sequence_parallel ? " sp" : "");
   if (pp > 1) s += " pp" + std::to_string(pp) + " " + pp_schedule;
+  if (virtual_stages() > 1) s += " v" + std::to_string(virtual_stages());
   s += bf16 ? " bf16" : " fp32";
   if (grad_accum > 1) s += " accum" + std::to_string(grad_accum);
   if (checkpointing != Checkpointing::None) s += std::string(" ac:") + checkpointing_name(checkpointing);
@@ -104,6 +105,7 @@ std::vector<std::string> EngineLayout::train_args() const {
           "--parallel.bucket_mb", fmt("%g", bucket_mb)};
   if (sequence_parallel) a.insert(a.end(), {"--parallel.sequence_parallel", "true"});
   if (pp > 1) a.insert(a.end(), {"--parallel.pp", std::to_string(pp), "--parallel.pp_schedule", pp_schedule});
+  if (virtual_stages() > 1) a.insert(a.end(), {"--parallel.pp_virtual_stages", std::to_string(virtual_stages())});
   return a;
 }
 
@@ -115,9 +117,11 @@ void check_engine_layout(const EngineLayout& e) {
   if (e.pp < 1 || e.ranks % (e.tp * e.pp) != 0)
     throw std::invalid_argument("tp " + std::to_string(e.tp) + " x pp " + std::to_string(e.pp) + " does not divide " +
                                 std::to_string(e.ranks) + " ranks");
-  if (e.pp > 1 && e.pp_schedule != "gpipe" && e.pp_schedule != "1f1b")
-    throw std::invalid_argument("pipeline schedule '" + e.pp_schedule +
-                                "': the validation predicts gpipe and 1f1b (one stage per rank) only");
+  if (e.pp > 1 && e.pp_schedule != "gpipe" && e.pp_schedule != "1f1b" && e.pp_schedule != "interleaved_1f1b")
+    throw std::invalid_argument("pipeline schedule '" + e.pp_schedule + "': the validation predicts gpipe, 1f1b and "
+                                "interleaved_1f1b");
+  if (e.pp > 1 && e.pp_schedule == "interleaved_1f1b" && (e.pp_virtual_stages < 2 || e.grad_accum % e.pp != 0))
+    throw std::invalid_argument("interleaved_1f1b needs pp_virtual_stages >= 2 and micro-batches a multiple of pp");
   if (e.sequence_parallel && e.tp < 2) throw std::invalid_argument("sequence parallelism needs tp > 1");
   if (e.hybrid() && (e.dp_replicate < 1 || e.dp_ranks() % e.dp_replicate != 0))
     throw std::invalid_argument("dp_replicate " + std::to_string(e.dp_replicate) + " does not divide " +
@@ -161,7 +165,10 @@ Layout planner_layout(const EngineLayout& e) {
   l.checkpointing = e.checkpointing;
   if (e.pp > 1) {
     l.pp = e.pp;
-    l.schedule = e.pp_schedule == "gpipe" ? Schedule::GPipe : Schedule::OneFOneB;
+    l.schedule = e.pp_schedule == "gpipe" ? Schedule::GPipe
+                 : e.virtual_stages() > 1   ? Schedule::Interleaved
+                                            : Schedule::OneFOneB;
+    l.virtual_stages = e.virtual_stages();
   }
   return l;
 }
@@ -243,7 +250,7 @@ std::vector<char> engine_owned_units(const ModelConfig& m_in, const EngineLayout
   const int U = static_cast<int>(m.n_layer) + 2;
   if (e.pp <= 1) return std::vector<char>(static_cast<size_t>(U), 1);
   parallel::StagePartition part;
-  part.stages = engine_stage_partition(m, e.pp);  // one stage per rank (gpipe, 1f1b)
+  part.stages = engine_stage_partition(m, e.num_stages());  // stage s on rank s % pp
   return parallel::stage_units_of_rank(part, e.pp, pp_rank, U);
 }
 
@@ -261,12 +268,33 @@ int64_t engine_flat_size(const ModelConfig& m, const EngineLayout& e, int pp_ran
   return s;
 }
 
+namespace {
+parallel::PipeSchedule engine_schedule(const EngineLayout& e) {
+  const int P = std::max(1, e.pp);
+  return parallel::make_schedule(P == 1 ? "gpipe" : e.pp_schedule, P, static_cast<int>(e.grad_accum),
+                                 e.virtual_stages());
+}
+// Slots the executor creates per model chunk of this rank (parallel/pipeline_executor.cpp: a
+// micro-batch takes a slot of its chunk's pool at its forward and gives it back after its
+// backward, so each pool grows to the chunk's peak number of micro-batches in flight).
+std::vector<int> engine_chunk_slots(const EngineLayout& e, int pp_rank) {
+  const int v = e.virtual_stages();
+  if (e.pp <= 1) return {1};
+  std::vector<int> in_flight(static_cast<size_t>(v), 0), peak(static_cast<size_t>(v), 0);
+  const parallel::PipeSchedule sched = engine_schedule(e);  // (a temporary's member would dangle in the loop)
+  for (const parallel::PipeAction& a : sched.per_rank.at(static_cast<size_t>(pp_rank))) {
+    const size_t c = static_cast<size_t>(a.stage / e.pp);
+    if (a.kind == parallel::PipeAction::Forward) peak[c] = std::max(peak[c], ++in_flight[c]);
+    if (a.kind == parallel::PipeAction::Backward) --in_flight[c];
+  }
+  return peak;
+}
+}  // namespace
+
 int engine_activation_slots(const EngineLayout& e, int pp_rank) {
   if (e.pp <= 1) return 1;
-  // The schedule checker's in-flight count is what the executor's slot pool reaches.
-  const parallel::ScheduleCheck c =
-      parallel::check_schedule(parallel::make_schedule(e.pp_schedule, e.pp, static_cast<int>(e.grad_accum)));
-  return c.peak_in_flight.at(static_cast<size_t>(pp_rank));
+  // The schedule checker's in-flight count is the executor's peak of slots in use at once.
+  return parallel::check_schedule(engine_schedule(e)).peak_in_flight.at(static_cast<size_t>(pp_rank));
 }
 
 namespace {
@@ -290,8 +318,12 @@ uint64_t engine_pp_message_bytes(const ModelConfig& m_in, const EngineLayout& e)
 
 int engine_pp_boundaries(const EngineLayout& e, int pp_rank) {
   if (e.pp <= 1) return 0;
-  // Stage s = pp_rank (one per rank): a boundary with s - 1 unless first, with s + 1 unless last.
-  return (pp_rank > 0 ? 1 : 0) + (pp_rank < e.pp - 1 ? 1 : 0);
+  // Each of this rank's stages s = c * pp + pp_rank: a boundary with s - 1 unless first, with s + 1
+  // unless last.
+  int b = 0;
+  const int S = e.num_stages();
+  for (int s = pp_rank; s < S; s += e.pp) b += (s > 0 ? 1 : 0) + (s < S - 1 ? 1 : 0);
+  return b;
 }
 
 bool engine_tied_split(const ModelConfig& m_in, const EngineLayout& e) {
@@ -327,11 +359,21 @@ double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e, i
   auto recomputed = [&](int64_t l) {
     return e.checkpointing == Checkpointing::Full || (e.checkpointing == Checkpointing::Selective && l % 2 == 1);
   };
-  const std::vector<char> own = engine_owned_units(m_in, e, pp_rank);
+  // One slot per micro-batch in flight, per model chunk (stage) of this rank: a slot holds what its
+  // stage's units keep for backward and their input and output rows.
+  const std::vector<int> slots = engine_chunk_slots(e, pp_rank);
+  std::vector<std::pair<int, int>> stages;  // this rank's stages' unit ranges, chunk by chunk
+  if (e.pp <= 1) {
+    stages.push_back({0, static_cast<int>(L) + 1});
+  } else {
+    const std::vector<std::pair<int, int>> all = engine_stage_partition(m, e.num_stages());
+    for (int c = 0; c < e.virtual_stages(); ++c) stages.push_back(all.at(static_cast<size_t>(c * e.pp + pp_rank)));
+  }
+  double total = 0;
+  for (size_t c = 0; c < stages.size(); ++c) {
   double slot = 0;
   std::vector<char> out(static_cast<size_t>(L + 1), 0);  // unit outputs this stage's slot keeps
-  for (int64_t u = 0; u <= L + 1; ++u) {
-    if (!own[static_cast<size_t>(u)]) continue;
+  for (int64_t u = stages[c].first; u <= stages[c].second; ++u) {
     if (u == 0) {
       slot += 4 * N;  // ids
       out[0] = 1;
@@ -347,7 +389,9 @@ double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e, i
     }
   }
   for (char o : out) slot += o ? R * 4 * C : 0;
-  return engine_activation_slots(e, pp_rank) * slot + (e.checkpointing != Checkpointing::None ? block : 0.0);
+  total += slots.at(c) * slot;
+  }
+  return total + (e.checkpointing != Checkpointing::None ? block : 0.0);
 }
 
 double engine_workspace_bytes(const ModelConfig& m_in, const EngineLayout& e, int pp_rank) {
@@ -451,6 +495,9 @@ std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m_in, const E
   const int es = e.bf16 ? 2 : 4;
   const TpCollective AR{Collective::AllReduce, NC, es}, AG{Collective::AllGather, RC, es},
       RS{Collective::ReduceScatter, RC, es}, AG32{Collective::AllGather, RC, 4};
+  // Backward, overlapped with a matmul: input-gradient sums (and SP's norm-output re-gathers).
+  const TpCollective ARo{Collective::AllReduce, NC, es, true}, AGo{Collective::AllGather, RC, es, true},
+      RSo{Collective::ReduceScatter, RC, es, true};
   auto ar = [](uint64_t n) { return TpCollective{Collective::AllReduce, n, 4}; };
   auto rc = [&](int64_t l) {
     return e.checkpointing == Checkpointing::Full || (e.checkpointing == Checkpointing::Selective && l % 2 == 1);
@@ -470,7 +517,7 @@ std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m_in, const E
   }
   // Backward (backward_units, block_backward); a recomputed block re-runs block_forward.
   if (own.back()) {
-    v.push_back(sp ? RS : AR);       // head: partial input gradients
+    v.push_back(sp ? RSo : ARo);     // head: partial input gradients (under the weight gradient)
     if (sp) v.push_back(ar(norm_grads));  // the final norm's gradient from this rank's rows, summed
   }
   for (int64_t l = L - 1; l >= 0; --l) {
@@ -478,9 +525,9 @@ std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m_in, const E
     if (rc(l)) block_fwd();
     if (sp)  // per half (MLP, attention): output gradient gathered (fp32), norm output re-gathered,
              // input gradient reduce-scattered, the norm's gradient summed
-      v.insert(v.end(), {AG32, AG, RS, ar(norm_grads), AG32, AG, RS, ar(norm_grads)});
+      v.insert(v.end(), {AG32, AGo, RSo, ar(norm_grads), AG32, AGo, RSo, ar(norm_grads)});
     else
-      v.insert(v.end(), {AR, AR});  // MLP and attention column-parallel input gradients
+      v.insert(v.end(), {ARo, ARo});  // MLP and attention column-parallel input gradients
   }
   if (own.front() && sp) v.push_back(AG32);  // every token's gradient for this rank's vocabulary rows
   return v;
@@ -498,6 +545,7 @@ double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Clus
   const GroupShape g = group_shape(e.tp, 1, c.gpus_per_node);  // tp ranks are adjacent
   double s = 0;
   for (const TpCollective& x : engine_tp_collectives(m, e, pp_rank)) {
+    if (x.overlapped) continue;  // hidden behind its matmul
     // collective() takes the whole buffer: the reduced one, or the gathered / scattered n x part.
     const double bytes = x.elem_bytes * static_cast<double>(x.count) * (x.kind == Collective::AllReduce ? 1.0 : e.tp);
     s += collective(x.kind, bytes, g, c).time;
@@ -507,14 +555,20 @@ double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Clus
 
 PipeTimeline engine_pp_timeline(const EngineLayout& e, const std::vector<double>& fwd, const std::vector<double>& bwd,
                                 double msg_s) {
-  const int P = std::max(1, e.pp), M = static_cast<int>(e.grad_accum);
-  // Each rank's compute order: the engine's own action lists (parallel/pipeline_schedule.h).
-  std::vector<std::vector<std::pair<bool, int>>> order(static_cast<size_t>(P));  // (forward?, micro-batch)
-  const parallel::PipeSchedule sched = parallel::make_schedule(P == 1 ? "gpipe" : e.pp_schedule, P, M);
+  const int P = std::max(1, e.pp), M = static_cast<int>(e.grad_accum), S = e.num_stages();
+  // Each rank's compute order: the engine's own action lists (parallel/pipeline_schedule.h);
+  // stage s runs on rank s % P and hands its activation to stage s + 1 (its gradient to s - 1).
+  struct Step {
+    bool fwd;
+    int m, s;
+  };
+  std::vector<std::vector<Step>> order(static_cast<size_t>(P));
+  const parallel::PipeSchedule sched = engine_schedule(e);
   for (int r = 0; r < P; ++r)
     for (const parallel::PipeAction& a : sched.per_rank[static_cast<size_t>(r)])
-      if (parallel::is_compute(a.kind)) order[static_cast<size_t>(r)].push_back({a.kind == parallel::PipeAction::Forward, a.microbatch});
-  std::vector<std::vector<double>> fdone(static_cast<size_t>(P), std::vector<double>(static_cast<size_t>(M), -1)),
+      if (parallel::is_compute(a.kind))
+        order[static_cast<size_t>(r)].push_back({a.kind == parallel::PipeAction::Forward, a.microbatch, a.stage});
+  std::vector<std::vector<double>> fdone(static_cast<size_t>(S), std::vector<double>(static_cast<size_t>(M), -1)),
       bdone = fdone;
   std::vector<double> free_at(static_cast<size_t>(P), 0.0);
   std::vector<size_t> next(static_cast<size_t>(P), 0);
@@ -523,19 +577,19 @@ PipeTimeline engine_pp_timeline(const EngineLayout& e, const std::vector<double>
     for (int r = 0; r < P; ++r) {
       const size_t ur = static_cast<size_t>(r);
       while (next[ur] < order[ur].size()) {
-        const auto [is_f, m] = order[ur][next[ur]];
-        const size_t um = static_cast<size_t>(m);
+        const Step st = order[ur][next[ur]];
+        const size_t um = static_cast<size_t>(st.m), us = static_cast<size_t>(st.s);
         double ready = 0;
-        if (is_f && r > 0) {
-          if (fdone[ur - 1][um] < 0) break;
-          ready = fdone[ur - 1][um] + msg_s;  // the activation from the previous stage
+        if (st.fwd && st.s > 0) {
+          if (fdone[us - 1][um] < 0) break;
+          ready = fdone[us - 1][um] + msg_s;  // the activation from the previous stage
         }
-        if (!is_f && r < P - 1) {
-          if (bdone[ur + 1][um] < 0) break;
-          ready = bdone[ur + 1][um] + msg_s;  // the gradient from the next stage
+        if (!st.fwd && st.s < S - 1) {
+          if (bdone[us + 1][um] < 0) break;
+          ready = bdone[us + 1][um] + msg_s;  // the gradient from the next stage
         }
-        const double end = std::max(free_at[ur], ready) + (is_f ? fwd[ur] : bwd[ur]);
-        (is_f ? fdone : bdone)[ur][um] = end;
+        const double end = std::max(free_at[ur], ready) + (st.fwd ? fwd[us] : bwd[us]);
+        (st.fwd ? fdone : bdone)[us][um] = end;
         free_at[ur] = end;
         ++next[ur];
         progress = true;
@@ -545,9 +599,10 @@ PipeTimeline engine_pp_timeline(const EngineLayout& e, const std::vector<double>
   PipeTimeline t;
   for (double f : free_at) t.makespan = std::max(t.makespan, f);
   for (int r = 0; r < P; ++r) {
-    const size_t ur = static_cast<size_t>(r);
-    t.busy.push_back(M * (fwd[ur] + bwd[ur]));
-    t.bubble += t.makespan > 0 ? (1.0 - t.busy.back() / t.makespan) / P : 0.0;
+    double busy = 0;
+    for (int st = r; st < S; st += P) busy += M * (fwd[static_cast<size_t>(st)] + bwd[static_cast<size_t>(st)]);
+    t.busy.push_back(busy);
+    t.bubble += t.makespan > 0 ? (1.0 - busy / t.makespan) / P : 0.0;
   }
   return t;
 }
@@ -1130,19 +1185,28 @@ void time_check(const ValidateOptions& o, const ModelConfig& m_in, const EngineL
     double total_cost = 0;
     for (double x : cost) total_cost += x;
     const Cluster tcl = measured_cluster(j.mean, tp_cc, e.ranks);
-    std::vector<double> fwd, bwd;
+    // Per stage (stage s on rank s % pp; interleaving gives each rank several): its units' share of
+    // the cost; a rank's tp time is spread over its stages by their cost.
+    const std::vector<std::pair<int, int>> stages = engine_stage_partition(engine_model(m, e), e.num_stages());
+    auto stage_frac = [&](size_t st) {
+      double c = 0;
+      for (int u = stages[st].first; u <= stages[st].second; ++u) c += cost[static_cast<size_t>(u)];
+      return c / total_cost;
+    };
+    std::vector<double> fwd(stages.size()), bwd(stages.size());
     double worst_busy = 0, opt_s = 0, frac_max = 0;
     for (int p = 0; p < e.pp; ++p) {
-      const std::vector<char> own = engine_owned_units(m, e, p);
-      double c = 0;
-      for (size_t u = 0; u < own.size(); ++u) c += own[u] ? cost[u] : 0.0;
-      const double frac = c / total_cost;
+      double rank_frac = 0;
+      for (size_t st = static_cast<size_t>(p); st < stages.size(); st += static_cast<size_t>(e.pp)) rank_frac += stage_frac(st);
       const double tp_mb = e.tp > 1 ? engine_tp_seconds(m, e, tcl, p) / M : 0.0;
-      fwd.push_back(per_mb * frac / 3 + tp_mb / 3);
-      bwd.push_back(2 * per_mb * frac / 3 + 2 * tp_mb / 3);
-      worst_busy = std::max(worst_busy, M * (fwd.back() + bwd.back()));
-      frac_max = std::max(frac_max, frac);
-      // Adam over the stage's shard (estimate()'s 28 bytes per parameter at the streaming rate).
+      for (size_t st = static_cast<size_t>(p); st < stages.size(); st += static_cast<size_t>(e.pp)) {
+        const double f = stage_frac(st), tp_share = rank_frac > 0 ? tp_mb * f / rank_frac : 0.0;
+        fwd[st] = per_mb * f / 3 + tp_share / 3;
+        bwd[st] = 2 * per_mb * f / 3 + 2 * tp_share / 3;
+      }
+      worst_busy = std::max(worst_busy, M * (per_mb * rank_frac + tp_mb));
+      frac_max = std::max(frac_max, rank_frac);
+      // Adam over the rank's shard (estimate()'s 28 bytes per parameter at the streaming rate).
       opt_s = std::max(opt_s, 28.0 * static_cast<double>(engine_flat_size(m, e, p)) / e.shard_size() / cl1.mem_bw);
     }
     const Link link = tcl.intra;  // point-to-point: one message, its bytes once
@@ -1199,7 +1263,7 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
   r.flat_predicted = engine_flat_size(m, e, 0);
   r.flat_measured = fin.value("flat_size", int64_t{0});
   if (e.pp > 1) {
-    r.stages_predicted = describe_stage_partition(engine_stage_partition(engine_model(m, e), e.pp));
+    r.stages_predicted = describe_stage_partition(engine_stage_partition(engine_model(m, e), e.num_stages()));
     r.stages_measured = fin.value("pp_stages", std::string());
     r.slots_predicted = engine_activation_slots(e, 0);
     r.slots_measured = fin.value("pp_peak_activation_slots", 0);
@@ -1349,12 +1413,17 @@ std::vector<EngineLayout> default_validation_layouts() {
   EngineLayout ppdp = pp2;
   ppdp.ranks = 4;
   v.push_back(ppdp);
+  // Interleaved 1F1B: two model chunks per rank (4 stages over 2 ranks).
+  EngineLayout inter = pp2;
+  inter.pp_schedule = "interleaved_1f1b";
+  inter.pp_virtual_stages = 2;
+  v.push_back(inter);
   return v;
 }
 
 std::vector<std::string> validation_layout_names() {
   return {"ddp", "zero1",       "zero2",  "zero3", "zero3x4",   "hsdp",   "ddp-bf16",
-          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "tp2-sp-bf16", "pp2", "pp2-gpipe", "pp2-dp2"};
+          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "tp2-sp-bf16", "pp2", "pp2-gpipe", "pp2-dp2", "pp2-interleaved"};
 }
 
 ValidationReport run_validation(const ValidateOptions& in) {

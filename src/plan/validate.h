@@ -27,8 +27,8 @@
 // tp share of each split parameter (heads, MLP width, vocabulary), the data-parallel strategy works
 // on that share over the ranks ranks / tp of its dp group; the model's own all-reduces (embedding,
 // two per block forward and backward, head input gradient, vocab-parallel cross-entropy) go over the
-// "tp" group and are counted as exposed (an upper bound: the engine overlaps the backward
-// input-gradient reductions with the weight-gradient matmuls); gradient norms travel on "tp_aux".
+// "tp" group and are exposed (on the critical path) except the backward input-gradient reductions,
+// which overlap the weight-gradient matmuls; gradient norms travel on "tp_aux".
 // Sequence parallelism (`parallel.sequence_parallel`, tp > 1): norms, residuals and the pipeline's
 // stage boundaries hold B*T/tp rows per rank; all-gathers before the column-parallel matmuls and
 // reduce-scatters after the row-parallel ones replace the all-reduces (engine_tp_collectives).
@@ -61,7 +61,8 @@ struct EngineLayout {
   int tp = 1;                        // --parallel.tp: tensor-parallel degree (innermost mesh dimension)
   bool sequence_parallel = false;    // --parallel.sequence_parallel (needs tp > 1)
   int pp = 1;                        // --parallel.pp: pipeline ranks (outermost mesh dimension)
-  std::string pp_schedule = "1f1b";  // --parallel.pp_schedule: gpipe | 1f1b (interleaved: not validated)
+  std::string pp_schedule = "1f1b";  // --parallel.pp_schedule: gpipe | 1f1b | interleaved_1f1b
+  int pp_virtual_stages = 1;         // --parallel.pp_virtual_stages (interleaved_1f1b: model chunks per rank)
   int dp_replicate = 1;              // HYBRID_*: replicas; the shard group is dp_ranks() / dp_replicate
   bool bf16 = false;                 // --train.dtype bf16 (bf16 compute, fp32 master, fp32 gradients)
   Checkpointing checkpointing = Checkpointing::None;
@@ -73,6 +74,8 @@ struct EngineLayout {
 
   int dp_ranks() const { return ranks / ((tp > 0 ? tp : 1) * (pp > 0 ? pp : 1)); }  // ranks / (tp x pp)
   int pp_rank_of(int rank) const { return rank / std::max(1, ranks / std::max(1, pp)); }  // pp is outermost
+  int virtual_stages() const { return pp > 1 && pp_schedule == "interleaved_1f1b" ? std::max(1, pp_virtual_stages) : 1; }
+  int num_stages() const { return std::max(1, pp) * virtual_stages(); }  // stage s runs on pp rank s % pp
   int shard_size() const;            // ranks the parameters / gradients / optimizer are split over
   int replicas() const;              // 1 unless hybrid
   bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
@@ -182,15 +185,20 @@ struct TpCollective {
   Collective kind;
   uint64_t count;
   int elem_bytes = 4;  // activations travel in the compute dtype; statistics and gradients in fp32
+  // Started before a matmul that does not need it and waited for after: the backward input-gradient
+  // reductions (under the weight-gradient matmul) and, with sequence parallelism, the norm output's
+  // re-gather (under the input-gradient matmul). Counted as hidden.
+  bool overlapped = false;
 };
 std::vector<TpCollective> engine_tp_collectives(const ModelConfig& m, const EngineLayout& e, int pp_rank = 0);
-// Seconds of those collectives per step (grad_accum micro-batches) on the cluster, all counted as
-// exposed communication (most are on the critical path; the backward input-gradient reductions,
-// which the engine overlaps with the weight-gradient matmuls, make this an upper bound).
+// Seconds of those collectives per step (grad_accum micro-batches) on the cluster that the compute
+// thread waits for: every collective on the critical path; the overlapped ones (above) count as
+// hidden behind their matmul (as long as the other ranks' matmuls, the same size).
 double engine_tp_seconds(const ModelConfig& m, const EngineLayout& e, const Cluster& c, int pp_rank = 0);
 
-// The schedule's timeline (GPipe / 1F1B, one stage per rank) with per-rank forward and backward
-// seconds per micro-batch and `msg_s` per stage-boundary message (delays the receiver).
+// The schedule's timeline (GPipe / 1F1B / interleaved 1F1B) with per-stage forward and backward
+// seconds per micro-batch (stage s runs on rank s % pp; one stage per rank unless interleaved) and
+// `msg_s` per stage-boundary message (delays the receiver).
 struct PipeTimeline {
   double makespan = 0;
   std::vector<double> busy;  // per rank
