@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -223,6 +224,25 @@ void CheckpointWriter::commit(const TrainerState& st, const RunConfig& cfg) {
   fsync_directory(root_);
   write_text_atomic(root / "latest", name_ + "\n");
   fsync_directory(root_);
+  if (cfg.train.checkpoint_keep > 0) prune_checkpoints(root_, cfg.train.checkpoint_keep);
+}
+
+void prune_checkpoints(const std::string& root, int64_t keep) {
+  // step_NNNNNNNN directories, newest first by step number; `latest` is already the newest.
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory() || n.rfind("step_", 0) != 0 || n.size() <= 5) continue;
+    if (n.find_first_not_of("0123456789", 5) != std::string::npos) continue;
+    steps.push_back({std::stoll(n.substr(5)), e.path()});
+  }
+  std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t i = static_cast<size_t>(std::max<int64_t>(keep, 1)); i < steps.size(); ++i) {
+    std::error_code ec;
+    fs::remove_all(steps[i].second, ec);
+    if (ec) std::fprintf(stderr, "warning: could not remove old checkpoint %s: %s\n", steps[i].second.c_str(),
+                         ec.message().c_str());
+  }
 }
 
 // ---- reading --------------------------------------------------------------------------------------

@@ -81,6 +81,10 @@ class CheckpointReader {
 void save_checkpoint(const std::string& root, const Transformer& model, const float* weights, const float* exp_avg,
                      const float* exp_avg_sq, const TrainerState& st, const RunConfig& cfg);
 
+// Removes all but the `keep` newest step_NNNNNNNN checkpoints of `root` (by step number). Commit
+// calls it after `latest` names the new checkpoint when train.checkpoint_keep > 0.
+void prune_checkpoints(const std::string& root, int64_t keep);
+
 // Resolves "latest" (or a directory) to a checkpoint directory; throws naming what is missing.
 std::string resolve_checkpoint(const std::string& root_or_dir);
 

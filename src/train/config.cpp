@@ -55,6 +55,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.eval_batches", Kind::Int, &c.train.eval_batches, "micro-batches per validation loss"},
       {"train.checkpoint_dir", Kind::String, &c.train.checkpoint_dir, "where checkpoints go (empty = none)"},
       {"train.checkpoint_every", Kind::Int, &c.train.checkpoint_every, "steps between checkpoints (0 = only at the end)"},
+      {"train.checkpoint_keep", Kind::Int, &c.train.checkpoint_keep,
+       "keep only the newest N checkpoints in checkpoint_dir, older ones removed after a new one is complete (0 = all)"},
       {"train.resume", Kind::String, &c.train.resume,
        "\"latest\" (the newest in checkpoint_dir; none yet = start fresh) or a checkpoint directory"},
       {"train.init_from", Kind::String, &c.train.init_from,

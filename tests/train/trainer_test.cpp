@@ -2,6 +2,7 @@
 // accumulation equivalence, memory accounting, metrics keys, config errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -65,6 +66,20 @@ TEST_F(TrainerTest, ResumeReproducesUninterruptedRun) {
   ASSERT_EQ(resumed.losses.size(), 7u);
   for (size_t i = 0; i < 7; ++i) EXPECT_EQ(resumed.losses[i], full.losses[5 + i]) << "step " << 6 + i;
   EXPECT_TRUE(fs::exists(fs::path(ck) / "latest"));
+}
+
+// train.checkpoint_keep: only the newest N checkpoints stay; `latest` names the newest, and the run
+// resumes from it.
+TEST_F(TrainerTest, CheckpointKeepRemovesOlderCheckpoints) {
+  auto ck = (dir_ / "ck").string();
+  train(config({{"train.steps", "8"}, {"train.checkpoint_dir", ck}, {"train.checkpoint_every", "2"},
+                {"train.checkpoint_keep", "2"}}));
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(ck)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000006", "step_00000008"}));
+  TrainResult more = train(config({{"train.steps", "10"}, {"train.checkpoint_dir", ck}, {"train.resume", "latest"}}));
+  EXPECT_EQ(more.losses.size(), 2u);
 }
 
 // Regression: with vocab 123 (padded to 128) the MLP weight [4*32, 32] has as many rows as the padded vocabulary;
