@@ -34,6 +34,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"data.val", Kind::String, &c.data.val, "validation token shards (empty = no eval)"},
       {"data.tokenizer", Kind::String, &c.data.tokenizer, "byte | gpt2: how samples are decoded"},
       {"data.gpt2_dir", Kind::String, &c.data.gpt2_dir, "directory with encoder.json and vocab.bpe"},
+      {"data.shuffle", Kind::Bool, &c.data.shuffle,
+       "visit shards and their T-token samples in a new permuted order every epoch (seeded by train.seed)"},
       {"train.steps", Kind::Int, &c.train.steps, "optimizer steps"},
       {"train.micro_batch", Kind::Int, &c.train.micro_batch, "sequences per rank per micro-batch"},
       {"train.grad_accum", Kind::Int, &c.train.grad_accum, "micro-batches per step"},

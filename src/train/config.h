@@ -30,6 +30,7 @@ struct RunConfig {
     std::string val = "data/default/val.bin";
     std::string tokenizer = "byte";   // how `sample` and the end-of-run sample decode: byte | gpt2
     std::string gpt2_dir;             // for tokenizer = gpt2
+    bool shuffle = false;             // permuted shard and sample order every epoch (seeded by train.seed)
   } data;
   struct Train {
     int64_t steps = 1000, micro_batch = 4, grad_accum = 1;

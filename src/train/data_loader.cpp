@@ -3,7 +3,10 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
+
+#include "model/rng.h"
 
 namespace mt {
 
@@ -62,30 +65,87 @@ BatchLoader::BatchLoader(const TokenDataset& dataset, int B, int T, int dp_rank,
   }
 }
 
+namespace {
+// Fisher-Yates with the platform-independent generator (std::shuffle's algorithm is not specified).
+template <class T>
+void permute(std::vector<T>& v, uint64_t seed) {
+  Rng rng(seed);
+  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(rng.next_u64() % i)]);
+}
+uint64_t mix(uint64_t seed, uint64_t epoch, uint64_t what) {
+  return seed ^ (0x9E3779B97F4A7C15ull * (epoch + 1)) ^ (0xC2B2AE3D27D4EB4Full * (what + 1));
+}
+}  // namespace
+
+void BatchLoader::set_shuffle(uint64_t seed) {
+  shuffle_ = true;
+  seed_ = seed;
+  reset();
+}
+
+void BatchLoader::start_epoch() {
+  shard_order_.resize(batches_per_shard_.size());
+  std::iota(shard_order_.begin(), shard_order_.end(), size_t{0});
+  permute(shard_order_, mix(seed_, static_cast<uint64_t>(epoch_), ~0ull));
+}
+
+void BatchLoader::start_shard() {
+  const size_t s = current_shard();
+  const int64_t samples = (static_cast<int64_t>(data_.shard(s).size()) - 1) / T_;
+  sample_order_.resize(static_cast<size_t>(samples));
+  std::iota(sample_order_.begin(), sample_order_.end(), int64_t{0});
+  permute(sample_order_, mix(seed_, static_cast<uint64_t>(epoch_), s));
+}
+
 void BatchLoader::next(int32_t* inputs, int32_t* targets) {
   const int64_t local = int64_t{B_} * T_;
-  const uint16_t* src = data_.shard(shard_).data() + (batch_ * world_ + rank_) * local;
-  for (int64_t i = 0; i < local; ++i) {
-    inputs[i] = src[i];
-    targets[i] = src[i + 1];
+  const size_t s = current_shard();
+  const uint16_t* shard = data_.shard(s).data();
+  if (!shuffle_) {
+    const uint16_t* src = shard + (batch_ * world_ + rank_) * local;
+    for (int64_t i = 0; i < local; ++i) {
+      inputs[i] = src[i];
+      targets[i] = src[i + 1];
+    }
+  } else {
+    for (int64_t b = 0; b < B_; ++b) {
+      const int64_t j = sample_order_[static_cast<size_t>((batch_ * world_ + rank_) * B_ + b)];
+      const uint16_t* src = shard + j * T_;
+      for (int64_t t = 0; t < T_; ++t) {
+        inputs[b * T_ + t] = src[t];
+        targets[b * T_ + t] = src[t + 1];
+      }
+    }
   }
-  if (++batch_ >= batches_per_shard_[shard_]) {
+  if (++batch_ >= batches_per_shard_[s]) {
     batch_ = 0;
-    shard_ = (shard_ + 1) % batches_per_shard_.size();
+    if (++shard_ == batches_per_shard_.size()) {
+      shard_ = 0;
+      ++epoch_;
+      if (shuffle_) start_epoch();
+    }
+    if (shuffle_) start_shard();
   }
 }
 
 void BatchLoader::reset() {
   shard_ = 0;
   batch_ = 0;
+  epoch_ = 0;
+  if (shuffle_) {
+    start_epoch();
+    start_shard();
+  }
 }
 
 void BatchLoader::seek(size_t shard_index, int64_t batch_index) {
-  if (shard_index >= batches_per_shard_.size() || batch_index < 0 || batch_index >= batches_per_shard_[shard_index])
+  if (shard_index >= batches_per_shard_.size() || batch_index < 0 ||
+      batch_index >= batches_per_shard_[shuffle_ ? shard_order_[shard_index] : shard_index])
     throw std::out_of_range("batch loader: position (shard " + std::to_string(shard_index) + ", batch " +
                             std::to_string(batch_index) + ") is outside the data '" + data_.pattern() + "'");
   shard_ = shard_index;
   batch_ = batch_index;
+  if (shuffle_) start_shard();
 }
 
 int64_t BatchLoader::batches_per_epoch() const {

@@ -6,6 +6,14 @@
 // floor((tokens - 1) / (W*B*T)) global batches; after the last one the loader moves to the next
 // shard, and after the last shard wraps to the first. Hence ranks read disjoint token ranges, and one
 // process with B' = W*B reads exactly their union (row r*B + b of its batch is row b of rank r).
+//
+// With shuffling (data.shuffle) a shard is cut into samples of T + 1 tokens at multiples of T
+// (sample j = tokens j*T .. j*T + T; the same rows the contiguous order reads), and every epoch
+// visits the shards in a permuted order and each shard's samples in a permuted order: global batch
+// k is samples perm[k*W*B .. (k+1)*W*B), of which rank r takes the B at r*B. The permutations
+// depend only on (seed, epoch, shard), so every rank draws the same ones, one process with
+// B' = W*B still reads exactly the ranks' union, and a resumed run (which replays the position by
+// calling next()) continues the same order.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -46,14 +54,17 @@ class BatchLoader {
   // and std::runtime_error naming the file when a shard is too short for one global batch
   // (dp_world*B*T + 1 tokens; in particular when T is longer than the data).
   BatchLoader(const TokenDataset& dataset, int B, int T, int dp_rank = 0, int dp_world = 1);
+  // Shuffled order (see above), drawn from `seed`. Call before the first next().
+  void set_shuffle(uint64_t seed);
 
   // Fills inputs[B*T] and targets[B*T] (row-major B x T) and advances.
   void next(int32_t* inputs, int32_t* targets);
   // Back to the first batch of the first shard.
   void reset();
 
-  // Position, for checkpoint / resume: the shard and the global batch index within it that the next
-  // call to next() reads. seek() throws std::out_of_range for a position outside the data.
+  // Position, for checkpoint / resume: the shard (its place in this epoch's order) and the global
+  // batch index within it that the next call to next() reads. seek() throws std::out_of_range for a
+  // position outside the data.
   size_t shard_index() const { return shard_; }
   int64_t batch_index() const { return batch_; }
   void seek(size_t shard_index, int64_t batch_index);
@@ -69,6 +80,15 @@ class BatchLoader {
   std::vector<int64_t> batches_per_shard_;
   size_t shard_ = 0;
   int64_t batch_ = 0;
+  // Shuffling: this epoch's shard order and the current shard's sample order.
+  bool shuffle_ = false;
+  uint64_t seed_ = 0;
+  int64_t epoch_ = 0;
+  std::vector<size_t> shard_order_;
+  std::vector<int64_t> sample_order_;
+  void start_epoch();
+  void start_shard();
+  size_t current_shard() const { return shuffle_ ? shard_order_[shard_] : shard_; }
 };
 
 }  // namespace mt

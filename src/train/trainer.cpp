@@ -114,6 +114,7 @@ TrainResult train(const RunConfig& cfg) {
                 accum = pp > 1 && cfg.parallel.pp_microbatches > 0 ? cfg.parallel.pp_microbatches : tc.grad_accum;
   TokenDataset train_ds(cfg.data.train, mc.vocab_size);
   BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
+  if (cfg.data.shuffle) loader.set_shuffle(static_cast<uint64_t>(tc.seed));
   std::unique_ptr<TokenDataset> val_ds;
   std::unique_ptr<BatchLoader> val_loader;
   if (!cfg.data.val.empty() && tc.eval_every > 0) {

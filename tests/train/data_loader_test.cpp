@@ -126,6 +126,62 @@ TEST(DataLoader, RanksAreDisjointAndTheirUnionIsTheBigBatch) {
   }
 }
 
+// data.shuffle: every epoch visits each shard once and, within it, samples (T + 1 tokens starting
+// at multiples of T) in a permuted order; ranks stay disjoint and their union is the big batch;
+// epochs differ; the same seed gives the same order.
+TEST(DataLoader, ShuffledEpochsKeepRanksDisjointAndTheUnionTheBigBatch) {
+  LoaderDir dir;
+  const int W = 2, B = 2, T = 8;
+  write_ramp(dir.file("shard_000.bin"), 0, 5 * W * B * T + 1);      // 5 global batches, 20 samples
+  write_ramp(dir.file("shard_001.bin"), 10000, 3 * W * B * T + 20);  // 3 global batches, 14 samples
+  mt::TokenDataset ds(dir.file("shard_*.bin"));
+  std::vector<mt::BatchLoader> ranks;
+  for (int r = 0; r < W; ++r) {
+    ranks.emplace_back(ds, B, T, r, W);
+    ranks.back().set_shuffle(7);
+  }
+  mt::BatchLoader big(ds, W * B, T);
+  big.set_shuffle(7);
+  mt::BatchLoader again(ds, W * B, T);
+  again.set_shuffle(7);
+  mt::BatchLoader other_seed(ds, W * B, T);
+  other_seed.set_shuffle(8);
+  const int per_epoch = 8;
+  std::vector<std::vector<int32_t>> epoch_starts(2);
+  bool differs_from_other_seed = false;
+  for (int e = 0; e < 2; ++e) {
+    std::set<int32_t> sample_starts;
+    for (int k = 0; k < per_epoch; ++k) {
+      const Batch whole = take(big);
+      EXPECT_EQ(take(again).x, whole.x) << "same seed, same order";
+      differs_from_other_seed |= take(other_seed).x != whole.x;
+      for (int r = 0; r < W; ++r) {
+        const Batch part = take(ranks[static_cast<size_t>(r)]);
+        for (int i = 0; i < B * T; ++i) {
+          ASSERT_EQ(part.x[static_cast<size_t>(i)], whole.x[static_cast<size_t>(r * B * T + i)]) << "epoch " << e << " k " << k;
+          ASSERT_EQ(part.y[static_cast<size_t>(i)], whole.y[static_cast<size_t>(r * B * T + i)]);
+        }
+      }
+      for (int row = 0; row < W * B; ++row) {
+        const int32_t first = whole.x[static_cast<size_t>(row * T)];
+        EXPECT_EQ(first % 10000 % T, 0) << "a sample starts at a multiple of T";
+        for (int t = 0; t < T; ++t) {  // T consecutive tokens, targets shifted by one
+          EXPECT_EQ(whole.x[static_cast<size_t>(row * T + t)], first + t);
+          EXPECT_EQ(whole.y[static_cast<size_t>(row * T + t)], first + t + 1);
+        }
+        EXPECT_TRUE(sample_starts.insert(first).second) << "sample read twice in epoch " << e;
+        epoch_starts[static_cast<size_t>(e)].push_back(first);
+      }
+    }
+    EXPECT_EQ(sample_starts.size(), static_cast<size_t>(per_epoch * W * B));
+  }
+  EXPECT_NE(epoch_starts[0], epoch_starts[1]) << "each epoch draws a new order";
+  EXPECT_TRUE(differs_from_other_seed);
+  // Not shuffled: the contiguous order, which the shuffled reader's samples tile exactly.
+  mt::BatchLoader plain(ds, W * B, T);
+  EXPECT_EQ(take(plain).x[0], 0);
+}
+
 TEST(DataLoader, TooShortShardNamesTheFile) {
   LoaderDir dir;
   write_ramp(dir.file("long.bin"), 0, 1000);

@@ -82,6 +82,26 @@ TEST_F(TrainerTest, CheckpointKeepRemovesOlderCheckpoints) {
   EXPECT_EQ(more.losses.size(), 2u);
 }
 
+// With data.shuffle the resumed run continues the same shuffled order (the loader replays its
+// position), so it still reproduces the uninterrupted run exactly — across an epoch boundary too.
+TEST_F(TrainerTest, ShuffledResumeReproducesUninterruptedRun) {
+  auto ck = (dir_ / "ck").string();
+  const std::vector<std::pair<std::string, std::string>> sh = {{"data.shuffle", "true"}, {"train.steps", "24"},
+                                                               {"train.micro_batch", "32"}};  // 17 batches an epoch
+  TrainResult plain = train(config({{"train.steps", "24"}, {"train.micro_batch", "32"}}));
+  TrainResult full = train(config(sh));
+  EXPECT_NE(full.losses, plain.losses);  // a different order of the same data
+  auto v = sh;
+  v.push_back({"train.checkpoint_dir", ck});
+  v.push_back({"train.checkpoint_every", "7"});
+  train(config(v));
+  auto r = sh;
+  r.push_back({"train.resume", ck + "/step_00000007"});
+  TrainResult resumed = train(config(r));
+  ASSERT_EQ(resumed.losses.size(), 17u);
+  for (size_t i = 0; i < 17; ++i) EXPECT_EQ(resumed.losses[i], full.losses[7 + i]) << "step " << 8 + i;
+}
+
 // Regression: with vocab 123 (padded to 128) the MLP weight [4*32, 32] has as many rows as the padded vocabulary;
 // only the vocabulary tables may lose their padding rows in a checkpoint.
 TEST_F(TrainerTest, ResumeIsExactWhenAMatrixHasAsManyRowsAsTheVocabulary) {
