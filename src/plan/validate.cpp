@@ -371,25 +371,25 @@ double engine_activation_bytes(const ModelConfig& m_in, const EngineLayout& e, i
   }
   double total = 0;
   for (size_t c = 0; c < stages.size(); ++c) {
-  double slot = 0;
-  std::vector<char> out(static_cast<size_t>(L + 1), 0);  // unit outputs this stage's slot keeps
-  for (int64_t u = stages[c].first; u <= stages[c].second; ++u) {
-    if (u == 0) {
-      slot += 4 * N;  // ids
-      out[0] = 1;
-    } else if (u <= L) {
-      out[static_cast<size_t>(u - 1)] = out[static_cast<size_t>(u)] = 1;  // input (the stage's received one) and output
-      if (!recomputed(u - 1)) slot += block;
-    } else {
-      out[static_cast<size_t>(L)] = 1;
-      slot += 4 * N                       // targets
-              + N * (4 * C + (bf ? 2 * C : 0))  // head input, all rows (+ bf16)
-              + R * 8                     // final norm's rstd, mean
-              + N * 4 * V + 4 * N;        // fp32 logits (this rank's columns), losses
+    double slot = 0;
+    std::vector<char> out(static_cast<size_t>(L + 1), 0);  // unit outputs this stage's slot keeps
+    for (int64_t u = stages[c].first; u <= stages[c].second; ++u) {
+      if (u == 0) {
+        slot += 4 * N;  // ids
+        out[0] = 1;
+      } else if (u <= L) {
+        out[static_cast<size_t>(u - 1)] = out[static_cast<size_t>(u)] = 1;  // input (the stage's received one) and output
+        if (!recomputed(u - 1)) slot += block;
+      } else {
+        out[static_cast<size_t>(L)] = 1;
+        slot += 4 * N                       // targets
+                + N * (4 * C + (bf ? 2 * C : 0))  // head input, all rows (+ bf16)
+                + R * 8                     // final norm's rstd, mean
+                + N * 4 * V + 4 * N;        // fp32 logits (this rank's columns), losses
+      }
     }
-  }
-  for (char o : out) slot += o ? R * 4 * C : 0;
-  total += slots.at(c) * slot;
+    for (char o : out) slot += o ? R * 4 * C : 0;
+    total += slots.at(c) * slot;
   }
   return total + (e.checkpointing != Checkpointing::None ? block : 0.0);
 }
