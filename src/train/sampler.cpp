@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 
 #include "model/rng.h"
 #include "runtime/arg_parser.h"
@@ -54,7 +55,8 @@ std::vector<int32_t> generate(Transformer& model, std::vector<int32_t> seq, cons
 }
 
 int run_sample_command(int argc, char** argv) {
-  ArgParser ap({"checkpoint", "prompt", "tokens", "temperature", "top-k", "seed", "tokenizer", "gpt2-dir", "threads"},
+  ArgParser ap({"checkpoint", "weights", "model", "prompt", "tokens", "temperature", "top-k", "seed", "tokenizer",
+                "gpt2-dir", "threads"},
                {"help"});
   try {
     ap.parse(argc, argv, 1);
@@ -65,32 +67,51 @@ int run_sample_command(int argc, char** argv) {
   if (ap.flag("help")) {
     std::printf(
         "usage: meshtrain sample --checkpoint DIR [--prompt S] [--tokens N] [--temperature T] [--top-k K]\n"
-        "                        [--seed S] [--tokenizer byte|gpt2] [--gpt2-dir DIR] [--threads N]\n\n"
+        "                        [--seed S] [--tokenizer byte|gpt2] [--gpt2-dir DIR] [--threads N]\n"
+        "       meshtrain sample --weights FILE.safetensors --model PRESET [same options]\n\n"
         "Generates text from a checkpoint written by `meshtrain train` (a step_* directory, or the\n"
-        "checkpoint_dir itself, which means its latest checkpoint).\n\n"
-        "  --checkpoint DIR   checkpoint to load (required)\n"
+        "checkpoint_dir itself, which means its latest checkpoint), or from a safetensors file of weights\n"
+        "with Hugging Face names (a checkpoint's model.safetensors, or e.g. Hugging Face's GPT-2\n"
+        "model.safetensors with --model gpt2-124m --tokenizer gpt2).\n\n"
+        "  --checkpoint DIR   checkpoint to load\n"
+        "  --weights FILE     or: weights to load, for the model --model names (a preset)\n"
+        "  --model PRESET     the model of --weights (see `meshtrain train --help` for the presets)\n"
         "  --prompt S         text to continue (default: a newline, or <|endoftext|> for gpt2)\n"
         "  --tokens N         tokens to generate (default 256)\n"
         "  --temperature T    softmax temperature; 0 = greedy (default 0.8)\n"
         "  --top-k K          sample among the K most likely tokens; 0 = all (default 40)\n"
         "  --seed S           sampling seed (default 42)\n"
-        "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2)\n"
+        "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2; with --weights the\n"
+        "                     default is gpt2 for a vocabulary of 50257 or more, else byte)\n"
         "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2 tokenizer)\n");
     return 0;
   }
-  if (!ap.has("checkpoint")) {
-    std::fprintf(stderr, "meshtrain sample: --checkpoint DIR is required (see --help)\n");
+  if (ap.has("checkpoint") == ap.has("weights") || ap.has("weights") != ap.has("model")) {
+    std::fprintf(stderr, "meshtrain sample: give --checkpoint DIR, or --weights FILE with --model PRESET (see --help)\n");
     return 2;
   }
   try {
-    std::string dir = resolve_checkpoint(ap.get("checkpoint"));
-    RunConfig rc = load_checkpoint_config(dir);
-    ModelConfig mc = rc.model_config();
-    Transformer model(mc, DType::F32);
-    load_checkpoint(dir, model, model.weights().f32(), nullptr, nullptr);
-    model.sync_compute_weights();
-    std::string tok_name = ap.get("tokenizer", rc.data.tokenizer);
-    std::string gdir = ap.get("gpt2-dir", rc.data.gpt2_dir);
+    ModelConfig mc;
+    std::string tok_default, gdir_default;
+    std::unique_ptr<Transformer> model;
+    if (ap.has("checkpoint")) {
+      const std::string dir = resolve_checkpoint(ap.get("checkpoint"));
+      const RunConfig rc = load_checkpoint_config(dir);
+      mc = rc.model_config();
+      model = std::make_unique<Transformer>(mc, DType::F32);
+      load_checkpoint(dir, *model, model->weights().f32(), nullptr, nullptr);
+      tok_default = rc.data.tokenizer;
+      gdir_default = rc.data.gpt2_dir;
+    } else {
+      mc = model_preset(ap.get("model"));
+      mc.resolve();
+      model = std::make_unique<Transformer>(mc, DType::F32);
+      import_weights(ap.get("weights"), *model, model->weights().f32());
+      tok_default = mc.vocab_size >= 50257 ? "gpt2" : "byte";
+    }
+    model->sync_compute_weights();
+    std::string tok_name = ap.get("tokenizer", tok_default);
+    std::string gdir = ap.get("gpt2-dir", gdir_default);
     auto tok = make_tokenizer(tok_name, gdir);
     if (tok->vocab_size() > mc.vocab_size)
       throw std::runtime_error("tokenizer " + tok_name + " has " + std::to_string(tok->vocab_size()) +
@@ -103,7 +124,7 @@ int run_sample_command(int argc, char** argv) {
     so.temperature = static_cast<float>(ap.get_double("temperature", 0.8));
     so.top_k = ap.get_int("top-k", 40);
     so.seed = static_cast<uint64_t>(ap.get_int("seed", 42));
-    auto out = generate(model, ids, so, tok->eot_token());
+    auto out = generate(*model, ids, so, tok->eot_token());
     std::cout << tok->decode(out) << std::endl;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtrain sample: %s\n", e.what());
