@@ -48,8 +48,7 @@ bf16* ProcessGroupTpComm::staging(Pending& p, int64_t n) {
   return p.staging.bf();
 }
 
-// In bf16 the staging buffer holds [input | output] for gathers and scatters (the collective
-// needs separate send and receive buffers) and the buffer itself for the all-reduce.
+// The all-reduce works in place (in bf16: on the staging buffer).
 int ProcessGroupTpComm::start_all_reduce_activations(float* x, int64_t n) {
   if (g_->size() == 1) return -1;
   const int h = slot();
@@ -69,42 +68,37 @@ int ProcessGroupTpComm::start_all_reduce_activations(float* x, int64_t n) {
   return h;
 }
 
-int ProcessGroupTpComm::start_all_gather_activations(const float* in, float* out, int64_t n) {
+// Collectives with separate send (n_in elements) and receive (n_out) buffers: in bf16 the input is
+// cast to the front of the staging buffer and the result lands behind it.
+template <class Issue>
+int ProcessGroupTpComm::start_two_buffers(const float* in, int64_t n_in, float* out, int64_t n_out, Issue issue) {
   const int h = slot();
   Pending& p = pending_[static_cast<size_t>(h)];
-  const int64_t all = n * g_->size();
   if (act_dt_ == DType::BF16) {
-    bf16* b = staging(p, n + all);
-    kernels::cast_f32_to_bf16(b, in, n);
-    p.work = g_->all_gather(b, b + n, static_cast<size_t>(n), DType::BF16);
-    p.result = b + n;
+    bf16* b = staging(p, n_in + n_out);
+    kernels::cast_f32_to_bf16(b, in, n_in);
+    p.work = issue(b, b + n_in, DType::BF16);
+    p.result = b + n_in;
     p.out = out;
-    p.n = all;
+    p.n = n_out;
   } else {
-    p.work = g_->all_gather(in, out, static_cast<size_t>(n), DType::F32);
+    p.work = issue(in, out, DType::F32);
     p.out = nullptr;
   }
   p.active = true;
   return h;
 }
 
+int ProcessGroupTpComm::start_all_gather_activations(const float* in, float* out, int64_t n) {
+  return start_two_buffers(in, n, out, n * g_->size(), [&](const void* send, void* recv, DType dt) {
+    return g_->all_gather(send, recv, static_cast<size_t>(n), dt);
+  });
+}
+
 int ProcessGroupTpComm::start_reduce_scatter_activations(const float* in, float* out, int64_t n) {
-  const int h = slot();
-  Pending& p = pending_[static_cast<size_t>(h)];
-  const int64_t all = n * g_->size();
-  if (act_dt_ == DType::BF16) {
-    bf16* b = staging(p, all + n);
-    kernels::cast_f32_to_bf16(b, in, all);
-    p.work = g_->reduce_scatter(b, b + all, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum);
-    p.result = b + all;
-    p.out = out;
-    p.n = n;
-  } else {
-    p.work = g_->reduce_scatter(in, out, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum);
-    p.out = nullptr;
-  }
-  p.active = true;
-  return h;
+  return start_two_buffers(in, n * g_->size(), out, n, [&](const void* send, void* recv, DType dt) {
+    return g_->reduce_scatter(send, recv, static_cast<size_t>(n), dt, comm::ReduceOp::Sum);
+  });
 }
 
 void ProcessGroupTpComm::wait(int handle) {

@@ -57,6 +57,8 @@ class ProcessGroupTpComm final : public TpComm {
   };
   int slot();
   bf16* staging(Pending& p, int64_t n);
+  template <class Issue>
+  int start_two_buffers(const float* in, int64_t n_in, float* out, int64_t n_out, Issue issue);
   void blocking(const comm::WorkHandle& w);
   std::shared_ptr<comm::ProcessGroup> g_;
   double comm_ms_ = 0, exposed_ms_ = 0;
