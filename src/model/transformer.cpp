@@ -64,6 +64,8 @@ struct Transformer::Slot {
   std::vector<std::unique_ptr<BlockActivations>> acts;  // per block (null: not owned or recomputed)
   std::vector<Tensor> block_out;                         // output of unit u (0..L), [B*T, C]
   Tensor ids, targets, head_in, head_in_bf, head_mean, head_rstd, logits, losses;
+  Tensor head_dx;          // chunked head: the head input's gradient, computed by the forward
+  bool chunked = false;    // the last forward of this slot used the chunked head
 };
 
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage,
@@ -372,14 +374,17 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
         s.acts[l] = std::make_unique<BlockActivations>();
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_);
       }
-    } else if (!s.logits.defined()) {
+    } else if (!s.losses.defined()) {
       out_buf(L);
       s.targets = Tensor::empty({BT}, DType::F32, A);
       s.head_in = Tensor::empty({BT, C}, DType::F32, A);
       if (compute_ == DType::BF16) s.head_in_bf = Tensor::empty({BT, C}, DType::BF16, A);
       s.head_rstd = Tensor::empty({R}, DType::F32, A);
       s.head_mean = Tensor::empty({R}, DType::F32, A);
-      s.logits = Tensor::empty({BT, V}, DType::F32, A);
+      if (loss_chunk_ > 0)  // the logits only exist a chunk at a time (and whole for sampling, on demand)
+        s.head_dx = Tensor::empty({BT, C}, DType::F32, A);
+      else
+        s.logits = Tensor::empty({BT, V}, DType::F32, A);
       s.losses = Tensor::empty({BT}, DType::F32, A);
     }
   }
@@ -422,6 +427,54 @@ void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
   std::vector<float> all(in, in + n * size());
   all_reduce_sum(all.data(), n * size());
   std::memcpy(out, all.data() + rank() * n, static_cast<size_t>(n) * sizeof(float));
+}
+
+void Transformer::set_loss_chunk(int64_t rows) {
+  if (ws_bt_ != 0) throw std::logic_error("set_loss_chunk must come before the first forward");
+  if (rows < 0) throw std::invalid_argument("loss chunk rows must be >= 0");
+  if (rows > 0 && tp_size_ > 1)
+    throw std::invalid_argument("the chunked loss needs tp = 1 (the vocab-parallel loss is not chunked)");
+  loss_chunk_ = rows;
+}
+
+// The head of a forward with targets, `loss_chunk_` tokens at a time: logits of the chunk, its
+// softmax cross-entropy (with train: turned into the logits' gradient in place), then right away
+// the chunk's rows of the head input's gradient (s.head_dx) and its contribution to the pending
+// head weight gradient (head_dw_). Returns the summed loss.
+double Transformer::chunked_head_forward(const float* hin, bool train, float dloss_scale) {
+  Slot& s = *s_;
+  const int64_t N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_;
+  const int64_t rows = std::min(loss_chunk_, N);
+  const bool bf = compute_ == DType::BF16;
+  if (chunk_logits_.numel() < rows * Vp) chunk_logits_ = Tensor::empty({rows, Vp}, DType::F32, MemCategory::Workspace);
+  if (train) {
+    if (!head_dw_.defined()) head_dw_ = Tensor::empty({Vp, C}, DType::F32, MemCategory::Workspace);
+    if (!head_dw_pending_) head_dw_.zero_();
+    head_dw_pending_ = true;
+    std::memset(s.head_dx.f32(), 0, static_cast<size_t>(N * C) * sizeof(float));
+  }
+  float* lg = chunk_logits_.f32();
+  const int32_t* tg = s.targets.data<int32_t>();
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t nr = std::min(rows, N - r0);
+    if (bf)
+      k::linear_forward_bf16(lg, s.head_in_bf.bf() + r0 * C, head_wb(), nullptr, nr, C, Vp);
+    else
+      k::linear_forward(lg, hin + r0 * C, head_wf(), nullptr, nr, C, Vp);
+    if (!train) {
+      k::softmax_cross_entropy_forward(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp);
+      continue;
+    }
+    k::softmax_cross_entropy(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp, dloss_scale);
+    if (bf)
+      k::linear_backward_bf16(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, s.head_in_bf.bf() + r0 * C,
+                              head_wb(), nr, C, Vp);
+    else
+      k::linear_backward(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, hin + r0 * C, head_wf(), nr, C, Vp);
+  }
+  double sum = 0.0;
+  for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
+  return sum;
 }
 
 void Transformer::set_sequence_parallel(bool on) {
@@ -771,11 +824,15 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     tp_->all_gather_activations(hin, s.head_in.f32(), R * C);
     hin = s.head_in.f32();
   }
-  if (bf) {
-    k::cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
-    k::linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
-  } else {
-    k::linear_forward(s.logits.f32(), hin, head_wf(), nullptr, N, C, Vp);
+  if (bf) k::cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
+  s.chunked = loss_chunk_ > 0 && targets;
+  if (!s.chunked) {
+    if (!s.logits.defined())  // chunked-head model asked for whole logits (sampling)
+      s.logits = Tensor::empty({N, Vp}, DType::F32, MemCategory::Activations);
+    if (bf)
+      k::linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
+    else
+      k::linear_forward(s.logits.f32(), hin, head_wf(), nullptr, N, C, Vp);
   }
   double loss = 0.0;
   if (targets) {
@@ -783,15 +840,20 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
       if (targets[i] >= V)
         throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
     std::memcpy(s.targets.raw(), targets, N * sizeof(int32_t));
-    if (tp)
+    if (s.chunked)
+      loss = chunked_head_forward(hin, train, dloss_scale);
+    else if (tp)
       tp_cross_entropy(train, dloss_scale);
     else if (train)
       k::softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
       k::softmax_cross_entropy_forward(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp);
-    double sum = 0.0;
-    for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
-    loss = sum / static_cast<double>(N);
+    if (!s.chunked) {
+      double sum = 0.0;
+      for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
+      loss = sum;
+    }
+    loss /= static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
   s.have_backward = train && targets;
@@ -828,7 +890,18 @@ void Transformer::backward_units(int first, int last, const float* dout) {
     if (hooks_) hooks_->pre_backward(hu);
     float* dhin = bwd_ws_[0].f32();
     std::memset(dhin, 0, N * C * sizeof(float));
-    if (defer_emb_ && head_chunk_done_) {
+    if (s.chunked) {
+      // The forward computed the input gradient; the weight gradient its forwards accumulated is
+      // added here (in vocabulary-row chunks, each handed over, when the embedding gradient is deferred).
+      std::memcpy(dhin, s.head_dx.f32(), static_cast<size_t>(N * C) * sizeof(float));
+      const int64_t rows = defer_emb_ && head_chunk_done_ ? std::clamp<int64_t>(head_chunk_rows_, 1, Vp) : Vp;
+      for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
+        const int64_t cv = std::min(rows, Vp - r0);
+        if (head_dw_pending_) k::accumulate(head_gp() + r0 * C, head_dw_.f32() + r0 * C, cv * C);
+        if (defer_emb_ && head_chunk_done_) head_chunk_done_(r0, r0 + cv);
+      }
+      head_dw_pending_ = false;
+    } else if (defer_emb_ && head_chunk_done_) {
       // In vocabulary-row chunks, each chunk's weight-gradient rows handed over when complete.
       const int64_t rows = std::clamp<int64_t>(head_chunk_rows_, 1, Vp);
       if (rows < Vp && head_chunk_buf_.numel() != N * rows)
@@ -1089,7 +1162,7 @@ int64_t Transformer::activation_bytes() const {
     for (const auto& t : sp->block_out)
       if (t.defined()) b += static_cast<int64_t>(t.nbytes());
     for (const Tensor* t : {&sp->ids, &sp->targets, &sp->head_in, &sp->head_in_bf, &sp->head_mean, &sp->head_rstd,
-                            &sp->logits, &sp->losses})
+                            &sp->logits, &sp->losses, &sp->head_dx})
       if (t->defined()) b += static_cast<int64_t>(t->nbytes());
   }
   if (scratch_acts_) b += scratch_acts_->bytes();

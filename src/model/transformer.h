@@ -209,6 +209,14 @@ class Transformer {
   // Tensor parallelism: the column-parallel layers' (and the head's) input-gradient reductions run
   // while the weight gradients are computed (default on; off = each one completes first).
   void set_tp_overlap(bool on) { tp_overlap_ = on; }
+  // Chunked LM head and loss (tp = 1; 0 = off): a forward with targets computes the logits, the
+  // loss and - when training - the head's input and weight gradients `rows` tokens at a time, so
+  // the [tokens, vocab] logits are never held: the head keeps its input gradient per micro-batch
+  // ([tokens, width]) and one pending weight gradient ([vocab, width], shared, added to the real
+  // gradient by the head's next backward). Forwards without targets (sampling) still produce the
+  // whole logits. Set before the first forward.
+  void set_loss_chunk(int64_t rows);
+  int64_t loss_chunk() const { return loss_chunk_; }
   bool sequence_parallel() const { return sp_; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
   int64_t residual_rows(int64_t N) const { return sp_ ? N / tp_size_ : N; }
@@ -274,6 +282,12 @@ class Transformer {
   int64_t head_chunk_rows_ = 0;
   std::function<void(int64_t, int64_t)> head_chunk_done_;
   Tensor head_chunk_buf_;  // [N, rows] slice of the logits' gradient
+  // Chunked head (set_loss_chunk): the logits of one chunk, and the weight gradient forwards have
+  // accumulated that no backward has added to the head's gradient yet.
+  int64_t loss_chunk_ = 0;
+  Tensor chunk_logits_, head_dw_;
+  bool head_dw_pending_ = false;
+  double chunked_head_forward(const float* hin, bool train, float dloss_scale);
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;

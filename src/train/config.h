@@ -46,6 +46,7 @@ struct RunConfig {
     std::string checkpoint_dir;
     int64_t checkpoint_every = 0;
     int64_t checkpoint_keep = 0;         // newest checkpoints kept in checkpoint_dir (0 = all)
+    int64_t loss_chunk_tokens = 0;       // chunked LM head + loss: never hold [tokens, vocab] logits (0 = off)
     std::string resume;                  // "" | "latest" | a checkpoint directory
     std::string init_from;               // "" | weights (.safetensors, HF names) or a checkpoint: fresh optimizer
     int64_t sample_tokens = 0;           // generate this many tokens at the end (0 = no sample)

@@ -135,6 +135,25 @@ TEST_F(Sharded, FullShardGathersAtMostOnePlusPrefetchUnits) {
   }
 }
 
+// train.loss_chunk_tokens: the chunked LM head (its backward partly done in forward, its weight
+// gradient added by the next backward) composes with DDP's chunked tied-embedding reduction and
+// accumulation, FULL_SHARD, and a GPipe pipeline (every forward of the last stage before any
+// backward, the tied replica's gradient sent back): all match the single process with whole logits.
+TEST_F(Sharded, ChunkedLossMatchesWholeLogits) {
+  auto ref = train(1, 8, 2, "single");
+  const std::string chunk = "--train.loss_chunk_tokens 40 ";
+  expect_close(ref, train(2, 4, 2, "ddp", chunk), kLossTol, kWeightTol, "DDP 2 x accumulation 2, chunked loss");
+  expect_close(ref, train(2, 4, 2, "fs", chunk + "--parallel.strategy FULL_SHARD"), kLossTol, kWeightTol,
+               "FULL_SHARD 2, chunked loss");
+  expect_close(ref, train(2, 8, 2, "gpipe", chunk + "--parallel.pp 2 --parallel.pp_schedule gpipe"), kLossTol, kWeightTol,
+               "pp 2 GPipe, chunked loss");
+  // Refused with tensor parallelism (the vocab-parallel loss is not chunked).
+  RunOut r = run(mpirun(2) + MT_BINARY + " train --model.preset gpt2-tiny --data.train " + (dir_ / "train.bin").string() +
+                 " --data.val '' --train.steps 1 --parallel.tp 2 " + chunk);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("loss_chunk_tokens"), std::string::npos) << r.output;
+}
+
 // Checkpoints are gathered and written one unit at a time: saving (here after every step) adds a
 // few copies of the largest unit to the workspace peak, never copies of the whole model's state.
 TEST_F(Sharded, CheckpointSavingHoldsOneUnitAtATime) {

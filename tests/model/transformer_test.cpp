@@ -161,6 +161,50 @@ TEST(Model, RecomputeGivesIdenticalGradients) {
   }
 }
 
+// The chunked LM head (set_loss_chunk) computes the same losses and gradients as the whole-logits
+// head - only the weight gradient's summation order differs - and holds no [tokens, vocab] logits:
+// GPT-2 (tied) and Llama, fp32 and bf16, a chunk that does not divide the tokens, two accumulated
+// micro-batches whose head gradients are added by the backward that follows each forward, and an
+// eval forward in between.
+TEST(Model, ChunkedHeadMatchesWholeLogits) {
+  for (Arch a : {Arch::GPT2, Arch::Llama}) {
+    for (DType dt : {DType::F32, DType::BF16}) {
+      ModelConfig c = tiny(a);
+      const int64_t B = 2, T = 16, N = B * T;
+      auto x1 = random_tokens(N, c.vocab_size, 1), y1 = random_tokens(N, c.vocab_size, 2);
+      auto x2 = random_tokens(N, c.vocab_size, 3), y2 = random_tokens(N, c.vocab_size, 4);
+      std::vector<std::vector<float>> grads;
+      std::vector<double> losses, evals;
+      std::vector<int64_t> act;
+      for (int64_t chunk : {int64_t{0}, int64_t{7}}) {
+        Transformer m(c, dt);
+        m.set_loss_chunk(chunk);
+        m.init_weights(5);
+        m.zero_grads();
+        losses.push_back(m.forward(x1.data(), y1.data(), B, T, true, 1.0f / (2 * N)));
+        m.backward();
+        evals.push_back(m.forward(x2.data(), y2.data(), B, T, false));
+        losses.push_back(m.forward(x2.data(), y2.data(), B, T, true, 1.0f / (2 * N)));
+        m.backward();
+        act.push_back(m.activation_bytes());
+        grads.emplace_back(m.grads().f32(), m.grads().f32() + m.flat_size());
+      }
+      const std::string what = std::string(arch_name(a)) + (dt == DType::F32 ? " fp32" : " bf16");
+      EXPECT_NEAR(losses[0], losses[2], 1e-6) << what;
+      EXPECT_NEAR(losses[1], losses[3], 1e-6) << what;
+      EXPECT_NEAR(evals[0], evals[1], 1e-6) << what;
+      double maxd = 0, maxg = 0;
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        maxd = std::max(maxd, static_cast<double>(std::fabs(grads[0][i] - grads[1][i])));
+        maxg = std::max(maxg, static_cast<double>(std::fabs(grads[0][i])));
+      }
+      EXPECT_LT(maxd, 1e-5 * maxg) << what << ": max gradient difference " << maxd << " of " << maxg;
+      // The whole-logits head holds [N, padded vocab] fp32 logits; the chunked one N x C input gradients.
+      EXPECT_EQ(act[0] - act[1], N * c.padded_vocab * 4 - N * c.n_embd * 4) << what;
+    }
+  }
+}
+
 // bf16 compute tracks fp32 training: same data, 50 AdamW steps, losses within a stated tolerance.
 TEST(Model, Bf16TracksFp32Over50Steps) {
   ModelConfig c = model_preset("gpt2-tiny");
