@@ -432,8 +432,6 @@ void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
 void Transformer::set_loss_chunk(int64_t rows) {
   if (ws_bt_ != 0) throw std::logic_error("set_loss_chunk must come before the first forward");
   if (rows < 0) throw std::invalid_argument("loss chunk rows must be >= 0");
-  if (rows > 0 && tp_size_ > 1)
-    throw std::invalid_argument("the chunked loss needs tp = 1 (the vocab-parallel loss is not chunked)");
   loss_chunk_ = rows;
 }
 
@@ -461,11 +459,14 @@ double Transformer::chunked_head_forward(const float* hin, bool train, float dlo
       k::linear_forward_bf16(lg, s.head_in_bf.bf() + r0 * C, head_wb(), nullptr, nr, C, Vp);
     else
       k::linear_forward(lg, hin + r0 * C, head_wf(), nullptr, nr, C, Vp);
-    if (!train) {
+    if (tp_size_ > 1)  // vocab-parallel: this rank's columns, row statistics reduced over the tp ranks
+      tp_cross_entropy(lg, tg + r0, s.losses.f32() + r0, nr, train, dloss_scale);
+    else if (train)
+      k::softmax_cross_entropy(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp, dloss_scale);
+    else
       k::softmax_cross_entropy_forward(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp);
-      continue;
-    }
-    k::softmax_cross_entropy(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp, dloss_scale);
+    if (!train) continue;
+    // With tp these input-gradient rows are this rank's partial sums; the backward reduces them.
     if (bf)
       k::linear_backward_bf16(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, s.head_in_bf.bf() + r0 * C,
                               head_wb(), nr, C, Vp);
@@ -843,7 +844,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     if (s.chunked)
       loss = chunked_head_forward(hin, train, dloss_scale);
     else if (tp)
-      tp_cross_entropy(train, dloss_scale);
+      tp_cross_entropy(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
     else if (train)
       k::softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
@@ -901,6 +902,13 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         if (defer_emb_ && head_chunk_done_) head_chunk_done_(r0, r0 + cv);
       }
       head_dw_pending_ = false;
+      // vocab-parallel head: the rows are partial sums over this rank's vocabulary columns
+      if (sp_) {
+        tp_->reduce_scatter_activations(dhin, sp_part_.f32(), R * C);
+        dhin = sp_part_.f32();
+      } else if (tp) {
+        tp_->all_reduce_activations(dhin, N * C);
+      }
     } else if (defer_emb_ && head_chunk_done_) {
       // In vocabulary-row chunks, each chunk's weight-gradient rows handed over when complete.
       const int64_t rows = std::clamp<int64_t>(head_chunk_rows_, 1, Vp);
@@ -1029,11 +1037,9 @@ void Transformer::load_tied_replica(const Transformer& full_layout, const float*
 // Vocab-parallel softmax cross-entropy (Megatron): each rank holds Vp/t columns of the logits;
 // the row max, then the sum of exponentials and the target's logit are reduced across tp ranks,
 // so the full [N, V] logits are never gathered. With train, the local logits become their gradient.
-void Transformer::tp_cross_entropy(bool train, float dloss) {
-  const int64_t N = B_ * T_, Vl = Vp_l_, V = cfg_.vocab_size, lo = vocab_lo_;
+void Transformer::tp_cross_entropy(float* lg, const int32_t* tg, float* losses, int64_t N, bool train, float dloss) {
+  const int64_t Vl = Vp_l_, V = cfg_.vocab_size, lo = vocab_lo_;
   const int64_t valid = std::clamp<int64_t>(V - lo, 0, Vl);  // real vocabulary columns on this rank
-  float* lg = s_->logits.f32();
-  const int32_t* tg = s_->targets.data<int32_t>();
   std::vector<float> mx(N), red(2 * N);  // red: [sum of exp | target logit]
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
@@ -1051,7 +1057,6 @@ void Transformer::tp_cross_entropy(bool train, float dloss) {
     red[N + n] = (tg[n] >= 0 && t >= 0 && t < valid) ? lg[n * Vl + t] : 0.0f;
   }
   tp_->all_reduce_sum(red.data(), 2 * N);
-  float* losses = s_->losses.f32();
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
     const bool ignore = tg[n] < 0;

@@ -209,12 +209,14 @@ class Transformer {
   // Tensor parallelism: the column-parallel layers' (and the head's) input-gradient reductions run
   // while the weight gradients are computed (default on; off = each one completes first).
   void set_tp_overlap(bool on) { tp_overlap_ = on; }
-  // Chunked LM head and loss (tp = 1; 0 = off): a forward with targets computes the logits, the
+  // Chunked LM head and loss (0 = off): a forward with targets computes the logits, the
   // loss and - when training - the head's input and weight gradients `rows` tokens at a time, so
   // the [tokens, vocab] logits are never held: the head keeps its input gradient per micro-batch
   // ([tokens, width]) and one pending weight gradient ([vocab, width], shared, added to the real
   // gradient by the head's next backward). Forwards without targets (sampling) still produce the
-  // whole logits. Set before the first forward.
+  // whole logits. With tensor parallelism each chunk's row statistics are reduced over the tp ranks
+  // (two small all-reduces per chunk) and the input gradient is reduced by the backward. Set before
+  // the first forward.
   void set_loss_chunk(int64_t rows);
   int64_t loss_chunk() const { return loss_chunk_; }
   bool sequence_parallel() const { return sp_; }
@@ -267,7 +269,9 @@ class Transformer {
   void norm_backward(float* dx, int w, const float* dout, const float* x, const Tensor& mean, const Tensor& rstd,
                      int64_t R);
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
-  void tp_cross_entropy(bool train, float dloss);
+  // Vocab-parallel softmax cross-entropy of N rows of this rank's logit columns `lg` (in place:
+  // with train, their gradient scaled by dloss), targets `tg`, per-row losses into `losses`.
+  void tp_cross_entropy(float* lg, const int32_t* tg, float* losses, int64_t N, bool train, float dloss);
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;

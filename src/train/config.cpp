@@ -52,7 +52,7 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.dtype", Kind::String, &c.train.dtype, "fp32 | bf16 (bf16 compute, fp32 master weights and reduction)"},
       {"train.loss_chunk_tokens", Kind::Int, &c.train.loss_chunk_tokens,
        "compute the LM head, loss and head gradients this many tokens at a time in forward, so the [tokens, vocab] "
-       "logits are never held (0 = off; needs parallel.tp = 1)"},
+       "logits are never held (0 = off)"},
       {"train.activation_checkpointing", Kind::String, &c.train.activation_checkpointing,
        "none | full | selective (every second block)"},
       {"train.threads", Kind::Int, &c.train.threads, "compute threads per rank (0 = cores / ranks on this node)"},

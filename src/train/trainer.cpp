@@ -168,8 +168,6 @@ TrainResult train(const RunConfig& cfg) {
                     owned);
   model.set_tp_overlap(cfg.parallel.tp_overlap);
   if (tc.loss_chunk_tokens < 0) throw ConfigError("train.loss_chunk_tokens must be >= 0 (0 = off)");
-  if (tc.loss_chunk_tokens > 0 && tp > 1)
-    throw ConfigError("train.loss_chunk_tokens needs parallel.tp = 1 (the vocab-parallel loss is not chunked)");
   model.set_loss_chunk(tc.loss_chunk_tokens);
   if (cfg.parallel.sequence_parallel) {
     if (tp == 1) throw ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel group's rows)");

@@ -137,8 +137,9 @@ TEST_F(Sharded, FullShardGathersAtMostOnePlusPrefetchUnits) {
 
 // train.loss_chunk_tokens: the chunked LM head (its backward partly done in forward, its weight
 // gradient added by the next backward) composes with DDP's chunked tied-embedding reduction and
-// accumulation, FULL_SHARD, and a GPipe pipeline (every forward of the last stage before any
-// backward, the tied replica's gradient sent back): all match the single process with whole logits.
+// accumulation, FULL_SHARD, a GPipe pipeline (every forward of the last stage before any backward,
+// the tied replica's gradient sent back) and tensor parallelism (+ SP): all match the single
+// process with whole logits.
 TEST_F(Sharded, ChunkedLossMatchesWholeLogits) {
   auto ref = train(1, 8, 2, "single");
   const std::string chunk = "--train.loss_chunk_tokens 40 ";
@@ -147,11 +148,11 @@ TEST_F(Sharded, ChunkedLossMatchesWholeLogits) {
                "FULL_SHARD 2, chunked loss");
   expect_close(ref, train(2, 8, 2, "gpipe", chunk + "--parallel.pp 2 --parallel.pp_schedule gpipe"), kLossTol, kWeightTol,
                "pp 2 GPipe, chunked loss");
-  // Refused with tensor parallelism (the vocab-parallel loss is not chunked).
-  RunOut r = run(mpirun(2) + MT_BINARY + " train --model.preset gpt2-tiny --data.train " + (dir_ / "train.bin").string() +
-                 " --data.val '' --train.steps 1 --parallel.tp 2 " + chunk);
-  EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("loss_chunk_tokens"), std::string::npos) << r.output;
+  // Vocab-parallel: per chunk the row statistics are reduced over the tp ranks, the input gradient
+  // by the backward (all-reduce, or reduce-scatter with sequence parallelism).
+  expect_close(ref, train(2, 8, 2, "tp", chunk + "--parallel.tp 2"), kLossTol, kWeightTol, "tp 2, chunked loss");
+  expect_close(ref, train(2, 8, 2, "sp", chunk + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
+               kWeightTol, "tp 2 + sequence parallel, chunked loss");
 }
 
 // Checkpoints are gathered and written one unit at a time: saving (here after every step) adds a
