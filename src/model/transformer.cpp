@@ -221,7 +221,7 @@ void Transformer::init_weights(uint64_t seed) {
 }
 
 void Transformer::init_weights_into(uint64_t seed, float* w) const {
-  if (tp_size_ > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_from_full");
+  if (tp_size_ > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_unit_from_full");
   Rng rng(seed);
   std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
@@ -438,8 +438,8 @@ void Transformer::set_loss_chunk(int64_t rows) {
 // The head of a forward with targets, `loss_chunk_` tokens at a time: logits of the chunk, its
 // softmax cross-entropy (with train: turned into the logits' gradient in place), then right away
 // the chunk's rows of the head input's gradient (s.head_dx) and its contribution to the pending
-// head weight gradient (head_dw_). Returns the summed loss.
-double Transformer::chunked_head_forward(const float* hin, bool train, float dloss_scale) {
+// head weight gradient (head_dw_). The per-token losses go to s.losses.
+void Transformer::chunked_head_forward(const float* hin, bool train, float dloss_scale) {
   Slot& s = *s_;
   const int64_t N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_;
   const int64_t rows = std::min(loss_chunk_, N);
@@ -473,9 +473,27 @@ double Transformer::chunked_head_forward(const float* hin, bool train, float dlo
     else
       k::linear_backward(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, hin + r0 * C, head_wf(), nr, C, Vp);
   }
-  double sum = 0.0;
-  for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
-  return sum;
+}
+
+// A column-parallel layer's (or the vocab-parallel head's) input gradient, `partial` [B*T, C],
+// summed over the tp ranks (reduce-scattered to this rank's R rows in sp_part_ under sequence
+// parallelism). Started as soon as the input-gradient matmul is done so that it overlaps the
+// weight-gradient matmul (Megatron's async tensor-parallel all-reduce) unless tp_overlap_ is off;
+// input_grad_sum waits and returns where the sum is.
+int Transformer::start_input_grad_sum(float* partial) {
+  if (tp_size_ == 1) return -1;
+  const int64_t N = B_ * T_, C = cfg_.n_embd;
+  const int h = sp_ ? tp_->start_reduce_scatter_activations(partial, sp_part_.f32(), residual_rows(N) * C)
+                    : tp_->start_all_reduce_activations(partial, N * C);
+  if (tp_overlap_) return h;
+  tp_->wait(h);
+  return -1;
+}
+
+float* Transformer::input_grad_sum(float* partial, int h) {
+  if (tp_size_ == 1) return partial;
+  tp_->wait(h);
+  return sp_ ? sp_part_.f32() : partial;
 }
 
 void Transformer::set_sequence_parallel(bool on) {
@@ -622,7 +640,6 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
-  const bool tp = tp_size_ > 1;
   const int base = unit_params_[layer + 1][0];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
@@ -641,7 +658,6 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   // ones' input gradients are reduce-scattered back to R rows, and the norms' parameter gradients
   // (computed from R rows) are summed over the tp ranks.
   const int64_t R = residual_rows(N);
-  float* dsh = sp_ ? sp_part_.f32() : nullptr;  // reduce-scattered input gradient of a norm
   auto all_rows = [&](const float* g) -> const float* {
     if (!sp_) return g;
     // fp32 on the wire: besides the matmuls (bf16 inputs) this gradient feeds the bias gradient,
@@ -670,22 +686,6 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     k::cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), N * C);
     return sp_full_bf_;
   };
-  // The column-parallel input gradient summed over the tp ranks (reduce-scattered to R rows under
-  // sequence parallelism), started as soon as the input-gradient matmul is done so that it overlaps
-  // the weight-gradient matmul (Megatron's async tensor-parallel all-reduce).
-  auto start_input_grad_sum = [&](float* partial) -> int {
-    if (!tp) return -1;
-    const int h = sp_ ? tp_->start_reduce_scatter_activations(partial, dsh, R * C)
-                      : tp_->start_all_reduce_activations(partial, N * C);
-    if (tp_overlap_) return h;
-    tp_->wait(h);
-    return -1;
-  };
-  auto input_grad_sum = [&](float* partial, int h) -> const float* {
-    if (tp) tp_->wait(h);
-    return sp_ ? dsh : partial;
-  };
-
   // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
   std::memset(dact, 0, N * F * sizeof(float));
   int down_w = gpt ? G_MPW : L_DOWNW;
@@ -842,19 +842,16 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
         throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
     std::memcpy(s.targets.raw(), targets, N * sizeof(int32_t));
     if (s.chunked)
-      loss = chunked_head_forward(hin, train, dloss_scale);
+      chunked_head_forward(hin, train, dloss_scale);
     else if (tp)
       tp_cross_entropy(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
     else if (train)
       k::softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
       k::softmax_cross_entropy_forward(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp);
-    if (!s.chunked) {
-      double sum = 0.0;
-      for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
-      loss = sum;
-    }
-    loss /= static_cast<double>(N);
+    double sum = 0.0;
+    for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
+    loss = sum / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
   s.have_backward = train && targets;
@@ -889,12 +886,14 @@ void Transformer::backward_units(int first, int last, const float* dout) {
   if (last == hu) {
     const int hb = unit_params_[hu][0];
     if (hooks_) hooks_->pre_backward(hu);
-    float* dhin = bwd_ws_[0].f32();
-    std::memset(dhin, 0, N * C * sizeof(float));
+    // The head input's gradient (with a vocab-parallel head: this rank's partial sums): computed by
+    // the forward when the head is chunked, else here.
+    float* dhin = s.chunked ? s.head_dx.f32() : bwd_ws_[0].f32();
     if (s.chunked) {
-      // The forward computed the input gradient; the weight gradient its forwards accumulated is
-      // added here (in vocabulary-row chunks, each handed over, when the embedding gradient is deferred).
-      std::memcpy(dhin, s.head_dx.f32(), static_cast<size_t>(N * C) * sizeof(float));
+      // The weight gradient the forwards accumulated is added while the input gradient's sum over
+      // the tp ranks runs (in vocabulary-row chunks, each handed over, when the embedding gradient
+      // is deferred).
+      const int h = start_input_grad_sum(dhin);
       const int64_t rows = defer_emb_ && head_chunk_done_ ? std::clamp<int64_t>(head_chunk_rows_, 1, Vp) : Vp;
       for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
         const int64_t cv = std::min(rows, Vp - r0);
@@ -902,15 +901,10 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         if (defer_emb_ && head_chunk_done_) head_chunk_done_(r0, r0 + cv);
       }
       head_dw_pending_ = false;
-      // vocab-parallel head: the rows are partial sums over this rank's vocabulary columns
-      if (sp_) {
-        tp_->reduce_scatter_activations(dhin, sp_part_.f32(), R * C);
-        dhin = sp_part_.f32();
-      } else if (tp) {
-        tp_->all_reduce_activations(dhin, N * C);
-      }
-    } else if (defer_emb_ && head_chunk_done_) {
+      dhin = input_grad_sum(dhin, h);
+    } else if (defer_emb_ && head_chunk_done_) {  // tp = 1
       // In vocabulary-row chunks, each chunk's weight-gradient rows handed over when complete.
+      std::memset(dhin, 0, N * C * sizeof(float));
       const int64_t rows = std::clamp<int64_t>(head_chunk_rows_, 1, Vp);
       if (rows < Vp && head_chunk_buf_.numel() != N * rows)
         head_chunk_buf_ = Tensor::empty({N, rows}, DType::F32, MemCategory::Workspace);
@@ -930,8 +924,8 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         head_chunk_done_(r0, r0 + cv);
       }
     } else {
-      // Input gradient first: with a vocab-parallel head its sum over the tp ranks (reduce-scattered
-      // to this rank's rows under sequence parallelism) runs while the weight gradient is computed.
+      // Input gradient first, so that its sum over the tp ranks runs while the weight gradient is computed.
+      std::memset(dhin, 0, N * C * sizeof(float));
       auto head_bwd = [&](float* dinp, float* dw) {
         if (bf)
           k::linear_backward_bf16(dinp, dw, nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
@@ -939,18 +933,9 @@ void Transformer::backward_units(int first, int last, const float* dout) {
           k::linear_backward(dinp, dw, nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
       };
       head_bwd(dhin, nullptr);
-      int h = -1;
-      if (sp_)
-        h = tp_->start_reduce_scatter_activations(dhin, sp_part_.f32(), R * C);
-      else if (tp)
-        h = tp_->start_all_reduce_activations(dhin, N * C);
-      if (tp && !tp_overlap_) {
-        tp_->wait(h);
-        h = -1;
-      }
+      const int h = start_input_grad_sum(dhin);
       head_bwd(nullptr, head_gp());
-      if (tp) tp_->wait(h);
-      if (sp_) dhin = sp_part_.f32();
+      dhin = input_grad_sum(dhin, h);
     }
     std::memset(dx, 0, R * C * sizeof(float));
     norm_backward(dx, hb, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
@@ -1130,23 +1115,6 @@ void Transformer::assemble_unit_full(const Transformer& full_layout, int u, cons
       for_each_tp_run(lp, fp, r, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
         std::memcpy(full + (fp.offset - fo) + fi, locals[r] + (lp.offset - lo) + li, static_cast<size_t>(n) * sizeof(float));
       });
-  }
-}
-
-void Transformer::shard_from_full(const Transformer& full_layout, const float* full, float* local) const {
-  std::memset(local, 0, static_cast<size_t>(flat_size_) * sizeof(float));
-  for (int u = 0; u < num_units(); ++u)
-    shard_unit_from_full(full_layout, u, full + full_layout.units_[u].offset, local + units_[u].offset);
-}
-
-void Transformer::assemble_full(const Transformer& full_layout, const std::vector<const float*>& locals,
-                                float* full) const {
-  if (static_cast<int>(locals.size()) != tp_size_) throw std::invalid_argument("assemble_full: one buffer per tp rank");
-  std::memset(full, 0, static_cast<size_t>(full_layout.flat_size()) * sizeof(float));
-  std::vector<const float*> unit_locals(locals.size());
-  for (int u = 0; u < num_units(); ++u) {
-    for (size_t r = 0; r < locals.size(); ++r) unit_locals[r] = locals[r] + units_[u].offset;
-    assemble_unit_full(full_layout, u, unit_locals, full + full_layout.units_[u].offset);
   }
 }
 

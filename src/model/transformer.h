@@ -222,13 +222,11 @@ class Transformer {
   bool sequence_parallel() const { return sp_; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
   int64_t residual_rows(int64_t N) const { return sp_ ? N / tp_size_ : N; }
-  // Tensor parallelism: this rank's part of every parameter, taken from a full flat buffer laid
-  // out like `full_layout` (an unsplit model of the same config), and the inverse from every
-  // tp rank's local flat buffer (rank order). Also maps between two unsplit layouts (padding).
-  void shard_from_full(const Transformer& full_layout, const float* full, float* local) const;
-  void assemble_full(const Transformer& full_layout, const std::vector<const float*>& locals, float* full) const;
-  // The same for one unit: `full` points at unit u's first element in `full_layout`, `local` /
-  // `locals[r]` at unit u's first element in this (or tp rank r's) layout.
+  // Tensor parallelism, one unit at a time: this rank's part of unit u's parameters, taken from
+  // the unit's values laid out like `full_layout` (an unsplit model of the same config), and the
+  // inverse from every tp rank's part (rank order); also maps between two unsplit layouts
+  // (padding). `full` points at unit u's first element in `full_layout`, `local` / `locals[r]` at
+  // unit u's first element in this (or tp rank r's) layout.
   void shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const;
   void assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
                           float* full) const;
@@ -291,7 +289,9 @@ class Transformer {
   int64_t loss_chunk_ = 0;
   Tensor chunk_logits_, head_dw_;
   bool head_dw_pending_ = false;
-  double chunked_head_forward(const float* hin, bool train, float dloss_scale);
+  void chunked_head_forward(const float* hin, bool train, float dloss_scale);
+  int start_input_grad_sum(float* partial);
+  float* input_grad_sum(float* partial, int h);
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;

@@ -315,28 +315,22 @@ void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
 
 // ---- whole-model helpers --------------------------------------------------------------------------
 
-void export_weights(const std::string& path, const Transformer& model, const float* weights) {
-  SafetensorsWriter w(path, weights_header(model), weights_metadata(model.config()));
-  std::vector<float> tmp;
-  for (const auto& p : model.params()) {
-    tmp.resize(static_cast<size_t>(real_numel(p, model.config())));
-    to_hf(p, weights + p.offset, model.config(), tmp.data());
-    w.write(p.name, tmp.data(), tmp.size() * sizeof(float));
+namespace {
+// Every unit of `model` from `r` into full flat buffers (m / v null: weights only); anything
+// between units stays zero.
+void read_all_units(const CheckpointReader& r, const Transformer& model, float* w, float* m, float* v) {
+  const size_t bytes = static_cast<size_t>(model.flat_size()) * sizeof(float);
+  for (float* p : {w, m, v})
+    if (p) std::memset(p, 0, bytes);
+  for (int u = 0; u < model.num_units(); ++u) {
+    const int64_t o = model.unit(u).offset;
+    r.read_unit(u, w + o, m ? m + o : nullptr, v ? v + o : nullptr);
   }
-  w.finish();
 }
+}  // namespace
 
 void import_weights(const std::string& path, const Transformer& model, float* weights) {
-  SafetensorsReader r(path);
-  std::vector<float> tmp;
-  for (const auto& p : model.params()) {
-    std::string name = p.name;
-    if (!r.find(name) && r.find("transformer." + name)) name = "transformer." + name;  // GPT2LMHeadModel spelling
-    expect_tensor(r, name, hf_shape(p, model.config()));
-    tmp.resize(static_cast<size_t>(real_numel(p, model.config())));
-    r.read(name, tmp.data());
-    from_hf(p, tmp.data(), model.config(), weights + p.offset);
-  }
+  read_all_units(CheckpointReader(model, path), model, weights, nullptr, nullptr);
 }
 
 void save_checkpoint(const std::string& root, const Transformer& model, const float* weights, const float* exp_avg,
@@ -368,16 +362,7 @@ TrainerState load_checkpoint(const std::string& dir, const Transformer& model, f
                              float* exp_avg_sq) {
   const bool opt = exp_avg && exp_avg_sq;
   CheckpointReader r(dir, model, opt);
-  const size_t bytes = static_cast<size_t>(model.flat_size()) * sizeof(float);
-  std::memset(weights, 0, bytes);  // anything between units stays zero
-  if (opt) {
-    std::memset(exp_avg, 0, bytes);
-    std::memset(exp_avg_sq, 0, bytes);
-  }
-  for (int u = 0; u < model.num_units(); ++u) {
-    const int64_t o = model.unit(u).offset;
-    r.read_unit(u, weights + o, opt ? exp_avg + o : nullptr, opt ? exp_avg_sq + o : nullptr);
-  }
+  read_all_units(r, model, weights, opt ? exp_avg : nullptr, opt ? exp_avg_sq : nullptr);
   return r.state();
 }
 

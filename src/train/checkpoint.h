@@ -95,8 +95,8 @@ TrainerState load_checkpoint(const std::string& dir, const Transformer& model, f
 // The run configuration stored with a checkpoint.
 RunConfig load_checkpoint_config(const std::string& dir);
 
-// Weights only, Hugging Face names: export / import.
-void export_weights(const std::string& path, const Transformer& model, const float* weights);
+// Weights only, from a safetensors file with Hugging Face names, into a full flat buffer of `model`
+// (checked as CheckpointReader does).
 void import_weights(const std::string& path, const Transformer& model, float* weights);
 
 }  // namespace mt
