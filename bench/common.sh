@@ -4,6 +4,11 @@
 #   bench_setup BUILD_DIR DATA_DIR [PROGRAM ...]   -> sets MT (absolute path of BUILD_DIR/meshtrain)
 # PROGRAM: further programs the script needs, relative to BUILD_DIR (e.g. bench/kernel_bench).
 # BENCH_TEXTS: the fortunes files the corpus is made of (default "fortunes").
+#
+# Options every script takes, and its output folder:
+#   bench_option "$@" && shift 2   consumes --build DIR, --data DIR or --out DIR (sets BUILD, DATA
+#                                  or OUT); returns 1 for any other option
+#   bench_out NAME                 OUT, or a new /tmp/mt_NAME.XXXXXX when it is empty; created
 bench_setup() {
   local build=$1 data=$2 root p missing=0 targets=(meshtrain) inputs=()
   shift 2
@@ -41,4 +46,22 @@ wait_for_load() {
     waited=$((waited + 30))
   done
   ((waited == 0)) || echo "  (waited ${waited}s for the 1-min load to fall to $max; now $l)"
+}
+
+bench_option() {
+  case "$1" in
+    --build | --data | --out) ;;
+    *) return 1 ;;
+  esac
+  [[ $# -ge 2 ]] || { echo "$(basename "$0"): $1 needs a value" >&2; exit 2; }
+  case "$1" in
+    --build) BUILD=$2 ;;
+    --data) DATA=$2 ;;
+    --out) OUT=$2 ;;
+  esac
+}
+
+bench_out() {
+  [[ -n "$OUT" ]] || OUT=$(mktemp -d "/tmp/mt_$1.XXXXXX")
+  mkdir -p "$OUT"
 }

@@ -36,16 +36,12 @@ while [[ $# -gt 0 ]]; do
     --repeats) REPEATS=$2; shift 2 ;;
     --buckets) BUCKETS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "ddp_overlap.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "ddp_overlap.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
 [[ $EUID -eq 0 ]] || { echo "ddp_overlap.sh: needs root" >&2; exit 1; }
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_ddp_overlap.XXXXXX)
-mkdir -p "$OUT"
+bench_out ddp_overlap
 bench_setup "$BUILD" "$DATA"
 trap '"$ROOT/bench/two_nodes.sh" --cleanup >/dev/null 2>&1 || true' EXIT
 

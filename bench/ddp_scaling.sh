@@ -32,15 +32,11 @@ while [[ $# -gt 0 ]]; do
     --torch-steps) TORCH_STEPS=$2; shift 2 ;;
     --pytorch) PYTORCH=1; shift ;;
     --no-pytorch) PYTORCH=0; shift ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
-    *) echo "ddp_scaling.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "ddp_scaling.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_ddp_scaling.XXXXXX)
-mkdir -p "$OUT"
+bench_out ddp_scaling
 if [[ $PYTORCH == auto ]]; then
   if /usr/bin/python3 -c 'import torch' 2>/dev/null; then PYTORCH=1; else PYTORCH=0; fi
 fi

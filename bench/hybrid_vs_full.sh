@@ -40,19 +40,15 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS=$2; shift 2 ;;
     --repeats) REPEATS=$2; shift 2 ;;
     --rates) RATES=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     --no-wait) WAIT=0; shift ;;
     --max-load) MAX_LOAD=$2; shift 2 ;;
     --load-wait) LOAD_WAIT=$2; shift 2 ;;
     -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
-    *) echo "hybrid_vs_full.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "hybrid_vs_full.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
 [[ $EUID -eq 0 ]] || { echo "hybrid_vs_full.sh: needs root (network namespaces)" >&2; exit 1; }
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_hybrid.XXXXXX)
-mkdir -p "$OUT"
+bench_out hybrid
 BENCH_TEXTS="fortunes literature" bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''

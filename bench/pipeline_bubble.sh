@@ -14,6 +14,7 @@
 # records the core count), which inflates compute time and makes the bubble there an upper bound.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 STEPS=4
 RANKS="2 4"
 MICRO="4 8 16"
@@ -25,16 +26,11 @@ while [[ $# -gt 0 ]]; do
     --steps) STEPS=$2; shift 2 ;;
     --ranks) RANKS=$2; shift 2 ;;
     --micro) MICRO=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) echo "pipeline_bubble.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "pipeline_bubble.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_pp_bubble.XXXXXX)
-mkdir -p "$OUT"
-source "$ROOT/bench/common.sh"
+bench_out pp_bubble
 bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-mini --model.n_layer 8 --model.n_embd 256 --model.n_head 4 --model.seq_len 128

@@ -42,19 +42,15 @@ while [[ $# -gt 0 ]]; do
     --ranks) RANKS=$2; shift 2 ;;
     --strategies) STRATEGIES=$2; shift 2 ;;
     --dtype) DTYPE=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     --no-wait) WAIT=0; shift ;;
     --max-load) MAX_LOAD=$2; shift 2 ;;
     --load-wait) LOAD_WAIT=$2; shift 2 ;;
     --resume) RESUME=1; shift ;;
     -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "strategies.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "strategies.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_strategies.XXXXXX)
-mkdir -p "$OUT"
+bench_out strategies
 BENCH_TEXTS="fortunes literature" bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''

@@ -17,6 +17,7 @@
 # data-parallel traffic (the gradients) does not.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+source "$ROOT/bench/common.sh"
 STEPS=4
 RATE=1gbit
 PART=both
@@ -30,16 +31,11 @@ while [[ $# -gt 0 ]]; do
     --rate) RATE=$2; shift 2 ;;
     --part) PART=$2; shift 2 ;;
     --micro) MICRO=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "tp_cost.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "tp_cost.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_tp_cost.XXXXXX)
-mkdir -p "$OUT"
-source "$ROOT/bench/common.sh"
+bench_out tp_cost
 bench_setup "$BUILD" "$DATA"
 
 # 6 blocks of width 384, seq 256, byte vocabulary (10.6 M parameters), 1 thread per rank.

@@ -66,16 +66,12 @@ while [[ $# -gt 0 ]]; do
     --threads) THREADS=$2; shift 2 ;;
     --dtypes) DTYPES=$2; shift 2 ;;
     --kb-time) KB_TIME=$2; shift 2 ;;
-    --build) BUILD=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
     --pytorch) PYTORCH=$2; shift 2 ;;
     -h | --help) sed -n '2,52p' "$0"; exit 0 ;;
-    *) echo "train_throughput.sh: unknown option $1" >&2; exit 2 ;;
+    *) bench_option "$@" && shift 2 || { echo "train_throughput.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
-[[ -n "$OUT" ]] || OUT=$(mktemp -d /tmp/mt_train_throughput.XXXXXX)
-mkdir -p "$OUT"
+bench_out train_throughput
 
 bench_setup "$BUILD" "$DATA" bench/kernel_bench
 
