@@ -28,9 +28,9 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/gemm.h"
+#include "kernels/cpu/gemm.h"
 #include "runtime/arg_parser.h"
-#include "kernels/gemm_internal.h"
+#include "kernels/cpu/gemm_internal.h"
 #include "runtime/dtype.h"
 
 namespace {
@@ -287,14 +287,14 @@ int main(int argc, char** argv) {
           }
         } else if (lib == "mt") {
           fns[li] = [&] {
-            mt::kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), B.data(), 0.0f, C.data());
+            mt::kernels::cpu::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), B.data(), 0.0f, C.data());
           };
         } else if (lib == "mtbf16") {
-          notes[lib] = mt::kernels::detail::bf16_gemm_is_native(s.ta, s.tb, s.M, s.N, s.K, 1.0f, 0.0f)
+          notes[lib] = mt::kernels::cpu::detail::bf16_gemm_is_native(s.ta, s.tb, s.M, s.N, s.K, 1.0f, 0.0f)
                            ? "oneDNN bf16 matmul"
                            : "widened to fp32 + sgemm";
           fns[li] = [&] {
-            mt::kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A16.data(), B16.data(), 0.0f,
+            mt::kernels::cpu::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A16.data(), B16.data(), 0.0f,
                                    C.data());
           };
         }
@@ -357,7 +357,7 @@ int main(int argc, char** argv) {
         res_cpu);
   std::printf("\nlegend: openblas = cblas_sgemm, blis = bli_sgemm, sgemm = dnnl_sgemm, matmul = oneDNN "
               "f32 matmul primitive, bf16 = oneDNN bf16 matmul primitive (bf16 in, f32 out), mt = "
-              "mt::kernels::gemm_f32, mtbf16 = mt::kernels::gemm_bf16\n");
+              "mt::kernels::cpu::gemm_f32, mtbf16 = mt::kernels::cpu::gemm_bf16\n");
   for (auto& [k, v] : notes) std::printf("note %s: %s\n", k.c_str(), v.c_str());
   return 0;
 }

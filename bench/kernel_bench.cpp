@@ -17,16 +17,16 @@
 #include <string>
 #include <vector>
 
-#include "kernels/activation.h"
-#include "kernels/adamw.h"
-#include "kernels/attention.h"
-#include "kernels/embedding.h"
-#include "kernels/gemm.h"
-#include "kernels/loss.h"
-#include "kernels/norm.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/norm.h"
 
 using namespace mt;
-using namespace mt::kernels;
+using namespace mt::kernels::cpu;
 using Clock = std::chrono::steady_clock;
 
 namespace {

@@ -5,17 +5,17 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/activation.h"
-#include "kernels/attention.h"
-#include "kernels/embedding.h"
-#include "kernels/gemm.h"
-#include "kernels/loss.h"
-#include "kernels/norm.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/norm.h"
 #include "model/rng.h"
 
 namespace mt {
 
-namespace k = kernels;
+namespace k = kernels::cpu;
 
 bool parse_recompute(const std::string& s, Recompute* out) {
   if (s == "none") *out = Recompute::None;

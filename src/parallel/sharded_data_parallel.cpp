@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "comm/world.h"
-#include "kernels/activation.h"
+#include "kernels/cpu/activation.h"
 
 namespace mt::parallel {
 
@@ -136,7 +136,7 @@ void ShardedDataParallel::load_unit(int u, const float* w, const float* m, const
     if (cd_ == DType::F32)
       std::memcpy(model_.weights().f32() + s.offset, w, static_cast<size_t>(s.numel) * sizeof(float));
     else
-      kernels::cast_f32_to_bf16(model_.compute_weights().bf() + s.offset, w, s.numel);
+      kernels::cpu::cast_f32_to_bf16(model_.compute_weights().bf() + s.offset, w, s.numel);
   }
 }
 
@@ -166,7 +166,7 @@ void ShardedDataParallel::gather(int u) {
     s.gather_work = shard_->all_gather(dst, s.gathered.f32(), s.shard, DType::F32);
   } else {
     bf16* dst = s.gathered.bf() + r_ * s.shard;
-    kernels::cast_f32_to_bf16(dst, src, s.shard);
+    kernels::cpu::cast_f32_to_bf16(dst, src, s.shard);
     s.gather_work = shard_->all_gather(dst, s.gathered.bf(), s.shard, DType::BF16);
   }
   step_works_.push_back(s.gather_work);
@@ -275,7 +275,7 @@ void ShardedDataParallel::complete_reduce(int u) {
   s.reduce_work.reset();
   float* shard_grad;
   if (grads_sharded()) {
-    kernels::accumulate(grad_shard_.f32() + s.local, s.grad.f32() + r_ * s.shard, s.shard);
+    kernels::cpu::accumulate(grad_shard_.f32() + s.local, s.grad.f32() + r_ * s.shard, s.shard);
     model_.set_unit_grads(u, nullptr);
     s.grad = Tensor();
     shard_grad = grad_shard_.f32() + s.local;
@@ -336,7 +336,7 @@ double ShardedDataParallel::grad_norm_sq(const std::vector<double>& weight) {
   double local = 0;
   for (const auto& sp : adam_->spans()) {
     const float* g = grads_sharded() ? grad_shard_.f32() + sp.s_off : model_.grads().f32() + sp.w_off;
-    local += (weight.empty() ? 1.0 : weight[sp.param]) * kernels::sum_squares(g, sp.n);
+    local += (weight.empty() ? 1.0 : weight[sp.param]) * kernels::cpu::sum_squares(g, sp.n);
   }
   if (N_ == 1) return local;
   float f = static_cast<float>(local);
@@ -366,7 +366,7 @@ void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepS
         if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::F32));
       } else {
         bf16* full = model_.compute_weights().bf() + s.offset;
-        kernels::cast_f32_to_bf16(full + r_ * s.shard, master_.f32() + s.local, s.shard);
+        kernels::cpu::cast_f32_to_bf16(full + r_ * s.shard, master_.f32() + s.local, s.shard);
         if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::BF16));
       }
     }

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/activation.h"
+#include "kernels/cpu/activation.h"
 #include "parallel/data_parallel.h"
 #include "parallel/sharded_data_parallel.h"
 
@@ -51,7 +51,7 @@ class DdpStrategy final : public Strategy {
     double s = 0;
     for (size_t i = 0; i < model_.params().size(); ++i) {
       const ParamInfo& p = model_.params()[i];
-      s += (weight.empty() ? 1.0 : weight[i]) * kernels::sum_squares(model_.grads().f32() + p.offset, p.numel);
+      s += (weight.empty() ? 1.0 : weight[i]) * kernels::cpu::sum_squares(model_.grads().f32() + p.offset, p.numel);
     }
     return s;
   }

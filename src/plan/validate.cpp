@@ -23,9 +23,9 @@
 #include <stdexcept>
 #include <thread>
 
-#include "kernels/activation.h"
-#include "kernels/attention.h"
-#include "kernels/gemm.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/gemm.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/pipeline_schedule.h"
 #include "plan/planner.h"
@@ -734,8 +734,8 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   std::vector<float> y(sz(N * max_out), 0.02f), out(sz(N * max_out));    // output gradient, outputs
   std::vector<float> w(sz(max_w), 0.001f), dw(sz(max_w), 0.f);
   std::vector<bf16> xb(x.size()), wb(w.size());
-  kernels::cast_f32_to_bf16(xb.data(), x.data(), static_cast<int64_t>(x.size()));
-  kernels::cast_f32_to_bf16(wb.data(), w.data(), static_cast<int64_t>(w.size()));
+  kernels::cpu::cast_f32_to_bf16(xb.data(), x.data(), static_cast<int64_t>(x.size()));
+  kernels::cpu::cast_f32_to_bf16(wb.data(), w.data(), static_cast<int64_t>(w.size()));
   std::vector<float> qkv(sz(N * qkvw), 0.01f), att(sz(N * nh * hd)), lse(sz(N * nh)), dqkv(sz(N * qkvw)),
       datt(sz(N * nh * hd), 0.01f);
   std::vector<float> bias(sz(max_out), 0.01f), dbias(sz(max_out), 0.f);
@@ -745,16 +745,16 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
     const float* b = has_bias ? bias.data() : nullptr;
     float* db = has_bias ? dbias.data() : nullptr;
     if (use_bf16) {
-      kernels::linear_forward_bf16(out.data(), xb.data(), wb.data(), b, N, in, o);
-      kernels::linear_backward_bf16(dx.data(), dw.data(), db, y.data(), xb.data(), wb.data(), N, in, o);
+      kernels::cpu::linear_forward_bf16(out.data(), xb.data(), wb.data(), b, N, in, o);
+      kernels::cpu::linear_backward_bf16(dx.data(), dw.data(), db, y.data(), xb.data(), wb.data(), N, in, o);
     } else {
-      kernels::linear_forward(out.data(), x.data(), w.data(), b, N, in, o);
-      kernels::linear_backward(dx.data(), dw.data(), db, y.data(), x.data(), w.data(), N, in, o);
+      kernels::cpu::linear_forward(out.data(), x.data(), w.data(), b, N, in, o);
+      kernels::cpu::linear_backward(dx.data(), dw.data(), db, y.data(), x.data(), w.data(), N, in, o);
     }
   };
   auto attention = [&]() {
-    kernels::attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd);
-    kernels::attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd);
+    kernels::cpu::attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd);
+    kernels::cpu::attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd);
   };
   // The planner's FLOP count (cost_model.cpp): 2 x weights forward, twice that backward; attention
   // 4 s h per token forward (full, non-causal), twice that backward.
@@ -794,11 +794,11 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   const int64_t n = std::max<int64_t>(1 << 16, static_cast<int64_t>(stream_bytes / 8));
   Tensor a = Tensor::zeros({n}, DType::F32, MemCategory::Workspace);
   Tensor b = Tensor::zeros({n}, DType::F32, MemCategory::Workspace);
-  kernels::accumulate(a.f32(), b.f32(), n);
+  kernels::cpu::accumulate(a.f32(), b.f32(), n);
   double bytes = 0;
   const auto s0 = Clock::now();
   do {
-    kernels::accumulate(a.f32(), b.f32(), n);
+    kernels::cpu::accumulate(a.f32(), b.f32(), n);
     bytes += 12.0 * static_cast<double>(n);
   } while (secs_since(s0) < std::max(0.05, 0.25 * seconds));
   r.mem_bw = bytes / secs_since(s0);

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "comm/world.h"
-#include "kernels/activation.h"
+#include "kernels/cpu/activation.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
 #include "plan/auto_layout.h"

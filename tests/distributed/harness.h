@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -124,8 +125,8 @@ class ParityFixture : public ::testing::Test {
 };
 
 // The two runs' per-step losses side by side: printed, and written to
-// parity_<test name>.txt in the test's working directory (one file per test; each test runs in its
-// own process, and its first table rewrites the file).
+// <temp dir>/meshtrain-parity/<test name>.txt (never into the working directory or the repository):
+// the first table of a test in this process rewrites the file, later ones append.
 inline void loss_table(const std::string& what, const RunResult& a, const RunResult& b) {
   std::string out = "# " + what + "\nstep  reference       run             difference\n";
   for (size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i) {
@@ -135,10 +136,12 @@ inline void loss_table(const std::string& what, const RunResult& a, const RunRes
     out += line;
   }
   std::printf("%s", out.c_str());
-  static bool first = true;
-  const std::string file = std::string("parity_") + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".txt";
-  std::ofstream(file, first ? std::ios::trunc : std::ios::app) << out << "\n";
-  first = false;
+  static std::set<std::string> written;
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "meshtrain-parity";
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / (std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + ".txt")).string();
+  const bool fresh = written.insert(file).second;
+  std::ofstream(file, fresh ? std::ios::trunc : std::ios::app) << out << "\n";
 }
 
 // Losses within loss_tol and weights within weight_tol (absolute), over 8 steps.

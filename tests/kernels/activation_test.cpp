@@ -1,15 +1,15 @@
 // GELU, SwiGLU, elementwise helpers and bf16 casts.
-#include "kernels/activation.h"
+#include "kernels/cpu/activation.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 
-#include "kernels/vecmath.h"
+#include "kernels/cpu/vecmath.h"
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 double ref_gelu(double x) {
@@ -228,4 +228,4 @@ TEST(Casts, MatchScalarConversionAndRoundTrip) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

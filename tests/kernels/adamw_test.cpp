@@ -1,5 +1,5 @@
 // AdamW against hand-computed values and a double-precision re-statement of torch.optim.AdamW.
-#include "kernels/adamw.h"
+#include "kernels/cpu/adamw.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 // One parameter, two steps, worked by hand (lr 0.1, betas 0.9/0.999, eps 1e-8, wd 0.01):
@@ -85,4 +85,4 @@ TEST(AdamW, DeterministicAcrossThreadCounts) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,6 +1,6 @@
 // Causal grouped-query attention and RoPE against double references; backward against central
 // finite differences of the double reference.
-#include "kernels/attention.h"
+#include "kernels/cpu/attention.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 struct Dims {
@@ -233,4 +233,4 @@ TEST(Rope, BackwardIsInverseOfForwardAndMatchesFiniteDifferences) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,11 +1,11 @@
 // Token and position embeddings against double references and finite differences.
-#include "kernels/embedding.h"
+#include "kernels/cpu/embedding.h"
 
 #include <gtest/gtest.h>
 
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 std::vector<double> ref_embed(const std::vector<double>& table, const std::vector<int32_t>& ids,
@@ -87,4 +87,4 @@ TEST(PositionEmbedding, ForwardAndBackward) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,6 +1,6 @@
 // GEMM (fp32, bf16) and linear layers against double-precision references; linear backward
 // against central finite differences of the double reference.
-#include "kernels/gemm.h"
+#include "kernels/cpu/gemm.h"
 
 #include <gtest/gtest.h>
 
@@ -9,10 +9,10 @@
 #include <limits>
 #include <tuple>
 
-#include "kernels/gemm_internal.h"
+#include "kernels/cpu/gemm_internal.h"
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 // C = alpha op(A) op(B) + beta C in double (row-major, as gemm.h).
@@ -266,4 +266,4 @@ TEST(Linear, GradientCheckRejectsWrongGradient) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,5 +1,5 @@
 // Fused softmax + cross-entropy against a double reference and finite differences.
-#include "kernels/loss.h"
+#include "kernels/cpu/loss.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 // Per-row losses of logits [N, Vp] over the first V columns; ignored rows give 0.
@@ -99,4 +99,4 @@ TEST(CrossEntropy, RejectsTargetOutsideVocabulary) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,5 +1,5 @@
 // LayerNorm / RMSNorm against double references; backward against central finite differences.
-#include "kernels/norm.h"
+#include "kernels/cpu/norm.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 
 #include "test_util.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 namespace {
 
 constexpr double kEps = 1e-5;
@@ -173,4 +173,4 @@ TEST(RMSNorm, BackwardAccumulatesAndIsThreadCountIndependent) {
 }
 
 }  // namespace
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/adamw.h"
+#include "kernels/cpu/adamw.h"
 #include "model/rng.h"
 #include "model/transformer.h"
 #include "runtime/memory.h"
@@ -106,7 +106,7 @@ double overfit(Transformer& m, const std::vector<int32_t>& x, const std::vector<
     m.zero_grads();
     loss = m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
     m.backward();
-    kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.flat_size(),
+    kernels::cpu::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.flat_size(),
                           static_cast<float>(lr), 0.9f, 0.95f, 1e-8f, 0.0f, s);
     m.sync_compute_weights();
   }
@@ -220,7 +220,7 @@ TEST(Model, Bf16TracksFp32Over50Steps) {
       double l = m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
       (dt == DType::F32 ? l32 : l16).push_back(l);
       m.backward();
-      kernels::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.flat_size(), 3e-3f, 0.9f,
+      kernels::cpu::adamw_update(m.weights().f32(), m.grads().f32(), mom.data(), var.data(), m.flat_size(), 3e-3f, 0.9f,
                             0.95f, 1e-8f, 0.0f, s);
       m.sync_compute_weights();
     }

@@ -1,14 +1,14 @@
 // LayerNorm and RMSNorm. Rows are independent in forward; in backward the weight/bias gradients
 // are summed over rows in fixed chunks of kRowChunk rows and the chunk partials are added in
 // chunk order, so the result does not depend on the thread count.
-#include "kernels/norm.h"
+#include "kernels/cpu/norm.h"
 
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/workspace.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 namespace {
 constexpr int64_t kRowChunk = 32;
@@ -158,4 +158,4 @@ void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* in
   if (dw) reduce_partials(dw, part, nchunks, C, C);
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

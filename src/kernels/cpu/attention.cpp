@@ -13,7 +13,7 @@
 // contributions are first summed per (b, h) into scratch and then added per (b, kv head) in head
 // order (again independent of the thread count). With nh == nkv each task owns its key/value
 // head and accumulates straight into dqkv.
-#include "kernels/attention.h"
+#include "kernels/cpu/attention.h"
 
 #include <omp.h>
 
@@ -22,11 +22,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/gemm_internal.h"
-#include "kernels/vecmath.h"
-#include "kernels/workspace.h"
+#include "kernels/cpu/gemm_internal.h"
+#include "kernels/cpu/vecmath.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 namespace {
 
@@ -298,4 +298,4 @@ void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, i
   rope_apply(dqkv, B, T, nh, nkv, hd, theta, -1.0f, "rope_backward");
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

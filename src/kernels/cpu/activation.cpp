@@ -1,16 +1,16 @@
 // Elementwise activations and helpers. Each loop is `parallel for simd` over elements; nothing is
 // reduced across threads except in sum_squares, which sums fixed-size blocks (the block size
 // depends only on n) and adds the block sums in order, so results do not depend on thread count.
-#include "kernels/activation.h"
+#include "kernels/cpu/activation.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "kernels/vecmath.h"
-#include "kernels/workspace.h"
+#include "kernels/cpu/vecmath.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 using detail::kParallelMin;
 
@@ -106,4 +106,4 @@ void cast_bf16_to_f32(float* out, const bf16* in, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = detail::from_bf16(in[i]);
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

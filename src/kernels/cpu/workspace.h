@@ -2,7 +2,7 @@
 #pragma once
 #include <cstddef>
 
-namespace mt::kernels::detail {
+namespace mt::kernels::cpu::detail {
 
 // A grow-only scratch buffer accounted as MemCategory::Workspace. It keeps its memory between
 // calls (fresh pages are expensive) and only reallocates when a larger size is asked for; the
@@ -31,4 +31,4 @@ class Scratch {
 // costs a few microseconds).
 constexpr long kParallelMin = 1 << 14;
 
-}  // namespace mt::kernels::detail
+}  // namespace mt::kernels::cpu::detail

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 // out = (inp - mean) * rstd * w + b; saves mean[N] and rstd[N] for backward.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
@@ -17,4 +17,4 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, 
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w,
                       const float* rstd, int64_t N, int64_t C);
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

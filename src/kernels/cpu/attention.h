@@ -8,7 +8,7 @@
 #pragma once
 #include <cstdint>
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 // out [B, T, nh*hd] (overwritten), lse [B, nh, T] (overwritten).
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh,
@@ -24,4 +24,4 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -6,7 +6,7 @@
 
 #include "runtime/dtype.h"
 
-namespace mt::kernels::detail {
+namespace mt::kernels::cpu::detail {
 
 // exp(x) in float, max error about 2 ulp for x in [-87, 88]. Below -87 it returns 0 (exp(-inf)
 // = 0, as softmax needs), above 88 it saturates at exp(88) ~ 1.65e38 (finite). NaN gives NaN.
@@ -65,9 +65,9 @@ inline float exp_f(float x) {
 // Logistic sigmoid 1 / (1 + e^-x).
 inline float sigmoid_f(float x) { return 1.0f / (1.0f + exp_f(-x)); }
 
-}  // namespace mt::kernels::detail
+}  // namespace mt::kernels::cpu::detail
 
-namespace mt::kernels::detail {
+namespace mt::kernels::cpu::detail {
 
 // float -> bf16 with round-to-nearest-even, NaN kept quiet; bit-identical to mt::float_to_bf16
 // but written without a branch so that loops over it vectorise.
@@ -80,13 +80,13 @@ inline bf16 to_bf16(float f) {
   return bf16{static_cast<uint16_t>(r)};
 }
 
-}  // namespace mt::kernels::detail
+}  // namespace mt::kernels::cpu::detail
 
-namespace mt::kernels::detail {
+namespace mt::kernels::cpu::detail {
 inline float from_bf16(bf16 v) {
   uint32_t u = static_cast<uint32_t>(v.bits) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-}  // namespace mt::kernels::detail
+}  // namespace mt::kernels::cpu::detail

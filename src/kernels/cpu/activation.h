@@ -5,7 +5,7 @@
 
 #include "runtime/dtype.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 // GELU, tanh approximation (as GPT-2): out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 void gelu_forward(float* out, const float* inp, int64_t n);
@@ -29,4 +29,4 @@ double sum_squares(const float* x, int64_t n);
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n);
 void cast_bf16_to_f32(float* out, const bf16* in, int64_t n);
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -2,16 +2,16 @@
 // independent, so the result does not depend on the thread count). Per row: max, then
 // e_j = exp(x_j - max) written in place while summing, then the gradient e_j / sum * dloss with
 // dloss subtracted at the target. Padded columns [V, Vp) are never read and are set to 0.
-#include "kernels/loss.h"
+#include "kernels/cpu/loss.h"
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include "kernels/vecmath.h"
-#include "kernels/workspace.h"
+#include "kernels/cpu/vecmath.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 namespace {
 void check_targets(const int32_t* targets, int64_t N, int64_t V, int64_t Vp, const char* fn) {
@@ -86,4 +86,4 @@ void softmax_cross_entropy_forward(const float* logits, float* losses, const int
   }
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,7 +1,7 @@
 // AdamW (decoupled weight decay) as torch.optim.AdamW: bias corrections in double once per call,
 // the elementwise update in float, vectorised and parallel over elements (results do not depend
 // on the thread count: every element is updated independently).
-#include "kernels/adamw.h"
+#include "kernels/cpu/adamw.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,9 +10,9 @@
 #include <immintrin.h>
 #endif
 
-#include "kernels/workspace.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 namespace {
 
@@ -66,4 +66,4 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   }
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-namespace mt::kernels::detail {
+namespace mt::kernels::cpu::detail {
 
 // Row-major sgemm with explicit leading dimensions (C = alpha op(A) op(B) + beta C). Called from
 // inside OpenMP parallel regions it runs on the calling thread only.
@@ -19,4 +19,4 @@ bool bf16_gemm_is_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 void set_bf16_force_fallback(bool force);
 void set_bf16_fallback_block_elems(int64_t elems);
 
-}  // namespace mt::kernels::detail
+}  // namespace mt::kernels::cpu::detail

@@ -1,8 +1,8 @@
-#include "kernels/workspace.h"
+#include "kernels/cpu/workspace.h"
 
 #include "runtime/memory.h"
 
-namespace mt::kernels::detail {
+namespace mt::kernels::cpu::detail {
 
 Scratch::~Scratch() {
   if (p_) mem_free(p_, cap_, MemCategory::Workspace);
@@ -19,4 +19,4 @@ void* Scratch::get(size_t bytes) {
   return p_;
 }
 
-}  // namespace mt::kernels::detail
+}  // namespace mt::kernels::cpu::detail

@@ -2,7 +2,7 @@
 #pragma once
 #include <cstdint>
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 // logits [N, Vp], of which the first V columns are real vocabulary (Vp >= V is padding).
 // losses[n] = -log softmax(logits[n, :V])[targets[n]]; rows with targets[n] < 0 are ignored
@@ -14,4 +14,4 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets,
                                    int64_t N, int64_t V, int64_t Vp);
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -7,7 +7,7 @@
 // (oneDNN 2.6 needs AVX-512; it refuses to create the primitive on AVX2-only machines), or only a
 // reference implementation exists, the inputs are widened to fp32 block by block into cached
 // scratch and multiplied with sgemm: the same arithmetic (exact bf16 products, fp32 sums).
-#include "kernels/gemm.h"
+#include "kernels/cpu/gemm.h"
 
 #include <omp.h>
 
@@ -22,11 +22,11 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "kernels/gemm_internal.h"
-#include "kernels/vecmath.h"
-#include "kernels/workspace.h"
+#include "kernels/cpu/gemm_internal.h"
+#include "kernels/cpu/vecmath.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 namespace {
 
@@ -305,4 +305,4 @@ void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dou
   if (dbias) bias_backward(dbias, dout, N, OC);
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

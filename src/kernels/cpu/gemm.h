@@ -6,7 +6,7 @@
 
 #include "runtime/dtype.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 // C[M,N] = alpha * op(A) @ op(B) + beta * C, op(X) = X^T when the flag is set.
 // A is [M,K] (or [K,M] if ta), B is [K,N] (or [N,K] if tb); all dense, row-major.
@@ -32,4 +32,4 @@ void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
                           const bf16* W, int64_t N, int64_t C, int64_t OC);
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -1,14 +1,14 @@
 // Token and position embeddings. The token-embedding backward is parallel over blocks of
 // channels: every thread walks all N tokens in order for its own channels, so each dtable element
 // receives its updates in token order whatever the thread count (deterministic, no atomics).
-#include "kernels/embedding.h"
+#include "kernels/cpu/embedding.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/workspace.h"
+#include "kernels/cpu/workspace.h"
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C) {
 #pragma omp parallel for schedule(static) if (N * C > detail::kParallelMin)
@@ -58,4 +58,4 @@ void position_add_backward(float* dpos, const float* dout, int64_t B, int64_t T,
   }
 }
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu

@@ -2,7 +2,7 @@
 #pragma once
 #include <cstdint>
 
-namespace mt::kernels {
+namespace mt::kernels::cpu {
 
 // out[n, :] = table[ids[n], :] for n < N (overwrites out).
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
@@ -14,4 +14,4 @@ void position_add_forward(float* x, const float* pos, int64_t B, int64_t T, int6
 // dpos[t, :] += sum_b dout[b, t, :].
 void position_add_backward(float* dpos, const float* dout, int64_t B, int64_t T, int64_t C);
 
-}  // namespace mt::kernels
+}  // namespace mt::kernels::cpu
