@@ -7,7 +7,7 @@
 #include "comm/commands.h"
 #include "parallel/pipeline_schedule.h"
 #include "plan/plan_command.h"
-#include "train/data_commands.h"
+#include "cli/data_commands.h"
 #include "train/metrics_plot.h"
 #include "train/sampler.h"
 #include "train/trainer.h"

@@ -100,21 +100,17 @@ void BatchLoader::start_shard() {
 void BatchLoader::next(int32_t* inputs, int32_t* targets) {
   const int64_t local = int64_t{B_} * T_;
   const size_t s = current_shard();
-  const uint16_t* shard = data_.shard(s).data();
+  const TokenShard& shard = data_.shard(s);
   if (!shuffle_) {
-    const uint16_t* src = shard + (batch_ * world_ + rank_) * local;
-    for (int64_t i = 0; i < local; ++i) {
-      inputs[i] = src[i];
-      targets[i] = src[i + 1];
-    }
+    // The B*T inputs and, shifted by one, the targets of this rank's contiguous run.
+    const size_t at = static_cast<size_t>((batch_ * world_ + rank_) * local);
+    shard.copy(at, static_cast<size_t>(local), inputs);
+    shard.copy(at + 1, static_cast<size_t>(local), targets);
   } else {
     for (int64_t b = 0; b < B_; ++b) {
       const int64_t j = sample_order_[static_cast<size_t>((batch_ * world_ + rank_) * B_ + b)];
-      const uint16_t* src = shard + j * T_;
-      for (int64_t t = 0; t < T_; ++t) {
-        inputs[b * T_ + t] = src[t];
-        targets[b * T_ + t] = src[t + 1];
-      }
+      shard.copy(static_cast<size_t>(j * T_), static_cast<size_t>(T_), inputs + b * T_);
+      shard.copy(static_cast<size_t>(j * T_ + 1), static_cast<size_t>(T_), targets + b * T_);
     }
   }
   if (++batch_ >= batches_per_shard_[s]) {

@@ -7,6 +7,7 @@
 
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <stdexcept>
@@ -26,7 +27,7 @@ std::string sys_error() { return std::strerror(errno); }
 void write_shard_bytes(const std::string& path, size_t count, const void* tokens16) {
   int32_t header[kShardHeaderInts] = {};
   header[0] = kShardMagic;
-  header[1] = kShardVersion;
+  header[1] = kShardVersion;  // uint16 tokens
   header[2] = static_cast<int32_t>(count);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f) throw shard_error(path, "cannot open for writing: " + sys_error());
@@ -48,8 +49,9 @@ struct Fd {
   }
 };
 
-// Opens `path`, checks the header and the file size; returns the token count.
-int64_t check_header(const std::string& path, Fd& fd, size_t& file_bytes) {
+// Opens `path`, checks the header and the file size; returns the token count and sets the token
+// width (2 for version 1, 4 for version 2).
+int64_t check_header(const std::string& path, Fd& fd, size_t& file_bytes, int& token_bytes) {
   fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd.fd < 0) throw shard_error(path, "cannot open: " + sys_error());
   struct stat st{};
@@ -72,13 +74,15 @@ int64_t check_header(const std::string& path, Fd& fd, size_t& file_bytes) {
   if (header[0] != kShardMagic)
     throw shard_error(path, "bad magic at byte offset 0: found " + std::to_string(header[0]) + ", expected " +
                                 std::to_string(kShardMagic) + " (not an llm.c token shard)");
-  if (header[1] != kShardVersion)
+  if (header[1] != kShardVersion && header[1] != kShardVersion32)
     throw shard_error(path, "unsupported version at byte offset 4: found " + std::to_string(header[1]) +
-                                ", expected " + std::to_string(kShardVersion));
+                                ", expected " + std::to_string(kShardVersion) + " (uint16 tokens) or " +
+                                std::to_string(kShardVersion32) + " (uint32 tokens)");
+  token_bytes = header[1] == kShardVersion ? 2 : 4;
   if (header[2] < 0)
     throw shard_error(path, "bad token count at byte offset 8: found " + std::to_string(header[2]));
   const int64_t count = header[2];
-  const size_t expect = kShardHeaderBytes + 2 * static_cast<size_t>(count);
+  const size_t expect = kShardHeaderBytes + static_cast<size_t>(token_bytes) * static_cast<size_t>(count);
   if (file_bytes < expect)
     throw shard_error(path, "truncated at byte offset " + std::to_string(file_bytes) + ": the header (count " +
                                 std::to_string(count) + " at byte offset 8) needs " + std::to_string(expect) +
@@ -112,13 +116,61 @@ void write_token_shard(const std::string& path, std::span<const uint16_t> tokens
 int64_t read_token_shard_header(const std::string& path) {
   Fd fd;
   size_t bytes = 0;
-  return check_header(path, fd, bytes);
+  int width = 2;
+  return check_header(path, fd, bytes, width);
+}
+
+TokenShardWriter::TokenShardWriter(const std::string& path, int64_t count, int token_bytes)
+    : path_(path), count_(count), token_bytes_(token_bytes) {
+  if (token_bytes != 2 && token_bytes != 4) throw std::invalid_argument("token shard: token_bytes must be 2 or 4");
+  check_count(path, static_cast<size_t>(count));
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) throw shard_error(path, "cannot open for writing: " + sys_error());
+  f_ = f;
+  int32_t header[kShardHeaderInts] = {};
+  header[0] = kShardMagic;
+  header[1] = token_bytes == 2 ? kShardVersion : kShardVersion32;
+  header[2] = static_cast<int32_t>(count);
+  if (std::fwrite(header, sizeof header, 1, f) != 1) throw shard_error(path, "write failed (disk full?)");
+}
+
+TokenShardWriter::~TokenShardWriter() {
+  if (f_) std::fclose(static_cast<std::FILE*>(f_));
+}
+
+void TokenShardWriter::write(std::span<const uint32_t> tokens) {
+  if (written_ + static_cast<int64_t>(tokens.size()) > count_)
+    throw shard_error(path_, "more tokens written than the header's count " + std::to_string(count_));
+  buf_.resize(tokens.size() * static_cast<size_t>(token_bytes_));
+  if (token_bytes_ == 2) {
+    auto* d = reinterpret_cast<uint16_t*>(buf_.data());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] > 65535)
+        throw shard_error(path_, "token " + std::to_string(written_ + static_cast<int64_t>(i)) + " has id " +
+                                     std::to_string(tokens[i]) + ", which does not fit uint16");
+      d[i] = static_cast<uint16_t>(tokens[i]);
+    }
+  } else {
+    std::memcpy(buf_.data(), tokens.data(), buf_.size());
+  }
+  if (!buf_.empty() && std::fwrite(buf_.data(), 1, buf_.size(), static_cast<std::FILE*>(f_)) != buf_.size())
+    throw shard_error(path_, "write failed (disk full?)");
+  written_ += static_cast<int64_t>(tokens.size());
+}
+
+void TokenShardWriter::close() {
+  if (!f_) return;
+  if (written_ != count_)
+    throw shard_error(path_, std::to_string(written_) + " tokens written, the header says " + std::to_string(count_));
+  const int rc = std::fclose(static_cast<std::FILE*>(f_));
+  f_ = nullptr;
+  if (rc != 0) throw shard_error(path_, "write failed (disk full?)");
 }
 
 TokenShard::TokenShard(const std::string& path, int64_t vocab_size) : path_(path) {
   Fd fd;
   size_t bytes = 0;
-  count_ = static_cast<size_t>(check_header(path, fd, bytes));
+  count_ = static_cast<size_t>(check_header(path, fd, bytes, token_bytes_));
   if (count_ == 0) return;
   map_ = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd.fd, 0);
   if (map_ == MAP_FAILED) {
@@ -127,7 +179,22 @@ TokenShard::TokenShard(const std::string& path, int64_t vocab_size) : path_(path
   }
   map_bytes_ = bytes;
   tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(map_) + kShardHeaderBytes);
-  if (vocab_size > 0 && vocab_size < 65536) {
+  if (token_bytes_ == 4 && vocab_size > 0) {
+    const auto* t = reinterpret_cast<const uint32_t*>(tokens_);
+    const auto limit = static_cast<uint32_t>(vocab_size);
+    uint32_t max_id = 0;
+    for (size_t i = 0; i < count_; ++i) max_id = t[i] > max_id ? t[i] : max_id;
+    if (max_id >= limit) {
+      size_t i = 0;
+      while (t[i] < limit) ++i;
+      const std::string msg = "token id " + std::to_string(t[i]) + " at byte offset " +
+                              std::to_string(kShardHeaderBytes + 4 * i) + " (token " + std::to_string(i) +
+                              ") is >= the vocabulary size " + std::to_string(vocab_size) +
+                              " (data prepared with another tokenizer?)";
+      release();
+      throw shard_error(path, msg);
+    }
+  } else if (vocab_size > 0 && vocab_size < 65536) {
     const auto limit = static_cast<uint16_t>(vocab_size);
     uint16_t max_id = 0;
     for (size_t i = 0; i < count_; ++i) max_id = tokens_[i] > max_id ? tokens_[i] : max_id;
@@ -144,6 +211,21 @@ TokenShard::TokenShard(const std::string& path, int64_t vocab_size) : path_(path
   }
 }
 
+const uint16_t* TokenShard::data() const {
+  if (token_bytes_ != 2)
+    throw std::logic_error("token shard " + path_ + " holds uint32 tokens (version 2): read it with copy() or []");
+  return tokens_;
+}
+
+void TokenShard::copy(size_t from, size_t n, int32_t* out) const {
+  if (token_bytes_ == 2) {
+    for (size_t i = 0; i < n; ++i) out[i] = tokens_[from + i];
+  } else {
+    const auto* t = reinterpret_cast<const uint32_t*>(tokens_) + from;
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(t[i]);
+  }
+}
+
 void TokenShard::release() {
   if (map_) ::munmap(map_, map_bytes_);
   map_ = nullptr;
@@ -155,7 +237,8 @@ void TokenShard::release() {
 TokenShard::~TokenShard() { release(); }
 
 TokenShard::TokenShard(TokenShard&& o) noexcept
-    : path_(std::move(o.path_)), map_(o.map_), map_bytes_(o.map_bytes_), tokens_(o.tokens_), count_(o.count_) {
+    : path_(std::move(o.path_)), map_(o.map_), map_bytes_(o.map_bytes_), tokens_(o.tokens_), count_(o.count_),
+      token_bytes_(o.token_bytes_) {
   o.map_ = nullptr;
   o.map_bytes_ = 0;
   o.tokens_ = nullptr;
@@ -170,6 +253,7 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
     map_bytes_ = o.map_bytes_;
     tokens_ = o.tokens_;
     count_ = o.count_;
+    token_bytes_ = o.token_bytes_;
     o.map_ = nullptr;
     o.map_bytes_ = 0;
     o.tokens_ = nullptr;
@@ -180,7 +264,15 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
 
 std::vector<uint16_t> read_token_shard(const std::string& path, int64_t vocab_size) {
   TokenShard s(path, vocab_size);
+  if (s.size() == 0) return {};
   return std::vector<uint16_t>(s.tokens().begin(), s.tokens().end());
+}
+
+std::vector<uint32_t> read_token_shard32(const std::string& path, int64_t vocab_size) {
+  TokenShard s(path, vocab_size);
+  std::vector<uint32_t> v(s.size());
+  for (size_t i = 0; i < s.size(); ++i) v[i] = s[i];
+  return v;
 }
 
 }  // namespace mt

@@ -1,6 +1,8 @@
 // Token shards in llm.c's layout: a header of 256 little-endian int32 (header[0] = 20240520 magic,
 // header[1] = 1 version, header[2] = number of tokens, the rest 0) followed by the tokens as uint16.
-// A shard is exactly 1024 + 2 * count bytes.
+// A shard is exactly 1024 + 2 * count bytes. Vocabularies above 65536 tokens (Llama 3, Qwen 2) use
+// version 2 of this project: the same header with version 2, then the tokens as uint32 (exactly
+// 1024 + 4 * count bytes).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +14,7 @@ namespace mt {
 
 inline constexpr int32_t kShardMagic = 20240520;
 inline constexpr int32_t kShardVersion = 1;
+inline constexpr int32_t kShardVersion32 = 2;
 inline constexpr size_t kShardHeaderInts = 256;
 inline constexpr size_t kShardHeaderBytes = kShardHeaderInts * sizeof(int32_t);  // 1024
 
@@ -19,6 +22,24 @@ inline constexpr size_t kShardHeaderBytes = kShardHeaderInts * sizeof(int32_t); 
 // be written, or naming the position and value of a token outside [0, 65535].
 void write_token_shard(const std::string& path, std::span<const int32_t> tokens);
 void write_token_shard(const std::string& path, std::span<const uint16_t> tokens);
+
+// Writes a shard of `count` tokens of `token_bytes` (2: version 1, 4: version 2) piece by piece.
+class TokenShardWriter {
+ public:
+  TokenShardWriter(const std::string& path, int64_t count, int token_bytes);
+  ~TokenShardWriter();
+  // Appends tokens; throws naming the file and the token for an id that does not fit.
+  void write(std::span<const uint32_t> tokens);
+  // Checks that `count` tokens were written and flushes; throws on a short or failed write.
+  void close();
+
+ private:
+  std::string path_;
+  int64_t count_, written_ = 0;
+  int token_bytes_;
+  void* f_ = nullptr;
+  std::vector<char> buf_;
+};
 
 // Reads and checks the header only; returns the token count. Throws like TokenShard.
 int64_t read_token_shard_header(const std::string& path);
@@ -39,9 +60,16 @@ class TokenShard {
 
   const std::string& path() const { return path_; }
   size_t size() const { return count_; }
-  const uint16_t* data() const { return tokens_; }
-  std::span<const uint16_t> tokens() const { return {tokens_, count_}; }
-  uint16_t operator[](size_t i) const { return tokens_[i]; }
+  // 2 (version 1, uint16) or 4 (version 2, uint32).
+  int token_bytes() const { return token_bytes_; }
+  // The uint16 tokens of a version-1 shard (std::logic_error for a version-2 shard).
+  const uint16_t* data() const;
+  std::span<const uint16_t> tokens() const { return {data(), count_}; }
+  uint32_t operator[](size_t i) const {
+    return token_bytes_ == 2 ? tokens_[i] : reinterpret_cast<const uint32_t*>(tokens_)[i];
+  }
+  // Copies tokens [from, from + n) as int32 into `out`.
+  void copy(size_t from, size_t n, int32_t* out) const;
 
  private:
   void release();
@@ -50,9 +78,12 @@ class TokenShard {
   size_t map_bytes_ = 0;
   const uint16_t* tokens_ = nullptr;
   size_t count_ = 0;
+  int token_bytes_ = 2;
 };
 
-// Convenience: the validated tokens of one shard, copied into a vector.
+// Convenience: the validated tokens of one version-1 shard, copied into a vector.
 std::vector<uint16_t> read_token_shard(const std::string& path, int64_t vocab_size = 0);
+// The tokens of a shard of either version.
+std::vector<uint32_t> read_token_shard32(const std::string& path, int64_t vocab_size = 0);
 
 }  // namespace mt

@@ -7,6 +7,7 @@
 #include <queue>
 #include <stdexcept>
 
+#include "train/hf_tokenizer.h"
 #include "train/unicode_tables.h"
 
 namespace mt {
@@ -369,23 +370,46 @@ std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
 
 // ---------------------------------------------------------------------------------------------
 
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& gpt2_dir) {
+void Tokenizer::encode_document(std::string_view text, std::vector<int32_t>& out) const {
+  const std::vector<int32_t> ids = encode(text);
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+std::string default_gpt2_dir() {
+  namespace fs = std::filesystem;
+  if (const char* env = std::getenv("MESHTRAIN_GPT2_DIR"); env && *env) return env;
+  std::error_code ec;
+  // A build tree inside the repository (build/meshtrain -> ../assets/gpt2), then the source tree
+  // this binary was built from.
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec)
+    for (const fs::path& d : {exe.parent_path().parent_path() / "assets" / "gpt2",
+                              exe.parent_path().parent_path().parent_path() / "assets" / "gpt2"})
+      if (fs::is_regular_file(d / "encoder.json", ec)) return d.string();
+#ifdef MT_ASSET_DIR
+  return std::string(MT_ASSET_DIR) + "/gpt2";
+#else
+  return "";
+#endif
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& gpt2_dir,
+                                          const std::string& tokenizer_file) {
   if (name == "byte") return std::make_unique<ByteTokenizer>();
   if (name == "gpt2") {
-    std::string dir = gpt2_dir;
-    if (dir.empty()) {
-      const char* env = std::getenv("MESHTRAIN_GPT2_DIR");
-      if (env) dir = env;
-    }
-    if (dir.empty())
-      throw std::runtime_error(
-          "the gpt2 tokenizer needs the directory holding encoder.json and vocab.bpe: pass --gpt2-dir DIR "
-          "or set MESHTRAIN_GPT2_DIR");
-    if (!std::filesystem::is_directory(dir))
-      throw std::runtime_error("gpt2 tokenizer: directory " + dir + " does not exist");
+    const std::string dir = gpt2_dir.empty() ? default_gpt2_dir() : gpt2_dir;
+    if (dir.empty() || !std::filesystem::is_directory(dir))
+      throw std::runtime_error("gpt2 tokenizer: directory '" + dir +
+                               "' does not exist (pass --gpt2-dir DIR holding encoder.json and vocab.bpe, or set "
+                               "MESHTRAIN_GPT2_DIR; the repository ships them in assets/gpt2)");
     return std::make_unique<Gpt2Tokenizer>(dir);
   }
-  throw std::runtime_error("unknown tokenizer '" + name + "' (choose byte or gpt2)");
+  if (name == "hf") {
+    if (tokenizer_file.empty())
+      throw std::runtime_error("the hf tokenizer needs --tokenizer-file PATH (a Hugging Face tokenizer.json)");
+    return std::make_unique<HfTokenizer>(tokenizer_file);
+  }
+  throw std::runtime_error("unknown tokenizer '" + name + "' (choose byte, gpt2 or hf)");
 }
 
 }  // namespace mt

@@ -2,7 +2,9 @@
 //
 //   ByteTokenizer  ids 0..255 are the bytes of the text; vocabulary 256; no end-of-text token.
 //   Gpt2Tokenizer  OpenAI GPT-2 byte-level BPE, loaded from a directory holding encoder.json and
-//                  vocab.bpe (the files of the GPT-2 release); 50,257 tokens, <|endoftext|> = 50256.
+//                  vocab.bpe (the files of the GPT-2 release, shipped in assets/gpt2); 50,257
+//                  tokens, <|endoftext|> = 50256.
+//   HfTokenizer    a Hugging Face tokenizer.json of the byte-level BPE family (hf_tokenizer.h).
 //
 // encode() works on raw bytes: text that is not valid UTF-8 still round-trips exactly through
 // decode(encode(text)) (each invalid byte is treated as one "other" character by the GPT-2
@@ -27,8 +29,15 @@ class Tokenizer {
   // Concatenates the bytes of each id; throws std::out_of_range for an id outside [0, vocab_size()).
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
   virtual int32_t vocab_size() const = 0;
-  virtual std::string name() const = 0;  // "byte" or "gpt2"
+  virtual std::string name() const = 0;  // "byte", "gpt2" or "hf"
   virtual int32_t eot_token() const = 0;  // the end-of-text id, or -1 when there is none
+  // Appends the tokens of one document of a corpus to `out`: what the tokenizer's post-processor
+  // puts around a text (Llama 3's <|begin_of_text|>) and the text. Corpus preparation puts
+  // document_separator() between documents.
+  virtual void encode_document(std::string_view text, std::vector<int32_t>& out) const;
+  // The token between two documents: the end-of-text token unless the document already ends
+  // with it; -1 for none.
+  virtual int32_t document_separator() const { return eot_token(); }
 };
 
 class ByteTokenizer final : public Tokenizer {
@@ -38,6 +47,7 @@ class ByteTokenizer final : public Tokenizer {
   int32_t vocab_size() const override { return 256; }
   std::string name() const override { return "byte"; }
   int32_t eot_token() const override { return -1; }
+  int32_t document_separator() const override { return '\n'; }  // documents are joined by a newline
 };
 
 class Gpt2Tokenizer final : public Tokenizer {
@@ -79,8 +89,14 @@ class Gpt2Tokenizer final : public Tokenizer {
   mutable std::unordered_map<std::string, std::vector<int32_t>, StrHash, std::equal_to<>> cache_;
 };
 
-// "byte" or "gpt2". For gpt2 an empty `gpt2_dir` falls back to $MESHTRAIN_GPT2_DIR. Throws
-// std::runtime_error for an unknown name, a missing directory or missing files.
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& gpt2_dir = "");
+// The directory of the GPT-2 files when none is given: $MESHTRAIN_GPT2_DIR, else the repository's
+// assets/gpt2 (found beside the binary's build tree, or at the path compiled in).
+std::string default_gpt2_dir();
+
+// "byte", "gpt2" or "hf". For gpt2 an empty `gpt2_dir` falls back to default_gpt2_dir(); hf needs
+// `tokenizer_file` (a tokenizer.json). Throws std::runtime_error for an unknown name, a missing
+// directory or file, or a file that cannot be used (naming it).
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& gpt2_dir = "",
+                                          const std::string& tokenizer_file = "");
 
 }  // namespace mt

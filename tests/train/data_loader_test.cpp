@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "run_command.h"
-#include "train/data_commands.h"
+#include "cli/data_commands.h"
 #include "train/data_loader.h"
 #include "train/token_shards.h"
 

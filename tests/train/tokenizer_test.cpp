@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "run_command.h"
-#include "train/data_commands.h"
+#include "cli/data_commands.h"
 #include "train/tokenizer.h"
 #include "train/unicode_tables.h"
 
