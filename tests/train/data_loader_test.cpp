@@ -274,9 +274,7 @@ TEST(PrepareCommand, ByteTokenizerConcatenatesInputsAndSplits) {
 }
 
 TEST(PrepareCommand, Gpt2SeparatesFilesWithEndOfText) {
-  const std::string gpt2_dir = std::string(MT_SHARED_DATA) + "/gpt2-tokenizer";
-  if (!fs::exists(gpt2_dir + "/encoder.json"))
-    GTEST_SKIP() << "GPT-2 tokenizer files not found in " << gpt2_dir;
+  const std::string gpt2_dir = std::string(MT_SOURCE_DIR) + "/assets/gpt2";
   LoaderDir dir;
   std::ofstream(dir.file("1.txt")) << "Hello world";
   std::ofstream(dir.file("2.txt")) << " Hello World!";
@@ -297,7 +295,8 @@ TEST(PrepareCommand, HelpAndErrors) {
   std::string out, err;
   EXPECT_EQ(run_cmd(mt::run_prepare_command, {"prepare", "--help"}, &out, &err), 0);
   EXPECT_NE(out.find("usage: meshtrain prepare"), std::string::npos);
-  for (const char* flag : {"--input", "--out", "--tokenizer", "--gpt2-dir", "--val-fraction", "MESHTRAIN_GPT2_DIR"})
+  for (const char* flag : {"--input", "--out", "--tokenizer", "--gpt2-dir", "--val-fraction", "MESHTRAIN_GPT2_DIR",
+                           "--jsonl-field", "--shard-tokens", "--skip-bad", "--tokenizer-file"})
     EXPECT_NE(out.find(flag), std::string::npos) << flag;
   EXPECT_EQ(run_cmd(mt::run_prepare_command, {"prepare", "-h"}, &out, &err), 0);
 

@@ -19,14 +19,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kGpt2Dir = std::string(MT_SHARED_DATA) + "/gpt2-tokenizer";
+// The GPT-2 files ship with the repository (assets/gpt2), so these tests never skip.
+const std::string kGpt2Dir = std::string(MT_SOURCE_DIR) + "/assets/gpt2";
 
-bool have_gpt2() { return fs::exists(kGpt2Dir + "/encoder.json") && fs::exists(kGpt2Dir + "/vocab.bpe"); }
 
-#define SKIP_WITHOUT_GPT2()                                                                          \
-  if (!have_gpt2())                                                                                  \
-  GTEST_SKIP() << "GPT-2 tokenizer files not found in " << kGpt2Dir                                  \
-               << " (need encoder.json and vocab.bpe; see shared/data/README.md)"
 
 // One GPT-2 tokenizer for the whole test program (loading parses a 1 MB JSON file).
 const mt::Gpt2Tokenizer& gpt2() {
@@ -115,7 +111,6 @@ TEST(Gpt2Tokenizer, PretokenizeFollowsTheGpt2Pattern) {
 }
 
 TEST(Gpt2Tokenizer, LoadsTheVocabulary) {
-  SKIP_WITHOUT_GPT2();
   const auto& tok = gpt2();
   EXPECT_EQ(tok.vocab_size(), 50257);
   EXPECT_EQ(tok.eot_token(), 50256);
@@ -130,10 +125,10 @@ TEST(Gpt2Tokenizer, LoadsTheVocabulary) {
 }
 
 TEST(Gpt2Tokenizer, ReproducesAllReferenceEncodings) {
-  SKIP_WITHOUT_GPT2();
-  const std::string path = kGpt2Dir + "/vectors.json";
+  // 117 reference encodings (llama.cpp, gpt-tokenizer and GPT-3-Encoder test sets; MIT).
+  const std::string path = std::string(MT_SOURCE_DIR) + "/tests/train/data/gpt2_vectors.json";
   std::ifstream f(path);
-  if (!f) GTEST_SKIP() << "reference encodings " << path << " not found";
+  ASSERT_TRUE(f.good()) << path;
   const auto cases = nlohmann::json::parse(f);
   ASSERT_EQ(cases.size(), 117u) << path;
   const auto& tok = gpt2();
@@ -152,7 +147,6 @@ TEST(Gpt2Tokenizer, ReproducesAllReferenceEncodings) {
 }
 
 TEST(Gpt2Tokenizer, SpecialTextIsOrdinaryAndInvalidUtf8RoundTrips) {
-  SKIP_WITHOUT_GPT2();
   const auto& tok = gpt2();
   const auto ids = tok.encode("a<|endoftext|>b");
   for (int32_t id : ids) EXPECT_NE(id, 50256);
@@ -168,7 +162,6 @@ TEST(Gpt2Tokenizer, SpecialTextIsOrdinaryAndInvalidUtf8RoundTrips) {
 }
 
 TEST(Gpt2Tokenizer, RoundTripsShakespeare) {
-  SKIP_WITHOUT_GPT2();
   std::ifstream f(std::string(MT_SHARED_DATA) + "/tinyshakespeare/input.txt", std::ios::binary);
   if (!f) GTEST_SKIP() << "tinyshakespeare not found";
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -189,7 +182,7 @@ TEST(MakeTokenizer, NamesAndErrors) {
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("sentencepiece"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("byte or gpt2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("byte, gpt2 or hf"), std::string::npos) << e.what();
   }
   try {
     mt::make_tokenizer("gpt2", "/nonexistent/gpt2dir");
@@ -211,19 +204,19 @@ TEST(MakeTokenizer, NamesAndErrors) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("vocab.bpe"), std::string::npos) << e.what();
   }
-  // Without a directory: $MESHTRAIN_GPT2_DIR, else an error that says how to give one.
+  // Without a directory: $MESHTRAIN_GPT2_DIR, else the repository's assets/gpt2.
   const char* old = std::getenv("MESHTRAIN_GPT2_DIR");
   const std::string saved = old ? old : "";
   ::unsetenv("MESHTRAIN_GPT2_DIR");
+  EXPECT_EQ(mt::make_tokenizer("gpt2")->eot_token(), 50256);
+  ::setenv("MESHTRAIN_GPT2_DIR", tmp.path.string().c_str(), 1);
+  EXPECT_EQ(mt::default_gpt2_dir(), tmp.path.string());
+  EXPECT_THROW(mt::make_tokenizer("gpt2"), std::runtime_error);  // tmp holds no vocab.bpe
   try {
-    mt::make_tokenizer("gpt2");
+    mt::make_tokenizer("hf");
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("MESHTRAIN_GPT2_DIR"), std::string::npos) << e.what();
-  }
-  if (have_gpt2()) {
-    ::setenv("MESHTRAIN_GPT2_DIR", kGpt2Dir.c_str(), 1);
-    EXPECT_EQ(mt::make_tokenizer("gpt2")->eot_token(), 50256);
+    EXPECT_NE(std::string(e.what()).find("--tokenizer-file"), std::string::npos) << e.what();
   }
   if (old)
     ::setenv("MESHTRAIN_GPT2_DIR", saved.c_str(), 1);
@@ -275,7 +268,7 @@ TEST(TokenizeCommand, PrintsIdsOnOneLine) {
   EXPECT_EQ(run_cmd(mt::run_tokenize_command, {"tokenize", "--tokenizer", "byte", "--text", "Hi!"}, &out, &err), 0)
       << err;
   EXPECT_EQ(out, "72 105 33\n");
-  if (have_gpt2()) {
+  {
     EXPECT_EQ(run_cmd(mt::run_tokenize_command, {"tokenize", "--tokenizer", "gpt2", "--gpt2-dir", kGpt2Dir, "--text",
                                                  "Hello world"},
                       &out, &err),
