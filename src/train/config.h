@@ -28,8 +28,9 @@ struct RunConfig {
   struct Data {
     std::string train = "data/default/train.bin";
     std::string val = "data/default/val.bin";
-    std::string tokenizer = "byte";   // how `sample` and the end-of-run sample decode: byte | gpt2
-    std::string gpt2_dir;             // for tokenizer = gpt2
+    std::string tokenizer = "byte";   // how `sample` and the end-of-run sample decode: byte | gpt2 | hf
+    std::string gpt2_dir;             // for tokenizer = gpt2 ("" = the repository's assets/gpt2)
+    std::string tokenizer_file;       // for tokenizer = hf: a Hugging Face tokenizer.json
     bool shuffle = false;             // permuted shard and sample order every epoch (seeded by train.seed)
   } data;
   struct Train {

@@ -56,7 +56,7 @@ std::vector<int32_t> generate(Transformer& model, std::vector<int32_t> seq, cons
 
 int run_sample_command(int argc, char** argv) {
   ArgParser ap({"checkpoint", "weights", "model", "prompt", "tokens", "temperature", "top-k", "seed", "tokenizer",
-                "gpt2-dir", "threads"},
+                "gpt2-dir", "tokenizer-file", "threads"},
                {"help"});
   try {
     ap.parse(argc, argv, 1);
@@ -67,7 +67,8 @@ int run_sample_command(int argc, char** argv) {
   if (ap.flag("help")) {
     std::printf(
         "usage: meshtrain sample --checkpoint DIR [--prompt S] [--tokens N] [--temperature T] [--top-k K]\n"
-        "                        [--seed S] [--tokenizer byte|gpt2] [--gpt2-dir DIR] [--threads N]\n"
+        "                        [--seed S] [--tokenizer byte|gpt2|hf] [--gpt2-dir DIR] [--tokenizer-file F]\n"
+        "                        [--threads N]\n"
         "       meshtrain sample --weights FILE.safetensors --model PRESET [same options]\n\n"
         "Generates text from a checkpoint written by `meshtrain train` (a step_* directory, or the\n"
         "checkpoint_dir itself, which means its latest checkpoint), or from a safetensors file of weights\n"
@@ -83,7 +84,8 @@ int run_sample_command(int argc, char** argv) {
         "  --seed S           sampling seed (default 42)\n"
         "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2; with --weights the\n"
         "                     default is gpt2 for a vocabulary of 50257 or more, else byte)\n"
-        "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2 tokenizer)\n");
+        "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2; default: the repository's assets/gpt2)\n"
+        "  --tokenizer-file F the tokenizer.json of --tokenizer hf (default: the checkpoint's data.tokenizer_file)\n");
     return 0;
   }
   if (ap.has("checkpoint") == ap.has("weights") || ap.has("weights") != ap.has("model")) {
@@ -92,7 +94,7 @@ int run_sample_command(int argc, char** argv) {
   }
   try {
     ModelConfig mc;
-    std::string tok_default, gdir_default;
+    std::string tok_default, gdir_default, tfile_default;
     std::unique_ptr<Transformer> model;
     if (ap.has("checkpoint")) {
       const std::string dir = resolve_checkpoint(ap.get("checkpoint"));
@@ -102,6 +104,7 @@ int run_sample_command(int argc, char** argv) {
       load_checkpoint(dir, *model, model->weights().f32(), nullptr, nullptr);
       tok_default = rc.data.tokenizer;
       gdir_default = rc.data.gpt2_dir;
+      tfile_default = rc.data.tokenizer_file;
     } else {
       mc = model_preset(ap.get("model"));
       mc.resolve();
@@ -112,7 +115,7 @@ int run_sample_command(int argc, char** argv) {
     model->sync_compute_weights();
     std::string tok_name = ap.get("tokenizer", tok_default);
     std::string gdir = ap.get("gpt2-dir", gdir_default);
-    auto tok = make_tokenizer(tok_name, gdir);
+    auto tok = make_tokenizer(tok_name, gdir, ap.get("tokenizer-file", tfile_default));
     if (tok->vocab_size() > mc.vocab_size)
       throw std::runtime_error("tokenizer " + tok_name + " has " + std::to_string(tok->vocab_size()) +
                                " tokens but the model only " + std::to_string(mc.vocab_size));

@@ -567,7 +567,7 @@ TrainResult train(const RunConfig& cfg) {
     if (!r0) return res;
     Transformer plain(mc, DType::F32);
     std::memcpy(plain.weights().f32(), full.f32(), RF * sizeof(float));
-    auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir);
+    auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir, cfg.data.tokenizer_file);
     std::vector<int32_t> prompt = tok->encode(tc.sample_prompt);
     if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
     SampleOptions so;
