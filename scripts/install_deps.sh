@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages meshtrain needs to build, test and run its demo (only the
-# missing ones; uses sudo when not root). Usage: scripts/install_deps.sh [--demo]
+# missing ones; uses sudo when not root). Usage: scripts/install_deps.sh [--demo | --test]
+#   --demo  adds `fortunes` (the demo's English text)
+#   --test  adds the oracles of the reference tests: Debian's python3-torch (the Hugging Face
+#           weight-layout check) and the `tokenizers` package from PyPI (the tokenizer.json check);
+#           neither is a dependency of meshtrain itself.
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libgtest-dev libopenmpi-dev openmpi-bin libdnnl-dev
       libtomlplusplus-dev nlohmann-json3-dev python3)
 [[ "${1:-}" == "--demo" ]] && pkgs+=(fortunes)
+[[ "${1:-}" == "--test" ]] && pkgs+=(python3-torch python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
-  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if [[ "${1:-}" == "--test" ]] && ! python3 -c "import tokenizers" 2>/dev/null; then
+  echo "installing: tokenizers (PyPI, for the tokenizer oracle test)"
+  # Debian's own python3 refuses pip installs outside a venv (PEP 668) unless told otherwise.
+  python3 -m pip install -q tokenizers 2>/dev/null ||
+    $SUDO python3 -m pip install -q --break-system-packages tokenizers ||
+    echo "warning: could not install tokenizers; HfTokenizerOracle will be skipped"
 fi
