@@ -102,6 +102,8 @@ struct StatsBlock {
 struct GroupImpl {
   GroupImpl(std::string name, int uid, MPI_Comm comm /* owned; MPI_COMM_NULL for size 1 */,
             int world_rank);
+  // A Meta group (count-only backend, see World::init_meta): rank `rank` of members `granks`.
+  GroupImpl(std::string name, int uid, int rank, std::vector<int> granks);
   ~GroupImpl();
 
   // Stops the thread after the queued operations completed, frees the communicators.
@@ -114,6 +116,9 @@ struct GroupImpl {
   std::string name;
   int uid = 0;
   int rank = 0, size = 1;
+  bool meta = false;  // count-only backend: operations complete in the caller, no data moves
+  void* meta_staging = nullptr;  // Meta device address range of the staging the MPI backend would hold
+  size_t meta_staging_bytes = 0;
   std::vector<int> granks;
   MPI_Comm coll = MPI_COMM_NULL, p2p = MPI_COMM_NULL, ctrl = MPI_COMM_NULL;
   // Two-level all_reduce for a group spanning several nodes with the same number (>= 2) of its
@@ -162,6 +167,7 @@ struct GroupImpl {
   int step(Op& op);  // 0 waiting, 1 advanced, 2 done
   void complete(std::unique_ptr<Op> op, const std::string* err);
   void run_local(std::unique_ptr<Op> op);
+  void run_meta(std::unique_ptr<Op> op);
   void post(bool is_send, void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
             std::vector<MPI_Request>& into);
   // Direct all-gather step over `n` peers of `comm`: the `len` elements at `base` (`es` bytes

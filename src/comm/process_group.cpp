@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "comm/detail.h"
+#include "runtime/device.h"
 #include "runtime/memory.h"
 
 namespace mt::comm {
@@ -307,6 +308,17 @@ GroupImpl::GroupImpl(std::string name_, int uid_, MPI_Comm comm, int world_rank)
   setup_hierarchy();
 }
 
+GroupImpl::GroupImpl(std::string name_, int uid_, int rank_, std::vector<int> granks_)
+    : name(std::move(name_)), uid(uid_) {
+  stats = std::make_shared<StatsBlock>();
+  stats->name = name;
+  register_stats(stats);
+  meta = true;
+  rank = rank_;
+  size = static_cast<int>(granks_.size());
+  granks = std::move(granks_);
+}
+
 // Collective over the group (part of its creation).
 void GroupImpl::setup_hierarchy() {
   if (size < 4 || !config().hierarchical) return;
@@ -359,6 +371,11 @@ void GroupImpl::shutdown() {
     mem_free(staging, staging_bytes, MemCategory::Comm);
     staging = nullptr;
     staging_bytes = 0;
+  }
+  if (meta_staging) {
+    device_free(Device::Meta, meta_staging, meta_staging_bytes, MemCategory::Comm);
+    meta_staging = nullptr;
+    meta_staging_bytes = 0;
   }
 }
 
@@ -413,13 +430,15 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
       ks.bytes += algo_bytes(d, size);
     }
     op->fr_id = fr_issue(name, d, op->t_issue);
-    if (size > 1) {
+    if (size > 1 && !meta) {
       queue.push_back(std::move(op));
       has_work.store(true, std::memory_order_release);
       if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
     }
   }
-  if (op) {
+  if (op && meta) {
+    run_meta(std::move(op));
+  } else if (op) {
     run_local(std::move(op));
   } else {
     cv.notify_one();
@@ -472,6 +491,75 @@ void GroupImpl::run_local(std::unique_ptr<Op> op) {
     }
     default:  // all_reduce (sum/avg/max over one rank), broadcast, barrier: nothing to do
       break;
+  }
+  complete(std::move(op), nullptr);
+}
+
+// The staging buffer the MPI backend's algorithms need for `d` on rank r of n (grow-only per
+// group): the one-shot all_reduce receives every peer's whole buffer, the ring all_reduce and the
+// reduce_scatter one segment of a slice from each peer. The two-level all_reduce (groups spanning
+// nodes) is not modelled: a Meta world is one node.
+static size_t mpi_staging_bytes(const OpDesc& d, int n, int r) {
+  if (n <= 1 || d.count == 0) return 0;
+  const size_t es = dtype_size(d.dt);
+  const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
+  if (d.kind == OpKind::AllReduce) {
+    if (d.count * es <= config().oneshot_bytes && n <= 16) return static_cast<size_t>(n - 1) * d.count * es;
+    const size_t len = std::min(slice_elems, static_cast<size_t>(d.count));
+    return static_cast<size_t>(n - 1) * segment(len, n, r).len * es;
+  }
+  if (d.kind == OpKind::ReduceScatter) {
+    const size_t len = std::min(std::max<size_t>(slice_elems / n, 1), static_cast<size_t>(d.count));
+    return static_cast<size_t>(n - 1) * len * es;
+  }
+  return 0;
+}
+
+// Meta groups: the operation is counted (issue did that), its staging is accounted on the Meta
+// device as the MPI backend would hold it, host buffers get their as-if-replicated values (see
+// World::init_meta), and it completes at once.
+void GroupImpl::run_meta(std::unique_ptr<Op> op) {
+  op->t_start = now_ns();
+  op->work->mark_started(op->t_start);
+  fr_start(op->fr_id, op->t_start);
+  const size_t need = mpi_staging_bytes(op->d, size, rank);
+  if (need > meta_staging_bytes) {
+    if (meta_staging) device_free(Device::Meta, meta_staging, meta_staging_bytes, MemCategory::Comm);
+    meta_staging = device_alloc(Device::Meta, need, MemCategory::Comm);
+    meta_staging_bytes = need;
+  }
+  const size_t es = dtype_size(op->d.dt), part = op->d.count * es;
+  const bool host_recv = op->rbuf && !is_meta_pointer(op->rbuf);
+  auto times_n = [&](void* buf, size_t count) {
+    if (op->d.op != ReduceOp::Sum || op->d.dt != DType::F32) return;
+    float* f = static_cast<float*>(buf);
+    for (size_t i = 0; i < count; ++i) f[i] *= static_cast<float>(size);
+  };
+  if (host_recv && part) {
+    switch (op->d.kind) {
+      case OpKind::AllGather: {
+        char* recv = static_cast<char*>(op->rbuf);
+        const char* mine = recv + static_cast<size_t>(rank) * part;
+        if (op->sbuf != mine) std::memmove(recv + static_cast<size_t>(rank) * part, op->sbuf, part);
+        for (int q = 0; q < size; ++q)
+          if (q != rank) std::memcpy(recv + static_cast<size_t>(q) * part, recv + static_cast<size_t>(rank) * part, part);
+        break;
+      }
+      case OpKind::ReduceScatter: {
+        const char* seg = static_cast<const char*>(op->sbuf) + static_cast<size_t>(rank) * part;
+        if (seg != op->rbuf) std::memmove(op->rbuf, seg, part);
+        times_n(op->rbuf, op->d.count);
+        break;
+      }
+      case OpKind::AllReduce:
+        times_n(op->rbuf, op->d.count);
+        break;
+      case OpKind::Recv:
+        std::memset(op->rbuf, 0, part);
+        break;
+      default:
+        break;
+    }
   }
   complete(std::move(op), nullptr);
 }

@@ -95,6 +95,26 @@ World& World::init(int* argc, char*** argv) {
   return *w;
 }
 
+World& World::init_meta(int size, int rank) {
+  std::lock_guard<std::mutex> lk(g_world_mu);
+  if (g_world) throw CommError("comm::World::init_meta: a world exists already");
+  if (size < 1 || rank < 0 || rank >= size)
+    throw CommError("dry run: --rank " + std::to_string(rank) + " is not a rank of a world of " + std::to_string(size));
+  auto* w = new World();
+  w->hostname_ = "meta";
+  w->meta_ = true;
+  w->rank_ = rank;
+  w->size_ = size;
+  detail::set_log_rank(rank, size);
+  g_world = w;
+  std::vector<int> all(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) all[static_cast<size_t>(r)] = r;
+  auto impl = std::make_shared<detail::GroupImpl>("world", detail::next_group_uid(), rank, all);
+  detail::register_group(impl);
+  w->world_ = std::make_shared<ProcessGroup>(impl);
+  return *w;
+}
+
 World& World::get() {
   std::lock_guard<std::mutex> lk(g_world_mu);
   if (!g_world) throw CommError("comm::World::init() has not been called");
@@ -108,9 +128,44 @@ bool World::initialized() {
 
 std::shared_ptr<ProcessGroup> World::world() { return world_; }
 
+std::shared_ptr<ProcessGroup> World::split_by(const std::function<std::pair<int, int>(int)>& color_key,
+                                              const std::string& name) {
+  if (!meta_) {
+    const auto [color, key] = color_key(rank_);
+    return split(color, key, name);
+  }
+  if (finalized_) throw CommError("World::split after finalize()");
+  const int mine = color_key(rank_).first;
+  std::vector<std::pair<int, int>> members;  // (key, world rank) of every rank with this colour
+  for (int r = 0; r < size_; ++r) {
+    const auto [c, k] = color_key(r);
+    if (c == mine) members.push_back({k, r});
+  }
+  std::sort(members.begin(), members.end());
+  std::vector<int> granks;
+  int my = 0;
+  for (const auto& [k, r] : members) {
+    if (r == rank_) my = static_cast<int>(granks.size());
+    granks.push_back(r);
+  }
+  auto impl = std::make_shared<detail::GroupImpl>(name, detail::next_group_uid(), my, granks);
+  detail::register_group(impl);
+  return std::make_shared<ProcessGroup>(impl);
+}
+
+std::shared_ptr<ProcessGroup> World::split_like(const ProcessGroup& g, const std::string& name) {
+  const std::vector<int> granks = g.global_ranks();
+  if (!meta_) return split(granks.front(), g.rank(), name);
+  if (finalized_) throw CommError("World::split after finalize()");
+  auto impl = std::make_shared<detail::GroupImpl>(name, detail::next_group_uid(), g.rank(), granks);
+  detail::register_group(impl);
+  return std::make_shared<ProcessGroup>(impl);
+}
+
 std::shared_ptr<ProcessGroup> World::split(int color, int key, const std::string& name) {
   if (finalized_) throw CommError("World::split after finalize()");
   if (color < 0) throw CommError("World::split: color must be >= 0");
+  if (meta_) throw CommError("World::split on a meta world: use split_by or split_like (group '" + name + "')");
   MPI_Comm c = MPI_COMM_NULL;
   if (mpi_ && size_ > 1) {
     check(MPI_Comm_split(MPI_COMM_WORLD, color, key, &c), "MPI_Comm_split");
@@ -210,22 +265,21 @@ std::vector<std::pair<std::string, int>> DeviceMesh::resolve(
 DeviceMesh::DeviceMesh(World& world, std::vector<std::pair<std::string, int>> dims)
     : dims_(resolve(std::move(dims), world.size())) {
   const int k = static_cast<int>(dims_.size());
-  coords_.resize(k);
-  int rem = world.rank();
-  for (int i = k - 1; i >= 0; --i) {
-    coords_[i] = rem % dims_[i].second;
-    rem /= dims_[i].second;
-  }
+  coords_ = coords_of(world.rank());
   groups_.resize(size_t(1) << k);
   // Every non-empty combination, in the same order on every rank (creation is collective).
   for (unsigned mask = 1; mask < (1u << k); ++mask) {
-    int color = 0, key = 0;
-    for (int i = 0; i < k; ++i) {
-      if (mask & (1u << i))
-        key = key * dims_[i].second + coords_[i];
-      else
-        color = color * dims_[i].second + coords_[i];
-    }
+    auto color_key = [&](int r) {
+      const std::vector<int> c = coords_of(r);
+      int color = 0, key = 0;
+      for (int i = 0; i < k; ++i) {
+        if (mask & (1u << i))
+          key = key * dims_[i].second + c[i];
+        else
+          color = color * dims_[i].second + c[i];
+      }
+      return std::pair<int, int>{color, key};
+    };
     // Name.
     std::vector<std::string> names;
     for (int i = 0; i < k; ++i)
@@ -237,7 +291,7 @@ DeviceMesh::DeviceMesh(World& world, std::vector<std::pair<std::string, int>> di
       name = "world";
     else
       for (const auto& n : names) name += (name.empty() ? "" : "+") + n;
-    groups_[mask] = world.split(color, key, name);
+    groups_[mask] = world.split_by(color_key, name);
   }
 }
 
@@ -281,6 +335,16 @@ std::shared_ptr<ProcessGroup> DeviceMesh::group(std::vector<std::string> dims) {
 }
 
 int DeviceMesh::coord(const std::string& dim) const { return coords_[index_of(dim)]; }
+
+std::vector<int> DeviceMesh::coords_of(int world_rank) const {
+  std::vector<int> c(dims_.size());
+  int rem = world_rank;
+  for (int i = static_cast<int>(dims_.size()) - 1; i >= 0; --i) {
+    c[static_cast<size_t>(i)] = rem % dims_[static_cast<size_t>(i)].second;
+    rem /= dims_[static_cast<size_t>(i)].second;
+  }
+  return c;
+}
 int DeviceMesh::size(const std::string& dim) const { return dims_[index_of(dim)].second; }
 
 int DeviceMesh::rank_at(const std::vector<int>& coords) const {

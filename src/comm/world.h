@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdarg>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -23,6 +24,14 @@ class World {
   // the process was started by an MPI launcher or MESHTRAIN_MPI=1 (MESHTRAIN_MPI=0 forbids it); if
   // MPI is already initialised by the caller it is used as is (and not finalized by finalize()).
   static World& init(int* argc, char*** argv);
+  // A count-only world of `size` ranks seen from rank `rank`, without MPI (the Meta backend of
+  // `train --dry-run`): its groups have their real sizes and members but move no data; every
+  // operation completes at once and is counted exactly as the MPI backend counts it (bytes, calls,
+  // the staging buffers it would hold). Buffers of Meta tensors are left alone; host buffers get
+  // what they would hold if every rank had passed this rank's values (all_gather replicates,
+  // sum multiplies by the group size, avg / max / broadcast leave them, recv zero-fills).
+  // Throws CommError if a world exists already.
+  static World& init_meta(int size, int rank);
   static World& get();  // throws CommError before init()
   static bool initialized();
 
@@ -35,12 +44,20 @@ class World {
   int num_nodes() const { return num_nodes_; }
   const std::string& hostname() const { return hostname_; }
   bool uses_mpi() const { return mpi_; }
+  bool is_meta() const { return meta_; }
 
   // All ranks, named "world".
   std::shared_ptr<ProcessGroup> world();
   // Collective over the world: ranks passing the same color form a group, ordered by key (then
   // world rank). Every rank must call it, in the same order relative to other group creations.
   std::shared_ptr<ProcessGroup> split(int color, int key, const std::string& name);
+  // The same, with colour and key given for every world rank (`color_key(r)` = {colour, key} of
+  // world rank r): a Meta world needs every rank's to know the members.
+  std::shared_ptr<ProcessGroup> split_by(const std::function<std::pair<int, int>(int)>& color_key,
+                                         const std::string& name);
+  // A new group with the members of `g`, in the same order (its own communicator and counters).
+  // Collective over the world, like split.
+  std::shared_ptr<ProcessGroup> split_like(const ProcessGroup& g, const std::string& name);
 
   // Finishes outstanding operations, stops the communication threads and the watchdog, and
   // finalizes MPI (when init() initialised it). Call once at the end of a successful run; after an
@@ -53,7 +70,7 @@ class World {
  private:
   World() = default;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, node_ = 0, num_nodes_ = 1;
-  bool mpi_ = false, own_mpi_ = false, finalized_ = false;
+  bool mpi_ = false, own_mpi_ = false, finalized_ = false, meta_ = false;
   std::string hostname_;
   std::shared_ptr<ProcessGroup> world_;
 };
@@ -81,6 +98,8 @@ class DeviceMesh {
   std::shared_ptr<ProcessGroup> group(std::vector<std::string> dims);
 
   int coord(const std::string& dim) const;
+  // Coordinates (mesh order) of any world rank.
+  std::vector<int> coords_of(int world_rank) const;
   int size(const std::string& dim) const;
   bool has(const std::string& dim) const;
   const std::vector<std::pair<std::string, int>>& dims() const { return dims_; }

@@ -5,17 +5,10 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/cpu/activation.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/gemm.h"
-#include "kernels/cpu/loss.h"
-#include "kernels/cpu/norm.h"
+#include "kernels/backend.h"
 #include "model/rng.h"
 
 namespace mt {
-
-namespace k = kernels::cpu;
 
 bool parse_recompute(const std::string& s, Recompute* out) {
   if (s == "none") *out = Recompute::None;
@@ -70,7 +63,8 @@ struct Transformer::Slot {
 
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage,
                          TpComm* tp, std::vector<char> owned_units)
-    : cfg_(cfg), compute_(compute), recompute_(recompute), storage_(storage), tp_(tp), owned_(std::move(owned_units)) {
+    : cfg_(cfg), compute_(compute), recompute_(recompute), dev_(current_device()), kt_(&kernels::table(dev_)),
+      storage_(storage), tp_(tp), owned_(std::move(owned_units)) {
   cfg_.resolve();
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
   if (owned_.empty()) owned_.assign(U, 1);
@@ -216,6 +210,7 @@ void Transformer::zero_grads() {
 
 void Transformer::init_weights(uint64_t seed) {
   if (!weights_.defined()) throw std::logic_error("init_weights: the model holds no full fp32 weights");
+  if (dev_ == Device::Meta) return;  // nothing to initialise on a count-only device
   init_weights_into(seed, weights_.f32());
   sync_compute_weights();
 }
@@ -254,7 +249,7 @@ void Transformer::init_weights_into(uint64_t seed, float* w) const {
 
 void Transformer::sync_compute_weights() {
   if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined())
-    k::cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+    kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
 }
 
 void Transformer::set_unit_weights(int u, const void* w) { unit_w_.at(u) = w; }
@@ -269,7 +264,7 @@ const float* Transformer::wf(int idx) {
   if (compute_ == DType::BF16) {
     Tensor& t = upcast_[idx];
     if (!t.defined()) t = Tensor::empty({p.numel}, DType::F32, MemCategory::Workspace);
-    k::cast_bf16_to_f32(t.f32(), wb(idx), p.numel);
+    kt_->cast_bf16_to_f32(t.f32(), wb(idx), p.numel);
     return t.f32();
   }
   if (unit_w_[p.unit]) return static_cast<const float*>(unit_w_[p.unit]) + (p.offset - ur.offset);
@@ -418,15 +413,20 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
 }
 
 void TpComm::all_gather(const float* in, float* out, int64_t n) {
-  std::memset(out, 0, static_cast<size_t>(n * size()) * sizeof(float));
-  std::memcpy(out + rank() * n, in, static_cast<size_t>(n) * sizeof(float));
+  const Device d = current_device();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  dev::zero(d, out, bytes * static_cast<size_t>(size()));
+  dev::copy(d, out + rank() * n, in, bytes);
   all_reduce_sum(out, n * size());
 }
 
 void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
-  std::vector<float> all(in, in + n * size());
-  all_reduce_sum(all.data(), n * size());
-  std::memcpy(out, all.data() + rank() * n, static_cast<size_t>(n) * sizeof(float));
+  const Device d = current_device();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  Tensor all = Tensor::empty({n * size()}, DType::F32, MemCategory::Workspace);
+  dev::copy(d, all.f32(), in, bytes * static_cast<size_t>(size()));
+  all_reduce_sum(all.f32(), n * size());
+  dev::copy(d, out, all.f32() + rank() * n, bytes);
 }
 
 void Transformer::set_loss_chunk(int64_t rows) {
@@ -449,29 +449,29 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
     if (!head_dw_.defined()) head_dw_ = Tensor::empty({Vp, C}, DType::F32, MemCategory::Workspace);
     if (!head_dw_pending_) head_dw_.zero_();
     head_dw_pending_ = true;
-    std::memset(s.head_dx.f32(), 0, static_cast<size_t>(N * C) * sizeof(float));
+    s.head_dx.zero_();
   }
   float* lg = chunk_logits_.f32();
   const int32_t* tg = s.targets.data<int32_t>();
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t nr = std::min(rows, N - r0);
     if (bf)
-      k::linear_forward_bf16(lg, s.head_in_bf.bf() + r0 * C, head_wb(), nullptr, nr, C, Vp);
+      kt_->linear_forward_bf16(lg, s.head_in_bf.bf() + r0 * C, head_wb(), nullptr, nr, C, Vp);
     else
-      k::linear_forward(lg, hin + r0 * C, head_wf(), nullptr, nr, C, Vp);
+      kt_->linear_forward(lg, hin + r0 * C, head_wf(), nullptr, nr, C, Vp);
     if (tp_size_ > 1)  // vocab-parallel: this rank's columns, row statistics reduced over the tp ranks
       tp_cross_entropy(lg, tg + r0, s.losses.f32() + r0, nr, train, dloss_scale);
     else if (train)
-      k::softmax_cross_entropy(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp, dloss_scale);
+      kt_->softmax_cross_entropy(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp, dloss_scale);
     else
-      k::softmax_cross_entropy_forward(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp);
+      kt_->softmax_cross_entropy_forward(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp);
     if (!train) continue;
     // With tp these input-gradient rows are this rank's partial sums; the backward reduces them.
     if (bf)
-      k::linear_backward_bf16(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, s.head_in_bf.bf() + r0 * C,
+      kt_->linear_backward_bf16(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, s.head_in_bf.bf() + r0 * C,
                               head_wb(), nr, C, Vp);
     else
-      k::linear_backward(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, hin + r0 * C, head_wf(), nr, C, Vp);
+      kt_->linear_backward(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, hin + r0 * C, head_wf(), nr, C, Vp);
   }
 }
 
@@ -505,7 +505,7 @@ void Transformer::set_sequence_parallel(bool on) {
 const Tensor& Transformer::sp_gather(const float* shard, int64_t n) {
   tp_->all_gather_activations(shard, sp_full_.f32(), n * cfg_.n_embd);
   if (compute_ == DType::F32) return sp_full_;
-  k::cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), n * tp_size_ * cfg_.n_embd);
+  kt_->cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), n * tp_size_ * cfg_.n_embd);
   return sp_full_bf_;
 }
 
@@ -519,52 +519,46 @@ void Transformer::norm_backward(float* dx, int w, const float* dout, const float
   const bool layernorm = cfg_.arch == Arch::GPT2;
   auto run = [&](float* dw, float* db) {
     if (layernorm)
-      k::layernorm_backward(dx, dw, db, dout, x, wf(w), mean.f32(), rstd.f32(), R, C);
+      kt_->layernorm_backward(dx, dw, db, dout, x, wf(w), mean.f32(), rstd.f32(), R, C);
     else
-      k::rmsnorm_backward(dx, dw, dout, x, wf(w), rstd.f32(), R, C);
+      kt_->rmsnorm_backward(dx, dw, dout, x, wf(w), rstd.f32(), R, C);
   };
   if (!sp_) return run(gp(w), layernorm ? gp(w + 1) : nullptr);
   const int64_t n = layernorm ? 2 * C : C;
   float* t = sp_pgrad_.f32();
-  std::memset(t, 0, static_cast<size_t>(n) * sizeof(float));
+  dev::zero(dev_, t, static_cast<size_t>(n) * sizeof(float));
   run(t, layernorm ? t + C : nullptr);
   tp_->all_reduce_sum(t, n);
-  k::accumulate(gp(w), t, C);
-  if (layernorm) k::accumulate(gp(w + 1), t + C, C);
+  kt_->accumulate(gp(w), t, C);
+  if (layernorm) kt_->accumulate(gp(w + 1), t + C, C);
 }
 
 // y = x @ W^T (+ b), with x in the compute dtype.
 namespace {
 struct Lin {
+  const kernels::KernelTable* kt_;
   DType cd;
   void fwd(float* out, const Tensor& x, const float* wf, const bf16* wb, const float* b, int64_t N, int64_t IC,
            int64_t OC) const {
     if (cd == DType::F32)
-      k::linear_forward(out, x.f32(), wf, b, N, IC, OC);
+      kt_->linear_forward(out, x.f32(), wf, b, N, IC, OC);
     else
-      k::linear_forward_bf16(out, x.bf(), wb, b, N, IC, OC);
+      kt_->linear_forward_bf16(out, x.bf(), wb, b, N, IC, OC);
   }
   void bwd(float* dx, float* dw, float* db, const float* dout, const Tensor& x, const float* wf, const bf16* wb,
            int64_t N, int64_t IC, int64_t OC) const {
     if (cd == DType::F32)
-      k::linear_backward(dx, dw, db, dout, x.f32(), wf, N, IC, OC);
+      kt_->linear_backward(dx, dw, db, dout, x.f32(), wf, N, IC, OC);
     else
-      k::linear_backward_bf16(dx, dw, db, dout, x.bf(), wb, N, IC, OC);
+      kt_->linear_backward_bf16(dx, dw, db, dout, x.bf(), wb, N, IC, OC);
   }
 };
 // Writes an fp32 result into a compute-dtype tensor (cast in bf16 mode, through scratch).
-void store(const Tensor& dst, const float* src, int64_t n) {
-  if (dst.dtype() == DType::F32) {
-    if (dst.f32() != src) std::memcpy(dst.f32(), src, n * sizeof(float));
-  } else {
-    k::cast_f32_to_bf16(dst.bf(), src, n);
-  }
-}
-// x[n, :] += b for x [N, C].
-void add_bias(float* x, const float* b, int64_t N, int64_t C) {
-#pragma omp parallel for
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t c = 0; c < C; ++c) x[n * C + c] += b[c];
+void store(const kernels::KernelTable* kt_, const Tensor& dst, const float* src, int64_t n) {
+  if (dst.dtype() == DType::F32)
+    dev::copy(kt_->device, dst.f32(), src, static_cast<size_t>(n) * sizeof(float));
+  else
+    kt_->cast_f32_to_bf16(dst.bf(), src, n);
 }
 }  // namespace
 
@@ -575,7 +569,7 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const int base = unit_params_[layer + 1][0];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
-  Lin lin{compute_};
+  Lin lin{kt_, compute_};
   auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
   auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
   const int64_t R = residual_rows(N);  // rows of x, out, the norms and the residual on this rank
@@ -583,18 +577,18 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   // Sequence parallelism: the norm runs on this rank's rows; the matmul gets all rows (gathered).
   float* ln1_out = bf || sp_ ? tmp : a.ln1.f32();
   if (gpt)
-    k::layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, wf(base + G_LN1W), wf(base + G_LN1B), R, C,
+    kt_->layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, wf(base + G_LN1W), wf(base + G_LN1B), R, C,
                          cfg_.norm_eps);
   else
-    k::rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, wf(base + L_LN1W), R, C, cfg_.norm_eps);
-  if (bf || sp_) store(a.ln1, ln1_out, R * C);
+    kt_->rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, wf(base + L_LN1W), R, C, cfg_.norm_eps);
+  if (bf || sp_) store(kt_, a.ln1, ln1_out, R * C);
   const Tensor& ln1_in = sp_ ? sp_gather(ln1_out, R) : a.ln1;
   // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
   int qkv_w = gpt ? G_QKVW : L_QW;
   lin.fwd(a.qkv.f32(), ln1_in, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
-  if (!gpt) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
-  k::attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
-  if (bf) store(a.atty_bf, a.atty.f32(), N * nh * hd);
+  if (!gpt) kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
+  if (bf) store(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
   int proj_w = gpt ? G_PROJW : L_OW;
   // Row-parallel output projection: partial sums over this rank's heads, summed across tp ranks
@@ -605,26 +599,26 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
     tp_->reduce_scatter_activations(proj_out, a.res2.f32(), R * C);
   else if (tp)
     tp_->all_reduce_activations(a.res2.f32(), N * C);
-  if (tp && gpt) add_bias(a.res2.f32(), wf(base + G_PROJB), R, C);
-  k::accumulate(a.res2.f32(), x, R * C);
+  if (tp && gpt) kt_->add_bias(a.res2.f32(), wf(base + G_PROJB), R, C);
+  kt_->accumulate(a.res2.f32(), x, R * C);
   float* ln2_out = bf || sp_ ? tmp : a.ln2.f32();
   if (gpt)
-    k::layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), wf(base + G_LN2W),
+    kt_->layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), wf(base + G_LN2W),
                          wf(base + G_LN2B), R, C, cfg_.norm_eps);
   else
-    k::rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), wf(base + L_LN2W), R, C, cfg_.norm_eps);
-  if (bf || sp_) store(a.ln2, ln2_out, R * C);
+    kt_->rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), wf(base + L_LN2W), R, C, cfg_.norm_eps);
+  if (bf || sp_) store(kt_, a.ln2, ln2_out, R * C);
   const Tensor& ln2_in = sp_ ? sp_gather(ln2_out, R) : a.ln2;
   float* act_out = bf ? tmp : a.act.f32();
   if (gpt) {
     lin.fwd(a.fc.f32(), ln2_in, WF(G_FCW), WB(G_FCW), wf(base + G_FCB), N, C, F);
-    k::gelu_forward(act_out, a.fc.f32(), N * F);
+    kt_->gelu_forward(act_out, a.fc.f32(), N * F);
   } else {
     lin.fwd(a.fc.f32(), ln2_in, WF(L_GATEW), WB(L_GATEW), nullptr, N, C, F);
     lin.fwd(a.up.f32(), ln2_in, WF(L_UPW), WB(L_UPW), nullptr, N, C, F);
-    k::swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
+    kt_->swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
   }
-  if (bf) store(a.act, act_out, N * F);
+  if (bf) store(kt_, a.act, act_out, N * F);
   int down_w = gpt ? G_MPW : L_DOWNW;
   float* down_out = sp_ ? sp_part_.f32() : out;
   lin.fwd(down_out, a.act, WF(down_w), WB(down_w), gpt && !tp ? wf(base + G_MPB) : nullptr, N, F, C);
@@ -632,8 +626,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
     tp_->reduce_scatter_activations(down_out, out, R * C);
   else if (tp)
     tp_->all_reduce_activations(out, N * C);
-  if (tp && gpt) add_bias(out, wf(base + G_MPB), R, C);
-  k::accumulate(out, a.res2.f32(), R * C);
+  if (tp && gpt) kt_->add_bias(out, wf(base + G_MPB), R, C);
+  kt_->accumulate(out, a.res2.f32(), R * C);
 }
 
 // dx holds d(block output) on entry and d(block input) on exit.
@@ -643,7 +637,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   const int base = unit_params_[layer + 1][0];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
-  Lin lin{compute_};
+  Lin lin{kt_, compute_};
   auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
   auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
   float* dnorm = bwd_ws_[0].f32();
@@ -672,7 +666,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     if (!sp_) return -1;
     const float* src = nullptr;
     if (bf) {
-      k::cast_bf16_to_f32(bwd_ws_[6].f32(), stored.bf(), R * C);
+      kt_->cast_bf16_to_f32(bwd_ws_[6].f32(), stored.bf(), R * C);
       src = bwd_ws_[6].f32();
     } else {
       src = stored.f32();
@@ -683,26 +677,26 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     if (!sp_) return stored;
     tp_->wait(h);
     if (!bf) return sp_full_;
-    k::cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), N * C);
+    kt_->cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), N * C);
     return sp_full_bf_;
   };
   // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
-  std::memset(dact, 0, N * F * sizeof(float));
+  dev::zero(dev_, dact, static_cast<size_t>(N * F) * sizeof(float));
   int down_w = gpt ? G_MPW : L_DOWNW;
   const float* dout = all_rows(dx);
   lin.bwd(dact, gp(base + down_w), gpt ? gp(base + G_MPB) : nullptr, dout, a.act, WF(down_w), WB(down_w), N, F, C);
-  std::memset(dfc, 0, N * F * sizeof(float));
-  std::memset(dnorm, 0, N * C * sizeof(float));
+  dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
+  dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
   if (gpt) {
-    k::gelu_backward(dfc, a.fc.f32(), dact, N * F);
+    kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
     const int hin = start_norm_input(a.ln2);
     lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(G_FCW), WB(G_FCW), N, C, F);  // input gradient first
     const int hsum = start_input_grad_sum(dnorm);
     lin.bwd(nullptr, gp(base + G_FCW), gp(base + G_FCB), dfc, norm_input(a.ln2, hin), WF(G_FCW), WB(G_FCW), N, C, F);
     norm_backward(dx, base + G_LN2W, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
-    std::memset(dup, 0, N * F * sizeof(float));
-    k::swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
+    dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
+    kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
     const int hin = start_norm_input(a.ln2);
     lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(L_GATEW), WB(L_GATEW), N, C, F);
     lin.bwd(dnorm, nullptr, nullptr, dup, a.ln2, WF(L_UPW), WB(L_UPW), N, C, F);
@@ -713,16 +707,16 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     norm_backward(dx, base + L_LN2W, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   }
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
-  std::memset(datty, 0, N * nh * hd * sizeof(float));
+  dev::zero(dev_, datty, static_cast<size_t>(N * nh * hd) * sizeof(float));
   int proj_w = gpt ? G_PROJW : L_OW;
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
   const float* dres2 = all_rows(dx);
   lin.bwd(datty, gp(base + proj_w), gpt ? gp(base + G_PROJB) : nullptr, dres2, atty_in, WF(proj_w), WB(proj_w), N,
           nh * hd, C);
-  std::memset(dqkv, 0, N * QKV * sizeof(float));
-  k::attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
-  if (!gpt) k::rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
-  std::memset(dnorm, 0, N * C * sizeof(float));
+  dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
+  kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
+  if (!gpt) kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
   int qkv_w = gpt ? G_QKVW : L_QW;
   const int hin = start_norm_input(a.ln1);
   lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
@@ -756,7 +750,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
       if (ids[i] < 0 || ids[i] >= V)
         throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
                                 " is outside the vocabulary of " + std::to_string(V));
-    std::memcpy(s.ids.raw(), ids, N * sizeof(int32_t));
+    dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
     const int32_t* ids_saved = s.ids.data<int32_t>();
     if (hooks_) hooks_->pre_forward(0);
     // With sequence parallelism the vocab-parallel partial rows of all N tokens are built in
@@ -765,16 +759,8 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     const int emb = unit_params_[0][0];
     if (tp) {
       // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp ranks.
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t row = ids_saved[i] - vocab_lo_;
-        if (row < 0 || row >= Vp_l_) {
-          std::memset(x + i * C, 0, C * sizeof(float));
-        } else if (bf) {
-          k::cast_bf16_to_f32(x + i * C, wb(emb) + row * C, C);
-        } else {
-          std::memcpy(x + i * C, wf(emb) + row * C, C * sizeof(float));
-        }
-      }
+      kt_->vocab_embedding_forward(x, ids_saved, bf ? static_cast<const void*>(wb(emb)) : wf(emb), compute_, vocab_lo_,
+                                   Vp_l_, N, C);
       if (sp_) {
         tp_->reduce_scatter_activations(x, s.block_out[0].f32(), R * C);
         x = s.block_out[0].f32();
@@ -782,21 +768,19 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
         tp_->all_reduce_activations(x, N * C);
       }
     } else if (bf) {  // rows of the bf16 table, widened
-      const bf16* table = wb(emb);
-      for (int64_t i = 0; i < N; ++i) k::cast_bf16_to_f32(x + i * C, table + static_cast<int64_t>(ids_saved[i]) * C, C);
+      kt_->vocab_embedding_forward(x, ids_saved, wb(emb), DType::BF16, 0, Vp_l_, N, C);
     } else {
-      k::embedding_forward(x, ids_saved, wf(emb), N, C);
+      kt_->embedding_forward(x, ids_saved, wf(emb), N, C);
     }
     if (gpt && sp_) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
-      const float* pos = wf(emb + 1);
-      for (int64_t i = 0; i < R; ++i) k::accumulate(x + i * C, pos + ((tp_rank_ * R + i) % T) * C, C);
+      kt_->position_add_rows(x, wf(emb + 1), R, T, tp_rank_ * R, C);
     } else if (gpt) {
-      k::position_add_forward(x, wf(emb + 1), B, T, C);
+      kt_->position_add_forward(x, wf(emb + 1), B, T, C);
     }
     if (hooks_) hooks_->post_forward(0);
   } else {
     if (!input) throw std::invalid_argument("forward_units: a stage that starts after the embedding needs its input");
-    std::memcpy(s.block_out[first - 1].f32(), input, static_cast<size_t>(R * C) * sizeof(float));
+    dev::copy(dev_, s.block_out[first - 1].f32(), input, static_cast<size_t>(R * C) * sizeof(float));
   }
   // blocks
   for (int u = std::max(first, 1); u <= std::min(last, hu - 1); ++u) {
@@ -818,40 +802,38 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   // output projection, which needs every row; head_in keeps the gathered rows for its backward.
   float* hin = sp_ ? bwd_ws_[6].f32() : s.head_in.f32();
   if (gpt)
-    k::layernorm_forward(hin, s.head_mean.f32(), s.head_rstd.f32(), xl, wf(hb), wf(hb + 1), R, C, cfg_.norm_eps);
+    kt_->layernorm_forward(hin, s.head_mean.f32(), s.head_rstd.f32(), xl, wf(hb), wf(hb + 1), R, C, cfg_.norm_eps);
   else
-    k::rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), R, C, cfg_.norm_eps);
+    kt_->rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), R, C, cfg_.norm_eps);
   if (sp_) {
     tp_->all_gather_activations(hin, s.head_in.f32(), R * C);
     hin = s.head_in.f32();
   }
-  if (bf) k::cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
+  if (bf) kt_->cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
   s.chunked = loss_chunk_ > 0 && targets;
   if (!s.chunked) {
     if (!s.logits.defined())  // chunked-head model asked for whole logits (sampling)
       s.logits = Tensor::empty({N, Vp}, DType::F32, MemCategory::Activations);
     if (bf)
-      k::linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
+      kt_->linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
     else
-      k::linear_forward(s.logits.f32(), hin, head_wf(), nullptr, N, C, Vp);
+      kt_->linear_forward(s.logits.f32(), hin, head_wf(), nullptr, N, C, Vp);
   }
   double loss = 0.0;
   if (targets) {
     for (int64_t i = 0; i < N; ++i)
       if (targets[i] >= V)
         throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
-    std::memcpy(s.targets.raw(), targets, N * sizeof(int32_t));
+    dev::copy_from_host(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
     if (s.chunked)
       chunked_head_forward(hin, train, dloss_scale);
     else if (tp)
       tp_cross_entropy(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
     else if (train)
-      k::softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
+      kt_->softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
-      k::softmax_cross_entropy_forward(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp);
-    double sum = 0.0;
-    for (int64_t i = 0; i < N; ++i) sum += s.losses.f32()[i];
-    loss = sum / static_cast<double>(N);
+      kt_->softmax_cross_entropy_forward(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp);
+    loss = kt_->sum(s.losses.f32(), N) / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
   s.have_backward = train && targets;
@@ -897,14 +879,14 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       const int64_t rows = defer_emb_ && head_chunk_done_ ? std::clamp<int64_t>(head_chunk_rows_, 1, Vp) : Vp;
       for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
         const int64_t cv = std::min(rows, Vp - r0);
-        if (head_dw_pending_) k::accumulate(head_gp() + r0 * C, head_dw_.f32() + r0 * C, cv * C);
+        if (head_dw_pending_) kt_->accumulate(head_gp() + r0 * C, head_dw_.f32() + r0 * C, cv * C);
         if (defer_emb_ && head_chunk_done_) head_chunk_done_(r0, r0 + cv);
       }
       head_dw_pending_ = false;
       dhin = input_grad_sum(dhin, h);
     } else if (defer_emb_ && head_chunk_done_) {  // tp = 1
       // In vocabulary-row chunks, each chunk's weight-gradient rows handed over when complete.
-      std::memset(dhin, 0, N * C * sizeof(float));
+      dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
       const int64_t rows = std::clamp<int64_t>(head_chunk_rows_, 1, Vp);
       if (rows < Vp && head_chunk_buf_.numel() != N * rows)
         head_chunk_buf_ = Tensor::empty({N, rows}, DType::F32, MemCategory::Workspace);
@@ -912,37 +894,35 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         const int64_t cv = std::min(rows, Vp - r0);
         const float* dl = s.logits.f32();
         if (cv < Vp) {  // the chunk's columns of the logits' gradient, contiguous
-          float* buf = head_chunk_buf_.f32();
-#pragma omp parallel for
-          for (int64_t n = 0; n < N; ++n) std::memcpy(buf + n * cv, dl + n * Vp + r0, cv * sizeof(float));
-          dl = buf;
+          kt_->copy_columns(head_chunk_buf_.f32(), dl, N, Vp, r0, cv);
+          dl = head_chunk_buf_.f32();
         }
         if (bf)
-          k::linear_backward_bf16(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in_bf.bf(), head_wb() + r0 * C, N, C, cv);
+          kt_->linear_backward_bf16(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in_bf.bf(), head_wb() + r0 * C, N, C, cv);
         else
-          k::linear_backward(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in.f32(), head_wf() + r0 * C, N, C, cv);
+          kt_->linear_backward(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in.f32(), head_wf() + r0 * C, N, C, cv);
         head_chunk_done_(r0, r0 + cv);
       }
     } else {
       // Input gradient first, so that its sum over the tp ranks runs while the weight gradient is computed.
-      std::memset(dhin, 0, N * C * sizeof(float));
+      dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
       auto head_bwd = [&](float* dinp, float* dw) {
         if (bf)
-          k::linear_backward_bf16(dinp, dw, nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
+          kt_->linear_backward_bf16(dinp, dw, nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
         else
-          k::linear_backward(dinp, dw, nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
+          kt_->linear_backward(dinp, dw, nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
       };
       head_bwd(dhin, nullptr);
       const int h = start_input_grad_sum(dhin);
       head_bwd(nullptr, head_gp());
       dhin = input_grad_sum(dhin, h);
     }
-    std::memset(dx, 0, R * C * sizeof(float));
+    dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
     norm_backward(dx, hb, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
     if (hooks_) hooks_->post_backward(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
-    std::memcpy(dx, dout, static_cast<size_t>(R * C) * sizeof(float));
+    dev::copy(dev_, dx, dout, static_cast<size_t>(R * C) * sizeof(float));
   }
   for (int u = std::min(last, hu - 1); u >= std::max(first, 1); --u) {
     const int64_t l = u - 1;
@@ -963,28 +943,23 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       dx = sp_dfull_.f32();
     }
     if (tp) {  // only the rows this rank holds
-      float* dt = gp(emb);
-      const int32_t* ids = s.ids.data<int32_t>();
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t row = ids[i] - vocab_lo_;
-        if (row >= 0 && row < Vp_l_) k::accumulate(dt + row * C, dx + i * C, C);
-      }
+      kt_->vocab_embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), vocab_lo_, Vp_l_, N, C);
     } else if (defer_emb_) {  // kept for the caller (see set_defer_embedding_grad)
       if (!deferred_rows_.defined() || deferred_rows_.numel() != N * C) {
         deferred_rows_ = Tensor::empty({N, C}, DType::F32, MemCategory::Workspace);
         deferred_ids_ = Tensor::empty({N}, DType::F32, MemCategory::Workspace);  // int32 storage
       }
-      std::memcpy(deferred_rows_.f32(), dx, static_cast<size_t>(N * C) * sizeof(float));
-      std::memcpy(deferred_ids_.raw(), s.ids.raw(), static_cast<size_t>(N) * sizeof(int32_t));
+      dev::copy(dev_, deferred_rows_.f32(), dx, static_cast<size_t>(N * C) * sizeof(float));
+      dev::copy(dev_, deferred_ids_.raw(), s.ids.raw(), static_cast<size_t>(N) * sizeof(int32_t));
       deferred_n_ = N;
     } else {
-      k::embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), N, C);
+      kt_->embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), N, C);
     }
     if (extra_emb_grad_) {  // the pipeline's head contribution to a tied embedding
-      k::accumulate(gp(emb), extra_emb_grad_, Vp * C);
+      kt_->accumulate(gp(emb), extra_emb_grad_, Vp * C);
       extra_emb_grad_ = nullptr;
     }
-    if (gpt) k::position_add_backward(gp(emb + 1), dx, B, T, C);
+    if (gpt) kt_->position_add_backward(gp(emb + 1), dx, B, T, C);
     if (hooks_) hooks_->post_backward(0);
   }
   s.have_backward = false;
@@ -1007,16 +982,14 @@ void Transformer::load_tied_replica(const Transformer& full_layout, const float*
   const ParamInfo& fp = full_layout.params().at(full_layout.unit_params_[0][0]);
   const int64_t C = cfg_.n_embd, rows = Vp_l_;
   // This tp rank's rows (vocab-parallel split); rows past the full table stay zero.
-  std::vector<float> tmp(static_cast<size_t>(rows * C), 0.0f);
+  Tensor tmp = Tensor::zeros({rows, C}, DType::F32, MemCategory::Workspace);
   const int64_t full_rows = fp.shape[0];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t g = vocab_lo_ + r;
-    if (g < full_rows) std::memcpy(tmp.data() + r * C, full + fp.offset + g * C, C * sizeof(float));
-  }
+  const int64_t have = std::clamp<int64_t>(full_rows - vocab_lo_, 0, rows);
+  dev::copy(dev_, tmp.f32(), full + fp.offset + vocab_lo_ * C, static_cast<size_t>(have * C) * sizeof(float));
   if (compute_ == DType::F32)
-    std::memcpy(tied_w_.f32(), tmp.data(), tmp.size() * sizeof(float));
+    dev::copy(dev_, tied_w_.f32(), tmp.f32(), static_cast<size_t>(rows * C) * sizeof(float));
   else
-    k::cast_f32_to_bf16(tied_w_.bf(), tmp.data(), rows * C);
+    kt_->cast_f32_to_bf16(tied_w_.bf(), tmp.f32(), rows * C);
 }
 
 // Vocab-parallel softmax cross-entropy (Megatron): each rank holds Vp/t columns of the logits;
@@ -1025,36 +998,13 @@ void Transformer::load_tied_replica(const Transformer& full_layout, const float*
 void Transformer::tp_cross_entropy(float* lg, const int32_t* tg, float* losses, int64_t N, bool train, float dloss) {
   const int64_t Vl = Vp_l_, V = cfg_.vocab_size, lo = vocab_lo_;
   const int64_t valid = std::clamp<int64_t>(V - lo, 0, Vl);  // real vocabulary columns on this rank
-  std::vector<float> mx(N), red(2 * N);  // red: [sum of exp | target logit]
-#pragma omp parallel for
-  for (int64_t n = 0; n < N; ++n) {
-    float m = -INFINITY;
-    for (int64_t j = 0; j < valid; ++j) m = std::max(m, lg[n * Vl + j]);
-    mx[n] = m;
-  }
-  tp_->all_reduce_max(mx.data(), N);
-#pragma omp parallel for
-  for (int64_t n = 0; n < N; ++n) {
-    double se = 0;
-    for (int64_t j = 0; j < valid; ++j) se += std::exp(static_cast<double>(lg[n * Vl + j] - mx[n]));
-    red[n] = static_cast<float>(se);
-    const int64_t t = tg[n] - lo;
-    red[N + n] = (tg[n] >= 0 && t >= 0 && t < valid) ? lg[n * Vl + t] : 0.0f;
-  }
-  tp_->all_reduce_sum(red.data(), 2 * N);
-#pragma omp parallel for
-  for (int64_t n = 0; n < N; ++n) {
-    const bool ignore = tg[n] < 0;
-    losses[n] = ignore ? 0.0f : std::log(red[n]) + mx[n] - red[N + n];
-    if (!train) continue;
-    const float inv = 1.0f / red[n];
-    const int64_t t = tg[n] - lo;
-    for (int64_t j = 0; j < Vl; ++j) {
-      float g = 0.0f;
-      if (!ignore && j < valid) g = (std::exp(lg[n * Vl + j] - mx[n]) * inv - (j == t ? 1.0f : 0.0f)) * dloss;
-      lg[n * Vl + j] = g;
-    }
-  }
+  Tensor mx = Tensor::empty({N}, DType::F32, MemCategory::Workspace);
+  Tensor red = Tensor::empty({2 * N}, DType::F32, MemCategory::Workspace);  // [sum of exp | target logit]
+  kt_->vp_ce_rowmax(mx.f32(), lg, N, Vl, valid);
+  tp_->all_reduce_max(mx.f32(), N);
+  kt_->vp_ce_stats(red.f32(), lg, mx.f32(), tg, N, Vl, valid, lo);
+  tp_->all_reduce_sum(red.f32(), 2 * N);
+  kt_->vp_ce_finish(lg, losses, mx.f32(), red.f32(), tg, N, Vl, valid, lo, train, dloss);
 }
 
 namespace {
@@ -1093,12 +1043,12 @@ void for_each_tp_run(const ParamInfo& lp, const ParamInfo& fp, int r, int t, con
 
 void Transformer::shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const {
   const int64_t lo = units_[u].offset, fo = full_layout.units_[u].offset;
-  std::memset(local, 0, static_cast<size_t>(units_[u].numel) * sizeof(float));
+  dev::zero(dev_, local, static_cast<size_t>(units_[u].numel) * sizeof(float));
   for (const auto& lp : params_) {
     if (lp.unit != u) continue;
     const ParamInfo& fp = full_layout.param(lp.name);
     for_each_tp_run(lp, fp, tp_rank_, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
-      std::memcpy(local + (lp.offset - lo) + li, full + (fp.offset - fo) + fi, static_cast<size_t>(n) * sizeof(float));
+      dev::copy(dev_, local + (lp.offset - lo) + li, full + (fp.offset - fo) + fi, static_cast<size_t>(n) * sizeof(float));
     });
   }
 }
@@ -1107,13 +1057,13 @@ void Transformer::assemble_unit_full(const Transformer& full_layout, int u, cons
                                      float* full) const {
   if (static_cast<int>(locals.size()) != tp_size_) throw std::invalid_argument("assemble_unit_full: one buffer per tp rank");
   const int64_t lo = units_[u].offset, fo = full_layout.units_[u].offset;
-  std::memset(full, 0, static_cast<size_t>(full_layout.units_[u].numel) * sizeof(float));
+  dev::zero(dev_, full, static_cast<size_t>(full_layout.units_[u].numel) * sizeof(float));
   for (const auto& lp : params_) {
     if (lp.unit != u) continue;
     const ParamInfo& fp = full_layout.param(lp.name);
     for (int r = 0; r < tp_size_; ++r)
       for_each_tp_run(lp, fp, r, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
-        std::memcpy(full + (fp.offset - fo) + fi, locals[r] + (lp.offset - lo) + li, static_cast<size_t>(n) * sizeof(float));
+        dev::copy(dev_, full + (fp.offset - fo) + fi, locals[r] + (lp.offset - lo) + li, static_cast<size_t>(n) * sizeof(float));
       });
   }
 }

@@ -19,6 +19,10 @@
 
 namespace mt {
 
+namespace kernels {
+struct KernelTable;
+}
+
 enum class Recompute { None, Full, Selective };
 bool parse_recompute(const std::string& s, Recompute* out);
 const char* recompute_name(Recompute r);
@@ -99,6 +103,9 @@ class Transformer {
 
   const ModelConfig& config() const { return cfg_; }
   DType compute_dtype() const { return compute_; }
+  // The device the model's tensors live on (the current device when it was built) and its kernels.
+  Device device() const { return dev_; }
+  const kernels::KernelTable& kernels() const { return *kt_; }
   const std::vector<ParamInfo>& params() const { return params_; }
   const ParamInfo& param(const std::string& name) const;
   int num_units() const { return static_cast<int>(units_.size()); }
@@ -250,6 +257,8 @@ class Transformer {
   ModelConfig cfg_;
   DType compute_;
   Recompute recompute_;
+  Device dev_;
+  const kernels::KernelTable* kt_;
   std::vector<ParamInfo> params_;
   std::vector<UnitRange> units_;
   std::vector<std::vector<int>> unit_params_;  // param indices per unit

@@ -4,8 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/cpu/activation.h"
-#include "kernels/cpu/embedding.h"
+#include "kernels/backend.h"
 
 namespace mt::parallel {
 
@@ -131,10 +130,10 @@ DdpStepStats DataParallel::finish() {
     // The dense part is averaged; add every rank's lookup rows / world, in rank order (the same
     // sum on every rank).
     const int64_t W = dp_->size(), n = model_.deferred_embedding_count(), C = model_.config().n_embd;
-    kernels::cpu::scale(gathered_rows_.f32(), 1.0f / static_cast<float>(W), W * n * C);
+    model_.kernels().scale(gathered_rows_.f32(), 1.0f / static_cast<float>(W), W * n * C);
     float* g = model_.grads().f32() + tied_offset_;
     for (int64_t r = 0; r < W; ++r)
-      kernels::cpu::embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.data<int32_t>() + r * n, n, C);
+      model_.kernels().embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.data<int32_t>() + r * n, n, C);
   }
   st.exposed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   for (auto& b : buckets_)

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "kernels/cpu/adamw.h"
+#include "kernels/backend.h"
 
 namespace mt {
 
@@ -26,7 +26,7 @@ std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
 void AdamW::step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state, bool g_by_state) {
   ++step_;
   for (const auto& sp : spans_) {
-    kernels::cpu::adamw_update(weights + (w_by_state ? sp.s_off : sp.w_off), grads + (g_by_state ? sp.s_off : sp.w_off),
+    kernels::table(m_.device()).adamw_update(weights + (w_by_state ? sp.s_off : sp.w_off), grads + (g_by_state ? sp.s_off : sp.w_off),
                           m_.f32() + sp.s_off, v_.f32() + sp.s_off, sp.n, static_cast<float>(lr),
                           static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
                           sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, step_, grad_scale);

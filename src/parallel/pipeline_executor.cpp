@@ -211,7 +211,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   auto stash = [&](int key, const float* src) -> Msg& {
     Msg& msg = sends[key];
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
-    std::memcpy(msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
+    dev::copy(model_.device(), msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
     return msg;
   };
   auto post_recv = [&](int key, int peer) {
@@ -308,7 +308,7 @@ double PipelineExecutor::eval_forward(const int32_t* ids, const int32_t* targets
     loss = model_.forward_units(first, last, ids, last == head_unit_ ? targets : nullptr, in.f32(), B, T, false);
     if (last != head_unit_) {
       if (pending) pending->wait();
-      std::memcpy(out.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));
+      dev::copy(model_.device(), out.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));
       pending = pp_->send(out.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s + 1), tag(kAct, 0, s));
     }
   }

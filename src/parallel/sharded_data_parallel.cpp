@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "comm/world.h"
-#include "kernels/cpu/activation.h"
+#include "kernels/backend.h"
 
 namespace mt::parallel {
 
@@ -105,7 +105,7 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
   // shard); their own group keeps the shard group's byte counters to gradients and parameters.
   // Same members as the shard group (named by its first world rank, so each shard group of a
   // hybrid or tensor-parallel mesh gets its own).
-  norm_group_ = comm::World::get().split(shard_->global_ranks()[0], r_, "grad_norm");
+  norm_group_ = comm::World::get().split_like(*shard_, "grad_norm");
 }
 
 ShardedDataParallel::~ShardedDataParallel() {
@@ -127,16 +127,16 @@ void ShardedDataParallel::load_unit(int u, const float* w, const float* m, const
   if (s.numel == 0) return;  // another pipeline stage's unit
   const int64_t mine = r_ * s.shard;  // this rank's slice of the unit
   const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
-  if (master_.defined()) std::memcpy(master_.f32() + s.local, w + mine, bytes);
+  if (master_.defined()) dev::copy(model_.device(), master_.f32() + s.local, w + mine, bytes);
   for (auto [t, src] : {std::pair<Tensor*, const float*>{&adam_->exp_avg(), m}, {&adam_->exp_avg_sq(), v}}) {
-    if (src) std::memcpy(t->f32() + s.local, src + mine, bytes);
-    else std::memset(t->f32() + s.local, 0, bytes);
+    if (src) dev::copy(model_.device(), t->f32() + s.local, src + mine, bytes);
+    else dev::zero(model_.device(), t->f32() + s.local, bytes);
   }
   if (!params_sharded()) {  // full parameters in the compute dtype
     if (cd_ == DType::F32)
-      std::memcpy(model_.weights().f32() + s.offset, w, static_cast<size_t>(s.numel) * sizeof(float));
+      dev::copy(model_.device(), model_.weights().f32() + s.offset, w, static_cast<size_t>(s.numel) * sizeof(float));
     else
-      kernels::cpu::cast_f32_to_bf16(model_.compute_weights().bf() + s.offset, w, s.numel);
+      model_.kernels().cast_f32_to_bf16(model_.compute_weights().bf() + s.offset, w, s.numel);
   }
 }
 
@@ -162,11 +162,11 @@ void ShardedDataParallel::gather(int u) {
   const float* src = master_.f32() + s.local;
   if (cd_ == DType::F32) {
     float* dst = s.gathered.f32() + r_ * s.shard;
-    std::memcpy(dst, src, s.shard * sizeof(float));
+    dev::copy(model_.device(), dst, src, static_cast<size_t>(s.shard) * sizeof(float));
     s.gather_work = shard_->all_gather(dst, s.gathered.f32(), s.shard, DType::F32);
   } else {
     bf16* dst = s.gathered.bf() + r_ * s.shard;
-    kernels::cpu::cast_f32_to_bf16(dst, src, s.shard);
+    model_.kernels().cast_f32_to_bf16(dst, src, s.shard);
     s.gather_work = shard_->all_gather(dst, s.gathered.bf(), s.shard, DType::BF16);
   }
   step_works_.push_back(s.gather_work);
@@ -275,7 +275,7 @@ void ShardedDataParallel::complete_reduce(int u) {
   s.reduce_work.reset();
   float* shard_grad;
   if (grads_sharded()) {
-    kernels::cpu::accumulate(grad_shard_.f32() + s.local, s.grad.f32() + r_ * s.shard, s.shard);
+    model_.kernels().accumulate(grad_shard_.f32() + s.local, s.grad.f32() + r_ * s.shard, s.shard);
     model_.set_unit_grads(u, nullptr);
     s.grad = Tensor();
     shard_grad = grad_shard_.f32() + s.local;
@@ -336,7 +336,7 @@ double ShardedDataParallel::grad_norm_sq(const std::vector<double>& weight) {
   double local = 0;
   for (const auto& sp : adam_->spans()) {
     const float* g = grads_sharded() ? grad_shard_.f32() + sp.s_off : model_.grads().f32() + sp.w_off;
-    local += (weight.empty() ? 1.0 : weight[sp.param]) * kernels::cpu::sum_squares(g, sp.n);
+    local += (weight.empty() ? 1.0 : weight[sp.param]) * model_.kernels().sum_squares(g, sp.n);
   }
   if (N_ == 1) return local;
   float f = static_cast<float>(local);
@@ -366,7 +366,7 @@ void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepS
         if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::F32));
       } else {
         bf16* full = model_.compute_weights().bf() + s.offset;
-        kernels::cpu::cast_f32_to_bf16(full + r_ * s.shard, master_.f32() + s.local, s.shard);
+        model_.kernels().cast_f32_to_bf16(full + r_ * s.shard, master_.f32() + s.local, s.shard);
         if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::BF16));
       }
     }

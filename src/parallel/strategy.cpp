@@ -3,7 +3,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "kernels/cpu/activation.h"
+#include "kernels/backend.h"
 #include "parallel/data_parallel.h"
 #include "parallel/sharded_data_parallel.h"
 
@@ -22,7 +22,7 @@ class DdpStrategy final : public Strategy {
   void load_unit(int u, const float* w, const float* m, const float* v) override {
     const UnitRange& r = model_.unit(u);
     if (r.numel == 0) return;
-    std::memcpy(model_.weights().f32() + r.offset, w, r.numel * sizeof(float));
+    dev::copy(model_.device(), model_.weights().f32() + r.offset, w, static_cast<size_t>(r.numel) * sizeof(float));
     put(adam_.exp_avg(), r, m);
     put(adam_.exp_avg_sq(), r, v);
   }
@@ -37,9 +37,10 @@ class DdpStrategy final : public Strategy {
     const UnitRange& r = model_.unit(u);
     if (r.numel == 0) return;
     const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
-    std::memcpy(w, model_.weights().f32() + r.offset, bytes);
-    if (m) std::memcpy(m, adam_.exp_avg().f32() + r.offset, bytes);
-    if (v) std::memcpy(v, adam_.exp_avg_sq().f32() + r.offset, bytes);
+    const Device d = model_.device();
+    dev::copy(d, w, model_.weights().f32() + r.offset, bytes);
+    if (m) dev::copy(d, m, adam_.exp_avg().f32() + r.offset, bytes);
+    if (v) dev::copy(d, v, adam_.exp_avg_sq().f32() + r.offset, bytes);
   }
   void begin_microbatch(bool last) override { ddp_.set_sync(last); }
   void finish_backward(StepComm* c) override {
@@ -51,7 +52,7 @@ class DdpStrategy final : public Strategy {
     double s = 0;
     for (size_t i = 0; i < model_.params().size(); ++i) {
       const ParamInfo& p = model_.params()[i];
-      s += (weight.empty() ? 1.0 : weight[i]) * kernels::cpu::sum_squares(model_.grads().f32() + p.offset, p.numel);
+      s += (weight.empty() ? 1.0 : weight[i]) * model_.kernels().sum_squares(model_.grads().f32() + p.offset, p.numel);
     }
     return s;
   }
@@ -65,8 +66,9 @@ class DdpStrategy final : public Strategy {
 
  private:
   static void put(Tensor& t, const UnitRange& r, const float* src) {
-    if (src) std::memcpy(t.f32() + r.offset, src, r.numel * sizeof(float));
-    else std::memset(t.f32() + r.offset, 0, r.numel * sizeof(float));
+    const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
+    if (src) dev::copy(t.device(), t.f32() + r.offset, src, bytes);
+    else dev::zero(t.device(), t.f32() + r.offset, bytes);
   }
   Transformer& model_;
   std::shared_ptr<comm::ProcessGroup> dp_;

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <stdexcept>
 
-#include "kernels/cpu/activation.h"
+#include "kernels/backend.h"
 
 namespace mt::parallel {
 
@@ -55,7 +55,7 @@ int ProcessGroupTpComm::start_all_reduce_activations(float* x, int64_t n) {
   Pending& p = pending_[static_cast<size_t>(h)];
   if (act_dt_ == DType::BF16) {
     bf16* b = staging(p, n);
-    kernels::cpu::cast_f32_to_bf16(b, x, n);
+    kernels::table(current_device()).cast_f32_to_bf16(b, x, n);
     p.work = g_->all_reduce(b, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum);
     p.result = b;
     p.out = x;
@@ -76,7 +76,7 @@ int ProcessGroupTpComm::start_two_buffers(const float* in, int64_t n_in, float* 
   Pending& p = pending_[static_cast<size_t>(h)];
   if (act_dt_ == DType::BF16) {
     bf16* b = staging(p, n_in + n_out);
-    kernels::cpu::cast_f32_to_bf16(b, in, n_in);
+    kernels::table(current_device()).cast_f32_to_bf16(b, in, n_in);
     p.work = issue(b, b + n_in, DType::BF16);
     p.result = b + n_in;
     p.out = out;
@@ -107,7 +107,7 @@ void ProcessGroupTpComm::wait(int handle) {
     throw std::logic_error("ProcessGroupTpComm::wait: no such operation in flight");
   Pending& p = pending_[static_cast<size_t>(handle)];
   blocking(p.work);
-  if (p.out) kernels::cpu::cast_bf16_to_f32(p.out, p.result, p.n);
+  if (p.out) kernels::table(current_device()).cast_bf16_to_f32(p.out, p.result, p.n);
   p.work.reset();
   p.active = false;
 }

@@ -32,12 +32,12 @@ size_t round_size(size_t bytes) {
 }  // namespace
 
 const char* mem_category_name(MemCategory c) {
-  static const char* names[kNumMemCategories] = {"params",      "grads", "optimizer",
-                                                 "activations", "comm",  "workspace"};
+  static const char* names[kNumMemCategories] = {"params", "grads",     "optimizer", "activations",
+                                                 "comm",   "workspace", "scratch"};
   return names[static_cast<int>(c)];
 }
 
-MemoryTracker& MemoryTracker::instance() {
+MemoryTracker& host_memory_tracker() {
   static MemoryTracker* t = new MemoryTracker();
   return *t;
 }
@@ -60,8 +60,10 @@ void MemoryTracker::on_free(MemCategory c, int64_t bytes) {
 MemStats MemoryTracker::stats() const {
   std::lock_guard<std::mutex> lk(g_mu);
   MemStats s = s_;
-  s.cached_free = cache().cached;
-  s.os_reserved = cache().reserved;
+  if (this == &host_memory_tracker()) {  // the caching allocator's figures belong to the host
+    s.cached_free = cache().cached;
+    s.os_reserved = cache().reserved;
+  }
   return s;
 }
 
@@ -95,13 +97,13 @@ void* mem_alloc(size_t bytes, MemCategory c) {
     std::lock_guard<std::mutex> lk(g_mu);
     cache().reserved += static_cast<int64_t>(rs);
   }
-  MemoryTracker::instance().on_alloc(c, static_cast<int64_t>(bytes));
+  host_memory_tracker().on_alloc(c, static_cast<int64_t>(bytes));
   return p;
 }
 
 void mem_free(void* p, size_t bytes, MemCategory c) {
   if (!p) return;
-  MemoryTracker::instance().on_free(c, static_cast<int64_t>(bytes));
+  host_memory_tracker().on_free(c, static_cast<int64_t>(bytes));
   size_t rs = round_size(bytes);
   std::lock_guard<std::mutex> lk(g_mu);
   cache().free_blocks.emplace(rs, p);

@@ -1,4 +1,5 @@
-// Memory accounting and the caching host allocator.
+// Memory accounting and the caching host allocator (the CPU device's; runtime/device.h has the
+// per-device view).
 //
 // Every byte the engine allocates carries a category. The tracker keeps the bytes currently
 // handed out and the peak per category (and of their sum); these are the figures reported as
@@ -13,8 +14,11 @@
 
 namespace mt {
 
-enum class MemCategory : uint8_t { Params = 0, Grads, Optimizer, Activations, Comm, Workspace };
-constexpr int kNumMemCategories = 6;
+// Scratch: buffers a backend's kernels keep for themselves (the CPU GEMM's packing and widening
+// blocks, attention tiles, per thread; a GPU library's workspace). Everything else is the engine's
+// own and is the same on every backend (what `train --dry-run` reproduces byte for byte).
+enum class MemCategory : uint8_t { Params = 0, Grads, Optimizer, Activations, Comm, Workspace, Scratch };
+constexpr int kNumMemCategories = 7;
 const char* mem_category_name(MemCategory c);
 
 struct MemStats {
@@ -28,6 +32,7 @@ struct MemStats {
 
 class MemoryTracker {
  public:
+  // The tracker of the current device (runtime/device.h): the host's unless a dry run set Meta.
   static MemoryTracker& instance();
   void on_alloc(MemCategory c, int64_t bytes);
   void on_free(MemCategory c, int64_t bytes);
@@ -39,7 +44,10 @@ class MemoryTracker {
   MemStats s_;
 };
 
-// Allocates `bytes` (64-byte aligned, contents unspecified) tagged with category `c`.
+// The host (CPU device) tracker, whatever the current device.
+MemoryTracker& host_memory_tracker();
+
+// Host memory: allocates `bytes` (64-byte aligned, contents unspecified) tagged with category `c`.
 void* mem_alloc(size_t bytes, MemCategory c);
 void mem_free(void* p, size_t bytes, MemCategory c);
 // Returns every cached free block to the OS.

@@ -4,8 +4,9 @@
 
 namespace mt {
 
-Storage::Storage(size_t bytes, MemCategory c) : ptr_(mem_alloc(bytes, c)), bytes_(bytes), cat_(c) {}
-Storage::~Storage() { mem_free(ptr_, bytes_, cat_); }
+Storage::Storage(size_t bytes, MemCategory c, Device d)
+    : ptr_(device_alloc(d, bytes, c)), bytes_(bytes), cat_(c), dev_(d) {}
+Storage::~Storage() { device_free(dev_, ptr_, bytes_, cat_); }
 
 static int64_t shape_numel(const std::vector<int64_t>& s) {
   int64_t n = 1;
@@ -17,10 +18,14 @@ static int64_t shape_numel(const std::vector<int64_t>& s) {
 }
 
 Tensor Tensor::empty(std::vector<int64_t> shape, DType dt, MemCategory c) {
+  return empty_on(current_device(), std::move(shape), dt, c);
+}
+
+Tensor Tensor::empty_on(Device d, std::vector<int64_t> shape, DType dt, MemCategory c) {
   Tensor t;
   t.dtype_ = dt;
   t.shape_ = std::move(shape);
-  t.storage_ = std::make_shared<Storage>(static_cast<size_t>(shape_numel(t.shape_)) * dtype_size(dt), c);
+  t.storage_ = std::make_shared<Storage>(static_cast<size_t>(shape_numel(t.shape_)) * dtype_size(dt), c, d);
   return t;
 }
 
@@ -54,7 +59,7 @@ Tensor Tensor::view(int64_t start, std::vector<int64_t> shape) const {
 }
 
 void Tensor::zero_() const {
-  if (defined()) std::memset(raw(), 0, nbytes());
+  if (defined()) dev::zero(device(), raw(), nbytes());
 }
 
 std::string Tensor::shape_str() const {

@@ -1,8 +1,9 @@
 // Tensors: a shape and dtype over shared, category-tagged storage.
 //
-// Storage owns one allocation from the caching allocator; a Tensor is a (possibly offset) view of
-// it. Tensors are cheap to copy (the storage is shared). Device is CPU today; the field exists so a
-// CUDA backend can slot in beside it.
+// Storage owns one allocation from its device's allocator (runtime/device.h); a Tensor is a
+// (possibly offset) view of it. Tensors are cheap to copy (the storage is shared). New tensors go
+// to the current device; their data pointers are device pointers: only kernels and the device
+// operations may dereference them.
 #pragma once
 #include <cstdint>
 #include <initializer_list>
@@ -11,35 +12,38 @@
 #include <string>
 #include <vector>
 
+#include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/memory.h"
 
 namespace mt {
 
-enum class Device : uint8_t { CPU = 0 };
-
 class Storage {
  public:
-  Storage(size_t bytes, MemCategory c);
+  Storage(size_t bytes, MemCategory c, Device d);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* data() const { return ptr_; }
   size_t bytes() const { return bytes_; }
   MemCategory category() const { return cat_; }
+  Device device() const { return dev_; }
 
  private:
   void* ptr_;
   size_t bytes_;
   MemCategory cat_;
+  Device dev_;
 };
 
 class Tensor {
  public:
   Tensor() = default;
-  // New storage, zero-filled when `zero` is set.
+  // New storage on the current device (contents unspecified / zero-filled).
   static Tensor empty(std::vector<int64_t> shape, DType dt, MemCategory c);
   static Tensor zeros(std::vector<int64_t> shape, DType dt, MemCategory c);
+  // The same on an explicit device.
+  static Tensor empty_on(Device d, std::vector<int64_t> shape, DType dt, MemCategory c);
 
   bool defined() const { return static_cast<bool>(storage_); }
   const std::vector<int64_t>& shape() const { return shape_; }
@@ -47,7 +51,7 @@ class Tensor {
   int ndim() const { return static_cast<int>(shape_.size()); }
   int64_t numel() const;
   DType dtype() const { return dtype_; }
-  Device device() const { return Device::CPU; }
+  Device device() const { return storage_ ? storage_->device() : current_device(); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
   MemCategory category() const { return storage_->category(); }
 

@@ -75,14 +75,17 @@ TrainResult train(const RunConfig& cfg) {
   comm::World& W = comm::World::init(nullptr, nullptr);
   const int rank = W.rank(), world = W.size();
   validate_parallel(cfg, world);
-  const bool log = comm::should_print(rank);
+  // A dry run (run_train_command set up a Meta world and device): rank R of the job alone, no
+  // data files; it prints and writes what rank 0 of a real run would.
+  const bool dry = W.is_meta();
+  const bool log = dry || comm::should_print(rank);
   comm::DeviceMesh mesh(W, {{"pp", static_cast<int>(cfg.parallel.pp)},
                             {"dp_replicate", static_cast<int>(cfg.parallel.dp_replicate)},
                             {"dp_shard", static_cast<int>(cfg.parallel.dp_shard)},
                             {"tp", static_cast<int>(cfg.parallel.tp)}});
   auto dp_group = mesh.group(std::vector<std::string>{"dp_replicate", "dp_shard"});
   // Losses and summaries travel on their own group so the dp group's counters hold only gradients.
-  auto metrics_group = W.split(0, rank, "metrics");
+  auto metrics_group = W.split_like(*W.world(), "metrics");
   const int dp_rank = dp_group->rank(), dp_world = dp_group->size();
   ModelConfig mc = cfg.model_config();
   const int tp = static_cast<int>(cfg.parallel.tp);
@@ -112,12 +115,22 @@ TrainResult train(const RunConfig& cfg) {
   // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
   const int64_t B = tc.micro_batch, T = mc.seq_len,
                 accum = pp > 1 && cfg.parallel.pp_microbatches > 0 ? cfg.parallel.pp_microbatches : tc.grad_accum;
-  TokenDataset train_ds(cfg.data.train, mc.vocab_size);
-  BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
-  if (cfg.data.shuffle) loader.set_shuffle(static_cast<uint64_t>(tc.seed));
+  std::unique_ptr<TokenDataset> train_ds;
+  std::unique_ptr<BatchLoader> loader;
+  if (!dry) {
+    train_ds = std::make_unique<TokenDataset>(cfg.data.train, mc.vocab_size);
+    loader = std::make_unique<BatchLoader>(*train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
+    if (cfg.data.shuffle) loader->set_shuffle(static_cast<uint64_t>(tc.seed));
+  }
+  // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
+  auto next_batch = [&](int32_t* x, int32_t* y) {
+    if (loader) return loader->next(x, y);
+    std::fill(x, x + B * T, 0);
+    std::fill(y, y + B * T, 0);
+  };
   std::unique_ptr<TokenDataset> val_ds;
   std::unique_ptr<BatchLoader> val_loader;
-  if (!cfg.data.val.empty() && tc.eval_every > 0) {
+  if (!dry && !cfg.data.val.empty() && tc.eval_every > 0) {
     val_ds = std::make_unique<TokenDataset>(cfg.data.val, mc.vocab_size);
     val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
   }
@@ -126,7 +139,7 @@ TrainResult train(const RunConfig& cfg) {
   // dp_shard and replicate across dp_replicate.
   const bool hybrid = cfg.parallel.strategy.rfind("HYBRID", 0) == 0;
   auto shard_group = hybrid ? mesh.group("dp_shard") : dp_group;
-  auto replicate_group = hybrid ? mesh.group("dp_replicate") : W.split(rank, 0, "replicate_none");
+  auto replicate_group = hybrid ? mesh.group("dp_replicate") : W.split_by([](int r) { return std::pair<int, int>{r, 0}; }, "replicate_none");
   parallel::StrategySpec spec;
   spec.strategy = cfg.parallel.strategy;
   spec.bucket_mb = cfg.parallel.bucket_mb;
@@ -137,7 +150,7 @@ TrainResult train(const RunConfig& cfg) {
   auto tp_group = mesh.group("tp");
   // Ranks of one tp group are adjacent (tp is the mesh's last dimension): a second communicator
   // over them carries gradient norms and checkpoint gathers, keeping the tp counters to the model.
-  auto tp_aux = W.split(rank - mesh.coord("tp"), mesh.coord("tp"), "tp_aux");
+  auto tp_aux = W.split_like(*tp_group, "tp_aux");
   parallel::ProcessGroupTpComm tp_comm(tp_group);
   tp_comm.set_activation_dtype(dt);  // bf16 runs move activations in bf16 (Megatron)
   // Pipeline: the schedule (checked before it runs), the stages' units, this rank's share.
@@ -157,9 +170,8 @@ TrainResult train(const RunConfig& cfg) {
     owned = parallel::stage_units_of_rank(partition, pp, pp_rank, static_cast<int>(mc.n_layer) + 2);
     pp_group = mesh.group("pp");
     // Same members as the pp group, for loss and gradient-norm sums (keeps the pp counters to
-    // activations and gradients): colour = this rank's coordinates with pp = 0.
-    std::vector<int> c0 = {0, mesh.coord("dp_replicate"), mesh.coord("dp_shard"), mesh.coord("tp")};
-    pp_aux = W.split(mesh.rank_at(c0), pp_rank, "pp_aux");
+    // activations and gradients).
+    pp_aux = W.split_like(*pp_group, "pp_aux");
   } else if (cfg.parallel.pp_virtual_stages != 1) {
     throw ConfigError("parallel.pp_virtual_stages = " + std::to_string(cfg.parallel.pp_virtual_stages) +
                       " needs parallel.pp > 1");
@@ -231,7 +243,7 @@ TrainResult train(const RunConfig& cfg) {
       if (log) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
     } else {
       init = workspace(RF);
-      ref.init_weights_into(static_cast<uint64_t>(tc.seed), init.f32());
+      if (!dry) ref.init_weights_into(static_cast<uint64_t>(tc.seed), init.f32());  // values: not on Meta
     }
     const bool moments = reader && reader->has_moments();
     strategy->begin_load();
@@ -265,7 +277,7 @@ TrainResult train(const RunConfig& cfg) {
     strategy->end_load(st.adam_steps);
     if (!resume_dir.empty()) {
       std::vector<int32_t> skip_x(B * T), skip_y(B * T);
-      for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
+      for (int64_t i = 0; i < st.micro_batches; ++i) next_batch(skip_x.data(), skip_y.data());  // data position
       if (log) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st.step));
     }
   }
@@ -317,7 +329,7 @@ TrainResult train(const RunConfig& cfg) {
                 static_cast<long long>(mc.padded_vocab));
     std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
                 "recompute %s | %d threads\n",
-                cfg.data.train.c_str(), static_cast<long long>(train_ds.total_tokens()), static_cast<long long>(B),
+                cfg.data.train.c_str(), static_cast<long long>(train_ds ? train_ds->total_tokens() : 0), static_cast<long long>(B),
                 static_cast<long long>(T), static_cast<long long>(accum), dp_world,
                 static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
     if (world > 1)
@@ -331,7 +343,7 @@ TrainResult train(const RunConfig& cfg) {
     std::fflush(stdout);
   }
 
-  MetricsWriter metrics(rank == 0 ? cfg.log.metrics_out : "");
+  MetricsWriter metrics(rank == 0 || dry ? cfg.log.metrics_out : "");
   std::vector<int32_t> x(B * T), y(B * T);
   const double tokens_per_step = static_cast<double>(B * T * accum * dp_world);
   const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * accum));
@@ -379,7 +391,7 @@ TrainResult train(const RunConfig& cfg) {
     parallel::StepComm cs;
     std::optional<double> bubble;
     if (pipe) {
-      for (int64_t m = 0; m < accum; ++m) loader.next(xs[m].data(), ys[m].data());
+      for (int64_t m = 0; m < accum; ++m) next_batch(xs[m].data(), ys[m].data());
       st.micro_batches += accum;
       parallel::PipelineStepStats ps = pipe->train_step(xp, yp, B, T, dloss, &cs);
       loss = ps.loss_sum;  // the last stage's; summed over the pipeline below
@@ -387,7 +399,7 @@ TrainResult train(const RunConfig& cfg) {
       peak_slots = std::max(peak_slots, ps.peak_slots);
     } else {
       for (int64_t m = 0; m < accum; ++m) {
-        loader.next(x.data(), y.data());
+        next_batch(x.data(), y.data());
         strategy->begin_microbatch(m + 1 == accum);  // only the last micro-batch synchronises
         loss += model.forward(x.data(), y.data(), B, T, true, dloss);
         model.backward();
@@ -479,8 +491,8 @@ TrainResult train(const RunConfig& cfg) {
   else
     every = mine;
   const bool r0 = rank == 0;
-  if (r0) {
-    std::printf("\nmemory per rank (rank 0)      peak          resident after step\n");
+  if (r0 || dry) {
+    std::printf("\nmemory per rank (rank %d)      peak          resident after step\n", rank);
     for (int i = 0; i < kNumMemCategories; ++i)
       std::printf("  %-12s %16s %16s\n", mem_category_name(static_cast<MemCategory>(i)), format_bytes(ms.peak[i]).c_str(),
                   format_bytes(resident[i]).c_str());
@@ -539,7 +551,11 @@ TrainResult train(const RunConfig& cfg) {
     fin["pp_stages"] = partition.describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
-  if (world > 1) {
+  if (dry) {
+    fin["dry_run"] = true;
+    fin["rank"] = rank;
+  }
+  if (world > 1 && !dry) {  // a dry run knows only its own rank
     nlohmann::json peaks = nlohmann::json::array(), res_all = nlohmann::json::array();
     for (int r = 0; r < world; ++r) {
       std::array<int64_t, kNumMemCategories> pk{}, rs{};
@@ -609,14 +625,15 @@ static void choose_layout(RunConfig& cfg) {
 // Reports an error. In a multi-rank job the whole job is ended (MPI_Abort via World::abort, which
 // names this rank and dumps its recent collectives) so no rank is left waiting in a collective.
 static int fail(const std::string& msg, int code) {
-  if (comm::World::initialized() && comm::World::get().size() > 1)
+  if (comm::World::initialized() && comm::World::get().size() > 1 && !comm::World::get().is_meta())
     comm::World::get().abort("meshtrain train: " + msg, code);
   std::fprintf(stderr, "meshtrain train: %s\n", msg.c_str());
   return code;
 }
 
 int run_train_command(int argc, char** argv) {
-  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*"}, {"help", "auto"});
+  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*", "world", "rank"},
+               {"help", "auto", "dry-run"});
   try {
     ap.parse(argc, argv, 1);
   } catch (const ArgError& e) {
@@ -632,7 +649,11 @@ int run_train_command(int argc, char** argv) {
         "overridden on the command line as --section.key value or --section.key=value.\n"
         "--auto lets the planner choose parallel.strategy, dp_replicate / dp_shard, activation\n"
         "checkpointing and the micro-batch split for the ranks the job was given, keeping the global\n"
-        "batch (micro_batch x grad_accum x ranks sequences).\n\n"
+        "batch (micro_batch x grad_accum x ranks sequences).\n"
+        "--dry-run --world N [--rank R] builds rank R (default 0) of an N-rank job on the count-only\n"
+        "Meta backend - no MPI, no data files, no tensor memory - runs one training step, and prints\n"
+        "(and with --log.metrics_out writes) that rank's exact memory by category and bytes by group:\n"
+        "what a real run of the same config on N ranks reports for it. Any model size.\n\n"
         "keys (default value, meaning):\n%s\n"
         "model presets: ",
         RunConfig::keys_help().c_str());
@@ -642,6 +663,24 @@ int run_train_command(int argc, char** argv) {
   }
   try {
     RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
+    if (ap.flag("dry-run")) {
+      if (!ap.has("world")) throw ConfigError("--dry-run needs --world N (the job's number of ranks)");
+      const long long n = ap.get_int("world", 0), r = ap.get_int("rank", 0);
+      if (n < 1) throw ConfigError("--world must be >= 1, got " + ap.get("world"));
+      if (r < 0 || r >= n) throw ConfigError("--rank " + std::to_string(r) + " is not a rank of --world " + std::to_string(n));
+      set_current_device(Device::Meta);
+      comm::World::init_meta(static_cast<int>(n), static_cast<int>(r));
+      // One training step; nothing read or written but the metrics.
+      cfg.train.steps = 1;
+      cfg.train.eval_every = 0;
+      cfg.train.checkpoint_dir.clear();
+      cfg.train.resume.clear();
+      cfg.train.init_from.clear();
+      cfg.train.sample_tokens = 0;
+      cfg.log.trace_out.clear();
+    } else if (ap.has("world") || ap.has("rank")) {
+      throw ConfigError("--world and --rank go with --dry-run (a real job's ranks come from mpirun)");
+    }
     if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);
   } catch (const ConfigError& e) {

@@ -106,4 +106,21 @@ void cast_bf16_to_f32(float* out, const bf16* in, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = detail::from_bf16(in[i]);
 }
 
+double sum(const float* x, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s;
+}
+
+void add_bias(float* x, const float* b, int64_t N, int64_t C) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c) x[n * C + c] += b[c];
+}
+
+void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n) std::memcpy(out + n * cols, in + n * ld + c0, static_cast<size_t>(cols) * sizeof(float));
+}
+
 }  // namespace mt::kernels::cpu

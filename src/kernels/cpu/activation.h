@@ -29,4 +29,11 @@ double sum_squares(const float* x, int64_t n);
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n);
 void cast_bf16_to_f32(float* out, const bf16* in, int64_t n);
 
+// Sum in double precision, in index order (per-token loss sums: the same on any thread count).
+double sum(const float* x, int64_t n);
+// x[n, :] += b for x [N, C].
+void add_bias(float* x, const float* b, int64_t N, int64_t C);
+// Columns [c0, c0 + cols) of the [N, ld] matrix `in` into the dense [N, cols] matrix `out`.
+void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
+
 }  // namespace mt::kernels::cpu

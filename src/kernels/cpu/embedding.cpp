@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/activation.h"
 #include "kernels/cpu/workspace.h"
 
 namespace mt::kernels::cpu {
@@ -56,6 +57,32 @@ void position_add_backward(float* dpos, const float* dout, int64_t B, int64_t T,
       for (int64_t c = 0; c < C; ++c) dp[c] += src[c];
     }
   }
+}
+
+void vocab_embedding_forward(float* out, const int32_t* ids, const void* table, DType dt, int64_t lo, int64_t rows,
+                             int64_t N, int64_t C) {
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t row = ids[i] - lo;
+    float* o = out + i * C;
+    if (row < 0 || row >= rows)
+      std::memset(o, 0, static_cast<size_t>(C) * sizeof(float));
+    else if (dt == DType::BF16)
+      cast_bf16_to_f32(o, static_cast<const bf16*>(table) + row * C, C);
+    else
+      std::memcpy(o, static_cast<const float*>(table) + row * C, static_cast<size_t>(C) * sizeof(float));
+  }
+}
+
+void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows,
+                              int64_t N, int64_t C) {
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t row = ids[i] - lo;
+    if (row >= 0 && row < rows) accumulate(dtable + row * C, dout + i * C, C);
+  }
+}
+
+void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C) {
+  for (int64_t i = 0; i < R; ++i) accumulate(x + i * C, pos + ((row0 + i) % T) * C, C);
 }
 
 }  // namespace mt::kernels::cpu

@@ -14,4 +14,13 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets,
                                    int64_t N, int64_t V, int64_t Vp);
 
+// Vocab-parallel softmax cross-entropy in three passes around two reductions over the ranks that
+// hold the other columns (see kernels/backend.h): rowmax, then [sum of exp | target logit] per
+// row, then losses (and with train the logits' gradient in place).
+void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid);
+void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
+                 int64_t valid, int64_t lo);
+void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
+                  int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss);
+
 }  // namespace mt::kernels::cpu

@@ -4,7 +4,7 @@
 
 namespace mt::kernels::cpu::detail {
 
-// A grow-only scratch buffer accounted as MemCategory::Workspace. It keeps its memory between
+// A grow-only scratch buffer accounted as MemCategory::Scratch (the backend's own). It keeps its memory between
 // calls (fresh pages are expensive) and only reallocates when a larger size is asked for; the
 // contents are not preserved across a reallocation. Not synchronised: use one per thread
 // (thread_local) or per call site.

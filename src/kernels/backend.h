@@ -1,0 +1,106 @@
+// The kernel table: every op the model, the strategies and the optimizer run on tensor data, one
+// table per device (ggml's backend interface, llm.c's kernel signatures). Callers pick the table of
+// the device their tensors live on (`kernels::table(d)`) and never include a backend's headers.
+//
+// Conventions (as kernels/cpu/*.h): output first, then inputs, then dimensions (B T C N ...);
+// row-major; backward functions ACCUMULATE (+=) into their gradient outputs. Each entry's contract
+// is the CPU backend's header named beside it; the entries added for the seam are documented here.
+// A new backend fills every entry (tests/kernels/backend_test.cpp checks that every table is
+// complete; a backend that computes adds its kernels to a comparison against the CPU table there).
+#pragma once
+#include <cstdint>
+
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+
+namespace mt::kernels {
+
+struct KernelTable {
+  Device device;
+  // --- elementwise (cpu/activation.h) ---
+  void (*gelu_forward)(float* out, const float* inp, int64_t n);
+  void (*gelu_backward)(float* dinp, const float* inp, const float* dout, int64_t n);
+  void (*swiglu_forward)(float* out, const float* gate, const float* up, int64_t n);
+  void (*swiglu_backward)(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n);
+  void (*accumulate)(float* y, const float* x, int64_t n);  // y += x
+  void (*scale)(float* x, float s, int64_t n);
+  double (*sum_squares)(const float* x, int64_t n);  // host result (0 on Meta)
+  double (*sum)(const float* x, int64_t n);          // host result, double accumulation (0 on Meta)
+  void (*cast_f32_to_bf16)(bf16* out, const float* in, int64_t n);
+  void (*cast_bf16_to_f32)(float* out, const bf16* in, int64_t n);
+  // x[n, :] += b for x [N, C].
+  void (*add_bias)(float* x, const float* b, int64_t N, int64_t C);
+  // Columns [c0, c0 + cols) of a [N, ld] matrix into a dense [N, cols] one.
+  void (*copy_columns)(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
+  // --- linear layers (cpu/gemm.h) ---
+  void (*linear_forward)(float* out, const float* inp, const float* W, const float* bias, int64_t N, int64_t C,
+                         int64_t OC);
+  void (*linear_backward)(float* dinp, float* dW, float* dbias, const float* dout, const float* inp, const float* W,
+                          int64_t N, int64_t C, int64_t OC);
+  void (*linear_forward_bf16)(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                              int64_t OC);
+  void (*linear_backward_bf16)(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
+                               const bf16* W, int64_t N, int64_t C, int64_t OC);
+  // --- norms (cpu/norm.h) ---
+  void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
+                            int64_t N, int64_t C, float eps);
+  void (*layernorm_backward)(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                             const float* mean, const float* rstd, int64_t N, int64_t C);
+  void (*rmsnorm_forward)(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps);
+  void (*rmsnorm_backward)(float* dinp, float* dw, const float* dout, const float* inp, const float* w,
+                           const float* rstd, int64_t N, int64_t C);
+  // --- attention (cpu/attention.h) ---
+  void (*attention_forward)(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                            int64_t hd);
+  void (*attention_backward)(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+  void (*rope_forward)(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+  void (*rope_backward)(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+  // --- embeddings (cpu/embedding.h) ---
+  void (*embedding_forward)(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
+  void (*embedding_backward)(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C);
+  void (*position_add_forward)(float* x, const float* pos, int64_t B, int64_t T, int64_t C);
+  void (*position_add_backward)(float* dpos, const float* dout, int64_t B, int64_t T, int64_t C);
+  // Rows [lo, lo + rows) of a vocabulary table (this rank's share of a vocab-parallel embedding):
+  // out[n] = table[ids[n] - lo] when ids[n] is one of them, else 0. `table` in `dt` (f32 or bf16),
+  // out fp32. With lo = 0 and rows = the vocabulary this is the plain lookup.
+  void (*vocab_embedding_forward)(float* out, const int32_t* ids, const void* table, DType dt, int64_t lo,
+                                  int64_t rows, int64_t N, int64_t C);
+  // dtable[ids[n] - lo] += dout[n] for the ids in [lo, lo + rows); deterministic.
+  void (*vocab_embedding_backward)(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows,
+                                   int64_t N, int64_t C);
+  // x[i, :] += pos[(row0 + i) % T, :] for i < R: this rank's R rows of the flattened [B, T] tokens
+  // (sequence parallelism starts at row0 = rank x R).
+  void (*position_add_rows)(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C);
+  // --- loss (cpu/loss.h) ---
+  void (*softmax_cross_entropy)(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                int64_t Vp, float dloss);
+  void (*softmax_cross_entropy_forward)(const float* logits, float* losses, const int32_t* targets, int64_t N,
+                                        int64_t V, int64_t Vp);
+  // Vocab-parallel cross-entropy (Megatron) over a rank's `Vl` logit columns of which the first
+  // `valid` are real vocabulary, global column = lo + j. Three passes around two reductions over
+  // the tp ranks: (1) rowmax[n] = max_j lg[n, j]; all-reduce max. (2) stats[n] = sum_j
+  // exp(lg - rowmax), stats[N + n] = the target's logit if this rank holds it, else 0; all-reduce
+  // sum. (3) losses[n] = log(stats[n]) + rowmax[n] - stats[N + n] (0 for targets < 0) and, with
+  // train, lg becomes its gradient (softmax - onehot) * dloss (0 in padded columns).
+  void (*vp_ce_rowmax)(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid);
+  void (*vp_ce_stats)(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N,
+                      int64_t Vl, int64_t valid, int64_t lo);
+  void (*vp_ce_finish)(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets,
+                       int64_t N, int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss);
+  // --- optimizer (cpu/adamw.h) ---
+  void (*adamw_update)(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, int64_t step, float grad_scale);
+};
+
+// The table of device d.
+const KernelTable& table(Device d);
+
+namespace cpu {
+const KernelTable& cpu_table();
+}
+namespace meta {
+const KernelTable& meta_table();
+}
+
+}  // namespace mt::kernels

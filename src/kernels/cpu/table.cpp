@@ -1,0 +1,61 @@
+// The CPU backend's kernel table: the functions of kernels/cpu/*.h.
+#include "kernels/backend.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/norm.h"
+
+namespace mt::kernels {
+
+namespace cpu {
+const KernelTable& cpu_table() {
+  static const KernelTable t = {
+      .device = Device::CPU,
+      .gelu_forward = gelu_forward,
+      .gelu_backward = gelu_backward,
+      .swiglu_forward = swiglu_forward,
+      .swiglu_backward = swiglu_backward,
+      .accumulate = accumulate,
+      .scale = scale,
+      .sum_squares = sum_squares,
+      .sum = sum,
+      .cast_f32_to_bf16 = cast_f32_to_bf16,
+      .cast_bf16_to_f32 = cast_bf16_to_f32,
+      .add_bias = add_bias,
+      .copy_columns = copy_columns,
+      .linear_forward = linear_forward,
+      .linear_backward = linear_backward,
+      .linear_forward_bf16 = linear_forward_bf16,
+      .linear_backward_bf16 = linear_backward_bf16,
+      .layernorm_forward = layernorm_forward,
+      .layernorm_backward = layernorm_backward,
+      .rmsnorm_forward = rmsnorm_forward,
+      .rmsnorm_backward = rmsnorm_backward,
+      .attention_forward = attention_forward,
+      .attention_backward = attention_backward,
+      .rope_forward = rope_forward,
+      .rope_backward = rope_backward,
+      .embedding_forward = embedding_forward,
+      .embedding_backward = embedding_backward,
+      .position_add_forward = position_add_forward,
+      .position_add_backward = position_add_backward,
+      .vocab_embedding_forward = vocab_embedding_forward,
+      .vocab_embedding_backward = vocab_embedding_backward,
+      .position_add_rows = position_add_rows,
+      .softmax_cross_entropy = softmax_cross_entropy,
+      .softmax_cross_entropy_forward = softmax_cross_entropy_forward,
+      .vp_ce_rowmax = vp_ce_rowmax,
+      .vp_ce_stats = vp_ce_stats,
+      .vp_ce_finish = vp_ce_finish,
+      .adamw_update = adamw_update,
+  };
+  return t;
+}
+}  // namespace cpu
+
+const KernelTable& table(Device d) { return d == Device::Meta ? meta::meta_table() : cpu::cpu_table(); }
+
+}  // namespace mt::kernels

@@ -1,0 +1,111 @@
+#include "runtime/device.h"
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+
+namespace mt {
+
+const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "meta"; }
+
+bool parse_device(const std::string& s, Device* out) {
+  if (s == "cpu") *out = Device::CPU;
+  else if (s == "meta") *out = Device::Meta;
+  else return false;
+  return true;
+}
+
+namespace {
+std::atomic<Device> g_current{Device::CPU};
+
+// The Meta allocator: a bump pointer through a reserved, never-accessible range of address space.
+// Addresses are not reused (a dry run allocates for one step; 64 TiB of range covers any model).
+struct MetaArena {
+  char* base = nullptr;
+  size_t size = 0;
+  size_t next = 0;
+  std::mutex mu;
+  MetaArena() {
+    for (size_t sz = size_t(1) << 46; sz >= (size_t(1) << 36) && !base; sz >>= 1) {
+      void* p = mmap(nullptr, sz, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p != MAP_FAILED) {
+        base = static_cast<char*>(p);
+        size = sz;
+      }
+    }
+  }
+  void* take(size_t bytes) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!base) throw std::runtime_error("meta device: could not reserve address space for the count-only allocator");
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 4095) & ~size_t(4095);
+    if (next + rounded > size)
+      throw std::runtime_error("meta device: the dry run allocated more than " + format_bytes(static_cast<int64_t>(size)) +
+                               " in total (address range exhausted)");
+    void* p = base + next;
+    next += rounded;
+    return p;
+  }
+};
+MetaArena& meta_arena() {
+  static MetaArena* a = new MetaArena();  // never destroyed (tensors may outlive static teardown)
+  return *a;
+}
+MemoryTracker& meta_tracker() {
+  static MemoryTracker* t = new MemoryTracker();
+  return *t;
+}
+}  // namespace
+
+Device current_device() { return g_current.load(std::memory_order_relaxed); }
+void set_current_device(Device d) { g_current.store(d, std::memory_order_relaxed); }
+
+Stream default_stream(Device d) { return Stream{d, nullptr}; }
+void synchronize(const Stream&) {}  // CPU and Meta work is complete when the call returns
+
+MemoryTracker& MemoryTracker::instance() { return memory_tracker(current_device()); }
+
+MemoryTracker& memory_tracker(Device d) { return d == Device::CPU ? host_memory_tracker() : meta_tracker(); }
+
+void* device_alloc(Device d, size_t bytes, MemCategory c) {
+  if (d == Device::CPU) return mem_alloc(bytes, c);
+  void* p = meta_arena().take(bytes);
+  meta_tracker().on_alloc(c, static_cast<int64_t>(bytes));
+  return p;
+}
+
+void device_free(Device d, void* p, size_t bytes, MemCategory c) {
+  if (d == Device::CPU) return mem_free(p, bytes, c);
+  if (p) meta_tracker().on_free(c, static_cast<int64_t>(bytes));
+}
+
+bool is_meta_pointer(const void* p) {
+  const MetaArena& a = meta_arena();
+  const char* c = static_cast<const char*>(p);
+  return a.base && c >= a.base && c < a.base + a.size;
+}
+
+namespace dev {
+void zero(Device d, void* p, size_t bytes) {
+  if (d == Device::CPU && bytes) std::memset(p, 0, bytes);
+}
+void copy(Device d, void* dst, const void* src, size_t bytes) {
+  if (d == Device::CPU && bytes && dst != src) std::memcpy(dst, src, bytes);
+}
+void copy_from_host(Device d, void* dst, const void* host_src, size_t bytes) {
+  if (d == Device::CPU && bytes && dst != host_src) std::memcpy(dst, host_src, bytes);
+}
+void copy_to_host(Device d, void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  if (d == Device::CPU) {
+    if (host_dst != src) std::memcpy(host_dst, src, bytes);
+  } else {
+    std::memset(host_dst, 0, bytes);
+  }
+}
+}  // namespace dev
+
+}  // namespace mt

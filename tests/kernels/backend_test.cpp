@@ -1,0 +1,94 @@
+// The kernel tables: complete for every device, the CPU table is the CPU kernels, the Meta table
+// touches no memory, and the kernels added for the seam match the code they replaced.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/activation.h"
+
+namespace mt::kernels {
+namespace {
+
+// Every entry after `device` is a function pointer; a backend must set them all.
+void expect_complete(const KernelTable& t) {
+  const size_t first = offsetof(KernelTable, gelu_forward);
+  const size_t n = (sizeof(KernelTable) - first) / sizeof(void (*)());
+  ASSERT_GT(n, 30u);
+  for (size_t i = 0; i < n; ++i) {
+    uintptr_t p = 0;
+    std::memcpy(&p, reinterpret_cast<const char*>(&t) + first + i * sizeof(void (*)()), sizeof p);
+    EXPECT_NE(p, 0u) << device_name(t.device) << " table entry " << i << " is not set";
+  }
+}
+
+TEST(KernelTable, EveryBackendIsComplete) {
+  expect_complete(table(Device::CPU));
+  expect_complete(table(Device::Meta));
+  EXPECT_EQ(table(Device::CPU).device, Device::CPU);
+  EXPECT_EQ(table(Device::Meta).device, Device::Meta);
+  EXPECT_EQ(table(Device::CPU).accumulate, &cpu::accumulate);
+}
+
+TEST(KernelTable, MetaKernelsTouchNothing) {
+  const KernelTable& k = table(Device::Meta);
+  std::vector<float> x = {1, 2, 3, 4}, y = {5, 6, 7, 8};
+  k.accumulate(y.data(), x.data(), 4);
+  k.linear_forward(y.data(), x.data(), x.data(), nullptr, 1, 2, 2);
+  EXPECT_EQ(y, (std::vector<float>{5, 6, 7, 8}));
+  EXPECT_EQ(k.sum(x.data(), 4), 0.0);
+  EXPECT_EQ(k.sum_squares(x.data(), 4), 0.0);
+}
+
+TEST(KernelTable, VocabEmbeddingTakesOnlyTheRowsARankHolds) {
+  const KernelTable& k = table(Device::CPU);
+  const int64_t C = 3, rows = 2, lo = 2;  // this rank holds vocabulary rows 2 and 3
+  std::vector<float> table_rows = {1, 2, 3, 4, 5, 6};
+  std::vector<int32_t> ids = {0, 3, 2, 5};
+  std::vector<float> out(ids.size() * C, -1.0f);
+  k.vocab_embedding_forward(out.data(), ids.data(), table_rows.data(), DType::F32, lo, rows, 4, C);
+  EXPECT_EQ(out, (std::vector<float>{0, 0, 0, 4, 5, 6, 1, 2, 3, 0, 0, 0}));
+  std::vector<float> dt(rows * C, 0.0f), dout = {1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4};
+  k.vocab_embedding_backward(dt.data(), dout.data(), ids.data(), lo, rows, 4, C);
+  EXPECT_EQ(dt, (std::vector<float>{3, 3, 3, 2, 2, 2}));
+}
+
+// The three vocab-parallel passes on one rank holding the whole vocabulary equal the fused
+// softmax cross-entropy.
+TEST(KernelTable, VocabParallelCrossEntropyOnOneRankIsTheFusedLoss) {
+  const KernelTable& k = table(Device::CPU);
+  const int64_t N = 3, V = 5, Vp = 8;
+  std::vector<float> lg(N * Vp);
+  for (size_t i = 0; i < lg.size(); ++i) lg[i] = std::sin(0.7f * static_cast<float>(i));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = V; j < Vp; ++j) lg[n * Vp + j] = 0.0f;
+  std::vector<int32_t> tg = {1, 4, -1};
+  std::vector<float> ref = lg, ref_loss(N), loss(N), mx(N), stats(2 * N);
+  k.softmax_cross_entropy(ref.data(), ref_loss.data(), tg.data(), N, V, Vp, 0.5f);
+  k.vp_ce_rowmax(mx.data(), lg.data(), N, Vp, V);
+  k.vp_ce_stats(stats.data(), lg.data(), mx.data(), tg.data(), N, Vp, V, 0);
+  k.vp_ce_finish(lg.data(), loss.data(), mx.data(), stats.data(), tg.data(), N, Vp, V, 0, true, 0.5f);
+  for (int64_t n = 0; n < N; ++n) EXPECT_NEAR(loss[n], ref_loss[n], 1e-5) << n;
+  for (size_t i = 0; i < lg.size(); ++i) EXPECT_NEAR(lg[i], ref[i], 1e-6) << i;
+}
+
+TEST(KernelTable, CopyColumnsAndBias) {
+  const KernelTable& k = table(Device::CPU);
+  std::vector<float> m = {0, 1, 2, 3, 10, 11, 12, 13}, out(4);
+  k.copy_columns(out.data(), m.data(), 2, 4, 1, 2);
+  EXPECT_EQ(out, (std::vector<float>{1, 2, 11, 12}));
+  std::vector<float> b = {100, 200};
+  k.add_bias(out.data(), b.data(), 2, 2);
+  EXPECT_EQ(out, (std::vector<float>{101, 202, 111, 212}));
+  std::vector<float> pos = {1, 1, 2, 2, 3, 3}, x(4, 0.0f);  // T = 3, rows 2..3 of the flat tokens
+  k.position_add_rows(x.data(), pos.data(), 2, 3, 2, 2);
+  EXPECT_EQ(x, (std::vector<float>{3, 3, 1, 1}));
+  EXPECT_EQ(k.sum(pos.data(), 6), 12.0);
+}
+
+}  // namespace
+}  // namespace mt::kernels
