@@ -90,7 +90,132 @@ void reduce_into(DType dt, ReduceOp op, int n, const void* const* srcs, void* ou
 void reduce_mixed(DType in_dt, DType out_dt, ReduceOp op, int n, const void* const* srcs,
                   void* out, size_t len, int divisor);
 
-struct Op;
+struct Fingerprint {
+  uint64_t seq, count;
+  int32_t kind, dt, op, root;
+  bool operator==(const Fingerprint& o) const {
+    return seq == o.seq && count == o.count && kind == o.kind && dt == o.dt && op == o.op &&
+           root == o.root;
+  }
+  bool same_basic(const Fingerprint& o) const {
+    return seq == o.seq && count == o.count && kind == o.kind && dt == o.dt;
+  }
+  OpDesc desc() const {
+    OpDesc d;
+    d.kind = static_cast<OpKind>(kind);
+    d.dt = static_cast<DType>(dt);
+    d.op = static_cast<ReduceOp>(op);
+    d.count = count;
+    d.peer = root;
+    d.seq = seq;
+    return d;
+  }
+};
+static_assert(sizeof(Fingerprint) == 32);
+
+// One operation of a group, from issue to completion. `phase`, `pos`, `len`, `reqs` and `fp` are
+// the threaded backend's progress state.
+struct Op {
+  OpDesc d;
+  const void* sbuf = nullptr;
+  void* rbuf = nullptr;
+  WorkHandle work;
+  uint64_t fr_id = 0;
+  int64_t t_issue = 0, t_start = 0;
+  int phase = 0;
+  size_t pos = 0, len = 0;  // current slice
+  std::vector<MPI_Request> reqs;
+  Fingerprint fp{};
+};
+
+// How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
+// the flight recorder, the watchdog's view, completion, groups of one) is the same for every
+// backend. A threaded backend's operations run on the group's communication thread: start() once,
+// then progress() until it returns 2 (collectives; in issue order), or p2p_done() until true
+// (send / recv, concurrently). Other backends complete an operation inside run(), on the
+// calling thread. Backends today: MPI (threaded), Meta (count-only, see World::init_meta).
+class CommBackend {
+ public:
+  virtual ~CommBackend() = default;
+  virtual const char* kind() const = 0;  // "mpi", "meta"
+  virtual bool threaded() const = 0;
+  virtual void run(Op& op) { (void)op; }
+  virtual void start(Op& op) { (void)op; }
+  virtual int progress(Op& op) { (void)op; return 2; }  // 0 waiting, 1 advanced, 2 done
+  virtual bool p2p_done(Op& op) { (void)op; return true; }
+  // After a failure: forget outstanding requests (the job is ending).
+  virtual void abandon() {}
+  // Frees communicators and buffers; called once, after the communication thread stopped.
+  virtual void shutdown() {}
+};
+
+// The MPI backend (mpi_backend.cpp): direct and two-level algorithms over non-blocking MPI
+// point-to-point, driven by the communication thread. The desync fingerprint exchange runs on its
+// control communicator before each collective when MESHTRAIN_DEBUG has "desync".
+class MpiBackend final : public CommBackend {
+ public:
+  // Takes ownership of `comm` (size >= 2) and duplicates it for point-to-point and control traffic.
+  // Collective over the group (the two-level set-up splits it).
+  MpiBackend(const std::string& group_name, MPI_Comm comm);
+  const char* kind() const override { return "mpi"; }
+  bool threaded() const override { return true; }
+  void start(Op& op) override;
+  int progress(Op& op) override;
+  bool p2p_done(Op& op) override;
+  void abandon() override { reqs.clear(); }
+  void shutdown() override;
+  // The staging buffer (bytes) the algorithms need for `d` on rank r of n; the group's staging
+  // grows to the largest (grow-only). The Meta backend accounts the same amount. The two-level
+  // all_reduce (groups spanning nodes) is not covered: a Meta world is one node.
+  static size_t staging_bytes(const OpDesc& d, int n, int r);
+
+  std::string name;
+  int rank = 0, size = 1;
+  std::vector<int> granks;
+  MPI_Comm coll = MPI_COMM_NULL, p2p = MPI_COMM_NULL, ctrl = MPI_COMM_NULL;
+  // Two-level all_reduce for a group spanning several nodes with the same number (>= 2) of its
+  // ranks on each: `intra` holds this node's members, `inter` the members with the same local
+  // index on every node.
+  bool hier = false;
+  MPI_Comm intra = MPI_COMM_NULL, inter = MPI_COMM_NULL;
+  int local_n = 1, local_r = 0, nodes_n = 1, node_r = 0;
+  int tag_bits = 20;  // collective tags: (seq mod 2^tag_bits) * 4 + phase
+
+ private:
+  void setup_hierarchy();
+  void post(bool is_send, void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
+            std::vector<MPI_Request>& into);
+  // Direct all-gather step over `n` peers of `comm`: the `len` elements at `base` (`es` bytes
+  // each) are cut with segment(); this rank (`me`) sends its segment to every peer and receives
+  // every peer's segment in place.
+  void post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
+                      std::vector<MPI_Request>& into);
+  bool test_all(std::vector<MPI_Request>& r, const char* what, Op& op);
+  void* ensure_staging(size_t bytes);
+  void desync_check(Op& op);
+  int coll_tag(const Op& op, int phase) const;
+
+  std::vector<MPI_Request> reqs;
+  std::vector<MPI_Status> statuses;
+  void* staging = nullptr;
+  size_t staging_bytes_ = 0;
+  std::vector<unsigned char> fp_all;
+};
+
+// The Meta backend (meta_backend.cpp): counts, moves nothing; see World::init_meta.
+class MetaBackend final : public CommBackend {
+ public:
+  MetaBackend(int rank_, int size_) : rank(rank_), size(size_) {}
+  const char* kind() const override { return "meta"; }
+  bool threaded() const override { return false; }
+  void run(Op& op) override;
+  void shutdown() override;
+
+ private:
+  int rank, size;
+  void* staging = nullptr;  // Meta device address range of the staging the MPI backend would hold
+  size_t staging_bytes = 0;
+};
 
 struct StatsBlock {
   std::string name;
@@ -98,7 +223,7 @@ struct StatsBlock {
   CommStats s;
 };
 
-// One group: its communicators, its queue and communication thread.
+// One group: its members, backend, queue and communication thread.
 struct GroupImpl {
   GroupImpl(std::string name, int uid, MPI_Comm comm /* owned; MPI_COMM_NULL for size 1 */,
             int world_rank);
@@ -116,19 +241,9 @@ struct GroupImpl {
   std::string name;
   int uid = 0;
   int rank = 0, size = 1;
-  bool meta = false;  // count-only backend: operations complete in the caller, no data moves
-  void* meta_staging = nullptr;  // Meta device address range of the staging the MPI backend would hold
-  size_t meta_staging_bytes = 0;
   std::vector<int> granks;
-  MPI_Comm coll = MPI_COMM_NULL, p2p = MPI_COMM_NULL, ctrl = MPI_COMM_NULL;
-  // Two-level all_reduce for a group spanning several nodes with the same number (>= 2) of its
-  // ranks on each: `intra` holds this node's members, `inter` the members with the same local
-  // index on every node.
-  bool hier = false;
-  MPI_Comm intra = MPI_COMM_NULL, inter = MPI_COMM_NULL;
-  int local_n = 1, local_r = 0, nodes_n = 1, node_r = 0;
+  std::unique_ptr<CommBackend> backend;  // null for a group of one
   std::shared_ptr<StatsBlock> stats;
-  int tag_bits = 20;  // collective tags: (seq mod 2^tag_bits) * 4 + phase
 
   // Caller side.
   std::mutex mu;
@@ -154,32 +269,11 @@ struct GroupImpl {
   // Size-1 groups: unmatched self send/recv.
   std::deque<std::unique_ptr<Op>> self_sends, self_recvs;
 
-  // Communication-thread state.
-  std::vector<MPI_Request> reqs;
-  std::vector<MPI_Status> statuses;
-  void* staging = nullptr;
-  size_t staging_bytes = 0;
-  std::vector<unsigned char> fp_all;
-
  private:
   void thread_main();
-  void start(Op& op);
-  int step(Op& op);  // 0 waiting, 1 advanced, 2 done
+  void begin(Op& op);
   void complete(std::unique_ptr<Op> op, const std::string* err);
   void run_local(std::unique_ptr<Op> op);
-  void run_meta(std::unique_ptr<Op> op);
-  void post(bool is_send, void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
-            std::vector<MPI_Request>& into);
-  // Direct all-gather step over `n` peers of `comm`: the `len` elements at `base` (`es` bytes
-  // each) are cut with segment(); this rank (`me`) sends its segment to every peer and receives
-  // every peer's segment in place.
-  void post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
-                      std::vector<MPI_Request>& into);
-  bool test_all(std::vector<MPI_Request>& r, const char* what, Op& op);
-  void* ensure_staging(size_t bytes);
-  void desync_check(Op& op);
-  int coll_tag(const Op& op, int phase) const;
-  void setup_hierarchy();
 };
 
 // Registry of groups (watchdog, finalize) and of their stats (kept after a group is destroyed).

@@ -1,21 +1,6 @@
-// ProcessGroup over MPI: a communication thread per group drives the operations with
-// non-blocking MPI point-to-point calls, polling with exponential back-off so that an idle or
-// waiting thread sleeps instead of taking a core from compute.
-//
-// Algorithms (n ranks, buffer of B bytes; see docs/comm.md):
-//   all_reduce      up to MESHTRAIN_COMM_ONESHOT_KB: one round, every rank sends B to every peer
-//                   and reduces all n itself. Larger: direct reduce-scatter then direct
-//                   all-gather, in slices of at most MESHTRAIN_COMM_SLICE_KB: rank r owns segment
-//                   r of each slice, receives the n-1 other contributions to it, reduces all n in
-//                   rank order in fp32, and sends the result to every peer. Each rank sends
-//                   (n-1)/n B twice = the ring volume, in 2 steps instead of 2(n-1).
-//                   Groups spanning several nodes (same number >= 2 of ranks on each): two-level,
-//                   intra-node reduce-scatter -> inter-node reduce-scatter + all-gather of fp32
-//                   partials -> intra-node all-gather.
-//   reduce_scatter  the first half of the direct all_reduce.
-//   all_gather      every rank sends its part to every peer.
-//   broadcast       binomial tree.
-//   barrier         MPI_Ibarrier.
+// Process groups: the operations' front end (issue, accounting, flight recorder, the watchdog's
+// view, completion) and the communication thread that drives a threaded backend (MPI); the
+// backends themselves are in mpi_backend.cpp and meta_backend.cpp (see detail.h's CommBackend).
 
 #include <pthread.h>
 #include <sched.h>
@@ -32,23 +17,6 @@
 #include "runtime/memory.h"
 
 namespace mt::comm {
-
-namespace {
-// The source pointers of a local reduction: on the stack up to 64 ranks, on the heap beyond.
-struct SourceList {
-  const void* small[64];
-  std::vector<const void*> big;
-  const void** data = small;
-  explicit SourceList(size_t n) {
-    if (n > 64) {
-      big.resize(n);
-      data = big.data();
-    }
-  }
-  SourceList(const SourceList&) = delete;
-  SourceList& operator=(const SourceList&) = delete;
-};
-}  // namespace
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
@@ -210,102 +178,22 @@ static uint64_t algo_bytes(const OpDesc& d, int n) {
   return 0;
 }
 
-struct Fingerprint {
-  uint64_t seq, count;
-  int32_t kind, dt, op, root;
-  bool operator==(const Fingerprint& o) const {
-    return seq == o.seq && count == o.count && kind == o.kind && dt == o.dt && op == o.op &&
-           root == o.root;
-  }
-  bool same_basic(const Fingerprint& o) const {
-    return seq == o.seq && count == o.count && kind == o.kind && dt == o.dt;
-  }
-  OpDesc desc() const {
-    OpDesc d;
-    d.kind = static_cast<OpKind>(kind);
-    d.dt = static_cast<DType>(dt);
-    d.op = static_cast<ReduceOp>(op);
-    d.count = count;
-    d.peer = root;
-    d.seq = seq;
-    return d;
-  }
-};
-static_assert(sizeof(Fingerprint) == 32);
-
-struct Op {
-  OpDesc d;
-  const void* sbuf = nullptr;
-  void* rbuf = nullptr;
-  WorkHandle work;
-  uint64_t fr_id = 0;
-  int64_t t_issue = 0, t_start = 0;
-  int phase = 0;
-  size_t pos = 0, len = 0;  // current slice
-  std::vector<MPI_Request> reqs;
-  Fingerprint fp{};
-};
-
-enum Phase : int {
-  kDesyncWait = -1,
-  kStart = 0,
-  kRsWait = 1,
-  kAgPost = 2,
-  kAgWait = 3,
-  kBcRecvWait = 4,
-  kBcSendWait = 5,
-  kBarrierWait = 6,
-  kOneShotWait = 7,
-  kHStart = 8,
-  kHIntraRsWait = 9,
-  kHInterRsWait = 10,
-  kHInterAgWait = 11,
-  kHIntraAgWait = 12,
-};
-
-static std::string mpi_error_string(int rc) {
-  char buf[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(rc);
-  return std::string(buf, static_cast<size_t>(len));
-}
-
 GroupImpl::GroupImpl(std::string name_, int uid_, MPI_Comm comm, int world_rank)
     : name(std::move(name_)), uid(uid_) {
   stats = std::make_shared<StatsBlock>();
   stats->name = name;
   register_stats(stats);
-  if (comm == MPI_COMM_NULL) {
+  if (comm == MPI_COMM_NULL) {  // a group of one: no backend, everything completes in the caller
     rank = 0;
     size = 1;
     granks = {world_rank};
     return;
   }
-  coll = comm;
-  MPI_Comm_set_errhandler(coll, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(coll, &rank);
-  MPI_Comm_size(coll, &size);
-  MPI_Comm_dup(coll, &p2p);
-  MPI_Comm_dup(coll, &ctrl);
-  MPI_Comm_set_errhandler(p2p, MPI_ERRORS_RETURN);
-  MPI_Comm_set_errhandler(ctrl, MPI_ERRORS_RETURN);
-  MPI_Group g, wg;
-  MPI_Comm_group(coll, &g);
-  MPI_Comm_group(MPI_COMM_WORLD, &wg);
-  std::vector<int> mine(size);
-  for (int i = 0; i < size; ++i) mine[i] = i;
-  granks.resize(size);
-  MPI_Group_translate_ranks(g, size, mine.data(), wg, granks.data());
-  MPI_Group_free(&g);
-  MPI_Group_free(&wg);
-  int* ub = nullptr;
-  int flag = 0;
-  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
-  long tag_ub = (flag && ub) ? *ub : 32767;
-  int bits = 0;
-  while (bits < 20 && ((1L << (bits + 3)) - 1) <= tag_ub) ++bits;
-  tag_bits = bits;
-  setup_hierarchy();
+  auto mpi = std::make_unique<MpiBackend>(name, comm);
+  rank = mpi->rank;
+  size = mpi->size;
+  granks = mpi->granks;
+  backend = std::move(mpi);
 }
 
 GroupImpl::GroupImpl(std::string name_, int uid_, int rank_, std::vector<int> granks_)
@@ -313,40 +201,10 @@ GroupImpl::GroupImpl(std::string name_, int uid_, int rank_, std::vector<int> gr
   stats = std::make_shared<StatsBlock>();
   stats->name = name;
   register_stats(stats);
-  meta = true;
   rank = rank_;
   size = static_cast<int>(granks_.size());
   granks = std::move(granks_);
-}
-
-// Collective over the group (part of its creation).
-void GroupImpl::setup_hierarchy() {
-  if (size < 4 || !config().hierarchical) return;
-  MPI_Comm local = MPI_COMM_NULL;
-  const int fake = config().fake_node_size;
-  if (fake > 0)
-    MPI_Comm_split(coll, granks[rank] / fake, rank, &local);
-  else
-    MPI_Comm_split_type(coll, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-  int l = 0, nl = 1;
-  MPI_Comm_rank(local, &l);
-  MPI_Comm_size(local, &nl);
-  int mn = nl, mx = nl;
-  MPI_Allreduce(MPI_IN_PLACE, &mn, 1, MPI_INT, MPI_MIN, coll);
-  MPI_Allreduce(MPI_IN_PLACE, &mx, 1, MPI_INT, MPI_MAX, coll);
-  if (mn != mx || nl < 2 || size / nl < 2) {
-    MPI_Comm_free(&local);
-    return;
-  }
-  intra = local;
-  MPI_Comm_split(coll, l, rank, &inter);
-  MPI_Comm_set_errhandler(intra, MPI_ERRORS_RETURN);
-  MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
-  local_n = nl;
-  local_r = l;
-  MPI_Comm_size(inter, &nodes_n);
-  MPI_Comm_rank(inter, &node_r);
-  hier = true;
+  backend = std::make_unique<MetaBackend>(rank, size);
 }
 
 GroupImpl::~GroupImpl() { shutdown(); }
@@ -361,22 +219,7 @@ void GroupImpl::shutdown() {
   if (thr.joinable()) thr.join();
   std::lock_guard<std::mutex> lk(mu);
   down = true;
-  int fin = 0;
-  MPI_Finalized(&fin);
-  if (!fin) {
-    for (MPI_Comm* c : {&coll, &p2p, &ctrl, &intra, &inter})
-      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
-  }
-  if (staging) {
-    mem_free(staging, staging_bytes, MemCategory::Comm);
-    staging = nullptr;
-    staging_bytes = 0;
-  }
-  if (meta_staging) {
-    device_free(Device::Meta, meta_staging, meta_staging_bytes, MemCategory::Comm);
-    meta_staging = nullptr;
-    meta_staging_bytes = 0;
-  }
+  if (backend) backend->shutdown();
 }
 
 void GroupImpl::fail(const std::string& msg) {
@@ -430,14 +273,16 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
       ks.bytes += algo_bytes(d, size);
     }
     op->fr_id = fr_issue(name, d, op->t_issue);
-    if (size > 1 && !meta) {
+    if (size > 1 && backend && backend->threaded()) {
       queue.push_back(std::move(op));
       has_work.store(true, std::memory_order_release);
       if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
     }
   }
-  if (op && meta) {
-    run_meta(std::move(op));
+  if (op && backend && !backend->threaded()) {
+    begin(*op);
+    backend->run(*op);
+    complete(std::move(op), nullptr);
   } else if (op) {
     run_local(std::move(op));
   } else {
@@ -446,12 +291,23 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
   return w;
 }
 
-// Groups of one rank: everything completes in the caller, without MPI.
+// An operation starts: timing, flight recorder, the watchdog's view of running operations.
+void GroupImpl::begin(Op& op) {
+  op.t_start = now_ns();
+  op.work->mark_started(op.t_start);
+  fr_start(op.fr_id, op.t_start);
+  if (!backend || !backend->threaded()) return;  // completes before anything could watch it
+  {
+    std::lock_guard<std::mutex> lk(act_mu);
+    active.push_back({op.d, op.t_start, &op});
+  }
+  if (!is_p2p(op.d.kind)) started.store(op.d.seq);
+}
+
+// Groups of one rank: everything completes in the caller, without a backend.
 void GroupImpl::run_local(std::unique_ptr<Op> op) {
   const size_t bytes = op->d.count * dtype_size(op->d.dt);
-  op->t_start = now_ns();
-  op->work->mark_started(op->t_start);
-  fr_start(op->fr_id, op->t_start);
+  begin(*op);
   switch (op->d.kind) {
     case OpKind::ReduceScatter:
     case OpKind::AllGather:
@@ -495,74 +351,7 @@ void GroupImpl::run_local(std::unique_ptr<Op> op) {
   complete(std::move(op), nullptr);
 }
 
-// The staging buffer the MPI backend's algorithms need for `d` on rank r of n (grow-only per
-// group): the one-shot all_reduce receives every peer's whole buffer, the ring all_reduce and the
-// reduce_scatter one segment of a slice from each peer. The two-level all_reduce (groups spanning
-// nodes) is not modelled: a Meta world is one node.
-static size_t mpi_staging_bytes(const OpDesc& d, int n, int r) {
-  if (n <= 1 || d.count == 0) return 0;
-  const size_t es = dtype_size(d.dt);
-  const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
-  if (d.kind == OpKind::AllReduce) {
-    if (d.count * es <= config().oneshot_bytes && n <= 16) return static_cast<size_t>(n - 1) * d.count * es;
-    const size_t len = std::min(slice_elems, static_cast<size_t>(d.count));
-    return static_cast<size_t>(n - 1) * segment(len, n, r).len * es;
-  }
-  if (d.kind == OpKind::ReduceScatter) {
-    const size_t len = std::min(std::max<size_t>(slice_elems / n, 1), static_cast<size_t>(d.count));
-    return static_cast<size_t>(n - 1) * len * es;
-  }
-  return 0;
-}
 
-// Meta groups: the operation is counted (issue did that), its staging is accounted on the Meta
-// device as the MPI backend would hold it, host buffers get their as-if-replicated values (see
-// World::init_meta), and it completes at once.
-void GroupImpl::run_meta(std::unique_ptr<Op> op) {
-  op->t_start = now_ns();
-  op->work->mark_started(op->t_start);
-  fr_start(op->fr_id, op->t_start);
-  const size_t need = mpi_staging_bytes(op->d, size, rank);
-  if (need > meta_staging_bytes) {
-    if (meta_staging) device_free(Device::Meta, meta_staging, meta_staging_bytes, MemCategory::Comm);
-    meta_staging = device_alloc(Device::Meta, need, MemCategory::Comm);
-    meta_staging_bytes = need;
-  }
-  const size_t es = dtype_size(op->d.dt), part = op->d.count * es;
-  const bool host_recv = op->rbuf && !is_meta_pointer(op->rbuf);
-  auto times_n = [&](void* buf, size_t count) {
-    if (op->d.op != ReduceOp::Sum || op->d.dt != DType::F32) return;
-    float* f = static_cast<float*>(buf);
-    for (size_t i = 0; i < count; ++i) f[i] *= static_cast<float>(size);
-  };
-  if (host_recv && part) {
-    switch (op->d.kind) {
-      case OpKind::AllGather: {
-        char* recv = static_cast<char*>(op->rbuf);
-        const char* mine = recv + static_cast<size_t>(rank) * part;
-        if (op->sbuf != mine) std::memmove(recv + static_cast<size_t>(rank) * part, op->sbuf, part);
-        for (int q = 0; q < size; ++q)
-          if (q != rank) std::memcpy(recv + static_cast<size_t>(q) * part, recv + static_cast<size_t>(rank) * part, part);
-        break;
-      }
-      case OpKind::ReduceScatter: {
-        const char* seg = static_cast<const char*>(op->sbuf) + static_cast<size_t>(rank) * part;
-        if (seg != op->rbuf) std::memmove(op->rbuf, seg, part);
-        times_n(op->rbuf, op->d.count);
-        break;
-      }
-      case OpKind::AllReduce:
-        times_n(op->rbuf, op->d.count);
-        break;
-      case OpKind::Recv:
-        std::memset(op->rbuf, 0, part);
-        break;
-      default:
-        break;
-    }
-  }
-  complete(std::move(op), nullptr);
-}
 
 void GroupImpl::complete(std::unique_ptr<Op> op, const std::string* err) {
   const int64_t t = now_ns();
@@ -597,424 +386,13 @@ void GroupImpl::complete(std::unique_ptr<Op> op, const std::string* err) {
 // ---------------------------------------------------------------------------------------------
 // Communication thread
 
-void* GroupImpl::ensure_staging(size_t bytes) {
-  if (bytes > staging_bytes) {
-    if (staging) mem_free(staging, staging_bytes, MemCategory::Comm);
-    staging = mem_alloc(bytes, MemCategory::Comm);
-    staging_bytes = bytes;
-  }
-  return staging;
-}
 
-void GroupImpl::post(bool is_send, void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
-                     std::vector<MPI_Request>& into) {
-  // Messages over 1 GiB go as several (MPI counts are int); the receiver splits identically.
-  constexpr size_t kMax = size_t(1) << 30;
-  char* p = static_cast<char*>(buf);
-  do {
-    const size_t n = std::min(bytes, kMax);
-    MPI_Request r;
-    int rc = is_send ? MPI_Isend(p, static_cast<int>(n), MPI_BYTE, peer, tag, comm, &r)
-                     : MPI_Irecv(p, static_cast<int>(n), MPI_BYTE, peer, tag, comm, &r);
-    if (rc != MPI_SUCCESS)
-      throw CommError("group " + name + ": " + (is_send ? "MPI_Isend" : "MPI_Irecv") +
-                      " failed: " + mpi_error_string(rc));
-    into.push_back(r);
-    p += n;
-    bytes -= n;
-  } while (bytes > 0);
-}
 
-void GroupImpl::post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
-                               std::vector<MPI_Request>& into) {
-  for (int k = 1; k < n; ++k) {
-    const int src = (me - k + n) % n;
-    const Seg s = segment(len, n, src);
-    if (s.len) post(false, base + s.off * es, s.len * es, src, tag, comm, into);
-  }
-  const Seg mine = segment(len, n, me);
-  if (mine.len)
-    for (int k = 1; k < n; ++k) post(true, base + mine.off * es, mine.len * es, (me + k) % n, tag, comm, into);
-}
 
-bool GroupImpl::test_all(std::vector<MPI_Request>& r, const char* what, Op& op) {
-  if (r.empty()) return true;
-  int flag = 0;
-  statuses.resize(r.size());
-  int rc = MPI_Testall(static_cast<int>(r.size()), r.data(), &flag, statuses.data());
-  if (rc != MPI_SUCCESS) {
-    int code = rc;
-    if (rc == MPI_ERR_IN_STATUS) {
-      for (auto& s : statuses)
-        if (s.MPI_ERROR != MPI_SUCCESS && s.MPI_ERROR != MPI_ERR_PENDING) code = s.MPI_ERROR;
-    }
-    throw CommError("group " + name + ": " + what + " of " + describe(op.d, true, &granks) +
-                    (is_p2p(op.d.kind) ? "" : " (collective #" + std::to_string(op.d.seq) + ")") +
-                    " failed: " + mpi_error_string(code));
-  }
-  if (flag) r.clear();
-  return flag != 0;
-}
 
-int GroupImpl::coll_tag(const Op& op, int phase) const {
-  const uint64_t mask = (uint64_t(1) << tag_bits) - 1;
-  return static_cast<int>(((op.d.seq & mask) << 2) | static_cast<uint64_t>(phase));
-}
 
-void GroupImpl::start(Op& op) {
-  op.t_start = now_ns();
-  op.work->mark_started(op.t_start);
-  fr_start(op.fr_id, op.t_start);
-  {
-    std::lock_guard<std::mutex> lk(act_mu);
-    active.push_back({op.d, op.t_start, &op});
-  }
-  if (is_p2p(op.d.kind)) {
-    const size_t bytes = op.d.count * dtype_size(op.d.dt);
-    if (op.d.kind == OpKind::Send)
-      post(true, const_cast<void*>(op.sbuf), bytes, op.d.peer, op.d.tag, p2p, op.reqs);
-    else
-      post(false, op.rbuf, bytes, op.d.peer, op.d.tag, p2p, op.reqs);
-    return;
-  }
-  started.store(op.d.seq);
-  op.phase = kStart;
-  if (config().desync) {
-    op.fp = Fingerprint{op.d.seq, op.d.count, static_cast<int32_t>(op.d.kind),
-                        static_cast<int32_t>(op.d.dt), static_cast<int32_t>(op.d.op),
-                        static_cast<int32_t>(op.d.peer)};
-    fp_all.resize(sizeof(Fingerprint) * static_cast<size_t>(size));
-    MPI_Request r;
-    int rc = MPI_Iallgather(&op.fp, sizeof(Fingerprint), MPI_BYTE, fp_all.data(),
-                            sizeof(Fingerprint), MPI_BYTE, ctrl, &r);
-    if (rc != MPI_SUCCESS)
-      throw CommError("group " + name + ": fingerprint exchange failed: " + mpi_error_string(rc));
-    reqs.push_back(r);
-    op.phase = kDesyncWait;
-  }
-}
 
-void GroupImpl::desync_check(Op& op) {
-  std::vector<Fingerprint> fps(static_cast<size_t>(size));
-  std::memcpy(fps.data(), fp_all.data(), fp_all.size());
-  std::string msg;
-  int bad = 0;
-  for (int q = 1; q < size; ++q) {
-    if (fps[q] == fps[0]) continue;
-    const bool extras = fps[q].same_basic(fps[0]);
-    std::string line = "rank " + std::to_string(granks[q]) + " called " +
-                       describe(fps[q].desc(), extras) + " as collective #" +
-                       std::to_string(op.d.seq) + " of group " + name + " while rank " +
-                       std::to_string(granks[0]) + " called " + describe(fps[0].desc(), extras);
-    if (bad == 0) msg = "collective desync: " + line;
-    else msg += "; " + line;
-    ++bad;
-  }
-  if (bad) throw CommError(msg);
-}
 
-// Advances `op`; returns 0 when waiting on MPI, 1 when it moved to a later phase, 2 when done.
-int GroupImpl::step(Op& op) {
-  const int n = size, r = rank;
-  const size_t es = dtype_size(op.d.dt);
-  const OpKind kind = op.d.kind;
-  int advanced = 0;
-  for (;;) {
-    switch (op.phase) {
-      case kDesyncWait:
-        if (!test_all(reqs, "fingerprint exchange", op)) return advanced;
-        desync_check(op);
-        op.phase = kStart;
-        advanced = 1;
-        break;
-
-      case kStart: {
-        if (kind == OpKind::Barrier) {
-          MPI_Request req;
-          int rc = MPI_Ibarrier(coll, &req);
-          if (rc != MPI_SUCCESS)
-            throw CommError("group " + name + ": MPI_Ibarrier failed: " + mpi_error_string(rc));
-          reqs.push_back(req);
-          op.phase = kBarrierWait;
-          break;
-        }
-        if (kind == OpKind::Broadcast) {
-          const int vr = (r - static_cast<int>(op.d.peer) + n) % n;
-          if (vr != 0 && op.d.count) {
-            int mask = 1;
-            while (!(vr & mask)) mask <<= 1;
-            const int parent = (vr - mask + static_cast<int>(op.d.peer)) % n;
-            post(false, op.rbuf, op.d.count * es, parent, coll_tag(op, 2), coll, reqs);
-          }
-          op.phase = kBcRecvWait;
-          break;
-        }
-        if (kind == OpKind::AllGather) {
-          char* recv = static_cast<char*>(op.rbuf);
-          const size_t part = op.d.count * es;
-          if (part && op.sbuf != recv + static_cast<size_t>(r) * part)
-            std::memcpy(recv + static_cast<size_t>(r) * part, op.sbuf, part);
-          if (part) {
-            for (int k = 1; k < n; ++k) {
-              const int src = (r - k + n) % n;
-              post(false, recv + static_cast<size_t>(src) * part, part, src, coll_tag(op, 1), coll,
-                   reqs);
-            }
-            for (int k = 1; k < n; ++k) {
-              const int dst = (r + k) % n;
-              post(true, recv + static_cast<size_t>(r) * part, part, dst, coll_tag(op, 1), coll,
-                   reqs);
-            }
-          }
-          op.phase = kAgWait;
-          break;
-        }
-        // all_reduce / reduce_scatter: reduce-scatter step of the slice at op.pos.
-        const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
-        if (kind == OpKind::AllReduce && op.pos == 0 && op.d.count &&
-            op.d.count * es <= config().oneshot_bytes && n <= 16) {
-          // Small: one round. Every rank sends its whole buffer to every peer and reduces all n
-          // in rank order itself (the same inputs in the same order on every rank).
-          const size_t bytes = op.d.count * es;
-          char* stage =
-              static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * bytes));
-          for (int k = 1; k < n; ++k) {
-            const int src = (r - k + n) % n;
-            post(false, stage + (src < r ? src : src - 1) * bytes, bytes, src, coll_tag(op, 3),
-                 coll, reqs);
-          }
-          for (int k = 1; k < n; ++k)
-            post(true, op.rbuf, bytes, (r + k) % n, coll_tag(op, 3), coll, reqs);
-          op.phase = kOneShotWait;
-          break;
-        }
-        if (kind == OpKind::AllReduce && hier) {
-          op.phase = kHStart;
-          break;
-        }
-        if (kind == OpKind::AllReduce) {
-          if (op.pos >= op.d.count) return 2;
-          op.len = std::min(slice_elems, op.d.count - op.pos);
-          const Seg mine = segment(op.len, n, r);
-          char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-          const size_t slot = mine.len * es;
-          char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * slot));
-          if (slot) {
-            for (int k = 1; k < n; ++k) {
-              const int src = (r - k + n) % n;
-              const int idx = src < r ? src : src - 1;
-              post(false, stage + idx * slot, slot, src, coll_tag(op, 0), coll, reqs);
-            }
-          }
-          for (int k = 1; k < n; ++k) {
-            const int dst = (r + k) % n;
-            const Seg s = segment(op.len, n, dst);
-            if (s.len) post(true, base + s.off * es, s.len * es, dst, coll_tag(op, 0), coll, reqs);
-          }
-        } else {  // reduce_scatter: slice [pos, pos+len) of every segment
-          const size_t rc = op.d.count;
-          if (op.pos >= rc) return 2;
-          const size_t seg_slice = std::max<size_t>(slice_elems / n, 1);
-          op.len = std::min(seg_slice, rc - op.pos);
-          const size_t slot = op.len * es;
-          char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * slot));
-          const char* send = static_cast<const char*>(op.sbuf);
-          for (int k = 1; k < n; ++k) {
-            const int src = (r - k + n) % n;
-            const int idx = src < r ? src : src - 1;
-            post(false, stage + idx * slot, slot, src, coll_tag(op, 0), coll, reqs);
-          }
-          for (int k = 1; k < n; ++k) {
-            const int dst = (r + k) % n;
-            post(true, const_cast<char*>(send) + (dst * rc + op.pos) * es, slot, dst,
-                 coll_tag(op, 0), coll, reqs);
-          }
-        }
-        op.phase = kRsWait;
-        break;
-      }
-
-      case kRsWait: {
-        if (!test_all(reqs, "reduce-scatter step", op)) return advanced;
-        SourceList srcs(n);
-        const void** sp = srcs.data;
-        const char* stage = static_cast<const char*>(staging);
-        if (kind == OpKind::AllReduce) {
-          const Seg mine = segment(op.len, n, r);
-          char* own = static_cast<char*>(op.rbuf) + (op.pos + mine.off) * es;
-          const size_t slot = mine.len * es;
-          for (int q = 0; q < n; ++q) sp[q] = q == r ? own : stage + (q < r ? q : q - 1) * slot;
-          reduce_into(op.d.dt, op.d.op, n, sp, own, mine.len);
-          op.phase = kAgPost;
-        } else {
-          const size_t rc = op.d.count, slot = op.len * es;
-          const char* send = static_cast<const char*>(op.sbuf);
-          for (int q = 0; q < n; ++q)
-            sp[q] = q == r ? send + (r * rc + op.pos) * es : stage + (q < r ? q : q - 1) * slot;
-          reduce_into(op.d.dt, op.d.op, n, sp, static_cast<char*>(op.rbuf) + op.pos * es, op.len);
-          op.pos += op.len;
-          if (op.pos >= rc) return 2;
-          op.phase = kStart;
-        }
-        advanced = 1;
-        break;
-      }
-
-      case kAgPost: {  // all_reduce: send the reduced segment to every peer
-        post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, n, r, coll_tag(op, 1), coll, reqs);
-        op.phase = kAgWait;
-        break;
-      }
-
-      case kAgWait:
-        if (!test_all(reqs, "all-gather step", op)) return advanced;
-        if (kind == OpKind::AllGather) return 2;
-        op.pos += op.len;
-        if (op.pos >= op.d.count) return 2;
-        op.phase = kStart;
-        advanced = 1;
-        break;
-
-      case kBcRecvWait: {
-        if (!test_all(reqs, "broadcast receive", op)) return advanced;
-        const int root = op.d.peer;
-        const int vr = (r - root + n) % n;
-        int mask = 1;
-        while (mask < n && !(vr & mask)) mask <<= 1;
-        for (mask >>= 1; mask > 0; mask >>= 1) {
-          if (vr + mask < n && op.d.count)
-            post(true, op.rbuf, op.d.count * es, (vr + mask + root) % n, coll_tag(op, 2), coll,
-                 reqs);
-        }
-        op.phase = kBcSendWait;
-        advanced = 1;
-        break;
-      }
-
-      case kBcSendWait:
-        if (!test_all(reqs, "broadcast send", op)) return advanced;
-        return 2;
-
-      case kBarrierWait:
-        if (!test_all(reqs, "barrier", op)) return advanced;
-        return 2;
-
-      // Two-level all_reduce, per slice [pos, pos+len): (1) reduce-scatter inside the node: local
-      // rank l owns local segment ls; (2) its fp32 partial sums are reduce-scattered and
-      // all-gathered across nodes among the ranks with local index l (sub-segment ss per node),
-      // the final values rounded once; (3) all-gather inside the node.
-      case kHStart: {
-        if (op.pos >= op.d.count) return 2;
-        const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
-        op.len = std::min(slice_elems, op.d.count - op.pos);
-        const int L = local_n, l = local_r;
-        const Seg ls = segment(op.len, L, l);
-        const Seg ss = segment(ls.len, nodes_n, node_r);
-        const size_t a_bytes = static_cast<size_t>(L - 1) * ls.len * es;
-        const size_t p_bytes = ls.len * 4;
-        const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * 4;
-        char* stage = static_cast<char*>(ensure_staging(a_bytes + p_bytes + b_bytes));
-        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        if (ls.len) {
-          for (int k = 1; k < L; ++k) {
-            const int src = (l - k + L) % L;
-            post(false, stage + (src < l ? src : src - 1) * ls.len * es, ls.len * es, src,
-                 coll_tag(op, 0), intra, reqs);
-          }
-        }
-        for (int k = 1; k < L; ++k) {
-          const int dst = (l + k) % L;
-          const Seg s2 = segment(op.len, L, dst);
-          if (s2.len) post(true, base + s2.off * es, s2.len * es, dst, coll_tag(op, 0), intra, reqs);
-        }
-        op.phase = kHIntraRsWait;
-        break;
-      }
-
-      case kHIntraRsWait: {
-        if (!test_all(reqs, "intra-node reduce-scatter step", op)) return advanced;
-        const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
-        const Seg ls = segment(op.len, L, l);
-        const Seg ss = segment(ls.len, N, k0);
-        char* stage = static_cast<char*>(staging);
-        char* part = stage + static_cast<size_t>(L - 1) * ls.len * es;  // fp32 partial sums
-        char* recv32 = part + ls.len * 4;
-        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        SourceList srcs(std::max(L, N));
-        const void** sp = srcs.data;
-        for (int q = 0; q < L; ++q)
-          sp[q] = q == l ? base + ls.off * es : stage + (q < l ? q : q - 1) * ls.len * es;
-        const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
-        reduce_mixed(op.d.dt, DType::F32, partial, L, sp, part, ls.len, 1);
-        if (ss.len) {
-          for (int k = 1; k < N; ++k) {
-            const int src = (k0 - k + N) % N;
-            post(false, recv32 + (src < k0 ? src : src - 1) * ss.len * 4, ss.len * 4, src,
-                 coll_tag(op, 1), inter, reqs);
-          }
-        }
-        for (int k = 1; k < N; ++k) {
-          const int dst = (k0 + k) % N;
-          const Seg s2 = segment(ls.len, N, dst);
-          if (s2.len) post(true, part + s2.off * 4, s2.len * 4, dst, coll_tag(op, 1), inter, reqs);
-        }
-        op.phase = kHInterRsWait;
-        advanced = 1;
-        break;
-      }
-
-      case kHInterRsWait: {
-        if (!test_all(reqs, "inter-node reduce-scatter step", op)) return advanced;
-        const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
-        const Seg ls = segment(op.len, L, l);
-        const Seg ss = segment(ls.len, N, k0);
-        char* part = static_cast<char*>(staging) + static_cast<size_t>(L - 1) * ls.len * es;
-        char* recv32 = part + ls.len * 4;
-        char* seg = static_cast<char*>(op.rbuf) + (op.pos + ls.off) * es;
-        SourceList srcs(N);
-        const void** sp = srcs.data;
-        for (int q = 0; q < N; ++q)
-          sp[q] = q == k0 ? part + ss.off * 4 : recv32 + (q < k0 ? q : q - 1) * ss.len * 4;
-        reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
-        post_allgather(seg, ls.len, es, N, k0, coll_tag(op, 2), inter, reqs);
-        op.phase = kHInterAgWait;
-        advanced = 1;
-        break;
-      }
-
-      case kHInterAgWait: {
-        if (!test_all(reqs, "inter-node all-gather step", op)) return advanced;
-        const int L = local_n, l = local_r;
-        post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, L, l, coll_tag(op, 3), intra, reqs);
-        op.phase = kHIntraAgWait;
-        advanced = 1;
-        break;
-      }
-
-      case kHIntraAgWait:
-        if (!test_all(reqs, "intra-node all-gather step", op)) return advanced;
-        op.pos += op.len;
-        op.phase = kHStart;
-        advanced = 1;
-        break;
-
-      case kOneShotWait: {
-        if (!test_all(reqs, "all-reduce exchange", op)) return advanced;
-        SourceList srcs(n);
-        const void** sp = srcs.data;
-        const size_t bytes = op.d.count * es;
-        const char* stage = static_cast<const char*>(staging);
-        for (int q = 0; q < n; ++q) sp[q] = q == r ? op.rbuf : stage + (q < r ? q : q - 1) * bytes;
-        reduce_into(op.d.dt, op.d.op, n, sp, op.rbuf, op.d.count);
-        return 2;
-      }
-
-      default:
-        throw CommError("group " + name + ": internal error (phase " + std::to_string(op.phase) +
-                        ")");
-    }
-  }
-}
 
 // Waiting for MPI with nothing to do: 24 tight polls, 24 yielding polls, then sleeps of 1, 2, 4,
 // ... us up to max_us (reset by the caller whenever something completes). (Sleeps proportional to
@@ -1087,14 +465,15 @@ void GroupImpl::thread_main() {
       }
       for (auto& o : p2ps) complete(std::move(o), &msg);
       p2ps.clear();
-      reqs.clear();  // abandoned: the job is ending
+      backend->abandon();  // the job is ending
       continue;
     }
     bool progressed = !incoming.empty();
     try {
       for (auto& o : incoming) {
         if (is_p2p(o->d.kind)) {
-          start(*o);
+          begin(*o);
+          backend->start(*o);
           p2ps.push_back(std::move(o));
         } else {
           colls.push_back(std::move(o));
@@ -1105,10 +484,11 @@ void GroupImpl::thread_main() {
           if (colls.empty()) break;
           cur = std::move(colls.front());
           colls.pop_front();
-          start(*cur);
+          begin(*cur);
+          backend->start(*cur);
           progressed = true;
         }
-        int s = step(*cur);
+        int s = backend->progress(*cur);
         if (s == 2) {
           complete(std::move(cur), nullptr);
           cur.reset();
@@ -1119,7 +499,7 @@ void GroupImpl::thread_main() {
         break;
       }
       for (size_t i = 0; i < p2ps.size();) {
-        if (test_all(p2ps[i]->reqs, "transfer", *p2ps[i])) {
+        if (backend->p2p_done(*p2ps[i])) {
           complete(std::move(p2ps[i]), nullptr);
           p2ps.erase(p2ps.begin() + static_cast<long>(i));
           progressed = true;

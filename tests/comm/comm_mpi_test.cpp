@@ -147,9 +147,11 @@ TEST(ProcessGroup, TwoLevelAllReduceOnPretendNodes) {
   setenv("MESHTRAIN_COMM_ONESHOT_KB", "0", 1);
   detail::reload_config();
   auto g = g_world->split(0, r, "two_level");
-  ASSERT_TRUE(g->impl().hier);
-  EXPECT_EQ(g->impl().local_n, 2);
-  EXPECT_EQ(g->impl().nodes_n, 2);
+  auto* mpi = dynamic_cast<detail::MpiBackend*>(g->impl().backend.get());
+  ASSERT_NE(mpi, nullptr);
+  ASSERT_TRUE(mpi->hier);
+  EXPECT_EQ(mpi->local_n, 2);
+  EXPECT_EQ(mpi->nodes_n, 2);
   auto grouped = [&](ReduceOp op, size_t i, DType dt) {
     float a = input(0, i, dt), b = input(1, i, dt), c = input(2, i, dt), d = input(3, i, dt);
     float acc;
