@@ -296,8 +296,11 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
 
 double PipelineExecutor::eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T) {
   const int64_t NC = model_.residual_rows(B * T) * model_.config().n_embd;  // a stage boundary's rows
-  Tensor in = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
-  Tensor out = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+  Tensor in, out;  // stage boundaries' rows (none with one stage)
+  if (S_ > 1) {
+    in = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+    out = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+  }
   comm::WorkHandle pending;
   double loss = 0;
   model_.select_slot(0);
@@ -305,7 +308,8 @@ double PipelineExecutor::eval_forward(const int32_t* ids, const int32_t* targets
     if (sched_.stage_rank(s) != rank_) continue;
     const auto [first, last] = part_.stages[s];
     if (first != 0) pp_->recv(in.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s - 1), tag(kAct, 0, s - 1))->wait();
-    loss = model_.forward_units(first, last, ids, last == head_unit_ ? targets : nullptr, in.f32(), B, T, false);
+    loss = model_.forward_units(first, last, ids, last == head_unit_ ? targets : nullptr, first != 0 ? in.f32() : nullptr,
+                                B, T, false);
     if (last != head_unit_) {
       if (pending) pending->wait();
       dev::copy(model_.device(), out.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));

@@ -3,28 +3,30 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
-#include <cstring>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
-#include <iostream>
 #include <optional>
 #include <thread>
 
 #include "comm/world.h"
-#include "kernels/cpu/activation.h"
+#include "model/transformer.h"
+#include "parallel/optimizer.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
-#include "plan/auto_layout.h"
 #include "parallel/tensor_parallel.h"
-#include "model/transformer.h"
+#include "plan/auto_layout.h"
 #include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
 #include "train/chrome_trace.h"
 #include "train/data_loader.h"
 #include "train/metrics.h"
-#include "parallel/optimizer.h"
+#include "train/model_state.h"
+#include "train/parallel_dims.h"
 #include "train/sampler.h"
 #include "train/tokenizer.h"
 
@@ -35,529 +37,440 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
-void validate_parallel(const RunConfig& c, int world) {
-  const auto& p = c.parallel;
-  static const char* strategies[] = {"NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
-                                     "HYBRID_SHARD_ZERO2"};
-  bool known = false;
-  for (const char* s : strategies) known |= p.strategy == s;
-  if (!known)
-    throw ConfigError("parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
-                      "HYBRID_SHARD_ZERO2; got '" + p.strategy + "'");
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"parallel.dp_replicate", p.dp_replicate},
-                         {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
-    if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
-  if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
-  if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
-  if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
-  if (p.strategy.rfind("HYBRID", 0) != 0 && p.dp_replicate > 1)
-    throw ConfigError("parallel.dp_replicate = " + std::to_string(p.dp_replicate) + " needs a HYBRID_* strategy (" +
-                      p.strategy + " shards or replicates over every data-parallel rank; set dp_shard instead)");
-  try {
-    comm::DeviceMesh::resolve({{"pp", static_cast<int>(p.pp)},
-                               {"dp_replicate", static_cast<int>(p.dp_replicate)},
-                               {"dp_shard", static_cast<int>(p.dp_shard)},
-                               {"tp", static_cast<int>(p.tp)}},
-                              world);
-  } catch (const std::exception& e) {
-    throw ConfigError(std::string("parallel mesh: ") + e.what());
-  }
-}
-
 int auto_threads() {
   unsigned hc = std::thread::hardware_concurrency();
   return hc == 0 ? 1 : static_cast<int>(hc);
 }
 
-}  // namespace
+// One training job on this rank (torchtitan's Trainer): build() makes the groups, data, model,
+// strategy and step executor; load_state() the initial or resumed state; train_step() one
+// optimizer step - for every layout the step runs through the pipeline executor (pp = 1 is a
+// one-stage schedule, as Megatron's forward_backward_no_pipelining); evaluate(), save() and
+// report() do what they say. A dry run (run_train_command set up a Meta world and device) builds
+// rank R of the job alone, without data files, and prints and writes what rank 0 would.
+class Trainer {
+ public:
+  explicit Trainer(const RunConfig& cfg) : cfg_(cfg), tc_(cfg.train) {}
+  TrainResult run();
 
-TrainResult train(const RunConfig& cfg) {
-  comm::World& W = comm::World::init(nullptr, nullptr);
-  const int rank = W.rank(), world = W.size();
-  validate_parallel(cfg, world);
-  // A dry run (run_train_command set up a Meta world and device): rank R of the job alone, no
-  // data files; it prints and writes what rank 0 of a real run would.
-  const bool dry = W.is_meta();
-  const bool log = dry || comm::should_print(rank);
-  comm::DeviceMesh mesh(W, {{"pp", static_cast<int>(cfg.parallel.pp)},
-                            {"dp_replicate", static_cast<int>(cfg.parallel.dp_replicate)},
-                            {"dp_shard", static_cast<int>(cfg.parallel.dp_shard)},
-                            {"tp", static_cast<int>(cfg.parallel.tp)}});
-  auto dp_group = mesh.group(std::vector<std::string>{"dp_replicate", "dp_shard"});
-  // Losses and summaries travel on their own group so the dp group's counters hold only gradients.
-  auto metrics_group = W.split_like(*W.world(), "metrics");
-  const int dp_rank = dp_group->rank(), dp_world = dp_group->size();
-  ModelConfig mc = cfg.model_config();
-  const int tp = static_cast<int>(cfg.parallel.tp);
-  if (tp > 1) {  // vocabulary padded to a multiple of 64 * tp so every tp rank holds whole 64-row blocks
-    mc.padded_vocab = (mc.vocab_size + 64 * tp - 1) / (64 * tp) * (64 * tp);
-    for (auto [v, what] : {std::pair<int64_t, const char*>{mc.n_head, "model.n_head"}, {mc.n_kv_head, "model.n_kv_head"},
-                           {mc.ffn_hidden, "model.ffn_hidden"}})
-      if (v % tp != 0)
-        throw ConfigError(std::string(what) + " (" + std::to_string(v) + ") must be divisible by parallel.tp (" +
-                          std::to_string(tp) + ")");
-  }
-  DType dt;
-  if (!parse_dtype(cfg.train.dtype, &dt)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + cfg.train.dtype + "'");
-  Recompute rc;
-  if (!parse_recompute(cfg.train.activation_checkpointing, &rc))
-    throw ConfigError("train.activation_checkpointing must be none, full or selective, got '" +
-                      cfg.train.activation_checkpointing + "'");
-  const auto& tc = cfg.train;
-  if (tc.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
-  if (tc.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
-  if (tc.steps < 0) throw ConfigError("train.steps must be >= 0");
-  (void)lr_at(0, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);  // validates the schedule name
-  const int threads = tc.threads > 0 ? static_cast<int>(tc.threads) : std::max(1, auto_threads() / W.local_size());
-  omp_set_num_threads(threads);
-
-  const int pp = static_cast<int>(cfg.parallel.pp);
-  // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
-  const int64_t B = tc.micro_batch, T = mc.seq_len,
-                accum = pp > 1 && cfg.parallel.pp_microbatches > 0 ? cfg.parallel.pp_microbatches : tc.grad_accum;
-  std::unique_ptr<TokenDataset> train_ds;
-  std::unique_ptr<BatchLoader> loader;
-  if (!dry) {
-    train_ds = std::make_unique<TokenDataset>(cfg.data.train, mc.vocab_size);
-    loader = std::make_unique<BatchLoader>(*train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
-    if (cfg.data.shuffle) loader->set_shuffle(static_cast<uint64_t>(tc.seed));
-  }
+ private:
+  void build();
+  void load_state();
+  void train_step(int64_t step);
+  double evaluate();
+  void save();
+  void report();
+  void sample();
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
-  auto next_batch = [&](int32_t* x, int32_t* y) {
-    if (loader) return loader->next(x, y);
-    std::fill(x, x + B * T, 0);
-    std::fill(y, y + B * T, 0);
-  };
-  std::unique_ptr<TokenDataset> val_ds;
-  std::unique_ptr<BatchLoader> val_loader;
-  if (!dry && !cfg.data.val.empty() && tc.eval_every > 0) {
-    val_ds = std::make_unique<TokenDataset>(cfg.data.val, mc.vocab_size);
-    val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
-  }
-
-  // Groups: non-hybrid strategies shard over every data-parallel rank; hybrid ones shard inside
-  // dp_shard and replicate across dp_replicate.
-  const bool hybrid = cfg.parallel.strategy.rfind("HYBRID", 0) == 0;
-  auto shard_group = hybrid ? mesh.group("dp_shard") : dp_group;
-  auto replicate_group = hybrid ? mesh.group("dp_replicate") : W.split_by([](int r) { return std::pair<int, int>{r, 0}; }, "replicate_none");
-  parallel::StrategySpec spec;
-  spec.strategy = cfg.parallel.strategy;
-  spec.bucket_mb = cfg.parallel.bucket_mb;
-  spec.reshard_after_forward = cfg.parallel.reshard_after_forward;
-  spec.prefetch = static_cast<int>(cfg.parallel.prefetch);
-  spec.reduce_every_microbatch = cfg.parallel.reduce_every_microbatch;
-  spec.adam = AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay};
-  auto tp_group = mesh.group("tp");
-  // Ranks of one tp group are adjacent (tp is the mesh's last dimension): a second communicator
-  // over them carries gradient norms and checkpoint gathers, keeping the tp counters to the model.
-  auto tp_aux = W.split_like(*tp_group, "tp_aux");
-  parallel::ProcessGroupTpComm tp_comm(tp_group);
-  tp_comm.set_activation_dtype(dt);  // bf16 runs move activations in bf16 (Megatron)
-  // Pipeline: the schedule (checked before it runs), the stages' units, this rank's share.
-  const int pp_rank = mesh.coord("pp");
-  std::unique_ptr<parallel::PipeSchedule> schedule;
-  parallel::StagePartition partition;
-  std::vector<char> owned;
-  std::shared_ptr<comm::ProcessGroup> pp_group, pp_aux;
-  if (pp > 1) {
-    try {
-      schedule = std::make_unique<parallel::PipeSchedule>(parallel::make_schedule(
-          cfg.parallel.pp_schedule, pp, static_cast<int>(accum), static_cast<int>(cfg.parallel.pp_virtual_stages)));
-      partition = parallel::partition_stages(mc, schedule->num_stages(), cfg.parallel.pp_partition);
-    } catch (const std::invalid_argument& e) {
-      throw ConfigError(std::string("pipeline: ") + e.what());
-    }
-    owned = parallel::stage_units_of_rank(partition, pp, pp_rank, static_cast<int>(mc.n_layer) + 2);
-    pp_group = mesh.group("pp");
-    // Same members as the pp group, for loss and gradient-norm sums (keeps the pp counters to
-    // activations and gradients).
-    pp_aux = W.split_like(*pp_group, "pp_aux");
-  } else if (cfg.parallel.pp_virtual_stages != 1) {
-    throw ConfigError("parallel.pp_virtual_stages = " + std::to_string(cfg.parallel.pp_virtual_stages) +
-                      " needs parallel.pp > 1");
-  }
-  Transformer model(mc, dt, rc, parallel::model_storage(spec, dt, shard_group->size()), tp > 1 ? &tp_comm : nullptr,
-                    owned);
-  model.set_tp_overlap(cfg.parallel.tp_overlap);
-  if (tc.loss_chunk_tokens < 0) throw ConfigError("train.loss_chunk_tokens must be >= 0 (0 = off)");
-  model.set_loss_chunk(tc.loss_chunk_tokens);
-  if (cfg.parallel.sequence_parallel) {
-    if (tp == 1) throw ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel group's rows)");
-    if ((B * T) % tp != 0)
-      throw ConfigError("parallel.sequence_parallel: micro_batch x seq_len = " + std::to_string(B * T) +
-                        " tokens is not divisible by parallel.tp = " + std::to_string(tp));
-    model.set_sequence_parallel(true);
-  }
-  // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
-  const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
-  std::vector<double> norm_weight(model.params().size(), 1.0);
-  for (size_t i = 0; i < model.params().size(); ++i)
-    if (model.params()[i].tp_split == TpSplit::None) norm_weight[i] = 1.0 / tp;  // replicated on every tp rank
-  parallel::verify_same_model(model, *dp_group);
-  auto strategy = parallel::make_strategy(spec, model, dp_group, shard_group, replicate_group);
-  std::unique_ptr<parallel::PipelineExecutor> pipe;
-  if (pp > 1) pipe = std::make_unique<parallel::PipelineExecutor>(model, *schedule, partition, pp_group, strategy.get());
+  void next_batch(int32_t* x, int32_t* y);
   // Sum of a per-rank value over the pipeline ranks (each stage holds its own part).
-  auto pp_sum = [&](double v) {
-    if (pp == 1) return v;
-    float f = static_cast<float>(v);
-    pp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
-    return static_cast<double>(f);
-  };
-  ChromeTrace trace(cfg.log.trace_out, rank);
-  TracingHooks tracing(strategy->hooks(), &trace, &model);
-  model.set_hooks(trace.enabled() ? static_cast<UnitHooks*>(&tracing) : strategy->hooks());
-  const int64_t F = model.flat_size();
+  double pp_sum(double v);
+  // Mean of a per-rank value over the data-parallel ranks (losses are per rank).
+  double dp_mean(double v);
 
-  TrainerState st;
-  const int U = model.num_units();
-  const int64_t RF = ref.flat_size();
-  auto workspace = [](int64_t n) { return Tensor::empty({n}, DType::F32, MemCategory::Workspace); };
-  if (ref.unit(0).offset != 0) throw std::logic_error("the embedding unit must start the flat buffer");
-  // Model state moves between the unsplit layout `ref` (checkpoints, initialisation) and this rank's
-  // strategy one unit at a time, so no rank ever holds the whole model's full state for it.
-  {
-    std::unique_ptr<CheckpointReader> reader;
-    Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
-    std::string resume_dir;
-    bool resume = !tc.resume.empty();
-    if (tc.resume == "latest") {
-      if (cfg.train.checkpoint_dir.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
-      // Like torchtitan: a restartable job's first launch has nothing to resume yet.
-      if (!std::filesystem::exists(std::filesystem::path(cfg.train.checkpoint_dir) / "latest")) {
-        resume = false;
-        if (log) std::printf("train.resume = latest: no checkpoint in %s yet, starting fresh\n", cfg.train.checkpoint_dir.c_str());
-      }
-    }
-    if (resume) {
-      std::string src = tc.resume == "latest" ? cfg.train.checkpoint_dir : tc.resume;
-      resume_dir = resolve_checkpoint(src);
-      reader = std::make_unique<CheckpointReader>(resume_dir, ref, true);
-      st = reader->state();
-      if (log && !tc.init_from.empty()) std::printf("resuming: train.init_from (%s) is not used\n", tc.init_from.c_str());
-    } else if (!tc.init_from.empty()) {
-      // Weights only (fine-tuning): a safetensors file, or a checkpoint (directory or root with `latest`).
-      std::string file = tc.init_from;
-      if (std::filesystem::is_directory(file)) file = resolve_checkpoint(file) + "/model.safetensors";
-      reader = std::make_unique<CheckpointReader>(ref, file);
-      if (log) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
-    } else {
-      init = workspace(RF);
-      if (!dry) ref.init_weights_into(static_cast<uint64_t>(tc.seed), init.f32());  // values: not on Meta
-    }
-    const bool moments = reader && reader->has_moments();
-    strategy->begin_load();
-    for (int u = 0; u < U; ++u) {
-      const int64_t rn = ref.unit(u).numel, ln = model.unit(u).numel;
-      const bool replica = u == 0 && model.has_tied_replica();
-      if (ln == 0 && !replica) continue;  // another pipeline stage's unit
-      Tensor fw, fm, fv;
-      const float* w = init.defined() ? init.f32() + ref.unit(u).offset : nullptr;
-      if (reader) {
-        fw = workspace(rn);
-        if (moments) {
-          fm = workspace(rn);
-          fv = workspace(rn);
-        }
-        reader->read_unit(u, fw.f32(), moments ? fm.f32() : nullptr, moments ? fv.f32() : nullptr);
-        w = fw.f32();
-      }
-      if (replica) model.load_tied_replica(ref, w);  // unit 0's range starts with the token embedding
-      if (ln == 0) continue;
-      Tensor lw = workspace(ln), lm, lv;
-      model.shard_unit_from_full(ref, u, w, lw.f32());
-      if (moments) {
-        lm = workspace(ln);
-        lv = workspace(ln);
-        model.shard_unit_from_full(ref, u, fm.f32(), lm.f32());
-        model.shard_unit_from_full(ref, u, fv.f32(), lv.f32());
-      }
-      strategy->load_unit(u, lw.f32(), moments ? lm.f32() : nullptr, moments ? lv.f32() : nullptr);
-    }
-    strategy->end_load(st.adam_steps);
-    if (!resume_dir.empty()) {
-      std::vector<int32_t> skip_x(B * T), skip_y(B * T);
-      for (int64_t i = 0; i < st.micro_batches; ++i) next_batch(skip_x.data(), skip_y.data());  // data position
-      if (log) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st.step));
+  const RunConfig& cfg_;
+  const RunConfig::Train& tc_;
+  comm::World* W_ = nullptr;
+  int rank_ = 0, world_ = 1;
+  bool dry_ = false, log_ = false;
+  ModelConfig mc_;
+  ParallelDims dims_;
+  ParallelGroups groups_;
+  DType dt_ = DType::F32;
+  Recompute rc_ = Recompute::None;
+  int threads_ = 1;
+  int64_t B_ = 0, T_ = 0, accum_ = 1;
+  std::unique_ptr<TokenDataset> train_ds_, val_ds_;
+  std::unique_ptr<BatchLoader> loader_, val_loader_;
+  parallel::StrategySpec spec_;
+  std::unique_ptr<parallel::ProcessGroupTpComm> tp_comm_;
+  std::unique_ptr<parallel::PipeSchedule> schedule_;
+  parallel::StagePartition partition_;
+  std::unique_ptr<Transformer> model_, ref_;
+  std::vector<double> norm_weight_;
+  std::unique_ptr<parallel::Strategy> strategy_;
+  std::unique_ptr<parallel::PipelineExecutor> pipe_;
+  std::unique_ptr<ModelState> state_;
+  std::unique_ptr<ChromeTrace> trace_;
+  std::unique_ptr<TracingHooks> tracing_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  TrainerState st_;
+
+  // Per step and over the run.
+  std::vector<std::vector<int32_t>> xs_, ys_;
+  TrainResult res_;
+  double tps_sum_ = 0, comm_ms_total_ = 0, exposed_ms_total_ = 0, bubble_sum_ = 0;
+  int64_t tps_n_ = 0, first_step_ = 0;
+  int peak_slots_ = 0;
+  std::array<int64_t, kNumMemCategories> resident_{};
+};
+
+void Trainer::build() {
+  W_ = &comm::World::init(nullptr, nullptr);
+  rank_ = W_->rank();
+  world_ = W_->size();
+  dry_ = W_->is_meta();
+  log_ = dry_ || comm::should_print(rank_);
+  mc_ = cfg_.model_config();
+  const int tp = cfg_.parallel.tp > 0 ? static_cast<int>(cfg_.parallel.tp) : 1;
+  if (tp > 1) mc_.padded_vocab = padded_vocab_for_tp(mc_.vocab_size, tp);
+  dims_ = ParallelDims::from_config(cfg_, mc_, world_);
+  groups_ = ParallelGroups::build(*W_, dims_);
+  if (!parse_dtype(tc_.dtype, &dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
+  if (!parse_recompute(tc_.activation_checkpointing, &rc_))
+    throw ConfigError("train.activation_checkpointing must be none, full or selective, got '" +
+                      tc_.activation_checkpointing + "'");
+  if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
+  if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
+  if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");
+  if (tc_.loss_chunk_tokens < 0) throw ConfigError("train.loss_chunk_tokens must be >= 0 (0 = off)");
+  (void)lr_at(0, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);  // validates the schedule name
+  threads_ = tc_.threads > 0 ? static_cast<int>(tc_.threads) : std::max(1, auto_threads() / W_->local_size());
+  omp_set_num_threads(threads_);
+
+  // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
+  const int pp = dims_.pp;
+  B_ = tc_.micro_batch;
+  T_ = mc_.seq_len;
+  accum_ = pp > 1 && cfg_.parallel.pp_microbatches > 0 ? cfg_.parallel.pp_microbatches : tc_.grad_accum;
+  const int dp_rank = groups_.dp->rank(), dp_world = groups_.dp->size();
+  if (!dry_) {
+    train_ds_ = std::make_unique<TokenDataset>(cfg_.data.train, mc_.vocab_size);
+    loader_ = std::make_unique<BatchLoader>(*train_ds_, static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world);
+    if (cfg_.data.shuffle) loader_->set_shuffle(static_cast<uint64_t>(tc_.seed));
+    if (!cfg_.data.val.empty() && tc_.eval_every > 0) {
+      val_ds_ = std::make_unique<TokenDataset>(cfg_.data.val, mc_.vocab_size);
+      val_loader_ = std::make_unique<BatchLoader>(*val_ds_, static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world);
     }
   }
-  mem_release_cache();
-  MemoryTracker::instance().reset_peaks();  // peaks describe training, not the one-off setup
-  // Unit u's full fp32 state in `ref` layout (collective: every rank calls it for every unit): the
-  // strategy gathers this tp rank's part, the tp ranks' parts are assembled, and pipeline stages,
-  // which hold disjoint units (zero elsewhere), are summed. `out` gets 1 (weights) or 3 tensors.
-  auto gather_full_unit = [&](int u, bool moments, Tensor* out) {
-    const int64_t rn = ref.unit(u).numel, ln = model.unit(u).numel;
-    const int n = moments ? 3 : 1;
-    Tensor local[3];
-    for (int i = 0; i < n; ++i) out[i] = Tensor::zeros({rn}, DType::F32, MemCategory::Workspace);
-    if (ln > 0) {
-      for (int i = 0; i < n; ++i) local[i] = workspace(ln);
-      strategy->gather_unit(u, local[0].f32(), moments ? local[1].f32() : nullptr, moments ? local[2].f32() : nullptr);
-      Tensor all = tp > 1 ? workspace(ln * tp) : Tensor();
-      for (int i = 0; i < n; ++i) {
-        std::vector<const float*> parts{local[i].f32()};
-        if (tp > 1) {
-          tp_aux->all_gather(local[i].f32(), all.f32(), static_cast<size_t>(ln), DType::F32)->wait();
-          parts.clear();
-          for (int r = 0; r < tp; ++r) parts.push_back(all.f32() + r * ln);
-        }
-        model.assemble_unit_full(ref, u, parts, out[i].f32());
-      }
-    }
-    if (pp > 1)
-      for (int i = 0; i < n; ++i)
-        pp_aux->all_reduce(out[i].f32(), static_cast<size_t>(rn), DType::F32, comm::ReduceOp::Sum)->wait();
-  };
-  // Only rank 0 writes; every rank takes part in the gathers.
-  auto save = [&]() {
-    std::unique_ptr<CheckpointWriter> writer;
-    if (rank == 0) writer = std::make_unique<CheckpointWriter>(tc.checkpoint_dir, ref, true, st.step);
-    for (int u = 0; u < U; ++u) {
-      Tensor full[3];
-      gather_full_unit(u, true, full);
-      if (writer) writer->write_unit(u, full[0].f32(), full[1].f32(), full[2].f32());
-    }
-    if (writer) writer->commit(st, cfg);
-  };
 
-  if (log) {
-    std::printf("model %s (%s): %lld parameters, %lld layers, %lld heads, width %lld, seq %lld, vocab %lld (padded %lld)\n",
-                mc.name.c_str(), arch_name(mc.arch), static_cast<long long>(ref.num_params()),
-                static_cast<long long>(mc.n_layer), static_cast<long long>(mc.n_head), static_cast<long long>(mc.n_embd),
-                static_cast<long long>(mc.seq_len), static_cast<long long>(mc.vocab_size),
-                static_cast<long long>(mc.padded_vocab));
-    std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
-                "recompute %s | %d threads\n",
-                cfg.data.train.c_str(), static_cast<long long>(train_ds ? train_ds->total_tokens() : 0), static_cast<long long>(B),
-                static_cast<long long>(T), static_cast<long long>(accum), dp_world,
-                static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
-    if (world > 1)
-      std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
-                  strategy->name(), mesh.describe().c_str(), shard_group->size(), replicate_group->size(),
-                  static_cast<long long>(model.num_params()));
-    if (pipe)
-      std::printf("pipeline: %s, %d ranks x %d virtual stages, %lld micro-batches; stages %s%s\n",
-                  schedule->name.c_str(), pp, schedule->virtual_stages, static_cast<long long>(accum),
-                  partition.describe().c_str(), pipe->tied_split() ? "; tied embedding replicated on the last stage" : "");
+  spec_.strategy = cfg_.parallel.strategy;
+  spec_.bucket_mb = cfg_.parallel.bucket_mb;
+  spec_.reshard_after_forward = cfg_.parallel.reshard_after_forward;
+  spec_.prefetch = static_cast<int>(cfg_.parallel.prefetch);
+  spec_.reduce_every_microbatch = cfg_.parallel.reduce_every_microbatch;
+  spec_.adam = AdamWConfig{tc_.lr, tc_.beta1, tc_.beta2, tc_.eps, tc_.weight_decay};
+  tp_comm_ = std::make_unique<parallel::ProcessGroupTpComm>(groups_.tp);
+  tp_comm_->set_activation_dtype(dt_);  // bf16 runs move activations in bf16 (Megatron)
+
+  // The step's schedule, checked before it runs, and the stages' units (one stage without a pipeline).
+  try {
+    schedule_ = std::make_unique<parallel::PipeSchedule>(parallel::make_schedule(
+        pp > 1 ? cfg_.parallel.pp_schedule : "1f1b", pp, static_cast<int>(accum_), dims_.pp_virtual_stages));
+    partition_ = parallel::partition_stages(mc_, schedule_->num_stages(), pp > 1 ? cfg_.parallel.pp_partition : "");
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(std::string("pipeline: ") + e.what());
+  }
+  std::vector<char> owned;
+  if (pp > 1) owned = parallel::stage_units_of_rank(partition_, pp, groups_.pp_rank, static_cast<int>(mc_.n_layer) + 2);
+  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, parallel::model_storage(spec_, dt_, groups_.shard->size()),
+                                         tp > 1 ? tp_comm_.get() : nullptr, owned);
+  model_->set_tp_overlap(cfg_.parallel.tp_overlap);
+  model_->set_loss_chunk(tc_.loss_chunk_tokens);
+  if (dims_.sequence_parallel) model_->set_sequence_parallel(true);
+  // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
+  ref_ = std::make_unique<Transformer>(mc_, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  norm_weight_.assign(model_->params().size(), 1.0);
+  for (size_t i = 0; i < model_->params().size(); ++i)
+    if (model_->params()[i].tp_split == TpSplit::None) norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank
+  parallel::verify_same_model(*model_, *groups_.dp);
+  strategy_ = parallel::make_strategy(spec_, *model_, groups_.dp, groups_.shard, groups_.replicate);
+  pipe_ = std::make_unique<parallel::PipelineExecutor>(*model_, *schedule_, partition_, groups_.pp, strategy_.get());
+  trace_ = std::make_unique<ChromeTrace>(cfg_.log.trace_out, rank_);
+  tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_.get());
+  model_->set_hooks(trace_->enabled() ? static_cast<UnitHooks*>(tracing_.get()) : strategy_->hooks());
+  state_ = std::make_unique<ModelState>(*model_, *ref_, *strategy_, *groups_.tp_aux, groups_.pp_aux.get());
+  xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
+  ys_ = xs_;
+}
+
+void Trainer::next_batch(int32_t* x, int32_t* y) {
+  if (loader_) return loader_->next(x, y);
+  std::fill(x, x + B_ * T_, 0);
+  std::fill(y, y + B_ * T_, 0);
+}
+
+double Trainer::pp_sum(double v) {
+  if (!groups_.pp_aux) return v;
+  float f = static_cast<float>(v);
+  groups_.pp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+  return static_cast<double>(f);
+}
+
+double Trainer::dp_mean(double v) {
+  if (groups_.dp->size() == 1) return v;
+  float f = static_cast<float>(v);
+  groups_.metrics->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Avg)->wait();
+  return static_cast<double>(f);
+}
+
+void Trainer::load_state() {
+  std::unique_ptr<CheckpointReader> reader;
+  std::string resume_dir;
+  bool resume = !tc_.resume.empty();
+  if (tc_.resume == "latest") {
+    if (tc_.checkpoint_dir.empty()) throw ConfigError("train.resume = \"latest\" needs train.checkpoint_dir");
+    // Like torchtitan: a restartable job's first launch has nothing to resume yet.
+    if (!std::filesystem::exists(std::filesystem::path(tc_.checkpoint_dir) / "latest")) {
+      resume = false;
+      if (log_) std::printf("train.resume = latest: no checkpoint in %s yet, starting fresh\n", tc_.checkpoint_dir.c_str());
+    }
+  }
+  if (resume) {
+    std::string src = tc_.resume == "latest" ? tc_.checkpoint_dir : tc_.resume;
+    resume_dir = resolve_checkpoint(src);
+    reader = std::make_unique<CheckpointReader>(resume_dir, *ref_, true);
+    st_ = reader->state();
+    if (log_ && !tc_.init_from.empty()) std::printf("resuming: train.init_from (%s) is not used\n", tc_.init_from.c_str());
+  } else if (!tc_.init_from.empty()) {
+    // Weights only (fine-tuning): a safetensors file, or a checkpoint (directory or root with `latest`).
+    std::string file = tc_.init_from;
+    if (std::filesystem::is_directory(file)) file = resolve_checkpoint(file) + "/model.safetensors";
+    reader = std::make_unique<CheckpointReader>(*ref_, file);
+    if (log_) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
+  }
+  state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
+  strategy_->end_load(st_.adam_steps);
+  if (!resume_dir.empty()) {
+    std::vector<int32_t> skip_x(static_cast<size_t>(B_ * T_)), skip_y(skip_x.size());
+    for (int64_t i = 0; i < st_.micro_batches; ++i) next_batch(skip_x.data(), skip_y.data());  // data position
+    if (log_) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st_.step));
+  }
+}
+
+// Only rank 0 writes; every rank takes part in the gathers.
+void Trainer::save() {
+  std::unique_ptr<CheckpointWriter> writer;
+  if (rank_ == 0) writer = std::make_unique<CheckpointWriter>(tc_.checkpoint_dir, *ref_, true, st_.step);
+  state_->save(writer.get());
+  if (writer) writer->commit(st_, cfg_);
+}
+
+double Trainer::evaluate() {
+  trace_->begin("eval", "eval");
+  val_loader_->reset();
+  std::vector<int32_t>& x = xs_[0];
+  std::vector<int32_t>& y = ys_[0];
+  double s = 0;
+  for (int64_t i = 0; i < tc_.eval_batches; ++i) {
+    val_loader_->next(x.data(), y.data());
+    s += pipe_->eval_forward(x.data(), y.data(), B_, T_);
+  }
+  strategy_->after_eval();
+  trace_->end();
+  return dp_mean(pp_sum(s) / static_cast<double>(std::max<int64_t>(1, tc_.eval_batches)));
+}
+
+void Trainer::train_step(int64_t step) {
+  const int pp = dims_.pp;
+  const int64_t dp_world = groups_.dp->size();
+  const double tokens_per_step = static_cast<double>(B_ * T_ * accum_ * dp_world);
+  const float dloss = static_cast<float>(1.0 / static_cast<double>(B_ * T_ * accum_));
+  auto t0 = Clock::now();
+  trace_->begin("step " + std::to_string(step + 1), "step");
+  model_->zero_grads();
+  parallel::StepComm cs;
+  std::vector<const int32_t*> xp, yp;
+  for (int64_t m = 0; m < accum_; ++m) {
+    next_batch(xs_[m].data(), ys_[m].data());
+    xp.push_back(xs_[m].data());
+    yp.push_back(ys_[m].data());
+  }
+  st_.micro_batches += accum_;
+  parallel::PipelineStepStats ps = pipe_->train_step(xp, yp, B_, T_, dloss, &cs);
+  std::optional<double> bubble;
+  if (pp > 1) {
+    bubble = pp_sum(ps.idle_fraction()) / pp;
+    peak_slots_ = std::max(peak_slots_, ps.peak_slots);
+  }
+  // The last stage's loss, summed over the pipeline.
+  const double loss = dp_mean(pp_sum(ps.loss_sum) / static_cast<double>(accum_));
+  double norm_sq = pp_sum(strategy_->grad_norm_sq(norm_weight_));
+  if (dims_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
+    float f = static_cast<float>(norm_sq);
+    groups_.tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+    norm_sq = f;
+  }
+  const double norm = std::sqrt(norm_sq);
+  if (!std::isfinite(norm) || !std::isfinite(loss))
+    throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
+                             std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
+  float scale = 1.0f;
+  if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
+  const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
+  trace_->begin("optimizer + parameter sync", "optimizer");
+  strategy_->optimizer_step(lr, scale, &cs);
+  pipe_->tied_weights_sync();
+  trace_->end();
+  trace_->end();  // step
+  st_.step = step + 1;
+  st_.adam_steps = strategy_->adam_steps();
+  const double step_ms = ms_since(t0);
+  double tp_comm_ms = 0, tp_exposed_ms = 0;  // tensor-parallel collectives (mostly on the critical path)
+  tp_comm_->take_times(&tp_comm_ms, &tp_exposed_ms);
+  cs.comm_ms += tp_comm_ms;
+  cs.exposed_ms += tp_exposed_ms;
+  resident_ = MemoryTracker::instance().stats().current;
+
+  StepMetrics sm;
+  sm.step = step + 1;
+  sm.loss = loss;
+  sm.lr = lr;
+  sm.grad_norm = norm;
+  sm.step_ms = step_ms;
+  sm.compute_ms = step_ms - cs.exposed_ms;
+  sm.comm_ms = cs.comm_ms;
+  sm.exposed_comm_ms = cs.exposed_ms;
+  if (bubble) {
+    sm.pp_bubble = bubble;
+    sm.pp_bubble_formula = parallel::bubble_formula(*schedule_).fraction;
+    if (step > first_step_) bubble_sum_ += *bubble;
+  }
+  if (step > first_step_) {  // the first step of a run pays warm-up costs
+    comm_ms_total_ += cs.comm_ms;
+    exposed_ms_total_ += cs.exposed_ms;
+  }
+  sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
+  if (cfg_.log.peak_flops > 0) sm.mfu = mc_.flops_per_token() * sm.tokens_per_s / (cfg_.log.peak_flops * world_);
+  sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
+  if (step > first_step_) {
+    tps_sum_ += sm.tokens_per_s;
+    ++tps_n_;
+  }
+  if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
+    sm.val_loss = evaluate();
+    res_.val_losses.push_back(*sm.val_loss);
+    res_.final_val_loss = *sm.val_loss;
+  }
+  res_.losses.push_back(loss);
+  if (log_ && (cfg_.log.print_every <= 1 || (step + 1) % cfg_.log.print_every == 0 || step + 1 == tc_.steps ||
+               sm.val_loss)) {
+    std::printf("%s\n", progress_line(sm, tc_.steps).c_str());
     std::fflush(stdout);
   }
+  metrics_->step(sm);
+  if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
+}
 
-  MetricsWriter metrics(rank == 0 || dry ? cfg.log.metrics_out : "");
-  std::vector<int32_t> x(B * T), y(B * T);
-  const double tokens_per_step = static_cast<double>(B * T * accum * dp_world);
-  const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * accum));
-  TrainResult res;
-  double tps_sum = 0;
-  int64_t tps_n = 0;
-  std::array<int64_t, kNumMemCategories> resident{};
-
-  // Mean of a per-rank value over the data-parallel ranks (losses are per rank).
-  auto dp_mean = [&](double v) {
-    if (dp_world == 1) return v;
-    float f = static_cast<float>(v);
-    metrics_group->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Avg)->wait();
-    return static_cast<double>(f);
-  };
-  auto evaluate = [&]() {
-    trace.begin("eval", "eval");
-    val_loader->reset();
-    double s = 0;
-    for (int64_t i = 0; i < tc.eval_batches; ++i) {
-      val_loader->next(x.data(), y.data());
-      s += pipe ? pipe->eval_forward(x.data(), y.data(), B, T) : model.forward(x.data(), y.data(), B, T, false);
-    }
-    strategy->after_eval();
-    trace.end();
-    return dp_mean(pp_sum(s) / static_cast<double>(std::max<int64_t>(1, tc.eval_batches)));
-  };
-  double comm_ms_total = 0, exposed_ms_total = 0;
-  double bubble_sum = 0;
-  int peak_slots = 0;
-  std::vector<std::vector<int32_t>> xs(pipe ? accum : 0, std::vector<int32_t>(B * T)), ys = xs;
-  std::vector<const int32_t*> xp, yp;
-  for (int64_t m = 0; m < static_cast<int64_t>(xs.size()); ++m) {
-    xp.push_back(xs[m].data());
-    yp.push_back(ys[m].data());
+TrainResult Trainer::run() {
+  build();
+  load_state();
+  mem_release_cache();
+  MemoryTracker::instance().reset_peaks();  // peaks describe training, not the one-off setup
+  if (log_) {
+    std::printf("model %s (%s): %lld parameters, %lld layers, %lld heads, width %lld, seq %lld, vocab %lld (padded %lld)\n",
+                mc_.name.c_str(), arch_name(mc_.arch), static_cast<long long>(ref_->num_params()),
+                static_cast<long long>(mc_.n_layer), static_cast<long long>(mc_.n_head), static_cast<long long>(mc_.n_embd),
+                static_cast<long long>(mc_.seq_len), static_cast<long long>(mc_.vocab_size),
+                static_cast<long long>(mc_.padded_vocab));
+    std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
+                "recompute %s | %d threads\n",
+                cfg_.data.train.c_str(), static_cast<long long>(train_ds_ ? train_ds_->total_tokens() : 0),
+                static_cast<long long>(B_), static_cast<long long>(T_), static_cast<long long>(accum_), dims_.dp(),
+                static_cast<long long>(B_ * T_ * accum_ * dims_.dp()), dtype_name(dt_), recompute_name(rc_), threads_);
+    if (world_ > 1)
+      std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
+                  strategy_->name(), groups_.mesh->describe().c_str(), groups_.shard->size(), groups_.replicate->size(),
+                  static_cast<long long>(model_->num_params()));
+    if (dims_.pp > 1)
+      std::printf("pipeline: %s, %d ranks x %d virtual stages, %lld micro-batches; stages %s%s\n",
+                  schedule_->name.c_str(), dims_.pp, schedule_->virtual_stages, static_cast<long long>(accum_),
+                  partition_.describe().c_str(), pipe_->tied_split() ? "; tied embedding replicated on the last stage" : "");
+    std::fflush(stdout);
   }
-  const double bubble_formula = pipe ? parallel::bubble_formula(*schedule).fraction : 0.0;
+  metrics_ = std::make_unique<MetricsWriter>(rank_ == 0 || dry_ ? cfg_.log.metrics_out : "");
+  first_step_ = st_.step;
+  for (int64_t step = st_.step; step < tc_.steps; ++step) train_step(step);
+  if (!tc_.checkpoint_dir.empty() && (tc_.checkpoint_every <= 0 || st_.step % tc_.checkpoint_every != 0)) save();
+  res_.tokens_per_s = tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0;
+  report();
+  if (tc_.sample_tokens > 0) sample();
+  return res_;
+}
 
-  const int64_t first_step = st.step;
-  for (int64_t step = st.step; step < tc.steps; ++step) {
-    auto t0 = Clock::now();
-    trace.begin("step " + std::to_string(step + 1), "step");
-    model.zero_grads();
-    double loss = 0;
-    parallel::StepComm cs;
-    std::optional<double> bubble;
-    if (pipe) {
-      for (int64_t m = 0; m < accum; ++m) next_batch(xs[m].data(), ys[m].data());
-      st.micro_batches += accum;
-      parallel::PipelineStepStats ps = pipe->train_step(xp, yp, B, T, dloss, &cs);
-      loss = ps.loss_sum;  // the last stage's; summed over the pipeline below
-      bubble = pp_sum(ps.idle_fraction()) / pp;
-      peak_slots = std::max(peak_slots, ps.peak_slots);
-    } else {
-      for (int64_t m = 0; m < accum; ++m) {
-        next_batch(x.data(), y.data());
-        strategy->begin_microbatch(m + 1 == accum);  // only the last micro-batch synchronises
-        loss += model.forward(x.data(), y.data(), B, T, true, dloss);
-        model.backward();
-        ++st.micro_batches;
-        strategy->finish_backward(&cs);
-      }
-    }
-    loss = dp_mean(pp_sum(loss) / static_cast<double>(accum));
-    double norm_sq = pp_sum(strategy->grad_norm_sq(norm_weight));
-    if (tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
-      float f = static_cast<float>(norm_sq);
-      tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
-      norm_sq = f;
-    }
-    double norm = std::sqrt(norm_sq);
-    if (!std::isfinite(norm) || !std::isfinite(loss))
-      throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
-                               std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
-    float scale = 1.0f;
-    if (tc.grad_clip > 0 && norm > tc.grad_clip) scale = static_cast<float>(tc.grad_clip / (norm + 1e-6));
-    const double lr = lr_at(step, tc.steps, tc.warmup_steps, tc.lr, tc.min_lr_ratio, tc.lr_schedule);
-    trace.begin("optimizer + parameter sync", "optimizer");
-    strategy->optimizer_step(lr, scale, &cs);
-    if (pipe) pipe->tied_weights_sync();
-    trace.end();
-    trace.end();  // step
-    st.step = step + 1;
-    st.adam_steps = strategy->adam_steps();
-    const double step_ms = ms_since(t0);
-    double tp_comm_ms = 0, tp_exposed_ms = 0;  // tensor-parallel collectives (mostly on the critical path)
-    tp_comm.take_times(&tp_comm_ms, &tp_exposed_ms);
-    cs.comm_ms += tp_comm_ms;
-    cs.exposed_ms += tp_exposed_ms;
-    const double compute_ms = step_ms - cs.exposed_ms;
-    resident = MemoryTracker::instance().stats().current;
-
-    StepMetrics sm;
-    sm.step = step + 1;
-    sm.loss = loss;
-    sm.lr = lr;
-    sm.grad_norm = norm;
-    sm.step_ms = step_ms;
-    sm.compute_ms = compute_ms;
-    sm.comm_ms = cs.comm_ms;
-    sm.exposed_comm_ms = cs.exposed_ms;
-    if (bubble) {
-      sm.pp_bubble = bubble;
-      sm.pp_bubble_formula = bubble_formula;
-      if (step > first_step) bubble_sum += *bubble;
-    }
-    if (step > first_step) {
-      comm_ms_total += cs.comm_ms;
-      exposed_ms_total += cs.exposed_ms;
-    }
-    sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
-    if (cfg.log.peak_flops > 0) sm.mfu = mc.flops_per_token() * sm.tokens_per_s / (cfg.log.peak_flops * world);
-    sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
-    if (step > first_step) {  // the first step of a run pays warm-up costs
-      tps_sum += sm.tokens_per_s;
-      ++tps_n;
-    }
-    if (val_loader && ((step + 1) % tc.eval_every == 0 || step + 1 == tc.steps)) {
-      sm.val_loss = evaluate();
-      res.val_losses.push_back(*sm.val_loss);
-      res.final_val_loss = *sm.val_loss;
-    }
-    res.losses.push_back(loss);
-    if (log && (cfg.log.print_every <= 1 || (step + 1) % cfg.log.print_every == 0 || step + 1 == tc.steps ||
-                sm.val_loss)) {
-      std::printf("%s\n", progress_line(sm, tc.steps).c_str());
-      std::fflush(stdout);
-    }
-    metrics.step(sm);
-    if (!tc.checkpoint_dir.empty() && tc.checkpoint_every > 0 && (step + 1) % tc.checkpoint_every == 0) save();
-  }
-  if (!tc.checkpoint_dir.empty() && (tc.checkpoint_every <= 0 || st.step % tc.checkpoint_every != 0)) save();
-  res.tokens_per_s = tps_n ? tps_sum / static_cast<double>(tps_n) : 0.0;
-
+void Trainer::report() {
   MemStats ms = MemoryTracker::instance().stats();
   // Every rank's peak and resident bytes per category, gathered to all (raw int64 bytes carried
   // as pairs of f32 slots: all_gather only copies).
-  std::vector<int64_t> mine(2 * kNumMemCategories), every(2 * kNumMemCategories * world);
+  std::vector<int64_t> mine(2 * kNumMemCategories), every(2 * kNumMemCategories * world_);
   for (int i = 0; i < kNumMemCategories; ++i) {
     mine[i] = ms.peak[i];
-    mine[kNumMemCategories + i] = resident[i];
+    mine[kNumMemCategories + i] = resident_[i];
   }
-  if (world > 1)
-    metrics_group->all_gather(mine.data(), every.data(), mine.size() * 2, DType::F32)->wait();
+  if (world_ > 1)
+    groups_.metrics->all_gather(mine.data(), every.data(), mine.size() * 2, DType::F32)->wait();
   else
     every = mine;
-  const bool r0 = rank == 0;
-  if (r0 || dry) {
-    std::printf("\nmemory per rank (rank %d)      peak          resident after step\n", rank);
+  const bool pp = dims_.pp > 1;
+  const double bubble_formula = parallel::bubble_formula(*schedule_).fraction;
+  if (rank_ == 0 || dry_) {
+    std::printf("\nmemory per rank (rank %d)      peak          resident after step\n", rank_);
     for (int i = 0; i < kNumMemCategories; ++i)
       std::printf("  %-12s %16s %16s\n", mem_category_name(static_cast<MemCategory>(i)), format_bytes(ms.peak[i]).c_str(),
-                  format_bytes(resident[i]).c_str());
+                  format_bytes(resident_[i]).c_str());
     std::printf("  %-12s %16s\n", "total", format_bytes(ms.total_peak).c_str());
-    if (rc != Recompute::None)
-      std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", recompute_name(rc),
-                  format_bytes(model.activation_bytes_saved()).c_str(), format_bytes(model.activation_bytes()).c_str());
-    parallel::StateBytes want = parallel::expected_state_bytes(spec.strategy, dt, F, shard_group->size());
-    if (model.has_tied_replica()) {  // the last pipeline stage's copy of a tied embedding
-      want.params += static_cast<int64_t>(model.tied_replica().nbytes());
-      want.grads += static_cast<int64_t>(model.tied_replica_grad().nbytes());
+    if (rc_ != Recompute::None)
+      std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", recompute_name(rc_),
+                  format_bytes(model_->activation_bytes_saved()).c_str(), format_bytes(model_->activation_bytes()).c_str());
+    const int64_t F = model_->flat_size();
+    parallel::StateBytes want = parallel::expected_state_bytes(spec_.strategy, dt_, F, groups_.shard->size());
+    if (model_->has_tied_replica()) {  // the last pipeline stage's copy of a tied embedding
+      want.params += static_cast<int64_t>(model_->tied_replica().nbytes());
+      want.grads += static_cast<int64_t>(model_->tied_replica_grad().nbytes());
     }
-    if (pipe) want.grads += pipe->grad_bytes();
+    want.grads += pipe_->grad_bytes();
     std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
                 "(params %s, grads %s, optimizer %s)\n",
-                format_bytes(resident[0] + resident[1] + resident[2]).c_str(), format_bytes(want.total()).c_str(),
-                strategy->name(), dtype_name(dt), shard_group->size(), format_bytes(want.params).c_str(),
+                format_bytes(resident_[0] + resident_[1] + resident_[2]).c_str(), format_bytes(want.total()).c_str(),
+                strategy_->name(), dtype_name(dt_), groups_.shard->size(), format_bytes(want.params).c_str(),
                 format_bytes(want.grads).c_str(), format_bytes(want.optimizer).c_str());
-    if (dt == DType::BF16)
+    if (dt_ == DType::BF16)
       std::printf("  ZeRO paper's mixed-precision figure: %s (it assumes bf16 gradients; this engine keeps them fp32)\n",
-                  format_bytes(parallel::zero_paper_bytes(spec.strategy, F, shard_group->size())).c_str());
-    if (tps_n) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res.tokens_per_s);
-    if (pipe && tps_n)
+                  format_bytes(parallel::zero_paper_bytes(spec_.strategy, F, groups_.shard->size())).c_str());
+    if (tps_n_) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res_.tokens_per_s);
+    if (pp && tps_n_)
       std::printf("pipeline bubble: %.1f%% of the step idle (mean over pp ranks and steps after the first); "
                   "formula %s = %.1f%%; peak activation slots on rank 0: %d\n",
-                  100.0 * bubble_sum / tps_n, parallel::bubble_formula(*schedule).text.c_str(), 100.0 * bubble_formula,
-                  peak_slots);
-    if (world > 1) {
-      std::printf("communication (rank 0): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute\n",
-                  tps_n ? comm_ms_total / tps_n : 0.0, tps_n ? exposed_ms_total / tps_n : 0.0,
-                  comm_ms_total > 0 ? 100.0 * (1.0 - exposed_ms_total / comm_ms_total) : 0.0);
+                  100.0 * bubble_sum_ / tps_n_, parallel::bubble_formula(*schedule_).text.c_str(), 100.0 * bubble_formula,
+                  peak_slots_);
+    if (world_ > 1) {
+      std::printf("communication (rank %d): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute\n", rank_,
+                  tps_n_ ? comm_ms_total_ / tps_n_ : 0.0, tps_n_ ? exposed_ms_total_ / tps_n_ : 0.0,
+                  comm_ms_total_ > 0 ? 100.0 * (1.0 - exposed_ms_total_ / comm_ms_total_) : 0.0);
       std::printf("%s", comm::comm_summary_table().c_str());
     }
   }
   nlohmann::json fin = {{"final", true},
-                        {"steps", st.step},
-                        {"tokens_per_s", res.tokens_per_s},
+                        {"steps", st_.step},
+                        {"tokens_per_s", res_.tokens_per_s},
                         {"mem_peak_by_category", category_json(ms.peak)},
-                        {"mem_resident_by_category", category_json(resident)},
+                        {"mem_resident_by_category", category_json(resident_)},
                         {"comm_bytes_by_group", nlohmann::json::object()},
-                        {"comm_ms_per_step", tps_n ? comm_ms_total / tps_n : 0.0},
-                        {"exposed_comm_ms_per_step", tps_n ? exposed_ms_total / tps_n : 0.0},
-                        {"world_size", world},
-                        {"strategy", strategy->name()},
-                        {"shard_group_size", shard_group->size()},
-                        {"flat_size", F},
-                        {"activation_bytes_saved_by_recompute", model.activation_bytes_saved()},
-                        {"num_params", model.num_params()}};
-  if (pipe) {
-    fin["pp_schedule"] = schedule->name;
-    fin["pp_microbatches"] = accum;
-    fin["pp_virtual_stages"] = schedule->virtual_stages;
-    fin["pp_bubble"] = tps_n ? bubble_sum / tps_n : 0.0;
+                        {"comm_ms_per_step", tps_n_ ? comm_ms_total_ / tps_n_ : 0.0},
+                        {"exposed_comm_ms_per_step", tps_n_ ? exposed_ms_total_ / tps_n_ : 0.0},
+                        {"world_size", world_},
+                        {"strategy", strategy_->name()},
+                        {"shard_group_size", groups_.shard->size()},
+                        {"flat_size", model_->flat_size()},
+                        {"activation_bytes_saved_by_recompute", model_->activation_bytes_saved()},
+                        {"num_params", model_->num_params()}};
+  if (pp) {
+    fin["pp_schedule"] = schedule_->name;
+    fin["pp_microbatches"] = accum_;
+    fin["pp_virtual_stages"] = schedule_->virtual_stages;
+    fin["pp_bubble"] = tps_n_ ? bubble_sum_ / tps_n_ : 0.0;
     fin["pp_bubble_formula"] = bubble_formula;
-    fin["pp_peak_activation_slots"] = peak_slots;
-    fin["pp_stages"] = partition.describe();
+    fin["pp_peak_activation_slots"] = peak_slots_;
+    fin["pp_stages"] = partition_.describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
-  if (dry) {
+  if (dry_) {
     fin["dry_run"] = true;
-    fin["rank"] = rank;
+    fin["rank"] = rank_;
   }
-  if (world > 1 && !dry) {  // a dry run knows only its own rank
+  if (world_ > 1 && !dry_) {  // a dry run knows only its own rank
     nlohmann::json peaks = nlohmann::json::array(), res_all = nlohmann::json::array();
-    for (int r = 0; r < world; ++r) {
+    for (int r = 0; r < world_; ++r) {
       std::array<int64_t, kNumMemCategories> pk{}, rs{};
       for (int i = 0; i < kNumMemCategories; ++i) {
         pk[i] = every[r * 2 * kNumMemCategories + i];
@@ -569,33 +482,43 @@ TrainResult train(const RunConfig& cfg) {
     fin["mem_peak_by_category_per_rank"] = peaks;
     fin["mem_resident_by_category_per_rank"] = res_all;
   }
-  if (!res.val_losses.empty()) fin["val_loss"] = res.final_val_loss;
-  metrics.final(fin);
+  if (!res_.val_losses.empty()) fin["val_loss"] = res_.final_val_loss;
+  metrics_->final(fin);
+}
 
-  if (tc.sample_tokens > 0) {
-    // Sample from an unsharded copy of the trained weights (gathered unit by unit onto rank 0).
-    Tensor full = r0 ? Tensor::zeros({RF}, DType::F32, MemCategory::Workspace) : Tensor();
-    for (int u = 0; u < U; ++u) {
-      Tensor w;
-      gather_full_unit(u, false, &w);
-      if (r0) std::memcpy(full.f32() + ref.unit(u).offset, w.f32(), ref.unit(u).numel * sizeof(float));
-    }
-    if (!r0) return res;
-    Transformer plain(mc, DType::F32);
-    std::memcpy(plain.weights().f32(), full.f32(), RF * sizeof(float));
-    auto tok = make_tokenizer(cfg.data.tokenizer, cfg.data.gpt2_dir, cfg.data.tokenizer_file);
-    std::vector<int32_t> prompt = tok->encode(tc.sample_prompt);
-    if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
-    SampleOptions so;
-    so.tokens = tc.sample_tokens;
-    so.temperature = 0.8f;
-    so.top_k = 40;
-    so.seed = static_cast<uint64_t>(tc.seed);
-    auto out = generate(plain, prompt, so, tok->eot_token());
-    std::printf("\n--- sample (%lld tokens, temperature 0.8, top-k 40) ---\n%s\n---\n",
-                static_cast<long long>(tc.sample_tokens), tok->decode(out).c_str());
+// Samples from an unsharded copy of the trained weights (gathered unit by unit onto rank 0).
+void Trainer::sample() {
+  const bool r0 = rank_ == 0;
+  const int64_t RF = ref_->flat_size();
+  Tensor full = r0 ? Tensor::zeros({RF}, DType::F32, MemCategory::Workspace) : Tensor();
+  for (int u = 0; u < ref_->num_units(); ++u) {
+    Tensor w;
+    state_->gather_full_unit(u, false, &w);
+    if (r0)
+      dev::copy(full.device(), full.f32() + ref_->unit(u).offset, w.f32(),
+                static_cast<size_t>(ref_->unit(u).numel) * sizeof(float));
   }
-  return res;
+  if (!r0) return;
+  Transformer plain(mc_, DType::F32);
+  dev::copy(full.device(), plain.weights().f32(), full.f32(), static_cast<size_t>(RF) * sizeof(float));
+  auto tok = make_tokenizer(cfg_.data.tokenizer, cfg_.data.gpt2_dir, cfg_.data.tokenizer_file);
+  std::vector<int32_t> prompt = tok->encode(tc_.sample_prompt);
+  if (prompt.empty()) prompt.push_back(tok->eot_token() >= 0 ? tok->eot_token() : static_cast<int32_t>('\n'));
+  SampleOptions so;
+  so.tokens = tc_.sample_tokens;
+  so.temperature = 0.8f;
+  so.top_k = 40;
+  so.seed = static_cast<uint64_t>(tc_.seed);
+  auto out = generate(plain, prompt, so, tok->eot_token());
+  std::printf("\n--- sample (%lld tokens, temperature 0.8, top-k 40) ---\n%s\n---\n",
+              static_cast<long long>(tc_.sample_tokens), tok->decode(out).c_str());
+}
+
+}  // namespace
+
+TrainResult train(const RunConfig& cfg) {
+  Trainer t(cfg);
+  return t.run();
 }
 
 // `train --auto`: the planner picks the data-parallel layout for this job's ranks (same global batch).

@@ -1,0 +1,87 @@
+#include "train/model_state.h"
+
+#include <stdexcept>
+#include <vector>
+
+namespace mt {
+
+namespace {
+Tensor workspace(int64_t n) { return Tensor::empty({n}, DType::F32, MemCategory::Workspace); }
+}  // namespace
+
+ModelState::ModelState(Transformer& model, const Transformer& ref, parallel::Strategy& strategy,
+                       comm::ProcessGroup& tp_aux, comm::ProcessGroup* pp_aux)
+    : model_(model), ref_(ref), strategy_(strategy), tp_aux_(tp_aux), pp_aux_(pp_aux) {
+  if (ref.unit(0).offset != 0) throw std::logic_error("the embedding unit must start the flat buffer");
+}
+
+void ModelState::load(CheckpointReader* reader, uint64_t seed) {
+  Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
+  if (!reader) {
+    init = workspace(ref_.flat_size());
+    if (init.device() != Device::Meta) ref_.init_weights_into(seed, init.f32());
+  }
+  const bool moments = reader && reader->has_moments();
+  strategy_.begin_load();
+  for (int u = 0; u < model_.num_units(); ++u) {
+    const int64_t rn = ref_.unit(u).numel, ln = model_.unit(u).numel;
+    const bool replica = u == 0 && model_.has_tied_replica();
+    if (ln == 0 && !replica) continue;  // another pipeline stage's unit
+    Tensor fw, fm, fv;
+    const float* w = init.defined() ? init.f32() + ref_.unit(u).offset : nullptr;
+    if (reader) {
+      fw = workspace(rn);
+      if (moments) {
+        fm = workspace(rn);
+        fv = workspace(rn);
+      }
+      reader->read_unit(u, fw.f32(), moments ? fm.f32() : nullptr, moments ? fv.f32() : nullptr);
+      w = fw.f32();
+    }
+    if (replica) model_.load_tied_replica(ref_, w);  // unit 0's range starts with the token embedding
+    if (ln == 0) continue;
+    Tensor lw = workspace(ln), lm, lv;
+    model_.shard_unit_from_full(ref_, u, w, lw.f32());
+    if (moments) {
+      lm = workspace(ln);
+      lv = workspace(ln);
+      model_.shard_unit_from_full(ref_, u, fm.f32(), lm.f32());
+      model_.shard_unit_from_full(ref_, u, fv.f32(), lv.f32());
+    }
+    strategy_.load_unit(u, lw.f32(), moments ? lm.f32() : nullptr, moments ? lv.f32() : nullptr);
+  }
+}
+
+void ModelState::gather_full_unit(int u, bool moments, Tensor* out) {
+  const int64_t rn = ref_.unit(u).numel, ln = model_.unit(u).numel;
+  const int n = moments ? 3 : 1, tp = tp_aux_.size();
+  Tensor local[3];
+  for (int i = 0; i < n; ++i) out[i] = Tensor::zeros({rn}, DType::F32, MemCategory::Workspace);
+  if (ln > 0) {
+    for (int i = 0; i < n; ++i) local[i] = workspace(ln);
+    strategy_.gather_unit(u, local[0].f32(), moments ? local[1].f32() : nullptr, moments ? local[2].f32() : nullptr);
+    Tensor all = tp > 1 ? workspace(ln * tp) : Tensor();
+    for (int i = 0; i < n; ++i) {
+      std::vector<const float*> parts{local[i].f32()};
+      if (tp > 1) {
+        tp_aux_.all_gather(local[i].f32(), all.f32(), static_cast<size_t>(ln), DType::F32)->wait();
+        parts.clear();
+        for (int r = 0; r < tp; ++r) parts.push_back(all.f32() + r * ln);
+      }
+      model_.assemble_unit_full(ref_, u, parts, out[i].f32());
+    }
+  }
+  if (pp_aux_)
+    for (int i = 0; i < n; ++i)
+      pp_aux_->all_reduce(out[i].f32(), static_cast<size_t>(rn), DType::F32, comm::ReduceOp::Sum)->wait();
+}
+
+void ModelState::save(CheckpointWriter* writer) {
+  for (int u = 0; u < model_.num_units(); ++u) {
+    Tensor full[3];
+    gather_full_unit(u, true, full);
+    if (writer) writer->write_unit(u, full[0].f32(), full[1].f32(), full[2].f32());
+  }
+}
+
+}  // namespace mt

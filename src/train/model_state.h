@@ -1,0 +1,40 @@
+// Model state between the unsplit layout of checkpoints and initialisation (`ref`: every unit,
+// tp = 1) and one rank's share under its strategy, tensor-parallel split and pipeline stage, one
+// unit at a time, so no rank ever holds the whole model's full state.
+#pragma once
+#include <cstdint>
+
+#include "comm/process_group.h"
+#include "model/transformer.h"
+#include "parallel/strategy.h"
+#include "runtime/tensor.h"
+#include "train/checkpoint.h"
+
+namespace mt {
+
+class ModelState {
+ public:
+  // `tp_aux` joins the tensor-parallel ranks' parts, `pp_aux` (null without a pipeline) sums the
+  // stages' disjoint units.
+  ModelState(Transformer& model, const Transformer& ref, parallel::Strategy& strategy, comm::ProcessGroup& tp_aux,
+             comm::ProcessGroup* pp_aux);
+
+  // Loads every unit this rank owns into the strategy: from `reader` (its weights, and the Adam
+  // moments when it has them) or, without one, the initial weights of `seed` (one random stream
+  // over the whole model; on the Meta device only the buffers are made).
+  void load(CheckpointReader* reader, uint64_t seed);
+  // Unit u's full fp32 state in `ref` layout: weights, and with `moments` the two Adam moments
+  // (out[0..2]). Collective over the world: every rank calls it for every unit.
+  void gather_full_unit(int u, bool moments, Tensor* out);
+  // Every unit gathered; `writer` (rank 0's, null elsewhere) writes them.
+  void save(CheckpointWriter* writer);
+
+ private:
+  Transformer& model_;
+  const Transformer& ref_;
+  parallel::Strategy& strategy_;
+  comm::ProcessGroup& tp_aux_;
+  comm::ProcessGroup* pp_aux_;
+};
+
+}  // namespace mt

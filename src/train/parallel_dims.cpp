@@ -1,0 +1,93 @@
+#include "train/parallel_dims.h"
+
+#include <utility>
+#include <vector>
+
+namespace mt {
+
+int64_t padded_vocab_for_tp(int64_t vocab, int tp) {
+  const int64_t q = 64 * static_cast<int64_t>(tp);
+  return (vocab + q - 1) / q * q;
+}
+
+ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& mc, int world) {
+  const auto& p = cfg.parallel;
+  static const char* strategies[] = {"NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
+                                     "HYBRID_SHARD_ZERO2"};
+  bool known = false;
+  for (const char* s : strategies) known |= p.strategy == s;
+  if (!known)
+    throw ConfigError("parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
+                      "HYBRID_SHARD_ZERO2; got '" + p.strategy + "'");
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"parallel.dp_replicate", p.dp_replicate},
+                         {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
+    if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
+  if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
+  if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
+  if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
+  ParallelDims d;
+  d.world = world;
+  d.strategy = p.strategy;
+  if (!d.hybrid() && p.dp_replicate > 1)
+    throw ConfigError("parallel.dp_replicate = " + std::to_string(p.dp_replicate) + " needs a HYBRID_* strategy (" +
+                      p.strategy + " shards or replicates over every data-parallel rank; set dp_shard instead)");
+  std::vector<std::pair<std::string, int>> dims;
+  try {
+    dims = comm::DeviceMesh::resolve({{"pp", static_cast<int>(p.pp)},
+                                      {"dp_replicate", static_cast<int>(p.dp_replicate)},
+                                      {"dp_shard", static_cast<int>(p.dp_shard)},
+                                      {"tp", static_cast<int>(p.tp)}},
+                                     world);
+  } catch (const std::exception& e) {
+    throw ConfigError(std::string("parallel mesh: ") + e.what());
+  }
+  d.pp = dims[0].second;
+  d.dp_replicate = dims[1].second;
+  d.dp_shard = dims[2].second;
+  d.tp = dims[3].second;
+  d.pp_virtual_stages = static_cast<int>(p.pp_virtual_stages);
+  if (d.tp > 1)
+    for (auto [v, what] : {std::pair<int64_t, const char*>{mc.n_head, "model.n_head"}, {mc.n_kv_head, "model.n_kv_head"},
+                           {mc.ffn_hidden, "model.ffn_hidden"}})
+      if (v % d.tp != 0)
+        throw ConfigError(std::string(what) + " (" + std::to_string(v) + ") must be divisible by parallel.tp (" +
+                          std::to_string(d.tp) + ")");
+  if (d.pp == 1 && d.pp_virtual_stages != 1)
+    throw ConfigError("parallel.pp_virtual_stages = " + std::to_string(d.pp_virtual_stages) + " needs parallel.pp > 1");
+  if (p.sequence_parallel) {
+    if (d.tp == 1)
+      throw ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel group's rows)");
+    const int64_t tokens = cfg.train.micro_batch * mc.seq_len;
+    if (tokens % d.tp != 0)
+      throw ConfigError("parallel.sequence_parallel: micro_batch x seq_len = " + std::to_string(tokens) +
+                        " tokens is not divisible by parallel.tp = " + std::to_string(d.tp));
+    d.sequence_parallel = true;
+  }
+  return d;
+}
+
+ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
+  ParallelGroups g;
+  g.mesh = std::make_unique<comm::DeviceMesh>(
+      w, std::vector<std::pair<std::string, int>>{{"pp", d.pp}, {"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"tp", d.tp}});
+  g.dp = g.mesh->group(std::vector<std::string>{"dp_replicate", "dp_shard"});
+  // Losses and summaries travel on their own group so the dp group's counters hold only gradients.
+  g.metrics = w.split_like(*w.world(), "metrics");
+  // Non-hybrid strategies shard over every data-parallel rank; hybrid ones shard inside dp_shard
+  // and replicate across dp_replicate.
+  g.shard = d.hybrid() ? g.mesh->group("dp_shard") : g.dp;
+  g.replicate = d.hybrid() ? g.mesh->group("dp_replicate")
+                           : w.split_by([](int r) { return std::pair<int, int>{r, 0}; }, "replicate_none");
+  g.tp = g.mesh->group("tp");
+  // A second communicator over the tp ranks carries gradient norms and checkpoint gathers,
+  // keeping the tp counters to the model.
+  g.tp_aux = w.split_like(*g.tp, "tp_aux");
+  g.pp_rank = g.mesh->coord("pp");
+  g.pp = g.mesh->group("pp");
+  // Same members as the pp group, for loss and gradient-norm sums (keeps the pp counters to
+  // activations and gradients).
+  if (d.pp > 1) g.pp_aux = w.split_like(*g.pp, "pp_aux");
+  return g;
+}
+
+}  // namespace mt

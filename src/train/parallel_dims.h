@@ -1,0 +1,51 @@
+// The job's parallel layout (torchtitan's ParallelDims): the degrees of the mesh
+// pp x dp_replicate x dp_shard x tp, validated once against the world and the model, and every
+// process group a rank uses, built once in one order (group creation is collective).
+#pragma once
+#include <memory>
+#include <string>
+
+#include "comm/world.h"
+#include "model/model_config.h"
+#include "train/config.h"
+
+namespace mt {
+
+struct ParallelDims {
+  int world = 1;
+  int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;  // dp_shard resolved (never -1)
+  int pp_virtual_stages = 1;
+  std::string strategy = "NO_SHARD";  // NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2
+  bool sequence_parallel = false;
+
+  // Checks the [parallel] section (and what it needs of [model] and [train]) for a world of
+  // `world` ranks; throws ConfigError with one message naming the key and the degree at fault.
+  // `model`: the resolved model (its padded vocabulary already a multiple of 64 x tp).
+  static ParallelDims from_config(const RunConfig& cfg, const ModelConfig& model, int world);
+
+  int dp() const { return dp_replicate * dp_shard; }
+  bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
+  bool tp_enabled() const { return tp > 1; }
+  bool pp_enabled() const { return pp > 1; }
+};
+
+// The vocabulary padded so every tensor-parallel rank holds whole 64-row blocks (64 x tp).
+int64_t padded_vocab_for_tp(int64_t vocab, int tp);
+
+// Every group of this rank. Collective over the world: all ranks build it at the same point.
+struct ParallelGroups {
+  std::unique_ptr<comm::DeviceMesh> mesh;
+  std::shared_ptr<comm::ProcessGroup> dp;         // dp_replicate x dp_shard (losses, DDP, ZeRO)
+  std::shared_ptr<comm::ProcessGroup> shard;      // what the strategy shards over (dp, or dp_shard when hybrid)
+  std::shared_ptr<comm::ProcessGroup> replicate;  // across replicas (dp_replicate when hybrid, else a group of one)
+  std::shared_ptr<comm::ProcessGroup> tp;         // the model's tensor-parallel collectives
+  std::shared_ptr<comm::ProcessGroup> tp_aux;     // same members: gradient norms, checkpoint gathers
+  std::shared_ptr<comm::ProcessGroup> pp;         // activations and gradients between stages
+  std::shared_ptr<comm::ProcessGroup> pp_aux;     // same members: loss and norm sums (null when pp = 1)
+  std::shared_ptr<comm::ProcessGroup> metrics;    // the whole world: losses and summaries
+  int pp_rank = 0;
+
+  static ParallelGroups build(comm::World& w, const ParallelDims& d);
+};
+
+}  // namespace mt
