@@ -217,6 +217,28 @@ class MetaBackend final : public CommBackend {
   size_t staging_bytes = 0;
 };
 
+// The thread backend (thread_backend.cpp): the ranks of a group are threads of one process that
+// share memory (make_thread_group). Threaded like MPI: a collective completes on each member's
+// communication thread once every member has called it (each rank reduces all inputs in rank
+// order in fp32, so results equal the MPI backend's direct algorithms bit for bit); send copies
+// into the group's mailbox, recv completes when a matching message is there.
+struct ThreadShared;
+class ThreadBackend final : public CommBackend {
+ public:
+  ThreadBackend(std::shared_ptr<ThreadShared> shared, int rank_, int size_)
+      : shared_(std::move(shared)), rank(rank_), size(size_) {}
+  const char* kind() const override { return "threads"; }
+  bool threaded() const override { return true; }
+  void start(Op& op) override;
+  int progress(Op& op) override;
+  bool p2p_done(Op& op) override;
+
+ private:
+  std::shared_ptr<ThreadShared> shared_;
+  int rank, size;
+  std::vector<unsigned char> result_;  // this rank's output, written once every member has read
+};
+
 struct StatsBlock {
   std::string name;
   mutable std::mutex mu;
@@ -227,8 +249,8 @@ struct StatsBlock {
 struct GroupImpl {
   GroupImpl(std::string name, int uid, MPI_Comm comm /* owned; MPI_COMM_NULL for size 1 */,
             int world_rank);
-  // A Meta group (count-only backend, see World::init_meta): rank `rank` of members `granks`.
-  GroupImpl(std::string name, int uid, int rank, std::vector<int> granks);
+  // A group on another backend (Meta, threads): rank `rank` of members `granks`.
+  GroupImpl(std::string name, int uid, int rank, std::vector<int> granks, std::unique_ptr<CommBackend> backend);
   ~GroupImpl();
 
   // Stops the thread after the queued operations completed, frees the communicators.

@@ -196,7 +196,8 @@ GroupImpl::GroupImpl(std::string name_, int uid_, MPI_Comm comm, int world_rank)
   backend = std::move(mpi);
 }
 
-GroupImpl::GroupImpl(std::string name_, int uid_, int rank_, std::vector<int> granks_)
+GroupImpl::GroupImpl(std::string name_, int uid_, int rank_, std::vector<int> granks_,
+                     std::unique_ptr<CommBackend> backend_)
     : name(std::move(name_)), uid(uid_) {
   stats = std::make_shared<StatsBlock>();
   stats->name = name;
@@ -204,7 +205,7 @@ GroupImpl::GroupImpl(std::string name_, int uid_, int rank_, std::vector<int> gr
   rank = rank_;
   size = static_cast<int>(granks_.size());
   granks = std::move(granks_);
-  backend = std::make_unique<MetaBackend>(rank, size);
+  backend = std::move(backend_);
 }
 
 GroupImpl::~GroupImpl() { shutdown(); }

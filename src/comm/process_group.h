@@ -142,6 +142,12 @@ class ProcessGroup {
   std::shared_ptr<detail::GroupImpl> impl_;
 };
 
+// A group of `n` ranks that are threads of this process (in-process tests and tools): element r is
+// rank r's handle, to be used from one thread per rank. Semantics as an MPI group's (asynchronous,
+// collectives in call order, rank-order fp32 reductions: the same results bit for bit), with the
+// same accounting; no MPI and no World needed.
+std::vector<std::shared_ptr<ProcessGroup>> make_thread_group(const std::string& name, int n);
+
 // Accounting of every group this process created, merged by group name (groups with the same name,
 // e.g. "dp" of two meshes, add up). Includes groups already destroyed.
 std::map<std::string, CommStats> comm_stats_by_group();

@@ -109,7 +109,8 @@ World& World::init_meta(int size, int rank) {
   g_world = w;
   std::vector<int> all(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) all[static_cast<size_t>(r)] = r;
-  auto impl = std::make_shared<detail::GroupImpl>("world", detail::next_group_uid(), rank, all);
+  auto impl = std::make_shared<detail::GroupImpl>("world", detail::next_group_uid(), rank, all,
+                                                  std::make_unique<detail::MetaBackend>(rank, size));
   detail::register_group(impl);
   w->world_ = std::make_shared<ProcessGroup>(impl);
   return *w;
@@ -148,7 +149,8 @@ std::shared_ptr<ProcessGroup> World::split_by(const std::function<std::pair<int,
     if (r == rank_) my = static_cast<int>(granks.size());
     granks.push_back(r);
   }
-  auto impl = std::make_shared<detail::GroupImpl>(name, detail::next_group_uid(), my, granks);
+  auto impl = std::make_shared<detail::GroupImpl>(name, detail::next_group_uid(), my, granks,
+                                                  std::make_unique<detail::MetaBackend>(my, static_cast<int>(granks.size())));
   detail::register_group(impl);
   return std::make_shared<ProcessGroup>(impl);
 }
@@ -157,7 +159,8 @@ std::shared_ptr<ProcessGroup> World::split_like(const ProcessGroup& g, const std
   const std::vector<int> granks = g.global_ranks();
   if (!meta_) return split(granks.front(), g.rank(), name);
   if (finalized_) throw CommError("World::split after finalize()");
-  auto impl = std::make_shared<detail::GroupImpl>(name, detail::next_group_uid(), g.rank(), granks);
+  auto impl = std::make_shared<detail::GroupImpl>(name, detail::next_group_uid(), g.rank(), granks,
+                                                  std::make_unique<detail::MetaBackend>(g.rank(), g.size()));
   detail::register_group(impl);
   return std::make_shared<ProcessGroup>(impl);
 }

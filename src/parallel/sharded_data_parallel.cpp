@@ -66,9 +66,9 @@ ModelStorage ShardedDataParallel::storage_for(ShardStrategy s, DType compute, in
 }
 
 ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> shard,
-                                         std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions opts,
-                                         AdamWConfig adam)
-    : model_(model), shard_(std::move(shard)), replicate_(std::move(replicate)), opts_(opts),
+                                         std::shared_ptr<comm::ProcessGroup> replicate,
+                                         std::shared_ptr<comm::ProcessGroup> norm, ShardOptions opts, AdamWConfig adam)
+    : model_(model), shard_(std::move(shard)), replicate_(std::move(replicate)), norm_group_(std::move(norm)), opts_(opts),
       cd_(model.compute_dtype()), N_(shard_->size()), r_(shard_->rank()), tied_(model.config().tied_embeddings && model.owns_unit(0) && model.owns_unit(model.num_units() - 1)) {
   if (opts_.prefetch < 0) throw std::invalid_argument("parallel.prefetch must be >= 0");
   const int U = model_.num_units();
@@ -102,10 +102,9 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
                             params_sharded() && f32 ? MemCategory::Params : MemCategory::Optimizer);
   if (grads_sharded()) grad_shard_ = Tensor::zeros({shard_total_}, DType::F32, MemCategory::Grads);
   // Norms of sharded gradients are summed over the shard group only (replicas hold the same
-  // shard); their own group keeps the shard group's byte counters to gradients and parameters.
-  // Same members as the shard group (named by its first world rank, so each shard group of a
-  // hybrid or tensor-parallel mesh gets its own).
-  norm_group_ = comm::World::get().split_like(*shard_, "grad_norm");
+  // shard), on a group of the same members.
+  if (!norm_group_ || norm_group_->global_ranks() != shard_->global_ranks())
+    throw std::invalid_argument("sharded data parallel: the norm group must have the shard group's members");
 }
 
 ShardedDataParallel::~ShardedDataParallel() {

@@ -53,9 +53,11 @@ class ShardedDataParallel : public UnitHooks {
   static ModelStorage storage_for(ShardStrategy s, DType compute, int shard_size);
 
   // `shard`: the group parameters are sharded over; `replicate`: the group across which shards are
-  // replicated (size 1 unless hybrid).
+  // replicated (size 1 unless hybrid); `norm`: the shard group's members on a communicator of
+  // their own, for the gradient norm (keeps the shard group's counters to gradients and parameters).
   ShardedDataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> shard,
-                      std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions opts, AdamWConfig adam);
+                      std::shared_ptr<comm::ProcessGroup> replicate, std::shared_ptr<comm::ProcessGroup> norm,
+                      ShardOptions opts, AdamWConfig adam);
   ~ShardedDataParallel() override;
 
   // Unit u's full fp32 values (model layout, the unit's model.unit(u).numel elements; moments may be

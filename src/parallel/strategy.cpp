@@ -79,8 +79,9 @@ class DdpStrategy final : public Strategy {
 class ShardedStrategy final : public Strategy {
  public:
   ShardedStrategy(Transformer& m, std::shared_ptr<comm::ProcessGroup> shard,
-                  std::shared_ptr<comm::ProcessGroup> replicate, ShardOptions o, AdamWConfig adam)
-      : sdp_(m, std::move(shard), std::move(replicate), o, adam) {}
+                  std::shared_ptr<comm::ProcessGroup> replicate, std::shared_ptr<comm::ProcessGroup> norm,
+                  ShardOptions o, AdamWConfig adam)
+      : sdp_(m, std::move(shard), std::move(replicate), std::move(norm), o, adam) {}
   const char* name() const override { return shard_strategy_name(sdp_.strategy()); }
   UnitHooks* hooks() override { return &sdp_; }
   void begin_load() override { sdp_.release_all(); }
@@ -117,14 +118,15 @@ ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_si
 std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& model,
                                         std::shared_ptr<comm::ProcessGroup> dp,
                                         std::shared_ptr<comm::ProcessGroup> shard,
-                                        std::shared_ptr<comm::ProcessGroup> replicate) {
+                                        std::shared_ptr<comm::ProcessGroup> replicate,
+                                        std::shared_ptr<comm::ProcessGroup> norm) {
   if (spec.strategy == "NO_SHARD") return std::make_unique<DdpStrategy>(model, dp, spec);
   ShardOptions o;
   if (!parse_shard_strategy(spec.strategy, &o.strategy)) throw std::invalid_argument("unknown strategy " + spec.strategy);
   o.reshard_after_forward = spec.reshard_after_forward;
   o.prefetch = spec.prefetch;
   o.reduce_every_microbatch = spec.reduce_every_microbatch;
-  return std::make_unique<ShardedStrategy>(model, shard, replicate, o, spec.adam);
+  return std::make_unique<ShardedStrategy>(model, shard, replicate, norm, o, spec.adam);
 }
 
 StateBytes expected_state_bytes(const std::string& strategy, DType compute, int64_t flat, int shard_size) {

@@ -61,11 +61,13 @@ struct StrategySpec {
 // How to build the model for this strategy with a shard group of `shard_size` ranks.
 ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_size);
 // `dp`: all data-parallel ranks; `shard` / `replicate`: the hybrid split (for non-hybrid sharded
-// strategies shard = dp and replicate has size 1).
+// strategies shard = dp and replicate has size 1); `norm`: the shard group's members on their own
+// communicator, for gradient norms (sharded strategies only; DDP takes null).
 std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& model,
                                         std::shared_ptr<comm::ProcessGroup> dp,
                                         std::shared_ptr<comm::ProcessGroup> shard,
-                                        std::shared_ptr<comm::ProcessGroup> replicate);
+                                        std::shared_ptr<comm::ProcessGroup> replicate,
+                                        std::shared_ptr<comm::ProcessGroup> norm = nullptr);
 
 // Model-state bytes per rank (params, grads, optimizer) this engine keeps between steps for a
 // strategy: fp32 gradients always (reduce_dtype fp32), fp32 master + two moments in the optimizer;

@@ -87,6 +87,7 @@ ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
   // Same members as the pp group, for loss and gradient-norm sums (keeps the pp counters to
   // activations and gradients).
   if (d.pp > 1) g.pp_aux = w.split_like(*g.pp, "pp_aux");
+  if (d.strategy != "NO_SHARD") g.grad_norm = w.split_like(*g.shard, "grad_norm");
   return g;
 }
 

@@ -43,6 +43,7 @@ struct ParallelGroups {
   std::shared_ptr<comm::ProcessGroup> pp;         // activations and gradients between stages
   std::shared_ptr<comm::ProcessGroup> pp_aux;     // same members: loss and norm sums (null when pp = 1)
   std::shared_ptr<comm::ProcessGroup> metrics;    // the whole world: losses and summaries
+  std::shared_ptr<comm::ProcessGroup> grad_norm;  // the shard group's members: sharded gradient norms (null for DDP)
   int pp_rank = 0;
 
   static ParallelGroups build(comm::World& w, const ParallelDims& d);

@@ -174,7 +174,7 @@ void Trainer::build() {
   for (size_t i = 0; i < model_->params().size(); ++i)
     if (model_->params()[i].tp_split == TpSplit::None) norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank
   parallel::verify_same_model(*model_, *groups_.dp);
-  strategy_ = parallel::make_strategy(spec_, *model_, groups_.dp, groups_.shard, groups_.replicate);
+  strategy_ = parallel::make_strategy(spec_, *model_, groups_.dp, groups_.shard, groups_.replicate, groups_.grad_norm);
   pipe_ = std::make_unique<parallel::PipelineExecutor>(*model_, *schedule_, partition_, groups_.pp, strategy_.get());
   trace_ = std::make_unique<ChromeTrace>(cfg_.log.trace_out, rank_);
   tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_.get());

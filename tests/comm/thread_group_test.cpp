@@ -1,0 +1,91 @@
+// The thread backend: every operation of a group whose ranks are threads of this process against a
+// sequential reference, and its accounting. (A desync is a fatal job error, as on MPI: it ends the
+// process, so it is not exercised here.)
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "comm/process_group.h"
+
+namespace mt::comm {
+namespace {
+
+// Runs f(rank) on n threads.
+void on_ranks(int n, const std::function<void(int)>& f) {
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r) ts.emplace_back(f, r);
+  for (auto& t : ts) t.join();
+}
+
+float value(int rank, size_t i) { return static_cast<float>(rank + 1) * 0.25f + static_cast<float>(i % 7); }
+
+TEST(ThreadGroup, CollectivesMatchASequentialReference) {
+  for (int n : {1, 2, 3, 4}) {
+    auto g = make_thread_group("t" + std::to_string(n), n);
+    const size_t count = 1000;
+    on_ranks(n, [&](int r) {
+      std::vector<float> x(count), sum(count), mx(count);
+      for (size_t i = 0; i < count; ++i) x[i] = value(r, i);
+      for (size_t i = 0; i < count; ++i) {
+        float s = 0, m = value(0, i);
+        for (int q = 0; q < n; ++q) {
+          s += value(q, i);
+          m = std::max(m, value(q, i));
+        }
+        sum[i] = s;
+        mx[i] = m;
+      }
+      std::vector<float> a = x;
+      g[r]->all_reduce(a.data(), count, DType::F32)->wait();
+      EXPECT_EQ(a, sum) << "all_reduce sum, n " << n;
+      a = x;
+      g[r]->all_reduce(a.data(), count, DType::F32, ReduceOp::Max)->wait();
+      EXPECT_EQ(a, mx);
+      // reduce_scatter: rank r gets the sum of segment r
+      std::vector<float> full(count * static_cast<size_t>(n)), seg(count);
+      for (size_t i = 0; i < full.size(); ++i) full[i] = value(r, i);
+      g[r]->reduce_scatter(full.data(), seg.data(), count, DType::F32)->wait();
+      for (size_t i = 0; i < count; ++i) {
+        float s = 0;
+        for (int q = 0; q < n; ++q) s += value(q, static_cast<size_t>(r) * count + i);
+        ASSERT_EQ(seg[i], s);
+      }
+      // all_gather in place
+      std::vector<float> all(count * static_cast<size_t>(n), -1.0f);
+      for (size_t i = 0; i < count; ++i) all[static_cast<size_t>(r) * count + i] = value(r, i);
+      g[r]->all_gather(all.data() + static_cast<size_t>(r) * count, all.data(), count, DType::F32)->wait();
+      for (int q = 0; q < n; ++q) ASSERT_EQ(all[static_cast<size_t>(q) * count + 5], value(q, 5));
+      // broadcast from the last rank
+      std::vector<float> b(8, static_cast<float>(r));
+      g[r]->broadcast(b.data(), b.size(), DType::F32, n - 1)->wait();
+      EXPECT_EQ(b[3], static_cast<float>(n - 1));
+      // a ring of sends, received before they are sent on some ranks
+      std::vector<float> out(4, static_cast<float>(r)), in(4, -1.0f);
+      WorkHandle rv = g[r]->recv(in.data(), 4, DType::F32, (r + n - 1) % n, 7);
+      WorkHandle sd = g[r]->send(out.data(), 4, DType::F32, (r + 1) % n, 7);
+      wait_all({rv, sd});
+      EXPECT_EQ(in[0], static_cast<float>((r + n - 1) % n));
+      g[r]->barrier()->wait();
+      // accounting: the same algorithm volume as the MPI backend
+      const CommStats s = g[r]->stats();
+      EXPECT_EQ(s[OpKind::AllReduce].calls, 2u);
+      EXPECT_EQ(s[OpKind::AllReduce].bytes, n > 1 ? 2u * 2 * (n - 1) * count * 4 / n : 0u);
+      EXPECT_EQ(s[OpKind::AllGather].bytes, static_cast<uint64_t>(n - 1) * count * 4);
+    });
+  }
+}
+
+TEST(ThreadGroup, Bf16SumsAccumulateInFp32AndRoundOnce) {
+  auto g = make_thread_group("bf", 3);
+  on_ranks(3, [&](int r) {
+    std::vector<bf16> x(16, float_to_bf16(1.0f + 1.0f / 256.0f * static_cast<float>(r)));
+    g[r]->all_reduce(x.data(), x.size(), DType::BF16)->wait();
+    const float want = round_to_bf16(round_to_bf16(1.0f) + round_to_bf16(1.0f + 1.0f / 256) + round_to_bf16(1.0f + 2.0f / 256));
+    EXPECT_EQ(bf16_to_float(x[0]), want);
+  });
+}
+
+}  // namespace
+}  // namespace mt::comm
