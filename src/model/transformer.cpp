@@ -42,12 +42,28 @@ struct BlockActivations {
   }
 };
 
-// Indices of a block's parameters within params_, in registration order.
+// One block's parameters by name: their indices in params_ (this tp rank's shares), -1 where the
+// architecture has none. GPT-2: LayerNorms with biases, the fused qkv and the MLP with biases;
+// Llama: RMSNorms, q | k | v contiguous (used as one [QKV, C] matrix), gate (`fc`) / up / down
+// without biases. Resolved once from the registration order of build_params.
+struct BlockParams {
+  int ln1_w = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
+  int ln2_w = -1, ln2_b = -1, fc_w = -1, fc_b = -1, up_w = -1, down_w = -1, down_b = -1;
+};
+
 namespace {
-// (plain ints: GPT-2 and Llama indices are mixed in conditional expressions)
-constexpr int G_LN1W = 0, G_LN1B = 1, G_QKVW = 2, G_QKVB = 3, G_PROJW = 4, G_PROJB = 5, G_LN2W = 6, G_LN2B = 7,
-              G_FCW = 8, G_FCB = 9, G_MPW = 10, G_MPB = 11;
-constexpr int L_LN1W = 0, L_QW = 1, L_OW = 4, L_LN2W = 5, L_GATEW = 6, L_UPW = 7, L_DOWNW = 8;
+BlockParams block_params(Arch arch, int base) {
+  BlockParams p;
+  if (arch == Arch::GPT2) {  // ln_1 w b, c_attn w b, attn c_proj w b, ln_2 w b, c_fc w b, mlp c_proj w b
+    p.ln1_w = base, p.ln1_b = base + 1, p.qkv_w = base + 2, p.qkv_b = base + 3, p.proj_w = base + 4,
+    p.proj_b = base + 5, p.ln2_w = base + 6, p.ln2_b = base + 7, p.fc_w = base + 8, p.fc_b = base + 9,
+    p.down_w = base + 10, p.down_b = base + 11;
+  } else {  // input_layernorm, q k v, o, post_attention_layernorm, gate, up, down
+    p.ln1_w = base, p.qkv_w = base + 1, p.proj_w = base + 4, p.ln2_w = base + 5, p.fc_w = base + 6,
+    p.up_w = base + 7, p.down_w = base + 8;
+  }
+  return p;
+}
 }  // namespace
 
 // Everything one micro-batch keeps between its forward and its backward.
@@ -509,11 +525,11 @@ const Tensor& Transformer::sp_gather(const float* shard, int64_t n) {
   return sp_full_bf_;
 }
 
-// Backward of the norm whose weight is parameter w (GPT-2: LayerNorm with its bias at w + 1;
-// Llama: RMSNorm) over R rows: dx += d(input), and the parameters' gradients accumulate. Under
+// Backward of the norm whose weight is parameter w and bias parameter b (GPT-2's LayerNorm; -1:
+// Llama's RMSNorm, no bias) over R rows: dx += d(input), and the parameters' gradients accumulate. Under
 // sequence parallelism each rank saw only its rows, so the parameters' contribution is computed
 // into a zeroed buffer and summed over the tp ranks first: every rank adds the same full value.
-void Transformer::norm_backward(float* dx, int w, const float* dout, const float* x, const Tensor& mean,
+void Transformer::norm_backward(float* dx, int w, int b, const float* dout, const float* x, const Tensor& mean,
                                 const Tensor& rstd, int64_t R) {
   const int64_t C = cfg_.n_embd;
   const bool layernorm = cfg_.arch == Arch::GPT2;
@@ -523,14 +539,14 @@ void Transformer::norm_backward(float* dx, int w, const float* dout, const float
     else
       kt_->rmsnorm_backward(dx, dw, dout, x, wf(w), rstd.f32(), R, C);
   };
-  if (!sp_) return run(gp(w), layernorm ? gp(w + 1) : nullptr);
+  if (!sp_) return run(gp(w), b >= 0 ? gp(b) : nullptr);
   const int64_t n = layernorm ? 2 * C : C;
   float* t = sp_pgrad_.f32();
   dev::zero(dev_, t, static_cast<size_t>(n) * sizeof(float));
   run(t, layernorm ? t + C : nullptr);
   tp_->all_reduce_sum(t, n);
   kt_->accumulate(gp(w), t, C);
-  if (layernorm) kt_->accumulate(gp(w + 1), t + C, C);
+  if (b >= 0) kt_->accumulate(gp(b), t + C, C);
 }
 
 // y = x @ W^T (+ b), with x in the compute dtype.
@@ -566,67 +582,64 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const bool tp = tp_size_ > 1;
-  const int base = unit_params_[layer + 1][0];
+  const BlockParams p = block_params(cfg_.arch, unit_params_[layer + 1][0]);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   Lin lin{kt_, compute_};
-  auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
-  auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
+  auto WB = [&](int i) { return bf ? wb(i) : nullptr; };  // a matrix in the compute dtype
+  auto WF = [&](int i) { return bf ? nullptr : wf(i); };
+  auto V = [&](int i) { return i < 0 ? nullptr : wf(i); };  // a vector (norm weight, bias), fp32
   const int64_t R = residual_rows(N);  // rows of x, out, the norms and the residual on this rank
   float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
   // Sequence parallelism: the norm runs on this rank's rows; the matmul gets all rows (gathered).
   float* ln1_out = bf || sp_ ? tmp : a.ln1.f32();
   if (gpt)
-    kt_->layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, wf(base + G_LN1W), wf(base + G_LN1B), R, C,
-                         cfg_.norm_eps);
+    kt_->layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, V(p.ln1_w), V(p.ln1_b), R, C, cfg_.norm_eps);
   else
-    kt_->rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, wf(base + L_LN1W), R, C, cfg_.norm_eps);
+    kt_->rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, V(p.ln1_w), R, C, cfg_.norm_eps);
   if (bf || sp_) store(kt_, a.ln1, ln1_out, R * C);
   const Tensor& ln1_in = sp_ ? sp_gather(ln1_out, R) : a.ln1;
   // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
-  int qkv_w = gpt ? G_QKVW : L_QW;
-  lin.fwd(a.qkv.f32(), ln1_in, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
+  lin.fwd(a.qkv.f32(), ln1_in, WF(p.qkv_w), WB(p.qkv_w), V(p.qkv_b), N, C, QKV);
   if (!gpt) kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
   kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
   if (bf) store(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
-  int proj_w = gpt ? G_PROJW : L_OW;
   // Row-parallel output projection: partial sums over this rank's heads, summed across tp ranks
   // (reduce-scattered to this rank's rows with sequence parallelism), then the (replicated) bias once.
   float* proj_out = sp_ ? sp_part_.f32() : a.res2.f32();
-  lin.fwd(proj_out, atty_in, WF(proj_w), WB(proj_w), gpt && !tp ? wf(base + G_PROJB) : nullptr, N, nh * hd, C);
+  lin.fwd(proj_out, atty_in, WF(p.proj_w), WB(p.proj_w), tp ? nullptr : V(p.proj_b), N, nh * hd, C);
   if (sp_)
     tp_->reduce_scatter_activations(proj_out, a.res2.f32(), R * C);
   else if (tp)
     tp_->all_reduce_activations(a.res2.f32(), N * C);
-  if (tp && gpt) kt_->add_bias(a.res2.f32(), wf(base + G_PROJB), R, C);
+  if (tp && p.proj_b >= 0) kt_->add_bias(a.res2.f32(), V(p.proj_b), R, C);
   kt_->accumulate(a.res2.f32(), x, R * C);
   float* ln2_out = bf || sp_ ? tmp : a.ln2.f32();
   if (gpt)
-    kt_->layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), wf(base + G_LN2W),
-                         wf(base + G_LN2B), R, C, cfg_.norm_eps);
+    kt_->layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), V(p.ln2_w), V(p.ln2_b), R, C,
+                           cfg_.norm_eps);
   else
-    kt_->rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), wf(base + L_LN2W), R, C, cfg_.norm_eps);
+    kt_->rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), V(p.ln2_w), R, C, cfg_.norm_eps);
   if (bf || sp_) store(kt_, a.ln2, ln2_out, R * C);
   const Tensor& ln2_in = sp_ ? sp_gather(ln2_out, R) : a.ln2;
   float* act_out = bf ? tmp : a.act.f32();
   if (gpt) {
-    lin.fwd(a.fc.f32(), ln2_in, WF(G_FCW), WB(G_FCW), wf(base + G_FCB), N, C, F);
+    lin.fwd(a.fc.f32(), ln2_in, WF(p.fc_w), WB(p.fc_w), V(p.fc_b), N, C, F);
     kt_->gelu_forward(act_out, a.fc.f32(), N * F);
   } else {
-    lin.fwd(a.fc.f32(), ln2_in, WF(L_GATEW), WB(L_GATEW), nullptr, N, C, F);
-    lin.fwd(a.up.f32(), ln2_in, WF(L_UPW), WB(L_UPW), nullptr, N, C, F);
+    lin.fwd(a.fc.f32(), ln2_in, WF(p.fc_w), WB(p.fc_w), nullptr, N, C, F);
+    lin.fwd(a.up.f32(), ln2_in, WF(p.up_w), WB(p.up_w), nullptr, N, C, F);
     kt_->swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
   }
   if (bf) store(kt_, a.act, act_out, N * F);
-  int down_w = gpt ? G_MPW : L_DOWNW;
   float* down_out = sp_ ? sp_part_.f32() : out;
-  lin.fwd(down_out, a.act, WF(down_w), WB(down_w), gpt && !tp ? wf(base + G_MPB) : nullptr, N, F, C);
+  lin.fwd(down_out, a.act, WF(p.down_w), WB(p.down_w), tp ? nullptr : V(p.down_b), N, F, C);
   if (sp_)
     tp_->reduce_scatter_activations(down_out, out, R * C);
   else if (tp)
     tp_->all_reduce_activations(out, N * C);
-  if (tp && gpt) kt_->add_bias(out, wf(base + G_MPB), R, C);
+  if (tp && p.down_b >= 0) kt_->add_bias(out, V(p.down_b), R, C);
   kt_->accumulate(out, a.res2.f32(), R * C);
 }
 
@@ -634,12 +647,13 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
-  const int base = unit_params_[layer + 1][0];
+  const BlockParams p = block_params(cfg_.arch, unit_params_[layer + 1][0]);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   Lin lin{kt_, compute_};
-  auto WB = [&](int i) { return bf ? wb(base + i) : nullptr; };
-  auto WF = [&](int i) { return bf ? nullptr : wf(base + i); };
+  auto WB = [&](int i) { return bf ? wb(i) : nullptr; };
+  auto WF = [&](int i) { return bf ? nullptr : wf(i); };
+  auto G = [&](int i) { return i < 0 ? nullptr : gp(i); };  // a parameter's gradient (null: none)
   float* dnorm = bwd_ws_[0].f32();
   float* dqkv = bwd_ws_[1].f32();
   float* datty = bwd_ws_[2].f32();
@@ -682,48 +696,43 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   };
   // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
   dev::zero(dev_, dact, static_cast<size_t>(N * F) * sizeof(float));
-  int down_w = gpt ? G_MPW : L_DOWNW;
   const float* dout = all_rows(dx);
-  lin.bwd(dact, gp(base + down_w), gpt ? gp(base + G_MPB) : nullptr, dout, a.act, WF(down_w), WB(down_w), N, F, C);
+  lin.bwd(dact, G(p.down_w), G(p.down_b), dout, a.act, WF(p.down_w), WB(p.down_w), N, F, C);
   dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
   dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
   if (gpt) {
     kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
     const int hin = start_norm_input(a.ln2);
-    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(G_FCW), WB(G_FCW), N, C, F);  // input gradient first
+    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(p.fc_w), WB(p.fc_w), N, C, F);  // input gradient first
     const int hsum = start_input_grad_sum(dnorm);
-    lin.bwd(nullptr, gp(base + G_FCW), gp(base + G_FCB), dfc, norm_input(a.ln2, hin), WF(G_FCW), WB(G_FCW), N, C, F);
-    norm_backward(dx, base + G_LN2W, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    lin.bwd(nullptr, G(p.fc_w), G(p.fc_b), dfc, norm_input(a.ln2, hin), WF(p.fc_w), WB(p.fc_w), N, C, F);
+    norm_backward(dx, p.ln2_w, p.ln2_b, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
     dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
     kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
     const int hin = start_norm_input(a.ln2);
-    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(L_GATEW), WB(L_GATEW), N, C, F);
-    lin.bwd(dnorm, nullptr, nullptr, dup, a.ln2, WF(L_UPW), WB(L_UPW), N, C, F);
+    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(p.fc_w), WB(p.fc_w), N, C, F);
+    lin.bwd(dnorm, nullptr, nullptr, dup, a.ln2, WF(p.up_w), WB(p.up_w), N, C, F);
     const int hsum = start_input_grad_sum(dnorm);
     const Tensor& ln2_in = norm_input(a.ln2, hin);
-    lin.bwd(nullptr, gp(base + L_GATEW), nullptr, dfc, ln2_in, WF(L_GATEW), WB(L_GATEW), N, C, F);
-    lin.bwd(nullptr, gp(base + L_UPW), nullptr, dup, ln2_in, WF(L_UPW), WB(L_UPW), N, C, F);
-    norm_backward(dx, base + L_LN2W, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    lin.bwd(nullptr, G(p.fc_w), nullptr, dfc, ln2_in, WF(p.fc_w), WB(p.fc_w), N, C, F);
+    lin.bwd(nullptr, G(p.up_w), nullptr, dup, ln2_in, WF(p.up_w), WB(p.up_w), N, C, F);
+    norm_backward(dx, p.ln2_w, p.ln2_b, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   }
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
   dev::zero(dev_, datty, static_cast<size_t>(N * nh * hd) * sizeof(float));
-  int proj_w = gpt ? G_PROJW : L_OW;
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
   const float* dres2 = all_rows(dx);
-  lin.bwd(datty, gp(base + proj_w), gpt ? gp(base + G_PROJB) : nullptr, dres2, atty_in, WF(proj_w), WB(proj_w), N,
-          nh * hd, C);
+  lin.bwd(datty, G(p.proj_w), G(p.proj_b), dres2, atty_in, WF(p.proj_w), WB(p.proj_w), N, nh * hd, C);
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
   kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
   if (!gpt) kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
   dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
-  int qkv_w = gpt ? G_QKVW : L_QW;
   const int hin = start_norm_input(a.ln1);
-  lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
+  lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(p.qkv_w), WB(p.qkv_w), N, C, QKV);
   const int hsum = start_input_grad_sum(dnorm);
-  lin.bwd(nullptr, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, norm_input(a.ln1, hin), WF(qkv_w),
-          WB(qkv_w), N, C, QKV);
-  norm_backward(dx, base + (gpt ? G_LN1W : L_LN1W), input_grad_sum(dnorm, hsum), x, a.ln1_mean, a.ln1_rstd, R);
+  lin.bwd(nullptr, G(p.qkv_w), G(p.qkv_b), dqkv, norm_input(a.ln1, hin), WF(p.qkv_w), WB(p.qkv_w), N, C, QKV);
+  norm_backward(dx, p.ln1_w, p.ln1_b, input_grad_sum(dnorm, hsum), x, a.ln1_mean, a.ln1_rstd, R);
 }
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
@@ -918,7 +927,7 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       dhin = input_grad_sum(dhin, h);
     }
     dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
-    norm_backward(dx, hb, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
+    norm_backward(dx, hb, gpt ? hb + 1 : -1, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
     if (hooks_) hooks_->post_backward(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");

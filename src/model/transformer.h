@@ -273,7 +273,7 @@ class Transformer {
   // sums before a reduce-scatter, the norms' parameter-gradient contributions
   Tensor sp_full_, sp_full_bf_, sp_dfull_, sp_part_, sp_pgrad_;
   const Tensor& sp_gather(const float* shard, int64_t n);  // -> [N, C] in the compute dtype
-  void norm_backward(float* dx, int w, const float* dout, const float* x, const Tensor& mean, const Tensor& rstd,
+  void norm_backward(float* dx, int w, int b, const float* dout, const float* x, const Tensor& mean, const Tensor& rstd,
                      int64_t R);
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
   // Vocab-parallel softmax cross-entropy of N rows of this rank's logit columns `lg` (in place:
