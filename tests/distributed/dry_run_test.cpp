@@ -88,6 +88,8 @@ INSTANTIATE_TEST_SUITE_P(
         DryCase{"fsdp_bf16_recompute", 2,
                 "--parallel.strategy FULL_SHARD --train.dtype bf16 --train.activation_checkpointing selective", true},
         DryCase{"hsdp", 4, "--parallel.strategy HYBRID_SHARD --parallel.dp_replicate 2", true},
+        DryCase{"hsdp_zero2_bf16", 4,
+                "--parallel.strategy HYBRID_SHARD_ZERO2 --parallel.dp_replicate 2 --train.dtype bf16", true},
         DryCase{"tp2_sp_llama", 2,
                 "--model.preset llama-tiny --parallel.tp 2 --parallel.sequence_parallel true --train.dtype bf16"},
         DryCase{"tp2_fsdp2", 4, "--parallel.strategy FULL_SHARD --parallel.tp 2", true},
