@@ -5,13 +5,15 @@
 #include <cstdio>
 #include <cstring>
 
-#include "comm/commands.h"
-#include "comm/detail.h"
+#include "cli/commands.h"
+#include "comm/mpi_include.h"
 #include "comm/world.h"
 #include "runtime/arg_parser.h"
 #include "runtime/memory.h"
 
-namespace mt::comm {
+namespace mt::cli {
+
+using namespace mt::comm;
 
 namespace {
 
@@ -443,4 +445,4 @@ int run_bench_comm_command(int argc, char** argv) {
   return rc;
 }
 
-}  // namespace mt::comm
+}  // namespace mt::cli
