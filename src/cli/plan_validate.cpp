@@ -597,23 +597,26 @@ EngineFigures figures_of(const json& fin, int rank) {
 
 // What the dry run and the one-step real job are given besides the layout.
 std::vector<std::string> one_step_args() {
-  return {"--train.steps", "1", "--train.warmup_steps", "1", "--train.sample_tokens", "0", "--train.checkpoint_dir", "",
-          "--log.print_every", "1000"};
+  return {"--train.steps", "1", "--train.warmup_steps", "1"};
 }
 
-// The real job of one step whose figures the dry runs must equal.
-json run_one_step(const ValidateOptions& o, const std::string& dir, const std::string& data, const EngineLayout& e,
-                  const std::string& tag) {
-  const std::string metrics = dir + "/real" + tag + ".jsonl", log = dir + "/real" + tag + ".log";
+// `meshtrain launch -n N -- train` of the layout on the prepared data (no evaluation, checkpoint or
+// sample), with `extra` arguments; its metrics. Throws std::runtime_error with the log's tail when
+// the job fails.
+Metrics run_train_job(const ValidateOptions& o, const std::string& dir, const std::string& data, const EngineLayout& e,
+                      const std::string& name, const std::vector<std::string>& extra) {
+  const std::string metrics = dir + "/" + name + ".jsonl", log = dir + "/" + name + ".log";
   std::vector<std::string> argv = {o.binary, "launch", "-n", std::to_string(e.ranks), "--", "train",
-                                   "--data.train", data, "--data.val", "", "--log.metrics_out", metrics};
-  for (const auto& a : one_step_args()) argv.push_back(a);
+                                   "--data.train", data, "--data.val", "", "--train.sample_tokens", "0",
+                                   "--train.checkpoint_dir", "", "--log.print_every", "1000",
+                                   "--log.metrics_out", metrics};
+  argv.insert(argv.end(), extra.begin(), extra.end());
   for (const auto& a : e.train_args()) argv.push_back(a);
   const int rc = run_child(argv, {}, log, 300);
-  if (rc != 0) throw std::runtime_error("the one-step job exited with " + std::to_string(rc) + ": " + tail(read_file(log), 1500));
+  if (rc != 0) throw std::runtime_error("the job exited with " + std::to_string(rc) + ": " + tail(read_file(log), 1500));
   Metrics m = read_metrics(metrics);
   if (m.fin.is_null()) throw std::runtime_error("no final metrics in " + metrics);
-  return m.fin;
+  return m;
 }
 
 // One timed run of a layout: the compute ceiling measured just before and just after the job (their
@@ -629,27 +632,10 @@ struct JobRun {
 JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::string& data, const EngineLayout& e,
                const std::string& tag, int cores) {
   JobRun j;
+  Metrics m;
   try {
     j.before = probe_compute(o, dir, e, cores);
-  } catch (const std::exception& ex) {
-    j.error = ex.what();
-    return j;
-  }
-  const std::string metrics = dir + "/metrics" + tag + ".jsonl", log = dir + "/train" + tag + ".log";
-  std::vector<std::string> argv = {o.binary,          "launch", "-n", std::to_string(e.ranks), "--", "train",
-                                   "--data.train",    data,     "--data.val", "",
-                                   "--train.steps",   std::to_string(o.steps),
-                                   "--train.sample_tokens", "0",
-                                   "--train.checkpoint_dir", "",
-                                   "--log.print_every", "1000",
-                                   "--log.metrics_out", metrics};
-  for (const auto& a : e.train_args()) argv.push_back(a);
-  const int rc = run_child(argv, {}, log, 300);
-  if (rc != 0) {
-    j.error = "the job exited with " + std::to_string(rc) + ": " + tail(read_file(log), 1500);
-    return j;
-  }
-  try {
+    m = run_train_job(o, dir, data, e, "train" + tag, {"--train.steps", std::to_string(o.steps)});
     j.after = probe_compute(o, dir, e, cores);
   } catch (const std::exception& ex) {
     j.error = ex.what();
@@ -659,10 +645,9 @@ JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::stri
   j.mean.flops_per_s = 0.5 * (j.before.flops_per_s + j.after.flops_per_s);
   j.mean.gemm_flops_per_s = 0.5 * (j.before.gemm_flops_per_s + j.after.gemm_flops_per_s);
   j.mean.mem_bw = 0.5 * (j.before.mem_bw + j.after.mem_bw);
-  Metrics m = read_metrics(metrics);
   j.steps = std::move(m.steps);
   j.fin = std::move(m.fin);
-  if (j.fin.is_null() || static_cast<int>(j.steps.size()) != o.steps) j.error = "incomplete metrics in " + metrics;
+  if (static_cast<int>(j.steps.size()) != o.steps) j.error = "incomplete metrics of job " + tag;
   return j;
 }
 
@@ -761,7 +746,7 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
   try {
     std::vector<EngineFigures> dry;
     for (int rank = 0; rank < e.ranks; ++rank) dry.push_back(dry_run(o.binary, e, rank, dir + "/dry" + tag));
-    engine_check(e, run_one_step(o, dir, data, e, tag), dry, r);
+    engine_check(e, run_train_job(o, dir, data, e, "real" + tag, one_step_args()).fin, dry, r);
     std::vector<EngineFigures> stages;
     for (int rank : stage_ranks(e)) stages.push_back(dry[static_cast<size_t>(rank)]);
     r.gaps = compare_with_planner(m, e, stages);
@@ -816,6 +801,7 @@ EngineFigures dry_run(const std::string& binary, const EngineLayout& e, int rank
   const std::string base = dir + "/rank" + std::to_string(rank);
   std::vector<std::string> argv = {binary, "train", "--dry-run", "--world", std::to_string(e.ranks), "--rank",
                                    std::to_string(rank), "--data.train", "", "--data.val", "", "--train.threads", "1",
+                                   "--train.sample_tokens", "0", "--log.print_every", "1000",
                                    "--log.metrics_out", base + ".jsonl"};
   for (const auto& a : one_step_args()) argv.push_back(a);
   for (const auto& a : e.train_args()) argv.push_back(a);

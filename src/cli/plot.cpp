@@ -1,11 +1,11 @@
 // `meshtrain plot`: metrics files in, one SVG out (train/metrics_plot.h draws it).
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "runtime/arg_parser.h"
 #include "train/metrics_plot.h"
@@ -35,11 +35,10 @@ double mean_after_first(const std::vector<double>& v) {
 }  // namespace
 
 int run_plot_command(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i)
-    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::fputs(kPlotHelp, stdout);
-      return 0;
-    }
+  if (cli_support::wants_help(argc, argv)) {
+    std::fputs(kPlotHelp, stdout);
+    return 0;
+  }
   try {
     ArgParser ap({"metrics", "labels", "out", "title"}, {});
     ap.parse(argc, argv);

@@ -2,10 +2,10 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "parallel/pipeline_schedule.h"
 #include "runtime/arg_parser.h"
@@ -70,11 +70,10 @@ int bad_usage(const std::string& msg) {
 }  // namespace
 
 int run_schedule_command(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i)
-    if (!std::strcmp(argv[i], "-h") || !std::strcmp(argv[i], "--help")) {
-      std::fputs(kScheduleHelp, stdout);
-      return 0;
-    }
+  if (cli_support::wants_help(argc, argv)) {
+    std::fputs(kScheduleHelp, stdout);
+    return 0;
+  }
   ArgParser ap({"pp", "microbatches", "schedule", "virtual-stages", "t-fwd", "t-bwd", "t-comm", "comm"},
                {"show-comm", "list", "no-table", "help"});
   std::string name;
