@@ -764,6 +764,17 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
     }
     time_check(o, m, e, cc, j, r);
     r.attempts = 1;
+    // The engine's bytes per step: the timed job's minus the one-step job's, per extra step.
+    for (GapRow& row : r.gaps.rows) {
+      if (row.what.rfind("bytes ", 0) != 0) continue;
+      const std::string g = row.what.substr(6);
+      uint64_t one = 0;
+      for (const CommRow& c : r.comm)
+        if (c.group == g) one = c.measured;
+      const double total = j.fin["comm_bytes_by_group"].value(g, 0.0);
+      row.engine = (total - static_cast<double>(one)) / (o.steps - 1);
+    }
+    r.gaps.bytes_per_step = true;
     for (int k = 0; o.check_time && k < o.retries && !r.time.ok; ++k) {
       r.first_time_error = r.first_time_error == 0 ? r.time.error : r.first_time_error;
       JobRun again = run_job(o, dir, data, e, tag + "r" + std::to_string(k + 1), cores);
@@ -858,10 +869,6 @@ PlannerGaps compare_with_planner(const ModelConfig& m_in, const EngineLayout& e,
     const bool modelled = planned.count(k) > 0 && planned.at(k) > 0;
     g.rows.push_back({"bytes " + k, modelled ? planned.at(k) : 0.0, eng, modelled});
   }
-  g.note = "planner: estimate(), per GPU, heaviest stage, peak; bytes per step. engine: dry run of rank" +
-           std::string(dry.size() > 1 ? "s " : " ");
-  for (size_t i = 0; i < g.ranks.size(); ++i) g.note += (i ? ", " : "") + std::to_string(g.ranks[i]);
-  g.note += " (largest peak); rank 0's bytes of one step, with the one-off model check, DDP broadcast and summary";
   return g;
 }
 
@@ -1075,7 +1082,10 @@ std::string diff_cell(double planner, double engine) {
 void gap_rows(const std::string& label, const PlannerGaps& g, std::vector<std::vector<std::string>>& rows) {
   bool first = true;
   for (const GapRow& x : g.rows) {
-    rows.push_back({first ? label : "", x.what, x.modelled ? num(x.planner) : "-", num(x.engine),
+    const bool bytes = x.what.rfind("bytes ", 0) == 0;
+    if (bytes && !x.modelled && x.engine == 0) continue;  // one-off traffic only (per step: none)
+    rows.push_back({first ? label : "", x.what + (bytes && g.bytes_per_step ? " /step" : ""),
+                    x.modelled ? num(x.planner) : "-", num(x.engine),
                     x.modelled ? diff_cell(x.planner, x.engine) : "not modelled"});
     first = false;
   }
@@ -1086,7 +1096,8 @@ void gap_rows(const std::string& label, const PlannerGaps& g, std::vector<std::v
 const char* kGapHead =
     "planner: estimate() per GPU (heaviest pipeline stage, peak) and bytes per step on each group; engine: the\n"
     "dry run's peak by category (the largest over the first and the last stage's first rank) and rank 0's\n"
-    "bytes by group for one step, including the one-off model check, DDP's initial broadcast and the summary;\n"
+    "bytes by group for one step, including the one-off model check, DDP's initial broadcast and the summary\n"
+    "(\"/step\": per step instead, from the timed job of the same layout minus the one-step job);\n"
     "parameters: the planner's psi against the engine's padded flat size (elements). gap = planner / engine - 1:\n";
 
 }  // namespace
@@ -1191,7 +1202,7 @@ namespace {
 
 json gaps_json(const PlannerGaps& g) {
   json x = {{"psi_planner", g.psi_planner}, {"flat_size_engine", g.flat_engine}, {"dry_run_ranks", g.ranks},
-            {"rows", json::array()}};
+            {"engine_bytes_per_step", g.bytes_per_step}, {"rows", json::array()}};
   for (const GapRow& r : g.rows)
     x["rows"].push_back({{"figure", r.what}, {"planner", r.modelled ? json(r.planner) : json(nullptr)},
                          {"engine", r.engine}, {"modelled", r.modelled}});

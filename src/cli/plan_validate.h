@@ -99,7 +99,9 @@ struct PlannerGaps {
   double psi_planner = 0;           // estimate().psi_stage
   int64_t flat_engine = 0;          // the largest dry-run flat_size (elements of the heaviest stage)
   std::vector<int> ranks;           // the dry runs' ranks
-  std::string note;                 // how the figures are taken
+  // The engine's bytes: the dry run's one step with the one-off traffic, or (after a timed job of
+  // S steps) per step: (timed job - one-step job) / (S - 1), rank 0.
+  bool bytes_per_step = false;
 };
 // `dry`: dry runs of the first rank of the first and of the last pipeline stage (one when pp = 1).
 PlannerGaps compare_with_planner(const ModelConfig& m, const EngineLayout& e, const std::vector<EngineFigures>& dry);
