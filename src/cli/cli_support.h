@@ -1,5 +1,5 @@
-// Helpers shared by the data subcommands (prepare, tokenize): error reporting, --help detection and
-// repeated flags.
+// Helpers shared by the subcommands (prepare, tokenize, plot, schedule): error reporting, --help
+// detection and repeated flags.
 #pragma once
 #include <cstdio>
 #include <cstring>

@@ -4,12 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "comm/commands.h"
-#include "parallel/pipeline_schedule.h"
-#include "plan/plan_command.h"
 #include "cli/data_commands.h"
-#include "train/metrics_plot.h"
-#include "train/sampler.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -44,10 +39,10 @@ int dispatch(int argc, char** argv) {
   if (cmd == "prepare") return run_prepare_command(sub_argc, sub_argv);
   if (cmd == "tokenize") return run_tokenize_command(sub_argc, sub_argv);
   if (cmd == "plot") return run_plot_command(sub_argc, sub_argv);
-  if (cmd == "plan") return plan::run_plan_command(sub_argc, sub_argv);
-  if (cmd == "schedule") return parallel::run_schedule_command(sub_argc, sub_argv);
-  if (cmd == "launch") return comm::run_launch_command(sub_argc, sub_argv);
-  if (cmd == "bench") return comm::run_bench_comm_command(sub_argc, sub_argv);
+  if (cmd == "plan") return run_plan_command(sub_argc, sub_argv);
+  if (cmd == "schedule") return run_schedule_command(sub_argc, sub_argv);
+  if (cmd == "launch") return run_launch_command(sub_argc, sub_argv);
+  if (cmd == "bench") return run_bench_comm_command(sub_argc, sub_argv);
   std::fprintf(stderr, "meshtrain: unknown command '%s'\n", cmd.c_str());
   print_usage(stderr);
   return 2;

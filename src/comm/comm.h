@@ -1,6 +1,6 @@
-// The communication layer (layer "comm" in DESIGN.md): process groups over MPI, the device mesh,
-// the launcher and the collective benchmark. See docs/comm.md.
+// The communication layer (layer "comm" in docs/design.md): process groups over MPI, the device
+// mesh and the launcher's mpirun command line. See docs/comm.md.
 #pragma once
-#include "comm/commands.h"
+#include "comm/launch.h"
 #include "comm/process_group.h"
 #include "comm/world.h"

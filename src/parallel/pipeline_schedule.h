@@ -4,7 +4,8 @@
 // training step: forward / backward of micro-batch m on (virtual) stage s, and the point-to-point
 // sends and receives that move activations forward and gradients backward. Because it is plain
 // data it can be printed, checked (complete, matched, deadlock-free) and timed without a model;
-// a pipeline runner is to execute exactly these lists (the trainer does not run pp > 1 yet).
+// parallel::PipelineExecutor (pipeline_executor.h) runs exactly these lists when the trainer has
+// pp > 1. This module depends on nothing else (library mt_schedule), so the planner can use it.
 //
 // Layout (Megatron): the model is cut into pp * v contiguous virtual stages; rank r owns stages
 // r, r + pp, r + 2pp, ... (v = 1 is the ordinary one-stage-per-rank pipeline). The output of
@@ -149,10 +150,5 @@ BubbleFormula bubble_formula(const PipeSchedule& s);
 std::string format_schedule(const PipeSchedule& s, bool show_comm = false);
 // Every rank's action list in order, one rank per line.
 std::string format_actions(const PipeSchedule& s);
-
-// `meshtrain schedule ...` (argv[0] == "schedule"): prints the table, the check, peak in-flight
-// activations and the simulated bubble next to the formula. 0 if the check passes, 1 if not,
-// 2 on bad flags or sizes.
-int run_schedule_command(int argc, char** argv);
 
 }  // namespace mt::parallel

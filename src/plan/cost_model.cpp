@@ -587,6 +587,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     per_mb = per_mb + tp;
     mb_tp = st.tp_comm_overlap ? std::max(0.0, tp.time - eta * (T_f + T_b)) : tp.time;
     E.tp_comm_s = M * tp.time;
+    E.group_bytes.tp = M * (tp.intra_bytes + tp.inter_bytes);
     E.tp_exposed_s = M * mb_tp;
   }
 
@@ -603,6 +604,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     (inter ? pc.inter_bytes : pc.intra_bytes) = sends * bytes;
     per_mb = per_mb + pc;
     mb_pp = pc.time;
+    E.group_bytes.pp = M * sends * bytes;
   }
 
   // Data parallel. `overlapped`: a collective of total time `comm` issued while `window` seconds of
@@ -621,6 +623,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         CollCost ar = split_collective(Collective::AllReduce, grad_bytes, buckets(grad_bytes), g_dp, c);
         per_step = per_step + ar;
         dp_total = ar.time;
+        E.group_bytes.dp = ar.intra_bytes + ar.inter_bytes;
         step_dp = overlapped(ar.time, collective(Collective::AllReduce, bucket_g, g_dp, c).time, T_b);
         break;
       }
@@ -644,6 +647,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         per_step = per_step + ag;
         step_dp += ag_ex;
         dp_total += ag.time;
+        E.group_bytes.dp = (l.strategy == Strategy::ZeRO1 ? 1.0 : M) * (rs.intra_bytes + rs.inter_bytes) +
+                           ag.intra_bytes + ag.inter_bytes;
         break;
       }
       case Strategy::ZeRO3:
@@ -656,11 +661,13 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         const double ex_b = overlapped(ag.time + rs.time, last, T_b);
         mb_dp = overlapped(ag.time, first, T_f) + ex_b;
         dp_total = M * (2 * ag.time + rs.time);
+        E.group_bytes.dp = M * (2 * (ag.intra_bytes + ag.inter_bytes) + rs.intra_bytes + rs.inter_bytes);
         if (l.strategy == Strategy::HSDP) {  // replicas all-reduce their gradient shard once per step
           CollCost ar = split_collective(Collective::AllReduce, grad_bytes / l.dp_shard, n_units, g_rep, c);
           const double ar_last = collective(Collective::AllReduce, unit0 * rb / l.dp_shard, g_rep, c).time;
           per_step = per_step + ar;
           dp_total += ar.time;
+          E.group_bytes.dp_replicate = ar.intra_bytes + ar.inter_bytes;
           // It shares the last micro-batch's backward window with that micro-batch's collectives.
           step_dp = overlapped(ag.time + rs.time + ar.time, last + ar_last, T_b) - ex_b;
         }

@@ -22,7 +22,7 @@ enum class Schedule { None, GPipe, OneFOneB, Interleaved };
 enum class Checkpointing { None, Selective, Full };
 enum class AttentionImpl { Flash, Unfused };
 
-// Config spellings (INTERFACE.md [parallel] strategy): NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD,
+// Config spellings (the `parallel.strategy` key, docs/training.md): NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD,
 // HYBRID_SHARD. `meshtrain train --parallel.strategy=<this>` accepts them.
 const char* strategy_config_name(Strategy s);
 // Human labels: DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP.
@@ -41,7 +41,7 @@ struct TrainSetup {
   int64_t micro_batch = 0;      // sequences per micro-batch per model replica (0: planner chooses)
   int64_t seq = 0;              // tokens per sequence (0: the model's seq_len)
   bool fp32 = false;            // false: bf16 mixed precision (bf16 params+grads, fp32 master+Adam)
-  int reduce_bytes = 4;         // bytes per element of gradient reduction (4 fp32 as in DESIGN, 2 bf16)
+  int reduce_bytes = 4;         // bytes per element of gradient reduction (4 fp32 as this engine reduces, 2 bf16)
   int grad_bytes = 0;           // bytes per stored gradient (0: the param dtype, ZeRO's convention; 4 = fp32
                                 // gradient accumulation as in Megatron and this engine: 18 B/param)
   AttentionImpl attention = AttentionImpl::Flash;
@@ -154,6 +154,12 @@ struct MemoryBytes {
 struct CommBytes {
   double intra_node = 0, inter_node = 0;  // bytes one GPU sends per step
 };
+// The same bytes per step by the group they travel on (what the engine counts per process group):
+// dp = the data-parallel group of DDP / ZeRO-1/2/3 and HSDP's shard group, dp_replicate = HSDP's
+// all-reduce across replicas, tp and pp.
+struct GroupBytes {
+  double dp = 0, dp_replicate = 0, tp = 0, pp = 0;
+};
 struct StepTime {
   double compute = 0, exposed_comm = 0, bubble = 0;
   double total() const { return compute + exposed_comm + bubble; }
@@ -170,6 +176,7 @@ struct Estimate {
   double host_usable = 0;          // host memory the job may use per node (80% of it); 0 without offload
   bool host_fits = true;
   CommBytes comm;
+  GroupBytes group_bytes;
   StepTime time;
   double tokens_per_s = 0;
   double mfu = 0;

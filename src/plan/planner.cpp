@@ -417,7 +417,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
     R.runner_up = "Runner-up: " + layout_words(ru.layout) + ". It lost because " + lost_because(top, ru);
   }
   if (!st.fp32 && st.reduce_bytes == 4)
-    R.notes.push_back("gradients are reduced in fp32 (DESIGN: fp32 reduction); --reduce-dtype bf16 halves that traffic");
+    R.notes.push_back("gradients are reduced in fp32 (this engine's policy); --reduce-dtype bf16 halves that traffic");
   R.notes.push_back("selective checkpointing = every second block recomputed (the engine's policy)");
   return R;
 }

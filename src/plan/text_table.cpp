@@ -25,4 +25,10 @@ std::string format_table(const std::vector<std::string>& head, const std::vector
   return out;
 }
 
+std::string join(const std::vector<std::string>& items, const std::string& sep) {
+  std::string s;
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? sep : "") + items[i];
+  return s;
+}
+
 }  // namespace mt::plan

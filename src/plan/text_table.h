@@ -10,4 +10,7 @@ namespace mt::plan {
 std::string format_table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows,
                          const std::vector<bool>& right);
 
+// The items separated by `sep`: "a, b, c".
+std::string join(const std::vector<std::string>& items, const std::string& sep);
+
 }  // namespace mt::plan

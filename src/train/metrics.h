@@ -1,4 +1,4 @@
-// Per-step metrics: the progress line and the JSON-lines file of INTERFACE.md.
+// Per-step metrics: the progress line and the JSON-lines file (--log.metrics_out; keys in docs/training.md).
 #pragma once
 #include <cstdint>
 #include <fstream>

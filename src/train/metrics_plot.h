@@ -1,4 +1,4 @@
-// `meshtrain plot`: loss, throughput and exposed communication per step from one or more
+// What `meshtrain plot` (cli/plot.cpp) draws: loss, throughput and exposed communication per step from one or more
 // JSON-lines metrics files (--log.metrics_out), drawn as a self-contained SVG (no plotting
 // library needed; opens in any browser), with runs overlaid for comparison.
 #pragma once
@@ -24,7 +24,5 @@ std::string metrics_svg(const std::vector<MetricsSeries>& runs, const std::strin
 
 // "Nice" axis ticks covering [lo, hi] (about `target` of them, steps of 1, 2 or 5 x 10^k).
 std::vector<double> nice_ticks(double lo, double hi, int target = 5);
-
-int run_plot_command(int argc, char** argv);
 
 }  // namespace mt

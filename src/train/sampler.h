@@ -19,6 +19,4 @@ struct SampleOptions {
 std::vector<int32_t> generate(Transformer& model, std::vector<int32_t> prompt, const SampleOptions& opts,
                               int32_t stop_token = -1);
 
-int run_sample_command(int argc, char** argv);
-
 }  // namespace mt

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/commands.h"
 #include "comm/comm.h"
 
 using namespace mt;
@@ -58,8 +59,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::string mode = argv[1];
-  if (mode == "bench") return run_bench_comm_command(argc - 1, argv + 1);
-  if (mode == "launch") return run_launch_command(argc - 1, argv + 1);
+  if (mode == "bench") return mt::cli::run_bench_comm_command(argc - 1, argv + 1);
+  if (mode == "launch") return mt::cli::run_launch_command(argc - 1, argv + 1);
   if (mode == "hello") {
     World& w = World::init(&argc, &argv);
     const char* omp = std::getenv("OMP_NUM_THREADS");

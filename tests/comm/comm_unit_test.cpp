@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cli/commands.h"
 #include "comm/comm.h"
 #include "comm/detail.h"
 
@@ -243,7 +244,7 @@ TEST(Launch, CommandLineErrorsAndDryRun) {
   auto run = [](std::vector<std::string> a) {
     std::vector<char*> v;
     for (auto& s : a) v.push_back(s.data());
-    return run_launch_command(static_cast<int>(v.size()), v.data());
+    return mt::cli::run_launch_command(static_cast<int>(v.size()), v.data());
   };
   EXPECT_EQ(run({"launch", "--", "train"}), 2);           // no -n
   EXPECT_EQ(run({"launch", "-n", "2"}), 2);               // no subcommand
@@ -256,7 +257,7 @@ TEST(BenchCommand, HelpAndErrors) {
   auto run = [](std::vector<std::string> a) {
     std::vector<char*> v;
     for (auto& s : a) v.push_back(s.data());
-    return run_bench_comm_command(static_cast<int>(v.size()), v.data());
+    return mt::cli::run_bench_comm_command(static_cast<int>(v.size()), v.data());
   };
   EXPECT_EQ(run({"bench", "comm", "--help"}), 0);
   EXPECT_EQ(run({"comm", "--ops", "all_to_all"}), 2);

@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "plan/plan_command.h"
+#include "plan/report.h"
 #include "plan/published.h"
 
 namespace mt::plan {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/commands.h"
 #include "run_command.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -42,7 +43,7 @@ class Sampler : public ::testing::Test {
     std::vector<std::string> args = {"sample", "--prompt", "abc", "--tokens", "20", "--threads", "1"};
     args.insert(args.end(), extra.begin(), extra.end());
     std::string out;
-    const int code = run_cmd(run_sample_command, args, &out, err);
+    const int code = run_cmd(cli::run_sample_command, args, &out, err);
     if (rc) *rc = code;
     return out;
   }

@@ -5,13 +5,15 @@
 #include <cstdio>
 #include <cstring>
 
-#include "comm/commands.h"
-#include "comm/detail.h"
+#include "cli/commands.h"
+#include "comm/mpi_include.h"
 #include "comm/world.h"
 #include "runtime/arg_parser.h"
 #include "runtime/memory.h"
 
-namespace mt::comm {
+namespace mt::cli {
+
+using namespace mt::comm;
 
 namespace {
 
@@ -179,23 +181,28 @@ int run_overlap(ProcessGroup& g, size_t bytes, DType dt, MPI_Comm mpi_comm, bool
     compute = std::min(compute, now_s() - t0);
   }
   compute = max_all(compute);
-  // Both: issue, compute, wait.
-  double both = 1e30, waited = 1e30;
-  for (int i = 0; i < 3; ++i) {
-    sync();
-    t0 = now_s();
-    auto h = g.all_reduce(buf.a, count, dt);
-    sink = compute_for(iters);
-    double t1 = now_s();
-    h->wait();
-    double t2 = now_s();
-    if (t2 - t0 < both) {
-      both = t2 - t0;
-      waited = t2 - t1;
+  // Best of three runs of: start a reduction, compute, wait for it; the run's total and its wait.
+  auto overlapped = [&](auto start, auto finish, double* total, double* waited) {
+    *total = 1e30;
+    for (int i = 0; i < 3; ++i) {
+      sync();
+      t0 = now_s();
+      auto h = start();
+      sink = compute_for(iters);
+      const double t1 = now_s();
+      finish(h);
+      const double t2 = now_s();
+      if (t2 - t0 < *total) {
+        *total = t2 - t0;
+        *waited = t2 - t1;
+      }
     }
-  }
-  both = max_all(both);
-  waited = max_all(waited);
+    *total = max_all(*total);
+    *waited = max_all(*waited);
+  };
+  // Both: issue, compute, wait.
+  double both = 0, waited = 0;
+  overlapped([&] { return g.all_reduce(buf.a, count, dt); }, [](auto& h) { h->wait(); }, &both, &waited);
   // The same with MPI_Iallreduce and no thread: progress only inside MPI_Wait.
   double mpi_both = 0, mpi_wait = 0, mpi_comm_t = 0;
   const bool mpi_ok = !no_mpi && mpi_comm != MPI_COMM_NULL && dt == DType::F32;
@@ -208,24 +215,13 @@ int run_overlap(ProcessGroup& g, size_t bytes, DType dt, MPI_Comm mpi_comm, bool
       mpi_comm_t = std::min(mpi_comm_t, now_s() - t0);
     }
     mpi_comm_t = max_all(mpi_comm_t);
-    mpi_both = 1e30;
-    for (int i = 0; i < 3; ++i) {
-      sync();
-      t0 = now_s();
-      MPI_Request r;
-      MPI_Iallreduce(MPI_IN_PLACE, buf.a, static_cast<int>(count), MPI_FLOAT, MPI_SUM, mpi_comm,
-                     &r);
-      sink = compute_for(iters);
-      double t1 = now_s();
-      MPI_Wait(&r, MPI_STATUS_IGNORE);
-      double t2 = now_s();
-      if (t2 - t0 < mpi_both) {
-        mpi_both = t2 - t0;
-        mpi_wait = t2 - t1;
-      }
-    }
-    mpi_both = max_all(mpi_both);
-    mpi_wait = max_all(mpi_wait);
+    overlapped(
+        [&] {
+          MPI_Request r;
+          MPI_Iallreduce(MPI_IN_PLACE, buf.a, static_cast<int>(count), MPI_FLOAT, MPI_SUM, mpi_comm, &r);
+          return r;
+        },
+        [](MPI_Request& r) { MPI_Wait(&r, MPI_STATUS_IGNORE); }, &mpi_both, &mpi_wait);
   }
   (void)sink;
   if (should_print()) {
@@ -443,4 +439,4 @@ int run_bench_comm_command(int argc, char** argv) {
   return rc;
 }
 
-}  // namespace mt::comm
+}  // namespace mt::cli

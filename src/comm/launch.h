@@ -1,21 +1,21 @@
-// The comm layer's subcommands: `meshtrain bench comm` and `meshtrain launch`.
+// Launching this binary's ranks on one machine or a host file through mpirun: the mpirun command
+// line `meshtrain launch` (cli/launch.cpp) executes, and the machine facts it depends on.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mt::comm {
 
-// `meshtrain bench comm [options]`. argv may start at "bench" (then argv[1] must be "comm") or at
-// "comm"; the remaining arguments are the options (see --help). Initialises the World itself when
-// no one did. Returns the process exit code.
-int run_bench_comm_command(int argc, char** argv);
+// Cores this process may run on (its CPU affinity; the hardware count when that is unknown).
+int detect_cores();
+// The path of the running executable (/proc/self/exe); `fallback` when it cannot be resolved.
+std::string self_exe(const std::string& fallback = "meshtrain");
+// GLIBC_TUNABLES for a rank: the caller's value with glibc.malloc.hugetlb=1 added (large temporary
+// buffers are otherwise very slow on these machines).
+std::string rank_glibc_tunables();
 
-// `meshtrain launch -n N [--hostfile F] [options] -- <subcommand and its arguments>`. argv[0] is
-// "launch". Prints the mpirun command line to stderr and execs it (returns only on error, or after
-// printing with --dry-run).
-int run_launch_command(int argc, char** argv);
-
-// What run_launch_command would execute (exposed for tests).
+// What `meshtrain launch` executes.
 struct LaunchOptions {
   int nranks = 1;
   std::string hostfile;         // empty: this machine only

@@ -1,0 +1,114 @@
+// `meshtrain launch`: runs a subcommand of this binary on N ranks through mpirun
+// (comm::build_launch_plan makes the command line).
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "cli/commands.h"
+#include "comm/launch.h"
+#include "runtime/arg_parser.h"
+
+extern char** environ;
+
+namespace mt::cli {
+
+using comm::LaunchOptions;
+using comm::LaunchPlan;
+
+namespace {
+
+const char* kHelp =
+    "usage: meshtrain launch -n N [options] -- <subcommand and its arguments>\n\n"
+    "Runs `meshtrain <subcommand ...>` on N ranks through mpirun and prints the mpirun command.\n"
+    "On one machine (no --hostfile) it passes --bind-to none, and when N exceeds the cores also\n"
+    "--oversubscribe and --mca mpi_yield_when_idle 1. Every rank gets OMP_NUM_THREADS (cores / N,\n"
+    "at least 1, unless --threads), GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (large temporary\n"
+    "buffers are otherwise very slow on these machines) and every MESHTRAIN_* variable that is\n"
+    "set. As root it sets OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.\n\n"
+    "options:\n"
+    "  -n, --np N          number of ranks (required)\n"
+    "  --hostfile FILE     run across the machines listed in FILE (mpirun host file; this\n"
+    "                      binary must exist at the same path on every machine)\n"
+    "  --threads T         OMP_NUM_THREADS per rank\n"
+    "  --mpirun PATH       the mpirun to run (default: $MESHTRAIN_MPIRUN or mpirun)\n"
+    "  --mpirun-args ARGS  extra mpirun arguments, space-separated (e.g. \"--mca btl_tcp_links 2\")\n"
+    "  --dry-run           print the command and exit\n"
+    "  --help              this text\n\n"
+    "examples:\n"
+    "  meshtrain launch -n 4 -- train --config run.toml --parallel.dp_shard=4\n"
+    "  meshtrain launch -n 2 -- bench comm --max-bytes 64M\n";
+
+}  // namespace
+
+int run_launch_command(int argc, char** argv) {
+  // Accept the single-dash spellings -n / -np before the "--".
+  std::vector<std::string> args;
+  bool rest = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") rest = true;
+    if (!rest && (a == "-n" || a == "-np")) a = "--np";
+    if (!rest && a.rfind("-n=", 0) == 0) a = "--np=" + a.substr(3);
+    args.push_back(a);
+  }
+  std::vector<char*> cargs = {argv[0]};
+  for (auto& a : args) cargs.push_back(a.data());
+  ArgParser ap({"np", "n", "hostfile", "threads", "mpirun", "mpirun-args"},
+               {"dry-run", "help", "h"});
+  LaunchOptions o;
+  try {
+    ap.parse(static_cast<int>(cargs.size()), cargs.data(), 1);
+    if (ap.flag("help") || ap.flag("h")) {
+      std::fputs(kHelp, stdout);
+      return 0;
+    }
+    if (!ap.positional().empty())
+      throw ArgError("unexpected argument '" + ap.positional()[0] +
+                     "' (put the subcommand after --)");
+    o.nranks = static_cast<int>(ap.get_int("np", ap.get_int("n", 0)));
+    if (o.nranks < 1) throw ArgError("give the number of ranks with -n N (N >= 1)");
+    if (ap.rest().empty())
+      throw ArgError("no subcommand: meshtrain launch -n N -- <subcommand ...>");
+    o.hostfile = ap.get("hostfile");
+    if (!o.hostfile.empty() && access(o.hostfile.c_str(), R_OK) != 0)
+      throw ArgError("cannot read host file '" + o.hostfile + "'");
+    o.threads = static_cast<int>(ap.get_int("threads", 0));
+    const char* env_mpirun = std::getenv("MESHTRAIN_MPIRUN");
+    o.mpirun = ap.get("mpirun", env_mpirun && *env_mpirun ? env_mpirun : "mpirun");
+    std::stringstream ss(ap.get("mpirun-args"));
+    std::string w;
+    while (ss >> w) o.extra_mpirun_args.push_back(w);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain launch: %s\n(see meshtrain launch --help)\n", e.what());
+    return 2;
+  }
+  o.command = ap.rest();
+  o.is_root = geteuid() == 0;
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv = *e;
+    if (kv.rfind("MESHTRAIN_", 0) == 0) {
+      std::string name = kv.substr(0, kv.find('='));
+      if (name != "MESHTRAIN_MPIRUN") o.forward_env.push_back(name);
+    }
+  }
+  const LaunchPlan p = comm::build_launch_plan(o);
+  std::string line;
+  for (const auto& [k, v] : p.env) line += k + "=" + v + " ";
+  std::fprintf(stderr, "meshtrain launch: %s%s\n", line.c_str(), comm::shell_join(p.argv).c_str());
+  std::fflush(stderr);
+  if (ap.flag("dry-run")) return 0;
+  for (const auto& [k, v] : p.env) setenv(k.c_str(), v.c_str(), 1);
+  std::vector<std::string> args_copy = p.argv;
+  std::vector<char*> xargv;
+  for (auto& a : args_copy) xargv.push_back(a.data());
+  xargv.push_back(nullptr);
+  execvp(xargv[0], xargv.data());
+  std::fprintf(stderr, "meshtrain launch: cannot run '%s': %s\n", xargv[0], std::strerror(errno));
+  return 127;
+}
+
+}  // namespace mt::cli
