@@ -98,6 +98,7 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   Vp_l_ = cfg_.padded_vocab / t;
   vocab_lo_ = tp_rank_ * Vp_l_;
   build_params();
+  if (cfg_.rope_scaled()) rope_inv_freq_ = cfg_.rope_inv_freq();  // Llama 3.1 scaled frequencies
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)
     weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
@@ -157,7 +158,7 @@ void Transformer::build_params() {
   begin_unit("embedding");
   if (gpt) {
     add("wte.weight", {V, C}, false, false, TpSplit::Rows);
-    add("wpe.weight", {cfg_.seq_len, C}, false);
+    add("wpe.weight", {cfg_.max_position, C}, false);  // HF max_position rows; the first T are used
   } else {
     add("model.embed_tokens.weight", {V, C}, false, false, TpSplit::Rows);
   }
@@ -198,7 +199,7 @@ void Transformer::build_params() {
     add("ln_f.bias", {C}, false);
   } else {
     add("model.norm.weight", {C}, false);
-    add("lm_head.weight", {V, C}, true, false, TpSplit::Rows);
+    if (!cfg_.tied_embeddings) add("lm_head.weight", {V, C}, true, false, TpSplit::Rows);
   }
   end_unit();
 }
@@ -592,7 +593,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
   int qkv_w = gpt ? G_QKVW : L_QW;
   lin.fwd(a.qkv.f32(), ln1_in, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
-  if (!gpt) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && rope_inv_freq_.empty()) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && !rope_inv_freq_.empty()) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
   k::attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
   if (bf) store(a.atty_bf, a.atty.f32(), N * nh * hd);
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
@@ -721,7 +723,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
           nh * hd, C);
   std::memset(dqkv, 0, N * QKV * sizeof(float));
   k::attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
-  if (!gpt) k::rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && rope_inv_freq_.empty()) k::rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && !rope_inv_freq_.empty()) k::rope_backward(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
   std::memset(dnorm, 0, N * C * sizeof(float));
   int qkv_w = gpt ? G_QKVW : L_QW;
   const int hin = start_norm_input(a.ln1);

@@ -277,6 +277,7 @@ class Transformer {
 
   std::vector<char> owned_;
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
+  std::vector<float> rope_inv_freq_;  // scaled rotary frequencies (Llama 3.1); empty = from rope_theta
   const float* extra_emb_grad_ = nullptr;
   bool defer_emb_ = false;
   int64_t deferred_n_ = 0;

@@ -64,6 +64,46 @@ void validate_parallel(const RunConfig& c, int world) {
   }
 }
 
+// The training or validation data: one file or glob (BatchLoader, llm.c order) or a blend of
+// several (BlendLoader, see data_loader.h).
+struct AnyLoader {
+  std::unique_ptr<TokenDataset> ds;
+  std::unique_ptr<BatchLoader> plain;
+  std::unique_ptr<BlendLoader> blend;
+  void next(int32_t* x, int32_t* y) {
+    if (blend) blend->next(x, y);
+    else plain->next(x, y);
+  }
+  void reset() {
+    if (blend) blend->reset();
+    else plain->reset();
+  }
+  int64_t total_tokens() const { return blend ? blend->total_tokens() : ds->total_tokens(); }
+  // {pattern: input tokens seen so far by all data-parallel ranks together}.
+  nlohmann::json tokens_by_dataset() const {
+    nlohmann::json j = nlohmann::json::object();
+    for (size_t d = 0; d < blend->num_datasets(); ++d) j[blend->pattern(d)] = blend->dataset_tokens(d);
+    return j;
+  }
+};
+
+AnyLoader make_loader(const std::string& spec, const char* key, int B, int T, int dp_rank, int dp_world, uint64_t seed,
+                      bool shuffle, int64_t vocab) {
+  AnyLoader l;
+  if (is_blend_spec(spec)) {
+    try {
+      l.blend = std::make_unique<BlendLoader>(spec, key, B, T, dp_rank, dp_world, seed, shuffle, vocab);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(e.what());
+    }
+    return l;
+  }
+  l.ds = std::make_unique<TokenDataset>(spec, vocab);
+  l.plain = std::make_unique<BatchLoader>(*l.ds, B, T, dp_rank, dp_world);
+  if (shuffle) l.plain->set_shuffle(seed);
+  return l;
+}
+
 int auto_threads() {
   unsigned hc = std::thread::hardware_concurrency();
   return hc == 0 ? 1 : static_cast<int>(hc);
@@ -112,15 +152,13 @@ TrainResult train(const RunConfig& cfg) {
   // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
   const int64_t B = tc.micro_batch, T = mc.seq_len,
                 accum = pp > 1 && cfg.parallel.pp_microbatches > 0 ? cfg.parallel.pp_microbatches : tc.grad_accum;
-  TokenDataset train_ds(cfg.data.train, mc.vocab_size);
-  BatchLoader loader(train_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
-  if (cfg.data.shuffle) loader.set_shuffle(static_cast<uint64_t>(tc.seed));
-  std::unique_ptr<TokenDataset> val_ds;
-  std::unique_ptr<BatchLoader> val_loader;
-  if (!cfg.data.val.empty() && tc.eval_every > 0) {
-    val_ds = std::make_unique<TokenDataset>(cfg.data.val, mc.vocab_size);
-    val_loader = std::make_unique<BatchLoader>(*val_ds, static_cast<int>(B), static_cast<int>(T), dp_rank, dp_world);
-  }
+  AnyLoader loader = make_loader(cfg.data.train, "data.train", static_cast<int>(B), static_cast<int>(T), dp_rank,
+                                 dp_world, static_cast<uint64_t>(tc.seed), cfg.data.shuffle, mc.vocab_size);
+  std::unique_ptr<AnyLoader> val_loader;
+  if (!cfg.data.val.empty() && tc.eval_every > 0)
+    val_loader = std::make_unique<AnyLoader>(make_loader(cfg.data.val, "data.val", static_cast<int>(B),
+                                                         static_cast<int>(T), dp_rank, dp_world,
+                                                         static_cast<uint64_t>(tc.seed), false, mc.vocab_size));
 
   // Groups: non-hybrid strategies shard over every data-parallel rank; hybrid ones shard inside
   // dp_shard and replicate across dp_replicate.
@@ -263,7 +301,11 @@ TrainResult train(const RunConfig& cfg) {
       strategy->load_unit(u, lw.f32(), moments ? lm.f32() : nullptr, moments ? lv.f32() : nullptr);
     }
     strategy->end_load(st.adam_steps);
-    if (!resume_dir.empty()) {
+    if (!resume_dir.empty() && loader.blend && st.has_blend) {
+      if (!loader.blend->set_state(st.blend) && log)
+        std::printf("resuming with a different data.train blend: datasets are matched by pattern, new ones start "
+                    "at their first sample\n");
+    } else if (!resume_dir.empty()) {
       std::vector<int32_t> skip_x(B * T), skip_y(B * T);
       for (int64_t i = 0; i < st.micro_batches; ++i) loader.next(skip_x.data(), skip_y.data());  // data position
       if (log) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st.step));
@@ -306,6 +348,8 @@ TrainResult train(const RunConfig& cfg) {
       gather_full_unit(u, true, full);
       if (writer) writer->write_unit(u, full[0].f32(), full[1].f32(), full[2].f32());
     }
+    st.has_blend = loader.blend != nullptr;
+    if (loader.blend) st.blend = loader.blend->state();
     if (writer) writer->commit(st, cfg);
   };
 
@@ -317,7 +361,7 @@ TrainResult train(const RunConfig& cfg) {
                 static_cast<long long>(mc.padded_vocab));
     std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
                 "recompute %s | %d threads\n",
-                cfg.data.train.c_str(), static_cast<long long>(train_ds.total_tokens()), static_cast<long long>(B),
+                cfg.data.train.c_str(), static_cast<long long>(loader.total_tokens()), static_cast<long long>(B),
                 static_cast<long long>(T), static_cast<long long>(accum), dp_world,
                 static_cast<long long>(B * T * accum * dp_world), dtype_name(dt), recompute_name(rc), threads);
     if (world > 1)
@@ -454,6 +498,7 @@ TrainResult train(const RunConfig& cfg) {
       res.val_losses.push_back(*sm.val_loss);
       res.final_val_loss = *sm.val_loss;
     }
+    if (loader.blend) sm.data_tokens_by_dataset = loader.tokens_by_dataset();
     res.losses.push_back(loss);
     if (log && (cfg.log.print_every <= 1 || (step + 1) % cfg.log.print_every == 0 || step + 1 == tc.steps ||
                 sm.val_loss)) {
@@ -554,6 +599,16 @@ TrainResult train(const RunConfig& cfg) {
     fin["mem_resident_by_category_per_rank"] = res_all;
   }
   if (!res.val_losses.empty()) fin["val_loss"] = res.final_val_loss;
+  if (loader.blend) {
+    fin["data_tokens_by_dataset"] = loader.tokens_by_dataset();
+    if (log) {
+      std::printf("data seen (all ranks):");
+      for (size_t d = 0; d < loader.blend->num_datasets(); ++d)
+        std::printf("%s %s %lld tokens (weight %.3f)", d ? "," : "", loader.blend->pattern(d).c_str(),
+                    static_cast<long long>(loader.blend->dataset_tokens(d)), loader.blend->weight(d));
+      std::printf("\n");
+    }
+  }
   metrics.final(fin);
 
   if (tc.sample_tokens > 0) {
