@@ -121,10 +121,8 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
     r.refuse_true("reorder_and_upcast_attn", "not implemented");
     if (!r.flag("scale_attn_weights", true)) throw r.bad("scale_attn_weights", "= false is not supported");
   } else if (type == "llama" || type == "mistral" || type == "qwen2" || (!strict && r.has("hidden_size"))) {
-    if (strict && type == "qwen2")
-      throw r.bad("model_type", "'qwen2' is not supported yet: its q/k/v projections have biases, which the "
-                                "engine's Llama blocks do not");
     m.arch = Arch::Llama;
+    m.qkv_bias = type == "qwen2";  // Qwen 2: biases on q, k, v (not on o or the MLP)
     m.n_embd = r.pos_int({"hidden_size"}, true, 0);
     m.n_layer = r.pos_int({"num_hidden_layers"}, true, 0);
     m.n_head = r.pos_int({"num_attention_heads"}, true, 0);
@@ -146,7 +144,7 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
     }
     const std::string act = r.str("hidden_act", "silu");
     if (act != "silu") throw r.bad("hidden_act", "'" + act + "' is not supported (the engine's MLP is SwiGLU: silu)");
-    r.refuse_true("attention_bias", "the engine's attention projections have no bias");
+    if (type != "qwen2") r.refuse_true("attention_bias", "the engine's Llama attention has biases only as Qwen 2's q/k/v");
     r.refuse_true("mlp_bias", "the engine's MLP projections have no bias");
     if (r.has("head_dim") && r.pos_int({"head_dim"}, true, 0) * m.n_head != m.n_embd)
       throw r.bad("head_dim", "(" + std::to_string(j["head_dim"].get<int64_t>()) +
@@ -159,7 +157,7 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
     if (!strict)
       throw std::invalid_argument(origin + ": missing key 'hidden_size' (model_type '" + type +
                                   "'; supported: gpt2 and Llama-style decoders)");
-    throw r.bad("model_type", "'" + type + "' is not supported (supported: gpt2, llama, mistral)");
+    throw r.bad("model_type", "'" + type + "' is not supported (supported: gpt2, llama, mistral, qwen2)");
   }
   m.seq_len = m.max_position;
   if (m.sliding_window > 0 && m.seq_len > m.sliding_window) m.seq_len = m.sliding_window;
@@ -199,8 +197,8 @@ std::string hf_config_json(const ModelConfig& m) {
          {"tie_word_embeddings", true},
          {"scale_attn_weights", true}};
   } else {
-    j = {{"architectures", {"LlamaForCausalLM"}},
-         {"model_type", "llama"},
+    j = {{"architectures", {m.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+         {"model_type", m.qkv_bias ? "qwen2" : "llama"},
          {"hidden_size", m.n_embd},
          {"intermediate_size", m.ffn_hidden},
          {"num_hidden_layers", m.n_layer},
@@ -217,6 +215,10 @@ std::string hf_config_json(const ModelConfig& m) {
          {"attention_dropout", 0.0},
          {"tie_word_embeddings", m.tied_embeddings},
          {"rope_scaling", nullptr}};
+    if (m.qkv_bias) {  // Qwen2Config: no attention_bias / mlp_bias / head_dim keys; full attention
+      for (const char* k : {"attention_bias", "mlp_bias", "head_dim"}) j.erase(k);
+      j["use_sliding_window"] = false;
+    }
     if (m.rope_scaled())
       j["rope_scaling"] = {{"rope_type", "llama3"},
                            {"factor", decimal(m.rope_scaling_factor)},

@@ -1,7 +1,7 @@
 // Hugging Face model configs (config.json) to and from ModelConfig: GPT-2 (`gpt2`), Llama 2 / 3 /
 // 3.1 (`llama`, with rope_scaling of rope_type "llama3"), Mistral (`mistral`, full attention while
-// the sequence fits its sliding window) and Qwen 2 dense (`qwen2`: refused while the engine has no
-// q/k/v projection biases). What the engine cannot reproduce is refused, naming the field.
+// the sequence fits its sliding window) and Qwen 2 dense (`qwen2`: a Llama block with q/k/v
+// biases). What the engine cannot reproduce is refused, naming the field.
 #pragma once
 #include <string>
 

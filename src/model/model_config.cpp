@@ -57,6 +57,7 @@ void ModelConfig::resolve() {
     need(rope_high_freq_factor > rope_low_freq_factor && rope_low_freq_factor > 0 && rope_original_max_position > 0,
          "rope_scaling: need high_freq_factor > low_freq_factor > 0 and original_max_position_embeddings > 0");
   if (arch == Arch::GPT2) tied_embeddings = true;
+  if (arch == Arch::GPT2) qkv_bias = false;  // GPT-2's c_attn always has its bias
 }
 
 std::vector<float> ModelConfig::rope_inv_freq() const {
@@ -101,7 +102,8 @@ int64_t ModelConfig::block_params() const {
          + C * qkv              // q,k,v proj (no bias)
          + C * C                // o_proj
          + C                    // post_attention_layernorm
-         + 3 * C * F;           // gate, up, down
+         + 3 * C * F            // gate, up, down
+         + (qkv_bias ? qkv : 0); // q, k, v biases (Qwen 2)
 }
 
 int64_t ModelConfig::num_params() const {

@@ -28,6 +28,7 @@ struct ModelConfig {
   int64_t sliding_window = 0;    // Mistral's attention window (0 = none); seq_len may not exceed it
   float norm_eps = 1e-5f;        // LayerNorm / RMSNorm epsilon (Hugging Face layer_norm_epsilon / rms_norm_eps)
   bool tied_embeddings = true;   // GPT-2 ties wte and lm_head; Llama unties them unless the config ties
+  bool qkv_bias = false;         // Llama family: biases on the q, k, v projections (Qwen 2)
 
   int64_t head_dim() const { return n_embd / n_head; }
   // The head_dim / 2 rotary inverse frequencies theta^(-2i/hd), with Llama 3.1 scaling when

@@ -55,6 +55,9 @@ namespace {
 constexpr int G_LN1W = 0, G_LN1B = 1, G_QKVW = 2, G_QKVB = 3, G_PROJW = 4, G_PROJB = 5, G_LN2W = 6, G_LN2B = 7,
               G_FCW = 8, G_FCB = 9, G_MPW = 10, G_MPB = 11;
 constexpr int L_LN1W = 0, L_QW = 1, L_OW = 4, L_LN2W = 5, L_GATEW = 6, L_UPW = 7, L_DOWNW = 8;
+// Qwen 2's q, k, v biases (model.qkv_bias) follow the block's other parameters, contiguous: one
+// [QKV] bias in the flat buffer, as the fused q|k|v projection's output.
+constexpr int L_QB = 9;
 }  // namespace
 
 // Everything one micro-batch keeps between its forward and its backward.
@@ -190,6 +193,11 @@ void Transformer::build_params() {
       add(p + "mlp.gate_proj.weight", {F, C}, true, false, TpSplit::Rows);
       add(p + "mlp.up_proj.weight", {F, C}, true, false, TpSplit::Rows);
       add(p + "mlp.down_proj.weight", {C, F}, true, false, TpSplit::Cols);
+      if (cfg_.qkv_bias) {
+        add(p + "self_attn.q_proj.bias", {nh * hd}, false, false, TpSplit::Rows);
+        add(p + "self_attn.k_proj.bias", {nkv * hd}, false, false, TpSplit::Rows);
+        add(p + "self_attn.v_proj.bias", {nkv * hd}, false, false, TpSplit::Rows);
+      }
     }
     end_unit();
   }
@@ -276,6 +284,23 @@ const float* Transformer::wf(int idx) {
   if (unit_w_[p.unit]) return static_cast<const float*>(unit_w_[p.unit]) + (p.offset - ur.offset);
   if (!weights_.defined()) throw std::logic_error("unit " + ur.name + " has no weights (not gathered?)");
   return weights_.f32() + p.offset;
+}
+
+// The Llama block's fused q|k|v bias in fp32 (null without model.qkv_bias). fp32: the three
+// parameters are contiguous in the flat buffer; bf16: their upcasts are concatenated.
+const float* Transformer::qkv_bias_f32(int base) {
+  if (!cfg_.qkv_bias) return nullptr;
+  if (compute_ != DType::BF16) return wf(base + L_QB);
+  int64_t n = 0;
+  for (int i = 0; i < 3; ++i) n += params_[base + L_QB + i].numel;
+  qkv_bias_.resize(static_cast<size_t>(n));
+  int64_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t m = params_[base + L_QB + i].numel;
+    std::memcpy(qkv_bias_.data() + at, wf(base + L_QB + i), static_cast<size_t>(m) * sizeof(float));
+    at += m;
+  }
+  return qkv_bias_.data();
 }
 
 const bf16* Transformer::wb(int idx) const {
@@ -592,7 +617,7 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const Tensor& ln1_in = sp_ ? sp_gather(ln1_out, R) : a.ln1;
   // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
   int qkv_w = gpt ? G_QKVW : L_QW;
-  lin.fwd(a.qkv.f32(), ln1_in, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : nullptr, N, C, QKV);
+  lin.fwd(a.qkv.f32(), ln1_in, WF(qkv_w), WB(qkv_w), gpt ? wf(base + G_QKVB) : qkv_bias_f32(base), N, C, QKV);
   if (!gpt && rope_inv_freq_.empty()) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
   if (!gpt && !rope_inv_freq_.empty()) k::rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
   k::attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
@@ -730,7 +755,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   const int hin = start_norm_input(a.ln1);
   lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(qkv_w), WB(qkv_w), N, C, QKV);
   const int hsum = start_input_grad_sum(dnorm);
-  lin.bwd(nullptr, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : nullptr, dqkv, norm_input(a.ln1, hin), WF(qkv_w),
+  lin.bwd(nullptr, gp(base + qkv_w), gpt ? gp(base + G_QKVB) : (cfg_.qkv_bias ? gp(base + L_QB) : nullptr), dqkv,
+          norm_input(a.ln1, hin), WF(qkv_w),
           WB(qkv_w), N, C, QKV);
   norm_backward(dx, base + (gpt ? G_LN1W : L_LN1W), input_grad_sum(dnorm, hsum), x, a.ln1_mean, a.ln1_rstd, R);
 }

@@ -67,6 +67,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.threads", Kind::Int, &c.train.threads, "compute threads per rank (0 = cores / ranks on this node)"},
       {"train.eval_every", Kind::Int, &c.train.eval_every, "steps between validation losses (0 = never)"},
       {"train.eval_batches", Kind::Int, &c.train.eval_batches, "micro-batches per validation loss"},
+      {"train.eval_at_start", Kind::Bool, &c.train.eval_at_start,
+       "also compute the validation loss before the first step (printed; val_loss_start in the final metrics)"},
       {"train.checkpoint_dir", Kind::String, &c.train.checkpoint_dir, "where checkpoints go (empty = none)"},
       {"train.checkpoint_every", Kind::Int, &c.train.checkpoint_every, "steps between checkpoints (0 = only at the end)"},
       {"train.checkpoint_keep", Kind::Int, &c.train.checkpoint_keep,

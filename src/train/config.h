@@ -47,6 +47,7 @@ struct RunConfig {
     std::string activation_checkpointing = "none";
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;
+    bool eval_at_start = false;          // a validation loss before the first step (printed, and in the final metrics)
     std::string checkpoint_dir;
     int64_t checkpoint_every = 0;
     int64_t checkpoint_keep = 0;         // newest checkpoints kept in checkpoint_dir (0 = all)

@@ -415,6 +415,15 @@ TrainResult train(const RunConfig& cfg) {
   const double bubble_formula = pipe ? parallel::bubble_formula(*schedule).fraction : 0.0;
 
   const int64_t first_step = st.step;
+  std::optional<double> val_start;
+  if (val_loader && tc.eval_at_start) {
+    val_start = evaluate();
+    if (log) {
+      std::printf("step %5lld/%lld | val %.4f (before training)\n", static_cast<long long>(first_step),
+                  static_cast<long long>(tc.steps), *val_start);
+      std::fflush(stdout);
+    }
+  }
   for (int64_t step = st.step; step < tc.steps; ++step) {
     auto t0 = Clock::now();
     trace.begin("step " + std::to_string(step + 1), "step");
@@ -599,6 +608,10 @@ TrainResult train(const RunConfig& cfg) {
     fin["mem_resident_by_category_per_rank"] = res_all;
   }
   if (!res.val_losses.empty()) fin["val_loss"] = res.final_val_loss;
+  if (val_start) fin["val_loss_start"] = *val_start;
+  if (log && val_start && !res.val_losses.empty())
+    std::printf("validation loss: %.4f before training -> %.4f after %lld steps\n", *val_start, res.final_val_loss,
+                static_cast<long long>(st.step));
   if (loader.blend) {
     fin["data_tokens_by_dataset"] = loader.tokens_by_dataset();
     if (log) {

@@ -133,6 +133,27 @@ TEST(HfModelConfig, NormEpsilonIsUsedByTheNorms) {
   }
 }
 
+// Qwen/Qwen2-0.5B config.json: a Llama block with q/k/v biases, tied head, full attention.
+TEST(HfModelConfig, Qwen2) {
+  const ModelConfig m = model_from_hf_json(
+      R"({"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2","hidden_size":896,"intermediate_size":4864,
+          "num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,
+          "max_position_embeddings":131072,"rms_norm_eps":1e-06,"rope_theta":1000000.0,
+          "tie_word_embeddings":true,"use_sliding_window":false,"sliding_window":131072,"max_window_layers":24,
+          "hidden_act":"silu"})", "cfg.json");
+  EXPECT_EQ(m.arch, Arch::Llama);
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_TRUE(m.tied_embeddings);
+  EXPECT_EQ(m.sliding_window, 0);
+  EXPECT_FLOAT_EQ(m.rope_theta, 1e6f);
+  // 494,032,768 parameters (Qwen2-0.5B's count) plus the vocabulary padded to 151,936 (already a multiple of 64).
+  EXPECT_EQ(m.num_params(), 494032768);
+  const auto j = nlohmann::json::parse(hf_config_json(m));
+  EXPECT_EQ(j["model_type"], "qwen2");
+  EXPECT_EQ(j["architectures"][0], "Qwen2ForCausalLM");
+  EXPECT_TRUE(model_from_hf_json(hf_config_json(m), "b.json").qkv_bias);
+}
+
 TEST(HfModelConfig, MistralSlidingWindow) {
   const ModelConfig m = model_from_hf_json(
       R"({"model_type":"mistral","hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,
@@ -164,7 +185,7 @@ TEST(HfModelConfig, UnsupportedConfigsAreRefusedNamingTheField) {
     std::string json, field;
   } cases[] = {
       {R"({"model_type":"t5","d_model":512})", "model_type"},
-      {R"({"model_type":"qwen2",)" + llama + "}", "model_type"},
+      {R"({"model_type":"qwen2_moe",)" + llama + "}", "model_type"},
       {R"({"model_type":"mixtral","num_local_experts":8,)" + llama + "}", "num_local_experts"},
       {R"({"model_type":"llama",)" + llama + R"(,"rope_scaling":{"rope_type":"yarn","factor":4.0}})", "rope_scaling"},
       {R"({"model_type":"llama",)" + llama + R"(,"rope_scaling":{"rope_type":"llama3","factor":4.0}})", "rope_scaling"},
@@ -185,7 +206,7 @@ TEST(HfModelConfig, UnsupportedConfigsAreRefusedNamingTheField) {
     EXPECT_NE(m.find(c.field), std::string::npos) << c.json << "\n" << m;
   }
   // The planner's lenient reading still sizes such models.
-  EXPECT_NO_THROW(model_from_hf_json(R"({"model_type":"qwen2",)" + llama + "}", "cfg.json", false));
+  EXPECT_NO_THROW(model_from_hf_json(R"({"model_type":"qwen2_moe",)" + llama + "}", "cfg.json", false));
 }
 
 // The config.json of an export reads back as the same model.

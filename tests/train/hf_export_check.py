@@ -4,7 +4,7 @@
 For a tiny GPT-2 (a 64-row position table trained at seq_len 16, layer_norm_epsilon 1e-6), a tiny
 Llama 3.1-style model (grouped-query attention, rope_scaling of rope_type llama3 with an
 original_max_position_embeddings short enough that the scaling changes most frequencies, untied
-head) and a tiny Llama with a tied head: meshtrain trains a few steps from the config.json
+head), a tiny Llama with a tied head and a tiny Qwen 2 (q/k/v biases, tied): meshtrain trains a few steps from the config.json
 (model.hf_config), exports the checkpoint (meshtrain export), transformers loads the export with
 AutoModelForCausalLM.from_pretrained, and its loss on the first training batch must equal the loss
 meshtrain reports for that batch when it starts from the same checkpoint with lr 0.
@@ -49,6 +49,10 @@ LLAMA31 = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "n
 LLAMA_TIED = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
               "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": True}
+QWEN2 = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "use_sliding_window": False,
+         "sliding_window": 64, "hidden_act": "silu"}
 # meta-llama/Llama-3.1-8B config.json (the fields the rotary frequencies depend on).
 LLAMA31_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -135,7 +139,7 @@ def main():
     ok = True
     with tempfile.TemporaryDirectory(prefix="mt_hf_export_") as work:
         write_shard(os.path.join(work, "train.bin"), tokens)
-        for name, cfg in (("gpt2", GPT2), ("llama31", LLAMA31), ("llama_tied", LLAMA_TIED)):
+        for name, cfg in (("gpt2", GPT2), ("llama31", LLAMA31), ("llama_tied", LLAMA_TIED), ("qwen2", QWEN2)):
             try:
                 ok &= check_model(mt, work, name, cfg, tokens)
             except Exception as e:

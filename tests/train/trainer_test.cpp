@@ -369,6 +369,19 @@ TEST_F(TrainerTest, ExportWritesAHuggingFaceDirectory) {
   EXPECT_THROW(export_checkpoint((dir_ / "nothing").string(), out, 1), std::runtime_error);
 }
 
+// train.eval_at_start: a validation loss before the first step, in the final metrics object.
+TEST_F(TrainerTest, EvalAtStartReportsTheInitialValidationLoss) {
+  auto path = (dir_ / "m.jsonl").string();
+  TrainResult r = train(config({{"train.eval_at_start", "true"}, {"log.metrics_out", path}}));
+  std::ifstream f(path);
+  std::string line, last;
+  while (std::getline(f, line)) last = line;
+  auto j = nlohmann::json::parse(last);
+  ASSERT_TRUE(j.contains("val_loss_start")) << last;
+  EXPECT_GT(j["val_loss_start"].get<double>(), r.final_val_loss + 0.3);
+  EXPECT_EQ(r.losses, train(config()).losses);  // evaluating first does not change training
+}
+
 TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   auto expect_error = [&](std::vector<std::pair<std::string, std::string>> ov, const std::string& needle) {
     try {
