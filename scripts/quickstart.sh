@@ -13,11 +13,11 @@ F=/usr/share/games/fortunes
 D=data/fortunes-gpt2
 if [[ ! -f $D/train.bin ]]; then
   mkdir -p "$D"
-  # Every English collection (not the .dat indexes, the ASCII art or translate-me), without the
-  # `%` lines between fortunes and the indentation of their attributions.
+  # Every English collection (not the .dat indexes, the ASCII art or translate-me), as prose: no
+  # `%` lines between fortunes, no "-- Author" attribution lines, no indentation or blank lines.
   for f in "$F"/*; do
     case "$(basename "$f")" in *.dat | *.u8 | art | ascii-art | translate-me) continue ;; esac
-    [[ -f $f ]] && sed -e '/^%$/d' -e 's/^[[:space:]]*//' "$f"
+    [[ -f $f ]] && sed -e '/^%$/d' -e 's/^[[:space:]]*//' -e '/^--/d' -e '/^$/d' "$f"
   done > "$D/fortunes.txt"
   ./build/meshtrain prepare --tokenizer gpt2 --input "$D/fortunes.txt" --out "$D" --val-fraction 0.05
 fi
