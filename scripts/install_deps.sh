@@ -3,8 +3,9 @@
 # missing ones; uses sudo when not root). Usage: scripts/install_deps.sh [--demo | --test]
 #   --demo  adds `fortunes` (the demo's English text)
 #   --test  adds the oracles of the reference tests: Debian's python3-torch (the Hugging Face
-#           weight-layout check) and the `tokenizers` package from PyPI (the tokenizer.json check);
-#           neither is a dependency of meshtrain itself.
+#           weight-layout check), the `tokenizers` package from PyPI (the tokenizer.json check)
+#           and `transformers` from PyPI for Debian's python3 (the export check); none is a
+#           dependency of meshtrain itself.
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libgtest-dev libopenmpi-dev openmpi-bin libdnnl-dev
       libtomlplusplus-dev nlohmann-json3-dev python3)
@@ -26,4 +27,11 @@ if [[ "${1:-}" == "--test" ]] && ! python3 -c "import tokenizers" 2>/dev/null; t
   python3 -m pip install -q tokenizers 2>/dev/null ||
     $SUDO python3 -m pip install -q --break-system-packages tokenizers ||
     echo "warning: could not install tokenizers; HfTokenizerOracle will be skipped"
+fi
+if [[ "${1:-}" == "--test" ]] && ! /usr/bin/python3 -c "import transformers" 2>/dev/null; then
+  echo "installing: transformers (PyPI, for the Hugging Face export oracle test)"
+  # Releases before 4.46 still run on Debian 12's torch 1.13.
+  /usr/bin/python3 -m pip install -q "transformers<4.46" 2>/dev/null ||
+    $SUDO /usr/bin/python3 -m pip install -q --break-system-packages "transformers<4.46" ||
+    echo "warning: could not install transformers; HfExport will be skipped"
 fi

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cli/data_commands.h"
+#include "train/export.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -17,6 +18,8 @@ static void print_usage(FILE* f) {
                "  prepare   turn a text file into train.bin / val.bin token shards\n"
                "  tokenize  print the token ids of a text\n"
                "  sample    generate text from a checkpoint\n"
+               "  export    write a checkpoint as a Hugging Face model directory (config.json, safetensors)\n"
+               "  model-info  the model the engine builds from a Hugging Face config.json or a preset\n"
                "  plot      draw loss, throughput and exposed communication from metrics files (SVG)\n"
                "  launch    run a subcommand on N ranks of this machine through mpirun\n"
                "  bench     benchmarks (`meshtrain bench comm`)\n"
@@ -36,6 +39,8 @@ int dispatch(int argc, char** argv) {
   char** sub_argv = argv + 1;
   if (cmd == "train") return run_train_command(sub_argc, sub_argv);
   if (cmd == "sample") return run_sample_command(sub_argc, sub_argv);
+  if (cmd == "export") return run_export_command(sub_argc, sub_argv);
+  if (cmd == "model-info") return run_model_info_command(sub_argc, sub_argv);
   if (cmd == "prepare") return run_prepare_command(sub_argc, sub_argv);
   if (cmd == "tokenize") return run_tokenize_command(sub_argc, sub_argv);
   if (cmd == "plot") return run_plot_command(sub_argc, sub_argv);

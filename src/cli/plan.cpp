@@ -252,6 +252,7 @@ int run(int argc, char** argv) {
       m = ModelConfig();
       m.name = "custom";
       m.arch = Arch::Llama;
+      m.tied_embeddings = false;
       for (const char* k : {"layers", "hidden", "heads", "vocab"})
         if (!a.has(k)) throw Bad(std::string("--") + k + " is required when no --model or --hf-config is given");
     }

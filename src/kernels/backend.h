@@ -56,6 +56,11 @@ struct KernelTable {
                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
   void (*rope_forward)(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
   void (*rope_backward)(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+  // The same with explicit per-pair inverse frequencies (hd/2 of them, host memory; Llama 3.1's
+  // scaled rotary embedding).
+  void (*rope_forward_freq)(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
+  void (*rope_backward_freq)(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                             const float* inv_freq);
   // --- embeddings (cpu/embedding.h) ---
   void (*embedding_forward)(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
   void (*embedding_backward)(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C);

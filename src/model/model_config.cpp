@@ -1,5 +1,6 @@
 #include "model/model_config.h"
 
+#include <cmath>
 #include <stdexcept>
 
 namespace mt {
@@ -44,8 +45,46 @@ void ModelConfig::resolve() {
   }
   if (padded_vocab <= 0) padded_vocab = (vocab_size + 63) / 64 * 64;
   need(padded_vocab >= vocab_size, "model.padded_vocab must be >= model.vocab_size");
-  if (arch == Arch::Llama) tied_embeddings = false;
+  if (max_position <= 0) max_position = seq_len;
+  need(max_position >= seq_len || arch == Arch::Llama,
+       "model.seq_len (" + std::to_string(seq_len) + ") exceeds the position table of model.max_position (" +
+           std::to_string(max_position) + ") rows");
+  if (sliding_window > 0)
+    need(seq_len <= sliding_window, "model.seq_len (" + std::to_string(seq_len) +
+                                        ") exceeds the config's sliding_window (" + std::to_string(sliding_window) +
+                                        "): sliding-window attention is not supported");
+  if (rope_scaled())
+    need(rope_high_freq_factor > rope_low_freq_factor && rope_low_freq_factor > 0 && rope_original_max_position > 0,
+         "rope_scaling: need high_freq_factor > low_freq_factor > 0 and original_max_position_embeddings > 0");
   if (arch == Arch::GPT2) tied_embeddings = true;
+  if (arch == Arch::GPT2) qkv_bias = false;  // GPT-2's c_attn always has its bias
+}
+
+std::vector<float> ModelConfig::rope_inv_freq() const {
+  // transformers: inv_freq = 1 / (base ** (arange(0, dim, 2).float() / dim)), float32 throughout;
+  // llama3 scaling (_compute_llama3_parameters) divides the low frequencies by `factor`, keeps the
+  // high ones and blends the band between them.
+  const int64_t hd = head_dim(), half = hd / 2;
+  std::vector<float> inv(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(hd);
+    inv[static_cast<size_t>(i)] = 1.0f / std::pow(rope_theta, e);
+  }
+  if (!rope_scaled()) return inv;
+  const float factor = rope_scaling_factor, lo = rope_low_freq_factor, hi = rope_high_freq_factor;
+  const float old_len = static_cast<float>(rope_original_max_position);
+  const float low_wavelen = old_len / lo, high_wavelen = old_len / hi;
+  const float two_pi = static_cast<float>(2.0 * 3.14159265358979323846);
+  for (float& f : inv) {
+    const float wavelen = two_pi / f;
+    float g = wavelen > low_wavelen ? f / factor : f;
+    if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+      const float smooth = (old_len / wavelen - lo) / (hi - lo);
+      g = (1.0f - smooth) * g / factor + smooth * g;
+    }
+    f = g;
+  }
+  return inv;
 }
 
 int64_t ModelConfig::block_params() const {
@@ -63,14 +102,15 @@ int64_t ModelConfig::block_params() const {
          + C * qkv              // q,k,v proj (no bias)
          + C * C                // o_proj
          + C                    // post_attention_layernorm
-         + 3 * C * F;           // gate, up, down
+         + 3 * C * F            // gate, up, down
+         + (qkv_bias ? qkv : 0); // q, k, v biases (Qwen 2)
 }
 
 int64_t ModelConfig::num_params() const {
   const int64_t C = n_embd;
   int64_t n = padded_vocab * C + n_layer * block_params();
   if (arch == Arch::GPT2) {
-    n += seq_len * C + 2 * C;  // wpe, ln_f
+    n += max_position * C + 2 * C;  // wpe, ln_f
   } else {
     n += C;                    // final norm
     if (!tied_embeddings) n += padded_vocab * C;
@@ -82,7 +122,7 @@ double ModelConfig::flops_per_token() const {
   // Parameters that multiply activations: the position table and an untied input embedding are
   // lookups, not matmuls (a tied table counts once, as the output projection).
   double n = static_cast<double>(num_params());
-  if (arch == Arch::GPT2) n -= static_cast<double>(seq_len * n_embd);
+  if (arch == Arch::GPT2) n -= static_cast<double>(max_position * n_embd);
   if (!tied_embeddings) n -= static_cast<double>(padded_vocab * n_embd);
   return 6.0 * n + 12.0 * static_cast<double>(n_layer * n_embd * seq_len);
 }

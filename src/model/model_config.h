@@ -20,11 +20,21 @@ struct ModelConfig {
   int64_t seq_len = 1024;
   int64_t vocab_size = 50257;    // real vocabulary
   int64_t padded_vocab = 0;      // 0 = vocab rounded up to a multiple of 64 (see resolve())
+  int64_t max_position = 0;      // GPT-2 position-table rows (0 = seq_len); Hugging Face max_position_embeddings
   float rope_theta = 10000.0f;
-  float norm_eps = 1e-5f;
-  bool tied_embeddings = true;   // GPT-2 ties wte and lm_head; Llama does not
+  // Llama 3.1 rotary scaling (Hugging Face rope_scaling with rope_type "llama3"); factor 0 = none.
+  float rope_scaling_factor = 0.0f, rope_low_freq_factor = 1.0f, rope_high_freq_factor = 4.0f;
+  int64_t rope_original_max_position = 8192;
+  int64_t sliding_window = 0;    // Mistral's attention window (0 = none); seq_len may not exceed it
+  float norm_eps = 1e-5f;        // LayerNorm / RMSNorm epsilon (Hugging Face layer_norm_epsilon / rms_norm_eps)
+  bool tied_embeddings = true;   // GPT-2 ties wte and lm_head; Llama unties them unless the config ties
+  bool qkv_bias = false;         // Llama family: biases on the q, k, v projections (Qwen 2)
 
   int64_t head_dim() const { return n_embd / n_head; }
+  // The head_dim / 2 rotary inverse frequencies theta^(-2i/hd), with Llama 3.1 scaling when
+  // rope_scaling_factor > 0, computed in float32 the way Hugging Face transformers does.
+  std::vector<float> rope_inv_freq() const;
+  bool rope_scaled() const { return rope_scaling_factor > 0; }
   // Fills derived fields (ffn_hidden, padded_vocab, tied) and checks divisibility.
   // Throws std::invalid_argument naming the offending key.
   void resolve();

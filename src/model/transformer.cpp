@@ -52,15 +52,18 @@ struct BlockParams {
 };
 
 namespace {
-BlockParams block_params(Arch arch, int base) {
+BlockParams block_params(const ModelConfig& c, int base) {
   BlockParams p;
-  if (arch == Arch::GPT2) {  // ln_1 w b, c_attn w b, attn c_proj w b, ln_2 w b, c_fc w b, mlp c_proj w b
+  if (c.arch == Arch::GPT2) {  // ln_1 w b, c_attn w b, attn c_proj w b, ln_2 w b, c_fc w b, mlp c_proj w b
     p.ln1_w = base, p.ln1_b = base + 1, p.qkv_w = base + 2, p.qkv_b = base + 3, p.proj_w = base + 4,
     p.proj_b = base + 5, p.ln2_w = base + 6, p.ln2_b = base + 7, p.fc_w = base + 8, p.fc_b = base + 9,
     p.down_w = base + 10, p.down_b = base + 11;
-  } else {  // input_layernorm, q k v, o, post_attention_layernorm, gate, up, down
+  } else {  // input_layernorm, q k v, o, post_attention_layernorm, gate, up, down (, q k v biases)
     p.ln1_w = base, p.qkv_w = base + 1, p.proj_w = base + 4, p.ln2_w = base + 5, p.fc_w = base + 6,
     p.up_w = base + 7, p.down_w = base + 8;
+    // Qwen 2's q, k, v biases (model.qkv_bias) follow, contiguous: one [QKV] bias, as the fused
+    // q|k|v projection's output.
+    if (c.qkv_bias) p.qkv_b = base + 9;
   }
   return p;
 }
@@ -108,6 +111,7 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   Vp_l_ = cfg_.padded_vocab / t;
   vocab_lo_ = tp_rank_ * Vp_l_;
   build_params();
+  if (cfg_.rope_scaled()) rope_inv_freq_ = cfg_.rope_inv_freq();  // Llama 3.1 scaled frequencies
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)
     weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
@@ -167,7 +171,7 @@ void Transformer::build_params() {
   begin_unit("embedding");
   if (gpt) {
     add("wte.weight", {V, C}, false, false, TpSplit::Rows);
-    add("wpe.weight", {cfg_.seq_len, C}, false);
+    add("wpe.weight", {cfg_.max_position, C}, false);  // HF max_position rows; the first T are used
   } else {
     add("model.embed_tokens.weight", {V, C}, false, false, TpSplit::Rows);
   }
@@ -199,6 +203,11 @@ void Transformer::build_params() {
       add(p + "mlp.gate_proj.weight", {F, C}, true, false, TpSplit::Rows);
       add(p + "mlp.up_proj.weight", {F, C}, true, false, TpSplit::Rows);
       add(p + "mlp.down_proj.weight", {C, F}, true, false, TpSplit::Cols);
+      if (cfg_.qkv_bias) {
+        add(p + "self_attn.q_proj.bias", {nh * hd}, false, false, TpSplit::Rows);
+        add(p + "self_attn.k_proj.bias", {nkv * hd}, false, false, TpSplit::Rows);
+        add(p + "self_attn.v_proj.bias", {nkv * hd}, false, false, TpSplit::Rows);
+      }
     }
     end_unit();
   }
@@ -208,7 +217,7 @@ void Transformer::build_params() {
     add("ln_f.bias", {C}, false);
   } else {
     add("model.norm.weight", {C}, false);
-    add("lm_head.weight", {V, C}, true, false, TpSplit::Rows);
+    if (!cfg_.tied_embeddings) add("lm_head.weight", {V, C}, true, false, TpSplit::Rows);
   }
   end_unit();
 }
@@ -286,6 +295,24 @@ const float* Transformer::wf(int idx) {
   if (unit_w_[p.unit]) return static_cast<const float*>(unit_w_[p.unit]) + (p.offset - ur.offset);
   if (!weights_.defined()) throw std::logic_error("unit " + ur.name + " has no weights (not gathered?)");
   return weights_.f32() + p.offset;
+}
+
+// The Llama block's fused q|k|v bias (parameter `first` and the two after it) in fp32, or null
+// without one. fp32: the three parameters are contiguous in the flat buffer; bf16: their upcasts
+// are joined in a workspace tensor.
+const float* Transformer::qkv_bias_f32(int first) {
+  if (first < 0) return nullptr;
+  if (compute_ != DType::BF16) return wf(first);
+  int64_t n = 0;
+  for (int i = 0; i < 3; ++i) n += params_[first + i].numel;
+  if (qkv_bias_.numel() != n) qkv_bias_ = Tensor::empty({n}, DType::F32, MemCategory::Workspace);
+  int64_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t m = params_[first + i].numel;
+    dev::copy(dev_, qkv_bias_.f32() + at, wf(first + i), static_cast<size_t>(m) * sizeof(float));
+    at += m;
+  }
+  return qkv_bias_.f32();
 }
 
 const bf16* Transformer::wb(int idx) const {
@@ -582,7 +609,7 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const bool tp = tp_size_ > 1;
-  const BlockParams p = block_params(cfg_.arch, unit_params_[layer + 1][0]);
+  const BlockParams p = block_params(cfg_, unit_params_[layer + 1][0]);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   Lin lin{kt_, compute_};
@@ -600,8 +627,9 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   if (bf || sp_) store(kt_, a.ln1, ln1_out, R * C);
   const Tensor& ln1_in = sp_ ? sp_gather(ln1_out, R) : a.ln1;
   // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
-  lin.fwd(a.qkv.f32(), ln1_in, WF(p.qkv_w), WB(p.qkv_w), V(p.qkv_b), N, C, QKV);
-  if (!gpt) kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  lin.fwd(a.qkv.f32(), ln1_in, WF(p.qkv_w), WB(p.qkv_w), gpt ? V(p.qkv_b) : qkv_bias_f32(p.qkv_b), N, C, QKV);
+  if (!gpt && rope_inv_freq_.empty()) kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && !rope_inv_freq_.empty()) kt_->rope_forward_freq(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
   kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
   if (bf) store(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   const Tensor& atty_in = bf ? a.atty_bf : a.atty;
@@ -647,7 +675,7 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
-  const BlockParams p = block_params(cfg_.arch, unit_params_[layer + 1][0]);
+  const BlockParams p = block_params(cfg_, unit_params_[layer + 1][0]);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   Lin lin{kt_, compute_};
@@ -726,7 +754,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   lin.bwd(datty, G(p.proj_w), G(p.proj_b), dres2, atty_in, WF(p.proj_w), WB(p.proj_w), N, nh * hd, C);
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
   kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
-  if (!gpt) kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && rope_inv_freq_.empty()) kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  if (!gpt && !rope_inv_freq_.empty()) kt_->rope_backward_freq(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
   dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
   const int hin = start_norm_input(a.ln1);
   lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(p.qkv_w), WB(p.qkv_w), N, C, QKV);

@@ -286,6 +286,9 @@ class Transformer {
 
   std::vector<char> owned_;
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
+  std::vector<float> rope_inv_freq_;  // scaled rotary frequencies (Llama 3.1, host); empty = from rope_theta
+  Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
+  const float* qkv_bias_f32(int first);
   const float* extra_emb_grad_ = nullptr;
   bool defer_emb_ = false;
   int64_t deferred_n_ = 0;

@@ -1,5 +1,7 @@
 #include "plan/planner.h"
 
+#include "model/hf_config.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -59,56 +61,7 @@ std::vector<std::string> plan_model_preset_names() {
 }
 
 ModelConfig model_from_hf_json(const std::string& text, const std::string& origin) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    throw std::invalid_argument(origin + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!j.is_object()) throw std::invalid_argument(origin + ": expected a JSON object");
-  auto get_int = [&](std::initializer_list<const char*> keys, bool required, int64_t fallback) -> int64_t {
-    for (const char* k : keys) {
-      if (!j.contains(k) || j[k].is_null()) continue;
-      if (!j[k].is_number_integer() || j[k].get<int64_t>() <= 0)
-        throw std::invalid_argument(origin + ": key '" + k + "' must be a positive integer");
-      return j[k].get<int64_t>();
-    }
-    if (required) throw std::invalid_argument(origin + ": missing key '" + *keys.begin() + "'");
-    return fallback;
-  };
-  const std::string type = j.value("model_type", std::string());
-  ModelConfig m;
-  m.name = origin;
-  if (type == "gpt2") {
-    m.arch = Arch::GPT2;
-    m.n_embd = get_int({"n_embd", "hidden_size"}, true, 0);
-    m.n_layer = get_int({"n_layer", "num_hidden_layers"}, true, 0);
-    m.n_head = get_int({"n_head", "num_attention_heads"}, true, 0);
-    m.n_kv_head = m.n_head;
-    m.seq_len = get_int({"n_positions", "n_ctx", "max_position_embeddings"}, false, 1024);
-    m.vocab_size = get_int({"vocab_size"}, true, 0);
-    m.ffn_hidden = get_int({"n_inner"}, false, 0);
-  } else {
-    if (!j.contains("hidden_size"))
-      throw std::invalid_argument(origin + ": missing key 'hidden_size' (model_type '" + type +
-                                  "'; supported: gpt2 and Llama-style decoders)");
-    m.arch = Arch::Llama;
-    m.n_embd = get_int({"hidden_size"}, true, 0);
-    m.n_layer = get_int({"num_hidden_layers"}, true, 0);
-    m.n_head = get_int({"num_attention_heads"}, true, 0);
-    m.n_kv_head = get_int({"num_key_value_heads"}, false, m.n_head);
-    m.ffn_hidden = get_int({"intermediate_size"}, true, 0);
-    m.vocab_size = get_int({"vocab_size"}, true, 0);
-    m.seq_len = get_int({"max_position_embeddings"}, false, 4096);
-  }
-  try {
-    m.resolve();
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(origin + ": " + e.what());
-  }
-  if (m.arch == Arch::Llama && j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean())
-    m.tied_embeddings = j["tie_word_embeddings"].get<bool>();
-  return m;
+  return mt::model_from_hf_json(text, origin, /*strict=*/false);  // sizes only: see model/hf_config.h
 }
 
 ModelConfig model_from_hf_config(const std::string& path) {
@@ -116,8 +69,7 @@ ModelConfig model_from_hf_config(const std::string& path) {
   if (!in) throw std::invalid_argument("--hf-config: cannot open '" + path + "'");
   std::stringstream ss;
   ss << in.rdbuf();
-  ModelConfig m = model_from_hf_json(ss.str(), path);
-  return m;
+  return model_from_hf_json(ss.str(), path);
 }
 
 // ---- ranking ---------------------------------------------------------------------------------------------

@@ -205,9 +205,18 @@ void CheckpointWriter::commit(const TrainerState& st, const RunConfig& cfg) {
                       {"micro_batches", st.micro_batches},
                       {"num_params", model_.num_params()},
                       {"has_optimizer", with_opt_}};
+  if (st.has_blend) {
+    nlohmann::json ds = nlohmann::json::array();
+    for (size_t d = 0; d < st.blend.patterns.size(); ++d)
+      ds.push_back({{"pattern", st.blend.patterns[d]}, {"samples", st.blend.dataset_samples[d]}});
+    j["data"] = {{"samples", st.blend.samples}, {"datasets", ds}};
+  }
   const fs::path tmp(tmp_dir_), root(root_);
   write_text_atomic(tmp / "trainer.json", j.dump(2) + "\n");
   write_text_atomic(tmp / "config.toml", cfg.to_toml());
+  // The Hugging Face config the model came from travels with the checkpoint (sample, export and
+  // resume do not depend on the original file staying where it was).
+  if (!cfg.model.hf_config.empty()) write_text_atomic(tmp / "hf_config.json", read_text(cfg.model.hf_config));
   fsync_directory(tmp_dir_);
   // Swap into place: an existing checkpoint of the same step is removed only after the new one is complete.
   const fs::path final_dir = root / name_;
@@ -257,6 +266,15 @@ CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& mo
     st_.step = j.at("step").get<int64_t>();
     st_.adam_steps = j.at("adam_steps").get<int64_t>();
     st_.micro_batches = j.at("micro_batches").get<int64_t>();
+    if (j.contains("data")) {
+      const auto& dj = j.at("data");
+      st_.has_blend = true;
+      st_.blend.samples = dj.at("samples").get<int64_t>();
+      for (const auto& e : dj.at("datasets")) {
+        st_.blend.patterns.push_back(e.at("pattern").get<std::string>());
+        st_.blend.dataset_samples.push_back(e.at("samples").get<int64_t>());
+      }
+    }
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
   }
@@ -367,7 +385,10 @@ TrainerState load_checkpoint(const std::string& dir, const Transformer& model, f
 }
 
 RunConfig load_checkpoint_config(const std::string& dir) {
-  return RunConfig::load((fs::path(dir) / "config.toml").string(), {});
+  RunConfig c = RunConfig::load((fs::path(dir) / "config.toml").string(), {});
+  if (!c.model.hf_config.empty() && fs::exists(fs::path(dir) / "hf_config.json"))
+    c.model.hf_config = (fs::path(dir) / "hf_config.json").string();
+  return c;
 }
 
 }  // namespace mt

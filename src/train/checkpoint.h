@@ -1,7 +1,7 @@
 // Checkpoints: CHECKPOINT_DIR/step_NNNNNNNN/ holding
 //   model.safetensors      weights with Hugging Face names and layouts (fp32, real vocabulary rows)
 //   optimizer.safetensors  AdamW moments over the flat buffer (layout-independent: full, unsharded)
-//   trainer.json           step, optimizer step count, data position, format version
+//   trainer.json           step, optimizer step count, data position (and a blend's loader state), format version
 //   config.toml            the run configuration (what `sample` rebuilds the model from)
 // A checkpoint is written into a hidden temporary directory and renamed into place when complete
 // (files and directories fsynced), then CHECKPOINT_DIR/latest is replaced atomically: a crash never
@@ -18,6 +18,7 @@
 
 #include "model/transformer.h"
 #include "train/config.h"
+#include "train/data_loader.h"
 
 namespace mt {
 
@@ -25,6 +26,10 @@ struct TrainerState {
   int64_t step = 0;            // optimizer steps completed
   int64_t adam_steps = 0;
   int64_t micro_batches = 0;   // micro-batches consumed from the training data (per rank)
+  // A blended data.train: the loader's state (samples drawn in all and per dataset), in
+  // trainer.json under "data"; absent for plain data, whose position is micro_batches.
+  bool has_blend = false;
+  BlendLoader::State blend{};
 };
 
 class SafetensorsWriter;

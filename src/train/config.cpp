@@ -2,6 +2,8 @@
 
 #include <toml++/toml.h>
 
+#include "model/hf_config.h"
+
 #include <functional>
 #include <sstream>
 
@@ -30,6 +32,12 @@ std::vector<Field> fields(RunConfig& c) {
       {"model.seq_len", Kind::Int, &c.model.seq_len, "context length (tokens per sequence)"},
       {"model.vocab_size", Kind::Int, &c.model.vocab_size, "vocabulary (padded to a multiple of 64 internally)"},
       {"model.rope_theta", Kind::Float, &c.model.rope_theta, "RoPE base (llama)"},
+      {"model.norm_eps", Kind::Float, &c.model.norm_eps, "LayerNorm / RMSNorm epsilon (0 = the preset's 1e-5 or the hf_config's)"},
+      {"model.max_position", Kind::Int, &c.model.max_position,
+       "GPT-2 position-table rows, >= seq_len (0 = seq_len, or the hf_config's max_position_embeddings)"},
+      {"model.hf_config", Kind::String, &c.model.hf_config,
+       "Hugging Face config.json (gpt2, llama incl. 3.1 rope_scaling, mistral): architecture, dimensions, norm epsilon, "
+       "rope_theta, tied head; replaces model.preset, explicit model.* keys still override"},
       {"data.train", Kind::String, &c.data.train, "training token shards: a file or a glob"},
       {"data.val", Kind::String, &c.data.val, "validation token shards (empty = no eval)"},
       {"data.tokenizer", Kind::String, &c.data.tokenizer, "byte | gpt2 | hf: how samples are decoded"},
@@ -59,6 +67,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.threads", Kind::Int, &c.train.threads, "compute threads per rank (0 = cores / ranks on this node)"},
       {"train.eval_every", Kind::Int, &c.train.eval_every, "steps between validation losses (0 = never)"},
       {"train.eval_batches", Kind::Int, &c.train.eval_batches, "micro-batches per validation loss"},
+      {"train.eval_at_start", Kind::Bool, &c.train.eval_at_start,
+       "also compute the validation loss before the first step (printed; val_loss_start in the final metrics)"},
       {"train.checkpoint_dir", Kind::String, &c.train.checkpoint_dir, "where checkpoints go (empty = none)"},
       {"train.checkpoint_every", Kind::Int, &c.train.checkpoint_every, "steps between checkpoints (0 = only at the end)"},
       {"train.checkpoint_keep", Kind::Int, &c.train.checkpoint_keep,
@@ -216,16 +226,29 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::pair<s
 }
 
 ModelConfig RunConfig::model_config() const {
-  ModelConfig m = model_preset(model.preset);
-  m.name = model.preset;
+  const bool hf = !model.hf_config.empty();
+  ModelConfig m;
+  if (hf) {
+    try {
+      m = model_from_hf_config(model.hf_config);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(std::string("model.hf_config: ") + e.what());
+    }
+    m.name = "hf:" + model.hf_config;
+  } else {
+    m = model_preset(model.preset);
+    m.name = model.preset;
+  }
   if (!model.arch.empty()) {
+    const Arch before = m.arch;
     if (!parse_arch(model.arch, &m.arch)) throw ConfigError("model.arch must be gpt2 or llama, got '" + model.arch + "'");
+    if (m.arch != before) m.tied_embeddings = m.arch == Arch::GPT2;  // the new family's convention
   }
   auto ov = [](int64_t v, int64_t& dst) {
     if (v > 0) dst = v;
   };
   bool custom = model.n_layer || model.n_head || model.n_kv_head || model.n_embd || model.ffn_hidden ||
-                model.seq_len || model.vocab_size || !model.arch.empty();
+                model.seq_len || model.vocab_size || !model.arch.empty() || model.max_position || model.norm_eps > 0;
   ov(model.n_layer, m.n_layer);
   ov(model.n_head, m.n_head);
   ov(model.n_kv_head, m.n_kv_head);
@@ -233,12 +256,17 @@ ModelConfig RunConfig::model_config() const {
   if (model.ffn_hidden > 0) m.ffn_hidden = model.ffn_hidden;
   else if (model.n_embd > 0 || !model.arch.empty()) m.ffn_hidden = 0;  // re-derive from the new width
   ov(model.seq_len, m.seq_len);
+  // A preset's position table follows seq_len (as it always has); an hf_config's keeps its
+  // max_position_embeddings rows, of which the first seq_len are used.
+  if (model.seq_len > 0 && !hf) m.max_position = model.seq_len;
+  ov(model.max_position, m.max_position);
+  if (model.norm_eps > 0) m.norm_eps = static_cast<float>(model.norm_eps);
   if (model.vocab_size > 0) {
     m.vocab_size = model.vocab_size;
     m.padded_vocab = 0;
   }
   if (model.rope_theta > 0) m.rope_theta = static_cast<float>(model.rope_theta);
-  if (custom) m.name = model.preset + "+overrides";
+  if (custom) m.name += "+overrides";
   try {
     m.resolve();
   } catch (const std::invalid_argument& e) {

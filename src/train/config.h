@@ -24,6 +24,9 @@ struct RunConfig {
     int64_t n_layer = 0, n_head = 0, n_kv_head = 0, n_embd = 0, ffn_hidden = 0, seq_len = 0,
             vocab_size = 0;    // 0 = from preset
     double rope_theta = 0.0;   // 0 = from preset
+    double norm_eps = 0.0;     // 0 = from preset / hf_config
+    int64_t max_position = 0;  // GPT-2 position-table rows (0 = seq_len, or the hf_config's)
+    std::string hf_config;     // a Hugging Face config.json: architecture and dimensions (instead of preset)
   } model;
   struct Data {
     std::string train = "data/default/train.bin";
@@ -44,6 +47,7 @@ struct RunConfig {
     std::string activation_checkpointing = "none";
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;
+    bool eval_at_start = false;          // a validation loss before the first step (printed, and in the final metrics)
     std::string checkpoint_dir;
     int64_t checkpoint_every = 0;
     int64_t checkpoint_keep = 0;         // newest checkpoints kept in checkpoint_dir (0 = all)

@@ -17,6 +17,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,92 @@ class BatchLoader {
   void start_epoch();
   void start_shard();
   size_t current_shard() const { return shuffle_ ? shard_order_[shard_] : shard_; }
+};
+
+}  // namespace mt
+
+namespace mt {
+
+// ---- blends: several datasets sampled by weight (data.train = "0.7:web/*.bin,0.3:books/*.bin") ----
+//
+// A blend string is a comma-separated list of WEIGHT:PATTERN entries (weights positive, relative:
+// they are normalised to sum to 1; each pattern a shard file or a glob). A string whose entries carry
+// no WEIGHT: prefix is not a blend but one plain file or glob, read by BatchLoader exactly as before.
+//
+// The blended stream is a sequence of T+1-token samples g = 0, 1, 2, ... Sample g comes from dataset
+// d(g), drawn independently with probability weight(d) from a hash of (seed, g), so the mixture
+// depends on nothing but the seed and g. Within a dataset the samples it is asked for are taken in
+// its own order: its shards' T-token samples (token j*T .. j*T + T of a shard, as the shuffled
+// BatchLoader cuts them) one after another, wrapping after the last; with shuffling, in a fresh
+// seeded permutation of all of the dataset's samples every time it wraps (an epoch of that dataset).
+// Global batch k is samples k*W*B .. (k+1)*W*B - 1, of which data-parallel rank r takes the B at
+// r*B: ranks read disjoint samples and one process with B' = W*B reads exactly their union. Every
+// rank follows the whole global stream (cheap: one hash per sample), so every rank holds the same
+// state: the samples drawn so far in total and from each dataset. That state is what a checkpoint
+// stores (BlendLoader::State) and what a resumed run restores, continuing the same batches.
+struct BlendEntry {
+  double weight = 0;     // as written (relative)
+  std::string pattern;   // file or glob
+};
+
+// True when `spec` is a blend (some entry starts with a number followed by ':').
+bool is_blend_spec(const std::string& spec);
+// Parses a blend; errors (std::invalid_argument) start with `key` and name the entry: an entry without
+// WEIGHT:, a weight that is not a positive finite number, an empty pattern, a pattern given twice.
+std::vector<BlendEntry> parse_blend(const std::string& spec, const std::string& key);
+
+class BlendLoader {
+ public:
+  struct State {
+    int64_t samples = 0;                  // samples of the global stream drawn so far
+    std::vector<std::string> patterns;    // per dataset
+    std::vector<int64_t> dataset_samples; // samples drawn from each dataset so far
+  };
+  // Opens every entry's shards (validated against vocab_size as TokenDataset does). Throws
+  // std::invalid_argument starting with `key` for a bad blend string, std::runtime_error starting
+  // with `key` and naming the entry when a pattern matches no file, a shard is bad, or a dataset
+  // holds no sample of T + 1 tokens.
+  BlendLoader(const std::string& spec, const std::string& key, int B, int T, int dp_rank, int dp_world,
+              uint64_t seed, bool shuffle, int64_t vocab_size = 0);
+
+  void next(int32_t* inputs, int32_t* targets);
+  void reset();  // back to sample 0 (every dataset at its first sample)
+
+  State state() const;
+  // Restores a state. Datasets are matched by pattern: one absent from `s` starts at its first
+  // sample (the blend changed between runs). Returns true when `s` names exactly this blend's
+  // patterns in this order, false when the blend changed (the caller reports it).
+  bool set_state(const State& s);
+
+  size_t num_datasets() const { return entries_.size(); }
+  const std::string& pattern(size_t d) const { return entries_.at(d).pattern; }
+  double weight(size_t d) const { return weights_.at(d); }  // normalised
+  int64_t dataset_samples(size_t d) const { return counts_.at(d); }
+  // Input tokens of dataset d in the global stream so far (samples x T).
+  int64_t dataset_tokens(size_t d) const { return counts_.at(d) * T_; }
+  int64_t samples_per_epoch(size_t d) const { return sets_.at(d).cum.back(); }
+  int64_t total_tokens() const;
+  int B() const { return B_; }
+  int T() const { return T_; }
+  // The dataset of global sample g (a pure function of seed, g and the weights).
+  size_t dataset_of(int64_t g) const;
+
+ private:
+  struct Set {
+    std::unique_ptr<TokenDataset> data;
+    std::vector<int64_t> cum;        // cum[i] = samples in shards [0, i); cum.back() = all
+    int64_t perm_epoch = -1;         // epoch whose permutation `perm` holds (shuffle)
+    std::vector<int64_t> perm;
+  };
+  std::vector<BlendEntry> entries_;
+  std::vector<double> weights_, cum_weights_;
+  std::vector<Set> sets_;
+  int B_, T_, rank_, world_;
+  uint64_t seed_;
+  bool shuffle_;
+  int64_t samples_ = 0;
+  std::vector<int64_t> counts_;
+  void read_sample(size_t d, int64_t k, int32_t* x, int32_t* y);
 };
 
 }  // namespace mt

@@ -27,6 +27,7 @@ void MetricsWriter::step(const StepMetrics& m) {
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   if (m.pp_bubble) j["pp_bubble"] = *m.pp_bubble;
   if (m.pp_bubble_formula) j["pp_bubble_formula"] = *m.pp_bubble_formula;
+  if (!m.data_tokens_by_dataset.is_null()) j["data_tokens_by_dataset"] = m.data_tokens_by_dataset;
   out_ << j.dump() << "\n";
   out_.flush();
 }

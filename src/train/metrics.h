@@ -21,6 +21,8 @@ struct StepMetrics {
   // formula's value for the same schedule.
   std::optional<double> pp_bubble, pp_bubble_formula;
   int64_t mem_peak_bytes = 0;
+  // A blended data.train: input tokens seen so far per dataset pattern, all ranks (null otherwise).
+  nlohmann::json data_tokens_by_dataset;
 };
 
 class MetricsWriter {

@@ -37,6 +37,46 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
+// The training or validation data: one file or glob (BatchLoader, llm.c order) or a blend of
+// several (BlendLoader, see data_loader.h).
+struct AnyLoader {
+  std::unique_ptr<TokenDataset> ds;
+  std::unique_ptr<BatchLoader> plain;
+  std::unique_ptr<BlendLoader> blend;
+  void next(int32_t* x, int32_t* y) {
+    if (blend) blend->next(x, y);
+    else plain->next(x, y);
+  }
+  void reset() {
+    if (blend) blend->reset();
+    else plain->reset();
+  }
+  int64_t total_tokens() const { return blend ? blend->total_tokens() : ds->total_tokens(); }
+  // {pattern: input tokens seen so far by all data-parallel ranks together}.
+  nlohmann::json tokens_by_dataset() const {
+    nlohmann::json j = nlohmann::json::object();
+    for (size_t d = 0; d < blend->num_datasets(); ++d) j[blend->pattern(d)] = blend->dataset_tokens(d);
+    return j;
+  }
+};
+
+std::unique_ptr<AnyLoader> make_loader(const std::string& spec, const char* key, int B, int T, int dp_rank,
+                                       int dp_world, uint64_t seed, bool shuffle, int64_t vocab) {
+  auto l = std::make_unique<AnyLoader>();
+  if (is_blend_spec(spec)) {
+    try {
+      l->blend = std::make_unique<BlendLoader>(spec, key, B, T, dp_rank, dp_world, seed, shuffle, vocab);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(e.what());
+    }
+    return l;
+  }
+  l->ds = std::make_unique<TokenDataset>(spec, vocab);
+  l->plain = std::make_unique<BatchLoader>(*l->ds, B, T, dp_rank, dp_world);
+  if (shuffle) l->plain->set_shuffle(seed);
+  return l;
+}
+
 int auto_threads() {
   unsigned hc = std::thread::hardware_concurrency();
   return hc == 0 ? 1 : static_cast<int>(hc);
@@ -80,8 +120,7 @@ class Trainer {
   Recompute rc_ = Recompute::None;
   int threads_ = 1;
   int64_t B_ = 0, T_ = 0, accum_ = 1;
-  std::unique_ptr<TokenDataset> train_ds_, val_ds_;
-  std::unique_ptr<BatchLoader> loader_, val_loader_;
+  std::unique_ptr<AnyLoader> loader_, val_loader_;
   parallel::StrategySpec spec_;
   std::unique_ptr<parallel::ProcessGroupTpComm> tp_comm_;
   std::unique_ptr<parallel::PipeSchedule> schedule_;
@@ -103,6 +142,7 @@ class Trainer {
   int64_t tps_n_ = 0, first_step_ = 0;
   int peak_slots_ = 0;
   std::array<int64_t, kNumMemCategories> resident_{};
+  std::optional<double> val_start_;  // train.eval_at_start
 };
 
 void Trainer::build() {
@@ -135,13 +175,12 @@ void Trainer::build() {
   accum_ = pp > 1 && cfg_.parallel.pp_microbatches > 0 ? cfg_.parallel.pp_microbatches : tc_.grad_accum;
   const int dp_rank = groups_.dp->rank(), dp_world = groups_.dp->size();
   if (!dry_) {
-    train_ds_ = std::make_unique<TokenDataset>(cfg_.data.train, mc_.vocab_size);
-    loader_ = std::make_unique<BatchLoader>(*train_ds_, static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world);
-    if (cfg_.data.shuffle) loader_->set_shuffle(static_cast<uint64_t>(tc_.seed));
-    if (!cfg_.data.val.empty() && tc_.eval_every > 0) {
-      val_ds_ = std::make_unique<TokenDataset>(cfg_.data.val, mc_.vocab_size);
-      val_loader_ = std::make_unique<BatchLoader>(*val_ds_, static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world);
-    }
+    const uint64_t seed = static_cast<uint64_t>(tc_.seed);
+    loader_ = make_loader(cfg_.data.train, "data.train", static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world,
+                          seed, cfg_.data.shuffle, mc_.vocab_size);
+    if (!cfg_.data.val.empty() && tc_.eval_every > 0)
+      val_loader_ = make_loader(cfg_.data.val, "data.val", static_cast<int>(B_), static_cast<int>(T_), dp_rank,
+                                dp_world, seed, false, mc_.vocab_size);
   }
 
   spec_.strategy = cfg_.parallel.strategy;
@@ -231,7 +270,11 @@ void Trainer::load_state() {
   }
   state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
   strategy_->end_load(st_.adam_steps);
-  if (!resume_dir.empty()) {
+  if (!resume_dir.empty() && loader_ && loader_->blend && st_.has_blend) {
+    if (!loader_->blend->set_state(st_.blend) && log_)
+      std::printf("resuming with a different data.train blend: datasets are matched by pattern, new ones start "
+                  "at their first sample\n");
+  } else if (!resume_dir.empty()) {
     std::vector<int32_t> skip_x(static_cast<size_t>(B_ * T_)), skip_y(skip_x.size());
     for (int64_t i = 0; i < st_.micro_batches; ++i) next_batch(skip_x.data(), skip_y.data());  // data position
     if (log_) std::printf("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(st_.step));
@@ -243,6 +286,8 @@ void Trainer::save() {
   std::unique_ptr<CheckpointWriter> writer;
   if (rank_ == 0) writer = std::make_unique<CheckpointWriter>(tc_.checkpoint_dir, *ref_, true, st_.step);
   state_->save(writer.get());
+  st_.has_blend = loader_ && loader_->blend;
+  if (st_.has_blend) st_.blend = loader_->blend->state();
   if (writer) writer->commit(st_, cfg_);
 }
 
@@ -342,6 +387,7 @@ void Trainer::train_step(int64_t step) {
     res_.val_losses.push_back(*sm.val_loss);
     res_.final_val_loss = *sm.val_loss;
   }
+  if (loader_ && loader_->blend) sm.data_tokens_by_dataset = loader_->tokens_by_dataset();
   res_.losses.push_back(loss);
   if (log_ && (cfg_.log.print_every <= 1 || (step + 1) % cfg_.log.print_every == 0 || step + 1 == tc_.steps ||
                sm.val_loss)) {
@@ -365,7 +411,7 @@ TrainResult Trainer::run() {
                 static_cast<long long>(mc_.padded_vocab));
     std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
                 "recompute %s | %d threads\n",
-                cfg_.data.train.c_str(), static_cast<long long>(train_ds_ ? train_ds_->total_tokens() : 0),
+                cfg_.data.train.c_str(), static_cast<long long>(loader_ ? loader_->total_tokens() : 0),
                 static_cast<long long>(B_), static_cast<long long>(T_), static_cast<long long>(accum_), dims_.dp(),
                 static_cast<long long>(B_ * T_ * accum_ * dims_.dp()), dtype_name(dt_), recompute_name(rc_), threads_);
     if (world_ > 1)
@@ -380,6 +426,14 @@ TrainResult Trainer::run() {
   }
   metrics_ = std::make_unique<MetricsWriter>(rank_ == 0 || dry_ ? cfg_.log.metrics_out : "");
   first_step_ = st_.step;
+  if (val_loader_ && tc_.eval_at_start) {
+    val_start_ = evaluate();
+    if (log_) {
+      std::printf("step %5lld/%lld | val %.4f (before training)\n", static_cast<long long>(first_step_),
+                  static_cast<long long>(tc_.steps), *val_start_);
+      std::fflush(stdout);
+    }
+  }
   for (int64_t step = st_.step; step < tc_.steps; ++step) train_step(step);
   if (!tc_.checkpoint_dir.empty() && (tc_.checkpoint_every <= 0 || st_.step % tc_.checkpoint_every != 0)) save();
   res_.tokens_per_s = tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0;
@@ -483,6 +537,20 @@ void Trainer::report() {
     fin["mem_resident_by_category_per_rank"] = res_all;
   }
   if (!res_.val_losses.empty()) fin["val_loss"] = res_.final_val_loss;
+  if (val_start_) fin["val_loss_start"] = *val_start_;
+  if (log_ && val_start_ && !res_.val_losses.empty())
+    std::printf("validation loss: %.4f before training -> %.4f after %lld steps\n", *val_start_, res_.final_val_loss,
+                static_cast<long long>(st_.step));
+  if (loader_ && loader_->blend) {
+    fin["data_tokens_by_dataset"] = loader_->tokens_by_dataset();
+    if (log_) {
+      std::printf("data seen (all ranks):");
+      for (size_t d = 0; d < loader_->blend->num_datasets(); ++d)
+        std::printf("%s %s %lld tokens (weight %.3f)", d ? "," : "", loader_->blend->pattern(d).c_str(),
+                    static_cast<long long>(loader_->blend->dataset_tokens(d)), loader_->blend->weight(d));
+      std::printf("\n");
+    }
+  }
   metrics_->final(fin);
 }
 

@@ -42,6 +42,25 @@ TEST_F(DdpParity, AccumulationMatchesLargeBatch) {
   expect_close(single, acc, kLossTol, kWeightTol, "np=2 accum=4");
 }
 
+// A blended data.train on 2 ranks reads disjoint samples whose union is the single process's batch
+// (same losses and weights), and both count the same tokens per dataset.
+TEST_F(DdpParity, BlendedDataTwoRanksMatchSingleProcess) {
+  std::string other;
+  for (int i = 0; i < 200; ++i) other += "all the world's a stage, and all the men and women merely players " +
+                                         std::to_string(i % 5) + "\n";
+  write_token_shard((dir_ / "other.bin").string(), std::vector<int32_t>(other.begin(), other.end()));
+  const std::string blend = " --data.train '0.6:" + (dir_ / "train.bin").string() + ",0.4:" +
+                            (dir_ / "other.bin").string() + "' --data.shuffle true";
+  auto single = train(1, 8, 1, "single", blend);
+  auto ddp = train(2, 4, 1, "ddp2", blend);
+  expect_close(single, ddp, kLossTol, kWeightTol, "np=2 blend");
+  ASSERT_TRUE(ddp.final.contains("data_tokens_by_dataset"));
+  EXPECT_EQ(single.final["data_tokens_by_dataset"], ddp.final["data_tokens_by_dataset"]);
+  int64_t sum = 0;
+  for (const auto& [k, v] : ddp.final["data_tokens_by_dataset"].items()) sum += v.get<int64_t>();
+  EXPECT_EQ(sum, 8 * 8 * 32);  // steps x global sequences x seq_len
+}
+
 TEST_F(DdpParity, RanksWithDifferentModelsFailWithAClearMessage) {
   std::string common = std::string(MT_BINARY) + " train --model.preset gpt2-tiny --data.train " +
                        (dir_ / "train.bin").string() + " --data.val '' --train.steps 2 --train.threads 1";

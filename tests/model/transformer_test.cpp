@@ -38,8 +38,7 @@ class ModelGrad : public ::testing::TestWithParam<Arch> {};
 // Directional finite differences per parameter tensor: for a random direction d supported on one
 // tensor, (L(w + eps d) - L(w - eps d)) / (2 eps) must equal <grad, d>. Checking one direction per
 // tensor covers every tensor's gradient (a wrong gradient anywhere in a tensor changes <grad, d>).
-TEST_P(ModelGrad, MatchesFiniteDifferences) {
-  ModelConfig c = tiny(GetParam());
+void check_gradients(const ModelConfig& c) {
   const int64_t B = 2, T = 9;
   Transformer m(c, DType::F32);
   m.init_weights(7);
@@ -80,6 +79,21 @@ TEST_P(ModelGrad, MatchesFiniteDifferences) {
     ++checked;
   }
   EXPECT_EQ(checked, static_cast<int>(m.params().size()));
+}
+
+TEST_P(ModelGrad, MatchesFiniteDifferences) { check_gradients(tiny(GetParam())); }
+
+// Qwen 2's Llama block with q/k/v biases (model.qkv_bias): the biases' gradients too.
+TEST(ModelGradQkvBias, MatchesFiniteDifferences) {
+  ModelConfig c = tiny(Arch::Llama);
+  c.qkv_bias = true;
+  c.resolve();
+  Transformer m(c, DType::F32);
+  ASSERT_EQ(m.num_params(), c.num_params());
+  int biases = 0;
+  for (const auto& p : m.params()) biases += p.name.find("_proj.bias") != std::string::npos;
+  EXPECT_EQ(biases, 3 * static_cast<int>(c.n_layer));
+  check_gradients(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, ModelGrad, ::testing::Values(Arch::GPT2, Arch::Llama),

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "train/config.h"
+#include "train/export.h"
+#include "train/safetensors.h"
 #include "train/token_shards.h"
 #include "train/trainer.h"
 
@@ -210,6 +212,174 @@ TEST_F(TrainerTest, ChromeTraceHasEveryUnitOfEveryStep) {
   EXPECT_EQ(steps, 3);
   EXPECT_EQ(bwd, 3 * 4);       // gpt2-tiny: embedding, 2 blocks, head
   EXPECT_GE(fwd, 3 * 4);       // plus the evaluation forwards
+}
+
+// data.train as a blend of two datasets: every step's metrics (and the final object) count the
+// tokens seen per dataset; the checkpoint stores the blend loader's state and a resumed run
+// continues with exactly the uninterrupted run's batches (hence its losses, bit for bit).
+TEST_F(TrainerTest, BlendedDataResumesExactlyAndCountsTokensPerDataset) {
+  std::string other;
+  for (int i = 0; i < 300; ++i) other += "pack my box with five dozen liquor jugs " + std::to_string(i % 5) + "\n";
+  write_token_shard((dir_ / "other.bin").string(), std::vector<int32_t>(other.begin(), other.end()));
+  const std::string a = (dir_ / "train.bin").string(), b = (dir_ / "other.bin").string();
+  const std::string spec = "0.75:" + a + ",0.25:" + b;
+  const auto m1 = (dir_ / "m1.jsonl").string(), ck = (dir_ / "ck").string();
+  TrainResult full = train(config({{"data.train", spec}, {"log.metrics_out", m1}}));
+  TrainResult plain = train(config());
+  EXPECT_NE(full.losses, plain.losses);
+  std::ifstream f(m1);
+  std::string line;
+  int steps = 0;
+  nlohmann::json last;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("final")) {
+      last = j;
+      continue;
+    }
+    ++steps;
+    ASSERT_TRUE(j.contains("data_tokens_by_dataset")) << line;
+    const auto& d = j["data_tokens_by_dataset"];
+    ASSERT_EQ(d.size(), 2u);
+    EXPECT_EQ(d[a].get<int64_t>() + d[b].get<int64_t>(), steps * 4 * 32) << line;  // B x T per step
+  }
+  EXPECT_EQ(steps, 12);
+  ASSERT_TRUE(last.contains("data_tokens_by_dataset"));
+  EXPECT_GT(last["data_tokens_by_dataset"][a].get<int64_t>(), last["data_tokens_by_dataset"][b].get<int64_t>());
+
+  train(config({{"data.train", spec}, {"train.checkpoint_dir", ck}, {"train.checkpoint_every", "5"}}));
+  auto tj = nlohmann::json::parse(std::ifstream(ck + "/step_00000005/trainer.json"));
+  ASSERT_TRUE(tj.contains("data")) << tj.dump();
+  EXPECT_EQ(tj["data"]["samples"].get<int64_t>(), 5 * 4);
+  EXPECT_EQ(tj["data"]["datasets"][0]["samples"].get<int64_t>() + tj["data"]["datasets"][1]["samples"].get<int64_t>(),
+            5 * 4);
+  TrainResult resumed = train(config({{"data.train", spec}, {"train.resume", ck + "/step_00000005"}}));
+  ASSERT_EQ(resumed.losses.size(), 7u);
+  for (size_t i = 0; i < 7; ++i) EXPECT_EQ(resumed.losses[i], full.losses[5 + i]) << "step " << 6 + i;
+
+  // A plain data.train writes neither the metrics key nor a blend state.
+  const auto m2 = (dir_ / "m2.jsonl").string(), ck2 = (dir_ / "ck2").string();
+  train(config({{"train.steps", "2"}, {"log.metrics_out", m2}, {"train.checkpoint_dir", ck2}}));
+  std::ifstream g(m2);
+  while (std::getline(g, line)) EXPECT_EQ(line.find("data_tokens_by_dataset"), std::string::npos) << line;
+  EXPECT_FALSE(nlohmann::json::parse(std::ifstream(ck2 + "/step_00000002/trainer.json")).contains("data"));
+}
+
+TEST_F(TrainerTest, BadBlendsNameTheKey) {
+  const std::string a = (dir_ / "train.bin").string();
+  try {
+    train(config({{"data.train", "0:" + a + ",1:" + a + "x"}}));
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.train: blend entry 1"), std::string::npos) << e.what();
+  }
+  try {
+    train(config({{"data.val", "0.5:" + a + ",0.5:" + (dir_ / "nope/*.bin").string()}}));
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("data.val: blend entry 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no file matches"), std::string::npos) << e.what();
+  }
+}
+
+// model.hf_config: the architecture, dimensions, norm epsilon and position table come from the
+// config.json, explicit model.* keys override; a GPT-2 with a 64-row position table trains at
+// seq_len 32 and its checkpoint (64 rows, the config.json alongside) initialises a seq_len 16 run.
+TEST_F(TrainerTest, HfConfigSetsTheModelAndKeysOverride) {
+  const std::string cfg = (dir_ / "config.json").string();
+  std::ofstream(cfg) << R"({"model_type":"gpt2","n_embd":32,"n_layer":2,"n_head":2,"n_positions":64,
+                             "vocab_size":256,"layer_norm_epsilon":1e-6})";
+  ModelConfig m = config({{"model.hf_config", cfg}, {"model.seq_len", "32"}}).model_config();
+  EXPECT_EQ(m.arch, Arch::GPT2);
+  EXPECT_EQ(m.max_position, 64);
+  EXPECT_EQ(m.seq_len, 32);
+  EXPECT_FLOAT_EQ(m.norm_eps, 1e-6f);
+  ModelConfig o = config({{"model.hf_config", cfg}, {"model.n_layer", "1"}, {"model.norm_eps", "1e-3"}}).model_config();
+  EXPECT_EQ(o.n_layer, 1);
+  EXPECT_FLOAT_EQ(o.norm_eps, 1e-3f);
+  // A preset's position table still follows seq_len.
+  EXPECT_EQ(config({{"model.seq_len", "16"}}).model_config().max_position, 16);
+
+  const auto ck = (dir_ / "ck").string();
+  train(config({{"model.hf_config", cfg}, {"train.steps", "3"}, {"train.checkpoint_dir", ck}}));
+  SafetensorsReader w(ck + "/step_00000003/model.safetensors");
+  ASSERT_NE(w.find("wpe.weight"), nullptr);
+  EXPECT_EQ(w.find("wpe.weight")->shape, (std::vector<int64_t>{64, 32}));
+  EXPECT_TRUE(fs::exists(ck + "/step_00000003/hf_config.json"));
+  TrainResult r = train(config({{"model.hf_config", cfg}, {"model.seq_len", "16"}, {"train.steps", "2"},
+                                {"train.init_from", ck}}));
+  TrainResult fresh = train(config({{"model.hf_config", cfg}, {"model.seq_len", "16"}, {"train.steps", "1"}}));
+  ASSERT_EQ(r.losses.size(), 2u);
+  EXPECT_LT(r.losses[0], fresh.losses[0]);  // it starts from the trained weights
+
+  try {
+    config({{"model.hf_config", (dir_ / "none.json").string()}}).model_config();
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.hf_config"), std::string::npos) << e.what();
+  }
+  std::ofstream(cfg) << R"({"model_type":"mixtral","hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,
+                             "num_attention_heads":2,"vocab_size":256,"num_local_experts":4})";
+  try {
+    config({{"model.hf_config", cfg}}).model_config();
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("num_local_experts"), std::string::npos) << e.what();
+  }
+}
+
+// meshtrain export: config.json and HF-named safetensors (sharded with an index when asked), whose
+// weights start a run exactly where the checkpoint does. A tied Llama 3.1-style model (scaled rope).
+TEST_F(TrainerTest, ExportWritesAHuggingFaceDirectory) {
+  const std::string cfg = (dir_ / "config.json").string();
+  std::ofstream(cfg) << R"({"model_type":"llama","hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
+      "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":256,"max_position_embeddings":64,
+      "rms_norm_eps":1e-5,"rope_theta":10000.0,"tie_word_embeddings":true,
+      "rope_scaling":{"rope_type":"llama3","factor":4.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+                      "original_max_position_embeddings":16}})";
+  const auto ck = (dir_ / "ck").string(), out = (dir_ / "hf").string();
+  const auto hf = std::vector<std::pair<std::string, std::string>>{{"model.hf_config", cfg}};
+  auto with = [&](std::vector<std::pair<std::string, std::string>> more) {
+    auto v = hf;
+    v.insert(v.end(), more.begin(), more.end());
+    return config(v);
+  };
+  TrainResult t = train(with({{"train.steps", "3"}, {"train.checkpoint_dir", ck}}));
+  EXPECT_LT(t.losses.back(), t.losses.front());
+  ExportResult sharded = export_checkpoint(ck, out, 1);  // every tensor its own shard
+  const int64_t n_params = 1 + 2 * 9 + 1;               // embedding, 9 per block, final norm; tied: no lm_head
+  EXPECT_EQ(sharded.tensors, n_params);
+  EXPECT_EQ(sharded.files, n_params);
+  auto index = nlohmann::json::parse(std::ifstream(out + "/model.safetensors.index.json"));
+  EXPECT_EQ(index["weight_map"].size(), static_cast<size_t>(n_params));
+  EXPECT_FALSE(index["weight_map"].contains("lm_head.weight"));
+  EXPECT_EQ(index["weight_map"]["model.embed_tokens.weight"], "model-00001-of-00020.safetensors");
+  ExportResult one = export_checkpoint(ck, out, int64_t{5} << 30);
+  EXPECT_EQ(one.files, 1);
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors.index.json"));
+  auto cj = nlohmann::json::parse(std::ifstream(out + "/config.json"));
+  EXPECT_EQ(cj["architectures"][0], "LlamaForCausalLM");
+  EXPECT_EQ(cj["tie_word_embeddings"], true);
+  EXPECT_EQ(cj["rope_scaling"]["rope_type"], "llama3");
+  EXPECT_EQ(cj["num_key_value_heads"], 2);
+  // The exported weights are the checkpoint's.
+  TrainResult a = train(with({{"train.steps", "1"}, {"train.lr", "0"}, {"train.init_from", ck}}));
+  TrainResult b = train(with({{"train.steps", "1"}, {"train.lr", "0"}, {"train.init_from", out + "/model.safetensors"}}));
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_THROW(export_checkpoint((dir_ / "nothing").string(), out, 1), std::runtime_error);
+}
+
+// train.eval_at_start: a validation loss before the first step, in the final metrics object.
+TEST_F(TrainerTest, EvalAtStartReportsTheInitialValidationLoss) {
+  auto path = (dir_ / "m.jsonl").string();
+  TrainResult r = train(config({{"train.eval_at_start", "true"}, {"log.metrics_out", path}}));
+  std::ifstream f(path);
+  std::string line, last;
+  while (std::getline(f, line)) last = line;
+  auto j = nlohmann::json::parse(last);
+  ASSERT_TRUE(j.contains("val_loss_start")) << last;
+  EXPECT_GT(j["val_loss_start"].get<double>(), r.final_val_loss + 0.3);
+  EXPECT_EQ(r.losses, train(config()).losses);  // evaluating first does not change training
 }
 
 TEST_F(TrainerTest, ConfigErrorsNameTheKey) {

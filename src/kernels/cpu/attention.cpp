@@ -21,6 +21,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/vecmath.h"
@@ -225,22 +226,28 @@ namespace {
 struct RopeTable {
   int64_t T = 0, hd = 0;
   float theta = 0.0f;
+  std::vector<float> freq;  // explicit inverse frequencies (empty: from theta)
   Scratch buf;  // cos [T, hd/2] then sin [T, hd/2]
 };
 
 // cos/sin of t * theta^(-2i/hd), computed in double and rounded once; cached per thread. Returns
 // the cos table [Tc, hd/2] (Tc >= T); the sin table follows it, at *sin_out.
-const float* rope_table(int64_t T, int64_t hd, float theta, const float** sin_out) {
+// inv_freq null: theta^(-2i/hd); otherwise the given frequencies (cached by value).
+const float* rope_table(int64_t T, int64_t hd, float theta, const float** sin_out, const float* inv_freq = nullptr) {
   thread_local RopeTable tab;
   const int64_t half = hd / 2;
-  if (tab.T < T || tab.hd != hd || tab.theta != theta) {
+  const bool same_freq = inv_freq ? tab.freq.size() == static_cast<size_t>(half) &&
+                                        std::equal(tab.freq.begin(), tab.freq.end(), inv_freq)
+                                  : tab.freq.empty() && tab.theta == theta;
+  if (tab.T < T || tab.hd != hd || !same_freq) {
     float* c = tab.buf.as<float>(static_cast<size_t>(2 * T * half));
     float* s = c + T * half;
 #pragma omp parallel for schedule(static) if (T * half > 4096)
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t i = 0; i < half; ++i) {
-        const double inv = std::pow(static_cast<double>(theta),
-                                    -2.0 * static_cast<double>(i) / static_cast<double>(hd));
+        const double inv = inv_freq ? static_cast<double>(inv_freq[i])
+                                    : std::pow(static_cast<double>(theta),
+                                               -2.0 * static_cast<double>(i) / static_cast<double>(hd));
         const double a = static_cast<double>(t) * inv;
         c[t * half + i] = static_cast<float>(std::cos(a));
         s[t * half + i] = static_cast<float>(std::sin(a));
@@ -249,6 +256,8 @@ const float* rope_table(int64_t T, int64_t hd, float theta, const float** sin_ou
     tab.T = T;
     tab.hd = hd;
     tab.theta = theta;
+    if (inv_freq) tab.freq.assign(inv_freq, inv_freq + half);
+    else tab.freq.clear();
   }
   const float* c = static_cast<const float*>(tab.buf.get(0));
   *sin_out = c + tab.T * half;
@@ -256,7 +265,7 @@ const float* rope_table(int64_t T, int64_t hd, float theta, const float** sin_ou
 }
 
 void rope_apply(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
-                float sign, const char* fn) {
+                float sign, const char* fn, const float* inv_freq = nullptr) {
   check_heads(nh, nkv, fn);
   if (hd % 2 != 0) {
     throw std::invalid_argument(std::string("meshtrain: ") + fn + ": head_dim (" +
@@ -266,7 +275,7 @@ void rope_apply(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64
   const int64_t half = hd / 2;
   const int64_t ld = (nh + 2 * nkv) * hd;
   const float* sn = nullptr;
-  const float* cs = rope_table(T, hd, theta, &sn);
+  const float* cs = rope_table(T, hd, theta, &sn, inv_freq);
 #pragma omp parallel for collapse(2) schedule(static) if (B * T * ld > detail::kParallelMin)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -296,6 +305,14 @@ void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                    float theta) {
   rope_apply(dqkv, B, T, nh, nkv, hd, theta, -1.0f, "rope_backward");
+}
+
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq) {
+  rope_apply(qkv, B, T, nh, nkv, hd, 0.0f, 1.0f, "rope_forward", inv_freq);
+}
+
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq) {
+  rope_apply(dqkv, B, T, nh, nkv, hd, 0.0f, -1.0f, "rope_backward", inv_freq);
 }
 
 }  // namespace mt::kernels::cpu

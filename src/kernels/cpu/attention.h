@@ -23,5 +23,9 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 // the matching gradient (the gradient of a rotation is the opposite rotation).
 void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+// The same with explicit inverse frequencies inv_freq[hd / 2] (angle = pos * inv_freq[i]), e.g.
+// Llama 3.1's scaled ones (ModelConfig::rope_inv_freq).
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
 
 }  // namespace mt::kernels::cpu

@@ -38,6 +38,8 @@ const KernelTable& cpu_table() {
       .attention_backward = attention_backward,
       .rope_forward = rope_forward,
       .rope_backward = rope_backward,
+      .rope_forward_freq = rope_forward,
+      .rope_backward_freq = rope_backward,
       .embedding_forward = embedding_forward,
       .embedding_backward = embedding_backward,
       .position_add_forward = position_add_forward,

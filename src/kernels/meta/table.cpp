@@ -44,6 +44,8 @@ const KernelTable& meta_table() {
     k.attention_backward = as_nop(k.attention_backward);
     k.rope_forward = as_nop(k.rope_forward);
     k.rope_backward = as_nop(k.rope_backward);
+    k.rope_forward_freq = as_nop(k.rope_forward_freq);
+    k.rope_backward_freq = as_nop(k.rope_backward_freq);
     k.embedding_forward = as_nop(k.embedding_forward);
     k.embedding_backward = as_nop(k.embedding_backward);
     k.position_add_forward = as_nop(k.position_add_forward);

@@ -1,0 +1,186 @@
+#include "train/export.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <vector>
+
+#include "model/hf_config.h"
+#include "model/transformer.h"
+#include "runtime/arg_parser.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+
+ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir, int64_t max_shard_bytes) {
+  if (max_shard_bytes <= 0) throw std::runtime_error("--max-shard-mb must be positive");
+  const std::string dir = resolve_checkpoint(checkpoint);
+  const RunConfig rc = load_checkpoint_config(dir);
+  const ModelConfig mc = rc.model_config();
+  // A layout without storage: only names and shapes. The reader checks the checkpoint against it.
+  const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  const std::string weights = (fs::path(dir) / "model.safetensors").string();
+  { CheckpointReader check(ref, weights); }
+  SafetensorsReader in(weights);
+  // The model's tensors in its own order, cut into shards of at most max_shard_bytes (one tensor
+  // larger than that gets a shard of its own).
+  std::vector<std::vector<std::pair<std::string, SafeTensorInfo>>> shards(1);
+  int64_t in_shard = 0, total = 0;
+  for (const ParamInfo& p : ref.params()) {
+    const SafeTensorInfo* t = in.find(p.name);
+    if (!t) throw std::runtime_error(weights + ": no tensor " + p.name);
+    const auto n = static_cast<int64_t>(t->nbytes());
+    if (in_shard > 0 && in_shard + n > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back({p.name, *t});
+    in_shard += n;
+    total += n;
+  }
+  fs::create_directories(out_dir);
+  const int N = static_cast<int>(shards.size());
+  auto shard_name = [&](int i) {
+    if (N == 1) return std::string("model.safetensors");
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "model-%05d-of-%05d.safetensors", i + 1, N);
+    return std::string(buf);
+  };
+  ExportResult res;
+  nlohmann::json weight_map = nlohmann::json::object();
+  std::vector<char> buf;
+  for (int i = 0; i < N; ++i) {
+    const std::string path = (fs::path(out_dir) / shard_name(i)).string();
+    SafetensorsWriter w(path, shards[static_cast<size_t>(i)], {{"format", "pt"}});
+    for (const auto& [name, info] : shards[static_cast<size_t>(i)]) {
+      buf.resize(info.nbytes());
+      in.read(name, buf.data());
+      w.write(name, buf.data(), info.nbytes());
+      weight_map[name] = shard_name(i);
+      ++res.tensors;
+    }
+    w.finish();
+    ++res.files;
+  }
+  res.bytes = total;
+  const fs::path index = fs::path(out_dir) / "model.safetensors.index.json";
+  if (N > 1) {
+    nlohmann::json j = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(index) << j.dump(2) << "\n";
+  } else {
+    fs::remove(index);  // a stale index would point transformers at shards that are not there
+  }
+  std::ofstream cfg(fs::path(out_dir) / "config.json");
+  cfg << hf_config_json(mc);
+  if (!cfg) throw std::runtime_error("cannot write " + (fs::path(out_dir) / "config.json").string());
+  return res;
+}
+
+int run_export_command(int argc, char** argv) {
+  ArgParser ap({"checkpoint", "out", "max-shard-mb"}, {"help"});
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain export: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (ap.flag("help")) {
+    std::printf(
+        "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N]\n\n"
+        "Writes a checkpoint as a Hugging Face model directory that transformers loads\n"
+        "(AutoModelForCausalLM.from_pretrained(DIR)): config.json (GPT2LMHeadModel or LlamaForCausalLM,\n"
+        "with the norm epsilon, rope_theta, rope_scaling, tied head and position-table size of the\n"
+        "model) and the fp32 weights under Hugging Face names, in model.safetensors - or, above\n"
+        "--max-shard-mb, in model-00001-of-0000N.safetensors shards with model.safetensors.index.json.\n\n"
+        "  --checkpoint DIR   a step_* checkpoint, or a checkpoint_dir (its latest)\n"
+        "  --out DIR          output directory (created; existing files of the same names replaced)\n"
+        "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n");
+    return 0;
+  }
+  if (!ap.has("checkpoint") || !ap.has("out")) {
+    std::fprintf(stderr, "meshtrain export: --checkpoint DIR and --out DIR are required (see --help)\n");
+    return 2;
+  }
+  try {
+    const double mb = ap.get_double("max-shard-mb", 5000);
+    ExportResult r = export_checkpoint(ap.get("checkpoint"), ap.get("out"), static_cast<int64_t>(mb * 1e6));
+    std::printf("exported %lld tensors (%.1f MB) in %d safetensors file%s and config.json to %s\n",
+                static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, r.files, r.files == 1 ? "" : "s",
+                ap.get("out").c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain export: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+int run_model_info_command(int argc, char** argv) {
+  ArgParser ap({"hf-config", "model", "seq-len"}, {"help", "json"});
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain model-info: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (ap.flag("help")) {
+    std::printf(
+        "usage: meshtrain model-info (--hf-config config.json | --model PRESET) [--seq-len N] [--json]\n\n"
+        "Prints the model the engine builds from a Hugging Face config.json (as model.hf_config does)\n"
+        "or a preset: architecture, dimensions, norm epsilon, rope_theta and rope scaling with the\n"
+        "resulting rotary inverse frequencies, tied head, position-table rows, parameter count; or\n"
+        "the error that refuses the config.\n");
+    return 0;
+  }
+  if (ap.has("hf-config") == ap.has("model")) {
+    std::fprintf(stderr, "meshtrain model-info: give --hf-config FILE or --model PRESET (see --help)\n");
+    return 2;
+  }
+  try {
+    std::vector<std::pair<std::string, std::string>> ov;
+    if (ap.has("hf-config")) ov.push_back({"model.hf_config", ap.get("hf-config")});
+    else ov.push_back({"model.preset", ap.get("model")});
+    if (ap.has("seq-len")) ov.push_back({"model.seq_len", ap.get("seq-len")});
+    const ModelConfig m = RunConfig::load("", ov).model_config();
+    nlohmann::json j = {{"arch", arch_name(m.arch)},
+                        {"n_layer", m.n_layer},
+                        {"n_head", m.n_head},
+                        {"n_kv_head", m.n_kv_head},
+                        {"n_embd", m.n_embd},
+                        {"ffn_hidden", m.ffn_hidden},
+                        {"vocab_size", m.vocab_size},
+                        {"seq_len", m.seq_len},
+                        {"max_position", m.max_position},
+                        {"norm_eps", m.norm_eps},
+                        {"tied_embeddings", m.tied_embeddings},
+                        {"num_params", m.num_params()}};
+    if (m.arch == Arch::Llama) {
+      j["rope_theta"] = m.rope_theta;
+      if (m.rope_scaled())
+        j["rope_scaling"] = {{"rope_type", "llama3"},
+                             {"factor", m.rope_scaling_factor},
+                             {"low_freq_factor", m.rope_low_freq_factor},
+                             {"high_freq_factor", m.rope_high_freq_factor},
+                             {"original_max_position_embeddings", m.rope_original_max_position}};
+      j["rope_inv_freq"] = m.rope_inv_freq();
+      if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
+    }
+    if (ap.flag("json")) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      for (auto it = j.begin(); it != j.end(); ++it)
+        if (it.key() != "rope_inv_freq") std::printf("%-16s %s\n", it.key().c_str(), it.value().dump().c_str());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain model-info: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace mt
