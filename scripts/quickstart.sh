@@ -14,10 +14,14 @@ D=data/fortunes-gpt2
 if [[ ! -f $D/train.bin ]]; then
   mkdir -p "$D"
   # Every English collection (not the .dat indexes, the ASCII art or translate-me), as prose: no
-  # `%` lines between fortunes, no "-- Author" attribution lines, no indentation or blank lines.
+  # `%` lines between fortunes, no "-- Author" attribution lines, no indentation, blank lines or
+  # line breaks inside a collection (one line of running text per file).
   for f in "$F"/*; do
     case "$(basename "$f")" in *.dat | *.u8 | art | ascii-art | translate-me) continue ;; esac
-    [[ -f $f ]] && sed -e '/^%$/d' -e 's/^[[:space:]]*//' -e '/^--/d' -e '/^$/d' "$f"
+    if [[ -f $f ]]; then
+      sed -e '/^%$/d' -e 's/^[[:space:]]*//' -e '/^--/d' -e '/^$/d' "$f" | tr '\n' ' '
+      echo
+    fi
   done > "$D/fortunes.txt"
   ./build/meshtrain prepare --tokenizer gpt2 --input "$D/fortunes.txt" --out "$D" --val-fraction 0.05
 fi
