@@ -28,7 +28,7 @@
 namespace mt::parallel {
 
 enum class ShardStrategy { Zero1, Zero2, Zero3, Hybrid3, Hybrid2 };
-// Parses the INTERFACE.md names (ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2).
+// Parses the parallel.strategy names (ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2).
 bool parse_shard_strategy(const std::string& s, ShardStrategy* out);
 const char* shard_strategy_name(ShardStrategy s);
 

@@ -50,7 +50,7 @@ class Strategy {
 };
 
 struct StrategySpec {
-  std::string strategy = "NO_SHARD";  // INTERFACE.md names
+  std::string strategy = "NO_SHARD";  // the parallel.strategy names
   double bucket_mb = 25.0;
   bool reshard_after_forward = true;
   int prefetch = 1;

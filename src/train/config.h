@@ -1,4 +1,4 @@
-// Run configuration: the TOML file of INTERFACE.md plus `--section.key value` overrides.
+// Run configuration: the TOML file of docs/training.md plus `--section.key value` overrides.
 // Every key is declared once in config.cpp with its type; unknown keys and badly typed values are
 // errors that name the file and key.
 #pragma once
