@@ -83,7 +83,7 @@ struct Transformer::Slot {
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage,
                          TpComm* tp, std::vector<char> owned_units)
     : cfg_(cfg), compute_(compute), recompute_(recompute), dev_(current_device()), kt_(&kernels::table(dev_)),
-      storage_(storage), tp_(tp), owned_(std::move(owned_units)) {
+      storage_(storage), tpc_(kt_, compute, tp), owned_(std::move(owned_units)) {
   cfg_.resolve();
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
   if (owned_.empty()) owned_.assign(U, 1);
@@ -91,11 +91,7 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
     throw std::invalid_argument("owned_units has " + std::to_string(owned_.size()) + " entries, the model has " +
                                 std::to_string(U) + " units");
   if (storage_.unit_align < 1) storage_.unit_align = 1;
-  if (tp_) {
-    tp_size_ = tp_->size();
-    tp_rank_ = tp_->rank();
-  }
-  const int64_t t = tp_size_;
+  const int64_t t = tpc_.size;
   auto need = [&](int64_t v, const char* what) {
     if (v % t != 0)
       throw std::invalid_argument(std::string(what) + " (" + std::to_string(v) + ") is not divisible by parallel.tp (" +
@@ -109,7 +105,7 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   nkv_l_ = cfg_.n_kv_head / t;
   F_l_ = cfg_.ffn_hidden / t;
   Vp_l_ = cfg_.padded_vocab / t;
-  vocab_lo_ = tp_rank_ * Vp_l_;
+  vocab_lo_ = tpc_.rank * Vp_l_;
   build_params();
   if (cfg_.rope_scaled()) rope_inv_freq_ = cfg_.rope_inv_freq();  // Llama 3.1 scaled frequencies
   const bool f32 = compute_ == DType::F32;
@@ -241,7 +237,7 @@ void Transformer::init_weights(uint64_t seed) {
 }
 
 void Transformer::init_weights_into(uint64_t seed, float* w) const {
-  if (tp_size_ > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_unit_from_full");
+  if (tpc_.size > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_unit_from_full");
   Rng rng(seed);
   std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
@@ -395,9 +391,9 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   T_ = T;
   const int64_t BT = B * T, C = cfg_.n_embd, V = Vp_l_, F = F_l_;
   const int64_t QKV = (nh_l_ + 2 * nkv_l_) * cfg_.head_dim();
-  if (sp_ && BT % tp_size_ != 0)
+  if (tpc_.sp && BT % tpc_.size != 0)
     throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
-                                " tokens) divisible by parallel.tp (" + std::to_string(tp_size_) + ")");
+                                " tokens) divisible by parallel.tp (" + std::to_string(tpc_.size) + ")");
   const int64_t R = residual_rows(BT);
   auto A = MemCategory::Activations;
   for (int u = first; u <= last; ++u) {
@@ -446,30 +442,8 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
   bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
   bwd_ws_.push_back(Tensor::empty({BT, std::max(C, F)}, DType::F32, W));
-  if (sp_) {
-    sp_full_ = Tensor::empty({BT, C}, DType::F32, W);
-    if (compute_ == DType::BF16) sp_full_bf_ = Tensor::empty({BT, C}, DType::BF16, W);
-    sp_dfull_ = Tensor::empty({BT, C}, DType::F32, W);
-    sp_part_ = Tensor::empty({BT, C}, DType::F32, W);
-    sp_pgrad_ = Tensor::empty({std::max<int64_t>(2 * C, 16)}, DType::F32, W);
-  }
-}
-
-void TpComm::all_gather(const float* in, float* out, int64_t n) {
-  const Device d = current_device();
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  dev::zero(d, out, bytes * static_cast<size_t>(size()));
-  dev::copy(d, out + rank() * n, in, bytes);
-  all_reduce_sum(out, n * size());
-}
-
-void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
-  const Device d = current_device();
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  Tensor all = Tensor::empty({n * size()}, DType::F32, MemCategory::Workspace);
-  dev::copy(d, all.f32(), in, bytes * static_cast<size_t>(size()));
-  all_reduce_sum(all.f32(), n * size());
-  dev::copy(d, out, all.f32() + rank() * n, bytes);
+  tpc_.stage = bwd_ws_[6].f32();
+  tpc_.allocate(BT, C);
 }
 
 void Transformer::set_loss_chunk(int64_t rows) {
@@ -502,12 +476,8 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
       kt_->linear_forward_bf16(lg, s.head_in_bf.bf() + r0 * C, head_wb(), nullptr, nr, C, Vp);
     else
       kt_->linear_forward(lg, hin + r0 * C, head_wf(), nullptr, nr, C, Vp);
-    if (tp_size_ > 1)  // vocab-parallel: this rank's columns, row statistics reduced over the tp ranks
-      tp_cross_entropy(lg, tg + r0, s.losses.f32() + r0, nr, train, dloss_scale);
-    else if (train)
-      kt_->softmax_cross_entropy(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp, dloss_scale);
-    else
-      kt_->softmax_cross_entropy_forward(lg, s.losses.f32() + r0, tg + r0, nr, V, Vp);
+    // vocab-parallel: this rank's columns, row statistics reduced over the tp ranks
+    VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp).forward(lg, tg + r0, s.losses.f32() + r0, nr, train, dloss_scale);
     if (!train) continue;
     // With tp these input-gradient rows are this rank's partial sums; the backward reduces them.
     if (bf)
@@ -518,250 +488,112 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
   }
 }
 
-// A column-parallel layer's (or the vocab-parallel head's) input gradient, `partial` [B*T, C],
-// summed over the tp ranks (reduce-scattered to this rank's R rows in sp_part_ under sequence
-// parallelism). Started as soon as the input-gradient matmul is done so that it overlaps the
-// weight-gradient matmul (Megatron's async tensor-parallel all-reduce) unless tp_overlap_ is off;
-// input_grad_sum waits and returns where the sum is.
-int Transformer::start_input_grad_sum(float* partial) {
-  if (tp_size_ == 1) return -1;
-  const int64_t N = B_ * T_, C = cfg_.n_embd;
-  const int h = sp_ ? tp_->start_reduce_scatter_activations(partial, sp_part_.f32(), residual_rows(N) * C)
-                    : tp_->start_all_reduce_activations(partial, N * C);
-  if (tp_overlap_) return h;
-  tp_->wait(h);
-  return -1;
-}
-
-float* Transformer::input_grad_sum(float* partial, int h) {
-  if (tp_size_ == 1) return partial;
-  tp_->wait(h);
-  return sp_ ? sp_part_.f32() : partial;
-}
-
 void Transformer::set_sequence_parallel(bool on) {
   if (ws_bt_ != 0) throw std::logic_error("set_sequence_parallel must come before the first forward");
-  sp_ = on && tp_size_ > 1;
+  tpc_.sp = on && tpc_.tp();
 }
 
-// The full [N, C] rows from this rank's R = N / t (fp32 shard) in the compute dtype.
-const Tensor& Transformer::sp_gather(const float* shard, int64_t n) {
-  tp_->all_gather_activations(shard, sp_full_.f32(), n * cfg_.n_embd);
-  if (compute_ == DType::F32) return sp_full_;
-  kt_->cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), n * tp_size_ * cfg_.n_embd);
-  return sp_full_bf_;
-}
-
-// Backward of the norm whose weight is parameter w and bias parameter b (GPT-2's LayerNorm; -1:
-// Llama's RMSNorm, no bias) over R rows: dx += d(input), and the parameters' gradients accumulate. Under
-// sequence parallelism each rank saw only its rows, so the parameters' contribution is computed
-// into a zeroed buffer and summed over the tp ranks first: every rank adds the same full value.
-void Transformer::norm_backward(float* dx, int w, int b, const float* dout, const float* x, const Tensor& mean,
-                                const Tensor& rstd, int64_t R) {
-  const int64_t C = cfg_.n_embd;
-  const bool layernorm = cfg_.arch == Arch::GPT2;
-  auto run = [&](float* dw, float* db) {
-    if (layernorm)
-      kt_->layernorm_backward(dx, dw, db, dout, x, wf(w), mean.f32(), rstd.f32(), R, C);
-    else
-      kt_->rmsnorm_backward(dx, dw, dout, x, wf(w), rstd.f32(), R, C);
-  };
-  if (!sp_) return run(gp(w), b >= 0 ? gp(b) : nullptr);
-  const int64_t n = layernorm ? 2 * C : C;
-  float* t = sp_pgrad_.f32();
-  dev::zero(dev_, t, static_cast<size_t>(n) * sizeof(float));
-  run(t, layernorm ? t + C : nullptr);
-  tp_->all_reduce_sum(t, n);
-  kt_->accumulate(gp(w), t, C);
-  if (b >= 0) kt_->accumulate(gp(b), t + C, C);
-}
-
-// y = x @ W^T (+ b), with x in the compute dtype.
-namespace {
-struct Lin {
-  const kernels::KernelTable* kt_;
-  DType cd;
-  void fwd(float* out, const Tensor& x, const float* wf, const bf16* wb, const float* b, int64_t N, int64_t IC,
-           int64_t OC) const {
-    if (cd == DType::F32)
-      kt_->linear_forward(out, x.f32(), wf, b, N, IC, OC);
-    else
-      kt_->linear_forward_bf16(out, x.bf(), wb, b, N, IC, OC);
-  }
-  void bwd(float* dx, float* dw, float* db, const float* dout, const Tensor& x, const float* wf, const bf16* wb,
-           int64_t N, int64_t IC, int64_t OC) const {
-    if (cd == DType::F32)
-      kt_->linear_backward(dx, dw, db, dout, x.f32(), wf, N, IC, OC);
-    else
-      kt_->linear_backward_bf16(dx, dw, db, dout, x.bf(), wb, N, IC, OC);
-  }
-};
-// Writes an fp32 result into a compute-dtype tensor (cast in bf16 mode, through scratch).
-void store(const kernels::KernelTable* kt_, const Tensor& dst, const float* src, int64_t n) {
-  if (dst.dtype() == DType::F32)
-    dev::copy(kt_->device, dst.f32(), src, static_cast<size_t>(n) * sizeof(float));
+Weight Transformer::weight(int w, int b, int64_t out, bool grads) {
+  Weight r;
+  r.out = out;
+  if (compute_ == DType::BF16)
+    r.wb = wb(w);
   else
-    kt_->cast_f32_to_bf16(dst.bf(), src, n);
+    r.wf = wf(w);
+  if (grads) {
+    r.dw = gp(w);
+    if (b >= 0) r.db = gp(b);
+  } else if (b >= 0) {
+    r.b = wf(b);
+  }
+  return r;
 }
-}  // namespace
 
+// The block's q|k|v projection: GPT-2's fused weight and bias, or Llama's q, k, v weights (one
+// contiguous matrix) with Qwen 2's three biases joined into one (qkv_bias_f32).
+Weight Transformer::qkv_weight(const BlockParams& p, int64_t out, bool grads) {
+  Weight r = weight(p.qkv_w, p.qkv_b, out, grads);
+  if (cfg_.arch != Arch::GPT2 && !grads && p.qkv_b >= 0) r.b = qkv_bias_f32(p.qkv_b);
+  return r;
+}
+
+Norm Transformer::norm(int w, int b, bool grads) {
+  return Norm(tpc_, cfg_.n_embd, cfg_.norm_eps, wf(w), b >= 0 ? wf(b) : nullptr, grads ? gp(w) : nullptr,
+              grads && b >= 0 ? gp(b) : nullptr, cfg_.arch == Arch::GPT2);
+}
+
+// Under sequence parallelism x, out, the norms and the residual hold this rank's R rows; the
+// parallel layers gather and reduce-scatter around the matmuls.
 void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
-  const bool tp = tp_size_ > 1;
+  const int64_t R = residual_rows(N);
   const BlockParams p = block_params(cfg_, unit_params_[layer + 1][0]);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
-  Lin lin{kt_, compute_};
-  auto WB = [&](int i) { return bf ? wb(i) : nullptr; };  // a matrix in the compute dtype
-  auto WF = [&](int i) { return bf ? nullptr : wf(i); };
-  auto V = [&](int i) { return i < 0 ? nullptr : wf(i); };  // a vector (norm weight, bias), fp32
-  const int64_t R = residual_rows(N);  // rows of x, out, the norms and the residual on this rank
   float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
-  // Sequence parallelism: the norm runs on this rank's rows; the matmul gets all rows (gathered).
-  float* ln1_out = bf || sp_ ? tmp : a.ln1.f32();
-  if (gpt)
-    kt_->layernorm_forward(ln1_out, a.ln1_mean.f32(), a.ln1_rstd.f32(), x, V(p.ln1_w), V(p.ln1_b), R, C, cfg_.norm_eps);
-  else
-    kt_->rmsnorm_forward(ln1_out, a.ln1_rstd.f32(), x, V(p.ln1_w), R, C, cfg_.norm_eps);
-  if (bf || sp_) store(kt_, a.ln1, ln1_out, R * C);
-  const Tensor& ln1_in = sp_ ? sp_gather(ln1_out, R) : a.ln1;
-  // qkv: GPT-2 has one fused weight; Llama's q, k, v weights are contiguous so they form one too.
-  lin.fwd(a.qkv.f32(), ln1_in, WF(p.qkv_w), WB(p.qkv_w), gpt ? V(p.qkv_b) : qkv_bias_f32(p.qkv_b), N, C, QKV);
+  // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
+  const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
+  ColumnParallelLinear(tpc_, C).forward(a.ln1, ln1, {{a.qkv.f32(), qkv_weight(p, QKV, false)}});
   if (!gpt && rope_inv_freq_.empty()) kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
   if (!gpt && !rope_inv_freq_.empty()) kt_->rope_forward_freq(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
   kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
-  if (bf) store(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
-  const Tensor& atty_in = bf ? a.atty_bf : a.atty;
-  // Row-parallel output projection: partial sums over this rank's heads, summed across tp ranks
-  // (reduce-scattered to this rank's rows with sequence parallelism), then the (replicated) bias once.
-  float* proj_out = sp_ ? sp_part_.f32() : a.res2.f32();
-  lin.fwd(proj_out, atty_in, WF(p.proj_w), WB(p.proj_w), tp ? nullptr : V(p.proj_b), N, nh * hd, C);
-  if (sp_)
-    tp_->reduce_scatter_activations(proj_out, a.res2.f32(), R * C);
-  else if (tp)
-    tp_->all_reduce_activations(a.res2.f32(), N * C);
-  if (tp && p.proj_b >= 0) kt_->add_bias(a.res2.f32(), V(p.proj_b), R, C);
+  if (bf) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
+  RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, false)).forward(a.res2.f32(), bf ? a.atty_bf : a.atty);
   kt_->accumulate(a.res2.f32(), x, R * C);
-  float* ln2_out = bf || sp_ ? tmp : a.ln2.f32();
-  if (gpt)
-    kt_->layernorm_forward(ln2_out, a.ln2_mean.f32(), a.ln2_rstd.f32(), a.res2.f32(), V(p.ln2_w), V(p.ln2_b), R, C,
-                           cfg_.norm_eps);
-  else
-    kt_->rmsnorm_forward(ln2_out, a.ln2_rstd.f32(), a.res2.f32(), V(p.ln2_w), R, C, cfg_.norm_eps);
-  if (bf || sp_) store(kt_, a.ln2, ln2_out, R * C);
-  const Tensor& ln2_in = sp_ ? sp_gather(ln2_out, R) : a.ln2;
+  // MLP: out = res2 + down(act(ln2(res2))).
+  const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
   float* act_out = bf ? tmp : a.act.f32();
   if (gpt) {
-    lin.fwd(a.fc.f32(), ln2_in, WF(p.fc_w), WB(p.fc_w), V(p.fc_b), N, C, F);
+    ColumnParallelLinear(tpc_, C).forward(a.ln2, ln2, {{a.fc.f32(), weight(p.fc_w, p.fc_b, F, false)}});
     kt_->gelu_forward(act_out, a.fc.f32(), N * F);
   } else {
-    lin.fwd(a.fc.f32(), ln2_in, WF(p.fc_w), WB(p.fc_w), nullptr, N, C, F);
-    lin.fwd(a.up.f32(), ln2_in, WF(p.up_w), WB(p.up_w), nullptr, N, C, F);
+    ColumnParallelLinear(tpc_, C).forward(
+        a.ln2, ln2, {{a.fc.f32(), weight(p.fc_w, -1, F, false)}, {a.up.f32(), weight(p.up_w, -1, F, false)}});
     kt_->swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
   }
-  if (bf) store(kt_, a.act, act_out, N * F);
-  float* down_out = sp_ ? sp_part_.f32() : out;
-  lin.fwd(down_out, a.act, WF(p.down_w), WB(p.down_w), tp ? nullptr : V(p.down_b), N, F, C);
-  if (sp_)
-    tp_->reduce_scatter_activations(down_out, out, R * C);
-  else if (tp)
-    tp_->all_reduce_activations(out, N * C);
-  if (tp && p.down_b >= 0) kt_->add_bias(out, V(p.down_b), R, C);
+  if (bf) store_compute(kt_, a.act, act_out, N * F);
+  RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, false)).forward(out, a.act);
   kt_->accumulate(out, a.res2.f32(), R * C);
 }
 
-// dx holds d(block output) on entry and d(block input) on exit.
+// dx holds d(block output) on entry and d(block input) on exit (this rank's R rows under sequence
+// parallelism).
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
+  const int64_t R = residual_rows(N);
   const BlockParams p = block_params(cfg_, unit_params_[layer + 1][0]);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
-  Lin lin{kt_, compute_};
-  auto WB = [&](int i) { return bf ? wb(i) : nullptr; };
-  auto WF = [&](int i) { return bf ? nullptr : wf(i); };
-  auto G = [&](int i) { return i < 0 ? nullptr : gp(i); };  // a parameter's gradient (null: none)
   float* dnorm = bwd_ws_[0].f32();
   float* dqkv = bwd_ws_[1].f32();
   float* datty = bwd_ws_[2].f32();
   float* dfc = bwd_ws_[3].f32();
   float* dup = bwd_ws_[4].f32();
   float* dact = bwd_ws_[5].f32();
-
-  // Sequence parallelism: dx holds this rank's R rows; the row-parallel matmuls' backward needs
-  // every row (all-gather, the conjugate of the forward's reduce-scatter), the column-parallel
-  // ones' input gradients are reduce-scattered back to R rows, and the norms' parameter gradients
-  // (computed from R rows) are summed over the tp ranks.
-  const int64_t R = residual_rows(N);
-  auto all_rows = [&](const float* g) -> const float* {
-    if (!sp_) return g;
-    // fp32 on the wire: besides the matmuls (bf16 inputs) this gradient feeds the bias gradient,
-    // which tensor parallelism without SP computes from the fp32 rows.
-    tp_->all_gather(g, sp_dfull_.f32(), R * C);
-    return sp_dfull_.f32();
-  };
-  // The norm output a column-parallel layer's weight gradient needs, all rows: under sequence
-  // parallelism re-gathered from the stored R rows, started before the input-gradient matmul
-  // (which does not need it) so that the gather overlaps it.
-  auto start_norm_input = [&](const Tensor& stored) -> int {
-    if (!sp_) return -1;
-    const float* src = nullptr;
-    if (bf) {
-      kt_->cast_bf16_to_f32(bwd_ws_[6].f32(), stored.bf(), R * C);
-      src = bwd_ws_[6].f32();
-    } else {
-      src = stored.f32();
-    }
-    return tp_->start_all_gather_activations(src, sp_full_.f32(), R * C);
-  };
-  auto norm_input = [&](const Tensor& stored, int h) -> const Tensor& {
-    if (!sp_) return stored;
-    tp_->wait(h);
-    if (!bf) return sp_full_;
-    kt_->cast_f32_to_bf16(sp_full_bf_.bf(), sp_full_.f32(), N * C);
-    return sp_full_bf_;
-  };
-  // MLP: out = res2 + down(act(ln2(res2))). dx already carries the residual path's gradient.
-  dev::zero(dev_, dact, static_cast<size_t>(N * F) * sizeof(float));
-  const float* dout = all_rows(dx);
-  lin.bwd(dact, G(p.down_w), G(p.down_b), dout, a.act, WF(p.down_w), WB(p.down_w), N, F, C);
+  // MLP. dx already carries the residual path's gradient.
+  RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
   dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
-  dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
+  const float* dln2 = nullptr;
   if (gpt) {
     kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
-    const int hin = start_norm_input(a.ln2);
-    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(p.fc_w), WB(p.fc_w), N, C, F);  // input gradient first
-    const int hsum = start_input_grad_sum(dnorm);
-    lin.bwd(nullptr, G(p.fc_w), G(p.fc_b), dfc, norm_input(a.ln2, hin), WF(p.fc_w), WB(p.fc_w), N, C, F);
-    norm_backward(dx, p.ln2_w, p.ln2_b, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    dln2 = ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
   } else {
     dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
     kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
-    const int hin = start_norm_input(a.ln2);
-    lin.bwd(dnorm, nullptr, nullptr, dfc, a.ln2, WF(p.fc_w), WB(p.fc_w), N, C, F);
-    lin.bwd(dnorm, nullptr, nullptr, dup, a.ln2, WF(p.up_w), WB(p.up_w), N, C, F);
-    const int hsum = start_input_grad_sum(dnorm);
-    const Tensor& ln2_in = norm_input(a.ln2, hin);
-    lin.bwd(nullptr, G(p.fc_w), nullptr, dfc, ln2_in, WF(p.fc_w), WB(p.fc_w), N, C, F);
-    lin.bwd(nullptr, G(p.up_w), nullptr, dup, ln2_in, WF(p.up_w), WB(p.up_w), N, C, F);
-    norm_backward(dx, p.ln2_w, p.ln2_b, input_grad_sum(dnorm, hsum), a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    dln2 = ColumnParallelLinear(tpc_, C).backward(
+        a.ln2, {{dfc, weight(p.fc_w, -1, F, true)}, {dup, weight(p.up_w, -1, F, true)}}, dnorm);
   }
-  // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
-  dev::zero(dev_, datty, static_cast<size_t>(N * nh * hd) * sizeof(float));
-  const Tensor& atty_in = bf ? a.atty_bf : a.atty;
-  const float* dres2 = all_rows(dx);
-  lin.bwd(datty, G(p.proj_w), G(p.proj_b), dres2, atty_in, WF(p.proj_w), WB(p.proj_w), N, nh * hd, C);
+  norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+  // Attention.
+  RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, true)).backward(datty, dx, bf ? a.atty_bf : a.atty);
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
   kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
   if (!gpt && rope_inv_freq_.empty()) kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
   if (!gpt && !rope_inv_freq_.empty()) kt_->rope_backward_freq(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
-  dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
-  const int hin = start_norm_input(a.ln1);
-  lin.bwd(dnorm, nullptr, nullptr, dqkv, a.ln1, WF(p.qkv_w), WB(p.qkv_w), N, C, QKV);
-  const int hsum = start_input_grad_sum(dnorm);
-  lin.bwd(nullptr, G(p.qkv_w), G(p.qkv_b), dqkv, norm_input(a.ln1, hin), WF(p.qkv_w), WB(p.qkv_w), N, C, QKV);
-  norm_backward(dx, p.ln1_w, p.ln1_b, input_grad_sum(dnorm, hsum), x, a.ln1_mean, a.ln1_rstd, R);
+  const float* dln1 = ColumnParallelLinear(tpc_, C).backward(a.ln1, {{dqkv, qkv_weight(p, QKV, true)}}, dnorm);
+  norm(p.ln1_w, p.ln1_b, true).backward(dx, dln1, x, a.ln1_mean, a.ln1_rstd, R);
 }
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,
@@ -780,7 +612,6 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
-  const bool tp = tp_size_ > 1;
   s.have_backward = false;
 
   if (first == 0) {  // unit 0: embedding
@@ -791,27 +622,12 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
     const int32_t* ids_saved = s.ids.data<int32_t>();
     if (hooks_) hooks_->pre_forward(0);
-    // With sequence parallelism the vocab-parallel partial rows of all N tokens are built in
-    // workspace and reduce-scattered to this rank's R rows.
-    float* x = sp_ ? sp_part_.f32() : s.block_out[0].f32();
+    float* x = s.block_out[0].f32();
     const int emb = unit_params_[0][0];
-    if (tp) {
-      // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp ranks.
-      kt_->vocab_embedding_forward(x, ids_saved, bf ? static_cast<const void*>(wb(emb)) : wf(emb), compute_, vocab_lo_,
-                                   Vp_l_, N, C);
-      if (sp_) {
-        tp_->reduce_scatter_activations(x, s.block_out[0].f32(), R * C);
-        x = s.block_out[0].f32();
-      } else {
-        tp_->all_reduce_activations(x, N * C);
-      }
-    } else if (bf) {  // rows of the bf16 table, widened
-      kt_->vocab_embedding_forward(x, ids_saved, wb(emb), DType::BF16, 0, Vp_l_, N, C);
-    } else {
-      kt_->embedding_forward(x, ids_saved, wf(emb), N, C);
-    }
-    if (gpt && sp_) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
-      kt_->position_add_rows(x, wf(emb + 1), R, T, tp_rank_ * R, C);
+    VocabParallelEmbedding(tpc_, C, vocab_lo_, Vp_l_)
+        .forward(x, ids_saved, bf ? static_cast<const void*>(wb(emb)) : wf(emb));
+    if (gpt && tpc_.sp) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
+      kt_->position_add_rows(x, wf(emb + 1), R, T, tpc_.rank * R, C);
     } else if (gpt) {
       kt_->position_add_forward(x, wf(emb + 1), B, T, C);
     }
@@ -838,13 +654,10 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const float* xl = s.block_out[cfg_.n_layer].f32();
   // Sequence parallelism: the final norm on this rank's rows, gathered for the (vocab-parallel)
   // output projection, which needs every row; head_in keeps the gathered rows for its backward.
-  float* hin = sp_ ? bwd_ws_[6].f32() : s.head_in.f32();
-  if (gpt)
-    kt_->layernorm_forward(hin, s.head_mean.f32(), s.head_rstd.f32(), xl, wf(hb), wf(hb + 1), R, C, cfg_.norm_eps);
-  else
-    kt_->rmsnorm_forward(hin, s.head_rstd.f32(), xl, wf(hb), R, C, cfg_.norm_eps);
-  if (sp_) {
-    tp_->all_gather_activations(hin, s.head_in.f32(), R * C);
+  float* hin = tpc_.sp ? bwd_ws_[6].f32() : s.head_in.f32();
+  norm(hb, gpt ? hb + 1 : -1, false).forward(hin, s.head_mean, s.head_rstd, xl, R);
+  if (tpc_.sp) {
+    tpc_.gather_into(hin, s.head_in.f32());
     hin = s.head_in.f32();
   }
   if (bf) kt_->cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
@@ -865,12 +678,9 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     dev::copy_from_host(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
     if (s.chunked)
       chunked_head_forward(hin, train, dloss_scale);
-    else if (tp)
-      tp_cross_entropy(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
-    else if (train)
-      kt_->softmax_cross_entropy(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
-      kt_->softmax_cross_entropy_forward(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp);
+      VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp)
+          .forward(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
     loss = kt_->sum(s.losses.f32(), N) / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
@@ -901,7 +711,6 @@ void Transformer::backward_units(int first, int last, const float* dout) {
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
-  const bool tp = tp_size_ > 1;
   float* dx = dres_.f32();  // R rows
   if (last == hu) {
     const int hb = unit_params_[hu][0];
@@ -913,7 +722,7 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       // The weight gradient the forwards accumulated is added while the input gradient's sum over
       // the tp ranks runs (in vocabulary-row chunks, each handed over, when the embedding gradient
       // is deferred).
-      const int h = start_input_grad_sum(dhin);
+      const int h = tpc_.start_input_grad_sum(dhin);
       const int64_t rows = defer_emb_ && head_chunk_done_ ? std::clamp<int64_t>(head_chunk_rows_, 1, Vp) : Vp;
       for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
         const int64_t cv = std::min(rows, Vp - r0);
@@ -921,7 +730,7 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         if (defer_emb_ && head_chunk_done_) head_chunk_done_(r0, r0 + cv);
       }
       head_dw_pending_ = false;
-      dhin = input_grad_sum(dhin, h);
+      dhin = tpc_.input_grad_sum(dhin, h);
     } else if (defer_emb_ && head_chunk_done_) {  // tp = 1
       // In vocabulary-row chunks, each chunk's weight-gradient rows handed over when complete.
       dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
@@ -942,21 +751,18 @@ void Transformer::backward_units(int first, int last, const float* dout) {
         head_chunk_done_(r0, r0 + cv);
       }
     } else {
-      // Input gradient first, so that its sum over the tp ranks runs while the weight gradient is computed.
-      dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
-      auto head_bwd = [&](float* dinp, float* dw) {
-        if (bf)
-          kt_->linear_backward_bf16(dinp, dw, nullptr, s.logits.f32(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
-        else
-          kt_->linear_backward(dinp, dw, nullptr, s.logits.f32(), s.head_in.f32(), head_wf(), N, C, Vp);
-      };
-      head_bwd(dhin, nullptr);
-      const int h = start_input_grad_sum(dhin);
-      head_bwd(nullptr, head_gp());
-      dhin = input_grad_sum(dhin, h);
+      // The head is column-parallel over the vocabulary; its input was kept with every row.
+      Weight w;
+      if (bf)
+        w.wb = head_wb();
+      else
+        w.wf = head_wf();
+      w.dw = head_gp();
+      w.out = Vp;
+      dhin = ColumnParallelLinear(tpc_, C).backward(bf ? s.head_in_bf : s.head_in, {{s.logits.f32(), w}}, dhin, false);
     }
     dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
-    norm_backward(dx, hb, gpt ? hb + 1 : -1, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
+    norm(hb, gpt ? hb + 1 : -1, true).backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
     if (hooks_) hooks_->post_backward(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
@@ -976,35 +782,32 @@ void Transformer::backward_units(int first, int last, const float* dout) {
   if (first == 0) {
     const int emb = unit_params_[0][0];
     if (hooks_) hooks_->pre_backward(0);
-    if (sp_) {  // every token's gradient (any may index this rank's vocabulary rows); fp32: a parameter gradient
-      tp_->all_gather(dx, sp_dfull_.f32(), R * C);
-      dx = sp_dfull_.f32();
-    }
-    if (tp) {  // only the rows this rank holds
-      kt_->vocab_embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), vocab_lo_, Vp_l_, N, C);
-    } else if (defer_emb_) {  // kept for the caller (see set_defer_embedding_grad)
+    // Every token's gradient (any may index this rank's vocabulary rows).
+    VocabParallelEmbedding embedding(tpc_, C, vocab_lo_, Vp_l_);
+    const float* dall = embedding.grad_rows(dx);
+    if (defer_emb_) {  // tp = 1: kept for the caller (see set_defer_embedding_grad)
       if (!deferred_rows_.defined() || deferred_rows_.numel() != N * C) {
         deferred_rows_ = Tensor::empty({N, C}, DType::F32, MemCategory::Workspace);
         deferred_ids_ = Tensor::empty({N}, DType::F32, MemCategory::Workspace);  // int32 storage
       }
-      dev::copy(dev_, deferred_rows_.f32(), dx, static_cast<size_t>(N * C) * sizeof(float));
+      dev::copy(dev_, deferred_rows_.f32(), dall, static_cast<size_t>(N * C) * sizeof(float));
       dev::copy(dev_, deferred_ids_.raw(), s.ids.raw(), static_cast<size_t>(N) * sizeof(int32_t));
       deferred_n_ = N;
     } else {
-      kt_->embedding_backward(gp(emb), dx, s.ids.data<int32_t>(), N, C);
+      embedding.backward(gp(emb), dall, s.ids.data<int32_t>());
     }
     if (extra_emb_grad_) {  // the pipeline's head contribution to a tied embedding
       kt_->accumulate(gp(emb), extra_emb_grad_, Vp * C);
       extra_emb_grad_ = nullptr;
     }
-    if (gpt) kt_->position_add_backward(gp(emb + 1), dx, B, T, C);
+    if (gpt) kt_->position_add_backward(gp(emb + 1), dall, B, T, C);
     if (hooks_) hooks_->post_backward(0);
   }
   s.have_backward = false;
 }
 
 bool Transformer::can_defer_embedding_grad() const {
-  return cfg_.tied_embeddings && tp_size_ == 1 && owned_.front() && owned_.back();
+  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back();
 }
 
 const float* Transformer::unit_output(int u) const {
@@ -1028,21 +831,6 @@ void Transformer::load_tied_replica(const Transformer& full_layout, const float*
     dev::copy(dev_, tied_w_.f32(), tmp.f32(), static_cast<size_t>(rows * C) * sizeof(float));
   else
     kt_->cast_f32_to_bf16(tied_w_.bf(), tmp.f32(), rows * C);
-}
-
-// Vocab-parallel softmax cross-entropy (Megatron): each rank holds Vp/t columns of the logits;
-// the row max, then the sum of exponentials and the target's logit are reduced across tp ranks,
-// so the full [N, V] logits are never gathered. With train, the local logits become their gradient.
-void Transformer::tp_cross_entropy(float* lg, const int32_t* tg, float* losses, int64_t N, bool train, float dloss) {
-  const int64_t Vl = Vp_l_, V = cfg_.vocab_size, lo = vocab_lo_;
-  const int64_t valid = std::clamp<int64_t>(V - lo, 0, Vl);  // real vocabulary columns on this rank
-  Tensor mx = Tensor::empty({N}, DType::F32, MemCategory::Workspace);
-  Tensor red = Tensor::empty({2 * N}, DType::F32, MemCategory::Workspace);  // [sum of exp | target logit]
-  kt_->vp_ce_rowmax(mx.f32(), lg, N, Vl, valid);
-  tp_->all_reduce_max(mx.f32(), N);
-  kt_->vp_ce_stats(red.f32(), lg, mx.f32(), tg, N, Vl, valid, lo);
-  tp_->all_reduce_sum(red.f32(), 2 * N);
-  kt_->vp_ce_finish(lg, losses, mx.f32(), red.f32(), tg, N, Vl, valid, lo, train, dloss);
 }
 
 namespace {
@@ -1085,7 +873,7 @@ void Transformer::shard_unit_from_full(const Transformer& full_layout, int u, co
   for (const auto& lp : params_) {
     if (lp.unit != u) continue;
     const ParamInfo& fp = full_layout.param(lp.name);
-    for_each_tp_run(lp, fp, tp_rank_, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+    for_each_tp_run(lp, fp, tpc_.rank, tpc_.size, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
       dev::copy(dev_, local + (lp.offset - lo) + li, full + (fp.offset - fo) + fi, static_cast<size_t>(n) * sizeof(float));
     });
   }
@@ -1093,14 +881,14 @@ void Transformer::shard_unit_from_full(const Transformer& full_layout, int u, co
 
 void Transformer::assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
                                      float* full) const {
-  if (static_cast<int>(locals.size()) != tp_size_) throw std::invalid_argument("assemble_unit_full: one buffer per tp rank");
+  if (static_cast<int>(locals.size()) != tpc_.size) throw std::invalid_argument("assemble_unit_full: one buffer per tp rank");
   const int64_t lo = units_[u].offset, fo = full_layout.units_[u].offset;
   dev::zero(dev_, full, static_cast<size_t>(full_layout.units_[u].numel) * sizeof(float));
   for (const auto& lp : params_) {
     if (lp.unit != u) continue;
     const ParamInfo& fp = full_layout.param(lp.name);
-    for (int r = 0; r < tp_size_; ++r)
-      for_each_tp_run(lp, fp, r, tp_size_, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+    for (int r = 0; r < tpc_.size; ++r)
+      for_each_tp_run(lp, fp, r, tpc_.size, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
         dev::copy(dev_, full + (fp.offset - fo) + fi, locals[r] + (lp.offset - lo) + li, static_cast<size_t>(n) * sizeof(float));
       });
   }

@@ -15,6 +15,7 @@
 
 #include "model/model_config.h"
 #include "model/parameters.h"
+#include "model/tp_layers.h"
 #include "runtime/tensor.h"
 
 namespace mt {
@@ -38,46 +39,7 @@ class UnitHooks {
 };
 
 struct BlockActivations;  // defined in transformer.cpp
-
-// The collectives tensor parallelism needs inside units (implemented over the tp process group by
-// the parallel layer; the model layer does not depend on the comm layer). Blocking.
-class TpComm {
- public:
-  virtual ~TpComm() = default;
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
-  virtual void all_reduce_sum(float* x, int64_t n) = 0;
-  virtual void all_reduce_max(float* x, int64_t n) = 0;
-  // Sequence parallelism. `out` receives size() x n elements in rank order; `in` is this rank's n.
-  // The defaults express both through all_reduce_sum (exact: the other ranks add zeros); a real
-  // implementation uses the all-gather / reduce-scatter collectives at 1/2 the traffic.
-  virtual void all_gather(const float* in, float* out, int64_t n);
-  // out (n elements) = the sum over ranks of segment rank() of `in` (size() x n elements).
-  virtual void reduce_scatter_sum(const float* in, float* out, int64_t n);
-  // The same three for activations and activation gradients (the Megatron collectives around the
-  // parallel matmuls and the vocab-parallel embedding / head). An implementation may move them in
-  // the compute dtype (bf16 in bf16 runs, as Megatron does); loss statistics and parameter
-  // gradients always go through the fp32 calls above.
-  virtual void all_reduce_activations(float* x, int64_t n) { all_reduce_sum(x, n); }
-  virtual void all_gather_activations(const float* in, float* out, int64_t n) { all_gather(in, out, n); }
-  virtual void reduce_scatter_activations(const float* in, float* out, int64_t n) { reduce_scatter_sum(in, out, n); }
-  // Asynchronous forms: start_* begins the collective and returns a handle; the output (and the
-  // input buffer) belong to the collective until wait(handle). Used to overlap the input-gradient
-  // reductions with the weight-gradient matmuls. The defaults complete before returning (-1).
-  virtual int start_all_reduce_activations(float* x, int64_t n) {
-    all_reduce_activations(x, n);
-    return -1;
-  }
-  virtual int start_all_gather_activations(const float* in, float* out, int64_t n) {
-    all_gather_activations(in, out, n);
-    return -1;
-  }
-  virtual int start_reduce_scatter_activations(const float* in, float* out, int64_t n) {
-    reduce_scatter_activations(in, out, n);
-    return -1;
-  }
-  virtual void wait(int handle) { (void)handle; }
-};
+struct BlockParams;       // defined in transformer.cpp
 
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
 // at their own buffers instead (set_unit_weights / set_unit_grads).
@@ -206,8 +168,8 @@ class Transformer {
   // otherwise each hold a full set (it keeps one shared scratch set instead).
   int64_t activation_bytes_saved() const;
 
-  int tp_size() const { return tp_size_; }
-  int tp_rank() const { return tp_rank_; }
+  int tp_size() const { return tpc_.size; }
+  int tp_rank() const { return tpc_.rank; }
   // Sequence parallelism (Megatron, with tp > 1): between the tensor-parallel regions (norms,
   // residual adds, the pipeline's stage boundaries) each tp rank holds only its 1/t of the B*T
   // rows; all-gathers before the column-parallel matmuls and reduce-scatters after the row-parallel
@@ -215,7 +177,7 @@ class Transformer {
   void set_sequence_parallel(bool on);
   // Tensor parallelism: the column-parallel layers' (and the head's) input-gradient reductions run
   // while the weight gradients are computed (default on; off = each one completes first).
-  void set_tp_overlap(bool on) { tp_overlap_ = on; }
+  void set_tp_overlap(bool on) { tpc_.overlap = on; }
   // Chunked LM head and loss (0 = off): a forward with targets computes the logits, the
   // loss and - when training - the head's input and weight gradients `rows` tokens at a time, so
   // the [tokens, vocab] logits are never held: the head keeps its input gradient per micro-batch
@@ -226,9 +188,9 @@ class Transformer {
   // the first forward.
   void set_loss_chunk(int64_t rows);
   int64_t loss_chunk() const { return loss_chunk_; }
-  bool sequence_parallel() const { return sp_; }
+  bool sequence_parallel() const { return tpc_.sp; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
-  int64_t residual_rows(int64_t N) const { return sp_ ? N / tp_size_ : N; }
+  int64_t residual_rows(int64_t N) const { return tpc_.rows(N); }
   // Tensor parallelism, one unit at a time: this rank's part of unit u's parameters, taken from
   // the unit's values laid out like `full_layout` (an unsplit model of the same config), and the
   // inverse from every tp rank's part (rank order); also maps between two unsplit layouts
@@ -250,6 +212,12 @@ class Transformer {
   const float* wf(int idx);
   const bf16* wb(int idx) const;
   float* gp(int idx) const;
+  // Parameter w as a matrix of `out` rows in the compute dtype: for a forward with bias b (-1:
+  // none), with `grads` (backward) with the gradients of w and b instead. The norm with weight w
+  // and bias b (and their gradients with `grads`).
+  Weight weight(int w, int b, int64_t out, bool grads);
+  Weight qkv_weight(const BlockParams& p, int64_t out, bool grads);
+  Norm norm(int w, int b, bool grads);
   const float* head_wf();
   const bf16* head_wb() const;
   float* head_gp() const;
@@ -265,20 +233,9 @@ class Transformer {
   int64_t total_ = 0, flat_size_ = 0;
   ModelStorage storage_;
   std::vector<Tensor> upcast_;  // bf16 mode: fp32 copies of small parameters, per param index
-  TpComm* tp_ = nullptr;
-  int tp_size_ = 1, tp_rank_ = 0;
-  bool sp_ = false;
-  bool tp_overlap_ = true;
-  // sequence-parallel workspace: gathered rows (f32 and compute dtype), gathered gradient, partial
-  // sums before a reduce-scatter, the norms' parameter-gradient contributions
-  Tensor sp_full_, sp_full_bf_, sp_dfull_, sp_part_, sp_pgrad_;
-  const Tensor& sp_gather(const float* shard, int64_t n);  // -> [N, C] in the compute dtype
-  void norm_backward(float* dx, int w, int b, const float* dout, const float* x, const Tensor& mean, const Tensor& rstd,
-                     int64_t R);
+  // tensor / sequence parallelism: the communicator, switches and workspace the tp layers share
+  TpContext tpc_;
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
-  // Vocab-parallel softmax cross-entropy of N rows of this rank's logit columns `lg` (in place:
-  // with train, their gradient scaled by dloss), targets `tg`, per-row losses into `losses`.
-  void tp_cross_entropy(float* lg, const int32_t* tg, float* losses, int64_t N, bool train, float dloss);
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;
@@ -302,8 +259,6 @@ class Transformer {
   Tensor chunk_logits_, head_dw_;
   bool head_dw_pending_ = false;
   void chunked_head_forward(const float* hin, bool train, float dloss_scale);
-  int start_input_grad_sum(float* partial);
-  float* input_grad_sum(float* partial, int h);
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;

@@ -1,0 +1,258 @@
+#include "model/tp_layers.h"
+
+#include <algorithm>
+
+#include "kernels/backend.h"
+#include "runtime/device.h"
+
+namespace mt {
+
+void TpComm::all_gather(const float* in, float* out, int64_t n) {
+  const Device d = current_device();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  dev::zero(d, out, bytes * static_cast<size_t>(size()));
+  dev::copy(d, out + rank() * n, in, bytes);
+  all_reduce_sum(out, n * size());
+}
+
+void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
+  const Device d = current_device();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  Tensor all = Tensor::empty({n * size()}, DType::F32, MemCategory::Workspace);
+  dev::copy(d, all.f32(), in, bytes * static_cast<size_t>(size()));
+  all_reduce_sum(all.f32(), n * size());
+  dev::copy(d, out, all.f32() + rank() * n, bytes);
+}
+
+// ---- TpContext ----
+
+TpContext::TpContext(const kernels::KernelTable* k, DType cd, TpComm* c) : kt(k), compute(cd), comm(c) {
+  if (comm) {
+    size = comm->size();
+    rank = comm->rank();
+  }
+}
+
+void TpContext::allocate(int64_t N, int64_t C) {
+  N_ = N;
+  C_ = C;
+  if (!sp) return;
+  auto W = MemCategory::Workspace;
+  full_ = Tensor::empty({N, C}, DType::F32, W);
+  if (compute == DType::BF16) full_bf_ = Tensor::empty({N, C}, DType::BF16, W);
+  dfull_ = Tensor::empty({N, C}, DType::F32, W);
+  part_ = Tensor::empty({N, C}, DType::F32, W);
+  pgrad_ = Tensor::empty({std::max<int64_t>(2 * C, 16)}, DType::F32, W);
+}
+
+// The full [N, C] rows from this rank's R = N / t (fp32) in the compute dtype.
+const Tensor& TpContext::gather(const float* rows_f32) {
+  comm->all_gather_activations(rows_f32, full_.f32(), rows(N_) * C_);
+  return full_compute();
+}
+
+const Tensor& TpContext::full_compute() {
+  if (compute == DType::F32) return full_;
+  kt->cast_f32_to_bf16(full_bf_.bf(), full_.f32(), N_ * C_);
+  return full_bf_;
+}
+
+void TpContext::gather_into(const float* rows_f32, float* out) {
+  comm->all_gather_activations(rows_f32, out, rows(N_) * C_);
+}
+
+const float* TpContext::gather_grad(const float* g) {
+  if (!sp) return g;
+  // fp32 on the wire: besides the matmuls (bf16 inputs) this gradient feeds bias and embedding
+  // gradients, which tensor parallelism without SP computes from the fp32 rows.
+  comm->all_gather(g, dfull_.f32(), rows(N_) * C_);
+  return dfull_.f32();
+}
+
+// Started as soon as the input-gradient matmul is done so that it overlaps the weight-gradient
+// matmul (Megatron's async tensor-parallel all-reduce) unless `overlap` is off.
+int TpContext::start_input_grad_sum(float* partial) {
+  if (!tp()) return -1;
+  const int h = sp ? comm->start_reduce_scatter_activations(partial, part_.f32(), rows(N_) * C_)
+                   : comm->start_all_reduce_activations(partial, N_ * C_);
+  if (overlap) return h;
+  comm->wait(h);
+  return -1;
+}
+
+float* TpContext::input_grad_sum(float* partial, int handle) {
+  if (!tp()) return partial;
+  comm->wait(handle);
+  return sp ? part_.f32() : partial;
+}
+
+float* TpContext::reduce_partial(float* partial, float* out) {
+  if (sp)
+    comm->reduce_scatter_activations(partial, out, rows(N_) * C_);
+  else if (tp())
+    comm->all_reduce_activations(out, N_ * C_);
+  return out;
+}
+
+// ---- Linear ----
+
+void Linear::forward(float* y, const Tensor& x, const Weight& w, const float* bias, int64_t N, int64_t in) const {
+  if (compute == DType::F32)
+    kt->linear_forward(y, x.f32(), w.wf, bias, N, in, w.out);
+  else
+    kt->linear_forward_bf16(y, x.bf(), w.wb, bias, N, in, w.out);
+}
+
+void Linear::backward(float* dx, float* dw, float* db, const float* dy, const Tensor& x, const Weight& w, int64_t N,
+                      int64_t in) const {
+  if (compute == DType::F32)
+    kt->linear_backward(dx, dw, db, dy, x.f32(), w.wf, N, in, w.out);
+  else
+    kt->linear_backward_bf16(dx, dw, db, dy, x.bf(), w.wb, N, in, w.out);
+}
+
+void store_compute(const kernels::KernelTable* kt, const Tensor& dst, const float* src, int64_t n) {
+  if (dst.dtype() == DType::F32)
+    dev::copy(kt->device, dst.f32(), src, static_cast<size_t>(n) * sizeof(float));
+  else
+    kt->cast_f32_to_bf16(dst.bf(), src, n);
+}
+
+// ---- ColumnParallelLinear ----
+
+void ColumnParallelLinear::forward(const Tensor& x, const float* x_rows, std::initializer_list<Out> outs) {
+  const Tensor& in = ctx_.sp ? ctx_.gather(x_rows) : x;
+  const Linear lin{ctx_.kt, ctx_.compute};
+  for (const Out& o : outs) lin.forward(o.y, in, o.w, o.w.b, ctx_.tokens(), in_);
+}
+
+float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Grad> grads, float* dx, bool rows_saved) {
+  const int64_t N = ctx_.tokens();
+  const bool bf = ctx_.compute == DType::BF16;
+  const bool regather = ctx_.sp && rows_saved;
+  const Linear lin{ctx_.kt, ctx_.compute};
+  dev::zero(ctx_.kt->device, dx, static_cast<size_t>(N * in_) * sizeof(float));
+  // Under SP the weight gradient needs every row of the input: re-gathered from the saved rows,
+  // started before the input-gradient matmul (which does not need it) so that they overlap.
+  int hin = -1;
+  if (regather) {
+    const int64_t R = ctx_.rows(N);
+    const float* src = x.dtype() == DType::F32 ? x.f32() : ctx_.stage;
+    if (bf) ctx_.kt->cast_bf16_to_f32(ctx_.stage, x.bf(), R * in_);
+    hin = ctx_.comm->start_all_gather_activations(src, ctx_.full_buffer(), R * in_);
+  }
+  for (const Grad& g : grads) lin.backward(dx, nullptr, nullptr, g.dy, x, g.w, N, in_);  // input gradient first
+  const int hsum = ctx_.start_input_grad_sum(dx);
+  const Tensor* xin = &x;
+  if (regather) {
+    ctx_.comm->wait(hin);
+    xin = &ctx_.full_compute();
+  }
+  for (const Grad& g : grads) lin.backward(nullptr, g.w.dw, g.w.db, g.dy, *xin, g.w, N, in_);
+  return ctx_.input_grad_sum(dx, hsum);
+}
+
+// ---- RowParallelLinear ----
+
+void RowParallelLinear::forward(float* y, const Tensor& x) {
+  const bool tp = ctx_.tp();
+  float* part = ctx_.partial_buffer(y);
+  Linear{ctx_.kt, ctx_.compute}.forward(part, x, w_, tp ? nullptr : w_.b, ctx_.tokens(), in_);
+  if (!tp) return;
+  ctx_.reduce_partial(part, y);
+  if (w_.b) ctx_.kt->add_bias(y, w_.b, ctx_.rows(ctx_.tokens()), w_.out);
+}
+
+void RowParallelLinear::backward(float* dx, const float* dy, const Tensor& x) {
+  const int64_t N = ctx_.tokens();
+  dev::zero(ctx_.kt->device, dx, static_cast<size_t>(N * in_) * sizeof(float));
+  const float* dy_all = ctx_.gather_grad(dy);  // SP: the conjugate of the forward's reduce-scatter
+  Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w_, N, in_);
+}
+
+// ---- Norm ----
+
+void Norm::forward(float* y, const Tensor& mean, const Tensor& rstd, const float* x, int64_t R) const {
+  if (ln_)
+    ctx_.kt->layernorm_forward(y, mean.f32(), rstd.f32(), x, w_, b_, R, C_, eps_);
+  else
+    ctx_.kt->rmsnorm_forward(y, rstd.f32(), x, w_, R, C_, eps_);
+}
+
+const float* Norm::forward_saved(const Tensor& saved, const Tensor& mean, const Tensor& rstd, const float* x,
+                                 int64_t R) const {
+  // Staged in fp32 when the saved copy is bf16, or when the gather of SP needs fp32 rows apart
+  // from the saved ones.
+  const bool staged = saved.dtype() != DType::F32 || ctx_.sp;
+  float* y = staged ? ctx_.stage : saved.f32();
+  forward(y, mean, rstd, x, R);
+  if (staged) store_compute(ctx_.kt, saved, y, R * C_);
+  return y;
+}
+
+// Under SP each rank saw only its rows, so the parameters' contribution is computed into a zeroed
+// buffer and summed over the tp ranks first: every rank adds the same full value.
+void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd,
+                    int64_t R) const {
+  auto run = [&](float* dw, float* db) {
+    if (ln_)
+      ctx_.kt->layernorm_backward(dx, dw, db, dy, x, w_, mean.f32(), rstd.f32(), R, C_);
+    else
+      ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
+  };
+  if (!ctx_.sp) return run(dw_, db_);
+  const int64_t n = ln_ ? 2 * C_ : C_;
+  float* t = ctx_.norm_grad_scratch();
+  dev::zero(ctx_.kt->device, t, static_cast<size_t>(n) * sizeof(float));
+  run(t, ln_ ? t + C_ : nullptr);
+  ctx_.comm->all_reduce_sum(t, n);
+  ctx_.kt->accumulate(dw_, t, C_);
+  if (db_) ctx_.kt->accumulate(db_, t + C_, C_);
+}
+
+// ---- VocabParallelEmbedding ----
+
+void VocabParallelEmbedding::forward(float* out, const int32_t* ids, const void* table) {
+  const int64_t N = ctx_.tokens();
+  if (!ctx_.tp() && ctx_.compute == DType::F32) {
+    ctx_.kt->embedding_forward(out, ids, static_cast<const float*>(table), N, C_);
+    return;
+  }
+  // Rows this rank holds, zero elsewhere (bf16 rows widened); under SP the partial rows of all N
+  // tokens are built in workspace and reduce-scattered to this rank's rows.
+  float* part = ctx_.partial_buffer(out);
+  ctx_.kt->vocab_embedding_forward(part, ids, table, ctx_.compute, lo_, rows_, N, C_);
+  if (ctx_.tp()) ctx_.reduce_partial(part, out);
+}
+
+void VocabParallelEmbedding::backward(float* dw, const float* dout_all, const int32_t* ids) {
+  const int64_t N = ctx_.tokens();
+  if (ctx_.tp())  // only the rows this rank holds
+    ctx_.kt->vocab_embedding_backward(dw, dout_all, ids, lo_, rows_, N, C_);
+  else
+    ctx_.kt->embedding_backward(dw, dout_all, ids, N, C_);
+}
+
+// ---- VocabParallelCrossEntropy ----
+
+void VocabParallelCrossEntropy::forward(float* lg, const int32_t* tg, float* losses, int64_t N, bool train,
+                                        float dloss) const {
+  const kernels::KernelTable* kt = ctx_.kt;
+  if (!ctx_.tp()) {
+    if (train)
+      kt->softmax_cross_entropy(lg, losses, tg, N, V_, cols_, dloss);
+    else
+      kt->softmax_cross_entropy_forward(lg, losses, tg, N, V_, cols_);
+    return;
+  }
+  const int64_t valid = std::clamp<int64_t>(V_ - lo_, 0, cols_);  // real vocabulary columns on this rank
+  Tensor mx = Tensor::empty({N}, DType::F32, MemCategory::Workspace);
+  Tensor red = Tensor::empty({2 * N}, DType::F32, MemCategory::Workspace);  // [sum of exp | target logit]
+  kt->vp_ce_rowmax(mx.f32(), lg, N, cols_, valid);
+  ctx_.comm->all_reduce_max(mx.f32(), N);
+  kt->vp_ce_stats(red.f32(), lg, mx.f32(), tg, N, cols_, valid, lo_);
+  ctx_.comm->all_reduce_sum(red.f32(), 2 * N);
+  kt->vp_ce_finish(lg, losses, mx.f32(), red.f32(), tg, N, cols_, valid, lo_, train, dloss);
+}
+
+}  // namespace mt

@@ -1,0 +1,235 @@
+// Tensor and sequence parallelism as layer types (Megatron's ColumnParallelLinear,
+// RowParallelLinear, VocabParallelEmbedding, vocab-parallel cross-entropy): each layer places its
+// forward collective and the conjugate one in its backward, and dispatches on the compute dtype,
+// so the transformer's blocks read as a plain sequence of layers. With tp = 1 every collective
+// disappears and the layers are the ordinary ones.
+//
+//   layer                   forward                                backward
+//   ColumnParallelLinear    input replicated (SP: all-gather)      input gradient all-reduced (SP: reduce-scattered),
+//                                                                  overlapping the weight-gradient matmuls
+//   RowParallelLinear       partial sums all-reduced (SP: reduce-  output gradient all-gathered (SP)
+//                           scattered), replicated bias once
+//   Norm                    this rank's rows                       SP: parameter gradients summed over tp
+//   VocabParallelEmbedding  rows this rank holds, summed over tp   SP: output gradient all-gathered
+//   VocabParallelCrossEntropy  row max / sum of exp / target logit all-reduced
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+
+#include "runtime/tensor.h"
+
+namespace mt {
+
+namespace kernels {
+struct KernelTable;
+}
+
+// The collectives tensor parallelism needs inside units (implemented over the tp process group by
+// the parallel layer; the model layer does not depend on the comm layer). Blocking.
+class TpComm {
+ public:
+  virtual ~TpComm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void all_reduce_sum(float* x, int64_t n) = 0;
+  virtual void all_reduce_max(float* x, int64_t n) = 0;
+  // Sequence parallelism. `out` receives size() x n elements in rank order; `in` is this rank's n.
+  // The defaults express both through all_reduce_sum (exact: the other ranks add zeros); a real
+  // implementation uses the all-gather / reduce-scatter collectives at 1/2 the traffic.
+  virtual void all_gather(const float* in, float* out, int64_t n);
+  // out (n elements) = the sum over ranks of segment rank() of `in` (size() x n elements).
+  virtual void reduce_scatter_sum(const float* in, float* out, int64_t n);
+  // The same three for activations and activation gradients (the Megatron collectives around the
+  // parallel matmuls and the vocab-parallel embedding / head). An implementation may move them in
+  // the compute dtype (bf16 in bf16 runs, as Megatron does); loss statistics and parameter
+  // gradients always go through the fp32 calls above.
+  virtual void all_reduce_activations(float* x, int64_t n) { all_reduce_sum(x, n); }
+  virtual void all_gather_activations(const float* in, float* out, int64_t n) { all_gather(in, out, n); }
+  virtual void reduce_scatter_activations(const float* in, float* out, int64_t n) { reduce_scatter_sum(in, out, n); }
+  // Asynchronous forms: start_* begins the collective and returns a handle; the output (and the
+  // input buffer) belong to the collective until wait(handle). Used to overlap the input-gradient
+  // reductions with the weight-gradient matmuls. The defaults complete before returning (-1).
+  virtual int start_all_reduce_activations(float* x, int64_t n) {
+    all_reduce_activations(x, n);
+    return -1;
+  }
+  virtual int start_all_gather_activations(const float* in, float* out, int64_t n) {
+    all_gather_activations(in, out, n);
+    return -1;
+  }
+  virtual int start_reduce_scatter_activations(const float* in, float* out, int64_t n) {
+    reduce_scatter_activations(in, out, n);
+    return -1;
+  }
+  virtual void wait(int handle) { (void)handle; }
+};
+
+// What the layers share: kernels, compute dtype, the tp communicator (null for tp = 1), the
+// sequence-parallel switch, the overlap switch and the sequence-parallel workspace, sized for N
+// tokens of width C by allocate().
+class TpContext {
+ public:
+  TpContext(const kernels::KernelTable* kt, DType compute, TpComm* comm);
+  const kernels::KernelTable* kt;
+  DType compute;
+  TpComm* comm;
+  int size = 1, rank = 0;
+  bool sp = false;       // sequence parallelism (only with size > 1)
+  bool overlap = true;   // input-gradient reductions overlap the weight-gradient matmuls
+  // fp32 scratch of at least [N, C] owned by the caller (staging for casts to the compute dtype).
+  float* stage = nullptr;
+
+  bool tp() const { return size > 1; }
+  // Rows of the residual stream this rank holds for n tokens (n, or n / size under SP).
+  int64_t rows(int64_t n) const { return sp ? n / size : n; }
+  int64_t tokens() const { return N_; }
+  void allocate(int64_t N, int64_t C);
+
+  // SP: every row, in the compute dtype, from this rank's fp32 rows.
+  const Tensor& gather(const float* rows);
+  // SP: every row of a gradient from this rank's rows (fp32 on the wire); else g itself.
+  const float* gather_grad(const float* g);
+  // The sum over tp of a layer's input gradient `partial` ([N, C]; reduce-scattered to this rank's
+  // rows under SP), started right away; input_grad_sum waits and returns where the sum is.
+  int start_input_grad_sum(float* partial);
+  float* input_grad_sum(float* partial, int handle);
+  // SP: every row (fp32, activation collective) of this rank's rows into `out` ([N, C]).
+  void gather_into(const float* rows, float* out);
+  // Reduce-scatter (SP) or all-reduce of N rows of partial sums (`partial`, [N, C]) into `out`
+  // (this rank's rows); `partial` may be `out` without SP. Returns out.
+  float* reduce_partial(float* partial, float* out);
+  // Workspace for partial sums that are reduce-scattered ([N, C]); `out` itself without SP.
+  float* partial_buffer(float* out) { return sp ? part_.f32() : out; }
+
+  // SP: the gather target of every row ([N, C] fp32), and its contents in the compute dtype.
+  float* full_buffer() { return full_.f32(); }
+  const Tensor& full_compute();
+
+  // The norms' parameter-gradient contributions under SP ([max(2C, 16)]).
+  float* norm_grad_scratch() { return pgrad_.f32(); }
+
+ private:
+  int64_t N_ = 0, C_ = 0;
+  Tensor full_, full_bf_, dfull_, part_, pgrad_;
+};
+
+// One weight matrix [out, in] (fp32 or bf16 by the compute dtype, the other null), its fp32 bias
+// (or null) and their gradients (null: not wanted).
+struct Weight {
+  const float* wf = nullptr;
+  const bf16* wb = nullptr;
+  const float* b = nullptr;
+  float* dw = nullptr;
+  float* db = nullptr;
+  int64_t out = 0;
+};
+
+// y = x @ W^T (+ b) with x in the compute dtype, and its backward.
+struct Linear {
+  const kernels::KernelTable* kt;
+  DType compute;
+  void forward(float* y, const Tensor& x, const Weight& w, const float* bias, int64_t N, int64_t in) const;
+  void backward(float* dx, float* dw, float* db, const float* dy, const Tensor& x, const Weight& w, int64_t N,
+                int64_t in) const;
+};
+
+// Writes an fp32 result into a compute-dtype tensor (a cast in bf16 mode, a copy in fp32).
+void store_compute(const kernels::KernelTable* kt, const Tensor& dst, const float* src, int64_t n);
+
+// Column-parallel linear layer(s) on one input of width `in`: this rank holds output columns of
+// every weight. Several weights may share the input (SwiGLU's gate and up): one gather, one
+// input-gradient reduction.
+class ColumnParallelLinear {
+ public:
+  ColumnParallelLinear(TpContext& ctx, int64_t in) : ctx_(ctx), in_(in) {}
+  struct Out {
+    float* y;
+    Weight w;
+  };
+  // x: the input as saved (compute dtype; this rank's rows under SP, then gathered from its fp32
+  // values `x_rows`).
+  void forward(const Tensor& x, const float* x_rows, std::initializer_list<Out> outs);
+  struct Grad {
+    const float* dy;
+    Weight w;
+  };
+  // Adds every weight's gradients and returns the input gradient summed over tp (this rank's rows
+  // under SP) from `dx` ([N, in] workspace, overwritten). `rows_saved`: x holds this rank's rows
+  // only (SP, re-gathered here); false: x holds every row.
+  float* backward(const Tensor& x, std::initializer_list<Grad> grads, float* dx, bool rows_saved = true);
+
+ private:
+  TpContext& ctx_;
+  int64_t in_;
+};
+
+// Row-parallel linear layer: this rank holds input columns; the output's partial sums are reduced
+// over tp, then the (replicated) bias is added once.
+class RowParallelLinear {
+ public:
+  RowParallelLinear(TpContext& ctx, int64_t in, Weight w) : ctx_(ctx), in_(in), w_(w) {}
+  // y: this rank's rows of the output (R rows; [N, out] without SP).
+  void forward(float* y, const Tensor& x);
+  // dy: this rank's rows of the output gradient; dx ([N, in]) receives the input gradient.
+  void backward(float* dx, const float* dy, const Tensor& x);
+
+ private:
+  TpContext& ctx_;
+  int64_t in_;
+  Weight w_;
+};
+
+// LayerNorm (bias non-null) or RMSNorm over R rows of width C, on this rank's rows; under SP the
+// parameter gradients (computed from those rows) are summed over tp so every rank adds the same.
+class Norm {
+ public:
+  Norm(TpContext& ctx, int64_t C, float eps, const float* w, const float* b, float* dw, float* db, bool layernorm)
+      : ctx_(ctx), C_(C), eps_(eps), w_(w), b_(b), dw_(dw), db_(db), ln_(layernorm) {}
+  void forward(float* y, const Tensor& mean, const Tensor& rstd, const float* x, int64_t R) const;
+  // Forward into `saved` (compute dtype); returns the fp32 output (saved itself, or `ctx.stage`).
+  const float* forward_saved(const Tensor& saved, const Tensor& mean, const Tensor& rstd, const float* x,
+                             int64_t R) const;
+  // dx += d(input) from dy; the parameter gradients accumulate.
+  void backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd, int64_t R) const;
+
+ private:
+  TpContext& ctx_;
+  int64_t C_;
+  float eps_;
+  const float *w_, *b_;
+  float *dw_, *db_;
+  bool ln_;
+};
+
+// Token embedding split by vocabulary rows [lo, lo + rows): each rank looks up the tokens it holds
+// (zero elsewhere) and the rows are summed over tp (reduce-scattered under SP).
+class VocabParallelEmbedding {
+ public:
+  VocabParallelEmbedding(TpContext& ctx, int64_t C, int64_t lo, int64_t rows) : ctx_(ctx), C_(C), lo_(lo), rows_(rows) {}
+  // table: fp32 or bf16 by the compute dtype. out: this rank's rows of the result.
+  void forward(float* out, const int32_t* ids, const void* table);
+  // Every token's output gradient from this rank's rows (all-gathered under SP, fp32).
+  const float* grad_rows(const float* dout) { return ctx_.gather_grad(dout); }
+  // dw += the gradient of the rows this rank holds, from every token's output gradient.
+  void backward(float* dw, const float* dout_all, const int32_t* ids);
+
+ private:
+  TpContext& ctx_;
+  int64_t C_, lo_, rows_;
+};
+
+// Softmax cross-entropy of logits whose vocabulary columns [lo, lo + cols) are on this rank: the
+// row max, then the sum of exponentials and the target's logit are reduced across tp, so the full
+// logits are never gathered. With train the logits become their gradient (scaled by dloss).
+class VocabParallelCrossEntropy {
+ public:
+  VocabParallelCrossEntropy(TpContext& ctx, int64_t vocab, int64_t lo, int64_t cols)
+      : ctx_(ctx), V_(vocab), lo_(lo), cols_(cols) {}
+  void forward(float* logits, const int32_t* targets, float* losses, int64_t N, bool train, float dloss) const;
+
+ private:
+  TpContext& ctx_;
+  int64_t V_, lo_, cols_;
+};
+
+}  // namespace mt
