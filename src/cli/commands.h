@@ -26,5 +26,7 @@ int run_schedule_command(int argc, char** argv);
 int run_plot_command(int argc, char** argv);
 // `meshtrain sample`: text generated from a checkpoint or safetensors weights.
 int run_sample_command(int argc, char** argv);
+// `meshtrain train`: 0 ok, 2 config error, 1 any other failure (a multi-rank job is ended).
+int run_train_command(int argc, char** argv);
 
 }  // namespace mt::cli

@@ -20,7 +20,6 @@
 #include "parallel/strategy.h"
 #include "parallel/tensor_parallel.h"
 #include "plan/auto_layout.h"
-#include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
 #include "train/chrome_trace.h"
 #include "train/data_loader.h"
@@ -589,8 +588,24 @@ TrainResult train(const RunConfig& cfg) {
   return t.run();
 }
 
-// `train --auto`: the planner picks the data-parallel layout for this job's ranks (same global batch).
-static void choose_layout(RunConfig& cfg) {
+void prepare_dry_run(RunConfig& cfg, int world, int rank) {
+  if (world < 1) throw ConfigError("--world must be >= 1, got " + std::to_string(world));
+  if (rank < 0 || rank >= world)
+    throw ConfigError("--rank " + std::to_string(rank) + " is not a rank of --world " + std::to_string(world));
+  set_current_device(Device::Meta);
+  comm::World::init_meta(world, rank);
+  // One training step; nothing read or written but the metrics.
+  cfg.train.steps = 1;
+  cfg.train.eval_every = 0;
+  cfg.train.checkpoint_dir.clear();
+  cfg.train.resume.clear();
+  cfg.train.init_from.clear();
+  cfg.train.sample_tokens = 0;
+  cfg.log.trace_out.clear();
+}
+
+// The planner picks the data-parallel layout for this job's ranks (same global batch).
+void choose_layout(RunConfig& cfg) {
   comm::World& W = comm::World::init(nullptr, nullptr);
   const ModelConfig mc = cfg.model_config();
   plan::AutoLayoutOptions o;
@@ -611,76 +626,6 @@ static void choose_layout(RunConfig& cfg) {
                 a.strategy.c_str(), a.dp_replicate, a.dp_shard, a.activation_checkpointing.c_str(),
                 static_cast<long long>(a.micro_batch), static_cast<long long>(a.grad_accum),
                 a.fits ? "" : " (nothing fits: the closest layout)", a.why.c_str());
-}
-
-// Reports an error. In a multi-rank job the whole job is ended (MPI_Abort via World::abort, which
-// names this rank and dumps its recent collectives) so no rank is left waiting in a collective.
-static int fail(const std::string& msg, int code) {
-  if (comm::World::initialized() && comm::World::get().size() > 1 && !comm::World::get().is_meta())
-    comm::World::get().abort("meshtrain train: " + msg, code);
-  std::fprintf(stderr, "meshtrain train: %s\n", msg.c_str());
-  return code;
-}
-
-int run_train_command(int argc, char** argv) {
-  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*", "world", "rank"},
-               {"help", "auto", "dry-run"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain train: %s (see --help)\n", e.what());
-    return 2;
-  }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain train [--config FILE] [--section.key value ...]\n\n"
-        "Trains a GPT-2 or Llama-style model. Run it directly for one process, or under mpirun\n"
-        "(or `meshtrain launch -n N -- train ...`) where each process is one rank.\n"
-        "The config is TOML with sections [model] [data] [train] [parallel] [log]; any key can be\n"
-        "overridden on the command line as --section.key value or --section.key=value.\n"
-        "--auto lets the planner choose parallel.strategy, dp_replicate / dp_shard, activation\n"
-        "checkpointing and the micro-batch split for the ranks the job was given, keeping the global\n"
-        "batch (micro_batch x grad_accum x ranks sequences).\n"
-        "--dry-run --world N [--rank R] builds rank R (default 0) of an N-rank job on the count-only\n"
-        "Meta backend - no MPI, no data files, no tensor memory - runs one training step, and prints\n"
-        "(and with --log.metrics_out writes) that rank's exact memory by category and bytes by group:\n"
-        "what a real run of the same config on N ranks reports for it. Any model size.\n\n"
-        "keys (default value, meaning):\n%s\n"
-        "model presets: ",
-        RunConfig::keys_help().c_str());
-    for (const auto& n : model_preset_names()) std::printf("%s ", n.c_str());
-    std::printf("\n");
-    return 0;
-  }
-  try {
-    RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
-    if (ap.flag("dry-run")) {
-      if (!ap.has("world")) throw ConfigError("--dry-run needs --world N (the job's number of ranks)");
-      const long long n = ap.get_int("world", 0), r = ap.get_int("rank", 0);
-      if (n < 1) throw ConfigError("--world must be >= 1, got " + ap.get("world"));
-      if (r < 0 || r >= n) throw ConfigError("--rank " + std::to_string(r) + " is not a rank of --world " + std::to_string(n));
-      set_current_device(Device::Meta);
-      comm::World::init_meta(static_cast<int>(n), static_cast<int>(r));
-      // One training step; nothing read or written but the metrics.
-      cfg.train.steps = 1;
-      cfg.train.eval_every = 0;
-      cfg.train.checkpoint_dir.clear();
-      cfg.train.resume.clear();
-      cfg.train.init_from.clear();
-      cfg.train.sample_tokens = 0;
-      cfg.log.trace_out.clear();
-    } else if (ap.has("world") || ap.has("rank")) {
-      throw ConfigError("--world and --rank go with --dry-run (a real job's ranks come from mpirun)");
-    }
-    if (ap.flag("auto")) choose_layout(cfg);
-    train(cfg);
-  } catch (const ConfigError& e) {
-    return fail(std::string("config error: ") + e.what(), 2);
-  } catch (const std::exception& e) {
-    return fail(e.what(), 1);
-  }
-  if (comm::World::initialized()) comm::World::get().finalize();
-  return 0;
 }
 
 }  // namespace mt

@@ -18,6 +18,11 @@ struct TrainResult {
 // Runs a whole training job described by `cfg` (this process is one rank when launched by mpirun).
 TrainResult train(const RunConfig& cfg);
 
-int run_train_command(int argc, char** argv);
+// `train --dry-run --world N --rank R`: makes the Meta device current and a Meta world of N ranks
+// seen from R (before anything else initialises the world), and trims `cfg` to one step with
+// nothing read or written but the metrics. Throws ConfigError for a bad world or rank.
+void prepare_dry_run(RunConfig& cfg, int world, int rank);
+// `train --auto`: the planner picks the data-parallel layout for this job's ranks (same global batch).
+void choose_layout(RunConfig& cfg);
 
 }  // namespace mt
