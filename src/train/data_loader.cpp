@@ -38,14 +38,19 @@ TokenDataset::TokenDataset(const std::string& pattern, int64_t vocab_size) : pat
   }
 }
 
-BatchLoader::BatchLoader(const TokenDataset& dataset, int B, int T, int dp_rank, int dp_world)
-    : data_(dataset), B_(B), T_(T), rank_(dp_rank), world_(dp_world) {
+// Both loaders' arguments: a positive B x T and a rank of the data-parallel world.
+static void check_batch_shape(int B, int T, int dp_rank, int dp_world) {
   if (B <= 0 || T <= 0)
     throw std::invalid_argument("batch loader: B and T must be positive (got B=" + std::to_string(B) +
                                 ", T=" + std::to_string(T) + ")");
   if (dp_world <= 0 || dp_rank < 0 || dp_rank >= dp_world)
     throw std::invalid_argument("batch loader: need 0 <= dp_rank < dp_world (got dp_rank=" +
                                 std::to_string(dp_rank) + ", dp_world=" + std::to_string(dp_world) + ")");
+}
+
+BatchLoader::BatchLoader(const TokenDataset& dataset, int B, int T, int dp_rank, int dp_world)
+    : data_(dataset), B_(B), T_(T), rank_(dp_rank), world_(dp_world) {
+  check_batch_shape(B, T, dp_rank, dp_world);
   if (dataset.num_shards() == 0) throw std::runtime_error("batch loader: '" + dataset.pattern() + "' holds no shard");
   const int64_t local = int64_t{B} * T, global = local * dp_world;
   for (size_t i = 0; i < dataset.num_shards(); ++i) {
@@ -233,12 +238,7 @@ BlendLoader::BlendLoader(const std::string& spec, const std::string& key, int B,
                          uint64_t seed, bool shuffle, int64_t vocab_size)
     : entries_(parse_blend(spec, key)), B_(B), T_(T), rank_(dp_rank), world_(dp_world), seed_(seed),
       shuffle_(shuffle) {
-  if (B <= 0 || T <= 0)
-    throw std::invalid_argument("batch loader: B and T must be positive (got B=" + std::to_string(B) +
-                                ", T=" + std::to_string(T) + ")");
-  if (dp_world <= 0 || dp_rank < 0 || dp_rank >= dp_world)
-    throw std::invalid_argument("batch loader: need 0 <= dp_rank < dp_world (got dp_rank=" +
-                                std::to_string(dp_rank) + ", dp_world=" + std::to_string(dp_world) + ")");
+  check_batch_shape(B, T, dp_rank, dp_world);
   double sum = 0;
   for (const BlendEntry& e : entries_) sum += e.weight;
   double acc = 0;
