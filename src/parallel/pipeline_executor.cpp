@@ -7,13 +7,11 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/clock.h"
+
 namespace mt::parallel {
 
 namespace {
-using Clock = std::chrono::steady_clock;
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
 // Message kinds (part of the tag, so a message is matched by what it is, not by posting order).
 enum MsgKind { kAct = 0, kGrad = 1, kTiedGrad = 2, kTiedWeights = 3 };
 // Tags stay within MPI's guaranteed 15 bits: kind (2) | chunk = stage / pp (3) | micro-batch (10);

@@ -6,13 +6,9 @@
 
 #include "comm/world.h"
 #include "kernels/backend.h"
+#include "runtime/clock.h"
 
 namespace mt::parallel {
-
-namespace {
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-}  // namespace
 
 bool parse_shard_strategy(const std::string& s, ShardStrategy* out) {
   if (s == "ZERO1") *out = ShardStrategy::Zero1;

@@ -4,14 +4,9 @@
 #include <stdexcept>
 
 #include "kernels/backend.h"
+#include "runtime/clock.h"
 
 namespace mt::parallel {
-
-namespace {
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-}  // namespace
 
 void ProcessGroupTpComm::blocking(const comm::WorkHandle& w) {
   const auto t0 = std::chrono::steady_clock::now();

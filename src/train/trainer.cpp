@@ -20,6 +20,7 @@
 #include "parallel/strategy.h"
 #include "parallel/tensor_parallel.h"
 #include "plan/auto_layout.h"
+#include "runtime/clock.h"
 #include "train/checkpoint.h"
 #include "train/chrome_trace.h"
 #include "train/data_loader.h"
@@ -32,9 +33,6 @@
 namespace mt {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 // The training or validation data: one file or glob (BatchLoader, llm.c order) or a blend of
 // several (BlendLoader, see data_loader.h).
