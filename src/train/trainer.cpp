@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "comm/world.h"
+#include "kernels/backend.h"
 #include "model/transformer.h"
 #include "parallel/optimizer.h"
 #include "parallel/pipeline_executor.h"
@@ -411,6 +412,7 @@ TrainResult Trainer::run() {
                 cfg_.data.train.c_str(), static_cast<long long>(loader_ ? loader_->total_tokens() : 0),
                 static_cast<long long>(B_), static_cast<long long>(T_), static_cast<long long>(accum_), dims_.dp(),
                 static_cast<long long>(B_ * T_ * accum_ * dims_.dp()), dtype_name(dt_), recompute_name(rc_), threads_);
+    std::printf("device %s\n", kernels::describe(current_device()).c_str());
     if (world_ > 1)
       std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
                   strategy_->name(), groups_.mesh->describe().c_str(), groups_.shard->size(), groups_.replicate->size(),
