@@ -24,6 +24,7 @@
 #include "runtime/clock.h"
 #include "train/checkpoint.h"
 #include "train/chrome_trace.h"
+#include "train/compute_probe.h"
 #include "train/data_loader.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
@@ -611,6 +612,25 @@ void choose_layout(RunConfig& cfg) {
   plan::AutoLayoutOptions o;
   o.fp32 = cfg.train.dtype != "bf16";
   const int64_t tokens = cfg.train.micro_batch * cfg.train.grad_accum * mc.seq_len * W.size();
+  // The planner's picture of this machine comes from this machine: every rank measures the
+  // engine's kernels at the model's shapes on the threads it will train with, all at once (they
+  // share the cores and the memory bandwidth), and the ranks average the figures so that they all
+  // choose the same layout.
+  {
+    const int threads = cfg.train.threads > 0 ? static_cast<int>(cfg.train.threads)
+                                              : std::max(1, auto_threads() / W.local_size());
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    plan::CpuMeasurement cm = measure_this_cpu(mc, std::max<int64_t>(1, cfg.train.micro_batch), !o.fp32, W.local_size());
+    omp_set_num_threads(before);
+    if (W.size() > 1) {
+      float f[4] = {static_cast<float>(cm.model_flops), static_cast<float>(cm.mem_bw),
+                    static_cast<float>(cm.peak_flops_fp32), static_cast<float>(cm.peak_flops_bf16)};
+      W.world()->all_reduce(f, 4, DType::F32, comm::ReduceOp::Avg)->wait();
+      cm.model_flops = f[0], cm.mem_bw = f[1], cm.peak_flops_fp32 = f[2], cm.peak_flops_bf16 = f[3];
+    }
+    o.cluster_model = plan::measured_cpu_cluster(cm);
+  }
   plan::AutoLayout a = plan::auto_layout(mc, W.size(), W.local_size(), tokens, o);
   cfg.parallel.strategy = a.strategy;
   cfg.parallel.dp_replicate = a.dp_replicate;
