@@ -35,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     --pytorch) PYTORCH=1; shift ;;
     --python) PY=$2; PYTORCH=1; shift 2 ;;
     --no-pytorch) PYTORCH=0; shift ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
     *) bench_option "$@" && shift 2 || { echo "ddp_scaling.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
