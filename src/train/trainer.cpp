@@ -25,6 +25,7 @@
 #include "train/checkpoint_saver.h"
 #include "train/chrome_trace.h"
 #include "train/data_loader.h"
+#include "train/job_agreement.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
 #include "train/parallel_dims.h"
@@ -175,6 +176,8 @@ void Trainer::build() {
   T_ = mc_.seq_len;
   accum_ = pp > 1 && cfg_.parallel.pp_microbatches > 0 ? cfg_.parallel.pp_microbatches : tc_.grad_accum;
   const int dp_rank = groups_.dp->rank(), dp_world = groups_.dp->size();
+  // Every rank runs the same job (config, build, data), checked before anything is loaded.
+  verify_same_job(*groups_.metrics, job_items(cfg_, mc_, !dry_), "configuration");
   if (!dry_) {
     const uint64_t seed = static_cast<uint64_t>(tc_.seed);
     loader_ = make_loader(cfg_.data.train, "data.train", static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world,
@@ -309,6 +312,13 @@ void Trainer::load_state() {
     state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
     strategy_->end_load(st_.adam_steps);
   }
+  // All ranks continue from the same point.
+  verify_same_job(*groups_.metrics,
+                  {{"resumed from", resume_dir},
+                   {"step", std::to_string(st_.step)},
+                   {"adam steps", std::to_string(st_.adam_steps)},
+                   {"micro-batches consumed", std::to_string(st_.micro_batches)}},
+                  "restored state");
   if (!resume_dir.empty() && loader_ && loader_->blend && st_.has_blend) {
     if (!loader_->blend->set_state(st_.blend) && log_)
       std::printf("resuming with a different data.train blend: datasets are matched by pattern, new ones start "
