@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <omp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -100,6 +101,7 @@ class Trainer {
   void save();
   void report();
   void sample();
+  void maybe_inject_fault(int64_t step);
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
   void next_batch(int32_t* x, int32_t* y);
   // Sum of a per-rank value over the pipeline ranks (each stage holds its own part).
@@ -454,6 +456,24 @@ void Trainer::train_step(int64_t step) {
   metrics_->step(sm);
   if (saver_) saver_->poll();  // commits an async save once every rank has written its file
   if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
+  maybe_inject_fault(step + 1);
+}
+
+// MESHTRAIN_FAULT_KILL=RANK:STEP:FILE (fault injection for restart tests): rank RANK kills itself
+// with SIGKILL after step STEP, once - it creates FILE first and does nothing while FILE exists.
+void Trainer::maybe_inject_fault(int64_t step) {
+  const char* f = std::getenv("MESHTRAIN_FAULT_KILL");
+  if (!f || dry_) return;
+  int rank = -1;
+  long long at = -1;
+  char file[4096] = {};
+  if (std::sscanf(f, "%d:%lld:%4095s", &rank, &at, file) != 3 || rank != rank_ || at != step) return;
+  if (std::filesystem::exists(file)) return;
+  std::FILE* marker = std::fopen(file, "w");
+  if (marker) std::fclose(marker);
+  std::fprintf(stderr, "meshtrain[rank %d]: MESHTRAIN_FAULT_KILL: killing myself (SIGKILL) after step %lld\n", rank_, at);
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
 }
 
 TrainResult Trainer::run() {
