@@ -871,6 +871,7 @@ std::vector<Transformer::TpRows> Transformer::tp_row_runs(const ParamInfo& lp, i
   const int r = tpc_.rank, t = tpc_.size;
   const int64_t rows = lp.shape[0], cols = lp.shape.size() > 1 ? lp.numel / rows : 1;
   *col0 = 0;
+  if (t == 1) return {{0, rows, 0}};  // unsplit: the parameter itself
   switch (lp.tp_split) {
     case TpSplit::None:
       return {{0, rows, 0}};

@@ -40,16 +40,16 @@ void CheckpointSaver::write_file(const float* staging) {
     meta["micro_batches"] = std::to_string(st_.micro_batches);
     const std::string name = rank_file_name(rank_);
     RankFileWriter w((fs::path(tmp_dir_) / name).string(), ref_, pieces_, meta);
-    std::vector<float> unit;
+    HostBuffer unit;
     const float* p = staging;
     for (int u = 0; u < ref_.num_units(); ++u) {
       const int64_t n = state_.owned_numel(u);
       if (n == 0) continue;
       const float* base = p;
       if (!staging) {  // synchronous: one unit's owned state at a time
-        unit.resize(static_cast<size_t>(3 * n));
-        state_.snapshot_unit(u, unit.data(), unit.data() + n, unit.data() + 2 * n);
-        base = unit.data();
+        float* b = unit.reserve(static_cast<size_t>(3 * n));
+        state_.snapshot_unit(u, b, b + n, b + 2 * n);
+        base = b;
       } else {
         p += 3 * n;
       }
@@ -126,9 +126,14 @@ void CheckpointSaver::poll() {
   if (busy == 0.0f) commit();
 }
 
-void CheckpointSaver::finish() {
+void CheckpointSaver::finish(bool at_end) {
   if (!pending_) return;
+  const double before = stats_.stall_ms;
   commit();
+  if (at_end) {
+    stats_.final_wait_ms += stats_.stall_ms - before;
+    stats_.stall_ms = before;
+  }
 }
 
 void CheckpointSaver::commit() {

@@ -21,7 +21,8 @@ namespace mt {
 
 struct SaverStats {
   int64_t saves = 0;
-  double stall_ms = 0;       // main-thread time spent in checkpoint code, over all saves
+  double stall_ms = 0;       // main-thread time spent in checkpoint code during training, over all saves
+  double final_wait_ms = 0;  // async: the end of the run waiting for the last save to be written
   double write_ms = 0;       // time the rank's file took to write (background thread when async)
   int64_t staging_bytes = 0; // async: the staging buffer (peak)
   int64_t bytes_written = 0; // this rank's files, over all saves
@@ -39,8 +40,9 @@ class CheckpointSaver {
   void save(const TrainerState& st);
   // Collective, at every step boundary: commits an async save once every rank's file is written.
   void poll();
-  // Collective: waits for and commits the save in flight.
-  void finish();
+  // Collective: waits for and commits the save in flight (at_end: the run's end, counted apart
+  // from the stalls during training).
+  void finish(bool at_end = false);
   const SaverStats& stats() const { return stats_; }
   static std::string rank_file_name(int rank);
 

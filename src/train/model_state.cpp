@@ -1,5 +1,6 @@
 #include "train/model_state.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -115,7 +116,7 @@ void ModelState::snapshot_unit(int u, float* w, float* m, float* v) {
 
 void ModelState::load_owned(const ShardedCheckpoint& ck, bool moments, int64_t adam_steps) {
   strategy_.begin_load();
-  std::vector<float> host[3];
+  HostBuffer host[3];
   for (int u = 0; u < model_.num_units(); ++u) {
     if (u == 0 && model_.has_tied_replica()) {
       // The head's copy of a tied embedding: the token embedding's rows (first parameter of unit 0).
@@ -131,7 +132,10 @@ void ModelState::load_owned(const ShardedCheckpoint& ck, bool moments, int64_t a
     if (n == 0) continue;
     const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
     const int kinds = moments ? 3 : 1;
-    for (int k = 0; k < kinds; ++k) host[k].assign(static_cast<size_t>(n), 0.0f);  // padding stays zero
+    for (int k = 0; k < kinds; ++k) {  // padding stays zero
+      float* h = host[k].reserve(static_cast<size_t>(n));
+      std::fill(h, h + n, 0.0f);
+    }
     for (const LocalPiece& p : unit_pieces(model_, ref_, u, sp.begin, sp.end, false))
       for (int k = 0; k < kinds; ++k)
         ck.read_box(logical_name(ref_.params()[static_cast<size_t>(p.param)], k), p.box, host[k].data() + p.local);

@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "runtime/crc32c.h"
+#include "runtime/memory.h"
 #include "train/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -62,6 +63,20 @@ bool intersect(const Box& a, const Box& b, Box* out) {
 }
 
 }  // namespace
+
+HostBuffer::~HostBuffer() {
+  if (p_) mem_free(p_, bytes_, MemCategory::Workspace);
+}
+
+float* HostBuffer::reserve(size_t floats) {
+  const size_t need = floats * sizeof(float);
+  if (need > bytes_) {
+    if (p_) mem_free(p_, bytes_, MemCategory::Workspace);
+    p_ = static_cast<float*>(mem_alloc(need, MemCategory::Workspace));
+    bytes_ = need;
+  }
+  return p_;
+}
 
 std::string logical_name(const ParamInfo& p, int kind) { return kKindPrefix[kind] + p.name; }
 

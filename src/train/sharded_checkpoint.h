@@ -30,6 +30,22 @@
 
 namespace mt {
 
+// Host memory for checkpoint I/O (what files are written from and read into), counted under the
+// workspace category like the other checkpoint buffers. Grow-only; contents unspecified.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  float* reserve(size_t floats);  // at least `floats` elements; returns data()
+  float* data() const { return p_; }
+
+ private:
+  float* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 struct Box {
   int64_t row0 = 0, rows = 0, col0 = 0, cols = 0;
   int64_t numel() const { return rows * cols; }

@@ -145,6 +145,7 @@ class Trainer {
   int peak_slots_ = 0;
   std::array<int64_t, kNumMemCategories> resident_{};
   std::optional<double> val_start_;  // train.eval_at_start
+  nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
   double full_save_ms_ = 0;          // train.checkpoint_format = full
   int64_t full_saves_ = 0;
 };
@@ -286,13 +287,21 @@ void Trainer::load_state() {
     resume_dir = resolve_checkpoint(src);
     if (ShardedCheckpoint::is_sharded(resume_dir)) {
       // Every rank reads only its own new share; the files' checks are spread over the ranks.
+      auto t0 = Clock::now();
       ShardedCheckpoint ck(resume_dir);
       st_ = read_trainer_state(resume_dir);
       ck.check_model(*ref_, true);
       std::string err = ck.check_files(rank_, world_, tc_.verify_checkpoint);
       err = agree_on_error(*groups_.metrics, err);
       if (!err.empty()) throw std::runtime_error("cannot resume from " + resume_dir + ": " + err);
+      const double check_ms = ms_since(t0);
       state_->load_owned(ck, true, st_.adam_steps);
+      load_info_ = {{"format", "sharded"},
+                    {"ms", ms_since(t0)},
+                    {"check_ms", check_ms},
+                    {"verified", tc_.verify_checkpoint},
+                    {"bytes_read", ck.bytes_read()},
+                    {"saved_world", ck.num_files()}};
       loaded = true;
     } else {
       reader = std::make_unique<CheckpointReader>(resume_dir, *ref_, true);
@@ -311,8 +320,10 @@ void Trainer::load_state() {
     if (log_) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
   }
   if (!loaded) {
+    auto t0 = Clock::now();
     state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
     strategy_->end_load(st_.adam_steps);
+    if (reader && resume) load_info_ = {{"format", "full"}, {"ms", ms_since(t0)}};
   }
   // All ranks continue from the same point.
   verify_same_job(*groups_.metrics,
@@ -321,6 +332,8 @@ void Trainer::load_state() {
                    {"adam steps", std::to_string(st_.adam_steps)},
                    {"micro-batches consumed", std::to_string(st_.micro_batches)}},
                   "restored state");
+  if (!load_info_.is_null())  // the loading's buffers: the largest workspace so far (before training)
+    load_info_["workspace_peak_bytes"] = MemoryTracker::instance().stats().peak[static_cast<int>(MemCategory::Workspace)];
   if (!resume_dir.empty() && loader_ && loader_->blend && st_.has_blend) {
     if (!loader_->blend->set_state(st_.blend) && log_)
       std::printf("resuming with a different data.train blend: datasets are matched by pattern, new ones start "
@@ -514,7 +527,7 @@ TrainResult Trainer::run() {
   }
   for (int64_t step = st_.step; step < tc_.steps; ++step) train_step(step);
   if (!tc_.checkpoint_dir.empty() && (tc_.checkpoint_every <= 0 || st_.step % tc_.checkpoint_every != 0)) save();
-  if (saver_) saver_->finish();  // the job waits for the save in flight
+  if (saver_) saver_->finish(true);  // the job waits for the save in flight
   res_.tokens_per_s = tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0;
   report();
   if (tc_.sample_tokens > 0) sample();
@@ -629,14 +642,18 @@ void Trainer::report() {
                          {"stall_ms_per_save", cs.stall_ms / static_cast<double>(cs.saves)},
                          {"write_ms_per_save", cs.write_ms / static_cast<double>(cs.saves)},
                          {"bytes_written_per_save", cs.bytes_written / cs.saves},
-                         {"staging_bytes", cs.staging_bytes}};
+                         {"staging_bytes", cs.staging_bytes},
+                         {"final_wait_ms", cs.final_wait_ms}};
     if (log_)
       std::printf("checkpoints (rank %d): %lld sharded saves%s, training stalled %.1f ms per save (file written in "
-                  "%.1f ms, %s per save%s)\n",
+                  "%.1f ms, %s per save%s)%s\n",
                   rank_, static_cast<long long>(cs.saves), tc_.checkpoint_async ? " (async)" : "",
                   cs.stall_ms / static_cast<double>(cs.saves), cs.write_ms / static_cast<double>(cs.saves),
                   format_bytes(cs.bytes_written / cs.saves).c_str(),
-                  tc_.checkpoint_async ? (", staging buffer " + format_bytes(cs.staging_bytes)).c_str() : "");
+                  tc_.checkpoint_async ? (", staging buffer " + format_bytes(cs.staging_bytes)).c_str() : "",
+                  tc_.checkpoint_async ? ("; the end of the run waited " + std::to_string(static_cast<int64_t>(cs.final_wait_ms)) +
+                                          " ms for the last one").c_str()
+                                       : "");
   } else if (full_saves_ > 0) {
     fin["checkpoint"] = {{"format", "full"}, {"saves", full_saves_},
                          {"stall_ms_per_save", full_save_ms_ / static_cast<double>(full_saves_)}};
@@ -644,6 +661,7 @@ void Trainer::report() {
       std::printf("checkpoints: %lld full saves (rank 0 writes), training stalled %.1f ms per save\n",
                   static_cast<long long>(full_saves_), full_save_ms_ / static_cast<double>(full_saves_));
   }
+  if (!load_info_.is_null()) fin["checkpoint_load"] = load_info_;
   if (!res_.val_losses.empty()) fin["val_loss"] = res_.final_val_loss;
   if (val_start_) fin["val_loss_start"] = *val_start_;
   if (log_ && val_start_ && !res_.val_losses.empty())
