@@ -423,14 +423,19 @@ std::string ShardedCheckpoint::check_files(int first, int stride, bool verify) c
     for (const auto& [off, x] : order) {
       feed(off);
       const uint64_t n = static_cast<uint64_t>(x.second->box.numel()) * sizeof(float);
-      buf.resize(n);
-      r->read_at(off, buf.data(), n, path);
-      const uint32_t c = crc32c(0, buf.data(), n);
+      uint32_t c = 0;  // the piece's CRC, and the file's, 1 MiB at a time
+      for (uint64_t done = 0; done < n;) {
+        const uint64_t k = std::min<uint64_t>(n - done, 1 << 20);
+        buf.resize(k);
+        r->read_at(off + done, buf.data(), k, path);
+        c = crc32c(c, buf.data(), k);
+        crc = crc32c(crc, buf.data(), k);
+        done += k;
+      }
       if (c != x.second->crc)
         return path + ": tensor " + *x.first + " " + box_str(x.second->box) + " at byte " + std::to_string(off) +
                ": CRC32C " + hex32(c) + ", metadata.json records " + hex32(x.second->crc) +
                " (corrupted data; --train.verify_checkpoint false skips this check)";
-      crc = crc32c(crc, buf.data(), n);
       pos = off + n;
     }
     feed(fi.bytes);
