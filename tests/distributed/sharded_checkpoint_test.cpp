@@ -101,6 +101,34 @@ TEST_F(ShardedCheckpoint, Bf16FullShardResumesAsZero1OnFour) {
   expect_continues(longer, resumed, kBf16LossTol, "bf16 FULL_SHARD x2 -> ZERO1 x4");
 }
 
+// Llama (separate q/k/v projections, grouped-query attention, SwiGLU): DDP x tp 2 on 4 ranks, whose
+// replicas split the writing, resumed as HYBRID_SHARD_ZERO2 (2 replicas x 2 shards) without tp.
+TEST_F(ShardedCheckpoint, LlamaDdpTp2ResumesAsHybridZero2) {
+  const std::string llama = "--model.preset llama-tiny --train.steps 12 ";
+  auto longer = train(4, 4, 1, "ddptp", llama + "--parallel.strategy NO_SHARD --parallel.tp 2 --train.checkpoint_every 4");
+  auto resumed = train(4, 2, 1, "hz2", llama + "--parallel.strategy HYBRID_SHARD_ZERO2 --parallel.dp_replicate 2 "
+                                                "--train.resume " + ck("ddptp", 8));
+  expect_continues(longer, resumed, kLossTol, "llama NO_SHARD x tp 2 -> HYBRID_SHARD_ZERO2 2 x 2");
+  // The two data-parallel replicas of each tp rank wrote half of its slice each: four files of
+  // about equal size.
+  const auto meta = nlohmann::json::parse(std::ifstream(ck("ddptp", 8) + "/metadata.json"));
+  int64_t lo = INT64_MAX, hi = 0;
+  for (const auto& f : meta["files"]) {
+    lo = std::min(lo, f["bytes"].get<int64_t>());
+    hi = std::max(hi, f["bytes"].get<int64_t>());
+  }
+  EXPECT_LT(static_cast<double>(hi), 1.25 * static_cast<double>(lo)) << meta["files"].dump();
+}
+
+// The earlier full format (rank 0 writes Hugging Face files) still resumes, under another layout.
+TEST_F(ShardedCheckpoint, FullFormatStillResumesUnderAnotherLayout) {
+  auto longer = train(2, 4, 1, "f2", "--parallel.strategy ZERO1 --train.checkpoint_format full --train.steps 12 "
+                                     "--train.checkpoint_every 4");
+  ASSERT_TRUE(fs::exists(ck("f2", 8) + "/optimizer.safetensors"));
+  auto resumed = train(4, 2, 1, "f4", "--parallel.strategy FULL_SHARD --train.steps 12 --train.resume " + ck("f2", 8));
+  expect_continues(longer, resumed, kLossTol, "full format ZERO1 x2 -> FULL_SHARD x4");
+}
+
 // Same layout, same arithmetic: the resumed run is the uninterrupted one, bit for bit (losses and
 // the final checkpoint's weights).
 TEST_F(ShardedCheckpoint, SameLayoutResumeIsBitIdentical) {
