@@ -123,9 +123,9 @@ void ModelState::load_owned(const ShardedCheckpoint& ck, bool moments, int64_t a
       const ParamInfo& wte = ref_.params().front();
       const int64_t rows = ref_.config().vocab_size, cols = logical_cols(wte);
       Tensor full = Tensor::zeros({wte.numel}, DType::F32, MemCategory::Workspace);
-      std::vector<float> h(static_cast<size_t>(rows * cols));
-      ck.read_box(logical_name(wte, 0), Box{0, rows, 0, cols}, h.data());
-      dev::copy_from_host(full.device(), full.f32(), h.data(), h.size() * sizeof(float));
+      HostBuffer h;
+      ck.read_box(logical_name(wte, 0), Box{0, rows, 0, cols}, h.reserve(static_cast<size_t>(rows * cols)));
+      dev::copy_from_host(full.device(), full.f32(), h.data(), static_cast<size_t>(rows * cols) * sizeof(float));
       model_.load_tied_replica(ref_, full.f32());
     }
     const int64_t n = owned_numel(u);
