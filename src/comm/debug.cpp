@@ -49,6 +49,10 @@ Config read_config() {
     int v = std::atoi(s);
     if (v >= 0) c.spin_us = std::min(v, 1000000);
   }
+  if (const char* s = std::getenv("MESHTRAIN_COMM_INLINE_KB")) {
+    long v = std::atol(s);
+    if (v >= 0) c.inline_bytes = static_cast<size_t>(v) << 10;
+  }
   if (const char* s = std::getenv("MESHTRAIN_COMM_ONESHOT_KB")) {
     long v = std::atol(s);
     if (v >= 0) c.oneshot_bytes = static_cast<size_t>(v) << 10;

@@ -32,6 +32,7 @@ struct Config {
   int fake_node_size = 0;   // MESHTRAIN_COMM_FAKE_NODE_SIZE: pretend nodes of k world ranks (tests)
   int nice = -10;    // MESHTRAIN_COMM_NICE: nice value of communication threads (if permitted)
   int spin_us = 20;  // MESHTRAIN_COMM_SPIN_US: idle thread / wait() poll (yielding) before sleeping
+  size_t inline_bytes = 1u << 20;  // MESHTRAIN_COMM_INLINE_KB: InlineScope runs collectives up to this on the caller
 };
 const Config& config();
 // Re-reads the environment (tests).
@@ -126,6 +127,7 @@ struct Op {
   size_t pos = 0, len = 0;  // current slice
   std::vector<MPI_Request> reqs;
   Fingerprint fp{};
+  bool queued = false;  // handed to the communication thread (counted in GroupImpl::pending)
 };
 
 // How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
@@ -278,6 +280,11 @@ struct GroupImpl {
   std::atomic<uint64_t> issued{0}, started{0}, completed{0};
   std::atomic<bool> failed{false};
   std::string fail_msg;  // under mu
+  // Operations handed to the communication thread and not completed yet (incremented under mu).
+  std::atomic<int64_t> pending{0};
+  // A collective is running on its caller's thread (InlineScope; under mu): the communication
+  // thread starts nothing meanwhile, so the backend is never driven by two threads at once.
+  bool inline_busy = false;
 
   // Watchdog view: operations running now.
   struct Active {
@@ -296,6 +303,7 @@ struct GroupImpl {
   void begin(Op& op);
   void complete(std::unique_ptr<Op> op, const std::string* err);
   void run_local(std::unique_ptr<Op> op);
+  void run_inline(std::unique_ptr<Op> op);
 };
 
 // Registry of groups (watchdog, finalize) and of their stats (kept after a group is destroyed).

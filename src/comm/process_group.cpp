@@ -240,6 +240,12 @@ void GroupImpl::fail(const std::string& msg) {
   for (auto& o : pending) complete(std::move(o), &msg);
 }
 
+namespace {
+thread_local bool t_inline_scope = false;
+}  // namespace
+
+static void backoff(unsigned idle, int max_us);
+
 WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
   if ((d.kind == OpKind::Broadcast || is_p2p(d.kind)) && (d.peer < 0 || d.peer >= size)) {
     throw CommError("group " + name + ": " + op_kind_name(d.kind) + " " +
@@ -256,6 +262,7 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
   op->sbuf = sbuf;
   op->rbuf = rbuf;
   WorkHandle w = op->work;
+  std::unique_ptr<Op> inl;  // runs on this thread (InlineScope)
   {
     std::lock_guard<std::mutex> lk(mu);
     if (down) throw CommError("group " + name + " used after World::finalize()");
@@ -275,12 +282,22 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
     }
     op->fr_id = fr_issue(name, d, op->t_issue);
     if (size > 1 && backend && backend->threaded()) {
-      queue.push_back(std::move(op));
-      has_work.store(true, std::memory_order_release);
-      if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
+      if (t_inline_scope && !is_p2p(d.kind) && d.count * dtype_size(d.dt) <= config().inline_bytes &&
+          queue.empty() && pending.load() == 0 && !inline_busy) {
+        inline_busy = true;
+        inl = std::move(op);
+      } else {
+        op->queued = true;
+        pending.fetch_add(1);
+        queue.push_back(std::move(op));
+        has_work.store(true, std::memory_order_release);
+        if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
+      }
     }
   }
-  if (op && backend && !backend->threaded()) {
+  if (inl) {
+    run_inline(std::move(inl));
+  } else if (op && backend && !backend->threaded()) {
     begin(*op);
     backend->run(*op);
     complete(std::move(op), nullptr);
@@ -303,6 +320,38 @@ void GroupImpl::begin(Op& op) {
     active.push_back({op.d, op.t_start, &op});
   }
   if (!is_p2p(op.d.kind)) started.store(op.d.seq);
+}
+
+// A collective on its caller's thread (InlineScope): what the communication thread does for one
+// operation - start, progress with the same back-off, complete - while inline_busy keeps the
+// thread from starting anything else.
+void GroupImpl::run_inline(std::unique_ptr<Op> op) {
+  auto release = [this] {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      inline_busy = false;
+    }
+    cv.notify_all();
+  };
+  try {
+    begin(*op);
+    backend->start(*op);
+    unsigned idle = 0;
+    for (;;) {
+      const int s = backend->progress(*op);
+      if (s == 2) break;
+      if (s == 1) idle = 0;
+      else backoff(idle++, config().poll_max_us);
+    }
+  } catch (const CommError& e) {
+    release();
+    report_fatal(e.what(), 2.0);
+    std::string msg = e.what();
+    complete(std::move(op), &msg);
+    return;
+  }
+  release();
+  complete(std::move(op), nullptr);
 }
 
 // Groups of one rank: everything completes in the caller, without a backend.
@@ -356,6 +405,7 @@ void GroupImpl::run_local(std::unique_ptr<Op> op) {
 
 void GroupImpl::complete(std::unique_ptr<Op> op, const std::string* err) {
   const int64_t t = now_ns();
+  if (op->queued) pending.fetch_sub(1);
   if (!op->t_start) op->t_start = t;
   {
     std::lock_guard<std::mutex> lk(act_mu);
@@ -449,6 +499,8 @@ void GroupImpl::thread_main() {
         idle = 0;
         if (queue.empty()) continue;
       }
+      // A caller is driving a collective itself (run_inline): wait until it is done.
+      cv.wait(lk, [&] { return !inline_busy; });
       incoming.swap(queue);
       has_work.store(false, std::memory_order_relaxed);
     }
@@ -526,6 +578,9 @@ void GroupImpl::thread_main() {
 // ProcessGroup
 
 using detail::OpDesc;
+
+InlineScope::InlineScope() : prev_(detail::t_inline_scope) { detail::t_inline_scope = true; }
+InlineScope::~InlineScope() { detail::t_inline_scope = prev_; }
 
 ProcessGroup::ProcessGroup(std::shared_ptr<detail::GroupImpl> impl) : impl_(std::move(impl)) {}
 ProcessGroup::~ProcessGroup() = default;

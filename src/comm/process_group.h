@@ -142,6 +142,24 @@ class ProcessGroup {
   std::shared_ptr<detail::GroupImpl> impl_;
 };
 
+// While an InlineScope lives on a thread, that thread's collectives of at most
+// MESHTRAIN_COMM_INLINE_KB (default 1024 KiB) run on the thread itself, inside the call, when
+// their group has nothing else in flight (otherwise they queue as usual). Meant for operations the
+// caller waits for at once (tensor parallelism's): it saves the hand-off to the group's
+// communication thread and back (two wake-ups, tens of microseconds each on a busy machine). The
+// operation is the same - same algorithm, sequence number, accounting, flight recorder entry,
+// watchdog view and desync check - only the thread that drives it differs.
+class InlineScope {
+ public:
+  InlineScope();
+  ~InlineScope();
+  InlineScope(const InlineScope&) = delete;
+  InlineScope& operator=(const InlineScope&) = delete;
+
+ private:
+  bool prev_;
+};
+
 // A group of `n` ranks that are threads of this process (in-process tests and tools): element r is
 // rank r's handle, to be used from one thread per rank. Semantics as an MPI group's (asynchronous,
 // collectives in call order, rank-order fp32 reductions: the same results bit for bit), with the

@@ -15,20 +15,37 @@ void ProcessGroupTpComm::blocking(const comm::WorkHandle& w) {
   comm_ms_ += w->elapsed_ms();
 }
 
+// The blocking collectives are waited for at once: they run on this thread when the group is
+// idle (comm::InlineScope), and all of their time is exposed.
+template <class Issue>
+void ProcessGroupTpComm::blocking_now(Issue issue) {
+  const auto t0 = std::chrono::steady_clock::now();
+  comm::WorkHandle w;
+  {
+    comm::InlineScope inline_scope;
+    w = issue();
+  }
+  w->wait();
+  exposed_ms_ += ms_since(t0);
+  comm_ms_ += w->elapsed_ms();
+}
+
 void ProcessGroupTpComm::all_reduce_sum(float* x, int64_t n) {
-  if (g_->size() > 1) blocking(g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum));
+  if (g_->size() > 1)
+    blocking_now([&] { return g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum); });
 }
 
 void ProcessGroupTpComm::all_reduce_max(float* x, int64_t n) {
-  if (g_->size() > 1) blocking(g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Max));
+  if (g_->size() > 1)
+    blocking_now([&] { return g_->all_reduce(x, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Max); });
 }
 
 void ProcessGroupTpComm::all_gather(const float* in, float* out, int64_t n) {
-  blocking(g_->all_gather(in, out, static_cast<size_t>(n), DType::F32));
+  blocking_now([&] { return g_->all_gather(in, out, static_cast<size_t>(n), DType::F32); });
 }
 
 void ProcessGroupTpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
-  blocking(g_->reduce_scatter(in, out, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum));
+  blocking_now([&] { return g_->reduce_scatter(in, out, static_cast<size_t>(n), DType::F32, comm::ReduceOp::Sum); });
 }
 
 int ProcessGroupTpComm::slot() {

@@ -60,6 +60,8 @@ class ProcessGroupTpComm final : public TpComm {
   template <class Issue>
   int start_two_buffers(const float* in, int64_t n_in, float* out, int64_t n_out, Issue issue);
   void blocking(const comm::WorkHandle& w);
+  template <class Issue>
+  void blocking_now(Issue issue);
   std::shared_ptr<comm::ProcessGroup> g_;
   double comm_ms_ = 0, exposed_ms_ = 0;
   DType act_dt_ = DType::F32;

@@ -315,6 +315,59 @@ TEST(ProcessGroup, ManyOutstandingCollectivesCompleteInOrder) {
   }
 }
 
+// InlineScope: a small collective on an idle group completes inside the call (it ran on this
+// thread), with the same result and accounting; one issued while the group is busy, or one above
+// the size limit, still goes through the communication thread; the two mix in issue order.
+TEST(ProcessGroup, InlineScopeRunsSmallCollectivesOnTheCaller) {
+  auto g = g_world->split(0, g_world->rank(), "inline_test");
+  const int n = g->size(), r = g->rank();
+  const size_t count = 4097;
+  std::vector<float> a(count), big((4u << 20) / 4);
+  fill(a.data(), count, DType::F32, r);
+  WorkHandle w;
+  {
+    InlineScope in;
+    w = g->all_reduce(a.data(), count, DType::F32, ReduceOp::Sum);
+    EXPECT_TRUE(w->test()) << "an inline collective is complete when the call returns";
+  }
+  for (size_t i = 0; i < count; ++i) ASSERT_TRUE(bits_equal(a[i], reference(ReduceOp::Sum, n, i, DType::F32))) << i;
+  EXPECT_GT(w->elapsed_ms(), 0.0);
+  // Above MESHTRAIN_COMM_INLINE_KB (1 MiB): queued. Then small ones behind it queue too, and all
+  // complete in order with the right values.
+  std::vector<std::vector<float>> smalls(6, std::vector<float>(count));
+  std::vector<WorkHandle> ws;
+  {
+    InlineScope in;
+    fill(big.data(), big.size(), DType::F32, r);
+    ws.push_back(g->all_reduce(big.data(), big.size(), DType::F32, ReduceOp::Sum));
+    for (size_t j = 0; j < smalls.size(); ++j) {
+      fill(smalls[j].data(), count, DType::F32, r, static_cast<int>(j));
+      ws.push_back(g->all_reduce(smalls[j].data(), count, DType::F32, ReduceOp::Max));
+    }
+  }
+  wait_all(ws);
+  for (size_t i = 0; i < big.size(); i += 977)
+    ASSERT_TRUE(bits_equal(big[i], reference(ReduceOp::Sum, n, i, DType::F32))) << i;
+  for (size_t j = 0; j < smalls.size(); ++j)
+    for (size_t i = 0; i < count; i += 31)
+      ASSERT_TRUE(bits_equal(smalls[j][i], reference(ReduceOp::Max, n, i + j, DType::F32))) << j << " " << i;
+  // Inline and queued collectives interleaved: alternate scopes, every one correct.
+  for (int k = 0; k < 20; ++k) {
+    fill(a.data(), count, DType::F32, r, k);
+    if (k % 2) {
+      InlineScope in;
+      g->all_reduce(a.data(), count, DType::F32, ReduceOp::Sum)->wait();
+    } else {
+      g->all_reduce(a.data(), count, DType::F32, ReduceOp::Sum)->wait();
+    }
+    for (size_t i = 0; i < count; i += 101)
+      ASSERT_TRUE(bits_equal(a[i], reference(ReduceOp::Sum, n, i + k, DType::F32))) << k << " " << i;
+  }
+  CommStats s = g->stats();
+  EXPECT_EQ(s[OpKind::AllReduce].calls, 1u + 1u + smalls.size() + 20u);
+  EXPECT_EQ(g->collectives_called(), 1u + 1u + smalls.size() + 20u);
+}
+
 TEST(ProcessGroup, StatsCountAlgorithmVolume) {
   auto g = g_world->split(0, g_world->rank(), "stats_test");
   const int n = g->size();
