@@ -27,6 +27,10 @@ struct RunConfig {
     double norm_eps = 0.0;     // 0 = from preset / hf_config
     int64_t max_position = 0;  // GPT-2 position-table rows (0 = seq_len, or the hf_config's)
     std::string hf_config;     // a Hugging Face config.json: architecture and dimensions (instead of preset)
+    // Mixture of experts (-1 / "" = the preset's; a dense preset has 0 experts).
+    int64_t moe_experts = -1, moe_top_k = -1, moe_every = -1, moe_shared_experts = -1, moe_ffn_hidden = -1;
+    std::string moe_router;                 // "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
+    double moe_aux_loss_coef = -1, moe_z_loss_coef = -1, moe_capacity_factor = -1;
   } model;
   struct Data {
     std::string train = "data/default/train.bin";
