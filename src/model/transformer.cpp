@@ -38,6 +38,12 @@ struct BlockActivations {
   // input in the compute dtype, pre-activations, activation, output) and each row's token.
   Tensor r_logits, r_scores, r_idx, r_w, r_lse, r_pos;
   Tensor xs, h1, h3, xact, y, order;
+  // Expert parallelism: the rows this rank sent, by destination rank, and received, by source; the
+  // inverse of `order` (the received rows' positions in expert order); the outputs returned to
+  // this rank's tokens, in the order their rows were sent.
+  std::vector<int64_t> send_rows, recv_rows;
+  Tensor inv, ysend;
+  int64_t Msend = 0;
   std::vector<int64_t> counts;      // choices per expert, all experts, before any capacity drop (host)
   std::vector<int64_t> kept;        // routed rows per local expert (host)
   int64_t M = 0;                    // routed rows in use
@@ -46,7 +52,7 @@ struct BlockActivations {
     int64_t b = 0;
     for (const Tensor* t : {&ln1, &ln1_mean, &ln1_rstd, &qkv, &atty, &atty_bf, &lse, &res2, &ln2, &ln2_mean,
                             &ln2_rstd, &fc, &up, &act, &r_logits, &r_scores, &r_idx, &r_w, &r_lse, &r_pos, &xs, &h1,
-                            &h3, &xact, &y, &order})
+                            &h3, &xact, &y, &order, &inv, &ysend})
       if (t->defined()) b += static_cast<int64_t>(t->nbytes());
     return b;
   }
@@ -163,6 +169,12 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
     weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
   if (storage_.grads) grads_ = Tensor::zeros({flat_size_}, DType::F32, MemCategory::Grads);
   if (!f32 && storage_.weights) weights_bf16_ = Tensor::zeros({flat_size_}, DType::BF16, MemCategory::Params);
+  if (expert_size_ > 0) {  // expert parallelism: the local experts' own buffers
+    ew_ = Tensor::zeros({expert_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
+    eg_ = Tensor::zeros({expert_size_}, DType::F32, MemCategory::Grads);
+    if (!f32) ewb_ = Tensor::zeros({expert_size_}, DType::BF16, MemCategory::Params);
+    eupcast_.resize(expert_params_.size());
+  }
   unit_w_.assign(units_.size(), nullptr);
   unit_g_.assign(units_.size(), nullptr);
   upcast_.resize(params_.size());
@@ -181,9 +193,25 @@ void Transformer::build_params() {
   const int64_t nh = nh_l_, nkv = nkv_l_;
   int cur_unit = 0;
   int64_t pos = 0;
+  bool to_experts = false;  // add() registers an expert parameter kept apart (expert parallelism)
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false,
                  TpSplit split = TpSplit::None) {
     if (!owned_[cur_unit]) return;  // another pipeline rank's unit
+    if (to_experts) {
+      ParamInfo p;
+      p.name = name;
+      p.shape = shape;
+      p.numel = 1;
+      for (auto d : shape) p.numel *= d;
+      p.offset = expert_size_;
+      p.unit = cur_unit;
+      p.decay = decay;
+      p.hf_transposed = tr;
+      p.tp_split = split;
+      expert_size_ += p.numel;
+      expert_params_.push_back(p);
+      return;
+    }
     ParamInfo p;
     p.name = name;
     p.shape = shape;
@@ -223,9 +251,11 @@ void Transformer::build_params() {
   }
   end_unit();
   const int64_t Fe = Fe_l_, Fs = Fs_l_;  // one routed expert's and the shared experts' width (this tp rank's)
+  expert_base_.assign(static_cast<size_t>(cfg_.n_layer), -1);
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     begin_unit("block." + std::to_string(l));
     const bool moe = cfg_.is_moe_layer(l);
+    if (moe && experts_apart() && owned_[cur_unit]) expert_base_[l] = static_cast<int>(expert_params_.size());
     if (gpt) {
       std::string p = "h." + std::to_string(l) + ".";
       add(p + "ln_1.weight", {C}, false);
@@ -238,6 +268,7 @@ void Transformer::build_params() {
       add(p + "ln_2.bias", {C}, false);
       if (moe) {
         add(p + "mlp.gate.weight", {cfg_.moe_experts, C}, true);
+        to_experts = experts_apart();
         for (int64_t e = E_lo_; e < E_lo_ + E_l_; ++e) {
           const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
           add(q + "c_fc.weight", {Fe, C}, true, false, TpSplit::Rows);
@@ -245,6 +276,7 @@ void Transformer::build_params() {
           add(q + "c_proj.weight", {C, Fe}, true, false, TpSplit::Cols);
           add(q + "c_proj.bias", {C}, false);
         }
+        to_experts = false;
       }
       if (!moe || Fs > 0) {
         const std::string q = moe ? p + "mlp.shared_experts." : p + "mlp.";
@@ -264,12 +296,14 @@ void Transformer::build_params() {
       add(p + "post_attention_layernorm.weight", {C}, false);
       if (moe) {  // Mixtral's names (block_sparse_moe), DeepSeek's shared experts
         add(p + "block_sparse_moe.gate.weight", {cfg_.moe_experts, C}, true);
+        to_experts = experts_apart();
         for (int64_t e = E_lo_; e < E_lo_ + E_l_; ++e) {
           const std::string q = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
           add(q + "w1.weight", {Fe, C}, true, false, TpSplit::Rows);
           add(q + "w2.weight", {C, Fe}, true, false, TpSplit::Cols);
           add(q + "w3.weight", {Fe, C}, true, false, TpSplit::Rows);
         }
+        to_experts = false;
       }
       if (!moe || Fs > 0) {
         const std::string q = moe ? p + "block_sparse_moe.shared_experts." : p + "mlp.";
@@ -305,6 +339,7 @@ const ParamInfo& Transformer::param(const std::string& name) const {
 
 void Transformer::zero_grads() {
   if (grads_.defined()) grads_.zero_();
+  if (eg_.defined()) eg_.zero_();
   if (tied_g_.defined()) tied_g_.zero_();
 }
 
@@ -317,6 +352,7 @@ void Transformer::init_weights(uint64_t seed) {
 
 void Transformer::init_weights_into(uint64_t seed, float* w) const {
   if (tpc_.size > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_unit_from_full");
+  if (experts_apart()) throw std::logic_error("init_weights_into needs every expert in the flat buffer (parallel.ep = 1)");
   Rng rng(seed);
   std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
@@ -350,6 +386,7 @@ void Transformer::init_weights_into(uint64_t seed, float* w) const {
 void Transformer::sync_compute_weights() {
   if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined())
     kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+  if (compute_ == DType::BF16 && ewb_.defined()) kt_->cast_f32_to_bf16(ewb_.bf(), ew_.f32(), expert_size_);
 }
 
 void Transformer::set_unit_weights(int u, const void* w) { unit_w_.at(u) = w; }
@@ -638,7 +675,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const int64_t R = residual_rows(N);
-  const BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], E_l_);
+  BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], experts_apart() ? 0 : E_l_);
+  if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
@@ -678,7 +716,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const int64_t R = residual_rows(N);
-  const BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], E_l_);
+  BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], experts_apart() ? 0 : E_l_);
+  if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   float* dnorm = bwd_ws_[0].f32();
@@ -1064,19 +1103,53 @@ Transformer::MoeStats Transformer::take_moe_stats() {
   return s;
 }
 
+// A routed expert's weight: from the flat buffers, or with expert parallelism from the expert
+// buffers (indices into expert_params_).
+Weight Transformer::expert_weight(int w, int b, int64_t out, bool grads) {
+  if (!experts_apart()) return weight(w, b, out, grads);
+  Weight r;
+  r.out = out;
+  const ParamInfo& pw = expert_params_[w];
+  if (compute_ == DType::BF16)
+    r.wb = ewb_.bf() + pw.offset;
+  else
+    r.wf = ew_.f32() + pw.offset;
+  if (grads) {
+    r.dw = eg_.f32() + pw.offset;
+    if (b >= 0) r.db = eg_.f32() + expert_params_[b].offset;
+  } else if (b >= 0) {
+    const ParamInfo& pb = expert_params_[b];
+    if (compute_ == DType::BF16) {  // computed from the bf16 copy, as the flat buffers' biases are
+      Tensor& t = eupcast_[b];
+      if (!t.defined()) t = Tensor::empty({pb.numel}, DType::F32, MemCategory::Workspace);
+      kt_->cast_bf16_to_f32(t.f32(), ewb_.bf() + pb.offset, pb.numel);
+      r.b = t.f32();
+    } else {
+      r.b = ew_.f32() + pb.offset;
+    }
+  }
+  return r;
+}
+
 // The MoE layer of block `layer` on the normalised input a.ln2 ([N, C], compute dtype): out = the
 // router-weighted sum of each token's k experts' outputs plus the shared experts' output.
 //   router   logits = ln2 @ Wr^T (fp32), scores, top-k and normalised weights (moe_router_forward)
-//   dispatch the host reads the choices, orders them expert by expert (token order inside an
-//            expert), drops what exceeds the capacity, and gathers the input rows in that order
+//   dispatch the host reads the choices and orders them expert by expert (token order inside an
+//            expert), dropping what exceeds the capacity; the input rows are gathered in that order
+//   exchange with expert parallelism, the rows of each rank's experts go there (variable-size
+//            all-to-all, counts exchanged first) and are put in expert order there
 //   experts  one GEMM per expert over its contiguous rows (grouped: no per-token loop)
+//   return   the outputs travel back the same way
 //   combine  out[t] = sum_j w[t, j] * y[row of (t, j)]
 void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out) {
   const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
+  const bool ep = experts_apart();
   const int sig = cfg_.moe_sigmoid ? 1 : 0;
+  const int64_t esz = bf ? 2 : 4;
   a.dloss = cur_dloss_;
+  if (ep && !ep_comm_) throw std::logic_error("expert parallelism without an expert communicator (set_expert_comm)");
   // Router, in fp32 from the stored (compute-dtype) normalised input.
   const float* xin = nullptr;
   if (bf) {
@@ -1102,10 +1175,13 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   if (cfg_.moe_capacity_factor > 0)
     cap = static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(N * k) /
                                          static_cast<double>(E)));
-  std::vector<int64_t> off(static_cast<size_t>(E) + 1, 0), fill(static_cast<size_t>(E), 0);
-  for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + std::min(a.counts[e], cap);
-  const int64_t M = off[E];
-  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(M, 1)));
+  std::vector<int64_t> off(static_cast<size_t>(E) + 1, 0), fill(static_cast<size_t>(E), 0), kept(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    kept[e] = std::min(a.counts[e], cap);
+    off[e + 1] = off[e] + kept[e];
+  }
+  const int64_t Ms = off[E];  // rows this rank's tokens send (to every expert)
+  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(Ms, 1)));
   int64_t dropped = 0;
   for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < k; ++j) {
@@ -1119,14 +1195,61 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
         ++dropped;
       }
     }
-  a.M = M;
-  a.kept.assign(static_cast<size_t>(E_l_), 0);
-  for (int64_t e = 0; e < E_l_; ++e) a.kept[e] = off[E_lo_ + e + 1] - off[E_lo_ + e];
-  alloc_moe_acts(a, cfg_, compute_, N, M, Fe);
   dev::copy_from_host(dev_, a.r_pos.raw(), pos.data(), pos.size() * sizeof(int32_t));
-  dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(M) * sizeof(int32_t));
-  const int64_t esz = bf ? 2 : 4;
-  kt_->moe_gather_rows(a.xs.raw(), a.ln2.raw(), a.order.data<int32_t>(), M, C * esz);
+  a.Msend = Ms;
+  a.kept.assign(static_cast<size_t>(E_l_), 0);
+  if (!ep) {
+    for (int64_t e = 0; e < E_l_; ++e) a.kept[e] = kept[E_lo_ + e];
+    a.M = Ms;
+    alloc_moe_acts(a, cfg_, compute_, N, Ms, Fe);
+    dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
+    kt_->moe_gather_rows(a.xs.raw(), a.ln2.raw(), a.order.data<int32_t>(), Ms, C * esz);
+  } else {
+    // Counts first: every ep rank's rows per expert; then the rows themselves.
+    const int R = ep_comm_->size();
+    std::vector<int64_t> K(static_cast<size_t>(R * E));
+    ep_comm_->all_gather_counts(kept.data(), K.data(), E);
+    a.send_rows.assign(static_cast<size_t>(R), 0);
+    a.recv_rows.assign(static_cast<size_t>(R), 0);
+    for (int r = 0; r < R; ++r)
+      for (int64_t e = 0; e < E_l_; ++e) {
+        a.send_rows[r] += kept[r * E_l_ + e];
+        a.recv_rows[r] += K[r * E + E_lo_ + e];
+      }
+    int64_t Mr = 0;
+    for (int r = 0; r < R; ++r) Mr += a.recv_rows[r];
+    // Received rows come by source rank, each source's in expert order; `perm` puts them in
+    // expert order (source order inside an expert).
+    std::vector<int32_t> perm, inv(static_cast<size_t>(std::max<int64_t>(Mr, 1)));
+    perm.reserve(static_cast<size_t>(Mr));
+    for (int64_t e = 0; e < E_l_; ++e) {
+      int64_t base = 0;
+      for (int r = 0; r < R; ++r) {
+        int64_t within = 0;
+        for (int64_t f = 0; f < e; ++f) within += K[r * E + E_lo_ + f];
+        for (int64_t i = 0; i < K[r * E + E_lo_ + e]; ++i) perm.push_back(static_cast<int32_t>(base + within + i));
+        base += a.recv_rows[r];
+      }
+      for (int r = 0; r < R; ++r) a.kept[e] += K[r * E + E_lo_ + e];
+    }
+    for (int64_t i = 0; i < Mr; ++i) inv[perm[i]] = static_cast<int32_t>(i);
+    a.M = Mr;
+    alloc_moe_acts(a, cfg_, compute_, N, Mr, Fe);
+    if (!a.inv.defined() || a.inv.numel() < std::max<int64_t>(Mr, 1))
+      a.inv = Tensor::empty({std::max<int64_t>(Mr, 1)}, DType::F32, MemCategory::Activations);
+    if (!a.ysend.defined() || a.ysend.numel() < std::max<int64_t>(Ms, 1) * C)
+      a.ysend = Tensor::empty({std::max<int64_t>(Ms, 1), C}, DType::F32, MemCategory::Activations);
+    dev::copy_from_host(dev_, a.order.raw(), perm.data(), static_cast<size_t>(Mr) * sizeof(int32_t));
+    dev::copy_from_host(dev_, a.inv.raw(), inv.data(), static_cast<size_t>(Mr) * sizeof(int32_t));
+    Tensor& tok = moe_ws(15, Ms);
+    dev::copy_from_host(dev_, tok.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
+    void* xsend = moe_ws(16, (Ms * C * esz + 3) / 4).raw();
+    void* xrecv = moe_ws(17, (Mr * C * esz + 3) / 4).raw();
+    kt_->moe_gather_rows(xsend, a.ln2.raw(), tok.data<int32_t>(), Ms, C * esz);
+    ep_comm_->all_to_all_v(xsend, a.send_rows.data(), xrecv, a.recv_rows.data(), C, compute_);
+    kt_->moe_gather_rows(a.xs.raw(), xrecv, a.order.data<int32_t>(), Mr, C * esz);
+  }
+  const int64_t M = a.M;
   // Experts: each one's rows are contiguous.
   auto lin = [&](float* y, const Tensor& x, int64_t row0, const Weight& w, int64_t n, int64_t in) {
     if (n == 0) return;
@@ -1141,10 +1264,10 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     const int q = p.expert0 + static_cast<int>(e) * st;
     const int64_t n = a.kept[e];
     if (gpt) {
-      lin(a.h1.f32() + r0 * Fe, a.xs, r0, weight(q, q + 1, Fe, false), n, C);
+      lin(a.h1.f32() + r0 * Fe, a.xs, r0, expert_weight(q, q + 1, Fe, false), n, C);
     } else {
-      lin(a.h1.f32() + r0 * Fe, a.xs, r0, weight(q, -1, Fe, false), n, C);      // w1: gate
-      lin(a.h3.f32() + r0 * Fe, a.xs, r0, weight(q + 2, -1, Fe, false), n, C);  // w3: up
+      lin(a.h1.f32() + r0 * Fe, a.xs, r0, expert_weight(q, -1, Fe, false), n, C);      // w1: gate
+      lin(a.h3.f32() + r0 * Fe, a.xs, r0, expert_weight(q + 2, -1, Fe, false), n, C);  // w3: up
     }
     r0 += n;
   }
@@ -1159,13 +1282,20 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     const int q = p.expert0 + static_cast<int>(e) * st;
     const int64_t n = a.kept[e];
     if (gpt)
-      lin(a.y.f32() + r0 * C, a.xact, r0, weight(q + 2, q + 3, C, false), n, Fe);
+      lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 2, q + 3, C, false), n, Fe);
     else
-      lin(a.y.f32() + r0 * C, a.xact, r0, weight(q + 1, -1, C, false), n, Fe);  // w2: down
+      lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 1, -1, C, false), n, Fe);  // w2: down
     r0 += n;
   }
+  const float* yback = a.y.f32();
+  if (ep) {  // back to the ranks the rows came from, in the order they were sent
+    float* yrecv = moe_ws(18, M * C).f32();
+    kt_->moe_gather_rows(yrecv, a.y.raw(), a.inv.data<int32_t>(), M, C * 4);
+    ep_comm_->all_to_all_v(yrecv, a.recv_rows.data(), a.ysend.f32(), a.send_rows.data(), C, DType::F32);
+    yback = a.ysend.f32();
+  }
   dev::zero(dev_, out, static_cast<size_t>(N * C) * sizeof(float));
-  kt_->moe_combine(out, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  kt_->moe_combine(out, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
   // Shared experts: a dense MLP of width Fs on every token.
   const int64_t Fs = Fs_l_;
   if (Fs > 0) {
@@ -1208,11 +1338,15 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
 }
 
 // dout: the gradient of the MoE layer's output ([N, C]); dln2 receives the gradient of its input.
+// The exchanges of the forward run in reverse: the output gradients go to the experts' ranks, the
+// input gradients come back.
 void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2) {
   (void)layer;
   const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_, M = a.M;
+  const int64_t Ms = a.Msend;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
+  const bool ep = experts_apart();
   const int sig = cfg_.moe_sigmoid ? 1 : 0;
   auto linb = [&](float* dx, const Weight& w, const float* dy, const Tensor& x, int64_t row0, int64_t n, int64_t in) {
     if (n == 0) return;
@@ -1241,10 +1375,18 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
       linb(dln2, weight(p.up_w, -1, Fs, true), sdup, a.ln2, 0, N, C);
     }
   }
-  // Combine: the routed rows' output gradients and the router weights' gradients.
-  float* dy = moe_ws(3, M * C).f32();
+  // Combine: the routed rows' output gradients (in the order sent) and the router weights' gradients.
   float* dw = moe_ws(8, N * k).f32();
-  kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  float* dy = moe_ws(3, M * C).f32();  // in expert order
+  if (!ep) {
+    kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  } else {
+    float* dysend = moe_ws(19, Ms * C).f32();
+    float* dyrecv = moe_ws(18, M * C).f32();
+    kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    ep_comm_->all_to_all_v(dysend, a.send_rows.data(), dyrecv, a.recv_rows.data(), C, DType::F32);
+    kt_->moe_gather_rows(dy, dyrecv, a.order.data<int32_t>(), M, C * 4);
+  }
   // Experts, in the forward's row order.
   float* dact = moe_ws(4, M * Fe).f32();
   float* dh1 = moe_ws(5, M * Fe).f32();
@@ -1257,7 +1399,7 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
   for (int64_t e = 0; e < E_l_; ++e) {
     const int q = p.expert0 + static_cast<int>(e) * st;
     const int64_t n = a.kept[e];
-    const Weight w2 = gpt ? weight(q + 2, q + 3, C, true) : weight(q + 1, -1, C, true);
+    const Weight w2 = gpt ? expert_weight(q + 2, q + 3, C, true) : expert_weight(q + 1, -1, C, true);
     linb(dact + r0 * Fe, w2, dy + r0 * C, a.xact, r0, n, Fe);
     r0 += n;
   }
@@ -1274,15 +1416,23 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     const int q = p.expert0 + static_cast<int>(e) * st;
     const int64_t n = a.kept[e];
     if (gpt) {
-      linb(dxs + r0 * C, weight(q, q + 1, Fe, true), dh1 + r0 * Fe, a.xs, r0, n, C);
+      linb(dxs + r0 * C, expert_weight(q, q + 1, Fe, true), dh1 + r0 * Fe, a.xs, r0, n, C);
     } else {
-      linb(dxs + r0 * C, weight(q, -1, Fe, true), dh1 + r0 * Fe, a.xs, r0, n, C);
-      linb(dxs + r0 * C, weight(q + 2, -1, Fe, true), dh3 + r0 * Fe, a.xs, r0, n, C);
+      linb(dxs + r0 * C, expert_weight(q, -1, Fe, true), dh1 + r0 * Fe, a.xs, r0, n, C);
+      linb(dxs + r0 * C, expert_weight(q + 2, -1, Fe, true), dh3 + r0 * Fe, a.xs, r0, n, C);
     }
     r0 += n;
   }
   // Dispatch backward: each token collects its rows' input gradients.
-  kt_->moe_combine(dln2, dxs, a.r_pos.data<int32_t>(), nullptr, N, k, C);
+  const float* dxback = dxs;
+  if (ep) {
+    float* dxrecv = moe_ws(18, M * C).f32();
+    float* dxsend = moe_ws(19, Ms * C).f32();
+    kt_->moe_gather_rows(dxrecv, dxs, a.inv.data<int32_t>(), M, C * 4);
+    ep_comm_->all_to_all_v(dxrecv, a.recv_rows.data(), dxsend, a.send_rows.data(), C, DType::F32);
+    dxback = dxsend;
+  }
+  kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
   // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
   // micro-batch's mean loss, whose weight is dloss x N) and the z-loss.
   float* aux = nullptr;

@@ -7,12 +7,14 @@
 // which is how sharded data parallel substitutes gathered parameters.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "model/expert_comm.h"
 #include "model/model_config.h"
 #include "model/parameters.h"
 #include "model/tp_layers.h"
@@ -104,6 +106,21 @@ class Transformer {
   void set_unit_weights(int u, const void* w);
   void set_unit_grads(int u, float* g);
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+
+  // ---- expert parallelism (ModelStorage::ep > 1) ----
+  // The local routed experts then live outside the flat buffers, in expert buffers of their own
+  // (their gradients are reduced over other ranks than the rest: parallel/expert_parallel.h):
+  // expert_params() are their ranges there (names as in the unsplit model, e.g.
+  // model.layers.0.block_sparse_moe.experts.5.w1.weight), unit = the block they belong to.
+  bool experts_apart() const { return storage_.ep > 1; }
+  int ep_size() const { return storage_.ep; }
+  int ep_rank() const { return storage_.ep_rank; }
+  const std::vector<ParamInfo>& expert_params() const { return expert_params_; }
+  int64_t expert_size() const { return expert_size_; }
+  Tensor& expert_weights() { return ew_; }         // fp32 (master in bf16 mode)
+  Tensor& expert_grads() { return eg_; }           // fp32
+  Tensor& expert_compute_weights() { return compute_ == DType::F32 ? ew_ : ewb_; }
+  void set_expert_comm(ExpertComm* c) { ep_comm_ = c; }
 
   // One micro-batch of B sequences of T tokens (T <= seq_len). With targets, returns the mean
   // cross-entropy over the B*T positions; with train=true it also keeps what backward needs and
@@ -252,6 +269,13 @@ class Transformer {
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
   // MoE: local routed experts (count, first index), one expert's and the shared experts' width
   int64_t E_l_ = 0, E_lo_ = 0, Fe_l_ = 0, Fs_l_ = 0;
+  std::vector<ParamInfo> expert_params_;  // experts apart: their ranges of ew_ / eg_
+  std::vector<int> expert_base_;          // per layer: index of its first expert parameter (-1: none)
+  int64_t expert_size_ = 0;
+  Tensor ew_, eg_, ewb_;
+  std::vector<Tensor> eupcast_;           // bf16: fp32 copies of expert biases
+  ExpertComm* ep_comm_ = nullptr;
+  Weight expert_weight(int w, int b, int64_t out, bool grads);
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;
@@ -288,7 +312,7 @@ class Transformer {
   bool recomputing_ = false;  // a backward re-running a block's forward (no statistics counted)
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
   MoeStats moe_stats_;
-  std::vector<Tensor> moe_ws_;  // MoE forward and backward workspace
+  std::deque<Tensor> moe_ws_;  // MoE forward and backward workspace (references stay valid as it grows)
   Tensor& moe_ws(size_t i, int64_t n);
   void moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out);
   void moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2);

@@ -99,6 +99,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"parallel.dp_shard", Kind::Int, &c.parallel.dp_shard, "shard group size (-1 = what the world size leaves)"},
       {"parallel.tp", Kind::Int, &c.parallel.tp, "tensor-parallel degree"},
       {"parallel.pp", Kind::Int, &c.parallel.pp, "pipeline-parallel degree"},
+      {"parallel.ep", Kind::Int, &c.parallel.ep,
+       "expert-parallel degree (MoE): routed experts split over this many data-parallel ranks, tokens exchanged by all-to-all"},
       {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, "gpipe | 1f1b | interleaved_1f1b"},
       {"parallel.pp_virtual_stages", Kind::Int, &c.parallel.pp_virtual_stages, "stages per rank (interleaved)"},
       {"parallel.pp_microbatches", Kind::Int, &c.parallel.pp_microbatches, "0 = grad_accum"},

@@ -64,6 +64,7 @@ struct RunConfig {
   struct Parallel {
     std::string strategy = "NO_SHARD";
     int64_t dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;
+    int64_t ep = 1;  // expert parallelism: routed experts split over ep data-parallel ranks
     std::string pp_schedule = "1f1b";
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;

@@ -15,6 +15,7 @@
 
 #include "comm/world.h"
 #include "model/transformer.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/optimizer.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
@@ -125,6 +126,8 @@ class Trainer {
   std::unique_ptr<Transformer> model_, ref_;
   std::vector<double> norm_weight_;
   std::unique_ptr<parallel::Strategy> strategy_;
+  std::unique_ptr<parallel::ProcessGroupExpertComm> ep_comm_;  // expert parallelism (null when ep = 1)
+  std::unique_ptr<parallel::ExpertParallel> ep_;
   std::unique_ptr<parallel::PipelineExecutor> pipe_;
   std::unique_ptr<ModelState> state_;
   std::unique_ptr<ChromeTrace> trace_;
@@ -199,8 +202,17 @@ void Trainer::build() {
   }
   std::vector<char> owned;
   if (pp > 1) owned = parallel::stage_units_of_rank(partition_, pp, groups_.pp_rank, static_cast<int>(mc_.n_layer) + 2);
-  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, parallel::model_storage(spec_, dt_, groups_.shard->size()),
-                                         tp > 1 ? tp_comm_.get() : nullptr, owned);
+  ModelStorage storage = parallel::model_storage(spec_, dt_, groups_.shard->size());
+  if (dims_.ep_enabled()) {
+    storage.ep = dims_.ep;
+    storage.ep_rank = groups_.ep->rank();
+  }
+  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, storage, tp > 1 ? tp_comm_.get() : nullptr, owned);
+  if (dims_.ep_enabled()) {
+    ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
+    model_->set_expert_comm(ep_comm_.get());
+    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, dims_.dp(), spec_.adam);
+  }
   model_->set_tp_overlap(cfg_.parallel.tp_overlap);
   model_->set_loss_chunk(tc_.loss_chunk_tokens);
   if (dims_.sequence_parallel) model_->set_sequence_parallel(true);
@@ -216,6 +228,7 @@ void Trainer::build() {
   tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_.get());
   model_->set_hooks(trace_->enabled() ? static_cast<UnitHooks*>(tracing_.get()) : strategy_->hooks());
   state_ = std::make_unique<ModelState>(*model_, *ref_, *strategy_, *groups_.tp_aux, groups_.pp_aux.get());
+  state_->set_expert_parallel(ep_.get());
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
 }
@@ -267,6 +280,7 @@ void Trainer::load_state() {
   }
   state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
   strategy_->end_load(st_.adam_steps);
+  if (ep_) ep_->end_load(st_.adam_steps);
   if (!resume_dir.empty() && loader_ && loader_->blend && st_.has_blend) {
     if (!loader_->blend->set_state(st_.blend) && log_)
       std::printf("resuming with a different data.train blend: datasets are matched by pattern, new ones start "
@@ -327,7 +341,10 @@ void Trainer::train_step(int64_t step) {
   }
   // The last stage's loss, summed over the pipeline.
   const double loss = dp_mean(pp_sum(ps.loss_sum) / static_cast<double>(accum_));
-  double norm_sq = pp_sum(strategy_->grad_norm_sq(norm_weight_));
+  if (ep_) ep_->reduce_grads(&cs);
+  double norm_sq = strategy_->grad_norm_sq(norm_weight_);
+  if (ep_) norm_sq += ep_->grad_norm_sq();
+  norm_sq = pp_sum(norm_sq);
   if (dims_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
     float f = static_cast<float>(norm_sq);
     groups_.tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
@@ -341,6 +358,7 @@ void Trainer::train_step(int64_t step) {
   if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   trace_->begin("optimizer + parameter sync", "optimizer");
+  if (ep_) ep_->optimizer_step(lr, scale);  // first: a strategy's step may zero every gradient the model holds
   strategy_->optimizer_step(lr, scale, &cs);
   pipe_->tied_weights_sync();
   trace_->end();
