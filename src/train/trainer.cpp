@@ -142,6 +142,12 @@ class Trainer {
   int64_t tps_n_ = 0, first_step_ = 0;
   int peak_slots_ = 0;
   std::array<int64_t, kNumMemCategories> resident_{};
+  // Mixture of experts over the run (steps after the first): imbalance, all-to-all bytes and ms.
+  double moe_imb_sum_ = 0, a2a_ms_sum_ = 0, moe_aux_last_ = 0;
+  int64_t a2a_bytes_sum_ = 0, moe_dropped_ = 0;
+  std::vector<double> moe_tokens_total_;  // per MoE layer x expert, the whole run
+  // This step's expert statistics over every rank (collective over the world).
+  nlohmann::json moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes);
   std::optional<double> val_start_;  // train.eval_at_start
 };
 
@@ -231,6 +237,56 @@ void Trainer::build() {
   state_->set_expert_parallel(ep_.get());
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
+}
+
+nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
+  Transformer::MoeStats st = model_->take_moe_stats();
+  if (ep_comm_) ep_comm_->take(a2a_ms, a2a_bytes);
+  // Every MoE layer's token counts, this rank's layers filled in, summed over the world (each
+  // layer's counts come from its stage's data-parallel ranks), then aux, z and dropped.
+  const int64_t E = mc_.moe_experts;
+  std::vector<int> layers;
+  for (int64_t l = 0; l < mc_.n_layer; ++l)
+    if (mc_.is_moe_layer(l)) layers.push_back(static_cast<int>(l));
+  const size_t nl = layers.size();
+  std::vector<float> v(nl * static_cast<size_t>(E) + 4, 0.0f);
+  for (size_t i = 0; i < st.layers.size(); ++i) {
+    const size_t li = static_cast<size_t>(std::find(layers.begin(), layers.end(), st.layers[i]) - layers.begin());
+    for (int64_t e = 0; e < E; ++e) v[li * E + e] = static_cast<float>(st.tokens[i][e]);
+  }
+  v[nl * E] = static_cast<float>(st.aux_loss);
+  v[nl * E + 1] = static_cast<float>(st.z_loss);
+  v[nl * E + 2] = static_cast<float>(st.dropped);
+  v[nl * E + 3] = static_cast<float>(*a2a_bytes);
+  if (world_ > 1) groups_.metrics->all_reduce(v.data(), v.size(), DType::F32, comm::ReduceOp::Sum)->wait();
+  nlohmann::json tokens = nlohmann::json::array(), imb = nlohmann::json::array();
+  double worst = 0;
+  if (moe_tokens_total_.size() != nl * E) moe_tokens_total_.assign(nl * E, 0.0);
+  for (size_t li = 0; li < nl; ++li) {
+    nlohmann::json t = nlohmann::json::array();
+    double mx = 0, sum = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const double c = v[li * E + e];
+      t.push_back(static_cast<int64_t>(c));
+      mx = std::max(mx, c);
+      sum += c;
+      moe_tokens_total_[li * E + e] += c;
+    }
+    const double r = sum > 0 ? mx / (sum / static_cast<double>(E)) : 0.0;
+    tokens.push_back(t);
+    imb.push_back(r);
+    worst = std::max(worst, r);
+  }
+  const double dp = dims_.dp();
+  moe_dropped_ += static_cast<int64_t>(v[nl * E + 2]);
+  return {{"expert_tokens", tokens},
+          {"expert_imbalance", worst},
+          {"expert_imbalance_by_layer", imb},
+          {"moe_aux_loss", v[nl * E] / dp},
+          {"moe_z_loss", v[nl * E + 1] / dp},
+          {"moe_dropped_tokens", static_cast<int64_t>(v[nl * E + 2])},
+          {"ep_all_to_all_bytes", static_cast<int64_t>(v[nl * E + 3] / std::max(1, world_))},
+          {"ep_all_to_all_ms", *a2a_ms}};
 }
 
 void Trainer::next_batch(int32_t* x, int32_t* y) {
@@ -365,11 +421,16 @@ void Trainer::train_step(int64_t step) {
   trace_->end();  // step
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();
+  double a2a_ms = 0;
+  int64_t a2a_bytes = 0;
+  nlohmann::json moe = mc_.moe() ? moe_step_metrics(&a2a_ms, &a2a_bytes) : nlohmann::json();
   const double step_ms = ms_since(t0);
   double tp_comm_ms = 0, tp_exposed_ms = 0;  // tensor-parallel collectives (mostly on the critical path)
   tp_comm_->take_times(&tp_comm_ms, &tp_exposed_ms);
   cs.comm_ms += tp_comm_ms;
   cs.exposed_ms += tp_exposed_ms;
+  cs.comm_ms += a2a_ms;  // the token exchanges: synchronous, so all of it exposed
+  cs.exposed_ms += a2a_ms;
   resident_ = MemoryTracker::instance().stats().current;
 
   StepMetrics sm;
@@ -393,6 +454,13 @@ void Trainer::train_step(int64_t step) {
   sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
   if (cfg_.log.peak_flops > 0) sm.mfu = mc_.flops_per_token() * sm.tokens_per_s / (cfg_.log.peak_flops * world_);
   sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
+  sm.moe = moe;
+  if (mc_.moe() && step > first_step_) {
+    moe_imb_sum_ += moe.value("expert_imbalance", 0.0);
+    a2a_ms_sum_ += a2a_ms;
+    a2a_bytes_sum_ += a2a_bytes;
+  }
+  if (mc_.moe()) moe_aux_last_ = moe.value("moe_aux_loss", 0.0);
   if (step > first_step_) {
     tps_sum_ += sm.tokens_per_s;
     ++tps_n_;
@@ -488,6 +556,12 @@ void Trainer::report() {
       want.grads += static_cast<int64_t>(model_->tied_replica_grad().nbytes());
     }
     want.grads += pipe_->grad_bytes();
+    if (ep_) {  // the local experts' state, outside the strategy's flat buffers
+      const parallel::StateBytes e = ep_->state_bytes();
+      want.params += e.params;
+      want.grads += e.grads;
+      want.optimizer += e.optimizer;
+    }
     std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
                 "(params %s, grads %s, optimizer %s)\n",
                 format_bytes(resident_[0] + resident_[1] + resident_[2]).c_str(), format_bytes(want.total()).c_str(),
@@ -497,6 +571,17 @@ void Trainer::report() {
       std::printf("  ZeRO paper's mixed-precision figure: %s (it assumes bf16 gradients; this engine keeps them fp32)\n",
                   format_bytes(parallel::zero_paper_bytes(spec_.strategy, F, groups_.shard->size())).c_str());
     if (tps_n_) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res_.tokens_per_s);
+    if (mc_.moe() && tps_n_) {
+      std::printf("mixture of experts: %lld experts, top-%lld, %lld MoE layers; expert load max/mean %.2f (mean over steps "
+                  "after the first); aux loss %.4f (last step); %lld token choices dropped",
+                  static_cast<long long>(mc_.moe_experts), static_cast<long long>(mc_.moe_top_k),
+                  static_cast<long long>(mc_.moe_layers()), moe_imb_sum_ / tps_n_, moe_aux_last_,
+                  static_cast<long long>(moe_dropped_));
+      if (ep_)
+        std::printf("; ep %d: all-to-all %s per step sent by rank %d, %.2f ms exposed", dims_.ep,
+                    format_bytes(a2a_bytes_sum_ / tps_n_).c_str(), rank_, a2a_ms_sum_ / tps_n_);
+      std::printf("\n");
+    }
     if (pp && tps_n_)
       std::printf("pipeline bubble: %.1f%% of the step idle (mean over pp ranks and steps after the first); "
                   "formula %s = %.1f%%; peak activation slots on rank 0: %d\n",
@@ -523,6 +608,24 @@ void Trainer::report() {
                         {"flat_size", model_->flat_size()},
                         {"activation_bytes_saved_by_recompute", model_->activation_bytes_saved()},
                         {"num_params", model_->num_params()}};
+  if (mc_.moe()) {
+    nlohmann::json t = nlohmann::json::array();
+    const int64_t E = mc_.moe_experts;
+    for (size_t i = 0; E > 0 && i + static_cast<size_t>(E) <= moe_tokens_total_.size(); i += static_cast<size_t>(E))
+      t.push_back(std::vector<int64_t>(moe_tokens_total_.begin() + static_cast<std::ptrdiff_t>(i),
+                                       moe_tokens_total_.begin() + static_cast<std::ptrdiff_t>(i) + E));
+    fin["expert_tokens_total"] = t;
+    fin["expert_imbalance_mean"] = tps_n_ ? moe_imb_sum_ / tps_n_ : 0.0;
+    fin["moe_dropped_tokens"] = moe_dropped_;
+    fin["moe_active_params"] = mc_.active_params();
+    fin["ep"] = dims_.ep;
+    if (ep_) {
+      fin["ep_all_to_all_bytes_per_step"] = tps_n_ ? a2a_bytes_sum_ / tps_n_ : 0;
+      fin["ep_all_to_all_ms_per_step"] = tps_n_ ? a2a_ms_sum_ / tps_n_ : 0.0;
+      const parallel::StateBytes e = ep_->state_bytes();
+      fin["expert_state_bytes"] = {{"params", e.params}, {"grads", e.grads}, {"optimizer", e.optimizer}};
+    }
+  }
   if (pp) {
     fin["pp_schedule"] = schedule_->name;
     fin["pp_microbatches"] = accum_;
