@@ -1,0 +1,128 @@
+// Mixture of experts with expert parallelism against single-process training on the same global
+// batch, as real processes under mpirun: ep = 2 and 4, ep 2 x FULL_SHARD, ep 2 x pp 2. The
+// reference runs each rank's micro-batch as one micro-batch of its own (grad_accum), so the
+// per-micro-batch load-balancing loss is the same quantity in both runs; losses, aux losses,
+// expert loads and final weights must agree at fp32 tolerance. Also: exact model-state bytes with
+// experts split, and the refused layouts.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+
+namespace mt {
+namespace {
+
+constexpr double kLossTol = 2e-5, kWeightTol = 5e-5;
+const std::string kMoe =
+    " --model.preset llama-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+    " --model.moe_aux_loss_coef 0.02 --model.moe_z_loss_coef 0.001";
+
+class MoeParity : public ParityFixture {
+ protected:
+  // Per step: the aux loss and the tokens per expert of every MoE layer.
+  struct Moe {
+    std::vector<double> aux;
+    std::vector<nlohmann::json> tokens;
+  };
+  Moe moe(const std::string& tag) {
+    Moe m;
+    std::ifstream f(dir_ / ("m_" + tag + ".jsonl"));
+    std::string line;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("final")) continue;
+      m.aux.push_back(j.at("moe_aux_loss").get<double>());
+      m.tokens.push_back(j.at("expert_tokens"));
+    }
+    return m;
+  }
+};
+
+TEST_F(MoeParity, ExpertParallelTwoRanksMatchesOneRank) {
+  auto ref = train(1, 2, 2, "ref", kMoe);
+  auto ep = train(2, 2, 1, "ep2", kMoe + " --parallel.ep 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=2");
+  const Moe a = moe("ref"), b = moe("ep2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert, step " << i + 1;
+  }
+  // Dropless: 2 MoE layers x 2 choices x 4 sequences of 32 tokens per step x 8 steps, all served.
+  EXPECT_EQ(ep.final.at("moe_dropped_tokens").get<int64_t>(), 0);
+  int64_t total = 0;
+  for (const auto& layer : ep.final.at("expert_tokens_total"))
+    for (const auto& c : layer) total += c.get<int64_t>();
+  EXPECT_EQ(total, 2 * 2 * 4 * 32 * 8);
+  // The tokens travelled: the ep group's counters hold the all-to-all's bytes.
+  EXPECT_GT(ep.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
+  EXPECT_GT(ep.final.at("ep_all_to_all_bytes_per_step").get<int64_t>(), 0);
+  // Model state per rank, exactly: the strategy's flat buffers (DDP, fp32: 16 bytes per element)
+  // plus the local experts' weights, gradients and two moments.
+  const int64_t flat = ep.final.at("flat_size").get<int64_t>();
+  const auto& es = ep.final.at("expert_state_bytes");
+  for (const auto& r : ep.final.at("mem_resident_by_category_per_rank")) {
+    EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
+    EXPECT_EQ(r.at("grads").get<int64_t>(), 4 * flat + es.at("grads").get<int64_t>());
+    EXPECT_EQ(r.at("optimizer").get<int64_t>(), 8 * flat + es.at("optimizer").get<int64_t>());
+  }
+  // Each rank holds half of the routed experts: 2 of 4 per MoE layer, 3 C x F weights each.
+  EXPECT_EQ(es.at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64);
+}
+
+TEST_F(MoeParity, ExpertParallelFourRanksMatchesOneRank) {
+  auto ref = train(1, 2, 4, "ref", kMoe);
+  auto ep = train(4, 2, 1, "ep4", kMoe + " --parallel.ep 4");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=4");
+  const Moe a = moe("ref"), b = moe("ep4");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+}
+
+// ep 2 inside 4 data-parallel ranks: the expert gradients are also reduced over the 2 ranks that
+// hold the same experts; the dense part is FULL_SHARD over all 4.
+TEST_F(MoeParity, ExpertParallelWithFullShardMatchesOneRank) {
+  auto ref = train(1, 2, 4, "ref", kMoe);
+  auto ep = train(4, 2, 1, "ep2fs", kMoe + " --parallel.ep 2 --parallel.strategy FULL_SHARD");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=2 x FULL_SHARD 4");
+  const Moe a = moe("ref"), b = moe("ep2fs");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+  EXPECT_GT(ep.final.at("comm_bytes_by_group").value("edp", int64_t{0}), 0);
+}
+
+TEST_F(MoeParity, ExpertParallelWithPipelineMatchesOneRank) {
+  auto ref = train(1, 2, 4, "ref", kMoe);
+  auto ep = train(4, 2, 2, "ep2pp2", kMoe + " --parallel.ep 2 --parallel.pp 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=2 x pp=2");
+  const Moe a = moe("ref"), b = moe("ep2pp2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+}
+
+TEST_F(MoeParity, RefusedLayoutsSayWhy) {
+  const std::string base = std::string(MT_BINARY) + " train --data.train " + (dir_ / "train.bin").string() +
+                           " --data.val= --train.steps 1 --train.threads 1";
+  RunOut r = run(mpirun(2) + base + kMoe + " --parallel.ep 4");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("parallel.ep = 4 must divide the data-parallel degree"), std::string::npos) << r.output;
+  r = run("MESHTRAIN_MPI=0 " + base + " --parallel.ep 2 --model.preset llama-tiny");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("needs a mixture-of-experts model"), std::string::npos) << r.output;
+  r = run(mpirun(2) + base + " --model.preset llama-tiny --model.moe_experts 3 --parallel.ep 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("must be divisible by parallel.ep"), std::string::npos) << r.output;
+  r = run(mpirun(2) + base + kMoe + " --parallel.tp 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("not split over tensor-parallel ranks"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace mt
