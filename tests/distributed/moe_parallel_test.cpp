@@ -72,6 +72,18 @@ TEST_F(MoeParity, ExpertParallelTwoRanksMatchesOneRank) {
   }
   // Each rank holds half of the routed experts: 2 of 4 per MoE layer, 3 C x F weights each.
   EXPECT_EQ(es.at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64);
+  // The Meta dry run of each rank builds the same layout: its model state is the real run's, to
+  // the byte (activations and all-to-all bytes depend on the routing, which a dry run cannot see:
+  // it assumes an even spread).
+  for (int r = 0; r < 2; ++r) {
+    const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
+    RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world 2 --rank " + std::to_string(r) +
+                   kMoe + " --parallel.ep 2 --train.micro_batch 2 --log.metrics_out " + m);
+    ASSERT_EQ(d.code, 0) << d.output;
+    const auto dj = final_metrics(m).at("mem_resident_by_category");
+    const auto& rj = ep.final.at("mem_resident_by_category_per_rank")[r];
+    for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+  }
 }
 
 TEST_F(MoeParity, ExpertParallelFourRanksMatchesOneRank) {
