@@ -190,6 +190,15 @@ ModelConfig gpt2(const char* name, int64_t L, int64_t H, int64_t C, int64_t T, i
   m.vocab_size = V;
   return m;
 }
+ModelConfig moe_preset(ModelConfig m, int64_t E, int64_t k, int64_t shared, int64_t width, bool sigmoid) {
+  m.moe_experts = E;
+  m.moe_top_k = k;
+  m.moe_shared_experts = shared;
+  m.moe_ffn_hidden = width;
+  m.moe_sigmoid = sigmoid;
+  m.moe_aux_loss_coef = sigmoid ? 0.0001f : 0.02f;
+  return m;
+}
 std::vector<ModelConfig> all_presets() {
   return {
       gpt2("gpt2-124m", 12, 12, 768, 1024, 50257),
@@ -200,6 +209,13 @@ std::vector<ModelConfig> all_presets() {
       llama_config("llama3-8b", 32, 32, 8, 4096, 14336, 8192, 128256, 500000.0f),
       llama_config("llama3-70b", 80, 64, 8, 8192, 28672, 8192, 128256, 500000.0f),
       llama_config("llama3-405b", 126, 128, 8, 16384, 53248, 8192, 128256, 500000.0f),
+      // Mixtures of experts: Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters,
+      // 12.9B active) and a DeepSeek-V3-like shape (61 layers of 7168, 256 routed experts of 2048
+      // + 1 shared, top-8, sigmoid router; standard grouped-query attention instead of MLA, every
+      // block MoE: about 690B parameters, 40B active).
+      moe_preset(llama_config("mixtral-8x7b", 32, 32, 8, 4096, 14336, 4096, 32000, 1000000.0f), 8, 2, 0, 0, false),
+      moe_preset(llama_config("deepseek-v3-like", 61, 128, 128, 7168, 18432, 4096, 129280, 10000.0f), 256, 8, 1, 2048,
+                 true),
       // Small models that train on a CPU.
       gpt2("gpt2-tiny", 2, 2, 32, 32, 256),          // unit tests
       gpt2("gpt2-mini", 4, 4, 128, 128, 256),        // the default demo (byte tokenizer)
