@@ -147,10 +147,11 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   nkv_l_ = cfg_.n_kv_head / t;
   F_l_ = cfg_.ffn_hidden / t;
   if (cfg_.moe()) {
-    if (t > 1)
-      throw std::invalid_argument("model.moe_experts with parallel.tp > 1 is not supported yet: the routed experts are not "
-                                  "split over tensor-parallel ranks (use parallel.ep to spread experts instead)");
     const int64_t ep = std::max(1, storage_.ep), er = storage_.ep_rank;
+    if (t > 1 && ep > 1)
+      throw std::invalid_argument("parallel.ep > 1 with parallel.tp > 1 is not supported yet: experts kept apart for "
+                                  "expert parallelism are not split over tensor-parallel ranks");
+    need(cfg_.expert_ffn(), "model.moe_ffn_hidden (one expert's width)");
     if (cfg_.moe_experts % ep != 0)
       throw std::invalid_argument("model.moe_experts (" + std::to_string(cfg_.moe_experts) +
                                   ") is not divisible by parallel.ep (" + std::to_string(ep) + ")");
@@ -637,6 +638,9 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
 
 void Transformer::set_sequence_parallel(bool on) {
   if (ws_bt_ != 0) throw std::logic_error("set_sequence_parallel must come before the first forward");
+  if (on && cfg_.moe())
+    throw std::invalid_argument("parallel.sequence_parallel with a mixture of experts is not supported: the MoE layer "
+                                "needs every token's row on each tensor-parallel rank");
   tpc_.sp = on && tpc_.tp();
 }
 
@@ -1281,8 +1285,8 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   for (int64_t e = 0; e < E_l_; ++e) {
     const int q = p.expert0 + static_cast<int>(e) * st;
     const int64_t n = a.kept[e];
-    if (gpt)
-      lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 2, q + 3, C, false), n, Fe);
+    if (gpt)  // row-parallel over tp: the bias is added by one tp rank only (the outputs are summed)
+      lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 2, tpc_.rank == 0 ? q + 3 : -1, C, false), n, Fe);
     else
       lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 1, -1, C, false), n, Fe);  // w2: down
     r0 += n;
@@ -1310,9 +1314,12 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
       kt_->swiglu_forward(sact, a.fc.f32(), a.up.f32(), N * Fs);
     }
     if (bf) kt_->cast_f32_to_bf16(a.act.bf(), sact, N * Fs);
-    lin(so, a.act, 0, weight(p.down_w, p.down_b, C, false), N, Fs);
+    lin(so, a.act, 0, weight(p.down_w, tpc_.rank == 0 ? p.down_b : -1, C, false), N, Fs);
     kt_->accumulate(out, so, N * C);
   }
+  // Tensor parallelism: every expert's hidden width is split (w1 / w3 / c_fc by rows, w2 / c_proj
+  // by columns), so each tp rank holds a partial sum of the layer's output.
+  if (tpc_.tp()) tpc_.comm->all_reduce_activations(out, N * C);
   if (recomputing_) return;
   // Statistics and the auxiliary losses' values (their gradients are applied in backward).
   if (moe_stats_.layers.empty() || moe_stats_.layers.front() == layer) ++moe_stats_.microbatches;
@@ -1380,6 +1387,7 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
   float* dy = moe_ws(3, M * C).f32();  // in expert order
   if (!ep) {
     kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);  // <dout, y> over the tp ranks' partial outputs
   } else {
     float* dysend = moe_ws(19, Ms * C).f32();
     float* dyrecv = moe_ws(18, M * C).f32();
@@ -1433,6 +1441,8 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     dxback = dxsend;
   }
   kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
+  // The experts' input gradients are partial over tp ranks; the router's (below) is whole on each.
+  if (tpc_.tp()) tpc_.comm->all_reduce_activations(dln2, N * C);
   // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
   // micro-batch's mean loss, whose weight is dloss x N) and the z-loss.
   float* aux = nullptr;

@@ -76,9 +76,19 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
       throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " must divide the data-parallel degree (" +
                         std::to_string(d.dp()) + " = dp_replicate x dp_shard): expert parallelism borrows its ranks from it");
   }
-  if (mc.moe() && d.tp > 1)
-    throw ConfigError("model.moe_experts with parallel.tp = " + std::to_string(d.tp) +
-                      ": the routed experts are not split over tensor-parallel ranks yet (use parallel.ep for the experts)");
+  if (d.ep > 1 && d.tp > 1)
+    throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " with parallel.tp = " + std::to_string(d.tp) +
+                      ": experts kept apart for expert parallelism are not split over tensor-parallel ranks yet "
+                      "(use one of the two for the experts)");
+  if (mc.moe() && d.sequence_parallel)
+    throw ConfigError("parallel.sequence_parallel with a mixture of experts (model.moe_experts) is not supported: the MoE "
+                      "layer needs every token's row on each tensor-parallel rank");
+  if (mc.moe() && d.tp > 1) {
+    const int64_t fe = mc.expert_ffn();
+    if (fe % d.tp != 0)
+      throw ConfigError("the expert width (model.moe_ffn_hidden or model.ffn_hidden, " + std::to_string(fe) +
+                        ") must be divisible by parallel.tp (" + std::to_string(d.tp) + ")");
+  }
   return d;
 }
 

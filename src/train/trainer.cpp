@@ -259,6 +259,10 @@ nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
   v[nl * E + 2] = static_cast<float>(st.dropped);
   v[nl * E + 3] = static_cast<float>(*a2a_bytes);
   if (world_ > 1) groups_.metrics->all_reduce(v.data(), v.size(), DType::F32, comm::ReduceOp::Sum)->wait();
+  // Every tensor-parallel rank routes the same tokens: counted once.
+  const double dp = dims_.dp(), tpn = dims_.tp;
+  for (size_t i = 0; i < nl * E + 3; ++i) v[i] = static_cast<float>(v[i] / tpn);
+
   nlohmann::json tokens = nlohmann::json::array(), imb = nlohmann::json::array();
   double worst = 0;
   if (moe_tokens_total_.size() != nl * E) moe_tokens_total_.assign(nl * E, 0.0);
@@ -277,7 +281,6 @@ nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
     imb.push_back(r);
     worst = std::max(worst, r);
   }
-  const double dp = dims_.dp();
   moe_dropped_ += static_cast<int64_t>(v[nl * E + 2]);
   return {{"expert_tokens", tokens},
           {"expert_imbalance", worst},

@@ -119,6 +119,26 @@ TEST_F(MoeParity, ExpertParallelWithPipelineMatchesOneRank) {
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
 }
 
+// Tensor parallelism splits every expert's hidden width (ep = 1): Llama experts with a shared
+// expert on tp 2, and GPT-2 experts (biases added once over the tp ranks) on tp 2 x FULL_SHARD 2.
+TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
+  auto ref = train(1, 2, 1, "ref", kMoe);
+  auto tp = train(2, 2, 1, "tp2", kMoe + " --parallel.tp 2");
+  ASSERT_FALSE(tp.losses.empty());
+  expect_close(ref, tp, kLossTol, kWeightTol, "llama MoE, tp=2");
+  const Moe a = moe("ref"), b = moe("tp2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert (counted once over tp), step " << i + 1;
+  }
+  const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1";
+  auto gref = train(1, 2, 2, "gref", gpt);
+  auto gtp = train(4, 2, 1, "gtp", gpt + " --parallel.tp 2 --parallel.strategy FULL_SHARD");
+  ASSERT_FALSE(gtp.losses.empty());
+  expect_close(gref, gtp, kLossTol, kWeightTol, "gpt2 MoE, tp=2 x FULL_SHARD 2");
+}
+
 TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   const std::string base = std::string(MT_BINARY) + " train --data.train " + (dir_ / "train.bin").string() +
                            " --data.val= --train.steps 1 --train.threads 1";
@@ -131,9 +151,12 @@ TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   r = run(mpirun(2) + base + " --model.preset llama-tiny --model.moe_experts 3 --parallel.ep 2");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("must be divisible by parallel.ep"), std::string::npos) << r.output;
-  r = run(mpirun(2) + base + kMoe + " --parallel.tp 2");
+  r = run(mpirun(4) + base + kMoe + " --parallel.tp 2 --parallel.ep 2");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("not split over tensor-parallel ranks"), std::string::npos) << r.output;
+  r = run(mpirun(2) + base + kMoe + " --parallel.tp 2 --parallel.sequence_parallel true");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("sequence_parallel with a mixture of experts"), std::string::npos) << r.output;
 }
 
 }  // namespace
