@@ -139,6 +139,35 @@ TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
   expect_close(gref, gtp, kLossTol, kWeightTol, "gpt2 MoE, tp=2 x FULL_SHARD 2");
 }
 
+// Checkpoints hold every expert whatever the layout: 4 steps with ep = 2, then the run resumed with
+// ep = 1 (DDP, every rank all experts) ends where 8 uninterrupted ep = 2 steps end; and back.
+TEST_F(MoeParity, CheckpointFromExpertParallelResumesWithoutIt) {
+  auto first = train(2, 2, 1, "first", kMoe + " --parallel.ep 2 --train.steps 4 --train.lr_schedule constant");
+  (void)first;
+  const std::string ck = (dir_ / "ck_first").string();
+  auto rest = train(2, 2, 1, "rest", kMoe + " --train.resume " + ck + " --train.lr_schedule constant");
+  auto whole = train(2, 2, 1, "whole", kMoe + " --parallel.ep 2 --train.lr_schedule constant");
+  ASSERT_EQ(rest.losses.size(), 4u);
+  ASSERT_EQ(whole.losses.size(), 8u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  ASSERT_EQ(rest.weights.size(), whole.weights.size());
+  double maxd = 0;
+  for (size_t i = 0; i < rest.weights.size(); ++i)
+    maxd = std::max(maxd, static_cast<double>(std::abs(rest.weights[i] - whole.weights[i])));
+  EXPECT_LT(maxd, kWeightTol);
+  // And the other way: ep = 1's checkpoint resumed with ep = 2 (each rank takes its experts'
+  // weights and Adam moments out of it).
+  train(2, 2, 1, "first1", kMoe + " --train.steps 4 --train.lr_schedule constant");
+  auto rest2 = train(2, 2, 1, "rest2", kMoe + " --parallel.ep 2 --train.resume " + (dir_ / "ck_first1").string() +
+                                           " --train.lr_schedule constant");
+  ASSERT_EQ(rest2.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest2.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  maxd = 0;
+  for (size_t i = 0; i < rest2.weights.size(); ++i)
+    maxd = std::max(maxd, static_cast<double>(std::abs(rest2.weights[i] - whole.weights[i])));
+  EXPECT_LT(maxd, kWeightTol);
+}
+
 TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   const std::string base = std::string(MT_BINARY) + " train --data.train " + (dir_ / "train.bin").string() +
                            " --data.val= --train.steps 1 --train.threads 1";
