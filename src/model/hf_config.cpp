@@ -189,6 +189,8 @@ ModelConfig model_from_hf_config(const std::string& path, bool strict) {
 
 std::string hf_config_json(const ModelConfig& m) {
   json j;
+  if (m.arch == Arch::GPT2 && m.moe())
+    throw std::invalid_argument("a GPT-2 mixture of experts has no Hugging Face config (only Mixtral's form is exported)");
   if (m.arch == Arch::GPT2) {
     j = {{"architectures", {"GPT2LMHeadModel"}},
          {"model_type", "gpt2"},

@@ -735,19 +735,19 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     moe_backward(layer, p, a, dx, dnorm);
     norm(p.ln2_w, p.ln2_b, true).backward(dx, dnorm, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
-  RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
-  dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
-  const float* dln2 = nullptr;
-  if (gpt) {
-    kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
-    dln2 = ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
-  } else {
-    dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
-    kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
-    dln2 = ColumnParallelLinear(tpc_, C).backward(
-        a.ln2, {{dfc, weight(p.fc_w, -1, F, true)}, {dup, weight(p.up_w, -1, F, true)}}, dnorm);
-  }
-  norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
+    dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
+    const float* dln2 = nullptr;
+    if (gpt) {
+      kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
+      dln2 = ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
+    } else {
+      dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
+      kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
+      dln2 = ColumnParallelLinear(tpc_, C).backward(
+          a.ln2, {{dfc, weight(p.fc_w, -1, F, true)}, {dup, weight(p.up_w, -1, F, true)}}, dnorm);
+    }
+    norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   }
   // Attention.
   RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, true)).backward(datty, dx, bf ? a.atty_bf : a.atty);
