@@ -139,6 +139,23 @@ TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
   expect_close(gref, gtp, kLossTol, kWeightTol, "gpt2 MoE, tp=2 x FULL_SHARD 2");
 }
 
+// bf16 (rows travel in bf16, outputs and gradients in fp32); a capacity factor that drops tokens,
+// with full recompute (a recomputed layer repeats its exchanges) and ZeRO-2 for the dense part.
+TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
+  auto ref = train(1, 2, 2, "refb", kMoe + " --train.dtype bf16");
+  auto ep = train(2, 2, 1, "epb", kMoe + " --train.dtype bf16 --parallel.ep 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, 2e-4, 2e-3, "ep=2 bf16");
+  const std::string cap = kMoe + " --model.moe_capacity_factor 1.0 --train.activation_checkpointing full";
+  auto refc = train(1, 2, 2, "refc", cap);
+  auto epc = train(2, 2, 1, "epc", cap + " --parallel.ep 2 --parallel.strategy SHARD_GRAD_OP");
+  ASSERT_FALSE(epc.losses.empty());
+  expect_close(refc, epc, kLossTol, kWeightTol, "ep=2 x ZeRO-2, capacity 1.0, full recompute");
+  const int64_t dropped = refc.final.at("moe_dropped_tokens").get<int64_t>();
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(epc.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+}
+
 // Checkpoints hold every expert whatever the layout: 4 steps with ep = 2, then the run resumed with
 // ep = 1 (DDP, every rank all experts) ends where 8 uninterrupted ep = 2 steps end; and back.
 TEST_F(MoeParity, CheckpointFromExpertParallelResumesWithoutIt) {
