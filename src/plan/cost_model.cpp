@@ -497,6 +497,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.mem.grads = ms.grads;
   E.mem.optimizer = ms.optimizer;
   const double psi_opt = psi / shard;  // parameters this GPU updates
+  // What the data-parallel strategy reduces and gathers: with ep > 1 the experts are not in it.
+  const double psi_dp = ep > 1 ? psi_dense : psi;
 
   // ---- activations ----
   // MoE layers: the activations of a dense MLP as wide as the token's k routed and shared experts
@@ -532,7 +534,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     if (l.strategy == Strategy::ZeRO3 || l.strategy == Strategy::HSDP)
       comm_buf += 2 * unit * pb + unit * rb;  // gathered current + prefetched unit, unsharded grad
     else
-      comm_buf += 2 * std::min(st.bucket_bytes, psi * rb);
+      comm_buf += 2 * std::min(st.bucket_bytes, psi_dp * rb);
   }
   if (t > 1) comm_buf += 2 * tokens * x.h * e;
   if (p > 1) comm_buf += 2 * tokens * x.h * e / (sp ? T : 1.0);
@@ -679,7 +681,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   auto buckets = [&](double bytes) { return std::ceil(bytes / st.bucket_bytes); };
   double dp_total = 0;
   if (l.dp() > 1) {
-    const double grad_bytes = psi * rb, param_bytes = psi * pb;
+    const double grad_bytes = psi_dp * rb, param_bytes = psi_dp * pb;
     const double bucket_g = std::min(grad_bytes, st.bucket_bytes), bucket_p = std::min(param_bytes, st.bucket_bytes);
     switch (l.strategy) {
       case Strategy::DDP: {  // all-reduce once per step (no_sync while accumulating), during the last backward
