@@ -107,6 +107,11 @@ TEST_F(MoeParity, ExpertParallelWithFullShardMatchesOneRank) {
   ASSERT_EQ(b.aux.size(), 8u);
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
   EXPECT_GT(ep.final.at("comm_bytes_by_group").value("edp", int64_t{0}), 0);
+  // The same over a hybrid mesh (2 replicas x 2 shards) and ZeRO-1 with every rank's own experts.
+  auto hy = train(4, 2, 1, "ep2hy", kMoe + " --parallel.ep 2 --parallel.strategy HYBRID_SHARD --parallel.dp_replicate 2");
+  expect_close(ref, hy, kLossTol, kWeightTol, "ep=2 x HYBRID_SHARD 2x2");
+  auto z1 = train(4, 2, 1, "ep4z1", kMoe + " --parallel.ep 4 --parallel.strategy ZERO1");
+  expect_close(ref, z1, kLossTol, kWeightTol, "ep=4 x ZERO1 4");
 }
 
 TEST_F(MoeParity, ExpertParallelWithPipelineMatchesOneRank) {
