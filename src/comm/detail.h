@@ -126,6 +126,7 @@ struct Op {
   size_t pos = 0, len = 0;  // current slice
   std::vector<MPI_Request> reqs;
   Fingerprint fp{};
+  std::vector<size_t> scounts, rcounts;  // all_to_all_v: elements to / from each group rank
 };
 
 // How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
@@ -258,7 +259,8 @@ struct GroupImpl {
   // Fails pending and future operations with `msg`.
   void fail(const std::string& msg);
 
-  WorkHandle issue(OpDesc d, const void* sbuf, void* rbuf);
+  WorkHandle issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<size_t> scounts = {},
+                   std::vector<size_t> rcounts = {});
 
   std::string name;
   int uid = 0;

@@ -24,32 +24,13 @@ void ProcessGroupExpertComm::all_to_all_v(const void* send, const int64_t* send_
                                           const int64_t* recv_rows, int64_t row_elems, DType dt) {
   const auto t0 = Clock::now();
   const int R = g_->size(), me = g_->rank();
-  const int64_t row_bytes = row_elems * static_cast<int64_t>(dtype_size(dt));
-  std::vector<comm::WorkHandle> works;
-  int64_t so = 0, ro = 0;
-  const char* s = static_cast<const char*>(send);
-  char* d = static_cast<char*>(recv);
-  // Receives first, then sends: every message has its matching receive posted (the group's
-  // communication thread runs them in posting order).
-  std::vector<int64_t> soff(static_cast<size_t>(R)), roff(static_cast<size_t>(R));
+  std::vector<size_t> sc(static_cast<size_t>(R)), rc(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) {
-    soff[r] = so;
-    roff[r] = ro;
-    so += send_rows[r] * row_bytes;
-    ro += recv_rows[r] * row_bytes;
+    sc[r] = static_cast<size_t>(send_rows[r] * row_elems);
+    rc[r] = static_cast<size_t>(recv_rows[r] * row_elems);
+    if (r != me) bytes_ += send_rows[r] * row_elems * static_cast<int64_t>(dtype_size(dt));
   }
-  for (int r = 0; r < R; ++r)
-    if (r != me && recv_rows[r] > 0)
-      works.push_back(g_->recv(d + roff[r], static_cast<size_t>(recv_rows[r] * row_elems), dt, r, 7));
-  for (int r = 0; r < R; ++r)
-    if (r != me && send_rows[r] > 0) {
-      works.push_back(g_->send(s + soff[r], static_cast<size_t>(send_rows[r] * row_elems), dt, r, 7));
-      bytes_ += send_rows[r] * row_bytes;
-    }
-  if (recv_rows[me] != send_rows[me]) throw std::logic_error("all_to_all_v: this rank's rows to itself disagree");
-  if (send_rows[me] > 0)
-    dev::copy(current_device(), d + roff[me], s + soff[me], static_cast<size_t>(send_rows[me] * row_bytes));
-  comm::wait_all(works);
+  g_->all_to_all_v(send, sc.data(), recv, rc.data(), dt)->wait();
   ms_ += ms_since(t0);
 }
 

@@ -1,7 +1,7 @@
 // Expert parallelism (MoE): the routed experts of every MoE layer are split over the `ep` group (a
 // block of ep data-parallel ranks; Megatron's and torchtitan's layout, EP borrowed from DP). The
-// model moves tokens to their experts' ranks and back through ProcessGroupExpertComm (variable-size
-// all-to-all over point-to-point messages, counts exchanged first); ExpertParallel owns what the
+// model moves tokens to their experts' ranks and back through ProcessGroupExpertComm (the process
+// group's variable-size all_to_all_v, counts exchanged first); ExpertParallel owns what the
 // data-parallel strategy does not: the local experts' gradient reduction over `edp` (the dp ranks
 // holding the same experts), their AdamW state, their share of the gradient norm, and their part of
 // checkpoints. Everything else (attention, norms, routers, shared experts, embeddings) stays with
