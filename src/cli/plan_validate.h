@@ -51,6 +51,13 @@ struct EngineLayout {
   bool reduce_every_microbatch = true;  // --parallel.reduce_every_microbatch
   bool reshard_after_forward = true;
   double bucket_mb = 25.0;           // --parallel.bucket_mb (the engine's MB are 1e6 bytes)
+  // Mixture of experts (0 experts = the preset's dense model): --model.moe_experts / moe_top_k and
+  // --parallel.ep. With ep > 1 the routed rows a rank holds depend on the routing, which a dry run
+  // cannot see (it assumes an even spread): activations, workspace and the ep group's bytes are
+  // then shown as info; the model state and every other group's bytes stay exact.
+  int64_t moe_experts = 0, moe_top_k = 2;
+  int ep = 1;
+  bool routing_dependent() const { return moe_experts > 0; }
 
   int dp_ranks() const;              // ranks / (tp x pp)
   int pp_rank_of(int rank) const;    // pp is the outermost mesh dimension
@@ -163,7 +170,10 @@ struct CommRow {
   std::string group;
   uint64_t dry = 0, measured = 0;      // rank 0, the one-step job and its dry run
   bool ok = false;
+  bool info = false;                   // not checked (expert parallelism's routing-dependent exchange)
 };
+// The model of an engine job: its preset with the layout's MoE keys applied.
+ModelConfig engine_model(const EngineLayout& e);
 struct TimeRow {
   double predicted_s = 0, compute_s = 0, exposed_s = 0;
   double measured_s = 0;               // median step after the first

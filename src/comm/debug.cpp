@@ -99,6 +99,7 @@ bool is_p2p(OpKind k) { return k == OpKind::Send || k == OpKind::Recv; }
 std::string describe(const OpDesc& d, bool extras, const std::vector<int>* granks) {
   std::string s = op_kind_name(d.kind);
   if (d.kind == OpKind::Barrier) return s + "()";
+  if (d.kind == OpKind::AllToAllV) return s + "(" + dtype_name(d.dt) + ", sizes per rank)";
   s += "(";
   s += dtype_name(d.dt);
   s += ", " + std::to_string(d.count);

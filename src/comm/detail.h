@@ -128,6 +128,7 @@ struct Op {
   std::vector<MPI_Request> reqs;
   Fingerprint fp{};
   bool queued = false;  // handed to the communication thread (counted in GroupImpl::pending)
+  std::vector<size_t> scounts, rcounts;  // all_to_all_v: elements to / from each group rank
 };
 
 // How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
@@ -260,7 +261,8 @@ struct GroupImpl {
   // Fails pending and future operations with `msg`.
   void fail(const std::string& msg);
 
-  WorkHandle issue(OpDesc d, const void* sbuf, void* rbuf);
+  WorkHandle issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<size_t> scounts = {},
+                   std::vector<size_t> rcounts = {});
 
   std::string name;
   int uid = 0;

@@ -286,6 +286,27 @@ int MpiBackend::progress(Op& op) {
           op.phase = kBcRecvWait;
           break;
         }
+        if (kind == OpKind::AllToAllV) {  // one message per peer with elements, our own part copied
+          const char* send = static_cast<const char*>(op.sbuf);
+          char* recv = static_cast<char*>(op.rbuf);
+          std::vector<size_t> so(static_cast<size_t>(n)), ro(static_cast<size_t>(n));
+          for (int q = 1; q < n; ++q) {
+            so[q] = so[q - 1] + op.scounts[q - 1] * es;
+            ro[q] = ro[q - 1] + op.rcounts[q - 1] * es;
+          }
+          if (op.scounts[r]) std::memcpy(recv + ro[r], send + so[r], op.scounts[r] * es);
+          for (int k = 1; k < n; ++k) {
+            const int src = (r - k + n) % n;
+            if (op.rcounts[src]) post(false, recv + ro[src], op.rcounts[src] * es, src, coll_tag(op, 1), coll, reqs);
+          }
+          for (int k = 1; k < n; ++k) {
+            const int dst = (r + k) % n;
+            if (op.scounts[dst])
+              post(true, const_cast<char*>(send) + so[dst], op.scounts[dst] * es, dst, coll_tag(op, 1), coll, reqs);
+          }
+          op.phase = kAgWait;
+          break;
+        }
         if (kind == OpKind::AllGather) {
           char* recv = static_cast<char*>(op.rbuf);
           const size_t part = op.d.count * es;
@@ -405,7 +426,7 @@ int MpiBackend::progress(Op& op) {
 
       case kAgWait:
         if (!test_all(reqs, "all-gather step", op)) return advanced;
-        if (kind == OpKind::AllGather) return 2;
+        if (kind == OpKind::AllGather || kind == OpKind::AllToAllV) return 2;
         op.pos += op.len;
         if (op.pos >= op.d.count) return 2;
         op.phase = kStart;

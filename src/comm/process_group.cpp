@@ -30,7 +30,7 @@ const char* reduce_op_name(ReduceOp op) {
 const char* op_kind_name(OpKind k) {
   static const char* names[kNumOpKinds] = {"all_reduce", "reduce_scatter", "all_gather",
                                            "broadcast",  "send",           "recv",
-                                           "barrier"};
+                                           "barrier",    "all_to_all_v"};
   return names[static_cast<int>(k)];
 }
 
@@ -174,6 +174,7 @@ static uint64_t algo_bytes(const OpDesc& d, int n) {
     case OpKind::Send:
     case OpKind::Recv: return b;
     case OpKind::Barrier: return 0;
+    case OpKind::AllToAllV: return 0;  // counted from its send counts in issue()
   }
   return 0;
 }
@@ -246,7 +247,8 @@ thread_local bool t_inline_scope = false;
 
 static void backoff(unsigned idle, int max_us);
 
-WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
+WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<size_t> scounts,
+                            std::vector<size_t> rcounts) {
   if ((d.kind == OpKind::Broadcast || is_p2p(d.kind)) && (d.peer < 0 || d.peer >= size)) {
     throw CommError("group " + name + ": " + op_kind_name(d.kind) + " " +
                     (d.kind == OpKind::Broadcast ? "root " : "peer ") + std::to_string(d.peer) +
@@ -261,6 +263,18 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
   op->work = std::make_shared<Work>(op->t_issue);
   op->sbuf = sbuf;
   op->rbuf = rbuf;
+  uint64_t a2a_bytes = 0;
+  if (d.kind == OpKind::AllToAllV) {
+    if (scounts.size() != static_cast<size_t>(size) || rcounts.size() != static_cast<size_t>(size))
+      throw CommError("group " + name + ": all_to_all_v needs one send and one receive count per rank");
+    if (scounts[static_cast<size_t>(rank)] != rcounts[static_cast<size_t>(rank)])
+      throw CommError("group " + name + ": all_to_all_v sends " + std::to_string(scounts[static_cast<size_t>(rank)]) +
+                      " elements to itself but expects " + std::to_string(rcounts[static_cast<size_t>(rank)]));
+    for (int q = 0; q < size; ++q)
+      if (q != rank) a2a_bytes += scounts[static_cast<size_t>(q)] * dtype_size(d.dt);
+    op->scounts = std::move(scounts);
+    op->rcounts = std::move(rcounts);
+  }
   WorkHandle w = op->work;
   std::unique_ptr<Op> inl;  // runs on this thread (InlineScope)
   {
@@ -278,7 +292,7 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf) {
       std::lock_guard<std::mutex> sl(stats->mu);
       KindStats& ks = stats->s[d.kind];
       ks.calls++;
-      ks.bytes += algo_bytes(d, size);
+      ks.bytes += algo_bytes(d, size) + a2a_bytes;
     }
     op->fr_id = fr_issue(name, d, op->t_issue);
     if (size > 1 && backend && backend->threaded()) {
@@ -363,6 +377,11 @@ void GroupImpl::run_local(std::unique_ptr<Op> op) {
     case OpKind::AllGather:
       if (bytes && op->sbuf != op->rbuf) std::memmove(op->rbuf, op->sbuf, bytes);
       break;
+    case OpKind::AllToAllV: {
+      const size_t b = op->scounts[0] * dtype_size(op->d.dt);
+      if (b && op->sbuf != op->rbuf) std::memmove(op->rbuf, op->sbuf, b);
+      break;
+    }
     case OpKind::Send:
     case OpKind::Recv: {
       std::unique_ptr<Op> other;
@@ -615,6 +634,17 @@ WorkHandle ProcessGroup::all_gather(const void* send, void* recv, size_t send_co
   d.dt = dt;
   d.count = send_count;
   return impl_->issue(d, send, recv);
+}
+
+WorkHandle ProcessGroup::all_to_all_v(const void* send, const size_t* send_counts, void* recv,
+                                      const size_t* recv_counts, DType dt) {
+  OpDesc d;
+  d.kind = OpKind::AllToAllV;
+  d.dt = dt;
+  d.count = 0;  // the sizes differ per rank: not part of what every rank must agree on
+  const size_t n = static_cast<size_t>(size());
+  return impl_->issue(d, send, recv, std::vector<size_t>(send_counts, send_counts + n),
+                      std::vector<size_t>(recv_counts, recv_counts + n));
 }
 
 WorkHandle ProcessGroup::broadcast(void* buf, size_t count, DType dt, int root) {

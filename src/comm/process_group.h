@@ -31,8 +31,8 @@ enum class ReduceOp : uint8_t { Sum = 0, Avg = 1, Max = 2 };
 const char* reduce_op_name(ReduceOp op);
 
 // The kinds of operation a group counts separately.
-enum class OpKind : uint8_t { AllReduce = 0, ReduceScatter, AllGather, Broadcast, Send, Recv, Barrier };
-constexpr int kNumOpKinds = 7;
+enum class OpKind : uint8_t { AllReduce = 0, ReduceScatter, AllGather, Broadcast, Send, Recv, Barrier, AllToAllV };
+constexpr int kNumOpKinds = 8;
 const char* op_kind_name(OpKind k);  // "all_reduce", "reduce_scatter", ...
 
 // A communication failure: desynchronised ranks, a watchdog timeout, an MPI error, a finalized world.
@@ -80,6 +80,7 @@ struct KindStats {
   //   all_gather      (n-1)/n x full output buffer
   //   broadcast       buffer
   //   send, recv      buffer
+  //   all_to_all_v    the elements sent to the other ranks
   //   barrier         0
   // For the algorithms this layer uses, this is also what the rank sends (up to the rounding of
   // uneven segments); for a group of size 1 it is 0.
@@ -125,6 +126,13 @@ class ProcessGroup {
   // recv + rank() x send_count (in place).
   WorkHandle all_gather(const void* send, void* recv, size_t send_count, DType dt);
   WorkHandle broadcast(void* buf, size_t count, DType dt, int root);
+  // Variable-size all-to-all: send_counts[r] elements (contiguous in `send`, in rank order) go to
+  // group rank r; recv_counts[r] arrive from r (contiguous in `recv`, in rank order). Every rank
+  // must pass counts that agree with its peers' (recv_counts[r] here = send_counts[me] on r);
+  // exchange them first (all_gather). The arrays are copied; the buffers belong to the operation
+  // until it completes.
+  WorkHandle all_to_all_v(const void* send, const size_t* send_counts, void* recv, const size_t* recv_counts,
+                          DType dt);
   // Point-to-point; a send matches the recv with the same (source, tag) in posting order.
   // Tags are 0 .. 2^20-1 (well inside every MPI's limit).
   WorkHandle send(const void* buf, size_t count, DType dt, int dst, int tag = 0);

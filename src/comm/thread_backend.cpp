@@ -19,6 +19,7 @@ struct ThreadShared {
     OpDesc d;
     const void* sbuf = nullptr;
     void* rbuf = nullptr;
+    const std::vector<size_t>* scounts = nullptr;  // all_to_all_v
   };
   struct Collective {
     std::vector<Slot> slots;
@@ -52,7 +53,7 @@ void ThreadBackend::start(Op& op) {
   }
   ThreadShared::Collective& c = shared_->colls[op.d.seq];
   if (c.slots.empty()) c.slots.resize(static_cast<size_t>(size));
-  c.slots[static_cast<size_t>(rank)] = {op.d, op.sbuf, op.rbuf};
+  c.slots[static_cast<size_t>(rank)] = {op.d, op.sbuf, op.rbuf, &op.scounts};
   ++c.arrived;
   op.phase = kArrive;
 }
@@ -114,6 +115,22 @@ int ThreadBackend::progress(Op& op) {
       case OpKind::Broadcast:
         if (len) std::memcpy(result_.data(), slots[static_cast<size_t>(op.d.peer)].rbuf, len * es);
         break;
+      case OpKind::AllToAllV: {  // each member's part for this rank, in member order
+        result_.clear();
+        for (int q = 0; q < n; ++q) {
+          const std::vector<size_t>& sc = *slots[static_cast<size_t>(q)].scounts;
+          size_t off = 0;
+          for (int j = 0; j < rank; ++j) off += sc[static_cast<size_t>(j)];
+          const size_t m = sc[static_cast<size_t>(rank)];
+          if (m != op.rcounts[static_cast<size_t>(q)])
+            throw CommError("group " + shared_->name + ": all_to_all_v: rank " + std::to_string(q) + " sends " +
+                            std::to_string(m) + " elements to rank " + std::to_string(rank) + ", which expects " +
+                            std::to_string(op.rcounts[static_cast<size_t>(q)]));
+          const auto* p = static_cast<const unsigned char*>(slots[static_cast<size_t>(q)].sbuf) + off * es;
+          result_.insert(result_.end(), p, p + m * es);
+        }
+        break;
+      }
       default:  // barrier
         break;
     }

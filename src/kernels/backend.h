@@ -94,6 +94,17 @@ struct KernelTable {
                       int64_t Vl, int64_t valid, int64_t lo);
   void (*vp_ce_finish)(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets,
                        int64_t N, int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss);
+  // --- mixture of experts (cpu/moe.h) ---
+  void (*moe_router_forward)(float* scores, int32_t* idx, float* w, float* lse, const float* logits, int64_t N,
+                             int64_t E, int64_t k, int sigmoid);
+  void (*moe_router_backward)(float* dlogits, const float* dw, const float* scores, const int32_t* idx, const float* w,
+                              const float* lse, const float* logits, const float* aux, float z_scale, int64_t N,
+                              int64_t E, int64_t k, int sigmoid);
+  void (*moe_balance_probs)(float* P, const float* scores, int64_t N, int64_t E, int sigmoid);
+  void (*moe_gather_rows)(void* out, const void* in, const int32_t* rows, int64_t n, int64_t row_bytes);
+  void (*moe_combine)(float* out, const float* y, const int32_t* pos, const float* w, int64_t N, int64_t k, int64_t C);
+  void (*moe_combine_backward)(float* dy, float* dw, const float* dout, const float* y, const int32_t* pos,
+                               const float* w, int64_t N, int64_t k, int64_t C);
   // --- optimizer (cpu/adamw.h) ---
   void (*adamw_update)(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                        float beta2, float eps, float weight_decay, int64_t step, float grad_scale);

@@ -99,8 +99,8 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
   m.name = origin;
   // Mixture of experts in any family.
   for (const char* k : {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"})
-    if (strict && r.has(k) && !(j[k].is_number_integer() && j[k].get<int64_t>() <= 1))
-      throw r.bad(k, "is set: mixture-of-experts models are not supported");
+    if (strict && type != "mixtral" && r.has(k) && !(j[k].is_number_integer() && j[k].get<int64_t>() <= 1))
+      throw r.bad(k, "is set: of the mixture-of-experts families only Mixtral (model_type mixtral) is supported");
   if (type == "gpt2") {
     m.arch = Arch::GPT2;
     m.n_embd = r.pos_int({"n_embd", "hidden_size"}, true, 0);
@@ -120,8 +120,17 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
     r.refuse_true("scale_attn_by_inverse_layer_idx", "attention is scaled by 1/sqrt(head_dim) only");
     r.refuse_true("reorder_and_upcast_attn", "not implemented");
     if (!r.flag("scale_attn_weights", true)) throw r.bad("scale_attn_weights", "= false is not supported");
-  } else if (type == "llama" || type == "mistral" || type == "qwen2" || (!strict && r.has("hidden_size"))) {
+  } else if (type == "llama" || type == "mistral" || type == "qwen2" || type == "mixtral" ||
+             (!strict && r.has("hidden_size"))) {
     m.arch = Arch::Llama;
+    if (type == "mixtral") {  // every block's MLP is block_sparse_moe: softmax top-k over SwiGLU experts
+      m.moe_experts = r.pos_int({"num_local_experts"}, true, 0);
+      m.moe_top_k = r.pos_int({"num_experts_per_tok"}, false, 2);
+      m.moe_every = 1;
+      m.moe_aux_loss_coef = static_cast<float>(r.has("router_aux_loss_coef") ? j["router_aux_loss_coef"].get<double>() : 0.001);
+      if (strict && r.has("router_jitter_noise") && j["router_jitter_noise"].get<double>() != 0.0)
+        throw r.bad("router_jitter_noise", "is not 0: router noise is not implemented");
+    }
     m.qkv_bias = type == "qwen2";  // Qwen 2: biases on q, k, v (not on o or the MLP)
     m.n_embd = r.pos_int({"hidden_size"}, true, 0);
     m.n_layer = r.pos_int({"num_hidden_layers"}, true, 0);
@@ -149,7 +158,8 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
     if (r.has("head_dim") && r.pos_int({"head_dim"}, true, 0) * m.n_head != m.n_embd)
       throw r.bad("head_dim", "(" + std::to_string(j["head_dim"].get<int64_t>()) +
                                   ") must be hidden_size / num_attention_heads");
-    if (type == "mistral" && r.has("sliding_window")) m.sliding_window = r.pos_int({"sliding_window"}, true, 0);
+    if ((type == "mistral" || type == "mixtral") && r.has("sliding_window") && !j["sliding_window"].is_null())
+      m.sliding_window = r.pos_int({"sliding_window"}, true, 0);
     if (r.flag("use_sliding_window", false) && r.has("sliding_window"))
       m.sliding_window = r.pos_int({"sliding_window"}, true, 0);
     read_rope_scaling(r, m);
@@ -179,6 +189,8 @@ ModelConfig model_from_hf_config(const std::string& path, bool strict) {
 
 std::string hf_config_json(const ModelConfig& m) {
   json j;
+  if (m.arch == Arch::GPT2 && m.moe())
+    throw std::invalid_argument("a GPT-2 mixture of experts has no Hugging Face config (only Mixtral's form is exported)");
   if (m.arch == Arch::GPT2) {
     j = {{"architectures", {"GPT2LMHeadModel"}},
          {"model_type", "gpt2"},
@@ -218,6 +230,22 @@ std::string hf_config_json(const ModelConfig& m) {
     if (m.qkv_bias) {  // Qwen2Config: no attention_bias / mlp_bias / head_dim keys; full attention
       for (const char* k : {"attention_bias", "mlp_bias", "head_dim"}) j.erase(k);
       j["use_sliding_window"] = false;
+    }
+    if (m.moe()) {  // Mixtral: every block an MoE layer with softmax top-k and no shared experts
+      if (m.moe_every != 1 || m.moe_shared_experts > 0 || m.moe_sigmoid || m.qkv_bias ||
+          (m.moe_ffn_hidden > 0 && m.moe_ffn_hidden != m.ffn_hidden))
+        throw std::invalid_argument(
+            "this mixture of experts has no Hugging Face config: only Mixtral's form (model.moe_every = 1, no shared "
+            "experts, softmax router, expert width = ffn_hidden) is exported");
+      j["architectures"] = {"MixtralForCausalLM"};
+      j["model_type"] = "mixtral";
+      j["num_local_experts"] = m.moe_experts;
+      j["num_experts_per_tok"] = m.moe_top_k;
+      j["router_aux_loss_coef"] = decimal(m.moe_aux_loss_coef);
+      j["router_jitter_noise"] = 0.0;
+      j["output_router_logits"] = false;
+      j["sliding_window"] = nullptr;
+      for (const char* k : {"mlp_bias", "rope_scaling"}) j.erase(k);
     }
     if (m.rope_scaled())
       j["rope_scaling"] = {{"rope_type", "llama3"},

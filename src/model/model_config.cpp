@@ -58,6 +58,28 @@ void ModelConfig::resolve() {
          "rope_scaling: need high_freq_factor > low_freq_factor > 0 and original_max_position_embeddings > 0");
   if (arch == Arch::GPT2) tied_embeddings = true;
   if (arch == Arch::GPT2) qkv_bias = false;  // GPT-2's c_attn always has its bias
+  need(moe_experts >= 0, "model.moe_experts must be >= 0 (0 = a dense model)");
+  if (moe()) {
+    need(moe_top_k >= 1 && moe_top_k <= moe_experts, "model.moe_top_k (" + std::to_string(moe_top_k) +
+                                                         ") must be between 1 and model.moe_experts (" +
+                                                         std::to_string(moe_experts) + ")");
+    need(moe_every >= 1, "model.moe_every must be >= 1");
+    need(moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0");
+    need(moe_ffn_hidden >= 0, "model.moe_ffn_hidden must be >= 0 (0 = model.ffn_hidden)");
+    need(moe_aux_loss_coef >= 0 && moe_z_loss_coef >= 0, "model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0");
+    need(moe_capacity_factor >= 0, "model.moe_capacity_factor must be >= 0 (0 = dropless)");
+  }
+}
+
+int64_t ModelConfig::moe_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < n_layer; ++l) n += is_moe_layer(l) ? 1 : 0;
+  return n;
+}
+
+int64_t ModelConfig::expert_params() const {
+  const int64_t C = n_embd, F = expert_ffn();
+  return arch == Arch::GPT2 ? C * F + F + F * C + C : 3 * C * F;
 }
 
 std::vector<float> ModelConfig::rope_inv_freq() const {
@@ -87,9 +109,15 @@ std::vector<float> ModelConfig::rope_inv_freq() const {
   return inv;
 }
 
-int64_t ModelConfig::block_params() const {
+int64_t ModelConfig::block_params(int64_t l) const {
   const int64_t C = n_embd, hd = head_dim(), F = ffn_hidden;
   const int64_t qkv = (n_head + 2 * n_kv_head) * hd;
+  if (l >= 0 && is_moe_layer(l)) {
+    ModelConfig d = *this;
+    d.moe_experts = 0;
+    const int64_t mlp = arch == Arch::GPT2 ? C * F + F + F * C + C : 3 * C * F;
+    return d.block_params() - mlp + moe_experts * C + (moe_experts + moe_shared_experts) * expert_params();
+  }
   if (arch == Arch::GPT2) {
     return 2 * C                // ln_1
            + C * qkv + qkv      // c_attn
@@ -108,7 +136,8 @@ int64_t ModelConfig::block_params() const {
 
 int64_t ModelConfig::num_params() const {
   const int64_t C = n_embd;
-  int64_t n = padded_vocab * C + n_layer * block_params();
+  int64_t n = padded_vocab * C;
+  for (int64_t l = 0; l < n_layer; ++l) n += block_params(l);
   if (arch == Arch::GPT2) {
     n += max_position * C + 2 * C;  // wpe, ln_f
   } else {
@@ -121,10 +150,14 @@ int64_t ModelConfig::num_params() const {
 double ModelConfig::flops_per_token() const {
   // Parameters that multiply activations: the position table and an untied input embedding are
   // lookups, not matmuls (a tied table counts once, as the output projection).
-  double n = static_cast<double>(num_params());
+  double n = static_cast<double>(active_params());
   if (arch == Arch::GPT2) n -= static_cast<double>(max_position * n_embd);
   if (!tied_embeddings) n -= static_cast<double>(padded_vocab * n_embd);
   return 6.0 * n + 12.0 * static_cast<double>(n_layer * n_embd * seq_len);
+}
+
+int64_t ModelConfig::active_params() const {
+  return num_params() - moe_layers() * (moe_experts - moe_top_k) * expert_params();
 }
 
 ModelConfig llama_config(const char* name, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t T,
@@ -157,6 +190,15 @@ ModelConfig gpt2(const char* name, int64_t L, int64_t H, int64_t C, int64_t T, i
   m.vocab_size = V;
   return m;
 }
+ModelConfig moe_preset(ModelConfig m, int64_t E, int64_t k, int64_t shared, int64_t width, bool sigmoid) {
+  m.moe_experts = E;
+  m.moe_top_k = k;
+  m.moe_shared_experts = shared;
+  m.moe_ffn_hidden = width;
+  m.moe_sigmoid = sigmoid;
+  m.moe_aux_loss_coef = sigmoid ? 0.0001f : 0.02f;
+  return m;
+}
 std::vector<ModelConfig> all_presets() {
   return {
       gpt2("gpt2-124m", 12, 12, 768, 1024, 50257),
@@ -167,6 +209,13 @@ std::vector<ModelConfig> all_presets() {
       llama_config("llama3-8b", 32, 32, 8, 4096, 14336, 8192, 128256, 500000.0f),
       llama_config("llama3-70b", 80, 64, 8, 8192, 28672, 8192, 128256, 500000.0f),
       llama_config("llama3-405b", 126, 128, 8, 16384, 53248, 8192, 128256, 500000.0f),
+      // Mixtures of experts: Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B parameters,
+      // 12.9B active) and a DeepSeek-V3-like shape (61 layers of 7168, 256 routed experts of 2048
+      // + 1 shared, top-8, sigmoid router; standard grouped-query attention instead of MLA, every
+      // block MoE: about 690B parameters, 40B active).
+      moe_preset(llama_config("mixtral-8x7b", 32, 32, 8, 4096, 14336, 4096, 32000, 1000000.0f), 8, 2, 0, 0, false),
+      moe_preset(llama_config("deepseek-v3-like", 61, 128, 128, 7168, 18432, 4096, 129280, 10000.0f), 256, 8, 1, 2048,
+                 true),
       // Small models that train on a CPU.
       gpt2("gpt2-tiny", 2, 2, 32, 32, 256),          // unit tests
       gpt2("gpt2-mini", 4, 4, 128, 128, 256),        // the default demo (byte tokenizer)

@@ -29,6 +29,30 @@ struct ModelConfig {
   float norm_eps = 1e-5f;        // LayerNorm / RMSNorm epsilon (Hugging Face layer_norm_epsilon / rms_norm_eps)
   bool tied_embeddings = true;   // GPT-2 ties wte and lm_head; Llama unties them unless the config ties
   bool qkv_bias = false;         // Llama family: biases on the q, k, v projections (Qwen 2)
+  // Mixture of experts (0 experts = dense). Block l's MLP is an MoE layer when l % moe_every == 0:
+  // a router over moe_experts expert MLPs (SwiGLU for Llama, GELU for GPT-2) of width
+  // moe_ffn_hidden (0 = ffn_hidden), moe_top_k of them per token, plus moe_shared_experts always-on
+  // experts (one MLP of moe_shared_experts x that width). Router scores: softmax (Mixtral) or
+  // sigmoid (DeepSeek-V3); the chosen k scores are normalised to sum 1. Auxiliary losses:
+  // load balancing (Switch / GShard, coefficient moe_aux_loss_coef) and router z-loss
+  // (moe_z_loss_coef). moe_capacity_factor 0 = dropless; > 0 = each expert takes at most
+  // ceil(factor x tokens x k / experts) of a micro-batch's tokens, the rest are dropped (counted).
+  int64_t moe_experts = 0;
+  int64_t moe_top_k = 2;
+  int64_t moe_every = 1;
+  int64_t moe_shared_experts = 0;
+  int64_t moe_ffn_hidden = 0;
+  bool moe_sigmoid = false;
+  float moe_aux_loss_coef = 0.01f;
+  float moe_z_loss_coef = 0.0f;
+  float moe_capacity_factor = 0.0f;
+
+  bool moe() const { return moe_experts > 0; }
+  bool is_moe_layer(int64_t l) const { return moe() && l % moe_every == 0; }
+  int64_t moe_layers() const;
+  int64_t expert_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn_hidden; }
+  // Parameters of one routed expert (or of one shared expert).
+  int64_t expert_params() const;
 
   int64_t head_dim() const { return n_embd / n_head; }
   // The head_dim / 2 rotary inverse frequencies theta^(-2i/hd), with Llama 3.1 scaling when
@@ -40,10 +64,13 @@ struct ModelConfig {
   void resolve();
   // Exact parameter count of the model as built (with padded vocabulary rows).
   int64_t num_params() const;
-  // Parameters of one transformer block.
-  int64_t block_params() const;
-  // Model FLOPs per token for training: 6 * N + 12 * L * h * s (N excludes position embeddings and
-  // an untied input embedding).
+  // Parameters of one transformer block (of block l: MoE layers differ; the default is a dense block).
+  int64_t block_params(int64_t l = -1) const;
+  // Parameters one token's forward uses (an MoE layer counts its router, shared experts and k
+  // routed experts); num_params() for a dense model.
+  int64_t active_params() const;
+  // Model FLOPs per token for training: 6 * N + 12 * L * h * s (N: the active parameters, excluding
+  // position embeddings and an untied input embedding).
   double flops_per_token() const;
 };
 

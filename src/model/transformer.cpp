@@ -30,13 +30,29 @@ struct BlockActivations {
   Tensor atty, atty_bf, lse;        // attention output f32 (+ bf16 copy), lse [B, nh, T]
   Tensor res2;                      // residual after attention, f32 [N, C]
   Tensor ln2, ln2_mean, ln2_rstd;
-  Tensor fc;                        // GPT-2: pre-GELU [N, F]; Llama: gate [N, F]
+  Tensor fc;                        // GPT-2: pre-GELU [N, F]; Llama: gate [N, F] (MoE: the shared experts')
   Tensor up;                        // Llama: up [N, F]
   Tensor act;                       // GELU / SwiGLU output, matmul input [N, F] (compute dtype)
+  // MoE layer: the router's logits, scores, chosen experts (int32), weights, logsumexp and each
+  // choice's row among the routed rows (int32, -1 = dropped); the routed rows (sorted by expert:
+  // input in the compute dtype, pre-activations, activation, output) and each row's token.
+  Tensor r_logits, r_scores, r_idx, r_w, r_lse, r_pos;
+  Tensor xs, h1, h3, xact, y, order;
+  // Expert parallelism: the rows this rank sent, by destination rank, and received, by source; the
+  // inverse of `order` (the received rows' positions in expert order); the outputs returned to
+  // this rank's tokens, in the order their rows were sent.
+  std::vector<int64_t> send_rows, recv_rows;
+  Tensor inv, ysend;
+  int64_t Msend = 0;
+  std::vector<int64_t> counts;      // choices per expert, all experts, before any capacity drop (host)
+  std::vector<int64_t> kept;        // routed rows per local expert (host)
+  int64_t M = 0;                    // routed rows in use
+  float dloss = 0.0f;               // the loss-gradient scale of the forward that filled this set
   int64_t bytes() const {
     int64_t b = 0;
-    for (const Tensor* t : {&ln1, &ln1_mean, &ln1_rstd, &qkv, &atty, &atty_bf, &lse, &res2, &ln2,
-                            &ln2_mean, &ln2_rstd, &fc, &up, &act})
+    for (const Tensor* t : {&ln1, &ln1_mean, &ln1_rstd, &qkv, &atty, &atty_bf, &lse, &res2, &ln2, &ln2_mean,
+                            &ln2_rstd, &fc, &up, &act, &r_logits, &r_scores, &r_idx, &r_w, &r_lse, &r_pos, &xs, &h1,
+                            &h3, &xact, &y, &order, &inv, &ysend})
       if (t->defined()) b += static_cast<int64_t>(t->nbytes());
     return b;
   }
@@ -49,21 +65,47 @@ struct BlockActivations {
 struct BlockParams {
   int ln1_w = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
   int ln2_w = -1, ln2_b = -1, fc_w = -1, fc_b = -1, up_w = -1, down_w = -1, down_b = -1;
+  // MoE layer: the router, the first routed expert's first parameter (experts follow one another,
+  // kExpertParams each) and the shared experts (fc_w.. as for a dense MLP; -1 without).
+  int router = -1, expert0 = -1;
+  bool moe = false;
 };
 
 namespace {
-BlockParams block_params(const ModelConfig& c, int base) {
+// Parameters per routed expert: Llama w1 (gate), w2 (down), w3 (up); GPT-2 c_fc w b, c_proj w b.
+int expert_stride(const ModelConfig& c) { return c.arch == Arch::GPT2 ? 4 : 3; }
+
+// `local_experts`: the routed experts this rank's block holds (all of them without expert parallelism).
+BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t local_experts) {
   BlockParams p;
+  const bool moe = c.is_moe_layer(layer);
+  p.moe = moe;
+  const bool shared = moe && c.moe_shared_experts > 0;
   if (c.arch == Arch::GPT2) {  // ln_1 w b, c_attn w b, attn c_proj w b, ln_2 w b, c_fc w b, mlp c_proj w b
     p.ln1_w = base, p.ln1_b = base + 1, p.qkv_w = base + 2, p.qkv_b = base + 3, p.proj_w = base + 4,
-    p.proj_b = base + 5, p.ln2_w = base + 6, p.ln2_b = base + 7, p.fc_w = base + 8, p.fc_b = base + 9,
-    p.down_w = base + 10, p.down_b = base + 11;
+    p.proj_b = base + 5, p.ln2_w = base + 6, p.ln2_b = base + 7;
+    int at = base + 8;
+    if (moe) {  // router, experts, shared experts (c_fc w b, c_proj w b)
+      p.router = at++;
+      p.expert0 = at;
+      at += static_cast<int>(local_experts) * 4;
+    }
+    if (!moe || shared) p.fc_w = at, p.fc_b = at + 1, p.down_w = at + 2, p.down_b = at + 3;
   } else {  // input_layernorm, q k v, o, post_attention_layernorm, gate, up, down (, q k v biases)
-    p.ln1_w = base, p.qkv_w = base + 1, p.proj_w = base + 4, p.ln2_w = base + 5, p.fc_w = base + 6,
-    p.up_w = base + 7, p.down_w = base + 8;
+    p.ln1_w = base, p.qkv_w = base + 1, p.proj_w = base + 4, p.ln2_w = base + 5;
+    int at = base + 6;
+    if (moe) {  // router, experts (w1 w2 w3), shared experts (gate, up, down)
+      p.router = at++;
+      p.expert0 = at;
+      at += static_cast<int>(local_experts) * 3;
+    }
+    if (!moe || shared) {
+      p.fc_w = at, p.up_w = at + 1, p.down_w = at + 2;
+      at += 3;
+    }
     // Qwen 2's q, k, v biases (model.qkv_bias) follow, contiguous: one [QKV] bias, as the fused
     // q|k|v projection's output.
-    if (c.qkv_bias) p.qkv_b = base + 9;
+    if (c.qkv_bias) p.qkv_b = at;
   }
   return p;
 }
@@ -104,6 +146,21 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   nh_l_ = cfg_.n_head / t;
   nkv_l_ = cfg_.n_kv_head / t;
   F_l_ = cfg_.ffn_hidden / t;
+  if (cfg_.moe()) {
+    const int64_t ep = std::max(1, storage_.ep), er = storage_.ep_rank;
+    if (t > 1 && ep > 1)
+      throw std::invalid_argument("parallel.ep > 1 with parallel.tp > 1 is not supported yet: experts kept apart for "
+                                  "expert parallelism are not split over tensor-parallel ranks");
+    need(cfg_.expert_ffn(), "model.moe_ffn_hidden (one expert's width)");
+    if (cfg_.moe_experts % ep != 0)
+      throw std::invalid_argument("model.moe_experts (" + std::to_string(cfg_.moe_experts) +
+                                  ") is not divisible by parallel.ep (" + std::to_string(ep) + ")");
+    if (er < 0 || er >= ep) throw std::invalid_argument("expert-parallel rank outside parallel.ep");
+    E_l_ = cfg_.moe_experts / ep;
+    E_lo_ = er * E_l_;
+    Fe_l_ = cfg_.expert_ffn() / t;
+    Fs_l_ = cfg_.moe_shared_experts * cfg_.expert_ffn() / t;
+  }
   Vp_l_ = cfg_.padded_vocab / t;
   vocab_lo_ = tpc_.rank * Vp_l_;
   build_params();
@@ -113,6 +170,12 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
     weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
   if (storage_.grads) grads_ = Tensor::zeros({flat_size_}, DType::F32, MemCategory::Grads);
   if (!f32 && storage_.weights) weights_bf16_ = Tensor::zeros({flat_size_}, DType::BF16, MemCategory::Params);
+  if (expert_size_ > 0) {  // expert parallelism: the local experts' own buffers
+    ew_ = Tensor::zeros({expert_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
+    eg_ = Tensor::zeros({expert_size_}, DType::F32, MemCategory::Grads);
+    if (!f32) ewb_ = Tensor::zeros({expert_size_}, DType::BF16, MemCategory::Params);
+    eupcast_.resize(expert_params_.size());
+  }
   unit_w_.assign(units_.size(), nullptr);
   unit_g_.assign(units_.size(), nullptr);
   upcast_.resize(params_.size());
@@ -131,9 +194,25 @@ void Transformer::build_params() {
   const int64_t nh = nh_l_, nkv = nkv_l_;
   int cur_unit = 0;
   int64_t pos = 0;
+  bool to_experts = false;  // add() registers an expert parameter kept apart (expert parallelism)
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay, bool tr = false,
                  TpSplit split = TpSplit::None) {
     if (!owned_[cur_unit]) return;  // another pipeline rank's unit
+    if (to_experts) {
+      ParamInfo p;
+      p.name = name;
+      p.shape = shape;
+      p.numel = 1;
+      for (auto d : shape) p.numel *= d;
+      p.offset = expert_size_;
+      p.unit = cur_unit;
+      p.decay = decay;
+      p.hf_transposed = tr;
+      p.tp_split = split;
+      expert_size_ += p.numel;
+      expert_params_.push_back(p);
+      return;
+    }
     ParamInfo p;
     p.name = name;
     p.shape = shape;
@@ -172,8 +251,12 @@ void Transformer::build_params() {
     add("model.embed_tokens.weight", {V, C}, false, false, TpSplit::Rows);
   }
   end_unit();
+  const int64_t Fe = Fe_l_, Fs = Fs_l_;  // one routed expert's and the shared experts' width (this tp rank's)
+  expert_base_.assign(static_cast<size_t>(cfg_.n_layer), -1);
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
     begin_unit("block." + std::to_string(l));
+    const bool moe = cfg_.is_moe_layer(l);
+    if (moe && experts_apart() && owned_[cur_unit]) expert_base_[l] = static_cast<int>(expert_params_.size());
     if (gpt) {
       std::string p = "h." + std::to_string(l) + ".";
       add(p + "ln_1.weight", {C}, false);
@@ -184,10 +267,26 @@ void Transformer::build_params() {
       add(p + "attn.c_proj.bias", {C}, false);
       add(p + "ln_2.weight", {C}, false);
       add(p + "ln_2.bias", {C}, false);
-      add(p + "mlp.c_fc.weight", {F, C}, true, true, TpSplit::Rows);
-      add(p + "mlp.c_fc.bias", {F}, false, false, TpSplit::Rows);
-      add(p + "mlp.c_proj.weight", {C, F}, true, true, TpSplit::Cols);
-      add(p + "mlp.c_proj.bias", {C}, false);
+      if (moe) {
+        add(p + "mlp.gate.weight", {cfg_.moe_experts, C}, true);
+        to_experts = experts_apart();
+        for (int64_t e = E_lo_; e < E_lo_ + E_l_; ++e) {
+          const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+          add(q + "c_fc.weight", {Fe, C}, true, false, TpSplit::Rows);
+          add(q + "c_fc.bias", {Fe}, false, false, TpSplit::Rows);
+          add(q + "c_proj.weight", {C, Fe}, true, false, TpSplit::Cols);
+          add(q + "c_proj.bias", {C}, false);
+        }
+        to_experts = false;
+      }
+      if (!moe || Fs > 0) {
+        const std::string q = moe ? p + "mlp.shared_experts." : p + "mlp.";
+        const int64_t W = moe ? Fs : F;
+        add(q + "c_fc.weight", {W, C}, true, !moe, TpSplit::Rows);
+        add(q + "c_fc.bias", {W}, false, false, TpSplit::Rows);
+        add(q + "c_proj.weight", {C, W}, true, !moe, TpSplit::Cols);
+        add(q + "c_proj.bias", {C}, false);
+      }
     } else {
       std::string p = "model.layers." + std::to_string(l) + ".";
       add(p + "input_layernorm.weight", {C}, false);
@@ -196,9 +295,24 @@ void Transformer::build_params() {
       add(p + "self_attn.v_proj.weight", {nkv * hd, C}, true, false, TpSplit::Rows);
       add(p + "self_attn.o_proj.weight", {C, nh * hd}, true, false, TpSplit::Cols);
       add(p + "post_attention_layernorm.weight", {C}, false);
-      add(p + "mlp.gate_proj.weight", {F, C}, true, false, TpSplit::Rows);
-      add(p + "mlp.up_proj.weight", {F, C}, true, false, TpSplit::Rows);
-      add(p + "mlp.down_proj.weight", {C, F}, true, false, TpSplit::Cols);
+      if (moe) {  // Mixtral's names (block_sparse_moe), DeepSeek's shared experts
+        add(p + "block_sparse_moe.gate.weight", {cfg_.moe_experts, C}, true);
+        to_experts = experts_apart();
+        for (int64_t e = E_lo_; e < E_lo_ + E_l_; ++e) {
+          const std::string q = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+          add(q + "w1.weight", {Fe, C}, true, false, TpSplit::Rows);
+          add(q + "w2.weight", {C, Fe}, true, false, TpSplit::Cols);
+          add(q + "w3.weight", {Fe, C}, true, false, TpSplit::Rows);
+        }
+        to_experts = false;
+      }
+      if (!moe || Fs > 0) {
+        const std::string q = moe ? p + "block_sparse_moe.shared_experts." : p + "mlp.";
+        const int64_t W = moe ? Fs : F;
+        add(q + "gate_proj.weight", {W, C}, true, false, TpSplit::Rows);
+        add(q + "up_proj.weight", {W, C}, true, false, TpSplit::Rows);
+        add(q + "down_proj.weight", {C, W}, true, false, TpSplit::Cols);
+      }
       if (cfg_.qkv_bias) {
         add(p + "self_attn.q_proj.bias", {nh * hd}, false, false, TpSplit::Rows);
         add(p + "self_attn.k_proj.bias", {nkv * hd}, false, false, TpSplit::Rows);
@@ -226,6 +340,7 @@ const ParamInfo& Transformer::param(const std::string& name) const {
 
 void Transformer::zero_grads() {
   if (grads_.defined()) grads_.zero_();
+  if (eg_.defined()) eg_.zero_();
   if (tied_g_.defined()) tied_g_.zero_();
 }
 
@@ -238,6 +353,7 @@ void Transformer::init_weights(uint64_t seed) {
 
 void Transformer::init_weights_into(uint64_t seed, float* w) const {
   if (tpc_.size > 1) throw std::logic_error("init_weights_into needs an unsplit (tp = 1) layout; use shard_unit_from_full");
+  if (experts_apart()) throw std::logic_error("init_weights_into needs every expert in the flat buffer (parallel.ep = 1)");
   Rng rng(seed);
   std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
@@ -255,8 +371,8 @@ void Transformer::init_weights_into(uint64_t seed, float* w) const {
     } else if (p.shape.size() == 1) {
       for (int64_t i = 0; i < p.numel; ++i) d[i] = 0.0f;
     } else {
-      bool resid = ends("attn.c_proj.weight") || ends("mlp.c_proj.weight") || ends("o_proj.weight") ||
-                   ends("down_proj.weight");
+      bool resid = ends("attn.c_proj.weight") || ends("c_proj.weight") || ends("o_proj.weight") ||
+                   ends("down_proj.weight") || ends("w2.weight");
       float sd = resid ? resid_std : 0.02f;
       // Padded vocabulary rows stay zero (they never receive gradient through the loss).
       int64_t rows = p.shape[0], cols = p.numel / rows;
@@ -271,6 +387,7 @@ void Transformer::init_weights_into(uint64_t seed, float* w) const {
 void Transformer::sync_compute_weights() {
   if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined())
     kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+  if (compute_ == DType::BF16 && ewb_.defined()) kt_->cast_f32_to_bf16(ewb_.bf(), ew_.f32(), expert_size_);
 }
 
 void Transformer::set_unit_weights(int u, const void* w) { unit_w_.at(u) = w; }
@@ -350,9 +467,33 @@ static void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd
   a.ln2 = Tensor::empty({R, C}, cd, A);
   a.ln2_rstd = Tensor::empty({R}, DType::F32, A);
   if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({R}, DType::F32, A);
-  a.fc = Tensor::empty({BT, F}, DType::F32, A);
-  if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, DType::F32, A);
-  a.act = Tensor::empty({BT, F}, cd, A);
+  if (F > 0) {  // the dense MLP, or an MoE layer's shared experts
+    a.fc = Tensor::empty({BT, F}, DType::F32, A);
+    if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, DType::F32, A);
+    a.act = Tensor::empty({BT, F}, cd, A);
+  }
+}
+
+// An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe.
+static void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe) {
+  const int64_t C = c.n_embd, E = c.moe_experts, k = c.moe_top_k;
+  auto A = MemCategory::Activations;
+  if (!a.r_logits.defined()) {
+    a.r_logits = Tensor::empty({BT, E}, DType::F32, A);
+    a.r_scores = Tensor::empty({BT, E}, DType::F32, A);
+    a.r_idx = Tensor::empty({BT, k}, DType::F32, A);  // int32 storage (same size)
+    a.r_w = Tensor::empty({BT, k}, DType::F32, A);
+    a.r_lse = Tensor::empty({BT}, DType::F32, A);
+    a.r_pos = Tensor::empty({BT, k}, DType::F32, A);  // int32 storage
+  }
+  if (a.xs.defined() && a.xs.numel() >= M * C) return;
+  M = std::max<int64_t>(M, 1);
+  a.xs = Tensor::empty({M, C}, cd, A);
+  a.h1 = Tensor::empty({M, Fe}, DType::F32, A);
+  if (c.arch == Arch::Llama) a.h3 = Tensor::empty({M, Fe}, DType::F32, A);
+  a.xact = Tensor::empty({M, Fe}, cd, A);
+  a.y = Tensor::empty({M, C}, DType::F32, A);
+  a.order = Tensor::empty({M}, DType::F32, A);  // int32 storage
 }
 
 void Transformer::select_slot(int slot) {
@@ -406,7 +547,8 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       out_buf(l + 1);
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
-        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_);
+        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l));
+        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, BT * cfg_.moe_top_k, Fe_l_);
       }
     } else if (!s.losses.defined()) {
       out_buf(L);
@@ -427,9 +569,15 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   ws_bt_ = BT;
   scratch_acts_.reset();
   bwd_ws_.clear();
+  scratch_moe_acts_.reset();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
     alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_);
+    if (cfg_.moe()) {  // recomputed MoE layers share their own set
+      scratch_moe_acts_ = std::make_unique<BlockActivations>();
+      alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, Fs_l_);
+      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, BT * cfg_.moe_top_k, Fe_l_);
+    }
   }
   auto W = MemCategory::Workspace;
   dres_ = Tensor::empty({BT, C}, DType::F32, W);
@@ -490,6 +638,9 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
 
 void Transformer::set_sequence_parallel(bool on) {
   if (ws_bt_ != 0) throw std::logic_error("set_sequence_parallel must come before the first forward");
+  if (on && cfg_.moe())
+    throw std::invalid_argument("parallel.sequence_parallel with a mixture of experts is not supported: the MoE layer "
+                                "needs every token's row on each tensor-parallel rank");
   tpc_.sp = on && tpc_.tp();
 }
 
@@ -528,7 +679,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const int64_t R = residual_rows(N);
-  const BlockParams p = block_params(cfg_, unit_params_[layer + 1][0]);
+  BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], experts_apart() ? 0 : E_l_);
+  if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
@@ -543,6 +695,11 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   kt_->accumulate(a.res2.f32(), x, R * C);
   // MLP: out = res2 + down(act(ln2(res2))).
   const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
+  if (p.moe) {
+    moe_forward(layer, p, a, out);
+    kt_->accumulate(out, a.res2.f32(), R * C);
+    return;
+  }
   float* act_out = bf ? tmp : a.act.f32();
   if (gpt) {
     ColumnParallelLinear(tpc_, C).forward(a.ln2, ln2, {{a.fc.f32(), weight(p.fc_w, p.fc_b, F, false)}});
@@ -563,7 +720,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
   const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const int64_t R = residual_rows(N);
-  const BlockParams p = block_params(cfg_, unit_params_[layer + 1][0]);
+  BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], experts_apart() ? 0 : E_l_);
+  if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   float* dnorm = bwd_ws_[0].f32();
@@ -573,19 +731,24 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   float* dup = bwd_ws_[4].f32();
   float* dact = bwd_ws_[5].f32();
   // MLP. dx already carries the residual path's gradient.
-  RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
-  dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
-  const float* dln2 = nullptr;
-  if (gpt) {
-    kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
-    dln2 = ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
+  if (p.moe) {
+    moe_backward(layer, p, a, dx, dnorm);
+    norm(p.ln2_w, p.ln2_b, true).backward(dx, dnorm, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
-    dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
-    kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
-    dln2 = ColumnParallelLinear(tpc_, C).backward(
-        a.ln2, {{dfc, weight(p.fc_w, -1, F, true)}, {dup, weight(p.up_w, -1, F, true)}}, dnorm);
+    RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
+    dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
+    const float* dln2 = nullptr;
+    if (gpt) {
+      kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
+      dln2 = ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
+    } else {
+      dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
+      kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
+      dln2 = ColumnParallelLinear(tpc_, C).backward(
+          a.ln2, {{dfc, weight(p.fc_w, -1, F, true)}, {dup, weight(p.up_w, -1, F, true)}}, dnorm);
+    }
+    norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   }
-  norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   // Attention.
   RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, true)).backward(datty, dx, bf ? a.atty_bf : a.atty);
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
@@ -608,6 +771,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("forward_units: bad unit range");
   ensure_buffers(B, T, first, last);
+  cur_dloss_ = dloss_scale;
   Slot& s = *s_;
   const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
@@ -640,7 +804,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   for (int u = std::max(first, 1); u <= std::min(last, hu - 1); ++u) {
     const int64_t l = u - 1;
     if (hooks_) hooks_->pre_forward(u);
-    BlockActivations& a = s.acts[l] ? *s.acts[l] : *scratch_acts_;
+    BlockActivations& a = s.acts[l] ? *s.acts[l] : scratch_for(static_cast<int>(l));
     block_forward(static_cast<int>(l), s.block_out[l].f32(), a, s.block_out[l + 1].f32());
     if (hooks_) hooks_->post_forward(u);
   }
@@ -773,8 +937,10 @@ void Transformer::backward_units(int first, int last, const float* dout) {
     if (hooks_) hooks_->pre_backward(u);
     BlockActivations* a = s.acts[l].get();
     if (!a) {  // recompute this block's forward from its saved input
-      a = scratch_acts_.get();
+      a = &scratch_for(static_cast<int>(l));
+      recomputing_ = true;
       block_forward(static_cast<int>(l), s.block_out[l].f32(), *a, bwd_ws_[6].f32() /*discarded output*/);
+      recomputing_ = false;
     }
     block_backward(static_cast<int>(l), s.block_out[l].f32(), *a, dx);
     if (hooks_) hooks_->post_backward(u);
@@ -945,7 +1111,392 @@ int64_t Transformer::activation_bytes() const {
       if (t->defined()) b += static_cast<int64_t>(t->nbytes());
   }
   if (scratch_acts_) b += scratch_acts_->bytes();
+  if (scratch_moe_acts_) b += scratch_moe_acts_->bytes();
   return b;
+}
+
+}  // namespace mt
+
+namespace mt {
+
+Tensor& Transformer::moe_ws(size_t i, int64_t n) {
+  if (moe_ws_.size() <= i) moe_ws_.resize(i + 1);
+  Tensor& t = moe_ws_[i];
+  n = std::max<int64_t>(n, 1);
+  if (!t.defined() || t.numel() < n) t = Tensor::empty({n}, DType::F32, MemCategory::Workspace);
+  return t;
+}
+
+Transformer::MoeStats Transformer::take_moe_stats() {
+  MoeStats s = std::move(moe_stats_);
+  moe_stats_ = MoeStats{};
+  if (s.microbatches > 0) {
+    s.aux_loss /= static_cast<double>(s.microbatches);
+    s.z_loss /= static_cast<double>(s.microbatches);
+  }
+  return s;
+}
+
+// A routed expert's weight: from the flat buffers, or with expert parallelism from the expert
+// buffers (indices into expert_params_).
+Weight Transformer::expert_weight(int w, int b, int64_t out, bool grads) {
+  if (!experts_apart()) return weight(w, b, out, grads);
+  Weight r;
+  r.out = out;
+  const ParamInfo& pw = expert_params_[w];
+  if (compute_ == DType::BF16)
+    r.wb = ewb_.bf() + pw.offset;
+  else
+    r.wf = ew_.f32() + pw.offset;
+  if (grads) {
+    r.dw = eg_.f32() + pw.offset;
+    if (b >= 0) r.db = eg_.f32() + expert_params_[b].offset;
+  } else if (b >= 0) {
+    const ParamInfo& pb = expert_params_[b];
+    if (compute_ == DType::BF16) {  // computed from the bf16 copy, as the flat buffers' biases are
+      Tensor& t = eupcast_[b];
+      if (!t.defined()) t = Tensor::empty({pb.numel}, DType::F32, MemCategory::Workspace);
+      kt_->cast_bf16_to_f32(t.f32(), ewb_.bf() + pb.offset, pb.numel);
+      r.b = t.f32();
+    } else {
+      r.b = ew_.f32() + pb.offset;
+    }
+  }
+  return r;
+}
+
+// The MoE layer of block `layer` on the normalised input a.ln2 ([N, C], compute dtype): out = the
+// router-weighted sum of each token's k experts' outputs plus the shared experts' output.
+//   router   logits = ln2 @ Wr^T (fp32), scores, top-k and normalised weights (moe_router_forward)
+//   dispatch the host reads the choices and orders them expert by expert (token order inside an
+//            expert), dropping what exceeds the capacity; the input rows are gathered in that order
+//   exchange with expert parallelism, the rows of each rank's experts go there (variable-size
+//            all-to-all, counts exchanged first) and are put in expert order there
+//   experts  one GEMM per expert over its contiguous rows (grouped: no per-token loop)
+//   return   the outputs travel back the same way
+//   combine  out[t] = sum_j w[t, j] * y[row of (t, j)]
+void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out) {
+  const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_;
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const bool bf = compute_ == DType::BF16;
+  const bool ep = experts_apart();
+  const int sig = cfg_.moe_sigmoid ? 1 : 0;
+  const int64_t esz = bf ? 2 : 4;
+  a.dloss = cur_dloss_;
+  if (ep && !ep_comm_) throw std::logic_error("expert parallelism without an expert communicator (set_expert_comm)");
+  // Router, in fp32 from the stored (compute-dtype) normalised input.
+  const float* xin = nullptr;
+  if (bf) {
+    float* t = moe_ws(0, N * C).f32();
+    kt_->cast_bf16_to_f32(t, a.ln2.bf(), N * C);
+    xin = t;
+  } else {
+    xin = a.ln2.f32();
+  }
+  kt_->linear_forward(a.r_logits.f32(), xin, wf(p.router), nullptr, N, C, E);
+  kt_->moe_router_forward(a.r_scores.f32(), a.r_idx.data<int32_t>(), a.r_w.f32(), a.r_lse.f32(), a.r_logits.f32(), N, E,
+                          k, sig);
+  // Dispatch plan on the host: every choice's row, expert by expert.
+  std::vector<int32_t> idx(static_cast<size_t>(N * k));
+  if (dev_ == Device::Meta) {  // nothing to read: an even spread
+    for (int64_t i = 0; i < N * k; ++i) idx[i] = static_cast<int32_t>(i % E);
+  } else {
+    dev::copy_to_host(dev_, idx.data(), a.r_idx.raw(), idx.size() * sizeof(int32_t));
+  }
+  a.counts.assign(static_cast<size_t>(E), 0);
+  for (int32_t e : idx) ++a.counts[e];
+  int64_t cap = N * k;
+  if (cfg_.moe_capacity_factor > 0)
+    cap = static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(N * k) /
+                                         static_cast<double>(E)));
+  std::vector<int64_t> off(static_cast<size_t>(E) + 1, 0), fill(static_cast<size_t>(E), 0), kept(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    kept[e] = std::min(a.counts[e], cap);
+    off[e + 1] = off[e] + kept[e];
+  }
+  const int64_t Ms = off[E];  // rows this rank's tokens send (to every expert)
+  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(Ms, 1)));
+  int64_t dropped = 0;
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = idx[t * k + j];
+      if (fill[e] < cap) {
+        const int64_t r = off[e] + fill[e]++;
+        pos[t * k + j] = static_cast<int32_t>(r);
+        order[r] = static_cast<int32_t>(t);
+      } else {
+        pos[t * k + j] = -1;
+        ++dropped;
+      }
+    }
+  dev::copy_from_host(dev_, a.r_pos.raw(), pos.data(), pos.size() * sizeof(int32_t));
+  a.Msend = Ms;
+  a.kept.assign(static_cast<size_t>(E_l_), 0);
+  if (!ep) {
+    for (int64_t e = 0; e < E_l_; ++e) a.kept[e] = kept[E_lo_ + e];
+    a.M = Ms;
+    alloc_moe_acts(a, cfg_, compute_, N, Ms, Fe);
+    dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
+    kt_->moe_gather_rows(a.xs.raw(), a.ln2.raw(), a.order.data<int32_t>(), Ms, C * esz);
+  } else {
+    // Counts first: every ep rank's rows per expert; then the rows themselves.
+    const int R = ep_comm_->size();
+    std::vector<int64_t> K(static_cast<size_t>(R * E));
+    ep_comm_->all_gather_counts(kept.data(), K.data(), E);
+    a.send_rows.assign(static_cast<size_t>(R), 0);
+    a.recv_rows.assign(static_cast<size_t>(R), 0);
+    for (int r = 0; r < R; ++r)
+      for (int64_t e = 0; e < E_l_; ++e) {
+        a.send_rows[r] += kept[r * E_l_ + e];
+        a.recv_rows[r] += K[r * E + E_lo_ + e];
+      }
+    int64_t Mr = 0;
+    for (int r = 0; r < R; ++r) Mr += a.recv_rows[r];
+    // Received rows come by source rank, each source's in expert order; `perm` puts them in
+    // expert order (source order inside an expert).
+    std::vector<int32_t> perm, inv(static_cast<size_t>(std::max<int64_t>(Mr, 1)));
+    perm.reserve(static_cast<size_t>(Mr));
+    for (int64_t e = 0; e < E_l_; ++e) {
+      int64_t base = 0;
+      for (int r = 0; r < R; ++r) {
+        int64_t within = 0;
+        for (int64_t f = 0; f < e; ++f) within += K[r * E + E_lo_ + f];
+        for (int64_t i = 0; i < K[r * E + E_lo_ + e]; ++i) perm.push_back(static_cast<int32_t>(base + within + i));
+        base += a.recv_rows[r];
+      }
+      for (int r = 0; r < R; ++r) a.kept[e] += K[r * E + E_lo_ + e];
+    }
+    for (int64_t i = 0; i < Mr; ++i) inv[perm[i]] = static_cast<int32_t>(i);
+    a.M = Mr;
+    alloc_moe_acts(a, cfg_, compute_, N, Mr, Fe);
+    if (!a.inv.defined() || a.inv.numel() < std::max<int64_t>(Mr, 1))
+      a.inv = Tensor::empty({std::max<int64_t>(Mr, 1)}, DType::F32, MemCategory::Activations);
+    if (!a.ysend.defined() || a.ysend.numel() < std::max<int64_t>(Ms, 1) * C)
+      a.ysend = Tensor::empty({std::max<int64_t>(Ms, 1), C}, DType::F32, MemCategory::Activations);
+    dev::copy_from_host(dev_, a.order.raw(), perm.data(), static_cast<size_t>(Mr) * sizeof(int32_t));
+    dev::copy_from_host(dev_, a.inv.raw(), inv.data(), static_cast<size_t>(Mr) * sizeof(int32_t));
+    Tensor& tok = moe_ws(15, Ms);
+    dev::copy_from_host(dev_, tok.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
+    void* xsend = moe_ws(16, (Ms * C * esz + 3) / 4).raw();
+    void* xrecv = moe_ws(17, (Mr * C * esz + 3) / 4).raw();
+    kt_->moe_gather_rows(xsend, a.ln2.raw(), tok.data<int32_t>(), Ms, C * esz);
+    ep_comm_->all_to_all_v(xsend, a.send_rows.data(), xrecv, a.recv_rows.data(), C, compute_);
+    kt_->moe_gather_rows(a.xs.raw(), xrecv, a.order.data<int32_t>(), Mr, C * esz);
+  }
+  const int64_t M = a.M;
+  // Experts: each one's rows are contiguous.
+  auto lin = [&](float* y, const Tensor& x, int64_t row0, const Weight& w, int64_t n, int64_t in) {
+    if (n == 0) return;
+    if (bf)
+      kt_->linear_forward_bf16(y, x.bf() + row0 * in, w.wb, w.b, n, in, w.out);
+    else
+      kt_->linear_forward(y, x.f32() + row0 * in, w.wf, w.b, n, in, w.out);
+  };
+  const int st = expert_stride(cfg_);
+  int64_t r0 = 0;
+  for (int64_t e = 0; e < E_l_; ++e) {
+    const int q = p.expert0 + static_cast<int>(e) * st;
+    const int64_t n = a.kept[e];
+    if (gpt) {
+      lin(a.h1.f32() + r0 * Fe, a.xs, r0, expert_weight(q, q + 1, Fe, false), n, C);
+    } else {
+      lin(a.h1.f32() + r0 * Fe, a.xs, r0, expert_weight(q, -1, Fe, false), n, C);      // w1: gate
+      lin(a.h3.f32() + r0 * Fe, a.xs, r0, expert_weight(q + 2, -1, Fe, false), n, C);  // w3: up
+    }
+    r0 += n;
+  }
+  float* act = bf ? moe_ws(1, M * Fe).f32() : a.xact.f32();
+  if (gpt)
+    kt_->gelu_forward(act, a.h1.f32(), M * Fe);
+  else
+    kt_->swiglu_forward(act, a.h1.f32(), a.h3.f32(), M * Fe);
+  if (bf) kt_->cast_f32_to_bf16(a.xact.bf(), act, M * Fe);
+  r0 = 0;
+  for (int64_t e = 0; e < E_l_; ++e) {
+    const int q = p.expert0 + static_cast<int>(e) * st;
+    const int64_t n = a.kept[e];
+    if (gpt)  // row-parallel over tp: the bias is added by one tp rank only (the outputs are summed)
+      lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 2, tpc_.rank == 0 ? q + 3 : -1, C, false), n, Fe);
+    else
+      lin(a.y.f32() + r0 * C, a.xact, r0, expert_weight(q + 1, -1, C, false), n, Fe);  // w2: down
+    r0 += n;
+  }
+  const float* yback = a.y.f32();
+  if (ep) {  // back to the ranks the rows came from, in the order they were sent
+    float* yrecv = moe_ws(18, M * C).f32();
+    kt_->moe_gather_rows(yrecv, a.y.raw(), a.inv.data<int32_t>(), M, C * 4);
+    ep_comm_->all_to_all_v(yrecv, a.recv_rows.data(), a.ysend.f32(), a.send_rows.data(), C, DType::F32);
+    yback = a.ysend.f32();
+  }
+  dev::zero(dev_, out, static_cast<size_t>(N * C) * sizeof(float));
+  kt_->moe_combine(out, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  // Shared experts: a dense MLP of width Fs on every token.
+  const int64_t Fs = Fs_l_;
+  if (Fs > 0) {
+    float* so = moe_ws(13, N * C).f32();
+    float* sact = bf ? moe_ws(1, std::max(M * Fe, N * Fs)).f32() : a.act.f32();
+    if (gpt) {
+      lin(a.fc.f32(), a.ln2, 0, weight(p.fc_w, p.fc_b, Fs, false), N, C);
+      kt_->gelu_forward(sact, a.fc.f32(), N * Fs);
+    } else {
+      lin(a.fc.f32(), a.ln2, 0, weight(p.fc_w, -1, Fs, false), N, C);
+      lin(a.up.f32(), a.ln2, 0, weight(p.up_w, -1, Fs, false), N, C);
+      kt_->swiglu_forward(sact, a.fc.f32(), a.up.f32(), N * Fs);
+    }
+    if (bf) kt_->cast_f32_to_bf16(a.act.bf(), sact, N * Fs);
+    lin(so, a.act, 0, weight(p.down_w, tpc_.rank == 0 ? p.down_b : -1, C, false), N, Fs);
+    kt_->accumulate(out, so, N * C);
+  }
+  // Tensor parallelism: every expert's hidden width is split (w1 / w3 / c_fc by rows, w2 / c_proj
+  // by columns), so each tp rank holds a partial sum of the layer's output.
+  if (tpc_.tp()) tpc_.comm->all_reduce_activations(out, N * C);
+  if (recomputing_) return;
+  // Statistics and the auxiliary losses' values (their gradients are applied in backward).
+  if (moe_stats_.layers.empty() || moe_stats_.layers.front() == layer) ++moe_stats_.microbatches;
+  size_t li = 0;
+  while (li < moe_stats_.layers.size() && moe_stats_.layers[li] != layer) ++li;
+  if (li == moe_stats_.layers.size()) {
+    moe_stats_.layers.push_back(layer);
+    moe_stats_.tokens.emplace_back(static_cast<size_t>(E), 0);
+  }
+  for (int64_t e = 0; e < E; ++e) moe_stats_.tokens[li][e] += a.counts[e];
+  moe_stats_.dropped += dropped;
+  if (dev_ == Device::Meta) return;
+  Tensor& P = moe_ws(2, E);
+  kt_->moe_balance_probs(P.f32(), a.r_scores.f32(), N, E, sig);
+  std::vector<float> hp(static_cast<size_t>(E)), hl(static_cast<size_t>(N));
+  dev::copy_to_host(dev_, hp.data(), P.raw(), hp.size() * sizeof(float));
+  dev::copy_to_host(dev_, hl.data(), a.r_lse.raw(), hl.size() * sizeof(float));
+  double aux = 0, z = 0;
+  for (int64_t e = 0; e < E; ++e) aux += static_cast<double>(a.counts[e]) / static_cast<double>(N * k) * hp[e];
+  for (float v : hl) z += static_cast<double>(v) * v;
+  moe_stats_.aux_loss += static_cast<double>(E) * aux;
+  moe_stats_.z_loss += z / static_cast<double>(N);
+}
+
+// dout: the gradient of the MoE layer's output ([N, C]); dln2 receives the gradient of its input.
+// The exchanges of the forward run in reverse: the output gradients go to the experts' ranks, the
+// input gradients come back.
+void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2) {
+  (void)layer;
+  const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_, M = a.M;
+  const int64_t Ms = a.Msend;
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const bool bf = compute_ == DType::BF16;
+  const bool ep = experts_apart();
+  const int sig = cfg_.moe_sigmoid ? 1 : 0;
+  auto linb = [&](float* dx, const Weight& w, const float* dy, const Tensor& x, int64_t row0, int64_t n, int64_t in) {
+    if (n == 0) return;
+    if (bf)
+      kt_->linear_backward_bf16(dx, w.dw, w.db, dy, x.bf() + row0 * in, w.wb, n, in, w.out);
+    else
+      kt_->linear_backward(dx, w.dw, w.db, dy, x.f32() + row0 * in, w.wf, n, in, w.out);
+  };
+  dev::zero(dev_, dln2, static_cast<size_t>(N * C) * sizeof(float));
+  // Shared experts.
+  const int64_t Fs = Fs_l_;
+  if (Fs > 0) {
+    float* sdact = moe_ws(10, N * Fs).f32();
+    float* sdfc = moe_ws(11, N * Fs).f32();
+    dev::zero(dev_, sdact, static_cast<size_t>(N * Fs) * sizeof(float));
+    dev::zero(dev_, sdfc, static_cast<size_t>(N * Fs) * sizeof(float));
+    linb(sdact, weight(p.down_w, p.down_b, C, true), dout, a.act, 0, N, Fs);
+    if (gpt) {
+      kt_->gelu_backward(sdfc, a.fc.f32(), sdact, N * Fs);
+      linb(dln2, weight(p.fc_w, p.fc_b, Fs, true), sdfc, a.ln2, 0, N, C);
+    } else {
+      float* sdup = moe_ws(12, N * Fs).f32();
+      dev::zero(dev_, sdup, static_cast<size_t>(N * Fs) * sizeof(float));
+      kt_->swiglu_backward(sdfc, sdup, sdact, a.fc.f32(), a.up.f32(), N * Fs);
+      linb(dln2, weight(p.fc_w, -1, Fs, true), sdfc, a.ln2, 0, N, C);
+      linb(dln2, weight(p.up_w, -1, Fs, true), sdup, a.ln2, 0, N, C);
+    }
+  }
+  // Combine: the routed rows' output gradients (in the order sent) and the router weights' gradients.
+  float* dw = moe_ws(8, N * k).f32();
+  float* dy = moe_ws(3, M * C).f32();  // in expert order
+  if (!ep) {
+    kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);  // <dout, y> over the tp ranks' partial outputs
+  } else {
+    float* dysend = moe_ws(19, Ms * C).f32();
+    float* dyrecv = moe_ws(18, M * C).f32();
+    kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    ep_comm_->all_to_all_v(dysend, a.send_rows.data(), dyrecv, a.recv_rows.data(), C, DType::F32);
+    kt_->moe_gather_rows(dy, dyrecv, a.order.data<int32_t>(), M, C * 4);
+  }
+  // Experts, in the forward's row order.
+  float* dact = moe_ws(4, M * Fe).f32();
+  float* dh1 = moe_ws(5, M * Fe).f32();
+  float* dxs = moe_ws(7, M * C).f32();
+  dev::zero(dev_, dact, static_cast<size_t>(M * Fe) * sizeof(float));
+  dev::zero(dev_, dh1, static_cast<size_t>(M * Fe) * sizeof(float));
+  dev::zero(dev_, dxs, static_cast<size_t>(M * C) * sizeof(float));
+  const int st = expert_stride(cfg_);
+  int64_t r0 = 0;
+  for (int64_t e = 0; e < E_l_; ++e) {
+    const int q = p.expert0 + static_cast<int>(e) * st;
+    const int64_t n = a.kept[e];
+    const Weight w2 = gpt ? expert_weight(q + 2, q + 3, C, true) : expert_weight(q + 1, -1, C, true);
+    linb(dact + r0 * Fe, w2, dy + r0 * C, a.xact, r0, n, Fe);
+    r0 += n;
+  }
+  float* dh3 = nullptr;
+  if (gpt) {
+    kt_->gelu_backward(dh1, a.h1.f32(), dact, M * Fe);
+  } else {
+    dh3 = moe_ws(6, M * Fe).f32();
+    dev::zero(dev_, dh3, static_cast<size_t>(M * Fe) * sizeof(float));
+    kt_->swiglu_backward(dh1, dh3, dact, a.h1.f32(), a.h3.f32(), M * Fe);
+  }
+  r0 = 0;
+  for (int64_t e = 0; e < E_l_; ++e) {
+    const int q = p.expert0 + static_cast<int>(e) * st;
+    const int64_t n = a.kept[e];
+    if (gpt) {
+      linb(dxs + r0 * C, expert_weight(q, q + 1, Fe, true), dh1 + r0 * Fe, a.xs, r0, n, C);
+    } else {
+      linb(dxs + r0 * C, expert_weight(q, -1, Fe, true), dh1 + r0 * Fe, a.xs, r0, n, C);
+      linb(dxs + r0 * C, expert_weight(q + 2, -1, Fe, true), dh3 + r0 * Fe, a.xs, r0, n, C);
+    }
+    r0 += n;
+  }
+  // Dispatch backward: each token collects its rows' input gradients.
+  const float* dxback = dxs;
+  if (ep) {
+    float* dxrecv = moe_ws(18, M * C).f32();
+    float* dxsend = moe_ws(19, Ms * C).f32();
+    kt_->moe_gather_rows(dxrecv, dxs, a.inv.data<int32_t>(), M, C * 4);
+    ep_comm_->all_to_all_v(dxrecv, a.recv_rows.data(), dxsend, a.send_rows.data(), C, DType::F32);
+    dxback = dxsend;
+  }
+  kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
+  // The experts' input gradients are partial over tp ranks; the router's (below) is whole on each.
+  if (tpc_.tp()) tpc_.comm->all_reduce_activations(dln2, N * C);
+  // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
+  // micro-batch's mean loss, whose weight is dloss x N) and the z-loss.
+  float* aux = nullptr;
+  if (cfg_.moe_aux_loss_coef > 0) {
+    std::vector<float> h(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e)
+      h[e] = static_cast<float>(static_cast<double>(a.dloss) * N * cfg_.moe_aux_loss_coef * E *
+                                (static_cast<double>(a.counts[e]) / static_cast<double>(N * k)) / static_cast<double>(N));
+    aux = moe_ws(14, E).f32();
+    dev::copy_from_host(dev_, aux, h.data(), h.size() * sizeof(float));
+  }
+  const float z_scale = a.dloss * cfg_.moe_z_loss_coef;  // weight dloss x N on the mean over N tokens
+  float* dlogits = moe_ws(9, N * E).f32();
+  kt_->moe_router_backward(dlogits, dw, a.r_scores.f32(), a.r_idx.data<int32_t>(), a.r_w.f32(), a.r_lse.f32(),
+                           a.r_logits.f32(), aux, z_scale, N, E, k, sig);
+  const float* xin = nullptr;
+  if (bf) {
+    float* t = moe_ws(0, N * C).f32();
+    kt_->cast_bf16_to_f32(t, a.ln2.bf(), N * C);
+    xin = t;
+  } else {
+    xin = a.ln2.f32();
+  }
+  kt_->linear_backward(dln2, gp(p.router), nullptr, dlogits, xin, wf(p.router), N, C, E);
 }
 
 }  // namespace mt

@@ -7,12 +7,14 @@
 // which is how sharded data parallel substitutes gathered parameters.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "model/expert_comm.h"
 #include "model/model_config.h"
 #include "model/parameters.h"
 #include "model/tp_layers.h"
@@ -48,6 +50,9 @@ struct ModelStorage {
   bool master = true;    // bf16 mode only: full fp32 master weights (weights())
   bool grads = true;     // full fp32 gradients
   int64_t unit_align = 1;  // each unit's range is padded to a multiple of this (for even shards)
+  // Expert parallelism (MoE): this rank holds routed experts [ep_rank * E / ep, (ep_rank + 1) * E / ep)
+  // of every MoE layer and exchanges tokens with the other ep ranks through `ep_comm`.
+  int ep = 1, ep_rank = 0;
 };
 
 class Transformer {
@@ -101,6 +106,21 @@ class Transformer {
   void set_unit_weights(int u, const void* w);
   void set_unit_grads(int u, float* g);
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+
+  // ---- expert parallelism (ModelStorage::ep > 1) ----
+  // The local routed experts then live outside the flat buffers, in expert buffers of their own
+  // (their gradients are reduced over other ranks than the rest: parallel/expert_parallel.h):
+  // expert_params() are their ranges there (names as in the unsplit model, e.g.
+  // model.layers.0.block_sparse_moe.experts.5.w1.weight), unit = the block they belong to.
+  bool experts_apart() const { return storage_.ep > 1; }
+  int ep_size() const { return storage_.ep; }
+  int ep_rank() const { return storage_.ep_rank; }
+  const std::vector<ParamInfo>& expert_params() const { return expert_params_; }
+  int64_t expert_size() const { return expert_size_; }
+  Tensor& expert_weights() { return ew_; }         // fp32 (master in bf16 mode)
+  Tensor& expert_grads() { return eg_; }           // fp32
+  Tensor& expert_compute_weights() { return compute_ == DType::F32 ? ew_ : ewb_; }
+  void set_expert_comm(ExpertComm* c) { ep_comm_ = c; }
 
   // One micro-batch of B sequences of T tokens (T <= seq_len). With targets, returns the mean
   // cross-entropy over the B*T positions; with train=true it also keeps what backward needs and
@@ -161,6 +181,17 @@ class Transformer {
     head_chunk_rows_ = rows;
     head_chunk_done_ = std::move(done);
   }
+
+  // Mixture of experts: what the training forwards routed since the last take_moe_stats(), over
+  // this rank's tokens (forwards re-run by activation checkpointing are not counted again).
+  struct MoeStats {
+    std::vector<int> layers;                   // the MoE layers this rank runs, in order
+    std::vector<std::vector<int64_t>> tokens;  // per MoE layer: token choices per expert
+    int64_t dropped = 0;                       // choices dropped by the capacity factor
+    double aux_loss = 0, z_loss = 0;           // summed over layers, averaged over micro-batches
+    int64_t microbatches = 0;                  // forwards of the first MoE layer counted
+  };
+  MoeStats take_moe_stats();
 
   // Bytes of activations currently held for backward (for reporting).
   int64_t activation_bytes() const;
@@ -244,6 +275,15 @@ class Transformer {
   // tensor / sequence parallelism: the communicator, switches and workspace the tp layers share
   TpContext tpc_;
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
+  // MoE: local routed experts (count, first index), one expert's and the shared experts' width
+  int64_t E_l_ = 0, E_lo_ = 0, Fe_l_ = 0, Fs_l_ = 0;
+  std::vector<ParamInfo> expert_params_;  // experts apart: their ranges of ew_ / eg_
+  std::vector<int> expert_base_;          // per layer: index of its first expert parameter (-1: none)
+  int64_t expert_size_ = 0;
+  Tensor ew_, eg_, ewb_;
+  std::vector<Tensor> eupcast_;           // bf16: fp32 copies of expert biases
+  ExpertComm* ep_comm_ = nullptr;
+  Weight expert_weight(int w, int b, int64_t out, bool grads);
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;
@@ -273,6 +313,17 @@ class Transformer {
   std::vector<std::unique_ptr<Slot>> slots_;
   Slot* s_ = nullptr;
   std::unique_ptr<BlockActivations> scratch_acts_;        // shared by recomputed blocks
+  std::unique_ptr<BlockActivations> scratch_moe_acts_;    // shared by recomputed MoE blocks
+  BlockActivations& scratch_for(int layer) { return cfg_.is_moe_layer(layer) ? *scratch_moe_acts_ : *scratch_acts_; }
+  // The MLP width block l's activations hold: the dense MLP's, or an MoE layer's shared experts'.
+  int64_t mlp_width(int64_t l) const { return cfg_.is_moe_layer(l) ? Fs_l_ : F_l_; }
+  bool recomputing_ = false;  // a backward re-running a block's forward (no statistics counted)
+  float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
+  MoeStats moe_stats_;
+  std::deque<Tensor> moe_ws_;  // MoE forward and backward workspace (references stay valid as it grows)
+  Tensor& moe_ws(size_t i, int64_t n);
+  void moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out);
+  void moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2);
   int64_t ws_bt_ = 0;                                     // size of the shared workspace
   Tensor dres_;                                           // backward workspace
   std::vector<Tensor> bwd_ws_;

@@ -98,6 +98,7 @@ std::string Layout::describe() const {
                        : "",
                 static_cast<long long>(micro_batch), static_cast<long long>(microbatches),
                 checkpointing_name(checkpointing), cpu_offload ? " offload" : "");
+  if (ep > 1) return std::string(buf) + " ep=" + std::to_string(ep);
   return buf;
 }
 
@@ -143,6 +144,9 @@ namespace {
 
 struct Shape {
   double L, h, a, hk, f, V, s, wpe, norm_block, norm_final, block, block_mm;
+  // MoE: share of layers that are MoE layers, routed-expert parameters of one MoE layer, tokens'
+  // expert choices k, and the width the activations see per token ((k + shared) x expert width).
+  double moe_frac = 0, expert_layer = 0, k = 0, moe_f = 0;
   bool gpt2, tied;
 };
 
@@ -160,9 +164,26 @@ Shape shape_of(const ModelConfig& m, int64_t seq) {
   x.wpe = x.gpt2 ? static_cast<double>(m.seq_len) * x.h : 0.0;
   x.norm_block = x.gpt2 ? 4 * x.h : 2 * x.h;
   x.norm_final = x.gpt2 ? 2 * x.h : x.h;
-  x.block = static_cast<double>(m.block_params());
   const double qkv = x.h + 2 * x.hk;
   x.block_mm = x.h * qkv + x.h * x.h + (x.gpt2 ? 2.0 : 3.0) * x.h * x.f;
+  if (!m.moe()) {
+    x.block = static_cast<double>(m.block_params());
+    return x;
+  }
+  // Per-layer averages over the dense and MoE layers; `block` excludes the routed experts (held
+  // apart: split by ep), block_mm counts what one token multiplies (router, k experts, shared).
+  const double nm = static_cast<double>(m.moe_layers());
+  x.moe_frac = nm / x.L;
+  x.expert_layer = static_cast<double>(m.moe_experts * m.expert_params());
+  x.k = static_cast<double>(m.moe_top_k);
+  const double fe = static_cast<double>(m.expert_ffn());
+  x.moe_f = (x.k + static_cast<double>(m.moe_shared_experts)) * fe;
+  double all = 0;
+  for (int64_t l = 0; l < m.n_layer; ++l) all += static_cast<double>(m.block_params(l));
+  x.block = (all - nm * x.expert_layer) / x.L;
+  const double mlp_mm = (x.gpt2 ? 2.0 : 3.0) * x.h;
+  const double moe_mm = x.h * qkv + x.h * x.h + static_cast<double>(m.moe_experts) * x.h + mlp_mm * x.moe_f;
+  x.block_mm = (1 - x.moe_frac) * x.block_mm + x.moe_frac * moe_mm;
   return x;
 }
 
@@ -175,7 +196,7 @@ double matmul_params(const ModelConfig& m) {
 
 double flops_per_token(const ModelConfig& m, int64_t seq) {
   Shape x = shape_of(m, seq);
-  double n = static_cast<double>(m.num_params());
+  double n = static_cast<double>(m.active_params());  // MoE: what one token multiplies
   if (!x.tied) n -= x.V * x.h;  // the input embedding is a lookup
   n -= x.wpe;                   // so is GPT-2's position table
   return 6.0 * n + 12.0 * x.L * x.h * x.s;
@@ -454,19 +475,41 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   double first = Lps * block_tp + emb_tp + x.wpe;
   double last = Lps * block_tp + x.norm_final + emb_tp;  // the head (tied: a copy of wte) on the last stage
   if (p == 1) first += x.norm_final + (x.tied ? 0.0 : emb_tp);
-  const double psi = p == 1 ? first : std::max(first, last);
+  // Routed experts on this GPU: its stage's MoE layers' experts, split by tp and ep.
+  const int ep = std::max(1, l.ep);
+  const double psi_e = Lps * x.moe_frac * x.expert_layer / (T * ep);
+  const double psi_dense = p == 1 ? first : std::max(first, last);
+  // With ep = 1 the experts are ordinary parameters under the strategy; with ep > 1 this engine
+  // keeps them apart, data parallel (replicated, DDP-style) over the dp / ep ranks holding them.
+  const double psi = psi_dense + psi_e;
   E.psi_stage = psi;
+  E.psi_experts = psi_e;
 
   const int shard = (l.strategy == Strategy::DDP) ? 1 : l.dp_shard;
-  ModelStateBytes ms = zero_model_state(psi, l.strategy, shard, st.fp32, l.cpu_offload, st.grad_bytes);
+  ModelStateBytes ms = zero_model_state(ep > 1 ? psi_dense : psi, l.strategy, shard, st.fp32, l.cpu_offload, st.grad_bytes);
+  if (ep > 1) {
+    const ModelStateBytes me = zero_model_state(psi_e, Strategy::DDP, 1, st.fp32, false, st.grad_bytes);
+    ms.params += me.params;
+    ms.grads += me.grads;
+    ms.optimizer += me.optimizer;
+  }
   E.mem.params = ms.params;
   E.mem.grads = ms.grads;
   E.mem.optimizer = ms.optimizer;
   const double psi_opt = psi / shard;  // parameters this GPU updates
+  // What the data-parallel strategy reduces and gathers: with ep > 1 the experts are not in it.
+  const double psi_dp = ep > 1 ? psi_dense : psi;
 
   // ---- activations ----
-  const double a_layer = layer_activation_bytes(m, st, l.micro_batch, t, l.checkpointing);
-  const double a_full = layer_activation_bytes(m, st, l.micro_batch, t, Checkpointing::None);
+  // MoE layers: the activations of a dense MLP as wide as the token's k routed and shared experts
+  // (the router's [tokens, E] scores are small next to them).
+  ModelConfig ma = m;
+  if (m.moe()) {
+    ma.moe_experts = 0;
+    ma.ffn_hidden = static_cast<int64_t>((1 - x.moe_frac) * x.f + x.moe_frac * x.moe_f);
+  }
+  const double a_layer = layer_activation_bytes(ma, st, l.micro_batch, t, l.checkpointing);
+  const double a_full = layer_activation_bytes(ma, st, l.micro_batch, t, Checkpointing::None);
   // A recomputed layer's full activations exist again while its backward runs (one at a time).
   const double ws = l.checkpointing != Checkpointing::None ? a_full : 0.0;
   const double head_acts = tokens * (e * x.h / (sp ? T : 1.0) + e * x.h + 4.0 * x.V / T);
@@ -491,7 +534,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     if (l.strategy == Strategy::ZeRO3 || l.strategy == Strategy::HSDP)
       comm_buf += 2 * unit * pb + unit * rb;  // gathered current + prefetched unit, unsharded grad
     else
-      comm_buf += 2 * std::min(st.bucket_bytes, psi * rb);
+      comm_buf += 2 * std::min(st.bucket_bytes, psi_dp * rb);
   }
   if (t > 1) comm_buf += 2 * tokens * x.h * e;
   if (p > 1) comm_buf += 2 * tokens * x.h * e / (sp ? T : 1.0);
@@ -607,6 +650,28 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     E.group_bytes.pp = M * sends * bytes;
   }
 
+  // Expert parallelism: per MoE layer and micro-batch four all-to-alls of the token choices' rows
+  // that leave the rank ((ep-1)/ep of k x tokens rows of h): input rows (compute dtype) and output
+  // rows (fp32) forward, their gradients (fp32) backward, as this engine sends them; a recomputed
+  // forward repeats its two. Point-to-point, synchronous: all exposed.
+  if (ep > 1 && m.moe()) {
+    const GroupShape g_ep = group_shape(ep, t, G);
+    const double rows = x.k * tokens / (sp ? T : 1.0) * (ep - 1.0) / ep;
+    const double per_layer = rows * x.h * (e + 4.0 + 4.0 + 4.0 + rc_mm * (e + 4.0));
+    const double bytes = Lps * x.moe_frac * per_layer;
+    // Peers off the node: (ep - local) of the ep - 1 others.
+    const double inter_share = g_ep.nodes > 1 ? (ep - g_ep.local) / (ep - 1.0) : 0.0;
+    CollCost a2a;
+    a2a.inter_bytes = bytes * inter_share;
+    a2a.intra_bytes = bytes - a2a.inter_bytes;
+    const double msgs = Lps * x.moe_frac * (4.0 + 2.0 * rc_mm) * (ep - 1.0);
+    a2a.time = std::max(a2a.intra_bytes / c.intra.bw, a2a.inter_bytes / c.inter.bw) +
+               msgs * (inter_share > 0 ? c.inter.latency_s : c.intra.latency_s);
+    per_mb = per_mb + a2a;
+    E.ep_comm_s = M * a2a.time;
+    E.group_bytes.ep = M * bytes;
+  }
+
   // Data parallel. `overlapped`: a collective of total time `comm` issued while `window` seconds of
   // compute run; its last piece (`tail`, one bucket or unit) cannot hide.
   auto overlapped = [&](double comm, double tail, double window) {
@@ -616,7 +681,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   auto buckets = [&](double bytes) { return std::ceil(bytes / st.bucket_bytes); };
   double dp_total = 0;
   if (l.dp() > 1) {
-    const double grad_bytes = psi * rb, param_bytes = psi * pb;
+    const double grad_bytes = psi_dp * rb, param_bytes = psi_dp * pb;
     const double bucket_g = std::min(grad_bytes, st.bucket_bytes), bucket_p = std::min(param_bytes, st.bucket_bytes);
     switch (l.strategy) {
       case Strategy::DDP: {  // all-reduce once per step (no_sync while accumulating), during the last backward
@@ -690,9 +755,19 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.optimizer_s = opt_s;
 
   // ---- step time: compute on the critical stage + exposed communication + bubble ----
-  const double slot = T_f + T_b + mb_tp + mb_pp + mb_dp;  // one micro-batch on the critical stage
+  // The experts' gradient all-reduce over the dp / ep ranks holding them (ep > 1), once per step
+  // after backward (this engine does not overlap it).
+  double step_edp = 0;
+  if (ep > 1 && l.dp() / ep > 1) {
+    CollCost ar = collective(Collective::AllReduce, psi_e * rb, group_shape(l.dp() / ep, t * ep, G), c);
+    per_step = per_step + ar;
+    step_edp = ar.time;
+    E.group_bytes.edp = ar.intra_bytes + ar.inter_bytes;
+  }
+  const double mb_ep = M > 0 ? E.ep_comm_s / M : 0.0;
+  const double slot = T_f + T_b + mb_tp + mb_pp + mb_dp + mb_ep;  // one micro-batch on the critical stage
   E.time.compute = M * (T_f + T_b) + opt_s;
-  E.time.exposed_comm = M * (mb_tp + mb_pp + mb_dp) + step_dp + E.offload_s;
+  E.time.exposed_comm = M * (mb_tp + mb_pp + mb_dp + mb_ep) + step_dp + step_edp + E.offload_s;
   E.time.bubble = p > 1 ? (p - 1.0) / v * slot : 0.0;
   E.pp_comm_s = M * mb_pp;
   E.recompute_s = M * rc_s;

@@ -71,6 +71,9 @@ struct Layout {
   int64_t microbatches = 1;  // micro-batches per step per replica (gradient accumulation / pipeline)
   Checkpointing checkpointing = Checkpointing::None;
   bool cpu_offload = false;  // optimizer state (fp32 master + moments) in host memory, Adam on the CPU
+  // Expert parallelism (MoE models): routed experts split over blocks of `ep` data-parallel ranks
+  // (ep divides dp and the expert count); tokens move by all-to-all inside a block.
+  int ep = 1;
 
   int dp() const { return dp_replicate * dp_shard; }
   int world() const { return dp() * tp * pp; }
@@ -159,6 +162,8 @@ struct CommBytes {
 // all-reduce across replicas, tp and pp.
 struct GroupBytes {
   double dp = 0, dp_replicate = 0, tp = 0, pp = 0;
+  double ep = 0;   // expert parallelism's token all-to-alls
+  double edp = 0;  // the experts' gradient all-reduce over the ranks holding the same experts
 };
 struct StepTime {
   double compute = 0, exposed_comm = 0, bubble = 0;
@@ -168,7 +173,9 @@ struct StepTime {
 struct Estimate {
   Layout layout;
   int world = 1;
-  double psi_stage = 0;   // parameters on the heaviest pipeline stage of one TP rank
+  double psi_stage = 0;   // parameters on the heaviest pipeline stage of one TP rank (experts included)
+  double psi_experts = 0;  // of them, routed-expert parameters this GPU holds (MoE)
+  double ep_comm_s = 0;    // expert-parallel all-to-alls per step (all exposed, as in this engine)
   MemoryBytes mem;        // per GPU, peak
   double mem_usable = 0;  // what the GPU offers the model (capacity minus reserve)
   bool fits = false;

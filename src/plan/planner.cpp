@@ -145,6 +145,7 @@ std::string layout_words(const Layout& l) {
       break;
   }
   if (l.tp > 1) s += ", tensor parallel " + std::to_string(l.tp) + " with sequence parallelism";
+  if (l.ep > 1) s += ", experts split over " + std::to_string(l.ep) + " ranks (parallel.ep)";
   if (l.pp > 1) {
     s += ", pipeline " + std::to_string(l.pp) + " stages (" + schedule_name(l.schedule);
     if (l.schedule == Schedule::Interleaved) s += ", " + std::to_string(l.virtual_stages) + " chunks per rank";
@@ -292,6 +293,18 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
         scheds.push_back({Schedule::OneFOneB, 1});
         for (int v = 2; v <= opts.max_virtual_stages; ++v)
           if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
+      }
+      // MoE: every expert-parallel degree that divides dp and the expert count.
+      if (model.moe()) {
+        std::vector<Layout> with_ep;
+        for (const Layout& b : dps)
+          for (int ep : divisors(dp))
+            if (model.moe_experts % ep == 0) {
+              Layout l = b;
+              l.ep = ep;
+              with_ep.push_back(l);
+            }
+        dps = with_ep;
       }
       for (Layout base : dps) {
         if (opts.strategy && base.strategy != *opts.strategy) continue;

@@ -33,7 +33,9 @@ std::string human_count(double n) {
   return fmt("%.0f", n);
 }
 
-std::string dp_cell(const Layout& l) {
+std::string dp_cell_base(const Layout& l);
+std::string dp_cell(const Layout& l) { return dp_cell_base(l) + (l.ep > 1 ? " ep" + std::to_string(l.ep) : ""); }
+std::string dp_cell_base(const Layout& l) {
   switch (l.strategy) {
     case Strategy::DDP: return l.dp_replicate > 1 ? "DDP x" + std::to_string(l.dp_replicate) : "single";
     case Strategy::HSDP: return "HSDP " + std::to_string(l.dp_replicate) + "x" + std::to_string(l.dp_shard);
@@ -51,6 +53,9 @@ json model_json(const ModelConfig& m, int64_t seq) {
   return {{"name", m.name},
           {"arch", arch_name(m.arch)},
           {"params", m.num_params()},
+          {"active_params", m.active_params()},
+          {"moe_experts", m.moe_experts},
+          {"moe_top_k", m.moe_top_k},
           {"n_layer", m.n_layer},
           {"n_embd", m.n_embd},
           {"n_head", m.n_head},
@@ -72,6 +77,7 @@ json estimate_json(const Estimate& e) {
           {"dp_shard", l.dp_shard},
           {"tp", l.tp},
           {"pp", l.pp},
+          {"ep", l.ep},
           {"pp_schedule", schedule_name(l.schedule)},
           {"pp_virtual_stages", l.virtual_stages},
           {"micro_batch", l.micro_batch},
@@ -109,6 +115,11 @@ std::string format_plan(const PlanResult& r) {
     << " layers, hidden " << m.n_embd << ", " << m.n_head << " heads";
   if (m.n_kv_head != m.n_head) o << " / " << m.n_kv_head << " kv";
   o << ", ffn " << m.ffn_hidden << ", vocab " << m.padded_vocab << (m.tied_embeddings ? " (tied)" : "") << "\n";
+  if (m.moe())
+    o << "         mixture of experts: " << m.moe_experts << " experts of width " << m.expert_ffn() << ", top-"
+      << m.moe_top_k << (m.moe_shared_experts ? " + " + std::to_string(m.moe_shared_experts) + " shared" : "") << ", "
+      << (m.moe_sigmoid ? "sigmoid" : "softmax") << " router; " << human_count(static_cast<double>(m.active_params()))
+      << " params active per token\n";
   o << "cluster  " << c.gpus << " " << c.device << "s, " << c.name << ": " << c.description << "\n";
   o << "setup    global batch " << r.setup.global_batch << " x " << r.setup.seq << " tokens, "
     << (r.setup.fp32 ? "fp32" : "bf16 mixed precision") << ", model state "

@@ -38,6 +38,20 @@ std::vector<Field> fields(RunConfig& c) {
       {"model.hf_config", Kind::String, &c.model.hf_config,
        "Hugging Face config.json (gpt2, llama incl. 3.1 rope_scaling, mistral): architecture, dimensions, norm epsilon, "
        "rope_theta, tied head; replaces model.preset, explicit model.* keys still override"},
+      {"model.moe_experts", Kind::Int, &c.model.moe_experts,
+       "mixture of experts: routed experts per MoE layer (0 = dense; -1 = the preset's)"},
+      {"model.moe_top_k", Kind::Int, &c.model.moe_top_k, "experts per token (-1 = the preset's, 2 by default)"},
+      {"model.moe_every", Kind::Int, &c.model.moe_every, "block l's MLP is an MoE layer when l % moe_every == 0 (-1 = the preset's, 1)"},
+      {"model.moe_shared_experts", Kind::Int, &c.model.moe_shared_experts,
+       "always-on shared experts per MoE layer, DeepSeek style (-1 = the preset's, 0)"},
+      {"model.moe_ffn_hidden", Kind::Int, &c.model.moe_ffn_hidden, "hidden size of one expert (0 = model.ffn_hidden; -1 = the preset's)"},
+      {"model.moe_router", Kind::String, &c.model.moe_router,
+       "softmax (Mixtral: softmax scores, top-k renormalised) | sigmoid (DeepSeek-V3: sigmoid scores, top-k normalised)"},
+      {"model.moe_aux_loss_coef", Kind::Float, &c.model.moe_aux_loss_coef,
+       "load-balancing loss coefficient, Switch/GShard form (-1 = the preset's, 0.01)"},
+      {"model.moe_z_loss_coef", Kind::Float, &c.model.moe_z_loss_coef, "router z-loss coefficient (-1 = the preset's, 0 = off)"},
+      {"model.moe_capacity_factor", Kind::Float, &c.model.moe_capacity_factor,
+       "expert capacity = factor x tokens x top_k / experts per micro-batch, overflow dropped and counted (0 = dropless; -1 = the preset's, 0)"},
       {"data.train", Kind::String, &c.data.train, "training token shards: a file or a glob"},
       {"data.val", Kind::String, &c.data.val, "validation token shards (empty = no eval)"},
       {"data.tokenizer", Kind::String, &c.data.tokenizer, "byte | gpt2 | hf: how samples are decoded"},
@@ -93,6 +107,8 @@ std::vector<Field> fields(RunConfig& c) {
       {"parallel.dp_shard", Kind::Int, &c.parallel.dp_shard, "shard group size (-1 = what the world size leaves)"},
       {"parallel.tp", Kind::Int, &c.parallel.tp, "tensor-parallel degree"},
       {"parallel.pp", Kind::Int, &c.parallel.pp, "pipeline-parallel degree"},
+      {"parallel.ep", Kind::Int, &c.parallel.ep,
+       "expert-parallel degree (MoE): routed experts split over this many data-parallel ranks, tokens exchanged by all-to-all"},
       {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, "gpipe | 1f1b | interleaved_1f1b"},
       {"parallel.pp_virtual_stages", Kind::Int, &c.parallel.pp_virtual_stages, "stages per rank (interleaved)"},
       {"parallel.pp_microbatches", Kind::Int, &c.parallel.pp_microbatches, "0 = grad_accum"},
@@ -274,7 +290,23 @@ ModelConfig RunConfig::model_config() const {
     m.padded_vocab = 0;
   }
   if (model.rope_theta > 0) m.rope_theta = static_cast<float>(model.rope_theta);
-  if (custom) m.name += "+overrides";
+  const bool moe_over = model.moe_experts >= 0 || model.moe_top_k >= 0 || model.moe_every >= 0 ||
+                        model.moe_shared_experts >= 0 || model.moe_ffn_hidden >= 0 || !model.moe_router.empty() ||
+                        model.moe_aux_loss_coef >= 0 || model.moe_z_loss_coef >= 0 || model.moe_capacity_factor >= 0;
+  if (model.moe_experts >= 0) m.moe_experts = model.moe_experts;
+  if (model.moe_top_k >= 0) m.moe_top_k = model.moe_top_k;
+  if (model.moe_every >= 0) m.moe_every = model.moe_every;
+  if (model.moe_shared_experts >= 0) m.moe_shared_experts = model.moe_shared_experts;
+  if (model.moe_ffn_hidden >= 0) m.moe_ffn_hidden = model.moe_ffn_hidden;
+  if (!model.moe_router.empty()) {
+    if (model.moe_router != "softmax" && model.moe_router != "sigmoid")
+      throw ConfigError("model.moe_router must be softmax or sigmoid, got '" + model.moe_router + "'");
+    m.moe_sigmoid = model.moe_router == "sigmoid";
+  }
+  if (model.moe_aux_loss_coef >= 0) m.moe_aux_loss_coef = static_cast<float>(model.moe_aux_loss_coef);
+  if (model.moe_z_loss_coef >= 0) m.moe_z_loss_coef = static_cast<float>(model.moe_z_loss_coef);
+  if (model.moe_capacity_factor >= 0) m.moe_capacity_factor = static_cast<float>(model.moe_capacity_factor);
+  if (custom || moe_over) m.name += "+overrides";
   try {
     m.resolve();
   } catch (const std::invalid_argument& e) {

@@ -27,6 +27,10 @@ struct RunConfig {
     double norm_eps = 0.0;     // 0 = from preset / hf_config
     int64_t max_position = 0;  // GPT-2 position-table rows (0 = seq_len, or the hf_config's)
     std::string hf_config;     // a Hugging Face config.json: architecture and dimensions (instead of preset)
+    // Mixture of experts (-1 / "" = the preset's; a dense preset has 0 experts).
+    int64_t moe_experts = -1, moe_top_k = -1, moe_every = -1, moe_shared_experts = -1, moe_ffn_hidden = -1;
+    std::string moe_router;                 // "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
+    double moe_aux_loss_coef = -1, moe_z_loss_coef = -1, moe_capacity_factor = -1;
   } model;
   struct Data {
     std::string train = "data/default/train.bin";
@@ -63,6 +67,7 @@ struct RunConfig {
   struct Parallel {
     std::string strategy = "NO_SHARD";
     int64_t dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;
+    int64_t ep = 1;  // expert parallelism: routed experts split over ep data-parallel ranks
     std::string pp_schedule = "1f1b";
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;

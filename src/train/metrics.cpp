@@ -28,6 +28,8 @@ void MetricsWriter::step(const StepMetrics& m) {
   if (m.pp_bubble) j["pp_bubble"] = *m.pp_bubble;
   if (m.pp_bubble_formula) j["pp_bubble_formula"] = *m.pp_bubble_formula;
   if (!m.data_tokens_by_dataset.is_null()) j["data_tokens_by_dataset"] = m.data_tokens_by_dataset;
+  if (m.moe.is_object())
+    for (const auto& [k, v] : m.moe.items()) j[k] = v;
   out_ << j.dump() << "\n";
   out_.flush();
 }
@@ -46,11 +48,15 @@ std::string progress_line(const StepMetrics& m, int64_t total_steps) {
   if (m.val_loss) std::snprintf(val, sizeof val, " | val %.4f", *m.val_loss);
   char bubble[48] = "";
   if (m.pp_bubble) std::snprintf(bubble, sizeof bubble, " | bubble %.0f%%", *m.pp_bubble * 100.0);
+  char moe[64] = "";
+  if (m.moe.is_object())
+    std::snprintf(moe, sizeof moe, " | experts max/mean %.2f aux %.3f", m.moe.value("expert_imbalance", 0.0),
+                  m.moe.value("moe_aux_loss", 0.0));
   std::snprintf(buf, sizeof buf,
                 "step %5lld/%lld | loss %.4f%s | lr %.2e | norm %.3f | %8.0f tok/s | %7.1f ms%s | comm %.1f ms "
-                "(exposed %.1f)%s | peak %s",
+                "(exposed %.1f)%s%s | peak %s",
                 static_cast<long long>(m.step), static_cast<long long>(total_steps), m.loss, val, m.lr, m.grad_norm,
-                m.tokens_per_s, m.step_ms, mfu, m.comm_ms, m.exposed_comm_ms, bubble,
+                m.tokens_per_s, m.step_ms, mfu, m.comm_ms, m.exposed_comm_ms, bubble, moe,
                 format_bytes(m.mem_peak_bytes).c_str());
   return buf;
 }

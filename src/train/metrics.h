@@ -23,6 +23,9 @@ struct StepMetrics {
   int64_t mem_peak_bytes = 0;
   // A blended data.train: input tokens seen so far per dataset pattern, all ranks (null otherwise).
   nlohmann::json data_tokens_by_dataset;
+  // Mixture of experts (null otherwise): expert_tokens, expert_imbalance, moe_aux_loss, ... (see
+  // docs/moe.md), written as top-level keys.
+  nlohmann::json moe;
 };
 
 class MetricsWriter {

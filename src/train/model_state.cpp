@@ -50,6 +50,7 @@ void ModelState::load(CheckpointReader* reader, uint64_t seed) {
       model_.shard_unit_from_full(ref_, u, fv.f32(), lv.f32());
     }
     strategy_.load_unit(u, lw.f32(), moments ? lm.f32() : nullptr, moments ? lv.f32() : nullptr);
+    if (ep_) ep_->load_unit(ref_, u, w, moments ? fm.f32() : nullptr, moments ? fv.f32() : nullptr);
   }
 }
 
@@ -71,6 +72,7 @@ void ModelState::gather_full_unit(int u, bool moments, Tensor* out) {
       }
       model_.assemble_unit_full(ref_, u, parts, out[i].f32());
     }
+    if (ep_) ep_->gather_unit(ref_, u, out[0].f32(), moments ? out[1].f32() : nullptr, moments ? out[2].f32() : nullptr);
   }
   if (pp_aux_)
     for (int i = 0; i < n; ++i)

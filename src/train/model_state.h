@@ -6,6 +6,7 @@
 
 #include "comm/process_group.h"
 #include "model/transformer.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/strategy.h"
 #include "runtime/tensor.h"
 #include "train/checkpoint.h"
@@ -20,6 +21,8 @@ class ModelState {
   ModelState(Transformer& model, const Transformer& ref, parallel::Strategy& strategy, comm::ProcessGroup& tp_aux,
              comm::ProcessGroup* pp_aux);
 
+  // Expert parallelism: the local experts' state moves through `ep` (not the strategy).
+  void set_expert_parallel(parallel::ExpertParallel* ep) { ep_ = ep; }
   // Loads every unit this rank owns into the strategy: from `reader` (its weights, and the Adam
   // moments when it has them) or, without one, the initial weights of `seed` (one random stream
   // over the whole model; on the Meta device only the buffers are made).
@@ -49,6 +52,7 @@ class ModelState {
   parallel::Strategy& strategy_;
   comm::ProcessGroup& tp_aux_;
   comm::ProcessGroup* pp_aux_;
+  parallel::ExpertParallel* ep_ = nullptr;
 };
 
 }  // namespace mt

@@ -1,5 +1,6 @@
 #include "train/parallel_dims.h"
 
+#include <array>
 #include <utility>
 #include <vector>
 
@@ -63,6 +64,31 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
                         " tokens is not divisible by parallel.tp = " + std::to_string(d.tp));
     d.sequence_parallel = true;
   }
+  if (p.ep < 1) throw ConfigError("parallel.ep must be >= 1, got " + std::to_string(p.ep));
+  d.ep = static_cast<int>(p.ep);
+  if (d.ep > 1) {
+    if (!mc.moe())
+      throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " needs a mixture-of-experts model (model.moe_experts > 0)");
+    if (mc.moe_experts % d.ep != 0)
+      throw ConfigError("model.moe_experts (" + std::to_string(mc.moe_experts) + ") must be divisible by parallel.ep (" +
+                        std::to_string(d.ep) + ")");
+    if (d.dp() % d.ep != 0)
+      throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " must divide the data-parallel degree (" +
+                        std::to_string(d.dp()) + " = dp_replicate x dp_shard): expert parallelism borrows its ranks from it");
+  }
+  if (d.ep > 1 && d.tp > 1)
+    throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " with parallel.tp = " + std::to_string(d.tp) +
+                      ": experts kept apart for expert parallelism are not split over tensor-parallel ranks yet "
+                      "(use one of the two for the experts)");
+  if (mc.moe() && d.sequence_parallel)
+    throw ConfigError("parallel.sequence_parallel with a mixture of experts (model.moe_experts) is not supported: the MoE "
+                      "layer needs every token's row on each tensor-parallel rank");
+  if (mc.moe() && d.tp > 1) {
+    const int64_t fe = mc.expert_ffn();
+    if (fe % d.tp != 0)
+      throw ConfigError("the expert width (model.moe_ffn_hidden or model.ffn_hidden, " + std::to_string(fe) +
+                        ") must be divisible by parallel.tp (" + std::to_string(d.tp) + ")");
+  }
   return d;
 }
 
@@ -88,6 +114,24 @@ ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
   // activations and gradients).
   if (d.pp > 1) g.pp_aux = w.split_like(*g.pp, "pp_aux");
   if (d.strategy != "NO_SHARD") g.grad_norm = w.split_like(*g.shard, "grad_norm");
+  if (d.ep > 1) {
+    // World rank r = ((pp * dp) + dp_rank) * tp + tp_rank (the mesh's order, tp fastest); the ep
+    // group is a block of ep consecutive dp ranks, edp the dp ranks at the same place in their block.
+    const int dp = d.dp(), tp = d.tp, ep = d.ep;
+    auto coords = [=](int r) {
+      const int t = r % tp, q = (r / tp) % dp, s = r / (tp * dp);
+      return std::array<int, 3>{s, q, t};
+    };
+    g.ep = w.split_by([=](int r) {
+      const auto c = coords(r);
+      return std::pair<int, int>{(c[0] * tp + c[2]) * (dp / ep) + c[1] / ep, c[1] % ep};
+    }, "ep");
+    g.ep_aux = w.split_like(*g.ep, "ep_aux");
+    g.edp = w.split_by([=](int r) {
+      const auto c = coords(r);
+      return std::pair<int, int>{(c[0] * tp + c[2]) * ep + c[1] % ep, c[1] / ep};
+    }, "edp");
+  }
   return g;
 }
 

@@ -15,6 +15,7 @@ struct ParallelDims {
   int world = 1;
   int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;  // dp_shard resolved (never -1)
   int pp_virtual_stages = 1;
+  int ep = 1;  // expert parallelism: blocks of ep consecutive data-parallel ranks share out the routed experts
   std::string strategy = "NO_SHARD";  // NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2
   bool sequence_parallel = false;
 
@@ -27,6 +28,7 @@ struct ParallelDims {
   bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
   bool tp_enabled() const { return tp > 1; }
   bool pp_enabled() const { return pp > 1; }
+  bool ep_enabled() const { return ep > 1; }
 };
 
 // The vocabulary padded so every tensor-parallel rank holds whole 64-row blocks (64 x tp).
@@ -44,6 +46,10 @@ struct ParallelGroups {
   std::shared_ptr<comm::ProcessGroup> pp_aux;     // same members: loss and norm sums (null when pp = 1)
   std::shared_ptr<comm::ProcessGroup> metrics;    // the whole world: losses and summaries
   std::shared_ptr<comm::ProcessGroup> grad_norm;  // the shard group's members: sharded gradient norms (null for DDP)
+  // Expert parallelism (null when ep = 1): `ep` = the dp ranks that share out the experts (token
+  // all-to-alls), `ep_aux` its members on their own communicator (expert norms, checkpoint
+  // gathers), `edp` = the dp ranks that hold the same experts (their gradients' reduction).
+  std::shared_ptr<comm::ProcessGroup> ep, ep_aux, edp;
   int pp_rank = 0;
 
   static ParallelGroups build(comm::World& w, const ParallelDims& d);

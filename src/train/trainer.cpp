@@ -17,6 +17,7 @@
 #include "comm/world.h"
 #include "kernels/backend.h"
 #include "model/transformer.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/optimizer.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
@@ -131,6 +132,8 @@ class Trainer {
   std::unique_ptr<Transformer> model_, ref_;
   std::vector<double> norm_weight_;
   std::unique_ptr<parallel::Strategy> strategy_;
+  std::unique_ptr<parallel::ProcessGroupExpertComm> ep_comm_;  // expert parallelism (null when ep = 1)
+  std::unique_ptr<parallel::ExpertParallel> ep_;
   std::unique_ptr<parallel::PipelineExecutor> pipe_;
   std::unique_ptr<ModelState> state_;
   std::unique_ptr<CheckpointSaver> saver_;  // sharded checkpoints
@@ -146,6 +149,12 @@ class Trainer {
   int64_t tps_n_ = 0, first_step_ = 0;
   int peak_slots_ = 0;
   std::array<int64_t, kNumMemCategories> resident_{};
+  // Mixture of experts over the run (steps after the first): imbalance, all-to-all bytes and ms.
+  double moe_imb_sum_ = 0, a2a_ms_sum_ = 0, moe_aux_last_ = 0;
+  int64_t a2a_bytes_sum_ = 0, moe_dropped_ = 0;
+  std::vector<double> moe_tokens_total_;  // per MoE layer x expert, the whole run
+  // This step's expert statistics over every rank (collective over the world).
+  nlohmann::json moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes);
   std::optional<double> val_start_;  // train.eval_at_start
   nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
   double full_save_ms_ = 0;          // train.checkpoint_format = full
@@ -211,8 +220,17 @@ void Trainer::build() {
   }
   std::vector<char> owned;
   if (pp > 1) owned = parallel::stage_units_of_rank(partition_, pp, groups_.pp_rank, static_cast<int>(mc_.n_layer) + 2);
-  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, parallel::model_storage(spec_, dt_, groups_.shard->size()),
-                                         tp > 1 ? tp_comm_.get() : nullptr, owned);
+  ModelStorage storage = parallel::model_storage(spec_, dt_, groups_.shard->size());
+  if (dims_.ep_enabled()) {
+    storage.ep = dims_.ep;
+    storage.ep_rank = groups_.ep->rank();
+  }
+  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, storage, tp > 1 ? tp_comm_.get() : nullptr, owned);
+  if (dims_.ep_enabled()) {
+    ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
+    model_->set_expert_comm(ep_comm_.get());
+    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, dims_.dp(), spec_.adam);
+  }
   model_->set_tp_overlap(cfg_.parallel.tp_overlap);
   model_->set_loss_chunk(tc_.loss_chunk_tokens);
   if (dims_.sequence_parallel) model_->set_sequence_parallel(true);
@@ -228,11 +246,23 @@ void Trainer::build() {
   tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_.get());
   model_->set_hooks(trace_->enabled() ? static_cast<UnitHooks*>(tracing_.get()) : strategy_->hooks());
   state_ = std::make_unique<ModelState>(*model_, *ref_, *strategy_, *groups_.tp_aux, groups_.pp_aux.get());
-  if (tc_.checkpoint_format != "sharded" && tc_.checkpoint_format != "full")
-    throw ConfigError("train.checkpoint_format must be sharded or full, got '" + tc_.checkpoint_format + "'");
-  if (tc_.checkpoint_async && tc_.checkpoint_format != "sharded")
+  state_->set_expert_parallel(ep_.get());
+  // The sharded format writes what the strategy and ModelState own; the local experts of expert
+  // parallelism live outside both and are saved unit by unit by the full format.
+  std::string ckpt_format = tc_.checkpoint_format;
+  if (ep_ && ckpt_format == "sharded") {
+    if (tc_.checkpoint_async)
+      throw ConfigError("train.checkpoint_async needs the sharded format, which expert parallelism (parallel.ep > 1) "
+                        "does not support yet: set train.checkpoint_async = false");
+    ckpt_format = "full";
+    if (log_ && !tc_.checkpoint_dir.empty())
+      std::printf("checkpoints: parallel.ep > 1 saves in the full format (the sharded one does not hold experts yet)\n");
+  }
+  if (ckpt_format != "sharded" && ckpt_format != "full")
+    throw ConfigError("train.checkpoint_format must be sharded or full, got '" + ckpt_format + "'");
+  if (tc_.checkpoint_async && ckpt_format != "sharded")
     throw ConfigError("train.checkpoint_async needs train.checkpoint_format = \"sharded\"");
-  if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_format == "sharded") {
+  if (!tc_.checkpoint_dir.empty() && ckpt_format == "sharded") {
     const nlohmann::json layout = {{"world", world_},
                                    {"strategy", strategy_->name()},
                                    {"dp_replicate", dims_.dp_replicate},
@@ -249,6 +279,59 @@ void Trainer::build() {
   }
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
+}
+
+nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
+  Transformer::MoeStats st = model_->take_moe_stats();
+  if (ep_comm_) ep_comm_->take(a2a_ms, a2a_bytes);
+  // Every MoE layer's token counts, this rank's layers filled in, summed over the world (each
+  // layer's counts come from its stage's data-parallel ranks), then aux, z and dropped.
+  const int64_t E = mc_.moe_experts;
+  std::vector<int> layers;
+  for (int64_t l = 0; l < mc_.n_layer; ++l)
+    if (mc_.is_moe_layer(l)) layers.push_back(static_cast<int>(l));
+  const size_t nl = layers.size();
+  std::vector<float> v(nl * static_cast<size_t>(E) + 4, 0.0f);
+  for (size_t i = 0; i < st.layers.size(); ++i) {
+    const size_t li = static_cast<size_t>(std::find(layers.begin(), layers.end(), st.layers[i]) - layers.begin());
+    for (int64_t e = 0; e < E; ++e) v[li * E + e] = static_cast<float>(st.tokens[i][e]);
+  }
+  v[nl * E] = static_cast<float>(st.aux_loss);
+  v[nl * E + 1] = static_cast<float>(st.z_loss);
+  v[nl * E + 2] = static_cast<float>(st.dropped);
+  v[nl * E + 3] = static_cast<float>(*a2a_bytes);
+  if (world_ > 1) groups_.metrics->all_reduce(v.data(), v.size(), DType::F32, comm::ReduceOp::Sum)->wait();
+  // Every tensor-parallel rank routes the same tokens: counted once.
+  const double dp = dims_.dp(), tpn = dims_.tp;
+  for (size_t i = 0; i < nl * E + 3; ++i) v[i] = static_cast<float>(v[i] / tpn);
+
+  nlohmann::json tokens = nlohmann::json::array(), imb = nlohmann::json::array();
+  double worst = 0;
+  if (moe_tokens_total_.size() != nl * E) moe_tokens_total_.assign(nl * E, 0.0);
+  for (size_t li = 0; li < nl; ++li) {
+    nlohmann::json t = nlohmann::json::array();
+    double mx = 0, sum = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const double c = v[li * E + e];
+      t.push_back(static_cast<int64_t>(c));
+      mx = std::max(mx, c);
+      sum += c;
+      moe_tokens_total_[li * E + e] += c;
+    }
+    const double r = sum > 0 ? mx / (sum / static_cast<double>(E)) : 0.0;
+    tokens.push_back(t);
+    imb.push_back(r);
+    worst = std::max(worst, r);
+  }
+  moe_dropped_ += static_cast<int64_t>(v[nl * E + 2]);
+  return {{"expert_tokens", tokens},
+          {"expert_imbalance", worst},
+          {"expert_imbalance_by_layer", imb},
+          {"moe_aux_loss", v[nl * E] / dp},
+          {"moe_z_loss", v[nl * E + 1] / dp},
+          {"moe_dropped_tokens", static_cast<int64_t>(v[nl * E + 2])},
+          {"ep_all_to_all_bytes", static_cast<int64_t>(v[nl * E + 3] / std::max(1, world_))},
+          {"ep_all_to_all_ms", *a2a_ms}};
 }
 
 void Trainer::next_batch(int32_t* x, int32_t* y) {
@@ -321,10 +404,14 @@ void Trainer::load_state() {
     }
     if (log_) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
   }
+  if (loaded && ep_)
+    throw ConfigError("resuming an expert-parallel job (parallel.ep > 1) from a sharded checkpoint (" + resume_dir +
+                      ") is not supported yet: its experts are saved only by train.checkpoint_format = \"full\"");
   if (!loaded) {
     auto t0 = Clock::now();
     state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
     strategy_->end_load(st_.adam_steps);
+    if (ep_) ep_->end_load(st_.adam_steps);
     if (reader && resume) load_info_ = {{"format", "full"}, {"ms", ms_since(t0)}};
   }
   // All ranks continue from the same point.
@@ -404,7 +491,10 @@ void Trainer::train_step(int64_t step) {
   }
   // The last stage's loss, summed over the pipeline.
   const double loss = dp_mean(pp_sum(ps.loss_sum) / static_cast<double>(accum_));
-  double norm_sq = pp_sum(strategy_->grad_norm_sq(norm_weight_));
+  if (ep_) ep_->reduce_grads(&cs);
+  double norm_sq = strategy_->grad_norm_sq(norm_weight_);
+  if (ep_) norm_sq += ep_->grad_norm_sq();
+  norm_sq = pp_sum(norm_sq);
   if (dims_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
     float f = static_cast<float>(norm_sq);
     groups_.tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
@@ -418,17 +508,23 @@ void Trainer::train_step(int64_t step) {
   if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   trace_->begin("optimizer + parameter sync", "optimizer");
+  if (ep_) ep_->optimizer_step(lr, scale);  // first: a strategy's step may zero every gradient the model holds
   strategy_->optimizer_step(lr, scale, &cs);
   pipe_->tied_weights_sync();
   trace_->end();
   trace_->end();  // step
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();
+  double a2a_ms = 0;
+  int64_t a2a_bytes = 0;
+  nlohmann::json moe = mc_.moe() ? moe_step_metrics(&a2a_ms, &a2a_bytes) : nlohmann::json();
   const double step_ms = ms_since(t0);
   double tp_comm_ms = 0, tp_exposed_ms = 0;  // tensor-parallel collectives (mostly on the critical path)
   tp_comm_->take_times(&tp_comm_ms, &tp_exposed_ms);
   cs.comm_ms += tp_comm_ms;
   cs.exposed_ms += tp_exposed_ms;
+  cs.comm_ms += a2a_ms;  // the token exchanges: synchronous, so all of it exposed
+  cs.exposed_ms += a2a_ms;
   resident_ = MemoryTracker::instance().stats().current;
 
   StepMetrics sm;
@@ -452,6 +548,13 @@ void Trainer::train_step(int64_t step) {
   sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
   if (cfg_.log.peak_flops > 0) sm.mfu = mc_.flops_per_token() * sm.tokens_per_s / (cfg_.log.peak_flops * world_);
   sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
+  sm.moe = moe;
+  if (mc_.moe() && step > first_step_) {
+    moe_imb_sum_ += moe.value("expert_imbalance", 0.0);
+    a2a_ms_sum_ += a2a_ms;
+    a2a_bytes_sum_ += a2a_bytes;
+  }
+  if (mc_.moe()) moe_aux_last_ = moe.value("moe_aux_loss", 0.0);
   if (step > first_step_) {
     tps_sum_ += sm.tokens_per_s;
     ++tps_n_;
@@ -568,6 +671,12 @@ void Trainer::report() {
       want.grads += static_cast<int64_t>(model_->tied_replica_grad().nbytes());
     }
     want.grads += pipe_->grad_bytes();
+    if (ep_) {  // the local experts' state, outside the strategy's flat buffers
+      const parallel::StateBytes e = ep_->state_bytes();
+      want.params += e.params;
+      want.grads += e.grads;
+      want.optimizer += e.optimizer;
+    }
     std::printf("  model state (params+grads+optimizer) %s measured, %s expected for %s %s with %d-way shards "
                 "(params %s, grads %s, optimizer %s)\n",
                 format_bytes(resident_[0] + resident_[1] + resident_[2]).c_str(), format_bytes(want.total()).c_str(),
@@ -577,6 +686,17 @@ void Trainer::report() {
       std::printf("  ZeRO paper's mixed-precision figure: %s (it assumes bf16 gradients; this engine keeps them fp32)\n",
                   format_bytes(parallel::zero_paper_bytes(spec_.strategy, F, groups_.shard->size())).c_str());
     if (tps_n_) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res_.tokens_per_s);
+    if (mc_.moe() && tps_n_) {
+      std::printf("mixture of experts: %lld experts, top-%lld, %lld MoE layers; expert load max/mean %.2f (mean over steps "
+                  "after the first); aux loss %.4f (last step); %lld token choices dropped",
+                  static_cast<long long>(mc_.moe_experts), static_cast<long long>(mc_.moe_top_k),
+                  static_cast<long long>(mc_.moe_layers()), moe_imb_sum_ / tps_n_, moe_aux_last_,
+                  static_cast<long long>(moe_dropped_));
+      if (ep_)
+        std::printf("; ep %d: all-to-all %s per step sent by rank %d, %.2f ms exposed", dims_.ep,
+                    format_bytes(a2a_bytes_sum_ / tps_n_).c_str(), rank_, a2a_ms_sum_ / tps_n_);
+      std::printf("\n");
+    }
     if (pp && tps_n_)
       std::printf("pipeline bubble: %.1f%% of the step idle (mean over pp ranks and steps after the first); "
                   "formula %s = %.1f%%; peak activation slots on rank 0: %d\n",
@@ -609,6 +729,24 @@ void Trainer::report() {
                         {"flat_size", model_->flat_size()},
                         {"activation_bytes_saved_by_recompute", model_->activation_bytes_saved()},
                         {"num_params", model_->num_params()}};
+  if (mc_.moe()) {
+    nlohmann::json t = nlohmann::json::array();
+    const int64_t E = mc_.moe_experts;
+    for (size_t i = 0; E > 0 && i + static_cast<size_t>(E) <= moe_tokens_total_.size(); i += static_cast<size_t>(E))
+      t.push_back(std::vector<int64_t>(moe_tokens_total_.begin() + static_cast<std::ptrdiff_t>(i),
+                                       moe_tokens_total_.begin() + static_cast<std::ptrdiff_t>(i) + E));
+    fin["expert_tokens_total"] = t;
+    fin["expert_imbalance_mean"] = tps_n_ ? moe_imb_sum_ / tps_n_ : 0.0;
+    fin["moe_dropped_tokens"] = moe_dropped_;
+    fin["moe_active_params"] = mc_.active_params();
+    fin["ep"] = dims_.ep;
+    if (ep_) {
+      fin["ep_all_to_all_bytes_per_step"] = tps_n_ ? a2a_bytes_sum_ / tps_n_ : 0;
+      fin["ep_all_to_all_ms_per_step"] = tps_n_ ? a2a_ms_sum_ / tps_n_ : 0.0;
+      const parallel::StateBytes e = ep_->state_bytes();
+      fin["expert_state_bytes"] = {{"params", e.params}, {"grads", e.grads}, {"optimizer", e.optimizer}};
+    }
+  }
   if (pp) {
     fin["pp_schedule"] = schedule_->name;
     fin["pp_microbatches"] = accum_;

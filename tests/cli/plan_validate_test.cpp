@@ -163,6 +163,35 @@ TEST(ValidateAgainstEngine, TensorPipelineAndSequenceParallelDryRunsEqualRealRun
   EXPECT_NE(format_validation(rep).find("stage 1: params"), std::string::npos);
 }
 
+// Expert parallelism (llama-mini with 4 experts, top-2, ep = 2 over DDP x2): the model state and the
+// dp / ep_aux / metrics bytes are exact; the routed rows (activations, workspace, the ep group's
+// all-to-all bytes) depend on the routing, which the dry run cannot see, and are shown as info.
+TEST(ValidateAgainstEngine, ExpertParallelModelStateIsExact) {
+  EngineLayout moe = layout("NO_SHARD", 2);
+  moe.model = "llama-mini";
+  moe.moe_experts = 4;
+  moe.ep = 2;
+  const ValidationReport rep = run_and_check({moe}, {"dp", "ep", "ep_aux"});
+  ASSERT_EQ(rep.results.size(), 1u);
+  int exact = 0, info = 0;
+  for (const MemRow& m : rep.results[0].mem) {
+    if (m.category == "params" || m.category == "grads" || m.category == "optimizer") {
+      EXPECT_EQ(m.check, MemCheck::Exact) << m.category;
+      ++exact;
+    }
+    if (m.category == "activations") {
+      EXPECT_EQ(m.check, MemCheck::Info);
+    }
+    info += m.check == MemCheck::Info;
+  }
+  EXPECT_EQ(exact, 3);
+  EXPECT_GE(info, 2);
+  bool ep_info = false;
+  for (const CommRow& c : rep.results[0].comm) ep_info |= c.group == "ep" && c.info;
+  EXPECT_TRUE(ep_info);
+  EXPECT_NE(rep.results[0].layout.label().find("ep2"), std::string::npos);
+}
+
 // The planner against dry runs of a layout no machine here can run (Llama 3 70B, ZeRO-3 x tp 8 x pp 4
 // on 512 ranks): both stages dry-run, every planner category next to the engine's, bytes on dp, tp
 // and pp from the engine.

@@ -89,3 +89,37 @@ TEST(ThreadGroup, Bf16SumsAccumulateInFp32AndRoundOnce) {
 
 }  // namespace
 }  // namespace mt::comm
+
+namespace mt::comm {
+namespace {
+
+// Variable-size all-to-all: rank r sends (q + 1) x (r + 1) elements to rank q, none to itself on
+// odd ranks; every element names its sender, receiver and index.
+TEST(ThreadGroup, AllToAllVDeliversEveryRanksPart) {
+  for (int n : {1, 2, 3, 4}) {
+    auto g = make_thread_group("a2a" + std::to_string(n), n);
+    on_ranks(n, [&](int r) {
+      auto cnt = [](int from, int to) { return from % 2 == 1 && from == to ? size_t{0} : size_t(to + 1) * size_t(from + 1); };
+      std::vector<size_t> sc(static_cast<size_t>(n)), rc(static_cast<size_t>(n));
+      std::vector<float> send, want;
+      for (int q = 0; q < n; ++q) {
+        sc[q] = cnt(r, q);
+        rc[q] = cnt(q, r);
+        for (size_t i = 0; i < sc[q]; ++i) send.push_back(static_cast<float>(r * 10000 + q * 100) + static_cast<float>(i));
+        for (size_t i = 0; i < rc[q]; ++i) want.push_back(static_cast<float>(q * 10000 + r * 100) + static_cast<float>(i));
+      }
+      std::vector<float> recv(want.size(), -1.0f);
+      g[r]->all_to_all_v(send.data(), sc.data(), recv.data(), rc.data(), DType::F32)->wait();
+      EXPECT_EQ(recv, want) << "n " << n << " rank " << r;
+      uint64_t sent = 0;
+      for (int q = 0; q < n; ++q)
+        if (q != r) sent += sc[q] * 4;
+      const CommStats s = g[r]->stats();
+      EXPECT_EQ(s[OpKind::AllToAllV].calls, 1u);
+      EXPECT_EQ(s[OpKind::AllToAllV].bytes, n > 1 ? sent : 0u);
+    });
+  }
+}
+
+}  // namespace
+}  // namespace mt::comm

@@ -319,7 +319,7 @@ TEST_F(TrainerTest, HfConfigSetsTheModelAndKeysOverride) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("model.hf_config"), std::string::npos) << e.what();
   }
-  std::ofstream(cfg) << R"({"model_type":"mixtral","hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,
+  std::ofstream(cfg) << R"({"model_type":"llama","hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,
                              "num_attention_heads":2,"vocab_size":256,"num_local_experts":4})";
   try {
     config({{"model.hf_config", cfg}}).model_config();

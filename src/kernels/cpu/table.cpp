@@ -8,6 +8,7 @@
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/loss.h"
+#include "kernels/cpu/moe.h"
 #include "kernels/cpu/norm.h"
 
 MT_CPU_VARIANT_BEGIN
@@ -52,6 +53,12 @@ const KernelTable& isa_table() {
       .vp_ce_rowmax = vp_ce_rowmax,
       .vp_ce_stats = vp_ce_stats,
       .vp_ce_finish = vp_ce_finish,
+      .moe_router_forward = moe_router_forward,
+      .moe_router_backward = moe_router_backward,
+      .moe_balance_probs = moe_balance_probs,
+      .moe_gather_rows = moe_gather_rows,
+      .moe_combine = moe_combine,
+      .moe_combine_backward = moe_combine_backward,
       .adamw_update = adamw_update,
   };
   return t;

@@ -58,6 +58,12 @@ const KernelTable& meta_table() {
     k.vp_ce_rowmax = as_nop(k.vp_ce_rowmax);
     k.vp_ce_stats = as_nop(k.vp_ce_stats);
     k.vp_ce_finish = as_nop(k.vp_ce_finish);
+    k.moe_router_forward = as_nop(k.moe_router_forward);
+    k.moe_router_backward = as_nop(k.moe_router_backward);
+    k.moe_balance_probs = as_nop(k.moe_balance_probs);
+    k.moe_gather_rows = as_nop(k.moe_gather_rows);
+    k.moe_combine = as_nop(k.moe_combine);
+    k.moe_combine_backward = as_nop(k.moe_combine_backward);
     k.adamw_update = as_nop(k.adamw_update);
     return k;
   }();

@@ -1,0 +1,215 @@
+// Mixture of experts with expert parallelism against single-process training on the same global
+// batch, as real processes under mpirun: ep = 2 and 4, ep 2 x FULL_SHARD, ep 2 x pp 2. The
+// reference runs each rank's micro-batch as one micro-batch of its own (grad_accum), so the
+// per-micro-batch load-balancing loss is the same quantity in both runs; losses, aux losses,
+// expert loads and final weights must agree at fp32 tolerance. Also: exact model-state bytes with
+// experts split, and the refused layouts.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+
+namespace mt {
+namespace {
+
+constexpr double kLossTol = 2e-5, kWeightTol = 5e-5;
+const std::string kMoe =
+    " --model.preset llama-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+    " --model.moe_aux_loss_coef 0.02 --model.moe_z_loss_coef 0.001";
+
+class MoeParity : public ParityFixture {
+ protected:
+  // Per step: the aux loss and the tokens per expert of every MoE layer.
+  struct Moe {
+    std::vector<double> aux;
+    std::vector<nlohmann::json> tokens;
+  };
+  Moe moe(const std::string& tag) {
+    Moe m;
+    std::ifstream f(dir_ / ("m_" + tag + ".jsonl"));
+    std::string line;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("final")) continue;
+      m.aux.push_back(j.at("moe_aux_loss").get<double>());
+      m.tokens.push_back(j.at("expert_tokens"));
+    }
+    return m;
+  }
+};
+
+TEST_F(MoeParity, ExpertParallelTwoRanksMatchesOneRank) {
+  auto ref = train(1, 2, 2, "ref", kMoe);
+  auto ep = train(2, 2, 1, "ep2", kMoe + " --parallel.ep 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=2");
+  const Moe a = moe("ref"), b = moe("ep2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert, step " << i + 1;
+  }
+  // Dropless: 2 MoE layers x 2 choices x 4 sequences of 32 tokens per step x 8 steps, all served.
+  EXPECT_EQ(ep.final.at("moe_dropped_tokens").get<int64_t>(), 0);
+  int64_t total = 0;
+  for (const auto& layer : ep.final.at("expert_tokens_total"))
+    for (const auto& c : layer) total += c.get<int64_t>();
+  EXPECT_EQ(total, 2 * 2 * 4 * 32 * 8);
+  // The tokens travelled: the ep group's counters hold the all-to-all's bytes.
+  EXPECT_GT(ep.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
+  EXPECT_GT(ep.final.at("ep_all_to_all_bytes_per_step").get<int64_t>(), 0);
+  // Model state per rank, exactly: the strategy's flat buffers (DDP, fp32: 16 bytes per element)
+  // plus the local experts' weights, gradients and two moments.
+  const int64_t flat = ep.final.at("flat_size").get<int64_t>();
+  const auto& es = ep.final.at("expert_state_bytes");
+  for (const auto& r : ep.final.at("mem_resident_by_category_per_rank")) {
+    EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
+    EXPECT_EQ(r.at("grads").get<int64_t>(), 4 * flat + es.at("grads").get<int64_t>());
+    EXPECT_EQ(r.at("optimizer").get<int64_t>(), 8 * flat + es.at("optimizer").get<int64_t>());
+  }
+  // Each rank holds half of the routed experts: 2 of 4 per MoE layer, 3 C x F weights each.
+  EXPECT_EQ(es.at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64);
+  // The Meta dry run of each rank builds the same layout: its model state is the real run's, to
+  // the byte (activations and all-to-all bytes depend on the routing, which a dry run cannot see:
+  // it assumes an even spread).
+  for (int r = 0; r < 2; ++r) {
+    const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
+    RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world 2 --rank " + std::to_string(r) +
+                   kMoe + " --parallel.ep 2 --train.micro_batch 2 --log.metrics_out " + m);
+    ASSERT_EQ(d.code, 0) << d.output;
+    const auto dj = final_metrics(m).at("mem_resident_by_category");
+    const auto& rj = ep.final.at("mem_resident_by_category_per_rank")[r];
+    for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+  }
+}
+
+TEST_F(MoeParity, ExpertParallelFourRanksMatchesOneRank) {
+  auto ref = train(1, 2, 4, "ref", kMoe);
+  auto ep = train(4, 2, 1, "ep4", kMoe + " --parallel.ep 4");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=4");
+  const Moe a = moe("ref"), b = moe("ep4");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+}
+
+// ep 2 inside 4 data-parallel ranks: the expert gradients are also reduced over the 2 ranks that
+// hold the same experts; the dense part is FULL_SHARD over all 4.
+TEST_F(MoeParity, ExpertParallelWithFullShardMatchesOneRank) {
+  auto ref = train(1, 2, 4, "ref", kMoe);
+  auto ep = train(4, 2, 1, "ep2fs", kMoe + " --parallel.ep 2 --parallel.strategy FULL_SHARD");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=2 x FULL_SHARD 4");
+  const Moe a = moe("ref"), b = moe("ep2fs");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+  EXPECT_GT(ep.final.at("comm_bytes_by_group").value("edp", int64_t{0}), 0);
+  // The same over a hybrid mesh (2 replicas x 2 shards) and ZeRO-1 with every rank's own experts.
+  auto hy = train(4, 2, 1, "ep2hy", kMoe + " --parallel.ep 2 --parallel.strategy HYBRID_SHARD --parallel.dp_replicate 2");
+  expect_close(ref, hy, kLossTol, kWeightTol, "ep=2 x HYBRID_SHARD 2x2");
+  auto z1 = train(4, 2, 1, "ep4z1", kMoe + " --parallel.ep 4 --parallel.strategy ZERO1");
+  expect_close(ref, z1, kLossTol, kWeightTol, "ep=4 x ZERO1 4");
+}
+
+TEST_F(MoeParity, ExpertParallelWithPipelineMatchesOneRank) {
+  auto ref = train(1, 2, 4, "ref", kMoe);
+  auto ep = train(4, 2, 2, "ep2pp2", kMoe + " --parallel.ep 2 --parallel.pp 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "ep=2 x pp=2");
+  const Moe a = moe("ref"), b = moe("ep2pp2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+}
+
+// Tensor parallelism splits every expert's hidden width (ep = 1): Llama experts with a shared
+// expert on tp 2, and GPT-2 experts (biases added once over the tp ranks) on tp 2 x FULL_SHARD 2.
+TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
+  auto ref = train(1, 2, 1, "ref", kMoe);
+  auto tp = train(2, 2, 1, "tp2", kMoe + " --parallel.tp 2");
+  ASSERT_FALSE(tp.losses.empty());
+  expect_close(ref, tp, kLossTol, kWeightTol, "llama MoE, tp=2");
+  const Moe a = moe("ref"), b = moe("tp2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert (counted once over tp), step " << i + 1;
+  }
+  const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1";
+  auto gref = train(1, 2, 2, "gref", gpt);
+  auto gtp = train(4, 2, 1, "gtp", gpt + " --parallel.tp 2 --parallel.strategy FULL_SHARD");
+  ASSERT_FALSE(gtp.losses.empty());
+  expect_close(gref, gtp, kLossTol, kWeightTol, "gpt2 MoE, tp=2 x FULL_SHARD 2");
+}
+
+// bf16 (rows travel in bf16, outputs and gradients in fp32); a capacity factor that drops tokens,
+// with full recompute (a recomputed layer repeats its exchanges) and ZeRO-2 for the dense part.
+TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
+  auto ref = train(1, 2, 2, "refb", kMoe + " --train.dtype bf16");
+  auto ep = train(2, 2, 1, "epb", kMoe + " --train.dtype bf16 --parallel.ep 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, 2e-4, 2e-3, "ep=2 bf16");
+  const std::string cap = kMoe + " --model.moe_capacity_factor 1.0 --train.activation_checkpointing full";
+  auto refc = train(1, 2, 2, "refc", cap);
+  auto epc = train(2, 2, 1, "epc", cap + " --parallel.ep 2 --parallel.strategy SHARD_GRAD_OP");
+  ASSERT_FALSE(epc.losses.empty());
+  expect_close(refc, epc, kLossTol, kWeightTol, "ep=2 x ZeRO-2, capacity 1.0, full recompute");
+  const int64_t dropped = refc.final.at("moe_dropped_tokens").get<int64_t>();
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(epc.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+}
+
+// Checkpoints hold every expert whatever the layout: 4 steps with ep = 2, then the run resumed with
+// ep = 1 (DDP, every rank all experts) ends where 8 uninterrupted ep = 2 steps end; and back.
+TEST_F(MoeParity, CheckpointFromExpertParallelResumesWithoutIt) {
+  auto first = train(2, 2, 1, "first", kMoe + " --parallel.ep 2 --train.steps 4 --train.lr_schedule constant");
+  (void)first;
+  const std::string ck = (dir_ / "ck_first").string();
+  auto rest = train(2, 2, 1, "rest", kMoe + " --train.resume " + ck + " --train.lr_schedule constant");
+  auto whole = train(2, 2, 1, "whole", kMoe + " --parallel.ep 2 --train.lr_schedule constant");
+  ASSERT_EQ(rest.losses.size(), 4u);
+  ASSERT_EQ(whole.losses.size(), 8u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  ASSERT_EQ(rest.weights.size(), whole.weights.size());
+  double maxd = 0;
+  for (size_t i = 0; i < rest.weights.size(); ++i)
+    maxd = std::max(maxd, static_cast<double>(std::abs(rest.weights[i] - whole.weights[i])));
+  EXPECT_LT(maxd, kWeightTol);
+  // And the other way: ep = 1's checkpoint resumed with ep = 2 (each rank takes its experts'
+  // weights and Adam moments out of it). Expert parallelism reads the full format only (the
+  // sharded one is refused, with the reason, under ep > 1; an ep > 1 job saves the full format).
+  train(2, 2, 1, "first1", kMoe + " --train.steps 4 --train.lr_schedule constant --train.checkpoint_format full");
+  auto rest2 = train(2, 2, 1, "rest2", kMoe + " --parallel.ep 2 --train.resume " + (dir_ / "ck_first1").string() +
+                                           " --train.lr_schedule constant");
+  ASSERT_EQ(rest2.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest2.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  maxd = 0;
+  for (size_t i = 0; i < rest2.weights.size(); ++i)
+    maxd = std::max(maxd, static_cast<double>(std::abs(rest2.weights[i] - whole.weights[i])));
+  EXPECT_LT(maxd, kWeightTol);
+}
+
+TEST_F(MoeParity, RefusedLayoutsSayWhy) {
+  const std::string base = std::string(MT_BINARY) + " train --data.train " + (dir_ / "train.bin").string() +
+                           " --data.val= --train.steps 1 --train.threads 1";
+  RunOut r = run(mpirun(2) + base + kMoe + " --parallel.ep 4");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("parallel.ep = 4 must divide the data-parallel degree"), std::string::npos) << r.output;
+  r = run("MESHTRAIN_MPI=0 " + base + " --parallel.ep 2 --model.preset llama-tiny");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("needs a mixture-of-experts model"), std::string::npos) << r.output;
+  r = run(mpirun(2) + base + " --model.preset llama-tiny --model.moe_experts 3 --parallel.ep 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("must be divisible by parallel.ep"), std::string::npos) << r.output;
+  r = run(mpirun(4) + base + kMoe + " --parallel.tp 2 --parallel.ep 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("not split over tensor-parallel ranks"), std::string::npos) << r.output;
+  r = run(mpirun(2) + base + kMoe + " --parallel.tp 2 --parallel.sequence_parallel true");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("sequence_parallel with a mixture of experts"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace mt
