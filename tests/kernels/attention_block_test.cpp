@@ -37,8 +37,9 @@ std::vector<float> take_rows(const std::vector<float>& full, int64_t B, int64_t 
   return out;
 }
 
-void check_cp(int cp, int64_t nh, int64_t nkv) {
-  const int64_t B = 2, T = 8 * cp, hd = 8, ld = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd, Tl = T / cp;
+// c: tokens per chunk (above 64 the kernels cut a chunk into several query tiles).
+void check_cp(int cp, int64_t nh, int64_t nkv, int64_t c = 4) {
+  const int64_t B = 2, T = 2 * c * cp, hd = 8, ld = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd, Tl = T / cp;
   const auto qkv = randv(static_cast<size_t>(B * T * ld), 1);
   const auto dout = randv(static_cast<size_t>(B * T * nh * hd), 2);
   std::vector<float> out(static_cast<size_t>(B * T * nh * hd)), lse(static_cast<size_t>(B * nh * T));
@@ -96,6 +97,7 @@ TEST(AttentionBlock, RingOfBlocksEqualsCausalAttention) {
   check_cp(4, 2, 2);
   check_cp(3, 4, 2);  // grouped-query attention
   check_cp(4, 4, 1);
+  check_cp(2, 4, 2, 100);  // two query tiles per chunk (64 + 36 rows)
 }
 
 TEST(AttentionBlock, PositionIndexedRopeAndPositionsMatchThePlainKernels) {

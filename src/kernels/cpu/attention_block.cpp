@@ -1,13 +1,16 @@
-// Context parallelism's attention block kernels (see attention_block.h). Row by row: the scores of
-// one query row against the keys of the block live in a per-thread buffer of at most T floats.
+// Context parallelism's attention block kernels (see attention_block.h), flash-style as
+// attention.cpp: per (sequence, head) task, tiles of query rows; a tile's scores are small GEMMs
+// into a per-thread buffer (at most 64 x T floats), never a T x T matrix.
 #include "kernels/cpu/attention_block.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -31,20 +34,26 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// Calls f(key row index within the sequence) for every key that query t (of chunk length c) sees.
-template <class F>
-inline void for_each_key(int64_t t, int64_t c, int64_t chunks, const int8_t* modes, F f) {
-  const int64_t a = t / c, ti = t % c;
-  for (int64_t bk = 0; bk < chunks; ++bk) {
-    const int8_t m = modes[a * chunks + bk];
-    if (m == 0) continue;
-    const int64_t kend = m == 1 ? c : ti + 1;
-    for (int64_t j = 0; j < kend; ++j) f(bk * c + j);
-  }
-}
-
 }  // namespace
 
+namespace {
+constexpr int64_t kBlockQ = 64;  // query rows per tile
+
+// Key chunk bk's visible columns for the query tile starting at row t0 (within its chunk) of bq
+// rows: all c for a full pair, t0 + bq for the causal diagonal (rows mask their later keys).
+inline int64_t visible(int8_t mode, int64_t c, int64_t t0, int64_t bq) { return mode == 1 ? c : t0 + bq; }
+
+// Causal diagonal: row r (query t0 + r of the chunk) sees keys j <= t0 + r of the L columns at S.
+inline void mask_causal(float* S, int64_t lds, int64_t bq, int64_t L, int64_t t0) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < bq; ++r)
+    for (int64_t j = t0 + r + 1; j < L; ++j) S[r * lds + j] = ninf;
+}
+}  // namespace
+
+// Tiles of up to 64 query rows of one head and query chunk: the scores against every visible key
+// chunk side by side in one per-thread tile (two GEMMs), the softmax of the block per row, the
+// block's output (two GEMMs), merged into out / lse.
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
                              int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first) {
   check(T, nh, nkv, chunks, "attention_block_forward");
@@ -52,63 +61,97 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
   const int64_t c = T / chunks, ldq = (nh + 2 * nkv) * hd, ldkv = 2 * nkv * hd, ldo = nh * hd, g = nh / nkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t BQ = std::min(kBlockQ, c);
 #pragma omp parallel
   {
     thread_local detail::Scratch buf;
-    float* sc = buf.as<float>(static_cast<size_t>(T + hd));
-    float* o = sc + T;
-#pragma omp for collapse(3) schedule(static)
+    float* S = buf.as<float>(static_cast<size_t>(BQ * T + BQ * hd + 2 * BQ));
+    float* O = S + BQ * T;
+    float* rmax = O + BQ * hd;
+    float* rsum = rmax + BQ;
+#pragma omp for collapse(3) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < nh; ++h)
-        for (int64_t t = 0; t < T; ++t) {
-          const float* q = qkv + (b * T + t) * ldq + h * hd;
-          const float* kbase = kv + b * T * ldkv + (h / g) * hd;
-          const float* vbase = kbase + nkv * hd;
-          float* orow = out + (b * T + t) * ldo + h * hd;
-          float& l = lse[(b * nh + h) * T + t];
-          int64_t n = 0;
-          float mx = ninf;
-          for_each_key(t, c, chunks, modes, [&](int64_t j) {
-            const float s = dot(q, kbase + j * ldkv, hd) * scale;
-            sc[n++] = s;
-            mx = s > mx ? s : mx;
-          });
-          if (n == 0) {
-            if (first) {
-              for (int64_t i = 0; i < hd; ++i) orow[i] = 0.0f;
-              l = ninf;
+        for (int64_t a = 0; a < chunks; ++a) {
+          const float* kb = kv + b * T * ldkv + (h / g) * hd;
+          const float* vb = kb + nkv * hd;
+          for (int64_t t0 = 0; t0 < c; t0 += BQ) {
+            const int64_t bq = std::min(BQ, c - t0), row0 = b * T + a * c + t0;
+            const float* q = qkv + row0 * ldq + h * hd;
+            float* o = out + row0 * ldo + h * hd;
+            float* l = lse + (b * nh + h) * T + a * c + t0;
+            int64_t Lt = 0;  // visible columns of the tile
+            for (int64_t bk = 0; bk < chunks; ++bk)
+              if (modes[a * chunks + bk]) Lt += visible(modes[a * chunks + bk], c, t0, bq);
+            if (Lt == 0) {  // entirely masked: nothing seen yet from this block
+              if (first)
+                for (int64_t r = 0; r < bq; ++r) {
+                  for (int64_t i = 0; i < hd; ++i) o[r * ldo + i] = 0.0f;
+                  l[r] = ninf;
+                }
+              continue;
             }
-            continue;
-          }
+            int64_t off = 0;
+            for (int64_t bk = 0; bk < chunks; ++bk) {
+              const int8_t m = modes[a * chunks + bk];
+              if (!m) continue;
+              const int64_t L = visible(m, c, t0, bq);
+              detail::sgemm_strided(false, true, bq, L, hd, scale, q, ldq, kb + bk * c * ldkv, ldkv, 0.0f, S + off, Lt);
+              if (m == 2) mask_causal(S + off, Lt, bq, L, t0);
+              off += L;
+            }
+            for (int64_t r = 0; r < bq; ++r) {
+              float* row = S + r * Lt;
+              float mx = row[0];
+#pragma omp simd reduction(max : mx)
+              for (int64_t j = 0; j < Lt; ++j) mx = std::max(mx, row[j]);
+              float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+              for (int64_t j = 0; j < Lt; ++j) {
+                const float e = detail::exp_f(row[j] - mx);
+                row[j] = e;
+                sum += e;
+              }
+              rmax[r] = mx;
+              rsum[r] = sum;
+            }
+            off = 0;
+            bool beta0 = true;
+            for (int64_t bk = 0; bk < chunks; ++bk) {
+              const int8_t m = modes[a * chunks + bk];
+              if (!m) continue;
+              const int64_t L = visible(m, c, t0, bq);
+              detail::sgemm_strided(false, false, bq, hd, L, 1.0f, S + off, Lt, vb + bk * c * ldkv, ldkv,
+                                    beta0 ? 0.0f : 1.0f, O, hd);
+              beta0 = false;
+              off += L;
+            }
+            for (int64_t r = 0; r < bq; ++r) {
+              const float lb = rmax[r] + std::log(rsum[r]);
+              float* orow = o + r * ldo;
+              const float* ob = O + r * hd;
+              if (first || l[r] == ninf) {
+                const float inv = 1.0f / rsum[r];
 #pragma omp simd
-          for (int64_t i = 0; i < n; ++i) sc[i] = detail::exp_f(sc[i] - mx);
-          float sum = 0.0f;
-          for (int64_t i = 0; i < n; ++i) sum += sc[i];
-          for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
-          n = 0;
-          for_each_key(t, c, chunks, modes, [&](int64_t j) {
-            const float p = sc[n++];
-            const float* v = vbase + j * ldkv;
+                for (int64_t i = 0; i < hd; ++i) orow[i] = ob[i] * inv;
+                l[r] = lb;
+              } else {
+                const float m2 = std::max(l[r], lb);
+                const float ln = m2 + std::log(std::exp(l[r] - m2) + std::exp(lb - m2));
+                const float wa = std::exp(l[r] - ln), wb = std::exp(lb - ln) / rsum[r];
 #pragma omp simd
-            for (int64_t i = 0; i < hd; ++i) o[i] += p * v[i];
-          });
-          const float lb = mx + std::log(sum);
-          if (first || l == ninf) {
-            const float inv = 1.0f / sum;
-            for (int64_t i = 0; i < hd; ++i) orow[i] = o[i] * inv;
-            l = lb;
-          } else {
-            const float m2 = l > lb ? l : lb;
-            const float ln = m2 + std::log(std::exp(l - m2) + std::exp(lb - m2));
-            const float wa = std::exp(l - ln), wb = std::exp(lb - ln) / sum;
-#pragma omp simd
-            for (int64_t i = 0; i < hd; ++i) orow[i] = orow[i] * wa + o[i] * wb;
-            l = ln;
+                for (int64_t i = 0; i < hd; ++i) orow[i] = orow[i] * wa + ob[i] * wb;
+                l[r] = ln;
+              }
+            }
           }
         }
   }
 }
 
+// One task per (sequence, kv head): it owns that head's key / value gradient rows and the query
+// gradient rows of its query heads, so every sum runs in a fixed order. Per query tile and visible
+// key chunk: P = exp(S - lse), dP = dO V^T, dS = P (dP - D) and three GEMMs into dq, dk, dv.
 void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                               const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                               int64_t hd, int64_t chunks, const int8_t* modes) {
@@ -117,39 +160,60 @@ void attention_block_backward(float* dqkv, float* dkv, const float* dout, const 
   const int64_t c = T / chunks, ldq = (nh + 2 * nkv) * hd, ldkv = 2 * nkv * hd, ldo = nh * hd, g = nh / nkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float ninf = -std::numeric_limits<float>::infinity();
-  // One task per (sequence, kv head): it owns that head's key / value gradient rows and the query
-  // gradient rows of its query heads, so the sums run in a fixed order.
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-      const float* kbase = kv + b * T * ldkv + kvh * hd;
-      const float* vbase = kbase + nkv * hd;
-      float* dkbase = dkv + b * T * ldkv + kvh * hd;
-      float* dvbase = dkbase + nkv * hd;
-      for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
-        for (int64_t t = 0; t < T; ++t) {
-          const float L = lse[(b * nh + h) * T + t];
-          if (L == ninf) continue;
-          const float* q = qkv + (b * T + t) * ldq + h * hd;
-          float* dq = dqkv + (b * T + t) * ldq + h * hd;
-          const float* dor = dout + (b * T + t) * ldo + h * hd;
-          const float D = dot(dor, out + (b * T + t) * ldo + h * hd, hd);
-          for_each_key(t, c, chunks, modes, [&](int64_t j) {
-            const float* k = kbase + j * ldkv;
-            const float* v = vbase + j * ldkv;
-            const float p = std::exp(dot(q, k, hd) * scale - L);
-            const float ds = p * (dot(dor, v, hd) - D) * scale;
-            float* dk = dkbase + j * ldkv;
-            float* dv = dvbase + j * ldkv;
+  const int64_t BQ = std::min(kBlockQ, c);
+#pragma omp parallel
+  {
+    thread_local detail::Scratch buf;
+    float* P = buf.as<float>(static_cast<size_t>(2 * BQ * c + BQ));
+    float* dP = P + BQ * c;
+    float* D = dP + BQ * c;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+        const float* kb = kv + b * T * ldkv + kvh * hd;
+        const float* vb = kb + nkv * hd;
+        float* dkb = dkv + b * T * ldkv + kvh * hd;
+        float* dvb = dkb + nkv * hd;
+        for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
+          for (int64_t a = 0; a < chunks; ++a)
+            for (int64_t t0 = 0; t0 < c; t0 += BQ) {
+              const int64_t bq = std::min(BQ, c - t0), row0 = b * T + a * c + t0;
+              const float* q = qkv + row0 * ldq + h * hd;
+              float* dq = dqkv + row0 * ldq + h * hd;
+              const float* dO = dout + row0 * ldo + h * hd;
+              const float* o = out + row0 * ldo + h * hd;
+              const float* l = lse + (b * nh + h) * T + a * c + t0;
+              bool any = false;
+              for (int64_t bk = 0; bk < chunks; ++bk) any |= modes[a * chunks + bk] != 0;
+              if (!any) continue;
+              for (int64_t r = 0; r < bq; ++r) D[r] = l[r] == ninf ? 0.0f : dot(dO + r * ldo, o + r * ldo, hd);
+              for (int64_t bk = 0; bk < chunks; ++bk) {
+                const int8_t m = modes[a * chunks + bk];
+                if (!m) continue;
+                const int64_t L = visible(m, c, t0, bq);
+                const float* k = kb + bk * c * ldkv;
+                const float* v = vb + bk * c * ldkv;
+                detail::sgemm_strided(false, true, bq, L, hd, scale, q, ldq, k, ldkv, 0.0f, P, L);
+                if (m == 2) mask_causal(P, L, bq, L, t0);
+                detail::sgemm_strided(false, true, bq, L, hd, 1.0f, dO, ldo, v, ldkv, 0.0f, dP, L);
+                for (int64_t r = 0; r < bq; ++r) {
+                  float* pr = P + r * L;
+                  float* dpr = dP + r * L;
+                  const float lr = l[r], dr = D[r];
 #pragma omp simd
-            for (int64_t i = 0; i < hd; ++i) {
-              dq[i] += ds * k[i];
-              dk[i] += ds * q[i];
-              dv[i] += p * dor[i];
+                  for (int64_t j = 0; j < L; ++j) {
+                    const float p = detail::exp_f(pr[j] - lr);
+                    pr[j] = p;
+                    dpr[j] = p * (dpr[j] - dr);
+                  }
+                }
+                detail::sgemm_strided(false, false, bq, hd, L, scale, dP, L, k, ldkv, 1.0f, dq, ldq);
+                detail::sgemm_strided(true, false, L, hd, bq, scale, dP, L, q, ldq, 1.0f, dkb + bk * c * ldkv, ldkv);
+                detail::sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO, ldo, 1.0f, dvb + bk * c * ldkv, ldkv);
+              }
             }
-          });
-        }
-    }
+      }
+  }
 }
 
 namespace {
