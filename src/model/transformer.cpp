@@ -511,10 +511,11 @@ void Transformer::cp_attention_forward(BlockActivations& a) {
 }
 
 // Ring attention (backward): the key / value blocks go around the ring again, each with the
-// gradient of its keys and values accumulated by the ranks it has visited; after the last step
-// every block's gradient travels one more hop, home to its owner. Each step's contribution is
-// computed into a fresh buffer while the block's accumulated gradient is still on its way, then
-// added to it.
+// gradient of its keys and values accumulated by the ranks it has visited. The owner's own
+// contribution (step 0) stays home; the accumulation starts at the next rank (step 1) and after
+// the last step travels one more hop, home: cp - 1 transfers of each block's gradient, as a
+// reduce-scatter would move. Each step's contribution is computed into a fresh buffer while the
+// block's accumulated gradient is still on its way, then added to it.
 void Transformer::cp_attention_backward(BlockActivations& a, const float* datty, float* dqkv) {
   const int64_t B = B_, T = T_, N = B * T, hd = cfg_.head_dim(), nh = nh_l_, nkv = nkv_l_;
   const int64_t QKV = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd;
@@ -552,18 +553,22 @@ void Transformer::cp_attention_backward(BlockActivations& a, const float* datty,
     hkv = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKvBackward) : -1;
     const int src = (r - s + n) % n;
     cp_block_modes(r, src, modes);
-    float* into = s == 0 ? dacc : dloc;
+    float* into = s == 1 ? dacc : dloc;
     dev::zero(dev_, into, block_bytes);
     kt_->attention_block_backward(dqkv, into, datty, a.qkv.f32(), cur, a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd, 2,
                                   modes);
-    if (s > 0) {
+    if (s == 0) {  // this rank's own block: its own queries' part stays here
+      kt_->add_columns(dqkv, dloc, N, QKV, nh * hd, KVW);
+      continue;
+    }
+    if (s > 1) {
       cp_->wait(hd_in);  // the block's gradient so far (and the previous send) are through
       kt_->accumulate(dinc, dloc, N * KVW);
       std::swap(dacc, dinc);
     }
     hd_in = cp_->start_ring_exchange(dacc, dinc, N * KVW, kTagDkv);
   }
-  cp_->wait(hd_in);  // dinc: this rank's own block's gradient, from every rank
+  cp_->wait(hd_in);  // dinc: this rank's own block's gradient from every other rank
   kt_->add_columns(dqkv, dinc, N, QKV, nh * hd, KVW);
 }
 

@@ -76,17 +76,21 @@ TEST_F(ContextParallel, Bf16) {
 }
 
 // The ring's bytes: per layer and micro-batch, forward sends the rank's key / value block cp - 1
-// times, backward sends it cp - 1 times again and its gradient cp times (the last hop home); each
-// send is received by the next rank, and the cp group counts both sides.
+// times, backward sends it cp - 1 times again and its gradient cp - 1 times (accumulated from the
+// next rank on, the last hop home); each send is received by the next rank, and the cp group counts
+// both sides. With full recompute every layer's forward ring runs again in backward.
 TEST_F(ContextParallel, RingBytesEqualTheFormula) {
-  for (int cp : {2, 4}) {
-    auto r = train(cp, 8, 1, "bytes" + std::to_string(cp), kLlama + "--parallel.cp " + std::to_string(cp));
-    ASSERT_FALSE(r.final.is_null());
-    const int64_t L = 2, B = 8, T = 32 / cp, nkv = 2, hd = 8, steps = 8;  // llama-tiny: 32 wide, 4 heads of 8
-    const int64_t block = B * T * 2 * nkv * hd * 4;
-    const int64_t sends = L * ((cp - 1) + (cp - 1) + cp) * steps;
-    EXPECT_EQ(r.final["comm_bytes_by_group"]["cp"].get<int64_t>(), 2 * sends * block) << "cp " << cp;
-  }
+  for (int cp : {2, 4})
+    for (bool recompute : {false, true}) {
+      auto r = train(cp, 8, 1, "bytes" + std::to_string(cp) + (recompute ? "rc" : ""),
+                     kLlama + "--parallel.cp " + std::to_string(cp) +
+                         (recompute ? " --train.activation_checkpointing full" : ""));
+      ASSERT_FALSE(r.final.is_null());
+      const int64_t L = 2, B = 8, T = 32 / cp, nkv = 2, hd = 8, steps = 8;  // llama-tiny: 32 wide, 4 heads of 8
+      const int64_t block = B * T * 2 * nkv * hd * 4;
+      const int64_t sends = L * (3 + (recompute ? 1 : 0)) * (cp - 1) * steps;
+      EXPECT_EQ(r.final["comm_bytes_by_group"]["cp"].get<int64_t>(), 2 * sends * block) << "cp " << cp;
+    }
 }
 
 TEST_F(ContextParallel, RefusesWhatItCannotSplit) {
