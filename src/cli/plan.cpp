@@ -73,6 +73,7 @@ std::string plan_help() {
          "Search constraints:\n"
          "  --strategy S            DDP|ZeRO-1|ZeRO-2|ZeRO-3|HSDP (or NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)\n"
          "  --tp T  --pp P          fix the tensor / pipeline degree\n"
+         "  --cp C                  fix the context-parallel degree (default: cp > 1 tried from --seq 16384 on)\n"
          "  --schedule S            gpipe|1f1b|interleaved_1f1b\n"
          "  --ac none|selective|full  fix activation checkpointing (selective = every second block recomputed)\n"
          "  --no-offload            do not consider CPU offload\n"
@@ -173,7 +174,7 @@ int run(int argc, char** argv) {
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
                "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
                "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
-               "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
+               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
                "no-offload", "validate", "no-time-check", "probe-compute"});
   a.parse(argc, argv, 1);
@@ -322,6 +323,7 @@ int run(int argc, char** argv) {
   }
   if (a.has("tp")) o.tp = static_cast<int>(pos_int(a, "tp", 0));
   if (a.has("pp")) o.pp = static_cast<int>(pos_int(a, "pp", 0));
+  if (a.has("cp")) o.cp = static_cast<int>(pos_int(a, "cp", 0));
   if (a.has("schedule")) {
     Schedule s;
     if (!parse_schedule(a.get("schedule"), &s) || s == Schedule::None)
