@@ -17,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/activation.h"
+#include "kernels/cpu/cpu_isa.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
@@ -78,51 +80,45 @@ std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
 
 // fp32 FMA peak of `nt` threads, GFLOP/s: every thread runs independent chains of vector FMAs
 // (12 accumulators cover the latency x throughput of two FMA pipes) for ~0.1 s; the median of 5
-// trials. Uses the widest vector ISA the build targets (-march=native: AVX-512, else AVX2+FMA).
-double fma_peak_gflops(int nt) {
-#if defined(__AVX512F__)
-  using V = __m512;
-  constexpr int kLanes = 16;
-  auto set1 = [](float x) { return _mm512_set1_ps(x); };
-  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
-  auto first = [](V a) { return _mm512_cvtss_f32(a); };
-#elif defined(__AVX2__) && defined(__FMA__)
-  using V = __m256;
-  constexpr int kLanes = 8;
-  auto set1 = [](float x) { return _mm256_set1_ps(x); };
-  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
-  auto first = [](V a) { return _mm256_cvtss_f32(a); };
-#else
-  return 0.0;  // no vector FMA in this build: peak not measured
-#endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  constexpr int kAcc = 12;
-  const int64_t iters = 8'000'000;  // x 12 FMAs x lanes x 2 flops per thread
-  std::vector<double> trials;
-  std::vector<float> sums(static_cast<size_t>(nt), 0.0f);
-  for (int trial = 0; trial < 5; ++trial) {
-    const auto t0 = Clock::now();
-#pragma omp parallel num_threads(nt)
-    {
-      V acc[kAcc];
-      for (int i = 0; i < kAcc; ++i) acc[i] = set1(float(i + omp_get_thread_num()));
-      const V b = set1(1.0000001f), c = set1(1e-7f);
-      for (int64_t k = 0; k < iters; ++k) {
-#pragma GCC unroll 12
-        for (int i = 0; i < kAcc; ++i) acc[i] = fma(acc[i], b, c);
-      }
-      float s = 0.0f;
-      for (int i = 0; i < kAcc; ++i) s += first(acc[i]);
-      sums[static_cast<size_t>(omp_get_thread_num())] = s;
-    }
-    g_sink = sums[0];  // keeps the loops observable
-    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
-    trials.push_back(double(nt) * double(iters) * kAcc * kLanes * 2.0 / sec / 1e9);
-  }
-  std::sort(trials.begin(), trials.end());
+// trials. With the widest vector FMA this CPU has (chosen at run time, as the kernels are):
+// AVX-512 where present, else AVX2+FMA. (On Zen 4/5 both give the same peak per cycle; on Intel
+// server cores with two 512-bit FMA units AVX-512 doubles it.)
+// The body, for a vector type V of LANES floats (a macro so the AVX-512 copy can be compiled
+// under its own target pragma).
+#define MT_FMA_PEAK_BODY(V, LANES, SET1, FMA, FIRST)                                     \
+  constexpr int kAcc = 12;                                                              \
+  const int64_t iters = 8'000'000; /* x 12 FMAs x lanes x 2 flops per thread */         \
+  std::vector<double> trials;                                                           \
+  std::vector<float> sums(static_cast<size_t>(nt), 0.0f);                               \
+  for (int trial = 0; trial < 5; ++trial) {                                             \
+    const auto t0 = Clock::now();                                                       \
+    _Pragma("omp parallel num_threads(nt)") {                                           \
+      V acc[kAcc];                                                                      \
+      for (int i = 0; i < kAcc; ++i) acc[i] = SET1(float(i + omp_get_thread_num()));    \
+      const V b = SET1(1.0000001f), c = SET1(1e-7f);                                    \
+      for (int64_t k = 0; k < iters; ++k) {                                             \
+        _Pragma("GCC unroll 12") for (int i = 0; i < kAcc; ++i) acc[i] = FMA(acc[i], b, c); \
+      }                                                                                 \
+      float s = 0.0f;                                                                   \
+      for (int i = 0; i < kAcc; ++i) s += FIRST(acc[i]);                                \
+      sums[static_cast<size_t>(omp_get_thread_num())] = s;                              \
+    }                                                                                   \
+    g_sink = sums[0]; /* keeps the loops observable */                                  \
+    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();        \
+    trials.push_back(double(nt) * double(iters) * kAcc * LANES * 2.0 / sec / 1e9);      \
+  }                                                                                     \
+  std::sort(trials.begin(), trials.end());                                              \
   return trials[trials.size() / 2];
-#endif
-}
+
+double fma_peak_avx2(int nt) { MT_FMA_PEAK_BODY(__m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32) }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+double fma_peak_avx512(int nt) { MT_FMA_PEAK_BODY(__m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32) }
+#pragma GCC pop_options
+
+bool peak_uses_avx512() { return kernels::cpu::active_isa() >= kernels::cpu::CpuIsa::AVX512; }
+double fma_peak_gflops(int nt) { return peak_uses_avx512() ? fma_peak_avx512(nt) : fma_peak_avx2(nt); }
 
 }  // namespace
 
@@ -145,6 +141,10 @@ int main(int argc, char** argv) {
   }
   const int64_t B = 4, T = 256, C = 384, NH = 6, HD = 64, L = 6, V = 50257, VP = 50304;
   const int64_t N = B * T;
+  // The non-GEMM kernels through the dispatched table: the variant the engine runs on this CPU
+  // (MESHTRAIN_CPU_ISA caps it, e.g. avx2 to time the baseline variant on an AVX-512 machine).
+  const kernels::KernelTable& K = kernels::table(Device::CPU);
+  std::printf("%s\n\n", kernels::describe(Device::CPU).c_str());
 
   // ---- GEMM at the layer shapes -----------------------------------------------------------------
   struct G {
@@ -270,38 +270,38 @@ int main(int argc, char** argv) {
         if (r.name == name) r.ms.push_back(ms);
     };
     rec("attention fwd (B4 T256 nh6 hd64)", int(L),
-        median_ms([&] { attention_forward(att.data(), lse.data(), qkv.data(), B, T, NH, NH, HD); }));
+        median_ms([&] { K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, NH, NH, HD); }));
     rec("attention bwd", int(L), median_ms([&] {
-          attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, NH,
+          K.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, NH,
                              NH, HD);
         }));
     rec("layernorm fwd (1024x384)", int(2 * L + 1), median_ms([&] {
-          layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+          K.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-5f);
         }));
     rec("layernorm bwd", int(2 * L + 1), median_ms([&] {
-          layernorm_backward(dx.data(), dw.data(), db.data(), y.data(), x.data(), w.data(),
+          K.layernorm_backward(dx.data(), dw.data(), db.data(), y.data(), x.data(), w.data(),
                              mean.data(), rstd.data(), N, C);
         }));
-    rec("gelu fwd (1024x1536)", int(L), median_ms([&] { gelu_forward(gh.data(), h.data(), N * 4 * C); }));
-    rec("gelu bwd", int(L), median_ms([&] { gelu_backward(dgh.data(), h.data(), dh.data(), N * 4 * C); }));
-    rec("residual add (1024x384)", int(2 * L), median_ms([&] { add(y.data(), x.data(), y.data(), N * C); }));
+    rec("gelu fwd (1024x1536)", int(L), median_ms([&] { K.gelu_forward(gh.data(), h.data(), N * 4 * C); }));
+    rec("gelu bwd", int(L), median_ms([&] { K.gelu_backward(dgh.data(), h.data(), dh.data(), N * 4 * C); }));
+    rec("residual add (1024x384)", int(2 * L), median_ms([&] { K.accumulate(y.data(), x.data(), N * C); }));
     rec("cross-entropy fused fwd+grad (1024x50304)", 1, median_ms([&] {
           std::memcpy(logits.data(), logits0.data(), logits.size() * 4);
-          softmax_cross_entropy(logits.data(), losses.data(), targets.data(), N, V, VP, 1.0f / N);
+          K.softmax_cross_entropy(logits.data(), losses.data(), targets.data(), N, V, VP, 1.0f / N);
         }));
     rec("  (memcpy of the logits, included above)", 0,
         median_ms([&] { std::memcpy(logits.data(), logits0.data(), logits.size() * 4); }));
     rec("cross-entropy forward only", 0, median_ms([&] {
-          softmax_cross_entropy_forward(logits0.data(), losses.data(), targets.data(), N, V, VP);
+          K.softmax_cross_entropy_forward(logits0.data(), losses.data(), targets.data(), N, V, VP);
         }));
-    rec("embedding fwd (1024x384)", 1, median_ms([&] { embedding_forward(y.data(), ids.data(), wte.data(), N, C); }));
-    rec("embedding bwd", 1, median_ms([&] { embedding_backward(dwte.data(), dx.data(), ids.data(), N, C); }));
+    rec("embedding fwd (1024x384)", 1, median_ms([&] { K.embedding_forward(y.data(), ids.data(), wte.data(), N, C); }));
+    rec("embedding bwd", 1, median_ms([&] { K.embedding_backward(dwte.data(), dx.data(), ids.data(), N, C); }));
     rec("adamw (30.3M params)", 1, median_ms([&] {
-          adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
-                       0.1f, 10);
+          K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
+                       0.1f, 10, 1.0f);
         }));
     rec("cast f32->bf16 (30.3M)", 0, median_ms([&] {
-          cast_f32_to_bf16(reinterpret_cast<bf16*>(pm.data()), p.data(), nparams);
+          K.cast_f32_to_bf16(reinterpret_cast<bf16*>(pm.data()), p.data(), nparams);
         }));
   }
   std::printf("\nPer-call time, ms (median): wall clock (process CPU time in brackets)\n\n| op | calls/step |");
@@ -318,13 +318,7 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
-  std::printf("\nfp32 FMA peak (%s, all threads busy; median of 5):",
-#if defined(__AVX512F__)
-              "AVX-512"
-#else
-              "AVX2+FMA"
-#endif
-  );
+  std::printf("\nfp32 FMA peak (%s, all threads busy; median of 5):", peak_uses_avx512() ? "AVX-512" : "AVX2+FMA");
   for (int nt : threads) std::printf(" %dt %.1f GFLOP/s;", nt, fma_peak_gflops(nt));
   std::printf("\n");
   std::printf("\nPer training step (one micro-batch of 1024 tokens, fwd+bwd+adamw):\n");

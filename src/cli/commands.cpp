@@ -2,9 +2,11 @@
 
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string>
 
 #include "cli/data_commands.h"
+#include "kernels/backend.h"
 #include "train/export.h"
 #include "train/trainer.h"
 
@@ -22,7 +24,8 @@ static void print_usage(FILE* f) {
                "  model-info  the model the engine builds from a Hugging Face config.json or a preset\n"
                "  plot      draw loss, throughput and exposed communication from metrics files (SVG)\n"
                "  launch    run a subcommand on N ranks of this machine through mpirun\n"
-               "  bench     benchmarks (`meshtrain bench comm`)\n"
+               "  bench     benchmarks (`meshtrain bench comm`; `meshtrain bench --cpu-isa`: the CPU's\n"
+               "            instruction-set level the kernels run at, capped by MESHTRAIN_CPU_ISA)\n"
                "  schedule  print and check a pipeline schedule\n"
                "  plan      rank parallel layouts for a model and cluster\n\n"
                "`meshtrain <command> --help` describes each command.\n");
@@ -47,6 +50,15 @@ int dispatch(int argc, char** argv) {
   if (cmd == "plan") return run_plan_command(sub_argc, sub_argv);
   if (cmd == "schedule") return run_schedule_command(sub_argc, sub_argv);
   if (cmd == "launch") return run_launch_command(sub_argc, sub_argv);
+  if (cmd == "bench" && argc == 3 && !std::strcmp(argv[2], "--cpu-isa")) {
+    try {
+      std::printf("%s\n", kernels::describe(Device::CPU).c_str());
+      return 0;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 2;
+    }
+  }
   if (cmd == "bench") return run_bench_comm_command(sub_argc, sub_argv);
   std::fprintf(stderr, "meshtrain: unknown command '%s'\n", cmd.c_str());
   print_usage(stderr);

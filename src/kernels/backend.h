@@ -9,6 +9,7 @@
 // complete; a backend that computes adds its kernels to a comparison against the CPU table there).
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "runtime/device.h"
 #include "runtime/dtype.h"
@@ -119,6 +120,9 @@ struct KernelTable {
 
 // The table of device d.
 const KernelTable& table(Device d);
+// One line naming what runs device d's kernels (for run headers and benchmarks), e.g. "cpu AMD
+// EPYC 9B14 (family 25 model 17), isa avx512_bf16, kernels avx512, oneDNN avx512_core_bf16".
+std::string describe(Device d);
 
 namespace cpu {
 const KernelTable& cpu_table();

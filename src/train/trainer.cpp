@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "comm/world.h"
+#include "kernels/backend.h"
 #include "model/transformer.h"
 #include "parallel/context_parallel.h"
 #include "parallel/optimizer.h"
@@ -459,6 +460,7 @@ TrainResult Trainer::run() {
       std::printf("context parallel: cp %d (%s), each sequence in %d chunks of %lld tokens, %lld tokens per rank\n",
                   dims_.cp, dims_.cp_mode.c_str(), 2 * dims_.cp, static_cast<long long>(T_full_ / (2 * dims_.cp)),
                   static_cast<long long>(T_));
+    std::printf("device %s\n", kernels::describe(current_device()).c_str());
     if (world_ > 1)
       std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
                   strategy_->name(), groups_.mesh->describe().c_str(), groups_.shard->size(), groups_.replicate->size(),

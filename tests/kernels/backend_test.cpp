@@ -10,6 +10,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/activation.h"
+#include "kernels/cpu/cpu_isa.h"
 
 namespace mt::kernels {
 namespace {
@@ -31,7 +32,11 @@ TEST(KernelTable, EveryBackendIsComplete) {
   expect_complete(table(Device::Meta));
   EXPECT_EQ(table(Device::CPU).device, Device::CPU);
   EXPECT_EQ(table(Device::Meta).device, Device::Meta);
-  EXPECT_EQ(table(Device::CPU).accumulate, &cpu::accumulate);
+  // The CPU table is one instruction-set variant of the CPU kernels (cpu_isa.h); both are complete.
+  expect_complete(cpu::base::isa_table());
+  expect_complete(cpu::avx512::isa_table());
+  EXPECT_EQ(cpu::base::isa_table().accumulate, &cpu::accumulate);
+  EXPECT_EQ(&table(Device::CPU), &cpu::table_for(cpu::active_isa()));
 }
 
 TEST(KernelTable, MetaKernelsTouchNothing) {

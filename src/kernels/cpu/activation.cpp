@@ -10,7 +10,7 @@
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 using detail::kParallelMin;
 
@@ -123,4 +123,4 @@ void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0
   for (int64_t n = 0; n < N; ++n) std::memcpy(out + n * cols, in + n * ld + c0, static_cast<size_t>(cols) * sizeof(float));
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -1,11 +1,12 @@
 // Pointwise activations and elementwise helpers. Backward functions accumulate (+=) into their
 // gradient outputs.
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
 #include "runtime/dtype.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // GELU, tanh approximation (as GPT-2): out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 void gelu_forward(float* out, const float* inp, int64_t n);
@@ -36,4 +37,4 @@ void add_bias(float* x, const float* b, int64_t N, int64_t C);
 // Columns [c0, c0 + cols) of the [N, ld] matrix `in` into the dense [N, cols] matrix `out`.
 void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

@@ -12,7 +12,7 @@
 
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 namespace {
 
@@ -66,4 +66,4 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   }
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -1,8 +1,9 @@
 // AdamW with bias correction and decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // step is 1-based. grad is multiplied by grad_scale first (used for clipping).
 // m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; mhat = m/(1-b1^step); vhat = v/(1-b2^step);
@@ -10,4 +11,4 @@ namespace mt::kernels::cpu {
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int64_t step, float grad_scale = 1.0f);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

@@ -27,7 +27,7 @@
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 namespace {
 
@@ -315,4 +315,4 @@ void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, i
   rope_apply(dqkv, B, T, nh, nkv, hd, 0.0f, -1.0f, "rope_backward", inv_freq);
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -6,9 +6,10 @@
 // Forward saves only the per-row log-sum-exp of the scaled scores (lse [B, nh, T]); backward
 // recomputes the probabilities from q, k and lse (flash-attention style) so no T x T buffer is kept.
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // out [B, T, nh*hd] (overwritten), lse [B, nh, T] (overwritten).
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh,
@@ -28,4 +29,4 @@ void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, i
 void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

@@ -14,7 +14,7 @@
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 namespace {
 
@@ -300,4 +300,4 @@ void add_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0,
   }
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -9,9 +9,10 @@
 // key chunk b: 0 not at all (entirely masked: skipped, no work), 1 every key, 2 causally (the two
 // chunks cover the same positions: query i sees keys 0..i of the chunk). Scale 1/sqrt(hd).
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // out [B, T, nh*hd] and lse [B, nh, T] hold the attention over the key blocks seen so far (`first`:
 // none; they are overwritten, rows that see no key of this block get out 0 and lse -inf). The
@@ -42,4 +43,4 @@ void position_backward_pos(float* dtable, const float* dout, const int32_t* pos,
 // out[n, c0 + j] += in[n, j] for a [N, ld] `out` and a dense [N, cols] `in`.
 void add_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

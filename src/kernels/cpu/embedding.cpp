@@ -9,7 +9,7 @@
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C) {
 #pragma omp parallel for schedule(static) if (N * C > detail::kParallelMin)
@@ -85,4 +85,4 @@ void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t
   for (int64_t i = 0; i < R; ++i) accumulate(x + i * C, pos + ((row0 + i) % T) * C, C);
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -1,10 +1,11 @@
 // Token and learned-position embeddings.
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
 #include "runtime/dtype.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // out[n, :] = table[ids[n], :] for n < N (overwrites out).
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
@@ -26,4 +27,4 @@ void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* i
 // x[i, :] += pos[(row0 + i) % T, :] for i < R (a rank's rows of the flattened [B, T] tokens).
 void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

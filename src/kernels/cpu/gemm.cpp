@@ -22,6 +22,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "kernels/cpu/cpu_isa.h"
 #include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
@@ -45,8 +46,15 @@ void scale_c(float* C, int64_t n, float beta) {
   }
 }
 
+// The ISA cap (MESHTRAIN_CPU_ISA) must reach oneDNN before its first GEMM.
+inline void apply_isa_cap() {
+  static const bool done = (active_isa(), true);
+  (void)done;
+}
+
 void sgemm_raw(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  apply_isa_cap();
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
                                 beta, C, ldc);
   if (st != dnnl_success) {
@@ -92,6 +100,7 @@ dnnl::engine& engine_locked(Bf16Cache& c) {
 }
 
 std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
+  apply_isa_cap();
   Bf16Cache& c = bf16_cache();
   std::lock_guard<std::mutex> lk(c.mu);
   auto it = c.entries.find(k);

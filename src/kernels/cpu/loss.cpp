@@ -12,7 +12,7 @@
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 namespace {
 void check_targets(const int32_t* targets, int64_t N, int64_t V, int64_t Vp, const char* fn) {
@@ -125,4 +125,4 @@ void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* st
   }
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

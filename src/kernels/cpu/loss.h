@@ -1,8 +1,9 @@
 // Fused softmax + cross-entropy over a (possibly padded) vocabulary.
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // logits [N, Vp], of which the first V columns are real vocabulary (Vp >= V is padding).
 // losses[n] = -log softmax(logits[n, :V])[targets[n]]; rows with targets[n] < 0 are ignored
@@ -23,4 +24,4 @@ void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32
 void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
                   int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

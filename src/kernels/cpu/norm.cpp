@@ -8,7 +8,7 @@
 
 #include "kernels/cpu/workspace.h"
 
-namespace mt::kernels::cpu {
+MT_CPU_VARIANT_BEGIN
 
 namespace {
 constexpr int64_t kRowChunk = 32;
@@ -158,4 +158,4 @@ void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* in
   if (dw) reduce_partials(dw, part, nchunks, C, C);
 }
 
-}  // namespace mt::kernels::cpu
+MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -1,9 +1,10 @@
 // LayerNorm (GPT-2) and RMSNorm (Llama) over the last dimension of a [N,C] tensor.
 // Backward functions accumulate (+=) into dinp and the weight/bias gradients.
 #pragma once
+#include "kernels/cpu/isa.h"
 #include <cstdint>
 
-namespace mt::kernels::cpu {
+MT_CPU_NS_BEGIN
 
 // out = (inp - mean) * rstd * w + b; saves mean[N] and rstd[N] for backward.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
@@ -17,4 +18,4 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, 
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w,
                       const float* rstd, int64_t N, int64_t C);
 
-}  // namespace mt::kernels::cpu
+MT_CPU_NS_END  // namespace mt::kernels::cpu

@@ -1,4 +1,6 @@
-// The CPU backend's kernel table: the functions of kernels/cpu/*.h.
+// The CPU backend's kernel table of one instruction-set variant (kernels/cpu/isa.h): the functions
+// of kernels/cpu/*.h as this variant compiled them. GEMMs are oneDNN's, which dispatches on the
+// CPU itself, so both variants share them. cpu_isa.cpp chooses the variant.
 #include "kernels/backend.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/adamw.h"
@@ -9,10 +11,8 @@
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/norm.h"
 
-namespace mt::kernels {
-
-namespace cpu {
-const KernelTable& cpu_table() {
+MT_CPU_VARIANT_BEGIN
+const KernelTable& isa_table() {
   static const KernelTable t = {
       .device = Device::CPU,
       .gelu_forward = gelu_forward,
@@ -64,8 +64,4 @@ const KernelTable& cpu_table() {
   };
   return t;
 }
-}  // namespace cpu
-
-const KernelTable& table(Device d) { return d == Device::Meta ? meta::meta_table() : cpu::cpu_table(); }
-
-}  // namespace mt::kernels
+MT_CPU_VARIANT_END
