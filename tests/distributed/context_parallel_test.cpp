@@ -93,6 +93,24 @@ TEST_F(ContextParallel, RingBytesEqualTheFormula) {
     }
 }
 
+// Checkpoints do not depend on cp: a single process's step-8 checkpoint resumes under cp 2 x
+// FULL_SHARD 2 and continues like the uninterrupted run, and one written under cp 2 resumes in one
+// process.
+TEST_F(ContextParallel, CheckpointsReloadUnderAnotherLayout) {
+  auto longer = train(1, 8, 1, "single12", kLlama + "--train.steps 12 --train.checkpoint_every 4");
+  ASSERT_EQ(longer.losses.size(), 12u);
+  auto resumed = train(4, 4, 1, "resumed",
+                       kLlama + "--parallel.cp 2 --parallel.strategy FULL_SHARD --train.steps 12 --train.resume " +
+                           (dir_ / "ck_single12").string() + "/step_00000008");
+  ASSERT_EQ(resumed.losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(resumed.losses[i], longer.losses[8 + i], kLossTol) << "step " << 9 + i;
+  train(2, 8, 1, "cp12", kLlama + "--parallel.cp 2 --train.steps 12 --train.checkpoint_every 4");
+  auto back = train(1, 8, 1, "back",
+                    kLlama + "--train.steps 12 --train.resume " + (dir_ / "ck_cp12").string() + "/step_00000008");
+  ASSERT_EQ(back.losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(back.losses[i], longer.losses[8 + i], kLossTol) << "step " << 9 + i;
+}
+
 TEST_F(ContextParallel, RefusesWhatItCannotSplit) {
   const std::string base = std::string(MT_BINARY) + " train --model.preset gpt2-tiny --data.train " +
                            (dir_ / "train.bin").string() + " --train.steps 1 --train.threads 1 ";
