@@ -58,12 +58,21 @@ TEST_F(ContextParallel, ComposedOn4Ranks) {
                "gpt2 cp=2 x FULL_SHARD 2");
   expect_close(ref, train(4, 4, 2, "cp2pp2", "--parallel.cp 2 --parallel.pp 2"), kLossTol, kWeightTol,
                "gpt2 cp=2 x pp=2 (1f1b, 2 micro-batches)");
+  expect_close(ref,
+               train(4, 2, 2, "cp2z1sel",
+                     "--parallel.cp 2 --parallel.strategy ZERO1 --train.activation_checkpointing selective"),
+               kLossTol, kWeightTol, "gpt2 cp=2 x ZERO1 2, accum 2, selective recompute");
+  expect_close(ref,
+               train(4, 4, 1, "cp2hz2", "--parallel.cp 2 --parallel.strategy HYBRID_SHARD_ZERO2 --parallel.dp_replicate 2"),
+               kLossTol, kWeightTol, "gpt2 cp=2 x HYBRID_SHARD_ZERO2 (2 replicas)");
 }
 
 TEST_F(ContextParallel, LlamaComposedOn4Ranks) {
   auto ref = train(1, 8, 1, "single", kLlama);
   expect_close(ref, train(4, 8, 1, "cp2tp2", kLlama + "--parallel.cp 2 --parallel.tp 2"), kLossTol, kWeightTol,
                "llama cp=2 x tp=2");
+  expect_close(ref, train(4, 4, 1, "cp2fs2", kLlama + "--parallel.cp 2 --parallel.strategy FULL_SHARD"), kLossTol,
+               kWeightTol, "llama cp=2 x FULL_SHARD 2");
   expect_close(ref, train(4, 4, 1, "cp2hs", kLlama + "--parallel.cp 2 --parallel.strategy HYBRID_SHARD --parallel.dp_replicate 2"),
                kLossTol, kWeightTol, "llama cp=2 x HYBRID_SHARD (2 replicas)");
   expect_close(ref, train(4, 4, 2, "cp2pp2", kLlama + "--parallel.cp 2 --parallel.pp 2 --parallel.strategy SHARD_GRAD_OP"),
