@@ -79,6 +79,18 @@ TEST_F(ContextParallel, LlamaComposedOn4Ranks) {
                kLossTol, kWeightTol, "llama cp=2 x pp=2, ZeRO-2 over the cp ranks");
 }
 
+// Evaluation runs the same ring (validation loss over all tokens, as without cp).
+TEST_F(ContextParallel, ValidationLossMatches) {
+  const std::string val = kLlama + "--data.val " + (dir_ / "train.bin").string() +
+                          " --train.eval_every 4 --train.eval_batches 2 ";
+  auto ref = train(1, 8, 1, "single", val);
+  auto cp2 = train(2, 8, 1, "cp2", val + "--parallel.cp 2");
+  ASSERT_FALSE(ref.final.is_null());
+  ASSERT_FALSE(cp2.final.is_null());
+  ASSERT_TRUE(ref.final.contains("val_loss"));
+  EXPECT_NEAR(cp2.final["val_loss"].get<double>(), ref.final["val_loss"].get<double>(), kLossTol);
+}
+
 TEST_F(ContextParallel, Bf16) {
   expect_close(train(1, 8, 1, "single"), train(2, 8, 1, "cp2bf", "--parallel.cp 2 --train.dtype bf16"), kBf16LossTol,
                kBf16WeightTol, "bf16 cp=2 vs fp32 single");
