@@ -12,7 +12,8 @@
 # Both meshtrain runs get GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what `meshtrain launch` gives
 # its ranks) and 1 OpenMP thread per rank.
 #
-# usage: bench/ddp_scaling.sh [--steps N] [--repeats R] [--torch-steps N] [--no-pytorch]
+# usage: bench/ddp_scaling.sh [--steps N] [--repeats R] [--torch-steps N] [--no-pytorch] [--python PY]
+#   --python PY: the interpreter whose torch is the peer (default /usr/bin/python3, Debian's 1.13)
 #                             [--build DIR] [--data DIR] [--out DIR]
 set -euo pipefail
 
@@ -22,6 +23,7 @@ STEPS=12
 REPEATS=3
 TORCH_STEPS=6
 PYTORCH=auto
+PY=/usr/bin/python3
 BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
@@ -31,14 +33,15 @@ while [[ $# -gt 0 ]]; do
     --repeats) REPEATS=$2; shift 2 ;;
     --torch-steps) TORCH_STEPS=$2; shift 2 ;;
     --pytorch) PYTORCH=1; shift ;;
+    --python) PY=$2; PYTORCH=1; shift 2 ;;
     --no-pytorch) PYTORCH=0; shift ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
     *) bench_option "$@" && shift 2 || { echo "ddp_scaling.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
 bench_out ddp_scaling
 if [[ $PYTORCH == auto ]]; then
-  if /usr/bin/python3 -c 'import torch' 2>/dev/null; then PYTORCH=1; else PYTORCH=0; fi
+  if "$PY" -c 'import torch' 2>/dev/null; then PYTORCH=1; else PYTORCH=0; fi
 fi
 bench_setup "$BUILD" "$DATA"
 
@@ -59,9 +62,9 @@ for ((r = 1; r <= REPEATS; r++)); do
              --log.metrics_out "$OUT/mt1_r$r.jsonl" >"$OUT/mt1_r$r.log" 2>&1 ;;
       mt2) "$MT" launch -n 2 --threads 1 -- train "${ARGS[@]}" \
              --log.metrics_out "$OUT/mt2_r$r.jsonl" >"$OUT/mt2_r$r.log" 2>&1 ;;
-      pt1) /usr/bin/python3 "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes fp32 --threads 1 \
+      pt1) "$PY" "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes fp32 --threads 1 \
              --steps "$TORCH_STEPS" --warmup 1 >"$OUT/pt1_r$r.jsonl" 2>"$OUT/pt1_r$r.log" ;;
-      pt2) /usr/bin/python3 "$ROOT/bench/pytorch_compare.py" --mode ddp --ranks 2 \
+      pt2) "$PY" "$ROOT/bench/pytorch_compare.py" --mode ddp --ranks 2 \
              --steps "$TORCH_STEPS" --warmup 1 >"$OUT/pt2_r$r.jsonl" 2>"$OUT/pt2_r$r.log" ;;
     esac
     echo "  $run done, load $(cut -d' ' -f1 /proc/loadavg)"

@@ -285,12 +285,12 @@ int main(int argc, char** argv) {
     rec("gelu fwd (1024x1536)", int(L), median_ms([&] { K.gelu_forward(gh.data(), h.data(), N * 4 * C); }));
     rec("gelu bwd", int(L), median_ms([&] { K.gelu_backward(dgh.data(), h.data(), dh.data(), N * 4 * C); }));
     rec("residual add (1024x384)", int(2 * L), median_ms([&] { K.accumulate(y.data(), x.data(), N * C); }));
+    // In place: the first call turns the logits into their gradient, later calls run on that
+    // (the work does not depend on the values), so no copy of the logits is timed.
+    std::memcpy(logits.data(), logits0.data(), logits.size() * 4);
     rec("cross-entropy fused fwd+grad (1024x50304)", 1, median_ms([&] {
-          std::memcpy(logits.data(), logits0.data(), logits.size() * 4);
           K.softmax_cross_entropy(logits.data(), losses.data(), targets.data(), N, V, VP, 1.0f / N);
         }));
-    rec("  (memcpy of the logits, included above)", 0,
-        median_ms([&] { std::memcpy(logits.data(), logits0.data(), logits.size() * 4); }));
     rec("cross-entropy forward only", 0, median_ms([&] {
           K.softmax_cross_entropy_forward(logits0.data(), losses.data(), targets.data(), N, V, VP);
         }));

@@ -23,7 +23,7 @@
 #      thread): no GEMM, and so no engine that performs the model's flops, can run faster.
 #   2. `meshtrain train` in fp32 1t, fp32 2t, bf16 1t, bf16 2t.
 #   3. with --pytorch PY: bench/pytorch_compare.py (PyTorch eager, same model, tcmalloc) in fp32
-#      at each thread count ("1" pins torch and OpenBLAS to one thread, "2" gives both two).
+#      and bf16 (torch.autocast) at each thread count ("1" pins torch and OpenBLAS to one thread, "2" gives both two).
 # Reported per configuration: median over repeats of the run's tokens/s (the median of the per-step
 # tokens_per_s of the metrics file, steps after the first), achieved GFLOP/s = tokens/s x
 # flops/token (6 N + 12 L h T, N = parameters without the position table, h = n_embd, T = seq),
@@ -41,7 +41,7 @@
 #                    configured with -DMESHTRAIN_BENCH=ON and built when missing)
 #   --data DIR       token shards (default /tmp/mt_benchdata, made from the fortunes file with the
 #                    byte tokenizer when missing; ids < 256 are valid for the 50257-token model)
-#   --pytorch PY     also run PyTorch eager fp32 in every repeat with interpreter PY (e.g.
+#   --pytorch PY     also run PyTorch eager (each of --dtypes) in every repeat with interpreter PY (e.g.
 #                    /usr/bin/python3 with Debian's python3-torch); the summary then gives the
 #                    meshtrain / PyTorch ratio per thread count and the largest ratio the FMA peak
 #                    allows (peak / PyTorch's achieved model GFLOP/s)
@@ -82,7 +82,22 @@ GEMM_THREADS=$(echo $THREADS | tr ' ' ',')
 
 echo "train_throughput: $REPEATS repeats x $STEPS steps, threads {$THREADS}, dtypes {$DTYPES}; raw output in $OUT"
 grep -m1 'model name' /proc/cpuinfo | sed 's/^/cpu: /'
+"$MT" bench --cpu-isa | sed 's/^/meshtrain: /'
 echo "cpu flags: $(grep -m1 -o -w 'avx512f\|avx512_bf16\|avx2\|fma' /proc/cpuinfo | sort -u | tr '\n' ' ')($(nproc) cpus)"
+
+# PyTorch at its best: OpenBLAS 0.3.21 (Debian's torch 1.13) does not recognise newer CPUs and
+# falls back to generic kernels; name the core type it should use (only for the PyTorch runs).
+if [[ -z "${OPENBLAS_CORETYPE:-}" ]]; then
+  flags=$(grep -m1 '^flags' /proc/cpuinfo)
+  if grep -q GenuineIntel /proc/cpuinfo; then
+    if [[ $flags == *amx_bf16* || $flags == *avx512_bf16* ]]; then CORETYPE=SapphireRapids
+    elif [[ $flags == *avx512f* ]]; then CORETYPE=SkylakeX; else CORETYPE=Haswell; fi
+  elif [[ $flags == *avx512f* ]]; then CORETYPE=SkylakeX  # Zen 4/5: OpenBLAS's AVX-512 kernels
+  else CORETYPE=Zen; fi
+else
+  CORETYPE=$OPENBLAS_CORETYPE
+fi
+[[ -n "$PYTORCH" ]] && echo "PyTorch runs: OPENBLAS_CORETYPE=$CORETYPE, $("$PYTORCH" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"
 
 runs=()
 for dt in $DTYPES; do for t in $THREADS; do runs+=("$dt:$t"); done; done
@@ -106,12 +121,13 @@ for ((r = 1; r <= REPEATS; r++)); do
     printf '  %-10s wall %6ss  user %6ss  sys %5ss\n' "$dt ${t}t" "$wall" "$user" "$sys"
   done
   if [[ -n "$PYTORCH" ]]; then
-    for t in $THREADS; do
-      "$PYTORCH" "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes fp32 --threads "$t" \
-        --steps "$((STEPS - 1))" --warmup 1 >"$OUT/torch_${t}t_r$r.json" 2>"$OUT/torch_${t}t_r$r.err"
-      printf '  %-10s %s tokens/s\n' "torch ${t}t" \
-        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/torch_${t}t_r$r.json")"
-    done
+    for dt in $DTYPES; do for t in $THREADS; do
+      OPENBLAS_CORETYPE=$CORETYPE "$PYTORCH" "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes "$dt" --threads "$t" \
+        --steps "$((STEPS - 1))" --bf16-steps "$((STEPS - 1))" --warmup 1 \
+        >"$OUT/torch_${dt}_${t}t_r$r.json" 2>"$OUT/torch_${dt}_${t}t_r$r.err"
+      printf '  %-10s %s tokens/s\n' "torch $dt ${t}t" \
+        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/torch_${dt}_${t}t_r$r.json")"
+    done; done
   fi
 done
 echo "after: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
@@ -119,6 +135,7 @@ echo "after: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
 python3 - "$OUT" "$REPEATS" "$THREADS" "$DTYPES" <<'EOF'
 import json, re, statistics, sys
 out, R = sys.argv[1], int(sys.argv[2])
+BF16_NATIVE = re.search(r"\bavx512_bf16\b", open("/proc/cpuinfo").read()) is not None
 threads = [int(t) for t in sys.argv[3].split()]
 dtypes = sys.argv[4].split()
 L, C, T, V, P_ALL = 6, 384, 256, 50304, None
@@ -194,19 +211,22 @@ if ("fp32", 1) in res and ("bf16", 1) in res:
         print(f"bf16 / fp32 at {t} thread(s) = {res[('bf16', t)] / res[('fp32', t)]:.2f}x")
 
 import os
-if "fp32" in dtypes and os.path.exists(f"{out}/torch_{threads[0]}t_r1.json"):
+for dt in dtypes:
+    if not os.path.exists(f"{out}/torch_{dt}_{threads[0]}t_r1.json"):
+        continue
     print()
-    print("PyTorch eager fp32 (bench/pytorch_compare.py) in the same repeats. 'bound' = FMA peak / PyTorch's model")
+    print(f"PyTorch eager {dt} ({'torch.autocast bf16' if dt == 'bf16' else 'fp32'}; bench/pytorch_compare.py) in the same "
+          "repeats. 'bound' = the FMA peak (x2 for bf16 on AVX512-BF16) / PyTorch's model")
     print("GFLOP/s: the largest meshtrain/PyTorch ratio any engine performing the model's flops could reach.")
     print()
-    print("| threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | per-repeat ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("| dtype | threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | per-repeat ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for t in threads:
-        pt = [json.load(open(f"{out}/torch_{t}t_r{r}.json"))["tokens_per_s"] for r in range(1, R + 1)]
-        mt = [run("fp32", t, r)[0] for r in range(1, R + 1)]
-        pk = [g.get(f"peak {t}t", float("nan")) for g in gem]
+        pt = [json.load(open(f"{out}/torch_{dt}_{t}t_r{r}.json"))["tokens_per_s"] for r in range(1, R + 1)]
+        mt = [run(dt, t, r)[0] for r in range(1, R + 1)]
+        pk = [g.get(f"peak {t}t", float("nan")) * (2 if dt == "bf16" and BF16_NATIVE else 1) for g in gem]
         ratio = [a / b for a, b in zip(mt, pt)]
         bound = [p / (b * fpt / 1e9) for p, b in zip(pk, pt)]
-        print(f"| {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "
+        print(f"| {dt} | {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "
               f"| {' / '.join(f'{x:.2f}' for x in ratio)} |")
 EOF

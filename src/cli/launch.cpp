@@ -1,5 +1,7 @@
 // `meshtrain launch`: runs a subcommand of this binary on N ranks through mpirun
 // (comm::build_launch_plan makes the command line).
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,11 +38,59 @@ const char* kHelp =
     "  --threads T         OMP_NUM_THREADS per rank\n"
     "  --mpirun PATH       the mpirun to run (default: $MESHTRAIN_MPIRUN or mpirun)\n"
     "  --mpirun-args ARGS  extra mpirun arguments, space-separated (e.g. \"--mca btl_tcp_links 2\")\n"
+    "  --max-restarts K    when the job fails (a rank exits non-zero or dies from a signal),\n"
+    "                      run it again, up to K times, printing why; a `train` job is restarted\n"
+    "                      with --train.resume latest (the newest complete checkpoint in its\n"
+    "                      train.checkpoint_dir). The exit code is 0 once a run finishes, else the\n"
+    "                      last run's. Ctrl-C / SIGTERM stop the job without a restart.\n"
     "  --dry-run           print the command and exit\n"
     "  --help              this text\n\n"
     "examples:\n"
     "  meshtrain launch -n 4 -- train --config run.toml --parallel.dp_shard=4\n"
-    "  meshtrain launch -n 2 -- bench comm --max-bytes 64M\n";
+    "  meshtrain launch -n 2 -- bench comm --max-bytes 64M\n"
+    "  meshtrain launch -n 4 --max-restarts 3 -- train --config run.toml --train.checkpoint_every 100\n";
+
+volatile sig_atomic_t g_stop = 0;
+volatile pid_t g_child = 0;
+void forward_signal(int sig) {
+  g_stop = sig;
+  if (g_child > 0) ::kill(g_child, sig);
+}
+
+// Why a run ended, in words.
+std::string describe_status(int st) {
+  if (WIFSIGNALED(st)) return "mpirun was killed by signal " + std::to_string(WTERMSIG(st)) + " (" + strsignal(WTERMSIG(st)) + ")";
+  const int code = WEXITSTATUS(st);
+  std::string s = "exit code " + std::to_string(code);
+  if (code > 128 && code < 128 + 65)
+    s += " (a rank died from signal " + std::to_string(code - 128) + ", " + strsignal(code - 128) + ")";
+  else if (code != 0)
+    s += " (a rank failed; its error is above)";
+  return s;
+}
+
+int exit_code(int st) { return WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st); }
+
+// Runs argv (argv[0] looked up in PATH) and waits; returns the wait status (or -1 if it could not start).
+int run_and_wait(const std::vector<std::string>& argv) {
+  std::vector<std::string> copy = argv;
+  std::vector<char*> xargv;
+  for (auto& a : copy) xargv.push_back(a.data());
+  xargv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    execvp(xargv[0], xargv.data());
+    std::fprintf(stderr, "meshtrain launch: cannot run '%s': %s\n", xargv[0], std::strerror(errno));
+    _exit(127);
+  }
+  g_child = pid;
+  int st = 0;
+  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  g_child = 0;
+  return st;
+}
 
 }  // namespace
 
@@ -57,7 +107,7 @@ int run_launch_command(int argc, char** argv) {
   }
   std::vector<char*> cargs = {argv[0]};
   for (auto& a : args) cargs.push_back(a.data());
-  ArgParser ap({"np", "n", "hostfile", "threads", "mpirun", "mpirun-args"},
+  ArgParser ap({"np", "n", "hostfile", "threads", "mpirun", "mpirun-args", "max-restarts"},
                {"dry-run", "help", "h"});
   LaunchOptions o;
   try {
@@ -77,6 +127,7 @@ int run_launch_command(int argc, char** argv) {
     if (!o.hostfile.empty() && access(o.hostfile.c_str(), R_OK) != 0)
       throw ArgError("cannot read host file '" + o.hostfile + "'");
     o.threads = static_cast<int>(ap.get_int("threads", 0));
+    if (ap.get_int("max-restarts", 0) < 0) throw ArgError("--max-restarts must be >= 0");
     const char* env_mpirun = std::getenv("MESHTRAIN_MPIRUN");
     o.mpirun = ap.get("mpirun", env_mpirun && *env_mpirun ? env_mpirun : "mpirun");
     std::stringstream ss(ap.get("mpirun-args"));
@@ -102,13 +153,56 @@ int run_launch_command(int argc, char** argv) {
   std::fflush(stderr);
   if (ap.flag("dry-run")) return 0;
   for (const auto& [k, v] : p.env) setenv(k.c_str(), v.c_str(), 1);
-  std::vector<std::string> args_copy = p.argv;
-  std::vector<char*> xargv;
-  for (auto& a : args_copy) xargv.push_back(a.data());
-  xargv.push_back(nullptr);
-  execvp(xargv[0], xargv.data());
-  std::fprintf(stderr, "meshtrain launch: cannot run '%s': %s\n", xargv[0], std::strerror(errno));
-  return 127;
+  const int64_t max_restarts = ap.get_int("max-restarts", 0);
+  if (!ap.has("max-restarts")) {  // no supervision: mpirun replaces this process
+    std::vector<std::string> args_copy = p.argv;
+    std::vector<char*> xargv;
+    for (auto& a : args_copy) xargv.push_back(a.data());
+    xargv.push_back(nullptr);
+    execvp(xargv[0], xargv.data());
+    std::fprintf(stderr, "meshtrain launch: cannot run '%s': %s\n", xargv[0], std::strerror(errno));
+    return 127;
+  }
+  // Supervised: run, and after a failure run again from the newest complete checkpoint.
+  struct sigaction sa {};
+  sa.sa_handler = forward_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const bool is_train = !o.command.empty() && o.command[0] == "train";
+  bool sets_resume = false;
+  for (const auto& a : o.command) sets_resume = sets_resume || a.rfind("--train.resume", 0) == 0;
+  std::vector<std::string> job = p.argv;
+  for (int64_t attempt = 0;; ++attempt) {
+    const int st = run_and_wait(job);
+    if (st == -1) {
+      std::fprintf(stderr, "meshtrain launch: cannot start '%s': %s\n", job[0].c_str(), std::strerror(errno));
+      return 127;
+    }
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+      if (attempt > 0)
+        std::fprintf(stderr, "meshtrain launch: the job finished after %lld restart%s\n", static_cast<long long>(attempt),
+                     attempt == 1 ? "" : "s");
+      return 0;
+    }
+    const std::string why = describe_status(st);
+    if (g_stop) {
+      std::fprintf(stderr, "meshtrain launch: stopped by signal %d (%s); not restarting\n", static_cast<int>(g_stop), why.c_str());
+      return exit_code(st);
+    }
+    if (attempt >= max_restarts) {
+      std::fprintf(stderr, "meshtrain launch: the job failed (%s); giving up after %lld restart%s (--max-restarts %lld)\n",
+                   why.c_str(), static_cast<long long>(attempt), attempt == 1 ? "" : "s",
+                   static_cast<long long>(max_restarts));
+      return exit_code(st) == 0 ? 1 : exit_code(st);
+    }
+    if (is_train && !sets_resume && attempt == 0) job.push_back("--train.resume=latest");
+    std::fprintf(stderr, "meshtrain launch: the job failed (%s); restart %lld of %lld%s\n", why.c_str(),
+                 static_cast<long long>(attempt + 1), static_cast<long long>(max_restarts),
+                 is_train ? " from the newest complete checkpoint (--train.resume latest)" : "");
+    std::fprintf(stderr, "meshtrain launch: %s\n", comm::shell_join(job).c_str());
+    std::fflush(stderr);
+  }
 }
 
 }  // namespace mt::cli

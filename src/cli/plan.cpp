@@ -1,9 +1,13 @@
 // `meshtrain plan`: parses the flags, runs the planner (plan/planner.h) and prints its report
 // (plan/report.h); `--validate` runs the harness in cli/plan_validate.h.
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -58,7 +62,10 @@ std::string plan_help() {
          "  --overlap-param-gather  ZeRO-1/2 post-step all-gather overlaps the next forward\n"
          "  --bucket-mb MB          gradient bucket size (default 25)\n"
          "Cluster (a preset, then overrides):\n"
-         "  --cluster PRESET        " + clusters + " (default h100-80g-ib400)\n"
+         "  --cluster PRESET        " + clusters + " (default h100-80g-ib400); this-cpu is\n"
+         "                          measured on this machine (the engine's kernels at the model's shapes,\n"
+         "                          the FMA peak, the memory), its figures per rank\n"
+         "  --no-measure            this-cpu: the reference preset (2 Zen 3 cores), node-wide figures\n"
          "  --gpus-per-node G       GPUs per node (NVLink domain)\n"
          "  --mem-per-gpu GIB       device memory per GPU (this-cpu: the node's memory, shared by its ranks)\n"
          "  --peak-tflops TF        dense peak per GPU for the chosen --dtype (this-cpu: the node's)\n"
@@ -177,7 +184,7 @@ int run(int argc, char** argv) {
                "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
                "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
-               "no-offload", "validate", "no-time-check", "probe-compute"});
+               "no-offload", "validate", "no-time-check", "probe-compute", "no-measure"});
   a.parse(argc, argv, 1);
   if (!a.positional().empty()) throw Bad("unexpected argument '" + a.positional()[0] + "'");
   if (a.flag("help")) {
@@ -195,31 +202,35 @@ int run(int argc, char** argv) {
   } catch (const std::invalid_argument& e) {
     throw Bad(std::string("--cluster: ") + e.what());
   }
-  if (a.has("gpus-per-node")) c.gpus_per_node = static_cast<int>(pos_int(a, "gpus-per-node", 8));
   const bool fp32 = [&] {
     const std::string d = a.get("dtype", "bf16");
     if (d == "bf16") return false;
     if (d == "fp32") return true;
     throw Bad("--dtype must be bf16 or fp32, got '" + d + "'");
   }();
-  if (a.has("mem-per-gpu")) {
-    c.mem_per_gpu = pos_num(a, "mem-per-gpu", 0) * GiB;  // shared CPU nodes: the node's memory
-    if (!c.shared_node) c.mem_reserved = 1.0 * GiB + 0.05 * c.mem_per_gpu;
-    if (c.mem_reserved >= c.mem_per_gpu) c.mem_reserved = 0.1 * c.mem_per_gpu;
-  }
-  if (a.has("peak-tflops")) (fp32 ? c.peak_flops_fp32 : c.peak_flops_bf16) = pos_num(a, "peak-tflops", 0) * 1e12;
-  if (a.has("compute-efficiency")) {
-    c.compute_efficiency = a.get_double("compute-efficiency", 0);
-    if (!(c.compute_efficiency > 0 && c.compute_efficiency <= 1))
-      throw Bad("--compute-efficiency must be in (0, 1], got '" + a.get("compute-efficiency") + "'");
-  }
-  if (a.has("mem-bw")) c.mem_bw = pos_num(a, "mem-bw", 0) * GB;
-  if (a.has("intra-bw")) c.intra.bw = pos_num(a, "intra-bw", 0) * GB;
-  if (a.has("inter-bw")) c.inter.bw = pos_num(a, "inter-bw", 0) * GB;
-  if (a.has("intra-latency-us")) c.intra.latency_s = pos_num(a, "intra-latency-us", 0) * 1e-6;
-  if (a.has("inter-latency-us")) c.inter.latency_s = pos_num(a, "inter-latency-us", 0) * 1e-6;
-  if (a.has("host-bw")) c.host_link_bw = pos_num(a, "host-bw", 0) * GB;
-  if (a.has("host-mem")) c.host_mem_per_node = pos_num(a, "host-mem", 0) * GiB;
+  // The explicit figures (--mem-per-gpu, --peak-tflops, ...) replace the cluster's.
+  auto apply_overrides = [&](Cluster& c) {
+    if (a.has("gpus-per-node")) c.gpus_per_node = static_cast<int>(pos_int(a, "gpus-per-node", 8));
+    if (a.has("mem-per-gpu")) {
+      c.mem_per_gpu = pos_num(a, "mem-per-gpu", 0) * GiB;  // shared CPU nodes: the node's memory
+      if (!c.shared_node) c.mem_reserved = 1.0 * GiB + 0.05 * c.mem_per_gpu;
+      if (c.mem_reserved >= c.mem_per_gpu) c.mem_reserved = 0.1 * c.mem_per_gpu;
+    }
+    if (a.has("peak-tflops")) (fp32 ? c.peak_flops_fp32 : c.peak_flops_bf16) = pos_num(a, "peak-tflops", 0) * 1e12;
+    if (a.has("compute-efficiency")) {
+      c.compute_efficiency = a.get_double("compute-efficiency", 0);
+      if (!(c.compute_efficiency > 0 && c.compute_efficiency <= 1))
+        throw Bad("--compute-efficiency must be in (0, 1], got '" + a.get("compute-efficiency") + "'");
+    }
+    if (a.has("mem-bw")) c.mem_bw = pos_num(a, "mem-bw", 0) * GB;
+    if (a.has("intra-bw")) c.intra.bw = pos_num(a, "intra-bw", 0) * GB;
+    if (a.has("inter-bw")) c.inter.bw = pos_num(a, "inter-bw", 0) * GB;
+    if (a.has("intra-latency-us")) c.intra.latency_s = pos_num(a, "intra-latency-us", 0) * 1e-6;
+    if (a.has("inter-latency-us")) c.inter.latency_s = pos_num(a, "inter-latency-us", 0) * 1e-6;
+    if (a.has("host-bw")) c.host_link_bw = pos_num(a, "host-bw", 0) * GB;
+    if (a.has("host-mem")) c.host_mem_per_node = pos_num(a, "host-mem", 0) * GiB;
+  };
+  apply_overrides(c);
 
   if (a.flag("published")) {
     std::cout << format_published(as_json);
@@ -313,6 +324,37 @@ int run(int argc, char** argv) {
 
   if (!a.has("gpus")) throw Bad("--gpus is required");
   c.gpus = static_cast<int>(pos_int(a, "gpus", 0));
+  // this-cpu: the machine this runs on, measured (the engine's kernels at the model's shapes, one
+  // rank's threads), unless --no-measure keeps the reference preset or the model is too large to
+  // probe here.
+  if (c.name == "this-cpu" && !a.flag("no-measure")) {
+    const int64_t probe_mb = st.micro_batch > 0 ? st.micro_batch : 1;
+    const int64_t seq = st.seq > 0 ? st.seq : m.seq_len;
+    const double tok = static_cast<double>(probe_mb * seq);
+    const double wide = static_cast<double>(std::max(m.padded_vocab, 4 * m.ffn_hidden));
+    const double probe_bytes = 4.0 * (4.0 * tok * wide + 2.0 * m.n_embd * wide);
+    if (probe_bytes > 2.0 * GiB) {
+      notes.push_back("this-cpu: the model is too large to probe on this machine (" +
+                      std::to_string(static_cast<int>(probe_bytes / GiB)) +
+                      " GiB of probe buffers): the reference preset's figures are used");
+    } else {
+      ModelConfig pm = m;
+      pm.seq_len = seq;
+      const int ranks = std::max(1, c.gpus);
+      const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+      const int before = omp_get_max_threads();
+      omp_set_num_threads(std::max(1, cores / ranks));
+      const plan::CpuMeasurement cm = measure_this_cpu(pm, probe_mb, !fp32, std::min(ranks, cores));
+      omp_set_num_threads(before);
+      const int gpus = c.gpus;
+      c = plan::measured_cpu_cluster(cm);
+      c.gpus = gpus;
+      apply_overrides(c);
+      notes.push_back("this-cpu measured here with one rank running (" + c.efficiency_note +
+                      "); ranks that share the machine share its memory bandwidth: `plan --validate` measures "
+                      "them all at once");
+    }
+  }
 
   PlanOptions o;
   o.top_k = static_cast<int>(pos_int(a, "top", 10));

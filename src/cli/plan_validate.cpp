@@ -23,9 +23,6 @@
 #include <thread>
 
 #include "comm/launch.h"
-#include "kernels/cpu/activation.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/gemm.h"
 #include "plan/planner.h"
 #include "plan/text_table.h"
 #include "runtime/memory.h"
@@ -205,105 +202,6 @@ TrainSetup planner_setup(const ModelConfig& m, const EngineLayout& e) {
 }
 
 // ---- ceilings ----------------------------------------------------------------------------------------------
-
-ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch, bool use_bf16, double seconds,
-                                    double stream_bytes, int tp) {
-  ModelConfig m = m_in;
-  m.resolve();
-  const int64_t t = std::max(1, tp);  // one tp rank's share: heads, MLP width, vocabulary columns
-  const int64_t T = m.seq_len, B = micro_batch, N = B * T, C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim();
-  const int64_t nh = m.n_head / t, nkv = m.n_kv_head / t, V = (m.padded_vocab + t - 1) / t;
-  const bool gpt = m.arch == Arch::GPT2;
-  // (in, out) of every linear of one block, and the head.
-  std::vector<std::pair<int64_t, int64_t>> lin;
-  if (gpt) lin = {{C, 3 * nh * hd}, {nh * hd, C}, {C, F}, {F, C}};
-  else lin = {{C, (nh + 2 * nkv) * hd}, {nh * hd, C}, {C, F}, {C, F}, {F, C}};
-  const int64_t qkvw = (nh + 2 * nkv) * hd;
-  int64_t max_in = C, max_out = V, max_w = C * V;  // the head: C -> V
-  for (auto [in, o] : lin) max_in = std::max(max_in, in), max_out = std::max(max_out, o), max_w = std::max(max_w, in * o);
-  auto sz = [](int64_t n) { return static_cast<size_t>(n); };
-  std::vector<float> x(sz(N * max_in), 0.01f), dx(sz(N * max_in));       // inputs, their gradient
-  std::vector<float> y(sz(N * max_out), 0.02f), out(sz(N * max_out));    // output gradient, outputs
-  std::vector<float> w(sz(max_w), 0.001f), dw(sz(max_w), 0.f);
-  std::vector<bf16> xb(x.size()), wb(w.size());
-  kernels::cpu::cast_f32_to_bf16(xb.data(), x.data(), static_cast<int64_t>(x.size()));
-  kernels::cpu::cast_f32_to_bf16(wb.data(), w.data(), static_cast<int64_t>(w.size()));
-  std::vector<float> qkv(sz(N * qkvw), 0.01f), att(sz(N * nh * hd)), lse(sz(N * nh)), dqkv(sz(N * qkvw)),
-      datt(sz(N * nh * hd), 0.01f);
-  std::vector<float> bias(sz(max_out), 0.01f), dbias(sz(max_out), 0.f);
-  // One linear layer forward and backward exactly as the model calls it (kernels/gemm.h: GPT-2's
-  // linears have biases, Llama's and the head do not).
-  auto linear = [&](int64_t in, int64_t o, bool has_bias) {
-    const float* b = has_bias ? bias.data() : nullptr;
-    float* db = has_bias ? dbias.data() : nullptr;
-    if (use_bf16) {
-      kernels::cpu::linear_forward_bf16(out.data(), xb.data(), wb.data(), b, N, in, o);
-      kernels::cpu::linear_backward_bf16(dx.data(), dw.data(), db, y.data(), xb.data(), wb.data(), N, in, o);
-    } else {
-      kernels::cpu::linear_forward(out.data(), x.data(), w.data(), b, N, in, o);
-      kernels::cpu::linear_backward(dx.data(), dw.data(), db, y.data(), x.data(), w.data(), N, in, o);
-    }
-  };
-  auto attention = [&]() {
-    kernels::cpu::attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd);
-    kernels::cpu::attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd);
-  };
-  // The planner's FLOP count (cost_model.cpp): 2 x weights forward, twice that backward; attention
-  // 4 s h per token forward (full, non-causal), twice that backward.
-  double gemm_flops_layer = 0;
-  for (auto [in, o] : lin) gemm_flops_layer += 6.0 * static_cast<double>(N) * in * o;
-  const double head_flops = 6.0 * static_cast<double>(N) * C * V;
-  const double attn_flops_layer = 12.0 * static_cast<double>(N) * T * nh * hd;
-
-  // Warm-up (library JIT, page faults): one layer.
-  for (auto [in, o] : lin) linear(in, o, gpt);
-  attention();
-  double t_gemm = 0, t_attn = 0, f_gemm = 0, f_attn = 0;
-  const auto t0 = Clock::now();
-  do {
-    for (int64_t l = 0; l < m.n_layer; ++l) {
-      auto a = Clock::now();
-      for (auto [in, o] : lin) linear(in, o, gpt);
-      t_gemm += secs_since(a);
-      f_gemm += gemm_flops_layer;
-      a = Clock::now();
-      attention();
-      t_attn += secs_since(a);
-      f_attn += attn_flops_layer;
-    }
-    auto a = Clock::now();
-    linear(C, V, false);
-    t_gemm += secs_since(a);
-    f_gemm += head_flops;
-  } while (secs_since(t0) < seconds);
-
-  ComputeCeiling r;
-  r.gemm_flops_per_s = f_gemm / t_gemm;
-  r.flops_per_s = (f_gemm + f_attn) / (t_gemm + t_attn);
-  r.threads = omp_get_max_threads();
-  r.procs = 1;
-  // Streaming: dst += src over two arrays (12 bytes per element: two reads, one write).
-  const int64_t n = std::max<int64_t>(1 << 16, static_cast<int64_t>(stream_bytes / 8));
-  Tensor a = Tensor::zeros({n}, DType::F32, MemCategory::Workspace);
-  Tensor b = Tensor::zeros({n}, DType::F32, MemCategory::Workspace);
-  kernels::cpu::accumulate(a.f32(), b.f32(), n);
-  double bytes = 0;
-  const auto s0 = Clock::now();
-  do {
-    kernels::cpu::accumulate(a.f32(), b.f32(), n);
-    bytes += 12.0 * static_cast<double>(n);
-  } while (secs_since(s0) < std::max(0.05, 0.25 * seconds));
-  r.mem_bw = bytes / secs_since(s0);
-  return r;
-}
-
-std::string compute_probe_json(const ComputeCeiling& c) {
-  json j = {{"flops_per_s", c.flops_per_s},
-            {"gemm_flops_per_s", c.gemm_flops_per_s},
-            {"mem_bw", c.mem_bw},
-            {"threads", c.threads}};
-  return j.dump() + "\n";
-}
 
 // ---- processes ---------------------------------------------------------------------------------------------
 

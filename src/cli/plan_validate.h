@@ -27,6 +27,7 @@
 #include "model/model_config.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
+#include "train/compute_probe.h"
 
 namespace mt::cli {
 
@@ -108,20 +109,6 @@ struct PlannerGaps {
 PlannerGaps compare_with_planner(const ModelConfig& m, const EngineLayout& e, const std::vector<EngineFigures>& dry);
 
 // ---- ceilings ----------------------------------------------------------------------------------------
-
-struct ComputeCeiling {
-  double flops_per_s = 0;   // matmul + attention FLOPs (the planner's count) per second, per rank
-  double gemm_flops_per_s = 0;  // the matmuls alone
-  double mem_bw = 0;        // bytes/s per rank, streaming (triad)
-  int procs = 0, threads = 0;
-};
-// Runs in this process: times the model's forward and backward matmuls (its exact shapes, one
-// micro-batch, one tp rank's share when tp > 1) and its attention kernel (the rank's heads) for about
-// `seconds`, and a triad over `stream_bytes`.
-ComputeCeiling measure_compute_here(const ModelConfig& m, int64_t micro_batch, bool bf16, double seconds,
-                                    double stream_bytes = 48e6, int tp = 1);
-// `meshtrain plan --probe-compute` (internal): measure_compute_here, printed as one JSON line.
-std::string compute_probe_json(const ComputeCeiling& c);
 
 struct CommCeiling {
   int ranks = 0;

@@ -1014,6 +1014,36 @@ void for_each_tp_run(const ParamInfo& lp, const ParamInfo& fp, int r, int t, con
 }
 }  // namespace
 
+std::vector<Transformer::TpRows> Transformer::tp_row_runs(const ParamInfo& lp, int64_t* col0) const {
+  const int r = tpc_.rank, t = tpc_.size;
+  const int64_t rows = lp.shape[0], cols = lp.shape.size() > 1 ? lp.numel / rows : 1;
+  *col0 = 0;
+  if (t == 1) return {{0, rows, 0}};  // unsplit: the parameter itself
+  switch (lp.tp_split) {
+    case TpSplit::None:
+      return {{0, rows, 0}};
+    case TpSplit::Rows:
+      return {{0, rows, r * rows}};
+    case TpSplit::Cols:
+      *col0 = r * cols;
+      return {{0, rows, 0}};
+    case TpSplit::QkvRows: {  // as for_each_tp_run: q, k and v blocks each split by heads
+      const int64_t hd = cfg_.head_dim();
+      const int64_t full_blocks[3] = {cfg_.n_head * hd, cfg_.n_kv_head * hd, cfg_.n_kv_head * hd};
+      std::vector<TpRows> out;
+      int64_t full_off = 0, local_off = 0;
+      for (int b = 0; b < 3; ++b) {
+        const int64_t lrows = full_blocks[b] / t;
+        out.push_back({local_off, lrows, full_off + r * lrows});
+        full_off += full_blocks[b];
+        local_off += lrows;
+      }
+      return out;
+    }
+  }
+  return {};
+}
+
 void Transformer::shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const {
   const int64_t lo = units_[u].offset, fo = full_layout.units_[u].offset;
   dev::zero(dev_, local, static_cast<size_t>(units_[u].numel) * sizeof(float));

@@ -206,6 +206,14 @@ class Transformer {
   void shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const;
   void assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
                           float* full) const;
+  // Where this rank's part of parameter `local` (one of params()) lies in the unsplit parameter,
+  // both viewed as matrices of [shape[0], numel / shape[0]]: runs of local rows
+  // [local_row, local_row + rows) are the full rows [full_row, full_row + rows), all starting at
+  // column *col0 (sharded checkpoints describe what a rank holds this way).
+  struct TpRows {
+    int64_t local_row = 0, rows = 0, full_row = 0;
+  };
+  std::vector<TpRows> tp_row_runs(const ParamInfo& local, int64_t* col0) const;
 
  private:
   struct UnitParams;

@@ -146,6 +146,49 @@ void ShardedDataParallel::gather_unit(int u, float* w, float* m, float* v) {
   comm::wait_all(ws);
 }
 
+int64_t ShardedDataParallel::unit_shard(int u) const { return units_[u].shard; }
+
+void ShardedDataParallel::read_owned(int u, float* w, float* m, float* v) {
+  const UnitState& s = units_[u];
+  if (s.numel == 0) return;
+  const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
+  const Device d = model_.device();
+  dev::copy(d, w, master_slice(u), bytes);
+  if (m) dev::copy(d, m, adam_->exp_avg().f32() + s.local, bytes);
+  if (v) dev::copy(d, v, adam_->exp_avg_sq().f32() + s.local, bytes);
+}
+
+void ShardedDataParallel::write_owned(int u, const float* w, const float* m, const float* v) {
+  const UnitState& s = units_[u];
+  if (s.numel == 0) return;
+  const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
+  const Device d = model_.device();
+  dev::copy(d, master_slice(u), w, bytes);  // fp32 ZeRO-1/2: the full weights' slice
+  for (auto [t, src] : {std::pair<Tensor*, const float*>{&adam_->exp_avg(), m}, {&adam_->exp_avg_sq(), v}}) {
+    if (src) dev::copy(d, t->f32() + s.local, src, bytes);
+    else dev::zero(d, t->f32() + s.local, bytes);
+  }
+}
+
+void ShardedDataParallel::finish_owned_load() {
+  if (params_sharded()) return;  // ZeRO-3 gathers from the master shard when it computes
+  // ZeRO-1/2: the full parameters in the compute dtype from every rank's slice (as after a step).
+  std::vector<comm::WorkHandle> ws;
+  for (int u = 0; u < model_.num_units(); ++u) {
+    const UnitState& s = units_[u];
+    if (s.numel == 0) continue;
+    if (cd_ == DType::F32) {
+      float* full = model_.weights().f32() + s.offset;
+      if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::F32));
+    } else {
+      bf16* full = model_.compute_weights().bf() + s.offset;
+      model_.kernels().cast_f32_to_bf16(full + r_ * s.shard, master_.f32() + s.local, s.shard);
+      if (N_ > 1) ws.push_back(shard_->all_gather(full + r_ * s.shard, full, s.shard, DType::BF16));
+    }
+  }
+  comm::wait_all(ws);
+}
+
 // ---- ZeRO-3 parameter gathering ------------------------------------------------------------
 
 void ShardedDataParallel::gather(int u) {

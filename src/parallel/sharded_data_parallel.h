@@ -67,6 +67,16 @@ class ShardedDataParallel : public UnitHooks {
   // Collective over the shard group: unit u's full fp32 weights and moments (null = skip) on every
   // rank (checkpoints, the final sample).
   void gather_unit(int u, float* weights, float* exp_avg, float* exp_avg_sq);
+  // This rank's own slice of unit u (unit_shard(u) elements at shard_rank() x unit_shard(u) of the
+  // unit), without communication: read, or set (loading; then finish_owned_load() once, collective
+  // over the shard group: ZeRO-1/2 rebuild their full parameters from the slices).
+  void read_owned(int u, float* weights, float* exp_avg, float* exp_avg_sq);
+  void write_owned(int u, const float* weights, const float* exp_avg, const float* exp_avg_sq);
+  void finish_owned_load();
+  int64_t unit_shard(int u) const;
+  int shard_rank() const { return r_; }
+  int replicate_rank() const { return replicate_->rank(); }
+  int replicas() const { return replicate_->size(); }
 
   // Before each micro-batch: whether it is the last of the step (the one that synchronises).
   void begin_microbatch(bool last);

@@ -42,6 +42,12 @@ class DdpStrategy final : public Strategy {
     if (m) dev::copy(d, m, adam_.exp_avg().f32() + r.offset, bytes);
     if (v) dev::copy(d, v, adam_.exp_avg_sq().f32() + r.offset, bytes);
   }
+  OwnedSpan owned_span(int u) const override {
+    return {0, model_.unit(u).numel, dp_->rank(), dp_->size()};
+  }
+  void read_owned(int u, float* w, float* m, float* v) override { gather_unit(u, w, m, v); }
+  void write_owned(int u, const float* w, const float* m, const float* v) override { load_unit(u, w, m, v); }
+  void end_load_owned(int64_t steps) override { end_load(steps); }
   void begin_microbatch(bool last) override { ddp_.set_sync(last); }
   void finish_backward(StepComm* c) override {
     DdpStepStats s = ddp_.finish();
@@ -88,6 +94,16 @@ class ShardedStrategy final : public Strategy {
   void load_unit(int u, const float* w, const float* m, const float* v) override { sdp_.load_unit(u, w, m, v); }
   void end_load(int64_t steps) override { sdp_.optimizer().set_step_count(steps); }
   void gather_unit(int u, float* w, float* m, float* v) override { sdp_.gather_unit(u, w, m, v); }
+  OwnedSpan owned_span(int u) const override {
+    const int64_t n = sdp_.unit_shard(u);
+    return {sdp_.shard_rank() * n, (sdp_.shard_rank() + 1) * n, sdp_.replicate_rank(), sdp_.replicas()};
+  }
+  void read_owned(int u, float* w, float* m, float* v) override { sdp_.read_owned(u, w, m, v); }
+  void write_owned(int u, const float* w, const float* m, const float* v) override { sdp_.write_owned(u, w, m, v); }
+  void end_load_owned(int64_t steps) override {
+    sdp_.optimizer().set_step_count(steps);
+    sdp_.finish_owned_load();
+  }
   void begin_microbatch(bool last) override { sdp_.begin_microbatch(last); }
   void finish_backward(StepComm*) override { sdp_.finish_backward(); }
   double grad_norm_sq(const std::vector<double>& weight) override { return sdp_.grad_norm_sq(weight); }

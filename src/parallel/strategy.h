@@ -33,6 +33,22 @@ class Strategy {
   // Unit u's fp32 weights and moments (m / v may be null); collective over the shard group when
   // the strategy shards them (every rank calls it for the same units in the same order).
   virtual void gather_unit(int u, float* w, float* m, float* v) = 0;
+  // What this rank itself holds of unit u's fp32 weights and moments - the part a sharded
+  // checkpoint writes and reads with no communication: the range [begin, end) of the unit's
+  // elements in this rank's model layout, held identically by `replicas` ranks of which this one
+  // is number `replica` (DDP: the whole unit, replicated over dp; ZeRO: the shard group rank's
+  // 1/N, replicated over dp_replicate).
+  struct OwnedSpan {
+    int64_t begin = 0, end = 0;
+    int replica = 0, replicas = 1;
+  };
+  virtual OwnedSpan owned_span(int u) const = 0;
+  // Copies the owned range (end - begin elements) of the weights and moments (m / v may be null).
+  virtual void read_owned(int u, float* w, float* m, float* v) = 0;
+  // Loading only the owned ranges: begin_load(), write_owned for every unit (null moments = zero),
+  // then end_load_owned (collective: ZeRO-1/2 all-gather the full parameters, DDP broadcasts rank 0's).
+  virtual void write_owned(int u, const float* w, const float* m, const float* v) = 0;
+  virtual void end_load_owned(int64_t adam_steps) = 0;
   virtual void begin_microbatch(bool last) = 0;
   // After each micro-batch's backward (communication of the last one finishes here).
   virtual void finish_backward(StepComm* c) = 0;

@@ -14,7 +14,8 @@ AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_no
   if (global_batch_tokens < 1)
     throw std::invalid_argument("auto layout: tokens per step must be >= 1, got " + std::to_string(global_batch_tokens));
   if (opts.micro_batch < 0) throw std::invalid_argument("auto layout: micro_batch must be >= 0");
-  Cluster c = cluster_preset(opts.cluster);  // throws for an unknown preset, listing the known ones
+  // throws for an unknown preset, listing the known ones
+  Cluster c = opts.cluster_model ? *opts.cluster_model : cluster_preset(opts.cluster);
   c.gpus = world_size;
   c.gpus_per_node = gpus_per_node;
 

@@ -20,6 +20,7 @@ namespace mt::plan {
 
 struct AutoLayoutOptions {
   std::string cluster = "this-cpu";  // cluster preset describing the devices (see cluster.h)
+  std::optional<Cluster> cluster_model;  // a measured cluster (measured_cpu_cluster) instead of the preset
   bool fp32 = true;                  // train.dtype fp32; false = bf16 mixed precision (fp32 master)
   int64_t micro_batch = 0;           // sequences per rank per micro-batch; 0 = the planner chooses
   int64_t seq = 0;                   // tokens per sequence; 0 = the model's seq_len

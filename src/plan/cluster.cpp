@@ -59,7 +59,9 @@ Cluster h100_like(const std::string& name, const std::string& gpu, double mem, d
 Cluster this_cpu() {
   Cluster c;
   c.name = "this-cpu";
-  c.description = "this machine: 2 AMD EPYC (Zen 3, AVX2) cores (one rank per core), ~23 GiB shared, MPI over shared memory";
+  c.description = "a reference machine: 2 AMD EPYC (Zen 3, AVX2) cores (one rank per core), ~23 GiB shared, MPI over "
+                  "shared memory (train --auto measures the machine it runs on instead)";
+  c.device = "rank";
   c.gpus_per_node = 2;
   c.shared_node = true;
   // Whole-node figures (per_rank() splits them): reference/machine.md.
@@ -143,6 +145,31 @@ std::vector<std::string> cluster_preset_names() {
   std::vector<std::string> v;
   for (const auto& c : all_clusters()) v.push_back(c.name);
   return v;
+}
+
+Cluster measured_cpu_cluster(const CpuMeasurement& m) {
+  if (m.ranks_per_node < 1 || !(m.peak_flops_fp32 > 0) || !(m.peak_flops_bf16 > 0) || !(m.model_flops > 0) ||
+      !(m.mem_bw > 0) || !(m.node_mem > 0))
+    throw std::invalid_argument("measured_cpu_cluster: every measured figure must be positive");
+  Cluster c = this_cpu();
+  c.name = "this-cpu (measured)";
+  c.description = m.description;
+  c.device = "rank";
+  c.gpus_per_node = m.ranks_per_node;
+  c.shared_node = false;  // measured with all ranks running: the figures are per rank already
+  c.mem_per_gpu = m.node_mem / m.ranks_per_node;
+  c.mem_reserved = std::min(2 * GiB, 0.1 * m.node_mem) / m.ranks_per_node;
+  c.peak_flops_fp32 = m.peak_flops_fp32;
+  c.peak_flops_bf16 = m.peak_flops_bf16;
+  const double peak = m.model_flops_bf16 ? m.peak_flops_bf16 : m.peak_flops_fp32;
+  c.compute_efficiency = std::min(1.0, m.model_flops / peak);
+  c.efficiency_note = "this-cpu (measured): the engine's matmuls and attention at the model's shapes ran at " +
+                      std::to_string(static_cast<int>(m.model_flops / 1e9)) + " GFLOP/s per rank, " +
+                      std::to_string(static_cast<int>(100 * c.compute_efficiency)) + "% of the " +
+                      (m.model_flops_bf16 ? "bf16" : "fp32") + " peak";
+  c.mem_bw = m.mem_bw;
+  c.mem_bw_efficiency = 1.0;
+  return c;
 }
 
 }  // namespace mt::plan

@@ -39,6 +39,7 @@ struct Cluster {
   // mem_per_gpu and mem_bw hold the whole node's figures and per_rank() divides them.
   bool shared_node = false;
   std::string efficiency_note;     // one line: where compute_efficiency comes from
+  std::string device = "GPU";      // what one rank runs on, in the planner's sentences ("GPU"; "rank" on CPUs)
 
   double peak_flops(bool fp32) const { return fp32 ? peak_flops_fp32 : peak_flops_bf16; }
   double usable_mem() const { return mem_per_gpu - mem_reserved; }
@@ -48,6 +49,22 @@ struct Cluster {
   // Throws std::invalid_argument naming the field when a value is missing or non-positive.
   void validate() const;
 };
+
+// This machine as measured by the engine's own probes (train/compute_probe.h), per rank with
+// `ranks_per_node` ranks running at once.
+struct CpuMeasurement {
+  std::string description;     // e.g. "2 cores of AMD EPYC 9B14 (family 25 model 17), isa avx512_bf16, ..."
+  int ranks_per_node = 1;
+  double peak_flops_fp32 = 0;  // FMA peak per rank, FLOP/s (measured: independent vector FMA chains)
+  double peak_flops_bf16 = 0;  // bf16 peak per rank (the fp32 peak x the ISA's bf16 factor)
+  double model_flops = 0;      // the engine's matmul + attention rate at the model's shapes, per rank
+  bool model_flops_bf16 = false;  // the dtype model_flops was measured in
+  double mem_bw = 0;           // streaming bytes/s per rank
+  double node_mem = 0;         // bytes of memory of the node (shared by its ranks)
+};
+// The this-cpu preset (links, overlap, per-kernel overhead) with the measured compute, bandwidth,
+// memory and description: the planner's step times then follow this machine, not a reference one.
+Cluster measured_cpu_cluster(const CpuMeasurement& m);
 
 // Presets: a100-80g-ib400, a100-80g-ib200, h100-80g-ib400, h100-80g-roce100, h200-141g-ib400, this-cpu.
 // Throws std::invalid_argument for an unknown name, listing the known ones.

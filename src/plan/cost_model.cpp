@@ -374,7 +374,7 @@ std::string why_sentence(const Estimate& e) {
   if (!e.host_fits) {
     std::string s = "Does not fit: the offloaded optimizer state needs " + gib(e.host_bytes_per_node) +
                     " of host memory per node (" + gib(e.host_usable) + " usable)";
-    if (e.mem.total() > e.mem_usable) s += ", and " + gib(e.mem.total()) + " per GPU exceeds " + gib(e.mem_usable);
+    if (e.mem.total() > e.mem_usable) s += ", and " + gib(e.mem.total()) + " per " + e.device + " exceeds " + gib(e.mem_usable);
     return s + ".";
   }
   if (!e.fits) {
@@ -386,7 +386,7 @@ std::string why_sentence(const Estimate& e) {
                                               {m.comm, "communication buffers"}};
     auto big = *std::max_element(std::begin(parts), std::end(parts),
                                  [](auto& a, auto& b) { return a.first < b.first; });
-    return "Does not fit: needs " + gib(m.total()) + " per GPU but only " + gib(e.mem_usable) +
+    return "Does not fit: needs " + gib(m.total()) + " per " + e.device + " but only " + gib(e.mem_usable) +
            " is usable; the largest part is " + big.second + " (" + gib(big.first) + ").";
   }
   const double T = e.time.total();
@@ -734,6 +734,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   const double global_tokens = static_cast<double>(l.global_batch()) * x.s;
   E.tokens_per_s = global_tokens / total;
   E.mfu = flops_per_token(m, seq) * E.tokens_per_s / (E.world * c.peak_flops(st.fp32));
+  E.device = c.device;
   E.why = why_sentence(E);
   return E;
 }

@@ -194,6 +194,7 @@ struct Estimate {
   double offload_s = 0;                     // host<->device transfers of the offloaded shard
   bool dp_inter_node = false;               // the data-parallel collectives cross nodes
   std::string why;  // one sentence
+  std::string device = "GPU";  // the cluster's word for one rank's device (Cluster::device)
 };
 
 // Empty when the layout is valid for the model and cluster, else the reason.

@@ -364,12 +364,12 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
   if (top.fits) {
     R.recommendation = "Run " + layout_words(top.layout) + ". Predicted " + fmt("%.0f", top.tokens_per_s) +
                        " tokens/s (" + fmt("%.1f", 100 * top.mfu) + "% MFU), " + secs(top.time.total()) +
-                       " per step, " + gib(top.mem.total()) + " of " + gib(top.mem_usable) + " usable per GPU. " +
+                       " per step, " + gib(top.mem.total()) + " of " + gib(top.mem_usable) + " usable per " + top.device + ". " +
                        top.why;
   } else {
-    R.recommendation = "Nothing fits on " + std::to_string(N) + " GPUs of " + gib(top.mem_usable) +
+    R.recommendation = "Nothing fits on " + std::to_string(N) + " " + top.device + "s of " + gib(top.mem_usable) +
                        " usable memory. The closest layout is " + layout_words(top.layout) + ". " + top.why +
-                       " Add GPUs, shorten --seq, or use a smaller micro-batch.";
+                       " Add " + top.device + "s, shorten --seq, or use a smaller micro-batch.";
   }
   if (R.candidates.size() > 1) {
     const Estimate& ru = R.candidates[1];

@@ -114,14 +114,14 @@ std::string format_plan(const PlanResult& r) {
     << " layers, hidden " << m.n_embd << ", " << m.n_head << " heads";
   if (m.n_kv_head != m.n_head) o << " / " << m.n_kv_head << " kv";
   o << ", ffn " << m.ffn_hidden << ", vocab " << m.padded_vocab << (m.tied_embeddings ? " (tied)" : "") << "\n";
-  o << "cluster  " << c.gpus << " GPUs, " << c.name << ": " << c.description << "\n";
+  o << "cluster  " << c.gpus << " " << c.device << "s, " << c.name << ": " << c.description << "\n";
   o << "setup    global batch " << r.setup.global_batch << " x " << r.setup.seq << " tokens, "
     << (r.setup.fp32 ? "fp32" : "bf16 mixed precision") << ", model state "
     << fmt("%.1f GB", r.model_state_bytes / 1e9) << " unsharded ("
     << fmt("%.0f", bytes_per_param(r.setup.fp32, r.setup.grad_bytes).total()) << " B/param)\n";
   o << "searched " << r.evaluated << " layouts, " << r.fitting << " fit in "
     << fmt("%.1f GiB", (r.candidates.empty() ? c.usable_mem() : r.candidates[0].mem_usable) / GiB)
-    << " usable per GPU\n\n";
+    << " usable per " << c.device << "\n\n";
 
   std::vector<std::vector<std::string>> rows;
   int i = 0;
@@ -137,12 +137,13 @@ std::string format_plan(const PlanResult& r) {
                     fmt("%.3f", e.time.total()), fmt("%.3f", e.time.compute), fmt("%.3f", e.time.exposed_comm),
                     fmt("%.3f", e.time.bubble), fmt("%.0f", e.tokens_per_s), fmt("%.1f%%", 100 * e.mfu)});
   }
-  o << format_table({"#", "data par.", "tp", "pp", "sched", "mb x m", "ac", "offl", "GiB/GPU", "par/grad/opt/act/comm", "fits",
+  o << format_table({"#", "data par.", "tp", "pp", "sched", "mb x m", "ac", "offl", "GiB/" + c.device, "par/grad/opt/act/comm", "fits",
               "GB intra", "GB inter", "step s", "compute", "exp.comm", "bubble", "tok/s", "MFU"},
              rows,
              {true, false, true, true, false, false, false, false, true, false, false, true, true, true, true, true, true,
               true, true});
-  o << "\n(memory per GPU at peak; GB sent per GPU per step; step = compute + exposed communication + bubble)\n\n";
+  o << "\n(memory per " << c.device << " at peak; GB sent per " << c.device
+    << " per step; step = compute + exposed communication + bubble)\n\n";
   o << "Recommendation: " << r.recommendation << "\n";
   if (!r.runner_up.empty()) o << r.runner_up << "\n";
   if (!r.candidates.empty()) {

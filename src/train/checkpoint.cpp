@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "train/safetensors.h"
+#include "train/sharded_checkpoint.h"
 
 namespace fs = std::filesystem;
 
@@ -199,29 +200,43 @@ void CheckpointWriter::write_unit(int u, const float* w, const float* m, const f
 void CheckpointWriter::commit(const TrainerState& st, const RunConfig& cfg) {
   weights_->finish();
   if (moments_) moments_->finish();
-  nlohmann::json j = {{"format_version", 1},
+  finish_checkpoint_dir(root_, tmp_dir_, name_, checkpoint_trainer_json(st, model_.num_params(), with_opt_, "full"), cfg);
+  tmp_dir_.clear();  // committed: nothing to clean up
+}
+
+std::string checkpoint_trainer_json(const TrainerState& st, int64_t num_params, bool has_optimizer,
+                                    const std::string& format) {
+  nlohmann::json j = {{"format_version", format == "sharded" ? 2 : 1},
+                      {"format", format},
                       {"step", st.step},
                       {"adam_steps", st.adam_steps},
                       {"micro_batches", st.micro_batches},
-                      {"num_params", model_.num_params()},
-                      {"has_optimizer", with_opt_}};
+                      {"num_params", num_params},
+                      {"has_optimizer", has_optimizer}};
   if (st.has_blend) {
     nlohmann::json ds = nlohmann::json::array();
     for (size_t d = 0; d < st.blend.patterns.size(); ++d)
       ds.push_back({{"pattern", st.blend.patterns[d]}, {"samples", st.blend.dataset_samples[d]}});
     j["data"] = {{"samples", st.blend.samples}, {"datasets", ds}};
   }
-  const fs::path tmp(tmp_dir_), root(root_);
-  write_text_atomic(tmp / "trainer.json", j.dump(2) + "\n");
+  return j.dump(2) + "\n";
+}
+
+void write_text_file_atomic(const std::string& path, const std::string& text) { write_text_atomic(path, text); }
+
+void finish_checkpoint_dir(const std::string& root_s, const std::string& tmp_dir, const std::string& name,
+                           const std::string& trainer_json, const RunConfig& cfg) {
+  const fs::path tmp(tmp_dir), root(root_s);
+  write_text_atomic(tmp / "trainer.json", trainer_json);
   write_text_atomic(tmp / "config.toml", cfg.to_toml());
   // The Hugging Face config the model came from travels with the checkpoint (sample, export and
   // resume do not depend on the original file staying where it was).
   if (!cfg.model.hf_config.empty()) write_text_atomic(tmp / "hf_config.json", read_text(cfg.model.hf_config));
-  fsync_directory(tmp_dir_);
+  fsync_directory(tmp_dir);
   // Swap into place: an existing checkpoint of the same step is removed only after the new one is complete.
-  const fs::path final_dir = root / name_;
+  const fs::path final_dir = root / name;
   if (fs::exists(final_dir)) {
-    const fs::path old = root / (".old-" + name_);
+    const fs::path old = root / (".old-" + name);
     fs::remove_all(old);
     fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
@@ -229,11 +244,10 @@ void CheckpointWriter::commit(const TrainerState& st, const RunConfig& cfg) {
   } else {
     fs::rename(tmp, final_dir);
   }
-  tmp_dir_.clear();  // committed: nothing to clean up
-  fsync_directory(root_);
-  write_text_atomic(root / "latest", name_ + "\n");
-  fsync_directory(root_);
-  if (cfg.train.checkpoint_keep > 0) prune_checkpoints(root_, cfg.train.checkpoint_keep);
+  fsync_directory(root_s);
+  write_text_atomic(root / "latest", name + "\n");
+  fsync_directory(root_s);
+  if (cfg.train.checkpoint_keep > 0) prune_checkpoints(root_s, cfg.train.checkpoint_keep);
 }
 
 void prune_checkpoints(const std::string& root, int64_t keep) {
@@ -256,34 +270,51 @@ void prune_checkpoints(const std::string& root, int64_t keep) {
 
 // ---- reading --------------------------------------------------------------------------------------
 
+TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole) {
+  const fs::path d(dir);
+  TrainerState st;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text(d / "trainer.json"));
+    st.step = j.at("step").get<int64_t>();
+    st.adam_steps = j.at("adam_steps").get<int64_t>();
+    st.micro_batches = j.at("micro_batches").get<int64_t>();
+    if (j.contains("data")) {
+      const auto& dj = j.at("data");
+      st.has_blend = true;
+      st.blend.samples = dj.at("samples").get<int64_t>();
+      for (const auto& e : dj.at("datasets")) {
+        st.blend.patterns.push_back(e.at("pattern").get<std::string>());
+        st.blend.dataset_samples.push_back(e.at("samples").get<int64_t>());
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
+  }
+  if (whole) *whole = j;
+  return st;
+}
+
 CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer)
     : model_(model), dir_(dir) {
   if (model.tp_size() != 1) throw std::logic_error("CheckpointReader needs an unsplit (tp = 1) model layout");
   const fs::path d(dir);
   nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_text(d / "trainer.json"));
-    st_.step = j.at("step").get<int64_t>();
-    st_.adam_steps = j.at("adam_steps").get<int64_t>();
-    st_.micro_batches = j.at("micro_batches").get<int64_t>();
-    if (j.contains("data")) {
-      const auto& dj = j.at("data");
-      st_.has_blend = true;
-      st_.blend.samples = dj.at("samples").get<int64_t>();
-      for (const auto& e : dj.at("datasets")) {
-        st_.blend.patterns.push_back(e.at("pattern").get<std::string>());
-        st_.blend.dataset_samples.push_back(e.at("samples").get<int64_t>());
-      }
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
+  st_ = read_trainer_state(dir, &j);
+  if (!j.value("has_optimizer", false) && with_optimizer) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
+  if (ShardedCheckpoint::is_sharded(dir)) {
+    sharded_ = std::make_unique<ShardedCheckpoint>(dir);
+    sharded_->check_model(model, with_optimizer);
+    const std::string err = sharded_->check_files(0, 1, true);
+    if (!err.empty()) throw std::runtime_error(err);
+    sharded_moments_ = with_optimizer;
+    return;
   }
   if (j.value("num_params", int64_t{-1}) != model.num_params())
     throw std::runtime_error(dir + ": checkpoint has " + std::to_string(j.value("num_params", int64_t{-1})) +
                              " parameters, the configured model has " + std::to_string(model.num_params()));
   open_weights((d / "model.safetensors").string());
   if (with_optimizer) {
-    if (!j.value("has_optimizer", false)) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
     moments_ = std::make_unique<SafetensorsReader>((d / "optimizer.safetensors").string());
     for (const auto& p : model.params())
       for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
@@ -312,7 +343,7 @@ CheckpointReader::~CheckpointReader() = default;
 void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
   const UnitRange& ur = model_.unit(u);
   std::memset(w, 0, static_cast<size_t>(ur.numel) * sizeof(float));
-  const bool moments = moments_ && m && v;
+  const bool moments = has_moments() && m && v;
   if (moments) {
     std::memset(m, 0, static_cast<size_t>(ur.numel) * sizeof(float));
     std::memset(v, 0, static_cast<size_t>(ur.numel) * sizeof(float));
@@ -321,6 +352,13 @@ void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
   for (size_t i = 0; i < model_.params().size(); ++i) {
     const ParamInfo& p = model_.params()[i];
     if (p.unit != u) continue;
+    if (sharded_) {  // the engine's layout: row-major real rows, padding rows stay zero
+      auto [rows, cols] = saved_rows_cols(p, model_.config());
+      float* dst[3] = {w, m, v};
+      for (int k = 0; k < (moments ? 3 : 1); ++k)
+        sharded_->read_box(logical_name(p, k), Box{0, rows, 0, cols}, dst[k] + (p.offset - ur.offset));
+      continue;
+    }
     tmp.resize(static_cast<size_t>(real_numel(p, model_.config())));
     weights_->read(weight_names_[i], tmp.data());
     from_hf(p, tmp.data(), model_.config(), w + (p.offset - ur.offset));
@@ -330,6 +368,20 @@ void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
     }
   }
 }
+
+void CheckpointReader::read_param_hf(size_t i, float* dst) const {
+  const ParamInfo& p = model_.params().at(i);
+  if (!sharded_) {
+    weights_->read(weight_names_[i], dst);
+    return;
+  }
+  auto [rows, cols] = saved_rows_cols(p, model_.config());
+  std::vector<float> tmp(static_cast<size_t>(rows * cols));
+  sharded_->read_box(logical_name(p, 0), Box{0, rows, 0, cols}, tmp.data());
+  to_hf(p, tmp.data(), model_.config(), dst);
+}
+
+std::vector<int64_t> hf_param_shape(const ParamInfo& p, const ModelConfig& cfg) { return hf_shape(p, cfg); }
 
 // ---- whole-model helpers --------------------------------------------------------------------------
 

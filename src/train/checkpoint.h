@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,7 @@ struct TrainerState {
 
 class SafetensorsWriter;
 class SafetensorsReader;
+class ShardedCheckpoint;
 
 // Writes CHECKPOINT_DIR/step_NNNNNNNN for `model` (an unsplit layout: every unit, tp = 1). Every
 // unit is written once with write_unit, in any order; commit() finishes the files and swaps the
@@ -68,7 +70,12 @@ class CheckpointReader {
   CheckpointReader(const Transformer& model, const std::string& weights_file);
   ~CheckpointReader();
   const TrainerState& state() const { return st_; }
-  bool has_moments() const { return moments_ != nullptr; }
+  bool has_moments() const { return moments_ != nullptr || sharded_moments_; }
+  // A sharded checkpoint (format 2) or a format-1 one.
+  bool sharded() const { return sharded_ != nullptr; }
+  // Parameter i of the model in Hugging Face layout (hf_shape elements: real vocabulary rows,
+  // Conv1D weights transposed): what export writes.
+  void read_param_hf(size_t i, float* dst) const;
   // Unit u's weights (and moments when opened with_optimizer and m / v are non-null), pointers to
   // the unit's first element; padding (vocabulary rows past vocab_size, unit alignment) is zero.
   void read_unit(int u, float* w, float* m, float* v) const;
@@ -79,8 +86,26 @@ class CheckpointReader {
   TrainerState st_;
   std::unique_ptr<SafetensorsReader> weights_, moments_;
   std::vector<std::string> weight_names_;  // per parameter: its name in model.safetensors
+  std::unique_ptr<ShardedCheckpoint> sharded_;
+  bool sharded_moments_ = false;
   void open_weights(const std::string& file);
 };
+
+// A parameter's shape as Hugging Face stores it (real vocabulary rows, Conv1D weights transposed).
+std::vector<int64_t> hf_param_shape(const ParamInfo& p, const ModelConfig& cfg);
+
+// trainer.json of a checkpoint; `format` is "full" (format 1) or "sharded" (format 2).
+std::string checkpoint_trainer_json(const TrainerState& st, int64_t num_params, bool has_optimizer,
+                                    const std::string& format);
+// trainer.json read back (errors name the file).
+TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole = nullptr);
+// Finishes a checkpoint written into `tmp_dir`: trainer.json, config.toml (and hf_config.json),
+// fsync, rename to root/name (an existing one of that name is replaced only once the new one is
+// in place), then root/latest, then pruning (train.checkpoint_keep).
+void finish_checkpoint_dir(const std::string& root, const std::string& tmp_dir, const std::string& name,
+                           const std::string& trainer_json, const RunConfig& cfg);
+// Writes a small file durably: temporary file, fsync, rename over `path`.
+void write_text_file_atomic(const std::string& path, const std::string& text);
 
 // Full fp32 weights and moments (already gathered if the run was sharded). m / v may be null.
 void save_checkpoint(const std::string& root, const Transformer& model, const float* weights, const float* exp_avg,

@@ -73,6 +73,14 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.checkpoint_every", Kind::Int, &c.train.checkpoint_every, "steps between checkpoints (0 = only at the end)"},
       {"train.checkpoint_keep", Kind::Int, &c.train.checkpoint_keep,
        "keep only the newest N checkpoints in checkpoint_dir, older ones removed after a new one is complete (0 = all)"},
+      {"train.checkpoint_format", Kind::String, &c.train.checkpoint_format,
+       "sharded (every rank writes what it holds, in parallel; loads under any layout) | full (rank 0 gathers and "
+       "writes Hugging Face model.safetensors + optimizer.safetensors, unit by unit)"},
+      {"train.checkpoint_async", Kind::Bool, &c.train.checkpoint_async,
+       "sharded checkpoints: copy this rank's state to a staging buffer and write it from a background thread while "
+       "training continues (at most one save in flight)"},
+      {"train.verify_checkpoint", Kind::Bool, &c.train.verify_checkpoint,
+       "check every piece's CRC32C when loading a sharded checkpoint (each rank checks some of the files)"},
       {"train.resume", Kind::String, &c.train.resume,
        "\"latest\" (the newest in checkpoint_dir; none yet = start fresh) or a checkpoint directory"},
       {"train.init_from", Kind::String, &c.train.init_from,

@@ -51,6 +51,9 @@ struct RunConfig {
     std::string checkpoint_dir;
     int64_t checkpoint_every = 0;
     int64_t checkpoint_keep = 0;         // newest checkpoints kept in checkpoint_dir (0 = all)
+    std::string checkpoint_format = "sharded";  // sharded | full (rank 0 gathers, format 1)
+    bool checkpoint_async = false;       // sharded: write from a background thread from a staging copy
+    bool verify_checkpoint = true;       // sharded: check CRC32C of every piece on load
     int64_t loss_chunk_tokens = 0;       // chunked LM head + loss: never hold [tokens, vocab] logits (0 = off)
     std::string resume;                  // "" | "latest" | a checkpoint directory
     std::string init_from;               // "" | weights (.safetensors, HF names) or a checkpoint: fresh optimizer

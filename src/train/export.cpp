@@ -23,24 +23,28 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   const std::string dir = resolve_checkpoint(checkpoint);
   const RunConfig rc = load_checkpoint_config(dir);
   const ModelConfig mc = rc.model_config();
-  // A layout without storage: only names and shapes. The reader checks the checkpoint against it.
+  // A layout without storage: only names and shapes. The reader checks the checkpoint against it
+  // (a sharded checkpoint also every file's CRC32C) and assembles each tensor from its pieces.
   const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
-  const std::string weights = (fs::path(dir) / "model.safetensors").string();
-  { CheckpointReader check(ref, weights); }
-  SafetensorsReader in(weights);
+  const CheckpointReader in(dir, ref, false);
   // The model's tensors in its own order, cut into shards of at most max_shard_bytes (one tensor
   // larger than that gets a shard of its own).
-  std::vector<std::vector<std::pair<std::string, SafeTensorInfo>>> shards(1);
+  struct Item {
+    size_t param;
+    SafeTensorInfo info;
+  };
+  std::vector<std::vector<Item>> shards(1);
   int64_t in_shard = 0, total = 0;
-  for (const ParamInfo& p : ref.params()) {
-    const SafeTensorInfo* t = in.find(p.name);
-    if (!t) throw std::runtime_error(weights + ": no tensor " + p.name);
-    const auto n = static_cast<int64_t>(t->nbytes());
+  for (size_t i = 0; i < ref.params().size(); ++i) {
+    SafeTensorInfo t;
+    t.shape = hf_param_shape(ref.params()[i], mc);
+    int64_t n = 4;
+    for (int64_t d : t.shape) n *= d;
     if (in_shard > 0 && in_shard + n > max_shard_bytes) {
       shards.emplace_back();
       in_shard = 0;
     }
-    shards.back().push_back({p.name, *t});
+    shards.back().push_back({i, t});
     in_shard += n;
     total += n;
   }
@@ -54,14 +58,18 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   };
   ExportResult res;
   nlohmann::json weight_map = nlohmann::json::object();
-  std::vector<char> buf;
+  std::vector<float> buf;
   for (int i = 0; i < N; ++i) {
     const std::string path = (fs::path(out_dir) / shard_name(i)).string();
-    SafetensorsWriter w(path, shards[static_cast<size_t>(i)], {{"format", "pt"}});
-    for (const auto& [name, info] : shards[static_cast<size_t>(i)]) {
-      buf.resize(info.nbytes());
-      in.read(name, buf.data());
-      w.write(name, buf.data(), info.nbytes());
+    std::vector<std::pair<std::string, SafeTensorInfo>> header;
+    for (const Item& it : shards[static_cast<size_t>(i)]) header.push_back({ref.params()[it.param].name, it.info});
+    SafetensorsWriter w(path, header, {{"format", "pt"}});
+    for (const Item& it : shards[static_cast<size_t>(i)]) {
+      const std::string& name = ref.params()[it.param].name;
+      const uint64_t bytes = w.info(name).nbytes();
+      buf.resize(bytes / sizeof(float));
+      in.read_param_hf(it.param, buf.data());
+      w.write(name, buf.data(), bytes);
       weight_map[name] = shard_name(i);
       ++res.tensors;
     }

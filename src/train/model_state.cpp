@@ -1,5 +1,6 @@
 #include "train/model_state.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -82,6 +83,70 @@ void ModelState::save(CheckpointWriter* writer) {
     gather_full_unit(u, true, full);
     if (writer) writer->write_unit(u, full[0].f32(), full[1].f32(), full[2].f32());
   }
+}
+
+std::vector<std::vector<LocalPiece>> ModelState::owned_pieces() const {
+  std::vector<std::vector<LocalPiece>> out(static_cast<size_t>(model_.num_units()));
+  for (int u = 0; u < model_.num_units(); ++u) {
+    if (model_.unit(u).numel == 0) continue;  // another pipeline stage's unit
+    const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
+    // Replicas split the range they share: replica i writes the i-th of `replicas` parts.
+    const int64_t len = sp.end - sp.begin;
+    const int64_t b = sp.begin + len * sp.replica / sp.replicas, e = sp.begin + len * (sp.replica + 1) / sp.replicas;
+    out[static_cast<size_t>(u)] = unit_pieces(model_, ref_, u, b, e, true);
+    for (LocalPiece& p : out[static_cast<size_t>(u)]) p.local += b - sp.begin;
+  }
+  return out;
+}
+
+int64_t ModelState::owned_numel(int u) const {
+  if (model_.unit(u).numel == 0) return 0;
+  const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
+  return sp.end - sp.begin;
+}
+
+void ModelState::snapshot_unit(int u, float* w, float* m, float* v) {
+  const int64_t n = owned_numel(u);
+  if (n == 0) return;
+  Tensor t[3] = {workspace(n), workspace(n), workspace(n)};
+  strategy_.read_owned(u, t[0].f32(), t[1].f32(), t[2].f32());
+  float* dst[3] = {w, m, v};
+  for (int k = 0; k < 3; ++k) dev::copy_to_host(t[k].device(), dst[k], t[k].f32(), static_cast<size_t>(n) * sizeof(float));
+}
+
+void ModelState::load_owned(const ShardedCheckpoint& ck, bool moments, int64_t adam_steps) {
+  strategy_.begin_load();
+  HostBuffer host[3];
+  for (int u = 0; u < model_.num_units(); ++u) {
+    if (u == 0 && model_.has_tied_replica()) {
+      // The head's copy of a tied embedding: the token embedding's rows (first parameter of unit 0).
+      const ParamInfo& wte = ref_.params().front();
+      const int64_t rows = ref_.config().vocab_size, cols = logical_cols(wte);
+      Tensor full = Tensor::zeros({wte.numel}, DType::F32, MemCategory::Workspace);
+      HostBuffer h;
+      ck.read_box(logical_name(wte, 0), Box{0, rows, 0, cols}, h.reserve(static_cast<size_t>(rows * cols)));
+      dev::copy_from_host(full.device(), full.f32(), h.data(), static_cast<size_t>(rows * cols) * sizeof(float));
+      model_.load_tied_replica(ref_, full.f32());
+    }
+    const int64_t n = owned_numel(u);
+    if (n == 0) continue;
+    const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
+    const int kinds = moments ? 3 : 1;
+    for (int k = 0; k < kinds; ++k) {  // padding stays zero
+      float* h = host[k].reserve(static_cast<size_t>(n));
+      std::fill(h, h + n, 0.0f);
+    }
+    for (const LocalPiece& p : unit_pieces(model_, ref_, u, sp.begin, sp.end, false))
+      for (int k = 0; k < kinds; ++k)
+        ck.read_box(logical_name(ref_.params()[static_cast<size_t>(p.param)], k), p.box, host[k].data() + p.local);
+    Tensor t[3];
+    for (int k = 0; k < kinds; ++k) {
+      t[k] = workspace(n);
+      dev::copy_from_host(t[k].device(), t[k].f32(), host[k].data(), static_cast<size_t>(n) * sizeof(float));
+    }
+    strategy_.write_owned(u, t[0].f32(), moments ? t[1].f32() : nullptr, moments ? t[2].f32() : nullptr);
+  }
+  strategy_.end_load_owned(adam_steps);
 }
 
 }  // namespace mt

@@ -9,6 +9,7 @@
 #include "parallel/strategy.h"
 #include "runtime/tensor.h"
 #include "train/checkpoint.h"
+#include "train/sharded_checkpoint.h"
 
 namespace mt {
 
@@ -28,6 +29,19 @@ class ModelState {
   void gather_full_unit(int u, bool moments, Tensor* out);
   // Every unit gathered; `writer` (rank 0's, null elsewhere) writes them.
   void save(CheckpointWriter* writer);
+
+  // ---- sharded checkpoints: only what this rank holds, no communication ----
+  // The pieces this rank writes, per unit, with offsets relative to the start of its owned range
+  // (the strategy's owned_span): of elements several ranks hold (replicas, tp ranks for replicated
+  // parameters) each is written by exactly one of them.
+  std::vector<std::vector<LocalPiece>> owned_pieces() const;
+  // Elements of unit u's owned range (the size of the host buffers snapshot_unit fills).
+  int64_t owned_numel(int u) const;
+  // Copies unit u's owned fp32 weights and moments to host buffers of owned_numel(u) elements.
+  void snapshot_unit(int u, float* w, float* m, float* v);
+  // Loads this rank's owned ranges of every unit (and a tied replica) from `ck`, whatever layout
+  // wrote it, reading only the bytes they need; then end_load_owned (collective).
+  void load_owned(const ShardedCheckpoint& ck, bool moments, int64_t adam_steps);
 
  private:
   Transformer& model_;

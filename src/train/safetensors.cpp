@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "runtime/crc32c.h"
+
 namespace mt {
 
 namespace {
@@ -83,6 +85,8 @@ SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<std::pa
   write_all(fd_, &n, 8, 0, tmp_);
   write_all(fd_, hs.data(), n, 8, tmp_);
   data_start_ = 8 + n;
+  data_bytes_ = off;
+  crc_ = crc32c(crc32c(0, &n, 8), hs.data(), n);
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -101,6 +105,12 @@ void SafetensorsWriter::write(const std::string& name, const void* data, uint64_
   if (written_[name]) throw std::logic_error(path_ + ": tensor " + name + " written twice");
   write_all(fd_, data, nbytes, data_start_ + it->second.begin, tmp_);
   written_[name] = true;
+  if (it->second.begin == next_begin_ && crc_in_order_) {
+    crc_ = crc32c(crc_, data, nbytes);
+    next_begin_ = it->second.end;
+  } else {
+    crc_in_order_ = false;
+  }
 }
 
 void SafetensorsWriter::finish() {
@@ -122,6 +132,7 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
   if (fd_ < 0) throw std::runtime_error(path_ + ": cannot open");
   const off_t end = ::lseek(fd_, 0, SEEK_END);
   const uint64_t size = end < 0 ? 0 : static_cast<uint64_t>(end);
+  size_ = size;
   uint64_t n = 0;
   if (size < 8) {
     ::close(fd_);
@@ -183,6 +194,10 @@ void SafetensorsReader::read(const std::string& name, void* dst) const {
   const SafeTensorInfo* t = find(name);
   if (!t) throw std::runtime_error(path_ + ": missing tensor " + name);
   read_all(fd_, dst, t->nbytes(), data_start_ + t->begin, path_ + ": tensor " + name);
+}
+
+void SafetensorsReader::read_at(uint64_t off, void* dst, uint64_t n, const std::string& what) const {
+  read_all(fd_, dst, n, off, what);
 }
 
 // ---- whole-file helpers ---------------------------------------------------------------------------

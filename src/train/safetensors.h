@@ -40,11 +40,21 @@ class SafetensorsWriter {
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
   void write(const std::string& name, const void* data, uint64_t nbytes);
   void finish();
+  // Where the data section starts (8 + header length): a tensor's bytes lie at data_start() + begin.
+  uint64_t data_start() const { return data_start_; }
+  const SafeTensorInfo& info(const std::string& name) const { return info_.at(name); }
+  // After finish(): the file's size and CRC32C. The CRC is computed as the bytes go out, so the
+  // tensors must have been written in header order (file_crc_valid() says whether they were).
+  uint64_t file_bytes() const { return data_start_ + data_bytes_; }
+  bool file_crc_valid() const { return crc_in_order_; }
+  uint32_t file_crc32c() const { return crc_; }
 
  private:
   std::string path_, tmp_;
   int fd_ = -1;
-  uint64_t data_start_ = 0;
+  uint64_t data_start_ = 0, data_bytes_ = 0, next_begin_ = 0;
+  uint32_t crc_ = 0;
+  bool crc_in_order_ = true;
   std::map<std::string, SafeTensorInfo> info_;
   std::map<std::string, bool> written_;
 };
@@ -64,11 +74,15 @@ class SafetensorsReader {
   const SafeTensorInfo* find(const std::string& name) const;
   // Copies the tensor's bytes (info.nbytes()) into dst.
   void read(const std::string& name, void* dst) const;
+  uint64_t data_start() const { return data_start_; }
+  uint64_t file_size() const { return size_; }
+  // n bytes at absolute file offset `off` (errors name `what`).
+  void read_at(uint64_t off, void* dst, uint64_t n, const std::string& what) const;
 
  private:
   std::string path_;
   int fd_ = -1;
-  uint64_t data_start_ = 0;
+  uint64_t data_start_ = 0, size_ = 0;
   std::map<std::string, SafeTensorInfo> info_;
   std::map<std::string, std::string> metadata_;
 };

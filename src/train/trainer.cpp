@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <omp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,8 +25,11 @@
 #include "plan/auto_layout.h"
 #include "runtime/clock.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_saver.h"
 #include "train/chrome_trace.h"
+#include "train/compute_probe.h"
 #include "train/data_loader.h"
+#include "train/job_agreement.h"
 #include "train/metrics.h"
 #include "train/model_state.h"
 #include "train/parallel_dims.h"
@@ -100,6 +104,7 @@ class Trainer {
   void save();
   void report();
   void sample();
+  void maybe_inject_fault(int64_t step);
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
   void next_batch(int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
@@ -134,6 +139,7 @@ class Trainer {
   std::unique_ptr<parallel::Strategy> strategy_;
   std::unique_ptr<parallel::PipelineExecutor> pipe_;
   std::unique_ptr<ModelState> state_;
+  std::unique_ptr<CheckpointSaver> saver_;  // sharded checkpoints
   std::unique_ptr<ChromeTrace> trace_;
   std::unique_ptr<TracingHooks> tracing_;
   std::unique_ptr<MetricsWriter> metrics_;
@@ -148,6 +154,9 @@ class Trainer {
   int peak_slots_ = 0;
   std::array<int64_t, kNumMemCategories> resident_{};
   std::optional<double> val_start_;  // train.eval_at_start
+  nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
+  double full_save_ms_ = 0;          // train.checkpoint_format = full
+  int64_t full_saves_ = 0;
 };
 
 void Trainer::build() {
@@ -181,6 +190,8 @@ void Trainer::build() {
   accum_ = pp > 1 && cfg_.parallel.pp_microbatches > 0 ? cfg_.parallel.pp_microbatches : tc_.grad_accum;
   // The cp ranks of one data-parallel rank read the same sequences (and keep their own chunks).
   const int dp_rank = groups_.data_rank, dp_world = groups_.data_world;
+  // Every rank runs the same job (config, build, data), checked before anything is loaded.
+  verify_same_job(*groups_.metrics, job_items(cfg_, mc_, !dry_), "configuration");
   if (!dry_) {
     const uint64_t seed = static_cast<uint64_t>(tc_.seed);
     loader_ = make_loader(cfg_.data.train, "data.train", static_cast<int>(B_), static_cast<int>(T_full_), dp_rank,
@@ -234,6 +245,27 @@ void Trainer::build() {
   tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_.get());
   model_->set_hooks(trace_->enabled() ? static_cast<UnitHooks*>(tracing_.get()) : strategy_->hooks());
   state_ = std::make_unique<ModelState>(*model_, *ref_, *strategy_, *groups_.tp_aux, groups_.pp_aux.get());
+  if (tc_.checkpoint_format != "sharded" && tc_.checkpoint_format != "full")
+    throw ConfigError("train.checkpoint_format must be sharded or full, got '" + tc_.checkpoint_format + "'");
+  if (tc_.checkpoint_async && tc_.checkpoint_format != "sharded")
+    throw ConfigError("train.checkpoint_async needs train.checkpoint_format = \"sharded\"");
+  if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_format == "sharded") {
+    const nlohmann::json layout = {{"world", world_},
+                                   {"strategy", strategy_->name()},
+                                   {"dp_replicate", dims_.dp_replicate},
+                                   {"dp_shard", dims_.dp_shard},
+                                   {"cp", dims_.cp},
+                                   {"tp", dims_.tp},
+                                   {"pp", dims_.pp},
+                                   {"dtype", dtype_name(dt_)}};
+    const std::map<std::string, std::string> coords = {{"rank", std::to_string(rank_)},
+                                                       {"world", std::to_string(world_)},
+                                                       {"dp_rank", std::to_string(dp_rank)},
+                                                       {"cp_rank", std::to_string(groups_.cp ? groups_.cp->rank() : 0)},
+                                                       {"tp_rank", std::to_string(groups_.tp->rank())},
+                                                       {"pp_rank", std::to_string(groups_.pp_rank)}};
+    saver_ = std::make_unique<CheckpointSaver>(*state_, *ref_, *groups_.metrics, rank_, cfg_, layout, coords);
+  }
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
 }
@@ -282,21 +314,59 @@ void Trainer::load_state() {
       if (log_) std::printf("train.resume = latest: no checkpoint in %s yet, starting fresh\n", tc_.checkpoint_dir.c_str());
     }
   }
+  bool loaded = false;
   if (resume) {
     std::string src = tc_.resume == "latest" ? tc_.checkpoint_dir : tc_.resume;
     resume_dir = resolve_checkpoint(src);
-    reader = std::make_unique<CheckpointReader>(resume_dir, *ref_, true);
-    st_ = reader->state();
+    if (ShardedCheckpoint::is_sharded(resume_dir)) {
+      // Every rank reads only its own new share; the files' checks are spread over the ranks.
+      auto t0 = Clock::now();
+      ShardedCheckpoint ck(resume_dir);
+      st_ = read_trainer_state(resume_dir);
+      ck.check_model(*ref_, true);
+      std::string err = ck.check_files(rank_, world_, tc_.verify_checkpoint);
+      err = agree_on_error(*groups_.metrics, err);
+      if (!err.empty()) throw std::runtime_error("cannot resume from " + resume_dir + ": " + err);
+      const double check_ms = ms_since(t0);
+      state_->load_owned(ck, true, st_.adam_steps);
+      load_info_ = {{"format", "sharded"},
+                    {"ms", ms_since(t0)},
+                    {"check_ms", check_ms},
+                    {"verified", tc_.verify_checkpoint},
+                    {"bytes_read", ck.bytes_read()},
+                    {"saved_world", ck.num_files()}};
+      loaded = true;
+    } else {
+      reader = std::make_unique<CheckpointReader>(resume_dir, *ref_, true);
+      st_ = reader->state();
+    }
     if (log_ && !tc_.init_from.empty()) std::printf("resuming: train.init_from (%s) is not used\n", tc_.init_from.c_str());
   } else if (!tc_.init_from.empty()) {
     // Weights only (fine-tuning): a safetensors file, or a checkpoint (directory or root with `latest`).
     std::string file = tc_.init_from;
-    if (std::filesystem::is_directory(file)) file = resolve_checkpoint(file) + "/model.safetensors";
-    reader = std::make_unique<CheckpointReader>(*ref_, file);
+    if (std::filesystem::is_directory(file)) {
+      file = resolve_checkpoint(file);
+      reader = std::make_unique<CheckpointReader>(file, *ref_, false);
+    } else {
+      reader = std::make_unique<CheckpointReader>(*ref_, file);
+    }
     if (log_) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
   }
-  state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
-  strategy_->end_load(st_.adam_steps);
+  if (!loaded) {
+    auto t0 = Clock::now();
+    state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
+    strategy_->end_load(st_.adam_steps);
+    if (reader && resume) load_info_ = {{"format", "full"}, {"ms", ms_since(t0)}};
+  }
+  // All ranks continue from the same point.
+  verify_same_job(*groups_.metrics,
+                  {{"resumed from", resume_dir},
+                   {"step", std::to_string(st_.step)},
+                   {"adam steps", std::to_string(st_.adam_steps)},
+                   {"micro-batches consumed", std::to_string(st_.micro_batches)}},
+                  "restored state");
+  if (!load_info_.is_null())  // the loading's buffers: the largest workspace so far (before training)
+    load_info_["workspace_peak_bytes"] = MemoryTracker::instance().stats().peak[static_cast<int>(MemCategory::Workspace)];
   if (!resume_dir.empty() && loader_ && loader_->blend && st_.has_blend) {
     if (!loader_->blend->set_state(st_.blend) && log_)
       std::printf("resuming with a different data.train blend: datasets are matched by pattern, new ones start "
@@ -308,14 +378,22 @@ void Trainer::load_state() {
   }
 }
 
-// Only rank 0 writes; every rank takes part in the gathers.
+// Sharded (default): every rank writes its own file, rank 0 the metadata. Full: only rank 0
+// writes; every rank takes part in the gathers.
 void Trainer::save() {
+  st_.has_blend = loader_ && loader_->blend;
+  if (st_.has_blend) st_.blend = loader_->blend->state();
+  if (saver_) {
+    saver_->save(st_);
+    return;
+  }
+  auto t0 = Clock::now();
   std::unique_ptr<CheckpointWriter> writer;
   if (rank_ == 0) writer = std::make_unique<CheckpointWriter>(tc_.checkpoint_dir, *ref_, true, st_.step);
   state_->save(writer.get());
-  st_.has_blend = loader_ && loader_->blend;
-  if (st_.has_blend) st_.blend = loader_->blend->state();
   if (writer) writer->commit(st_, cfg_);
+  full_save_ms_ += ms_since(t0);
+  ++full_saves_;
 }
 
 double Trainer::evaluate() {
@@ -437,7 +515,26 @@ void Trainer::train_step(int64_t step) {
     std::fflush(stdout);
   }
   metrics_->step(sm);
+  if (saver_) saver_->poll();  // commits an async save once every rank has written its file
   if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
+  maybe_inject_fault(step + 1);
+}
+
+// MESHTRAIN_FAULT_KILL=RANK:STEP:FILE (fault injection for restart tests): rank RANK kills itself
+// with SIGKILL after step STEP, once - it creates FILE first and does nothing while FILE exists.
+void Trainer::maybe_inject_fault(int64_t step) {
+  const char* f = std::getenv("MESHTRAIN_FAULT_KILL");
+  if (!f || dry_) return;
+  int rank = -1;
+  long long at = -1;
+  char file[4096] = {};
+  if (std::sscanf(f, "%d:%lld:%4095s", &rank, &at, file) != 3 || rank != rank_ || at != step) return;
+  if (std::filesystem::exists(file)) return;
+  std::FILE* marker = std::fopen(file, "w");
+  if (marker) std::fclose(marker);
+  std::fprintf(stderr, "meshtrain[rank %d]: MESHTRAIN_FAULT_KILL: killing myself (SIGKILL) after step %lld\n", rank_, at);
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
 }
 
 TrainResult Trainer::run() {
@@ -483,6 +580,7 @@ TrainResult Trainer::run() {
   }
   for (int64_t step = st_.step; step < tc_.steps; ++step) train_step(step);
   if (!tc_.checkpoint_dir.empty() && (tc_.checkpoint_every <= 0 || st_.step % tc_.checkpoint_every != 0)) save();
+  if (saver_) saver_->finish(true);  // the job waits for the save in flight
   res_.tokens_per_s = tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0;
   report();
   if (tc_.sample_tokens > 0) sample();
@@ -535,15 +633,23 @@ void Trainer::report() {
                   100.0 * bubble_sum_ / tps_n_, parallel::bubble_formula(*schedule_).text.c_str(), 100.0 * bubble_formula,
                   peak_slots_);
     if (world_ > 1) {
-      std::printf("communication (rank %d): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute\n", rank_,
+      // Exposed time is measured on the compute thread (waits), communication time on the
+      // communication threads; on tiny runs the waits include queueing and can exceed it.
+      const double hidden = comm_ms_total_ > 0 ? 100.0 * (1.0 - exposed_ms_total_ / comm_ms_total_) : 0.0;
+      std::printf("communication (rank %d): %.1f ms per step, %.1f ms exposed -> %.0f%% hidden behind compute%s\n", rank_,
                   tps_n_ ? comm_ms_total_ / tps_n_ : 0.0, tps_n_ ? exposed_ms_total_ / tps_n_ : 0.0,
-                  comm_ms_total_ > 0 ? 100.0 * (1.0 - exposed_ms_total_ / comm_ms_total_) : 0.0);
+                  std::clamp(hidden, 0.0, 100.0),
+                  hidden < 0 ? " (the waits, which include queueing behind other collectives, exceeded the "
+                               "communication time)"
+                             : "");
       if (cp_comm_)
         std::printf("context parallel (%s): %.1f ms of cp transfers per step, %.1f ms exposed -> %.0f%% hidden behind "
                     "attention\n",
                     dims_.cp_mode.c_str(), tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0,
                     tps_n_ ? cp_exposed_ms_total_ / tps_n_ : 0.0,
-                    cp_comm_ms_total_ > 0 ? 100.0 * (1.0 - cp_exposed_ms_total_ / cp_comm_ms_total_) : 0.0);
+                    cp_comm_ms_total_ > 0
+                        ? std::clamp(100.0 * (1.0 - cp_exposed_ms_total_ / cp_comm_ms_total_), 0.0, 100.0)
+                        : 0.0);
       std::printf("%s", comm::comm_summary_table().c_str());
     }
   }
@@ -595,6 +701,34 @@ void Trainer::report() {
     fin["mem_peak_by_category_per_rank"] = peaks;
     fin["mem_resident_by_category_per_rank"] = res_all;
   }
+  if (saver_ && saver_->stats().saves > 0) {
+    const SaverStats& cs = saver_->stats();
+    fin["checkpoint"] = {{"format", "sharded"},
+                         {"async", tc_.checkpoint_async},
+                         {"saves", cs.saves},
+                         {"stall_ms_per_save", cs.stall_ms / static_cast<double>(cs.saves)},
+                         {"write_ms_per_save", cs.write_ms / static_cast<double>(cs.saves)},
+                         {"bytes_written_per_save", cs.bytes_written / cs.saves},
+                         {"staging_bytes", cs.staging_bytes},
+                         {"final_wait_ms", cs.final_wait_ms}};
+    if (log_)
+      std::printf("checkpoints (rank %d): %lld sharded saves%s, training stalled %.1f ms per save (file written in "
+                  "%.1f ms, %s per save%s)%s\n",
+                  rank_, static_cast<long long>(cs.saves), tc_.checkpoint_async ? " (async)" : "",
+                  cs.stall_ms / static_cast<double>(cs.saves), cs.write_ms / static_cast<double>(cs.saves),
+                  format_bytes(cs.bytes_written / cs.saves).c_str(),
+                  tc_.checkpoint_async ? (", staging buffer " + format_bytes(cs.staging_bytes)).c_str() : "",
+                  tc_.checkpoint_async ? ("; the end of the run waited " + std::to_string(static_cast<int64_t>(cs.final_wait_ms)) +
+                                          " ms for the last one").c_str()
+                                       : "");
+  } else if (full_saves_ > 0) {
+    fin["checkpoint"] = {{"format", "full"}, {"saves", full_saves_},
+                         {"stall_ms_per_save", full_save_ms_ / static_cast<double>(full_saves_)}};
+    if (log_)
+      std::printf("checkpoints: %lld full saves (rank 0 writes), training stalled %.1f ms per save\n",
+                  static_cast<long long>(full_saves_), full_save_ms_ / static_cast<double>(full_saves_));
+  }
+  if (!load_info_.is_null()) fin["checkpoint_load"] = load_info_;
   if (!res_.val_losses.empty()) fin["val_loss"] = res_.final_val_loss;
   if (val_start_) fin["val_loss_start"] = *val_start_;
   if (log_ && val_start_ && !res_.val_losses.empty())
@@ -671,6 +805,25 @@ void choose_layout(RunConfig& cfg) {
   plan::AutoLayoutOptions o;
   o.fp32 = cfg.train.dtype != "bf16";
   const int64_t tokens = cfg.train.micro_batch * cfg.train.grad_accum * mc.seq_len * W.size();
+  // The planner's picture of this machine comes from this machine: every rank measures the
+  // engine's kernels at the model's shapes on the threads it will train with, all at once (they
+  // share the cores and the memory bandwidth), and the ranks average the figures so that they all
+  // choose the same layout.
+  {
+    const int threads = cfg.train.threads > 0 ? static_cast<int>(cfg.train.threads)
+                                              : std::max(1, auto_threads() / W.local_size());
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    plan::CpuMeasurement cm = measure_this_cpu(mc, std::max<int64_t>(1, cfg.train.micro_batch), !o.fp32, W.local_size());
+    omp_set_num_threads(before);
+    if (W.size() > 1) {
+      float f[4] = {static_cast<float>(cm.model_flops), static_cast<float>(cm.mem_bw),
+                    static_cast<float>(cm.peak_flops_fp32), static_cast<float>(cm.peak_flops_bf16)};
+      W.world()->all_reduce(f, 4, DType::F32, comm::ReduceOp::Avg)->wait();
+      cm.model_flops = f[0], cm.mem_bw = f[1], cm.peak_flops_fp32 = f[2], cm.peak_flops_bf16 = f[3];
+    }
+    o.cluster_model = plan::measured_cpu_cluster(cm);
+  }
   plan::AutoLayout a = plan::auto_layout(mc, W.size(), W.local_size(), tokens, o);
   cfg.parallel.strategy = a.strategy;
   cfg.parallel.dp_replicate = a.dp_replicate;

@@ -130,6 +130,13 @@ TEST_F(ContextParallel, CheckpointsReloadUnderAnotherLayout) {
                     kLlama + "--train.steps 12 --train.resume " + (dir_ / "ck_cp12").string() + "/step_00000008");
   ASSERT_EQ(back.losses.size(), 4u);
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(back.losses[i], longer.losses[8 + i], kLossTol) << "step " << 9 + i;
+  // The sharded format: every rank of cp 2 x FULL_SHARD 2 writes its own share; one process reads it back.
+  train(4, 4, 1, "cpfs12", kLlama + "--parallel.cp 2 --parallel.strategy FULL_SHARD --train.steps 12 "
+                           "--train.checkpoint_every 4 --train.checkpoint_format sharded");
+  auto sharded = train(1, 8, 1, "fromsharded",
+                       kLlama + "--train.steps 12 --train.resume " + (dir_ / "ck_cpfs12").string() + "/step_00000008");
+  ASSERT_EQ(sharded.losses.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(sharded.losses[i], longer.losses[8 + i], kLossTol) << "step " << 9 + i;
 }
 
 TEST_F(ContextParallel, RefusesWhatItCannotSplit) {

@@ -55,12 +55,36 @@ inline std::vector<double> losses(const std::string& metrics) {
   return v;
 }
 
+// The weights of a checkpoint directory's latest checkpoint, every tensor concatenated in name
+// order. A sharded checkpoint (metadata.json) is assembled here from its pieces, independently of
+// the engine's reader (engine layout); a full one is read from model.safetensors (HF layout).
 inline std::vector<float> weights(const std::string& ckdir) {
   std::ifstream latest(ckdir + "/latest");
   std::string step;
   std::getline(latest, step);
-  auto ts = read_safetensors(ckdir + "/" + step + "/model.safetensors");
+  const std::string dir = ckdir + "/" + step;
   std::vector<float> all;
+  if (std::filesystem::exists(dir + "/metadata.json")) {
+    const auto meta = nlohmann::json::parse(std::ifstream(dir + "/metadata.json"));
+    for (auto it = meta["tensors"].begin(); it != meta["tensors"].end(); ++it) {
+      if (it.key().rfind("exp_avg", 0) == 0) continue;  // moments
+      const auto shape = (*it)["shape"].get<std::vector<int64_t>>();
+      const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+      std::vector<float> t(static_cast<size_t>(rows * cols), std::nanf(""));
+      for (const auto& p : (*it)["pieces"]) {
+        std::ifstream f(dir + "/" + meta["files"][p[0].get<size_t>()]["name"].get<std::string>(), std::ios::binary);
+        f.seekg(p[1].get<int64_t>());
+        const int64_t r0 = p[2], nr = p[3], c0 = p[4], nc = p[5];
+        std::vector<float> buf(static_cast<size_t>(nr * nc));
+        f.read(reinterpret_cast<char*>(buf.data()), static_cast<std::streamsize>(buf.size() * 4));
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t c = 0; c < nc; ++c) t[static_cast<size_t>((r0 + r) * cols + c0 + c)] = buf[static_cast<size_t>(r * nc + c)];
+      }
+      all.insert(all.end(), t.begin(), t.end());  // an element no piece held stays NaN and fails any comparison
+    }
+    return all;
+  }
+  auto ts = read_safetensors(dir + "/model.safetensors");
   for (auto& [name, t] : ts) {
     const float* p = reinterpret_cast<const float*>(t.bytes.data());
     all.insert(all.end(), p, p + t.bytes.size() / 4);
@@ -156,7 +180,13 @@ inline void expect_close(const RunResult& a, const RunResult& b, double loss_tol
   }
   ASSERT_EQ(a.weights.size(), b.weights.size());
   double maxd = 0;
-  for (size_t i = 0; i < a.weights.size(); ++i) maxd = std::max(maxd, (double)std::abs(a.weights[i] - b.weights[i]));
+  size_t nans = 0;
+  for (size_t i = 0; i < a.weights.size(); ++i) {
+    const double d = std::abs(static_cast<double>(a.weights[i]) - static_cast<double>(b.weights[i]));
+    if (std::isnan(d)) ++nans;
+    else maxd = std::max(maxd, d);
+  }
+  EXPECT_EQ(nans, 0u) << what << ": weights missing from a checkpoint";
   EXPECT_LT(maxd, weight_tol) << what << ": max weight difference " << maxd;
   std::printf("[%s] final loss %.6f vs %.6f, max |dloss| %.3g, max |dw| %.3g\n", what.c_str(), a.losses.back(),
               b.losses.back(), maxl, maxd);

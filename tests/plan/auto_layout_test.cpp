@@ -132,6 +132,50 @@ TEST(AutoLayout, AgreesWithThePlannerRestrictedToTheEngine) {
   EXPECT_DOUBLE_EQ(a.estimate.time.total(), r.candidates[0].time.total());
 }
 
+CpuMeasurement sample_cpu(double model_gflops) {
+  CpuMeasurement m;
+  m.description = "test machine";
+  m.ranks_per_node = 2;
+  m.peak_flops_fp32 = 100e9;
+  m.peak_flops_bf16 = 200e9;
+  m.model_flops = model_gflops * 1e9;
+  m.model_flops_bf16 = true;
+  m.mem_bw = 20e9;
+  m.node_mem = 16 * GiB;
+  return m;
+}
+
+TEST(AutoLayout, MeasuredCpuClusterIsPerRankAndFollowsTheMeasurement) {
+  const Cluster c = measured_cpu_cluster(sample_cpu(80));
+  EXPECT_EQ(c.device, "rank");
+  EXPECT_FALSE(c.shared_node);
+  EXPECT_EQ(c.gpus_per_node, 2);
+  EXPECT_DOUBLE_EQ(c.mem_per_gpu, 8 * GiB);
+  EXPECT_DOUBLE_EQ(c.compute_efficiency, 0.4);  // 80 of the 200 GFLOP/s bf16 peak
+  EXPECT_DOUBLE_EQ(c.peak_flops(false) * c.compute_efficiency, 80e9);
+  EXPECT_EQ(c.description, "test machine");
+  EXPECT_NO_THROW(c.validate());
+  CpuMeasurement bad = sample_cpu(80);
+  bad.mem_bw = 0;
+  EXPECT_THROW(measured_cpu_cluster(bad), std::invalid_argument);
+
+  // --auto with a measured cluster: twice the measured rate, about half the predicted compute time
+  // (the optimizer's streaming and the per-kernel overhead do not change); the sentences speak of
+  // ranks.
+  AutoLayoutOptions o;
+  o.fp32 = false;
+  o.cluster_model = measured_cpu_cluster(sample_cpu(40));
+  const AutoLayout slow = auto_layout(model_preset("gpt2-mini"), 2, 2, 32 * 128, o);
+  o.cluster_model = measured_cpu_cluster(sample_cpu(80));
+  const AutoLayout fast = auto_layout(model_preset("gpt2-mini"), 2, 2, 32 * 128, o);
+  ASSERT_EQ(slow.estimate.layout.describe(), fast.estimate.layout.describe());
+  const double ratio = slow.estimate.time.compute / fast.estimate.time.compute;
+  EXPECT_GT(ratio, 1.8);
+  EXPECT_LE(ratio, 2.0 + 1e-9);
+  EXPECT_NE(fast.why.find("usable per rank"), std::string::npos) << fast.why;
+  EXPECT_EQ(fast.why.find("GPU"), std::string::npos) << fast.why;
+}
+
 TEST(AutoLayout, ReportsWhenNothingFits) {
   // GPT-2 1.5B in fp32 needs 16 bytes x 1.56e9 of model state: more than this machine's 23 GiB.
   const AutoLayout a = auto_layout(model_preset("gpt2-1.5b"), 2, 2, 8 * 1024);

@@ -12,6 +12,7 @@
 #include "run_command.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/export.h"
 #include "train/sampler.h"
 #include "train/token_shards.h"
 #include "train/trainer.h"
@@ -58,10 +59,12 @@ TEST_F(Sampler, GreedyContinuesTheLearntCycle) {
 
 TEST_F(Sampler, WeightsFileSamplesLikeItsCheckpoint) {
   const std::string ck = resolve_checkpoint((dir_ / "ck").string());
+  const std::string hf = (dir_ / "hf").string();  // the checkpoint's weights as one Hugging Face file
+  export_checkpoint(ck, hf, int64_t{1} << 40);
   for (const char* t : {"0", "0.8"}) {
     const std::string a = sample({"--checkpoint", ck, "--temperature", t, "--seed", "3"});
     const std::string b =
-        sample({"--weights", ck + "/model.safetensors", "--model", "gpt2-tiny", "--temperature", t, "--seed", "3"});
+        sample({"--weights", hf + "/model.safetensors", "--model", "gpt2-tiny", "--temperature", t, "--seed", "3"});
     EXPECT_EQ(a, b) << "temperature " << t;
   }
 }

@@ -32,16 +32,19 @@ inline float exp_f(float x) {
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   float t = xc * 1.44269504088896341f;
   float r = (t + magic) - magic;
-  float f = xc - r * 0.693145751953125f;
-  f = f - r * 1.428606820309417232e-06f;
+  // Fused multiply-adds, written out: every supported CPU has FMA (the x86-64-v3 baseline), the
+  // result is then the same on every ISA variant and thread count, and the polynomial costs 7
+  // instructions instead of 14 (the softmax of the loss is bound by this function).
+  float f = __builtin_fmaf(-r, 0.693145751953125f, xc);
+  f = __builtin_fmaf(-r, 1.428606820309417232e-06f, f);
   float p = 1.98412698412698413e-04f;  // 1/7!
-  p = p * f + 1.38888888888888889e-03f;
-  p = p * f + 8.33333333333333333e-03f;
-  p = p * f + 4.16666666666666667e-02f;
-  p = p * f + 1.66666666666666667e-01f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  p = __builtin_fmaf(p, f, 1.38888888888888889e-03f);
+  p = __builtin_fmaf(p, f, 8.33333333333333333e-03f);
+  p = __builtin_fmaf(p, f, 4.16666666666666667e-02f);
+  p = __builtin_fmaf(p, f, 1.66666666666666667e-01f);
+  p = __builtin_fmaf(p, f, 0.5f);
+  p = __builtin_fmaf(p, f, 1.0f);
+  p = __builtin_fmaf(p, f, 1.0f);
   // 2^r: r + (1.5*2^23 + 127) holds r + 127 in its low mantissa bits; shifting them into the
   // exponent field discards everything else.
   float m = r + 12583039.0f;

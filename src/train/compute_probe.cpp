@@ -1,0 +1,193 @@
+// The compute and memory-bandwidth ceilings of this CPU at a model's shapes (see compute_probe.h).
+#include "train/compute_probe.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_isa.h"
+#include "runtime/tensor.h"
+
+namespace mt {
+
+namespace {
+using json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+double secs_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+volatile float g_sink = 0.0f;
+
+// One trial of the FMA peak: every thread runs 12 independent chains (latency x two FMA pipes).
+#define MT_FMA_TRIAL(V, LANES, SET1, FMA, FIRST)                                            \
+  constexpr int kAcc = 12;                                                                 \
+  const int nt = omp_get_max_threads();                                                    \
+  const auto t0 = Clock::now();                                                            \
+  float total = 0.0f;                                                                      \
+  _Pragma("omp parallel reduction(+ : total)") {                                           \
+    V acc[kAcc];                                                                           \
+    for (int i = 0; i < kAcc; ++i) acc[i] = SET1(float(i + omp_get_thread_num()));        \
+    const V b = SET1(1.0000001f), c = SET1(1e-7f);                                         \
+    for (int64_t k = 0; k < iters; ++k) {                                                  \
+      _Pragma("GCC unroll 12") for (int i = 0; i < kAcc; ++i) acc[i] = FMA(acc[i], b, c);  \
+    }                                                                                      \
+    for (int i = 0; i < kAcc; ++i) total += FIRST(acc[i]);                                 \
+  }                                                                                        \
+  g_sink = total;                                                                          \
+  return double(nt) * double(iters) * kAcc * LANES * 2.0 / secs_since(t0);
+
+double fma_trial_avx2(int64_t iters) { MT_FMA_TRIAL(__m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32) }
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+double fma_trial_avx512(int64_t iters) { MT_FMA_TRIAL(__m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32) }
+#pragma GCC pop_options
+#undef MT_FMA_TRIAL
+
+}  // namespace
+
+double fma_peak_here(double seconds) {
+  using kernels::cpu::CpuIsa;
+  const bool wide = kernels::cpu::active_isa() >= CpuIsa::AVX512;
+  auto trial = [&](int64_t iters) { return wide ? fma_trial_avx512(iters) : fma_trial_avx2(iters); };
+  // Calibrate the length: a short trial, then three of seconds / 3 each.
+  int64_t iters = 20000;
+  const auto c0 = Clock::now();
+  trial(iters);
+  const double per_iter = std::max(1e-12, secs_since(c0) / static_cast<double>(iters));
+  iters = std::max<int64_t>(20000, static_cast<int64_t>(seconds / 3 / per_iter));
+  std::vector<double> r;
+  for (int i = 0; i < 3; ++i) r.push_back(trial(iters));
+  std::sort(r.begin(), r.end());
+  return r[1];
+}
+
+plan::CpuMeasurement measure_this_cpu(const ModelConfig& m, int64_t micro_batch, bool bf16, int ranks_per_node,
+                                      double seconds) {
+  using kernels::cpu::CpuIsa;
+  plan::CpuMeasurement r;
+  r.ranks_per_node = std::max(1, ranks_per_node);
+  const ComputeCeiling cc = measure_compute_here(m, micro_batch, bf16, seconds);
+  r.model_flops = cc.flops_per_s;
+  r.model_flops_bf16 = bf16;
+  r.mem_bw = cc.mem_bw;
+  r.peak_flops_fp32 = fma_peak_here();
+  // bf16 arithmetic: AVX512-BF16's dot product does twice the fp32 FMA work per instruction and
+  // AMX-BF16 a tile multiply (Intel: 1024 bf16 FLOP per cycle and core, 16x the AVX-512 fp32
+  // rate); without either, bf16 is widened to fp32.
+  const CpuIsa isa = kernels::cpu::active_isa();
+  r.peak_flops_bf16 = r.peak_flops_fp32 * (isa >= CpuIsa::AMX_BF16 ? 16.0 : isa >= CpuIsa::AVX512_BF16 ? 2.0 : 1.0);
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  r.node_mem = pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+  r.description = "this machine: " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) + " cpus, " +
+                  std::to_string(r.ranks_per_node) + " rank(s) x " + std::to_string(omp_get_max_threads()) +
+                  " thread(s); " + kernels::describe(Device::CPU);
+  return r;
+}
+
+ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch, bool use_bf16, double seconds,
+                                    double stream_bytes, int tp) {
+  ModelConfig m = m_in;
+  m.resolve();
+  const kernels::KernelTable& K = kernels::table(Device::CPU);  // the kernels the engine runs here
+  const int64_t t = std::max(1, tp);  // one tp rank's share: heads, MLP width, vocabulary columns
+  const int64_t T = m.seq_len, B = micro_batch, N = B * T, C = m.n_embd, F = m.ffn_hidden / t, hd = m.head_dim();
+  const int64_t nh = m.n_head / t, nkv = m.n_kv_head / t, V = (m.padded_vocab + t - 1) / t;
+  const bool gpt = m.arch == Arch::GPT2;
+  // (in, out) of every linear of one block, and the head.
+  std::vector<std::pair<int64_t, int64_t>> lin;
+  if (gpt) lin = {{C, 3 * nh * hd}, {nh * hd, C}, {C, F}, {F, C}};
+  else lin = {{C, (nh + 2 * nkv) * hd}, {nh * hd, C}, {C, F}, {C, F}, {F, C}};
+  const int64_t qkvw = (nh + 2 * nkv) * hd;
+  int64_t max_in = C, max_out = V, max_w = C * V;  // the head: C -> V
+  for (auto [in, o] : lin) max_in = std::max(max_in, in), max_out = std::max(max_out, o), max_w = std::max(max_w, in * o);
+  auto sz = [](int64_t n) { return static_cast<size_t>(n); };
+  std::vector<float> x(sz(N * max_in), 0.01f), dx(sz(N * max_in));       // inputs, their gradient
+  std::vector<float> y(sz(N * max_out), 0.02f), out(sz(N * max_out));    // output gradient, outputs
+  std::vector<float> w(sz(max_w), 0.001f), dw(sz(max_w), 0.f);
+  std::vector<bf16> xb(x.size()), wb(w.size());
+  K.cast_f32_to_bf16(xb.data(), x.data(), static_cast<int64_t>(x.size()));
+  K.cast_f32_to_bf16(wb.data(), w.data(), static_cast<int64_t>(w.size()));
+  std::vector<float> qkv(sz(N * qkvw), 0.01f), att(sz(N * nh * hd)), lse(sz(N * nh)), dqkv(sz(N * qkvw)),
+      datt(sz(N * nh * hd), 0.01f);
+  std::vector<float> bias(sz(max_out), 0.01f), dbias(sz(max_out), 0.f);
+  // One linear layer forward and backward exactly as the model calls it (kernels/gemm.h: GPT-2's
+  // linears have biases, Llama's and the head do not).
+  auto linear = [&](int64_t in, int64_t o, bool has_bias) {
+    const float* b = has_bias ? bias.data() : nullptr;
+    float* db = has_bias ? dbias.data() : nullptr;
+    if (use_bf16) {
+      K.linear_forward_bf16(out.data(), xb.data(), wb.data(), b, N, in, o);
+      K.linear_backward_bf16(dx.data(), dw.data(), db, y.data(), xb.data(), wb.data(), N, in, o);
+    } else {
+      K.linear_forward(out.data(), x.data(), w.data(), b, N, in, o);
+      K.linear_backward(dx.data(), dw.data(), db, y.data(), x.data(), w.data(), N, in, o);
+    }
+  };
+  auto attention = [&]() {
+    K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd);
+    K.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd);
+  };
+  // The planner's FLOP count (cost_model.cpp): 2 x weights forward, twice that backward; attention
+  // 4 s h per token forward (full, non-causal), twice that backward.
+  double gemm_flops_layer = 0;
+  for (auto [in, o] : lin) gemm_flops_layer += 6.0 * static_cast<double>(N) * in * o;
+  const double head_flops = 6.0 * static_cast<double>(N) * C * V;
+  const double attn_flops_layer = 12.0 * static_cast<double>(N) * T * nh * hd;
+
+  // Warm-up (library JIT, page faults): one layer.
+  for (auto [in, o] : lin) linear(in, o, gpt);
+  attention();
+  double t_gemm = 0, t_attn = 0, f_gemm = 0, f_attn = 0;
+  const auto t0 = Clock::now();
+  do {
+    for (int64_t l = 0; l < m.n_layer; ++l) {
+      auto a = Clock::now();
+      for (auto [in, o] : lin) linear(in, o, gpt);
+      t_gemm += secs_since(a);
+      f_gemm += gemm_flops_layer;
+      a = Clock::now();
+      attention();
+      t_attn += secs_since(a);
+      f_attn += attn_flops_layer;
+    }
+    auto a = Clock::now();
+    linear(C, V, false);
+    t_gemm += secs_since(a);
+    f_gemm += head_flops;
+  } while (secs_since(t0) < seconds);
+
+  ComputeCeiling r;
+  r.gemm_flops_per_s = f_gemm / t_gemm;
+  r.flops_per_s = (f_gemm + f_attn) / (t_gemm + t_attn);
+  r.threads = omp_get_max_threads();
+  r.procs = 1;
+  // Streaming: dst += src over two arrays (12 bytes per element: two reads, one write).
+  const int64_t n = std::max<int64_t>(1 << 16, static_cast<int64_t>(stream_bytes / 8));
+  Tensor a = Tensor::zeros({n}, DType::F32, MemCategory::Workspace);
+  Tensor b = Tensor::zeros({n}, DType::F32, MemCategory::Workspace);
+  K.accumulate(a.f32(), b.f32(), n);
+  double bytes = 0;
+  const auto s0 = Clock::now();
+  do {
+    K.accumulate(a.f32(), b.f32(), n);
+    bytes += 12.0 * static_cast<double>(n);
+  } while (secs_since(s0) < std::max(0.05, 0.25 * seconds));
+  r.mem_bw = bytes / secs_since(s0);
+  return r;
+}
+
+std::string compute_probe_json(const ComputeCeiling& c) {
+  json j = {{"flops_per_s", c.flops_per_s},
+            {"gemm_flops_per_s", c.gemm_flops_per_s},
+            {"mem_bw", c.mem_bw},
+            {"threads", c.threads}};
+  return j.dump() + "\n";
+}
+
+}  // namespace mt
