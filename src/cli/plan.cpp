@@ -80,6 +80,7 @@ std::string plan_help() {
          "Search constraints:\n"
          "  --strategy S            DDP|ZeRO-1|ZeRO-2|ZeRO-3|HSDP (or NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)\n"
          "  --tp T  --pp P          fix the tensor / pipeline degree\n"
+         "  --cp C                  fix the context-parallel degree (default: cp > 1 tried from --seq 16384 on)\n"
          "  --schedule S            gpipe|1f1b|interleaved_1f1b\n"
          "  --ac none|selective|full  fix activation checkpointing (selective = every second block recomputed)\n"
          "  --no-offload            do not consider CPU offload\n"
@@ -96,7 +97,8 @@ std::string plan_help() {
          "                          llama-zero3-bf16, tp2 (tp = 2 on 2 ranks), tp2-zero3x4 (tp = 2 x ZeRO-3\n"
          "                          dp_shard = 2 on 4 ranks), tp2-sp (tp = 2 + sequence parallelism), tp2-sp-bf16,\n"
          "                          pp2 (pp = 2 1f1b, 4 micro-batches), pp2-gpipe, pp2-dp2 (pp = 2 x DDP 2 on 4\n"
-         "                          ranks), pp2-interleaved (2 chunks per rank) (default: all sixteen)\n"
+         "                          ranks), pp2-interleaved (2 chunks per rank), cp2 (context parallel 2, Llama),\n"
+         "                          cp2-zero3x4 (ZeRO-3 over dp_shard 2 x cp 2 on 4 ranks) (default: all eighteen)\n"
          "  --scale-layouts LIST    dry-run-only layouts: 70b-zero3-tp8 (64 ranks), 70b-hsdp-tp8 (128), 70b-zero3-tp8-pp4\n"
          "                          (512), 405b-zero3-tp8-pp8 (512), 405b-zero1-tp8-pp16 (256), or none (default: all)\n"
          "  --no-time-check         report step time without failing on it (shared, noisy machines)\n"
@@ -180,7 +182,7 @@ int run(int argc, char** argv) {
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
                "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
                "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
-               "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
+               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
                "no-offload", "validate", "no-time-check", "probe-compute", "no-measure"});
   a.parse(argc, argv, 1);
@@ -364,6 +366,7 @@ int run(int argc, char** argv) {
   }
   if (a.has("tp")) o.tp = static_cast<int>(pos_int(a, "tp", 0));
   if (a.has("pp")) o.pp = static_cast<int>(pos_int(a, "pp", 0));
+  if (a.has("cp")) o.cp = static_cast<int>(pos_int(a, "cp", 0));
   if (a.has("schedule")) {
     Schedule s;
     if (!parse_schedule(a.get("schedule"), &s) || s == Schedule::None)

@@ -64,7 +64,7 @@ Strategy planner_strategy(const std::string& s) {
 
 // ---- the engine layout ----------------------------------------------------------------------------------
 
-int EngineLayout::dp_ranks() const { return ranks / (std::max(1, tp) * std::max(1, pp)); }
+int EngineLayout::dp_ranks() const { return ranks / (std::max(1, tp) * std::max(1, pp) * std::max(1, cp)); }
 
 int EngineLayout::pp_rank_of(int rank) const { return rank / std::max(1, ranks / std::max(1, pp)); }
 
@@ -74,7 +74,7 @@ int EngineLayout::virtual_stages() const {
 
 int EngineLayout::shard_size() const {
   if (strategy == "NO_SHARD") return 1;
-  return hybrid() ? dp_ranks() / std::max(1, dp_replicate) : dp_ranks();
+  return (hybrid() ? dp_ranks() / std::max(1, dp_replicate) : dp_ranks()) * std::max(1, cp);
 }
 
 int EngineLayout::replicas() const { return hybrid() ? std::max(1, dp_replicate) : 1; }
@@ -86,6 +86,7 @@ std::string EngineLayout::label() const {
   else if (strategy == "HYBRID_SHARD_ZERO2")
     s = "HSDP-ZeRO-2 " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
   else s = std::string(strategy_label(planner_strategy(strategy))) + " x" + std::to_string(dp_ranks());
+  if (cp > 1) s += " cp" + std::to_string(cp);
   if (tp > 1) s += " tp" + std::to_string(tp) + (sequence_parallel ? " sp" : "");
   if (pp > 1) s += " pp" + std::to_string(pp) + " " + pp_schedule;
   if (virtual_stages() > 1) s += " v" + std::to_string(virtual_stages());
@@ -121,6 +122,7 @@ std::vector<std::string> EngineLayout::train_args() const {
           "--parallel.reshard_after_forward", reshard_after_forward ? "true" : "false",
           "--parallel.bucket_mb", fmt("%g", bucket_mb)};
   if (sequence_parallel) a.insert(a.end(), {"--parallel.sequence_parallel", "true"});
+  if (cp > 1) a.insert(a.end(), {"--parallel.cp", std::to_string(cp)});
   if (pp > 1) a.insert(a.end(), {"--parallel.pp", std::to_string(pp), "--parallel.pp_schedule", pp_schedule});
   if (virtual_stages() > 1) a.insert(a.end(), {"--parallel.pp_virtual_stages", std::to_string(virtual_stages())});
   if (moe_experts > 0)
@@ -136,6 +138,9 @@ void check_engine_layout(const EngineLayout& e) {
     throw std::invalid_argument("tp " + std::to_string(e.tp) + " does not divide " + std::to_string(e.ranks) + " ranks");
   if (e.pp < 1 || e.ranks % (e.tp * e.pp) != 0)
     throw std::invalid_argument("tp " + std::to_string(e.tp) + " x pp " + std::to_string(e.pp) + " does not divide " +
+                                std::to_string(e.ranks) + " ranks");
+  if (e.cp < 1 || e.ranks % (e.tp * e.pp * e.cp) != 0)
+    throw std::invalid_argument("tp x pp x cp " + std::to_string(e.tp * e.pp * e.cp) + " does not divide " +
                                 std::to_string(e.ranks) + " ranks");
   if (e.pp > 1 && e.pp_schedule != "gpipe" && e.pp_schedule != "1f1b" && e.pp_schedule != "interleaved_1f1b")
     throw std::invalid_argument("pipeline schedule '" + e.pp_schedule + "': the validation predicts gpipe, 1f1b and "
@@ -157,7 +162,9 @@ void check_engine_layout(const EngineLayout& e) {
     if (v % e.tp != 0)
       throw std::invalid_argument(e.model + ": " + what + " (" + std::to_string(v) + ") is not divisible by tp " +
                                   std::to_string(e.tp));
-  if (e.sequence_parallel && (e.micro_batch * m.seq_len) % e.tp != 0)
+  if (e.cp > 1 && m.seq_len % (2 * e.cp) != 0)
+    throw std::invalid_argument("cp " + std::to_string(e.cp) + " needs seq_len divisible by 2 x cp");
+  if (e.sequence_parallel && (e.micro_batch * m.seq_len / e.cp) % e.tp != 0)
     throw std::invalid_argument("sequence parallelism needs micro_batch x seq_len divisible by tp");
   if (e.pp > 1) {
     if (e.pp > m.n_layer + 2) throw std::invalid_argument("pp " + std::to_string(e.pp) + " exceeds the model's units");
@@ -172,12 +179,13 @@ Layout planner_layout(const EngineLayout& e) {
   Layout l;
   l.strategy = planner_strategy(e.strategy);
   l.tp = e.tp;
+  l.cp = e.cp;
   if (l.strategy == Strategy::DDP) {
     l.dp_replicate = e.dp_ranks();
     l.dp_shard = 1;
   } else if (e.hybrid()) {
     l.dp_replicate = e.replicas();
-    l.dp_shard = e.shard_size();
+    l.dp_shard = e.dp_ranks() / e.replicas();  // the planner multiplies by cp itself
     if (e.replicas() == 1) l.strategy = Strategy::ZeRO3;  // a hybrid over one replica is plain sharding
   } else {
     l.dp_replicate = 1;
@@ -775,12 +783,14 @@ PlannerGaps compare_with_planner(const ModelConfig& m_in, const EngineLayout& e,
   }
   // Bytes by group: rank 0's counters against estimate()'s per-step volume on the same group.
   const std::map<std::string, double> planned = {
-      {e.hybrid() ? "dp_shard" : "dp", est.group_bytes.dp},
+      // the engine's names: the cp ranks reduce with the data-parallel ones (dp_cp, dp_shard_cp)
+      {e.cp > 1 ? (e.hybrid() ? "dp_shard_cp" : "dp_cp") : (e.hybrid() ? "dp_shard" : "dp"), est.group_bytes.dp},
       {"dp_replicate", est.group_bytes.dp_replicate},
       {"tp", est.group_bytes.tp},
       {"pp", est.group_bytes.pp},
       {"ep", est.group_bytes.ep},
-      {"edp", est.group_bytes.edp}};
+      {"edp", est.group_bytes.edp},
+      {"cp", est.group_bytes.cp}};
   std::vector<std::string> groups;
   for (const auto& [k, v] : planned)
     if (v > 0) groups.push_back(k);
@@ -852,12 +862,23 @@ std::vector<EngineLayout> default_validation_layouts() {
   moe.moe_experts = 4;
   moe.ep = 2;
   v.push_back(moe);
+  // Context parallelism: cp = 2 alone (ring attention; the two ranks reduce gradients as DDP), and
+  // inside ZeRO-3 over dp_shard 2 x cp 2, on Llama (RoPE, grouped-query attention).
+  EngineLayout cp2 = mk("NO_SHARD", 2);
+  cp2.model = "llama-mini";
+  cp2.cp = 2;
+  v.push_back(cp2);
+  EngineLayout cp2z3 = mk("FULL_SHARD", 4);
+  cp2z3.model = "llama-mini";
+  cp2z3.cp = 2;
+  v.push_back(cp2z3);
   return v;
 }
 
 std::vector<std::string> validation_layout_names() {
   return {"ddp", "zero1",       "zero2",  "zero3", "zero3x4",   "hsdp",   "ddp-bf16",
-          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "tp2-sp-bf16", "pp2", "pp2-gpipe", "pp2-dp2", "pp2-interleaved", "moe-ep2"};
+          "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "tp2-sp-bf16", "pp2", "pp2-gpipe", "pp2-dp2", "pp2-interleaved",
+          "moe-ep2", "cp2", "cp2-zero3x4"};
 }
 
 std::vector<EngineLayout> default_scale_layouts() {

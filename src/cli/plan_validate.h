@@ -40,6 +40,7 @@ struct EngineLayout {
   int ranks = 2;
   int tp = 1;                        // --parallel.tp: tensor-parallel degree (innermost mesh dimension)
   bool sequence_parallel = false;    // --parallel.sequence_parallel (needs tp > 1)
+  int cp = 1;                        // --parallel.cp: context-parallel degree (between dp_shard and tp)
   int pp = 1;                        // --parallel.pp: pipeline ranks (outermost mesh dimension)
   std::string pp_schedule = "1f1b";  // --parallel.pp_schedule: gpipe | 1f1b | interleaved_1f1b
   int pp_virtual_stages = 1;         // --parallel.pp_virtual_stages (interleaved_1f1b: model chunks per rank)
@@ -59,10 +60,10 @@ struct EngineLayout {
   int ep = 1;
   bool routing_dependent() const { return moe_experts > 0; }
 
-  int dp_ranks() const;              // ranks / (tp x pp)
+  int dp_ranks() const;              // ranks / (tp x pp x cp): the ranks that see different data
   int pp_rank_of(int rank) const;    // pp is the outermost mesh dimension
   int virtual_stages() const;        // interleaved_1f1b: pp_virtual_stages, else 1
-  int shard_size() const;            // ranks the parameters / gradients / optimizer are split over
+  int shard_size() const;            // ranks the parameters / gradients / optimizer are split over (x cp)
   int replicas() const;              // 1 unless hybrid
   bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
   std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini", "DDP x1 pp2 1f1b fp32 accum4 gpt2-mini", ...

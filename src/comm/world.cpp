@@ -290,6 +290,10 @@ DeviceMesh::DeviceMesh(World& world, std::vector<std::pair<std::string, int>> di
     std::string name;
     if (names.size() == 2 && names[0] == "dp_replicate" && names[1] == "dp_shard")
       name = "dp";
+    else if (names.size() == 3 && names[0] == "dp_replicate" && names[1] == "dp_shard" && names[2] == "cp" && k > 3)
+      name = "dp_cp";  // torchtitan's names for the data-parallel ranks with the context-parallel ones
+    else if (names.size() == 2 && names[0] == "dp_shard" && names[1] == "cp")
+      name = "dp_shard_cp";
     else if (names.size() == static_cast<size_t>(k) && k > 1)
       name = "world";
     else

@@ -93,7 +93,8 @@ class DeviceMesh {
   // "dp" names the flattened {dp_replicate, dp_shard} when the mesh has both.
   std::shared_ptr<ProcessGroup> group(const std::string& dim);
   // Flattened group over several dimensions (any order given; ranks ordered row-major in mesh
-  // order). Named "dp" for {dp_replicate, dp_shard}, "world" for every dimension, otherwise the
+  // order). Named "dp" for {dp_replicate, dp_shard}, "dp_cp" for {dp_replicate, dp_shard, cp},
+  // "dp_shard_cp" for {dp_shard, cp}, "world" for every dimension, otherwise the
   // names joined with '+' in mesh order (e.g. "dp_shard+tp").
   std::shared_ptr<ProcessGroup> group(std::vector<std::string> dims);
 

@@ -62,6 +62,25 @@ struct KernelTable {
   void (*rope_forward_freq)(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
   void (*rope_backward_freq)(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                              const float* inv_freq);
+  // --- context parallelism (cpu/attention_block.h) ---
+  // A rank's queries against one block of keys / values ([B, T, 2*nkv*hd]) in `chunks` chunks per
+  // sequence, modes[a * chunks + b] = 0 skip / 1 full / 2 causal; merged into out / lse by log-sum-exp.
+  void (*attention_block_forward)(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
+                                  int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first);
+  void (*attention_block_backward)(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
+                                   const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                                   int64_t hd, int64_t chunks, const int8_t* modes);
+  // Rotary embedding at explicit token positions (pos[T], host; inv_freq host or null for theta).
+  void (*rope_forward_pos)(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                           const float* inv_freq, const int32_t* pos);
+  void (*rope_backward_pos)(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                            const float* inv_freq, const int32_t* pos);
+  // x[i] += table[pos[(row0 + i) % T]] for R rows; dtable[pos[t]] += sum_b dout[b * T + t].
+  void (*position_add_pos)(float* x, const float* table, const int32_t* pos, int64_t R, int64_t T, int64_t row0,
+                           int64_t C);
+  void (*position_backward_pos)(float* dtable, const float* dout, const int32_t* pos, int64_t B, int64_t T, int64_t C);
+  // out[n, c0 + j] += in[n, j] ([N, ld] out, dense [N, cols] in).
+  void (*add_columns)(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
   // --- embeddings (cpu/embedding.h) ---
   void (*embedding_forward)(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
   void (*embedding_backward)(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C);

@@ -536,6 +536,12 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
     throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
                                 " tokens) divisible by parallel.tp (" + std::to_string(tpc_.size) + ")");
   const int64_t R = residual_rows(BT);
+  if (cp_) {
+    if (T % 2 != 0)
+      throw std::invalid_argument("context parallelism needs an even number of local tokens per sequence (two chunks), got " +
+                                  std::to_string(T));
+    if (static_cast<int64_t>(cp_pos_.size()) != T) cp_pos_ = cp_positions(cp_->rank(), cp_->size(), T);
+  }
   auto A = MemCategory::Activations;
   for (int u = first; u <= last; ++u) {
     if (u == 0) {
@@ -592,6 +598,126 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   bwd_ws_.push_back(Tensor::empty({BT, std::max(C, F)}, DType::F32, W));
   tpc_.stage = bwd_ws_[6].f32();
   tpc_.allocate(BT, C);
+  if (cp_) {  // the travelling key / value blocks and their gradients
+    const int64_t KVW = 2 * nkv_l_ * cfg_.head_dim(), n = cp_->size();
+    for (Tensor& t : cp_kv_) t = Tensor();
+    for (Tensor& t : cp_dkv_) t = Tensor();
+    if (cp_allgather_) {  // every rank's blocks at once
+      cp_kv_[0] = Tensor::empty({n * BT, KVW}, DType::F32, W);
+      cp_dkv_[0] = Tensor::empty({n * BT, KVW}, DType::F32, W);
+      cp_dkv_[1] = Tensor::empty({BT, KVW}, DType::F32, W);
+    } else {
+      for (Tensor& t : cp_kv_) t = Tensor::empty({BT, KVW}, DType::F32, W);
+      for (Tensor& t : cp_dkv_) t = Tensor::empty({BT, KVW}, DType::F32, W);
+    }
+  }
+}
+
+void Transformer::set_context_parallel(CpComm* comm, bool allgather) {
+  if (ws_bt_ != 0) throw std::logic_error("set_context_parallel must come before the first forward");
+  cp_ = comm && comm->size() > 1 ? comm : nullptr;
+  cp_allgather_ = allgather;
+}
+
+namespace {
+constexpr int kTagKv = 1, kTagKvBackward = 2, kTagDkv = 3;  // ring transfers of one block's K/V and dK/dV
+}
+
+// Ring attention (forward): step s computes this rank's queries against the key / value block of
+// cp rank (rank - s) mod cp while that block travels on to the next rank; the partial results are
+// merged by log-sum-exp inside the kernel. Entirely masked chunk pairs are skipped (modes).
+void Transformer::cp_attention_forward(BlockActivations& a) {
+  const int64_t B = B_, T = T_, N = B * T, hd = cfg_.head_dim(), nh = nh_l_, nkv = nkv_l_;
+  const int64_t QKV = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd;
+  const int n = cp_->size(), r = cp_->rank();
+  int8_t modes[4];
+  if (cp_allgather_) {
+    float* all = cp_kv_[0].f32();
+    kt_->copy_columns(all + r * N * KVW, a.qkv.f32(), N, QKV, nh * hd, KVW);
+    cp_->all_gather(all + r * N * KVW, all, N * KVW);
+    for (int s = 0; s < n; ++s) {
+      const int src = (r - s + n) % n;
+      cp_block_modes(r, src, modes);
+      kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), all + src * N * KVW, B, T, nh, nkv, hd, 2,
+                                   modes, s == 0);
+    }
+    return;
+  }
+  float* cur = cp_kv_[0].f32();
+  float* nxt = cp_kv_[1].f32();
+  kt_->copy_columns(cur, a.qkv.f32(), N, QKV, nh * hd, KVW);
+  for (int s = 0; s < n; ++s) {
+    const int h = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKv) : -1;
+    const int src = (r - s + n) % n;
+    cp_block_modes(r, src, modes);
+    kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), cur, B, T, nh, nkv, hd, 2, modes, s == 0);
+    if (h >= 0) {
+      cp_->wait(h);
+      std::swap(cur, nxt);
+    }
+  }
+}
+
+// Ring attention (backward): the key / value blocks go around the ring again, each with the
+// gradient of its keys and values accumulated by the ranks it has visited. The owner's own
+// contribution (step 0) stays home; the accumulation starts at the next rank (step 1) and after
+// the last step travels one more hop, home: cp - 1 transfers of each block's gradient, as a
+// reduce-scatter would move. Each step's contribution is computed into a fresh buffer while the
+// block's accumulated gradient is still on its way, then added to it.
+void Transformer::cp_attention_backward(BlockActivations& a, const float* datty, float* dqkv) {
+  const int64_t B = B_, T = T_, N = B * T, hd = cfg_.head_dim(), nh = nh_l_, nkv = nkv_l_;
+  const int64_t QKV = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd;
+  const size_t block_bytes = static_cast<size_t>(N * KVW) * sizeof(float);
+  const int n = cp_->size(), r = cp_->rank();
+  int8_t modes[4];
+  if (cp_allgather_) {
+    float* all = cp_kv_[0].f32();  // shared by the layers: gathered again
+    float* dall = cp_dkv_[0].f32();
+    kt_->copy_columns(all + r * N * KVW, a.qkv.f32(), N, QKV, nh * hd, KVW);
+    cp_->all_gather(all + r * N * KVW, all, N * KVW);
+    dev::zero(dev_, dall, static_cast<size_t>(n) * block_bytes);
+    for (int s = 0; s < n; ++s) {
+      const int src = (r - s + n) % n;
+      cp_block_modes(r, src, modes);
+      kt_->attention_block_backward(dqkv, dall + src * N * KVW, datty, a.qkv.f32(), all + src * N * KVW, a.atty.f32(),
+                                    a.lse.f32(), B, T, nh, nkv, hd, 2, modes);
+    }
+    cp_->reduce_scatter_sum(dall, cp_dkv_[1].f32(), N * KVW);
+    kt_->add_columns(dqkv, cp_dkv_[1].f32(), N, QKV, nh * hd, KVW);
+    return;
+  }
+  float* cur = cp_kv_[0].f32();
+  float* nxt = cp_kv_[1].f32();
+  float* dacc = cp_dkv_[0].f32();  // gradient of the block held now, accumulated along the ring
+  float* dinc = cp_dkv_[1].f32();  // the next block's accumulated gradient, arriving
+  float* dloc = cp_dkv_[2].f32();  // this step's contribution
+  kt_->copy_columns(cur, a.qkv.f32(), N, QKV, nh * hd, KVW);
+  int hkv = -1, hd_in = -1;
+  for (int s = 0; s < n; ++s) {
+    if (hkv >= 0) {
+      cp_->wait(hkv);
+      std::swap(cur, nxt);
+    }
+    hkv = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKvBackward) : -1;
+    const int src = (r - s + n) % n;
+    cp_block_modes(r, src, modes);
+    float* into = s == 1 ? dacc : dloc;
+    dev::zero(dev_, into, block_bytes);
+    kt_->attention_block_backward(dqkv, into, datty, a.qkv.f32(), cur, a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd, 2,
+                                  modes);
+    if (s == 0) {  // this rank's own block: its own queries' part stays here
+      kt_->add_columns(dqkv, dloc, N, QKV, nh * hd, KVW);
+      continue;
+    }
+    if (s > 1) {
+      cp_->wait(hd_in);  // the block's gradient so far (and the previous send) are through
+      kt_->accumulate(dinc, dloc, N * KVW);
+      std::swap(dacc, dinc);
+    }
+    hd_in = cp_->start_ring_exchange(dacc, dinc, N * KVW, kTagDkv);
+  }
+  cp_->wait(hd_in);  // dinc: this rank's own block's gradient from every other rank
+  kt_->add_columns(dqkv, dinc, N, QKV, nh * hd, KVW);
 }
 
 void Transformer::set_loss_chunk(int64_t rows) {
@@ -687,9 +813,17 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
   const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
   ColumnParallelLinear(tpc_, C).forward(a.ln1, ln1, {{a.qkv.f32(), qkv_weight(p, QKV, false)}});
-  if (!gpt && rope_inv_freq_.empty()) kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
-  if (!gpt && !rope_inv_freq_.empty()) kt_->rope_forward_freq(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
-  kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
+  if (!gpt && cp_)
+    kt_->rope_forward_pos(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta,
+                          rope_inv_freq_.empty() ? nullptr : rope_inv_freq_.data(), cp_pos_.data());
+  else if (!gpt && rope_inv_freq_.empty())
+    kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
+  else if (!gpt)
+    kt_->rope_forward_freq(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
+  if (cp_)
+    cp_attention_forward(a);
+  else
+    kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
   if (bf) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, false)).forward(a.res2.f32(), bf ? a.atty_bf : a.atty);
   kt_->accumulate(a.res2.f32(), x, R * C);
@@ -752,9 +886,17 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   // Attention.
   RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, true)).backward(datty, dx, bf ? a.atty_bf : a.atty);
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
-  kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
-  if (!gpt && rope_inv_freq_.empty()) kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
-  if (!gpt && !rope_inv_freq_.empty()) kt_->rope_backward_freq(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
+  if (cp_)
+    cp_attention_backward(a, datty, dqkv);
+  else
+    kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
+  if (!gpt && cp_)
+    kt_->rope_backward_pos(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta,
+                           rope_inv_freq_.empty() ? nullptr : rope_inv_freq_.data(), cp_pos_.data());
+  else if (!gpt && rope_inv_freq_.empty())
+    kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
+  else if (!gpt)
+    kt_->rope_backward_freq(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
   const float* dln1 = ColumnParallelLinear(tpc_, C).backward(a.ln1, {{dqkv, qkv_weight(p, QKV, true)}}, dnorm);
   norm(p.ln1_w, p.ln1_b, true).backward(dx, dln1, x, a.ln1_mean, a.ln1_rstd, R);
 }
@@ -790,7 +932,9 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     const int emb = unit_params_[0][0];
     VocabParallelEmbedding(tpc_, C, vocab_lo_, Vp_l_)
         .forward(x, ids_saved, bf ? static_cast<const void*>(wb(emb)) : wf(emb));
-    if (gpt && tpc_.sp) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
+    if (gpt && cp_) {  // original positions of this cp rank's tokens (and SP: rows r*R ..)
+      kt_->position_add_pos(x, wf(emb + 1), cp_pos_.data(), R, T, tpc_.sp ? tpc_.rank * R : 0, C);
+    } else if (gpt && tpc_.sp) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
       kt_->position_add_rows(x, wf(emb + 1), R, T, tpc_.rank * R, C);
     } else if (gpt) {
       kt_->position_add_forward(x, wf(emb + 1), B, T, C);
@@ -966,7 +1110,10 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       kt_->accumulate(gp(emb), extra_emb_grad_, Vp * C);
       extra_emb_grad_ = nullptr;
     }
-    if (gpt) kt_->position_add_backward(gp(emb + 1), dall, B, T, C);
+    if (gpt && cp_)
+      kt_->position_backward_pos(gp(emb + 1), dall, cp_pos_.data(), B, T, C);
+    else if (gpt)
+      kt_->position_add_backward(gp(emb + 1), dall, B, T, C);
     if (hooks_) hooks_->post_backward(0);
   }
   s.have_backward = false;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "model/expert_comm.h"
+#include "model/context_parallel.h"
 #include "model/model_config.h"
 #include "model/parameters.h"
 #include "model/tp_layers.h"
@@ -218,6 +219,12 @@ class Transformer {
   // (two small all-reduces per chunk) and the input gradient is reduced by the backward. Set before
   // the first forward.
   void set_loss_chunk(int64_t rows);
+  // Context parallelism (see model/context_parallel.h): every forward's B x T tokens are this cp
+  // rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 - rank); positions follow
+  // the original indices and attention runs over every cp rank's keys and values - passed around
+  // the ring (default), or all-gathered (`allgather`). Set before the first forward.
+  void set_context_parallel(CpComm* comm, bool allgather = false);
+  int cp_size() const { return cp_ ? cp_->size() : 1; }
   int64_t loss_chunk() const { return loss_chunk_; }
   bool sequence_parallel() const { return tpc_.sp; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
@@ -247,6 +254,8 @@ class Transformer {
   Tensor& out_buf(int64_t l);
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
+  void cp_attention_forward(BlockActivations& a);
+  void cp_attention_backward(BlockActivations& a, const float* datty, float* dqkv);
   bool recomputes(int layer) const;
   const float* wf(int idx);
   const bf16* wb(int idx) const;
@@ -325,6 +334,12 @@ class Transformer {
   void moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out);
   void moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2);
   int64_t ws_bt_ = 0;                                     // size of the shared workspace
+  // context parallelism: the communicator, mode, positions of the local tokens and the buffers the
+  // key / value blocks and their gradients travel in (workspace)
+  CpComm* cp_ = nullptr;
+  bool cp_allgather_ = false;
+  std::vector<int32_t> cp_pos_;
+  Tensor cp_kv_[2], cp_dkv_[3];
   Tensor dres_;                                           // backward workspace
   std::vector<Tensor> bwd_ws_;
 };

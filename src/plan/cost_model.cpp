@@ -90,8 +90,9 @@ bool parse_checkpointing(const std::string& s, Checkpointing* out) {
 
 std::string Layout::describe() const {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%s dp_replicate=%d dp_shard=%d tp=%d pp=%d%s%s mb=%lldx%lld ac=%s%s",
-                strategy_label(strategy), dp_replicate, dp_shard, tp, pp, pp > 1 ? " " : "",
+  std::snprintf(buf, sizeof buf, "%s dp_replicate=%d dp_shard=%d%s tp=%d pp=%d%s%s mb=%lldx%lld ac=%s%s",
+                strategy_label(strategy), dp_replicate, dp_shard, cp > 1 ? (" cp=" + std::to_string(cp)).c_str() : "",
+                tp, pp, pp > 1 ? " " : "",
                 pp > 1 ? (std::string(schedule_name(schedule)) +
                           (schedule == Schedule::Interleaved ? "(v=" + std::to_string(virtual_stages) + ")" : ""))
                              .c_str()
@@ -324,7 +325,9 @@ double bubble_fraction(int p, int64_t m, int v) {
 
 std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetup& setup, const Layout& l) {
   auto str = [](auto v) { return std::to_string(v); };
-  if (l.dp_replicate < 1 || l.dp_shard < 1 || l.tp < 1 || l.pp < 1) return "parallel degrees must be >= 1";
+  if (l.dp_replicate < 1 || l.dp_shard < 1 || l.tp < 1 || l.pp < 1 || l.cp < 1) return "parallel degrees must be >= 1";
+  if (l.cp > 1 && setup.seq_or(m) % (2 * l.cp) != 0)
+    return "cp=" + str(l.cp) + " needs the sequence (" + str(setup.seq_or(m)) + ") divisible by 2 x cp";
   if (l.micro_batch < 1 || l.microbatches < 1) return "micro-batch size and count must be >= 1";
   switch (l.strategy) {
     case Strategy::DDP:
@@ -467,7 +470,10 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // Layers on the heaviest pipeline rank: ceil(L / (p v)) per chunk (uneven splits put the extra
   // layers somewhere; the slowest rank paces the pipeline).
   const double Lps = std::ceil(x.L / (p * static_cast<double>(v))) * v;
-  const double tokens = x.s * mbs;
+  // Context parallelism: a rank holds T/cp tokens of each sequence (their queries still attend to
+  // every earlier key of the sequence, so attention FLOPs per token keep the full s).
+  const int cp = l.cp;
+  const double tokens = x.s * mbs / cp;
 
   // ---- parameters per GPU: heaviest pipeline stage after TP ----
   const double block_tp = (x.block - x.norm_block) / T + x.norm_block;
@@ -485,7 +491,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.psi_stage = psi;
   E.psi_experts = psi_e;
 
-  const int shard = (l.strategy == Strategy::DDP) ? 1 : l.dp_shard;
+  const int shard = (l.strategy == Strategy::DDP) ? 1 : l.dp_shard * cp;  // cp ranks shard too
   ModelStateBytes ms = zero_model_state(ep > 1 ? psi_dense : psi, l.strategy, shard, st.fp32, l.cpu_offload, st.grad_bytes);
   if (ep > 1) {
     const ModelStateBytes me = zero_model_state(psi_e, Strategy::DDP, 1, st.fp32, false, st.grad_bytes);
@@ -508,8 +514,10 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     ma.moe_experts = 0;
     ma.ffn_hidden = static_cast<int64_t>((1 - x.moe_frac) * x.f + x.moe_frac * x.moe_f);
   }
-  const double a_layer = layer_activation_bytes(ma, st, l.micro_batch, t, l.checkpointing);
-  const double a_full = layer_activation_bytes(ma, st, l.micro_batch, t, Checkpointing::None);
+  TrainSetup st_rank = st;  // this rank's tokens per sequence
+  st_rank.seq = seq / cp;
+  const double a_layer = layer_activation_bytes(ma, st_rank, l.micro_batch, t, l.checkpointing);
+  const double a_full = layer_activation_bytes(ma, st_rank, l.micro_batch, t, Checkpointing::None);
   // A recomputed layer's full activations exist again while its backward runs (one at a time).
   const double ws = l.checkpointing != Checkpointing::None ? a_full : 0.0;
   const double head_acts = tokens * (e * x.h / (sp ? T : 1.0) + e * x.h + 4.0 * x.V / T);
@@ -530,7 +538,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   const double unit0 = emb_tp * ((p == 1 && !x.tied) ? 2.0 : 1.0) + x.wpe;  // root FSDP unit
   const double unit = std::max(block_tp, unit0);
   double comm_buf = 0;
-  if (l.dp() > 1) {
+  const int dpc = l.dp() * cp;  // ranks the gradients are reduced over
+  if (dpc > 1) {
     if (l.strategy == Strategy::ZeRO3 || l.strategy == Strategy::HSDP)
       comm_buf += 2 * unit * pb + unit * rb;  // gathered current + prefetched unit, unsharded grad
     else
@@ -610,9 +619,11 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // ---- groups ----
   const int G = c.gpus_per_node;
   const GroupShape g_tp = group_shape(t, 1, G);
-  const GroupShape g_shard = group_shape(l.dp_shard, t, G);
-  const GroupShape g_rep = group_shape(l.dp_replicate, t * l.dp_shard, G);
-  const GroupShape g_dp = l.strategy == Strategy::DDP ? g_rep : g_shard;
+  const GroupShape g_cp = group_shape(cp, t, G);
+  const GroupShape g_shard = group_shape(l.dp_shard * cp, t, G);
+  const GroupShape g_rep = group_shape(l.dp_replicate, t * cp * l.dp_shard, G);
+  // DDP reduces over the replicas and the cp ranks (dp_shard = 1: contiguous at stride t).
+  const GroupShape g_dp = l.strategy == Strategy::DDP ? group_shape(l.dp_replicate * cp, t, G) : g_shard;
 
   CollCost per_mb, per_step;  // bytes per micro-batch / per step
   double mb_tp = 0, mb_pp = 0, mb_dp = 0, step_dp = 0;  // exposed seconds
@@ -638,7 +649,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // backward; with SP only 1/t of it crosses (scatter/gather optimisation, arXiv 2104.04473 §4.1).
   if (p > 1) {
     const double bytes = tokens * x.h * e / (sp ? T : 1.0);
-    const int stride = t * l.dp();
+    const int stride = t * cp * l.dp();
     const bool inter = stride >= G || stride * p > G;
     const Link& link = inter ? c.inter : c.intra;
     const double sends = 2.0 * v;
@@ -679,8 +690,28 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   };
   const double n_units = Lps + 1.0;  // FSDP units: one per block plus the root (embedding/head)
   auto buckets = [&](double bytes) { return std::ceil(bytes / st.bucket_bytes); };
+  // Context parallelism (the engine's ring, model/transformer.cpp): per layer and micro-batch the
+  // fp32 key / value block (tokens x 2 kv heads' width / t x 4 bytes) is sent cp - 1 times forward,
+  // cp - 1 times again in backward with cp - 1 sends of its gradient, and cp - 1 more for every
+  // recomputed forward; each send overlaps the attention of the block in hand.
+  double mb_cp = 0;
+  if (cp > 1) {
+    const double block = tokens * 2.0 * x.hk / T * 4.0;
+    const double sends = Lps * (cp - 1.0) * (3.0 + rc_mm);
+    const Link& link = g_cp.nodes > 1 ? c.inter : c.intra;
+    CollCost cc;
+    cc.time = sends * (block / link.bw + link.latency_s);
+    (g_cp.nodes > 1 ? cc.inter_bytes : cc.intra_bytes) = sends * block;
+    per_mb = per_mb + cc;
+    const double attn_s = tokens * Lps * at_f * (3.0 + rc_attn) / flops_rate;
+    mb_cp = std::max(0.0, cc.time - eta * attn_s);
+    E.cp_comm_s = M * cc.time;
+    E.cp_exposed_s = M * mb_cp;
+    E.group_bytes.cp = M * 2.0 * sends * block;  // the engine counts each transfer's send and receive
+  }
+
   double dp_total = 0;
-  if (l.dp() > 1) {
+  if (dpc > 1) {
     const double grad_bytes = psi_dp * rb, param_bytes = psi_dp * pb;
     const double bucket_g = std::min(grad_bytes, st.bucket_bytes), bucket_p = std::min(param_bytes, st.bucket_bytes);
     switch (l.strategy) {
@@ -728,8 +759,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         dp_total = M * (2 * ag.time + rs.time);
         E.group_bytes.dp = M * (2 * (ag.intra_bytes + ag.inter_bytes) + rs.intra_bytes + rs.inter_bytes);
         if (l.strategy == Strategy::HSDP) {  // replicas all-reduce their gradient shard once per step
-          CollCost ar = split_collective(Collective::AllReduce, grad_bytes / l.dp_shard, n_units, g_rep, c);
-          const double ar_last = collective(Collective::AllReduce, unit0 * rb / l.dp_shard, g_rep, c).time;
+          CollCost ar = split_collective(Collective::AllReduce, grad_bytes / shard, n_units, g_rep, c);
+          const double ar_last = collective(Collective::AllReduce, unit0 * rb / shard, g_rep, c).time;
           per_step = per_step + ar;
           dp_total += ar.time;
           E.group_bytes.dp_replicate = ar.intra_bytes + ar.inter_bytes;
@@ -765,9 +796,9 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     E.group_bytes.edp = ar.intra_bytes + ar.inter_bytes;
   }
   const double mb_ep = M > 0 ? E.ep_comm_s / M : 0.0;
-  const double slot = T_f + T_b + mb_tp + mb_pp + mb_dp + mb_ep;  // one micro-batch on the critical stage
+  const double slot = T_f + T_b + mb_tp + mb_pp + mb_dp + mb_ep + mb_cp;  // one micro-batch on the critical stage
   E.time.compute = M * (T_f + T_b) + opt_s;
-  E.time.exposed_comm = M * (mb_tp + mb_pp + mb_dp + mb_ep) + step_dp + step_edp + E.offload_s;
+  E.time.exposed_comm = M * (mb_tp + mb_pp + mb_dp + mb_ep + mb_cp) + step_dp + step_edp + E.offload_s;
   E.time.bubble = p > 1 ? (p - 1.0) / v * slot : 0.0;
   E.pp_comm_s = M * mb_pp;
   E.recompute_s = M * rc_s;

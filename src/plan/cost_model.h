@@ -6,8 +6,9 @@
 //  * Psi = parameters held by one GPU's pipeline stage after tensor parallelism (the heaviest stage).
 //  * Bytes per rank for a ring collective over n ranks of an S-byte buffer: all-reduce 2(n-1)/n*S,
 //    all-gather / reduce-scatter (n-1)/n*S (nccl-tests doc/PERFORMANCE.md).
-//  * Mesh order (innermost first): tp, dp_shard, dp_replicate, pp (torchtitan's order), so tp groups
-//    stay inside a node and pp is the outermost dimension.
+//  * Mesh order (innermost first): tp, cp, dp_shard, dp_replicate, pp (torchtitan's order), so tp groups
+//    stay inside a node and pp is the outermost dimension. The cp ranks join the data-parallel
+//    reduction and the sharding (dp_shard x cp), as the engine does.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -65,6 +66,7 @@ struct Layout {
   int dp_shard = 1;       // shard group size (ZeRO-1/2/3, HSDP's inner dimension)
   int tp = 1;
   int pp = 1;
+  int cp = 1;             // context parallelism: each sequence's tokens over cp ranks (ring attention)
   Schedule schedule = Schedule::None;
   int virtual_stages = 1;    // interleaved 1F1B: model chunks per pipeline rank
   int64_t micro_batch = 1;   // sequences per micro-batch
@@ -76,7 +78,7 @@ struct Layout {
   int ep = 1;
 
   int dp() const { return dp_replicate * dp_shard; }
-  int world() const { return dp() * tp * pp; }
+  int world() const { return dp() * cp * tp * pp; }
   int64_t global_batch() const { return static_cast<int64_t>(dp()) * microbatches * micro_batch; }
   std::string describe() const;  // "ZeRO-3 dp_shard=8 tp=1 pp=1 mb=2x4 ac=full"
 };
@@ -164,6 +166,7 @@ struct GroupBytes {
   double dp = 0, dp_replicate = 0, tp = 0, pp = 0;
   double ep = 0;   // expert parallelism's token all-to-alls
   double edp = 0;  // the experts' gradient all-reduce over the ranks holding the same experts
+  double cp = 0;  // ring attention's key / value blocks and their gradients (send and receive, as the engine counts)
 };
 struct StepTime {
   double compute = 0, exposed_comm = 0, bubble = 0;
@@ -194,6 +197,7 @@ struct Estimate {
   double dp_comm_s = 0, dp_exposed_s = 0;   // data-parallel collectives (all, and not hidden)
   double tp_comm_s = 0, tp_exposed_s = 0;   // tensor-parallel collectives
   double pp_comm_s = 0;                     // pipeline sends (all exposed)
+  double cp_comm_s = 0, cp_exposed_s = 0;   // context-parallel ring transfers (hidden behind attention)
   double offload_s = 0;                     // host<->device transfers of the offloaded shard
   bool dp_inter_node = false;               // the data-parallel collectives cross nodes
   std::string why;  // one sentence

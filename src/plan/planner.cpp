@@ -77,6 +77,7 @@ ModelConfig model_from_hf_config(const std::string& path) {
 double layout_complexity(const Layout& l) {
   double c = static_cast<int>(l.strategy);  // DDP 0 .. HSDP 4
   if (l.tp > 1) c += 2;
+  if (l.cp > 1) c += 2;
   if (l.pp > 1) c += 3;
   if (l.schedule == Schedule::Interleaved) c += 1;
   if (l.schedule == Schedule::GPipe) c += 0.5;  // same speed as 1F1B, more memory
@@ -146,6 +147,7 @@ std::string layout_words(const Layout& l) {
   }
   if (l.tp > 1) s += ", tensor parallel " + std::to_string(l.tp) + " with sequence parallelism";
   if (l.ep > 1) s += ", experts split over " + std::to_string(l.ep) + " ranks (parallel.ep)";
+  if (l.cp > 1) s += ", context parallel " + std::to_string(l.cp) + " (ring attention)";
   if (l.pp > 1) {
     s += ", pipeline " + std::to_string(l.pp) + " stages (" + schedule_name(l.schedule);
     if (l.schedule == Schedule::Interleaved) s += ", " + std::to_string(l.virtual_stages) + " chunks per rank";
@@ -254,7 +256,10 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
     for (int pp : divisors(N / tp)) {
       if (opts.pp && pp != opts.pp) continue;
       if (pp > model.n_layer) continue;
-      const int dp = N / tp / pp;
+     for (int cp : divisors(N / tp / pp)) {
+      if (opts.cp ? cp != opts.cp : (cp > 1 && st.seq_or(model) < opts.cp_min_seq)) continue;
+      if (cp > 1 && st.seq_or(model) % (2 * cp) != 0) continue;
+      const int dp = N / tp / pp / cp;
       if (st.global_batch % dp) continue;
       const int64_t local = st.global_batch / dp;  // sequences per step per replica
       std::vector<int64_t> mbs;
@@ -269,6 +274,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
         Layout l;
         l.tp = tp;
         l.pp = pp;
+        l.cp = cp;
         if (dp == 1) {
           dps.push_back(l);
         } else {
@@ -332,6 +338,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
           }
         }
       }
+     }
     }
   }
   R.evaluated = static_cast<int64_t>(all.size());
@@ -351,13 +358,13 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
       }
 
   if (opts.best_per_family) {
-    std::map<std::tuple<int, int, int, int, int, int, int, int, bool>, bool> seen;
+    std::map<std::tuple<int, int, int, int, int, int, int, int, bool, int>, bool> seen;
     std::vector<Estimate> kept;
     for (auto& e : all) {
       const Layout& l = e.layout;
       auto key = std::make_tuple(static_cast<int>(l.strategy), l.dp_replicate, l.dp_shard, l.tp, l.pp,
                                  static_cast<int>(l.schedule), l.virtual_stages, static_cast<int>(l.checkpointing),
-                                 l.cpu_offload);
+                                 l.cpu_offload, l.cp);
       if (seen.emplace(key, true).second) kept.push_back(std::move(e));
     }
     all = std::move(kept);

@@ -29,6 +29,10 @@ struct PlanOptions {
   // Constraints (unset = free): pin what the user or the trainer has already decided.
   std::optional<Strategy> strategy;
   int tp = 0, pp = 0;             // 0 = free
+  // Context parallelism: 0 = free (cp > 1 is tried for sequences of at least cp_min_seq tokens,
+  // where activations dominate), else exactly this degree.
+  int cp = 0;
+  int64_t cp_min_seq = 16384;
   std::optional<Checkpointing> checkpointing;
   std::optional<Schedule> schedule;
 };

@@ -33,14 +33,17 @@ std::string human_count(double n) {
   return fmt("%.0f", n);
 }
 
-std::string dp_cell_base(const Layout& l);
-std::string dp_cell(const Layout& l) { return dp_cell_base(l) + (l.ep > 1 ? " ep" + std::to_string(l.ep) : ""); }
-std::string dp_cell_base(const Layout& l) {
+std::string dp_cell_no_cp(const Layout& l) {
   switch (l.strategy) {
     case Strategy::DDP: return l.dp_replicate > 1 ? "DDP x" + std::to_string(l.dp_replicate) : "single";
     case Strategy::HSDP: return "HSDP " + std::to_string(l.dp_replicate) + "x" + std::to_string(l.dp_shard);
     default: return std::string(strategy_label(l.strategy)) + " x" + std::to_string(l.dp_shard);
   }
+}
+// The data-parallel cell, with the context- and expert-parallel degrees when there are ones ("ZeRO-3 x2 cp4").
+std::string dp_cell(const Layout& l) {
+  std::string s = l.cp > 1 ? dp_cell_no_cp(l) + " cp" + std::to_string(l.cp) : dp_cell_no_cp(l);
+  return l.ep > 1 ? s + " ep" + std::to_string(l.ep) : s;
 }
 
 std::string sched_cell(const Layout& l) {
@@ -78,6 +81,7 @@ json estimate_json(const Estimate& e) {
           {"tp", l.tp},
           {"pp", l.pp},
           {"ep", l.ep},
+          {"cp", l.cp},
           {"pp_schedule", schedule_name(l.schedule)},
           {"pp_virtual_stages", l.virtual_stages},
           {"micro_batch", l.micro_batch},

@@ -72,6 +72,8 @@ struct RunConfig {
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;
     bool sequence_parallel = false;
+    int64_t cp = 1;                 // context-parallel degree (ring attention)
+    std::string cp_mode = "ring";   // ring | allgather
     bool tp_overlap = true;  // input-gradient reductions overlap the weight-gradient matmuls
     double bucket_mb = 25.0;
     bool reshard_after_forward = true;

@@ -21,7 +21,7 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
     throw ConfigError("parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
                       "HYBRID_SHARD_ZERO2; got '" + p.strategy + "'");
   for (auto [name, v] : {std::pair<const char*, int64_t>{"parallel.dp_replicate", p.dp_replicate},
-                         {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
+                         {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.cp", p.cp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
   if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
@@ -37,6 +37,7 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
     dims = comm::DeviceMesh::resolve({{"pp", static_cast<int>(p.pp)},
                                       {"dp_replicate", static_cast<int>(p.dp_replicate)},
                                       {"dp_shard", static_cast<int>(p.dp_shard)},
+                                      {"cp", static_cast<int>(p.cp)},
                                       {"tp", static_cast<int>(p.tp)}},
                                      world);
   } catch (const std::exception& e) {
@@ -45,7 +46,21 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
   d.pp = dims[0].second;
   d.dp_replicate = dims[1].second;
   d.dp_shard = dims[2].second;
-  d.tp = dims[3].second;
+  d.cp = dims[3].second;
+  d.tp = dims[4].second;
+  if (p.cp_mode != "ring" && p.cp_mode != "allgather")
+    throw ConfigError("parallel.cp_mode must be ring or allgather, got '" + p.cp_mode + "'");
+  d.cp_mode = p.cp_mode;
+  if (d.cp > 1) {
+    // Two equal chunks per cp rank (load balance under the causal mask).
+    if (mc.seq_len % (2 * d.cp) != 0)
+      throw ConfigError("parallel.cp = " + std::to_string(d.cp) + ": model.seq_len (" + std::to_string(mc.seq_len) +
+                        ") must be divisible by 2 x cp = " + std::to_string(2 * d.cp) +
+                        " (each sequence is cut into 2 x cp equal chunks)");
+    if (cfg.train.sample_tokens > 0)
+      throw ConfigError("train.sample_tokens: sampling at the end of training is not supported with parallel.cp > 1 "
+                        "(generation runs on whole sequences; sample from the checkpoint with `meshtrain sample`)");
+  }
   d.pp_virtual_stages = static_cast<int>(p.pp_virtual_stages);
   if (d.tp > 1)
     for (auto [v, what] : {std::pair<int64_t, const char*>{mc.n_head, "model.n_head"}, {mc.n_kv_head, "model.n_kv_head"},
@@ -58,10 +73,11 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
   if (p.sequence_parallel) {
     if (d.tp == 1)
       throw ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel group's rows)");
-    const int64_t tokens = cfg.train.micro_batch * mc.seq_len;
+    const int64_t tokens = cfg.train.micro_batch * mc.seq_len / d.cp;
     if (tokens % d.tp != 0)
-      throw ConfigError("parallel.sequence_parallel: micro_batch x seq_len = " + std::to_string(tokens) +
-                        " tokens is not divisible by parallel.tp = " + std::to_string(d.tp));
+      throw ConfigError("parallel.sequence_parallel: micro_batch x seq_len" + std::string(d.cp > 1 ? " / cp" : "") +
+                        " = " + std::to_string(tokens) + " tokens is not divisible by parallel.tp = " +
+                        std::to_string(d.tp));
     d.sequence_parallel = true;
   }
   if (p.ep < 1) throw ConfigError("parallel.ep must be >= 1, got " + std::to_string(p.ep));
@@ -80,6 +96,10 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
     throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " with parallel.tp = " + std::to_string(d.tp) +
                       ": experts kept apart for expert parallelism are not split over tensor-parallel ranks yet "
                       "(use one of the two for the experts)");
+  if (mc.moe() && d.cp > 1)
+    throw ConfigError("parallel.cp = " + std::to_string(d.cp) + " with a mixture of experts (model.moe_experts) is not "
+                      "supported yet: the router's load-balancing statistics would cover one rank's chunks of each "
+                      "sequence instead of the whole batch");
   if (mc.moe() && d.sequence_parallel)
     throw ConfigError("parallel.sequence_parallel with a mixture of experts (model.moe_experts) is not supported: the MoE "
                       "layer needs every token's row on each tensor-parallel rank");
@@ -94,14 +114,25 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
 
 ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
   ParallelGroups g;
-  g.mesh = std::make_unique<comm::DeviceMesh>(
-      w, std::vector<std::pair<std::string, int>>{{"pp", d.pp}, {"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"tp", d.tp}});
-  g.dp = g.mesh->group(std::vector<std::string>{"dp_replicate", "dp_shard"});
+  // cp joins the mesh only when it is > 1 (every layout without it keeps its groups and names).
+  std::vector<std::pair<std::string, int>> dims{{"pp", d.pp}, {"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}};
+  if (d.cp > 1) dims.emplace_back("cp", d.cp);
+  dims.emplace_back("tp", d.tp);
+  g.mesh = std::make_unique<comm::DeviceMesh>(w, dims);
+  // The cp ranks hold the same weights and see different tokens: their gradients are reduced (and
+  // the sharded strategies shard) together with the data-parallel ranks', as torchtitan's
+  // dp_shard_cp / dp_cp meshes do.
+  g.dp = d.cp > 1 ? g.mesh->group(std::vector<std::string>{"dp_replicate", "dp_shard", "cp"})
+                  : g.mesh->group(std::vector<std::string>{"dp_replicate", "dp_shard"});
+  g.data_rank = g.mesh->coord("dp_replicate") * d.dp_shard + g.mesh->coord("dp_shard");
+  g.data_world = d.dp();
+  if (d.cp > 1) g.cp = g.mesh->group("cp");
   // Losses and summaries travel on their own group so the dp group's counters hold only gradients.
   g.metrics = w.split_like(*w.world(), "metrics");
   // Non-hybrid strategies shard over every data-parallel rank; hybrid ones shard inside dp_shard
   // and replicate across dp_replicate.
-  g.shard = d.hybrid() ? g.mesh->group("dp_shard") : g.dp;
+  g.shard = d.hybrid() ? (d.cp > 1 ? g.mesh->group(std::vector<std::string>{"dp_shard", "cp"}) : g.mesh->group("dp_shard"))
+                       : g.dp;
   g.replicate = d.hybrid() ? g.mesh->group("dp_replicate")
                            : w.split_by([](int r) { return std::pair<int, int>{r, 0}; }, "replicate_none");
   g.tp = g.mesh->group("tp");

@@ -1,5 +1,5 @@
 // The job's parallel layout (torchtitan's ParallelDims): the degrees of the mesh
-// pp x dp_replicate x dp_shard x tp, validated once against the world and the model, and every
+// pp x dp_replicate x dp_shard x cp x tp (torchtitan's order; cp joins the mesh only when > 1), validated once against the world and the model, and every
 // process group a rank uses, built once in one order (group creation is collective).
 #pragma once
 #include <memory>
@@ -13,7 +13,8 @@ namespace mt {
 
 struct ParallelDims {
   int world = 1;
-  int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;  // dp_shard resolved (never -1)
+  int pp = 1, dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1;  // dp_shard resolved (never -1)
+  std::string cp_mode = "ring";  // ring | allgather
   int pp_virtual_stages = 1;
   int ep = 1;  // expert parallelism: blocks of ep consecutive data-parallel ranks share out the routed experts
   std::string strategy = "NO_SHARD";  // NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2
@@ -24,7 +25,10 @@ struct ParallelDims {
   // `model`: the resolved model (its padded vocabulary already a multiple of 64 x tp).
   static ParallelDims from_config(const RunConfig& cfg, const ModelConfig& model, int world);
 
+  // Data-parallel ranks (different data). Gradients are reduced, and FSDP / ZeRO shard, over these
+  // times the cp ranks (which hold the same weights and see different tokens of the same sequences).
   int dp() const { return dp_replicate * dp_shard; }
+  bool cp_enabled() const { return cp > 1; }
   bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
   bool tp_enabled() const { return tp > 1; }
   bool pp_enabled() const { return pp > 1; }
@@ -37,8 +41,8 @@ int64_t padded_vocab_for_tp(int64_t vocab, int tp);
 // Every group of this rank. Collective over the world: all ranks build it at the same point.
 struct ParallelGroups {
   std::unique_ptr<comm::DeviceMesh> mesh;
-  std::shared_ptr<comm::ProcessGroup> dp;         // dp_replicate x dp_shard (losses, DDP, ZeRO)
-  std::shared_ptr<comm::ProcessGroup> shard;      // what the strategy shards over (dp, or dp_shard when hybrid)
+  std::shared_ptr<comm::ProcessGroup> dp;         // dp_replicate x dp_shard (x cp: "dp_cp") (losses, DDP, ZeRO)
+  std::shared_ptr<comm::ProcessGroup> shard;      // what the strategy shards over (dp, or dp_shard (x cp) when hybrid)
   std::shared_ptr<comm::ProcessGroup> replicate;  // across replicas (dp_replicate when hybrid, else a group of one)
   std::shared_ptr<comm::ProcessGroup> tp;         // the model's tensor-parallel collectives
   std::shared_ptr<comm::ProcessGroup> tp_aux;     // same members: gradient norms, checkpoint gathers
@@ -50,7 +54,9 @@ struct ParallelGroups {
   // all-to-alls), `ep_aux` its members on their own communicator (expert norms, checkpoint
   // gathers), `edp` = the dp ranks that hold the same experts (their gradients' reduction).
   std::shared_ptr<comm::ProcessGroup> ep, ep_aux, edp;
+  std::shared_ptr<comm::ProcessGroup> cp;         // ring attention's transfers (null when cp = 1)
   int pp_rank = 0;
+  int data_rank = 0, data_world = 1;  // this rank's batch: its place among dp_replicate x dp_shard
 
   static ParallelGroups build(comm::World& w, const ParallelDims& d);
 };

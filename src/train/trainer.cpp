@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "model/transformer.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/context_parallel.h"
 #include "parallel/optimizer.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
@@ -107,6 +108,8 @@ class Trainer {
   void maybe_inject_fault(int64_t step);
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
   void next_batch(int32_t* x, int32_t* y);
+  // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
+  void local_tokens(int32_t* x, int32_t* y);
   // Sum of a per-rank value over the pipeline ranks (each stage holds its own part).
   double pp_sum(double v);
   // Mean of a per-rank value over the data-parallel ranks (losses are per rank).
@@ -127,6 +130,9 @@ class Trainer {
   std::unique_ptr<AnyLoader> loader_, val_loader_;
   parallel::StrategySpec spec_;
   std::unique_ptr<parallel::ProcessGroupTpComm> tp_comm_;
+  std::unique_ptr<parallel::ProcessGroupCpComm> cp_comm_;  // context parallelism (null when cp = 1)
+  int64_t T_full_ = 0;                                     // tokens per sequence (T_ = T_full_ / cp per rank)
+  std::vector<int32_t> full_x_, full_y_;                   // cp > 1: the loader's whole sequences
   std::unique_ptr<parallel::PipeSchedule> schedule_;
   parallel::StagePartition partition_;
   std::unique_ptr<Transformer> model_, ref_;
@@ -146,6 +152,7 @@ class Trainer {
   std::vector<std::vector<int32_t>> xs_, ys_;
   TrainResult res_;
   double tps_sum_ = 0, comm_ms_total_ = 0, exposed_ms_total_ = 0, bubble_sum_ = 0;
+  double cp_comm_ms_total_ = 0, cp_exposed_ms_total_ = 0;
   int64_t tps_n_ = 0, first_step_ = 0;
   int peak_slots_ = 0;
   std::array<int64_t, kNumMemCategories> resident_{};
@@ -187,18 +194,24 @@ void Trainer::build() {
   // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
   const int pp = dims_.pp;
   B_ = tc_.micro_batch;
-  T_ = mc_.seq_len;
+  T_full_ = mc_.seq_len;
+  T_ = T_full_ / dims_.cp;  // context parallelism: this rank's two chunks of every sequence
   accum_ = pp > 1 && cfg_.parallel.pp_microbatches > 0 ? cfg_.parallel.pp_microbatches : tc_.grad_accum;
-  const int dp_rank = groups_.dp->rank(), dp_world = groups_.dp->size();
+  // The cp ranks of one data-parallel rank read the same sequences (and keep their own chunks).
+  const int dp_rank = groups_.data_rank, dp_world = groups_.data_world;
   // Every rank runs the same job (config, build, data), checked before anything is loaded.
   verify_same_job(*groups_.metrics, job_items(cfg_, mc_, !dry_), "configuration");
   if (!dry_) {
     const uint64_t seed = static_cast<uint64_t>(tc_.seed);
-    loader_ = make_loader(cfg_.data.train, "data.train", static_cast<int>(B_), static_cast<int>(T_), dp_rank, dp_world,
-                          seed, cfg_.data.shuffle, mc_.vocab_size);
+    loader_ = make_loader(cfg_.data.train, "data.train", static_cast<int>(B_), static_cast<int>(T_full_), dp_rank,
+                          dp_world, seed, cfg_.data.shuffle, mc_.vocab_size);
     if (!cfg_.data.val.empty() && tc_.eval_every > 0)
-      val_loader_ = make_loader(cfg_.data.val, "data.val", static_cast<int>(B_), static_cast<int>(T_), dp_rank,
+      val_loader_ = make_loader(cfg_.data.val, "data.val", static_cast<int>(B_), static_cast<int>(T_full_), dp_rank,
                                 dp_world, seed, false, mc_.vocab_size);
+  }
+  if (dims_.cp > 1) {
+    full_x_.resize(static_cast<size_t>(B_ * T_full_));
+    full_y_.resize(full_x_.size());
   }
 
   spec_.strategy = cfg_.parallel.strategy;
@@ -234,6 +247,10 @@ void Trainer::build() {
   model_->set_tp_overlap(cfg_.parallel.tp_overlap);
   model_->set_loss_chunk(tc_.loss_chunk_tokens);
   if (dims_.sequence_parallel) model_->set_sequence_parallel(true);
+  if (dims_.cp > 1) {
+    cp_comm_ = std::make_unique<parallel::ProcessGroupCpComm>(groups_.cp);
+    model_->set_context_parallel(cp_comm_.get(), dims_.cp_mode == "allgather");
+  }
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
   ref_ = std::make_unique<Transformer>(mc_, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
   norm_weight_.assign(model_->params().size(), 1.0);
@@ -267,12 +284,14 @@ void Trainer::build() {
                                    {"strategy", strategy_->name()},
                                    {"dp_replicate", dims_.dp_replicate},
                                    {"dp_shard", dims_.dp_shard},
+                                   {"cp", dims_.cp},
                                    {"tp", dims_.tp},
                                    {"pp", dims_.pp},
                                    {"dtype", dtype_name(dt_)}};
     const std::map<std::string, std::string> coords = {{"rank", std::to_string(rank_)},
                                                        {"world", std::to_string(world_)},
                                                        {"dp_rank", std::to_string(dp_rank)},
+                                                       {"cp_rank", std::to_string(groups_.cp ? groups_.cp->rank() : 0)},
                                                        {"tp_rank", std::to_string(groups_.tp->rank())},
                                                        {"pp_rank", std::to_string(groups_.pp_rank)}};
     saver_ = std::make_unique<CheckpointSaver>(*state_, *ref_, *groups_.metrics, rank_, cfg_, layout, coords);
@@ -335,9 +354,21 @@ nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
 }
 
 void Trainer::next_batch(int32_t* x, int32_t* y) {
-  if (loader_) return loader_->next(x, y);
-  std::fill(x, x + B_ * T_, 0);
-  std::fill(y, y + B_ * T_, 0);
+  if (!loader_) {
+    std::fill(x, x + B_ * T_, 0);
+    std::fill(y, y + B_ * T_, 0);
+  } else if (dims_.cp > 1) {
+    loader_->next(full_x_.data(), full_y_.data());
+    local_tokens(x, y);
+  } else {
+    loader_->next(x, y);
+  }
+}
+
+void Trainer::local_tokens(int32_t* x, int32_t* y) {
+  const int r = groups_.cp->rank();
+  cp_take_local(full_x_.data(), x, B_, T_full_, r, dims_.cp);
+  cp_take_local(full_y_.data(), y, B_, T_full_, r, dims_.cp);
 }
 
 double Trainer::pp_sum(double v) {
@@ -459,7 +490,12 @@ double Trainer::evaluate() {
   std::vector<int32_t>& y = ys_[0];
   double s = 0;
   for (int64_t i = 0; i < tc_.eval_batches; ++i) {
-    val_loader_->next(x.data(), y.data());
+    if (dims_.cp > 1) {
+      val_loader_->next(full_x_.data(), full_y_.data());
+      local_tokens(x.data(), y.data());
+    } else {
+      val_loader_->next(x.data(), y.data());
+    }
     s += pipe_->eval_forward(x.data(), y.data(), B_, T_);
   }
   strategy_->after_eval();
@@ -525,6 +561,16 @@ void Trainer::train_step(int64_t step) {
   cs.exposed_ms += tp_exposed_ms;
   cs.comm_ms += a2a_ms;  // the token exchanges: synchronous, so all of it exposed
   cs.exposed_ms += a2a_ms;
+  if (cp_comm_) {  // ring attention's transfers (mostly hidden behind the attention of the block in hand)
+    double cp_ms = 0, cp_exposed = 0;
+    cp_comm_->take_times(&cp_ms, &cp_exposed);
+    cs.comm_ms += cp_ms;
+    cs.exposed_ms += cp_exposed;
+    if (step > first_step_) {
+      cp_comm_ms_total_ += cp_ms;
+      cp_exposed_ms_total_ += cp_exposed;
+    }
+  }
   resident_ = MemoryTracker::instance().stats().current;
 
   StepMetrics sm;
@@ -608,8 +654,12 @@ TrainResult Trainer::run() {
     std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
                 "recompute %s | %d threads\n",
                 cfg_.data.train.c_str(), static_cast<long long>(loader_ ? loader_->total_tokens() : 0),
-                static_cast<long long>(B_), static_cast<long long>(T_), static_cast<long long>(accum_), dims_.dp(),
-                static_cast<long long>(B_ * T_ * accum_ * dims_.dp()), dtype_name(dt_), recompute_name(rc_), threads_);
+                static_cast<long long>(B_), static_cast<long long>(T_full_), static_cast<long long>(accum_), dims_.dp(),
+                static_cast<long long>(B_ * T_full_ * accum_ * dims_.dp()), dtype_name(dt_), recompute_name(rc_), threads_);
+    if (dims_.cp > 1)
+      std::printf("context parallel: cp %d (%s), each sequence in %d chunks of %lld tokens, %lld tokens per rank\n",
+                  dims_.cp, dims_.cp_mode.c_str(), 2 * dims_.cp, static_cast<long long>(T_full_ / (2 * dims_.cp)),
+                  static_cast<long long>(T_));
     std::printf("device %s\n", kernels::describe(current_device()).c_str());
     if (world_ > 1)
       std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
@@ -712,6 +762,14 @@ void Trainer::report() {
                   hidden < 0 ? " (the waits, which include queueing behind other collectives, exceeded the "
                                "communication time)"
                              : "");
+      if (cp_comm_)
+        std::printf("context parallel (%s): %.1f ms of cp transfers per step, %.1f ms exposed -> %.0f%% hidden behind "
+                    "attention\n",
+                    dims_.cp_mode.c_str(), tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0,
+                    tps_n_ ? cp_exposed_ms_total_ / tps_n_ : 0.0,
+                    cp_comm_ms_total_ > 0
+                        ? std::clamp(100.0 * (1.0 - cp_exposed_ms_total_ / cp_comm_ms_total_), 0.0, 100.0)
+                        : 0.0);
       std::printf("%s", comm::comm_summary_table().c_str());
     }
   }
@@ -746,6 +804,12 @@ void Trainer::report() {
       const parallel::StateBytes e = ep_->state_bytes();
       fin["expert_state_bytes"] = {{"params", e.params}, {"grads", e.grads}, {"optimizer", e.optimizer}};
     }
+  }
+  if (cp_comm_) {
+    fin["cp"] = dims_.cp;
+    fin["cp_mode"] = dims_.cp_mode;
+    fin["cp_comm_ms_per_step"] = tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0;
+    fin["cp_exposed_ms_per_step"] = tps_n_ ? cp_exposed_ms_total_ / tps_n_ : 0.0;
   }
   if (pp) {
     fin["pp_schedule"] = schedule_->name;

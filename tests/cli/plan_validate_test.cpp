@@ -192,6 +192,22 @@ TEST(ValidateAgainstEngine, ExpertParallelModelStateIsExact) {
   EXPECT_NE(rep.results[0].layout.label().find("ep2"), std::string::npos);
 }
 
+// Context parallelism (ring attention) alone and inside ZeRO-3 over dp_shard x cp: dry runs equal the
+// real jobs on every rank, bytes on the cp ring and the dp_cp / dp_shard_cp reductions.
+TEST(ValidateAgainstEngine, ContextParallelDryRunsEqualRealRuns) {
+  EngineLayout cp2 = layout("NO_SHARD", 2);
+  cp2.model = "llama-mini";
+  cp2.cp = 2;
+  EngineLayout cpz3 = layout("FULL_SHARD", 4);
+  cpz3.model = "llama-mini";
+  cpz3.cp = 2;
+  const ValidationReport rep = run_and_check({cp2, cpz3}, {"cp"});
+  bool ring_modelled = false;
+  for (const LayoutResult& r : rep.results)
+    for (const GapRow& g : r.gaps.rows) ring_modelled |= g.what == "bytes cp" && g.modelled && g.planner == g.engine;
+  EXPECT_TRUE(ring_modelled) << format_validation(rep);  // the planner's ring bytes are the engine's
+}
+
 // The planner against dry runs of a layout no machine here can run (Llama 3 70B, ZeRO-3 x tp 8 x pp 4
 // on 512 ranks): both stages dry-run, every planner category next to the engine's, bytes on dp, tp
 // and pp from the engine.

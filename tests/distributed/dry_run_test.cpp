@@ -96,7 +96,10 @@ INSTANTIATE_TEST_SUITE_P(
         DryCase{"pp2_1f1b_ddp2", 4, "--parallel.pp 2 --parallel.pp_microbatches 4"},
         DryCase{"pp2_interleaved_chunked_loss", 2,
                 "--model.preset llama-tiny --parallel.pp 2 --parallel.pp_schedule interleaved_1f1b "
-                "--parallel.pp_virtual_stages 2 --parallel.pp_microbatches 4 --train.loss_chunk_tokens 16"}),
+                "--parallel.pp_virtual_stages 2 --parallel.pp_microbatches 4 --train.loss_chunk_tokens 16"},
+        DryCase{"cp2_fsdp2_llama", 4, "--model.preset llama-tiny --parallel.cp 2 --parallel.strategy FULL_SHARD", true},
+        DryCase{"cp2_tp2_allgather_bf16", 4,
+                "--parallel.cp 2 --parallel.tp 2 --parallel.cp_mode allgather --train.dtype bf16"}),
     [](const ::testing::TestParamInfo<DryCase>& i) { return std::string(i.param.name); });
 
 // Llama 3 70B on 512 ranks (FULL_SHARD x tp 8 x pp 4, bf16, full recompute, sequence parallel):

@@ -209,6 +209,9 @@ TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   r = run(mpirun(2) + base + kMoe + " --parallel.tp 2 --parallel.sequence_parallel true");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("sequence_parallel with a mixture of experts"), std::string::npos) << r.output;
+  r = run(mpirun(2) + base + kMoe + " --parallel.cp 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("parallel.cp = 2 with a mixture of experts"), std::string::npos) << r.output;
 }
 
 }  // namespace

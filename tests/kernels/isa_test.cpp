@@ -184,6 +184,25 @@ TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
     o.push_back(lse);
     o.push_back(dqkv);
   }, 1e-4, 1e-5);
+  // Context parallelism's block attention (two chunks of 38 tokens: T = 76), positions and columns.
+  check("context-parallel block attention, rope_pos, add_columns", [&](const KernelTable& k, Out& o) {
+    const int64_t Tb = 76, KVW = 2 * nkv * hd;
+    std::vector<float> qkv(qkv0.begin(), qkv0.begin() + B * Tb * ld), kv(B * Tb * KVW), att(B * Tb * nh * hd),
+        lse(B * nh * Tb), dqkv(B * Tb * ld, 0.0f), dkv(B * Tb * KVW, 0.0f);
+    std::vector<int32_t> p(Tb);
+    for (int64_t t = 0; t < Tb; ++t) p[t] = static_cast<int32_t>(t < 38 ? t : 114 + t);
+    k.rope_forward_pos(qkv.data(), B, Tb, nh, nkv, hd, 10000.0f, nullptr, p.data());
+    k.copy_columns(kv.data(), qkv.data(), B * Tb, ld, nh * hd, KVW);
+    const int8_t own[4] = {2, 0, 1, 2}, other[4] = {1, 0, 1, 0};
+    k.attention_block_forward(att.data(), lse.data(), qkv.data(), kv.data(), B, Tb, nh, nkv, hd, 2, own, true);
+    k.attention_block_forward(att.data(), lse.data(), qkv.data(), kv.data(), B, Tb, nh, nkv, hd, 2, other, false);
+    for (const int8_t* m : {own, other})
+      k.attention_block_backward(dqkv.data(), dkv.data(), datt.data(), qkv.data(), kv.data(), att.data(), lse.data(), B,
+                                 Tb, nh, nkv, hd, 2, m);
+    k.add_columns(dqkv.data(), dkv.data(), B * Tb, ld, nh * hd, KVW);
+    k.rope_backward_pos(dqkv.data(), B, Tb, nh, nkv, hd, 10000.0f, nullptr, p.data());
+    o = {qkv, att, lse, dqkv};
+  }, 1e-4, 1e-5);
   check("rope (exact)", [&](const KernelTable& k, Out& o) {
     std::vector<float> qkv = qkv0, freq(hd / 2);
     for (int64_t i = 0; i < hd / 2; ++i) freq[i] = std::pow(500000.0f, -2.0f * i / hd);

@@ -5,6 +5,7 @@
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/attention_block.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/loss.h"
@@ -41,6 +42,13 @@ const KernelTable& isa_table() {
       .rope_backward = rope_backward,
       .rope_forward_freq = rope_forward,
       .rope_backward_freq = rope_backward,
+      .attention_block_forward = attention_block_forward,
+      .attention_block_backward = attention_block_backward,
+      .rope_forward_pos = rope_forward_pos,
+      .rope_backward_pos = rope_backward_pos,
+      .position_add_pos = position_add_pos,
+      .position_backward_pos = position_backward_pos,
+      .add_columns = add_columns,
       .embedding_forward = embedding_forward,
       .embedding_backward = embedding_backward,
       .position_add_forward = position_add_forward,

@@ -46,6 +46,13 @@ const KernelTable& meta_table() {
     k.rope_backward = as_nop(k.rope_backward);
     k.rope_forward_freq = as_nop(k.rope_forward_freq);
     k.rope_backward_freq = as_nop(k.rope_backward_freq);
+    k.attention_block_forward = as_nop(k.attention_block_forward);
+    k.attention_block_backward = as_nop(k.attention_block_backward);
+    k.rope_forward_pos = as_nop(k.rope_forward_pos);
+    k.rope_backward_pos = as_nop(k.rope_backward_pos);
+    k.position_add_pos = as_nop(k.position_add_pos);
+    k.position_backward_pos = as_nop(k.position_backward_pos);
+    k.add_columns = as_nop(k.add_columns);
     k.embedding_forward = as_nop(k.embedding_forward);
     k.embedding_backward = as_nop(k.embedding_backward);
     k.position_add_forward = as_nop(k.position_add_forward);
