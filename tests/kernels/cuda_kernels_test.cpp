@@ -146,13 +146,13 @@ TEST(CudaKernels, Elementwise) {
     v[2] = 1.0f + 1.0f / 256.0f;  // a tie
     v[3] = 3.0e38f;
     DBuf<float> a(v);
-    DBuf<bf16> h(std::vector<bf16>(n));
+    DBuf<bf16> h{std::vector<bf16>(n)};
     G().cast_f32_to_bf16(h.p, a.p, n);
     std::vector<bf16> want(n);
     C().cast_f32_to_bf16(want.data(), v.data(), n);
     const auto got = h.host();
     EXPECT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(bf16)), 0) << "cast_f32_to_bf16";
-    DBuf<float> back(std::vector<float>(n));
+    DBuf<float> back{std::vector<float>(n)};
     G().cast_bf16_to_f32(back.p, h.p, n);
     std::vector<float> wb(n);
     C().cast_bf16_to_f32(wb.data(), want.data(), n);
@@ -161,7 +161,7 @@ TEST(CudaKernels, Elementwise) {
   {
     const int64_t N = 37, Cc = 129, ld = 300, c0 = 71;
     auto m = kt::randn(N * ld, 5), b = kt::randn(ld, 6);
-    DBuf<float> dm(m), db(b), dcol(std::vector<float>(N * Cc));
+    DBuf<float> dm(m), db(b), dcol{std::vector<float>(N * Cc)};
     auto want = m;
     C().add_bias(want.data(), b.data(), N, ld);
     G().add_bias(dm.p, db.p, N, ld);
@@ -212,7 +212,7 @@ TEST(CudaKernels, Embeddings) {
   auto tab = kt::randn(V * Cc, 20), pos = kt::randn(T * Cc, 21), dy = kt::randn(N * Cc, 22), g0 = kt::randn(V * Cc, 23);
   std::vector<int32_t> ids(N);
   for (int64_t i = 0; i < N; ++i) ids[i] = static_cast<int32_t>((i * 7 + i / 5) % V);  // repeats
-  DBuf<float> dtab(tab), dpos(pos), ddy(dy), dg(g0), dout(std::vector<float>(N * Cc));
+  DBuf<float> dtab(tab), dpos(pos), ddy(dy), dg(g0), dout{std::vector<float>(N * Cc)};
   DBuf<int32_t> dids(ids);
   std::vector<float> out(N * Cc);
   C().embedding_forward(out.data(), ids.data(), tab.data(), N, Cc);
@@ -264,7 +264,7 @@ TEST(CudaKernels, CrossEntropy) {
   for (int64_t i = 0; i < N; ++i) tg[i] = i % 7 == 3 ? -1 : static_cast<int32_t>((i * 131) % V);
   DBuf<int32_t> dtg(tg);
   {
-    DBuf<float> dlg(lg), dl(std::vector<float>(N));
+    DBuf<float> dlg(lg), dl{std::vector<float>(N)};
     std::vector<float> l(N);
     C().softmax_cross_entropy_forward(lg.data(), l.data(), tg.data(), N, V, Vp);
     G().softmax_cross_entropy_forward(dlg.p, dl.p, dtg.p, N, V, Vp);
@@ -280,7 +280,7 @@ TEST(CudaKernels, CrossEntropy) {
     std::vector<float> sh(N * Vl);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t j = 0; j < Vl; ++j) sh[n * Vl + j] = lg[n * Vp + lo + j];
-    DBuf<float> dsh(sh), dmx(std::vector<float>(N)), dst(std::vector<float>(2 * N)), dl(std::vector<float>(N));
+    DBuf<float> dsh(sh), dmx{std::vector<float>(N)}, dst{std::vector<float>(2 * N)}, dl{std::vector<float>(N)};
     std::vector<float> mx(N), st(2 * N), l(N);
     C().vp_ce_rowmax(mx.data(), sh.data(), N, Vl, valid);
     G().vp_ce_rowmax(dmx.p, dsh.p, N, Vl, valid);
@@ -321,7 +321,7 @@ TEST(CudaKernels, Linear) {
   for (int bf = 0; bf < 2; ++bf) {
     const double rt = bf ? 2e-3 : 1e-4, at = bf ? 2e-3 : 1e-4;
     const char* tag = bf ? "bf16" : "fp32";
-    DBuf<float> dx(x), dW(W), db(b), ddy(dy), dout(std::vector<float>(N * OC)), dgx(gx0), dgW(gW0), dgb(gb0);
+    DBuf<float> dx(x), dW(W), db(b), ddy(dy), dout{std::vector<float>(N * OC)}, dgx(gx0), dgW(gW0), dgb(gb0);
     auto x16 = to_bf16(x), W16 = to_bf16(W);
     DBuf<bf16> dx16(x16), dW16(W16);
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
