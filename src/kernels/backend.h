@@ -129,7 +129,9 @@ struct KernelTable {
                        float beta2, float eps, float weight_decay, int64_t step, float grad_scale);
 };
 
-// The table of device d.
+// The table of device d. For Device::CUDA in a build without the CUDA backend this throws an error
+// saying so; in a CUDA build it returns the table even without a GPU (its kernels then throw the
+// device's "no usable CUDA device" error on first use).
 const KernelTable& table(Device d);
 // One line naming what runs device d's kernels (for run headers and benchmarks), e.g. "cpu AMD
 // EPYC 9B14 (family 25 model 17), isa avx512_bf16, kernels avx512, oneDNN avx512_core_bf16".
@@ -140,6 +142,9 @@ const KernelTable& cpu_table();
 }
 namespace meta {
 const KernelTable& meta_table();
+}
+namespace cuda {  // defined only in CUDA builds (kernels/cuda/)
+const KernelTable& cuda_table();
 }
 
 }  // namespace mt::kernels

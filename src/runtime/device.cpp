@@ -8,18 +8,59 @@
 #include <new>
 #include <stdexcept>
 
+#ifdef MT_HAVE_CUDA
+#include "runtime/cuda/cuda_device.h"
+#endif
+
 namespace mt {
 
-const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "meta"; }
+const char* device_name(Device d) {
+  switch (d) {
+    case Device::CPU: return "cpu";
+    case Device::Meta: return "meta";
+    case Device::CUDA: return "cuda";
+  }
+  return "unknown";
+}
 
 bool parse_device(const std::string& s, Device* out) {
   if (s == "cpu") *out = Device::CPU;
   else if (s == "meta") *out = Device::Meta;
+  else if (s == "cuda") *out = Device::CUDA;
   else return false;
   return true;
 }
 
+#ifdef MT_HAVE_CUDA
+bool cuda_built() { return true; }
+#else
+bool cuda_built() { return false; }
+#endif
+
+bool device_available(Device d, std::string* why) {
+  std::string reason;
+  if (d == Device::CUDA) {
+#ifdef MT_HAVE_CUDA
+    reason = cuda::unavailable_reason();
+#else
+    reason = "this meshtrain was built without the CUDA backend (configure with -DMESHTRAIN_CUDA=ON on a machine with "
+             "the CUDA toolkit)";
+#endif
+  }
+  if (why) *why = reason;
+  return reason.empty();
+}
+
 namespace {
+#ifndef MT_HAVE_CUDA
+// Every CUDA operation of a build without the backend.
+[[noreturn]] void no_cuda() {
+  std::string why;
+  device_available(Device::CUDA, &why);
+  throw std::runtime_error("meshtrain: device cuda: " + why);
+}
+#endif
+
 std::atomic<Device> g_current{Device::CPU};
 
 // The Meta allocator: a bump pointer through a reserved, never-accessible range of address space.
@@ -63,15 +104,40 @@ MemoryTracker& meta_tracker() {
 Device current_device() { return g_current.load(std::memory_order_relaxed); }
 void set_current_device(Device d) { g_current.store(d, std::memory_order_relaxed); }
 
-Stream default_stream(Device d) { return Stream{d, nullptr}; }
-void synchronize(const Stream&) {}  // CPU and Meta work is complete when the call returns
+// A CUDA request goes to the cuda:: functions in a CUDA build and throws (no_cuda) in others;
+// either way it never falls through to the host code below it.
+#ifdef MT_HAVE_CUDA
+#define MT_CUDA_OR_THROW(expr) return expr
+#else
+#define MT_CUDA_OR_THROW(expr) no_cuda()
+#endif
+
+Stream default_stream(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW((Stream{d, cuda::stream()}));
+  }
+  return Stream{d, nullptr};
+}
+void synchronize(const Stream& s) {  // CPU and Meta work is complete when the call returns
+  if (s.device == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::synchronize());
+  }
+}
 
 MemoryTracker& MemoryTracker::instance() { return memory_tracker(current_device()); }
 
-MemoryTracker& memory_tracker(Device d) { return d == Device::CPU ? host_memory_tracker() : meta_tracker(); }
+MemoryTracker& memory_tracker(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::tracker());
+  }
+  return d == Device::CPU ? host_memory_tracker() : meta_tracker();
+}
 
 void* device_alloc(Device d, size_t bytes, MemCategory c) {
   if (d == Device::CPU) return mem_alloc(bytes, c);
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::alloc(bytes, c));
+  }
   void* p = meta_arena().take(bytes);
   meta_tracker().on_alloc(c, static_cast<int64_t>(bytes));
   return p;
@@ -79,6 +145,9 @@ void* device_alloc(Device d, size_t bytes, MemCategory c) {
 
 void device_free(Device d, void* p, size_t bytes, MemCategory c) {
   if (d == Device::CPU) return mem_free(p, bytes, c);
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::free(p, bytes, c));
+  }
   if (p) meta_tracker().on_free(c, static_cast<int64_t>(bytes));
 }
 
@@ -90,16 +159,28 @@ bool is_meta_pointer(const void* p) {
 
 namespace dev {
 void zero(Device d, void* p, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::zero(p, bytes));
+  }
   if (d == Device::CPU && bytes) std::memset(p, 0, bytes);
 }
 void copy(Device d, void* dst, const void* src, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::copy(dst, src, bytes));
+  }
   if (d == Device::CPU && bytes && dst != src) std::memcpy(dst, src, bytes);
 }
 void copy_from_host(Device d, void* dst, const void* host_src, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::copy_from_host(dst, host_src, bytes));
+  }
   if (d == Device::CPU && bytes && dst != host_src) std::memcpy(dst, host_src, bytes);
 }
 void copy_to_host(Device d, void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::copy_to_host(host_dst, src, bytes));
+  }
   if (d == Device::CPU) {
     if (host_dst != src) std::memcpy(host_dst, src, bytes);
   } else {

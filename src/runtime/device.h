@@ -13,6 +13,11 @@
 //          address range (PROT_NONE), so any host access to a Meta tensor's data faults at once -
 //          the discipline a GPU backend needs - and is_meta_pointer() can tell them from host
 //          pointers. Its operations and kernels do nothing. Used by `train --dry-run`.
+//   CUDA - GPU memory from a caching allocator on cudaMalloc (runtime/block_cache.h), counted by the
+//          same categories; operations and kernels are queued on one compute stream, host<->device
+//          copies are explicit (runtime/cuda/cuda_device.h). Exists only in builds configured with
+//          the CUDA backend (MESHTRAIN_CUDA); elsewhere, and on machines without a GPU, every use
+//          throws an error naming the cause (device_available() tells beforehand). docs/gpu.md.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -22,10 +27,16 @@
 
 namespace mt {
 
-enum class Device : uint8_t { CPU = 0, Meta = 1 };
-constexpr int kNumDevices = 2;
-const char* device_name(Device d);               // "cpu", "meta"
+enum class Device : uint8_t { CPU = 0, Meta = 1, CUDA = 2 };
+constexpr int kNumDevices = 3;
+const char* device_name(Device d);               // "cpu", "meta", "cuda"
 bool parse_device(const std::string& s, Device* out);
+
+// True when this binary was built with the CUDA backend.
+bool cuda_built();
+// True when device d can be used in this process; otherwise false with the reason in *why (no
+// CUDA build, no driver, no GPU). CPU and Meta are always available.
+bool device_available(Device d, std::string* why = nullptr);
 
 // The device new tensors are allocated on (process-wide; CPU unless set). The dry run sets Meta
 // before it builds anything.
@@ -33,8 +44,8 @@ Device current_device();
 void set_current_device(Device d);
 
 // An ordered queue of work on a device. CPU and Meta work completes when the call returns, so
-// their default stream is synchronous; the handle exists so device code can be written against
-// streams from the start (a CUDA stream later).
+// their default stream is synchronous; the CUDA device's is its compute stream (native = the
+// cudaStream_t), and synchronize() waits for it.
 struct Stream {
   Device device = Device::CPU;
   void* native = nullptr;  // backend handle (none for CPU / Meta)

@@ -67,6 +67,12 @@ MemStats MemoryTracker::stats() const {
   return s;
 }
 
+void MemoryTracker::set_pool(int64_t cached_free, int64_t reserved) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  s_.cached_free = cached_free;
+  s_.os_reserved = reserved;
+}
+
 void MemoryTracker::reset_peaks() {
   std::lock_guard<std::mutex> lk(g_mu);
   s_.peak = s_.current;

@@ -39,6 +39,9 @@ class MemoryTracker {
   MemStats stats() const;
   // Peaks restart from the current values (e.g. to measure one step).
   void reset_peaks();
+  // A device allocator's own figures (cached free bytes, bytes obtained from the device), reported
+  // in stats(); the host tracker takes them from the host allocator instead.
+  void set_pool(int64_t cached_free, int64_t reserved);
 
  private:
   MemStats s_;

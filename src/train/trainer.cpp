@@ -168,6 +168,20 @@ class Trainer {
   int64_t full_saves_ = 0;
 };
 
+namespace {
+// train.device: cpu, or cuda with the reason it cannot be used. The dry run (Meta) models either.
+void check_train_device(const std::string& name, bool dry) {
+  Device d = Device::CPU;
+  if (!parse_device(name, &d) || d == Device::Meta)
+    throw ConfigError("train.device must be cpu or cuda, got '" + name + "'");
+  if (d != Device::CUDA || dry) return;
+  std::string why;
+  if (!device_available(Device::CUDA, &why)) throw ConfigError("train.device = cuda: " + why);
+  throw ConfigError("train.device = cuda: this build has the CUDA device and kernels, but training on it is not wired "
+                    "into the model and strategies yet (docs/gpu.md, 'What remains')");
+}
+}  // namespace
+
 void Trainer::build() {
   W_ = &comm::World::init(nullptr, nullptr);
   rank_ = W_->rank();
@@ -180,6 +194,7 @@ void Trainer::build() {
   dims_ = ParallelDims::from_config(cfg_, mc_, world_);
   groups_ = ParallelGroups::build(*W_, dims_);
   if (!parse_dtype(tc_.dtype, &dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
+  check_train_device(tc_.device, dry_);
   if (!parse_recompute(tc_.activation_checkpointing, &rc_))
     throw ConfigError("train.activation_checkpointing must be none, full or selective, got '" +
                       tc_.activation_checkpointing + "'");

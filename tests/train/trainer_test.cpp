@@ -394,6 +394,10 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   };
   expect_error({{"model.n_head", "3"}}, "n_head");
   expect_error({{"train.dtype", "fp8"}}, "train.dtype");
+  expect_error({{"train.device", "tpu"}}, "train.device must be cpu or cuda");
+  // cuda: why it cannot be used here (no CUDA build, no GPU), or, with a GPU, that training on it
+  // is not wired yet.
+  expect_error({{"train.device", "cuda"}}, "train.device = cuda: ");
   expect_error({{"parallel.strategy", "BOGUS"}}, "parallel.strategy");
   expect_error({{"data.train", (dir_ / "missing*.bin").string()}}, "missing");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);

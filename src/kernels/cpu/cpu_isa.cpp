@@ -211,10 +211,3 @@ const KernelTable& cpu_table() {
 }
 
 }  // namespace mt::kernels::cpu
-
-namespace mt::kernels {
-const KernelTable& table(Device d) { return d == Device::Meta ? meta::meta_table() : cpu::cpu_table(); }
-std::string describe(Device d) {
-  return d == Device::Meta ? "meta (counts bytes, runs no kernel)" : cpu::isa_summary();
-}
-}  // namespace mt::kernels

@@ -1,0 +1,76 @@
+// Shared pieces of the CUDA kernels: the compute stream, error checks, launch shapes, bf16 bits.
+// Every kernel of the CUDA table runs on the device's one compute stream (runtime/cuda/cuda_device.h).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "runtime/cuda/cuda_device.h"
+#include "runtime/dtype.h"
+
+namespace mt::kernels::cuda {
+
+inline cudaStream_t stream() { return static_cast<cudaStream_t>(mt::cuda::stream()); }
+
+// After a launch: configuration errors surface at once (execution errors surface at the next
+// synchronising call, which checks too).
+inline void check_launch(const char* kernel) { mt::cuda::check(static_cast<int>(cudaGetLastError()), kernel); }
+
+inline unsigned grid_for(int64_t n, int threads, int64_t max_blocks = 65535LL * 16) {
+  int64_t b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  if (b > max_blocks) b = max_blocks;
+  return static_cast<unsigned>(b);
+}
+
+[[noreturn]] inline void not_implemented(const char* op) {
+  throw std::runtime_error(std::string("meshtrain: kernel ") + op + " is not implemented on CUDA yet (docs/gpu.md)");
+}
+
+// bf16 as the engine stores it (runtime/dtype.h: the high 16 bits of an IEEE float), converted
+// exactly as the CPU does (round to nearest even, NaN kept quiet).
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Block-wide sum of a float (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float block_sum(float v, float* shm /* >= 32 floats */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // shm may still be read from a previous call
+  if (lane == 0) shm[warp] = v;
+  __syncthreads();
+  v = lane < nw ? shm[lane] : 0.0f;
+  return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* shm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) shm[warp] = v;
+  __syncthreads();
+  v = lane < nw ? shm[lane] : -INFINITY;
+  return warp_max(v);
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Scratch device memory a kernel keeps between calls (grows, never shrinks; category Scratch).
+void* scratch(int slot, size_t bytes);
+
+}  // namespace mt::kernels::cuda

@@ -1,0 +1,166 @@
+// Elementwise kernels, casts and the deterministic reductions of the CUDA table (contracts:
+// kernels/cpu/activation.h). Simple grid-stride kernels, one element per thread per step.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace mt::kernels::cuda {
+
+namespace {
+constexpr int kThreads = 256;
+
+#define MT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+__global__ void gelu_fwd_k(float* out, const float* inp, int64_t n) {
+  const float s = 0.7978845608028654f;  // sqrt(2/pi)
+  MT_GRID_STRIDE(i, n) {
+    const float x = inp[i];
+    out[i] = 0.5f * x * (1.0f + tanhf(s * (x + 0.044715f * x * x * x)));
+  }
+}
+__global__ void gelu_bwd_k(float* dinp, const float* inp, const float* dout, int64_t n) {
+  const float s = 0.7978845608028654f;
+  MT_GRID_STRIDE(i, n) {
+    const float x = inp[i];
+    const float u = s * (x + 0.044715f * x * x * x);
+    const float t = tanhf(u);
+    const float du = s * (1.0f + 3.0f * 0.044715f * x * x);
+    const float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+    dinp[i] += d * dout[i];
+  }
+}
+__global__ void swiglu_fwd_k(float* out, const float* gate, const float* up, int64_t n) {
+  MT_GRID_STRIDE(i, n) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + expf(-g)) * up[i];
+  }
+}
+__global__ void swiglu_bwd_k(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
+  MT_GRID_STRIDE(i, n) {
+    const float g = gate[i];
+    const float sg = 1.0f / (1.0f + expf(-g));
+    const float silu = g * sg;
+    dgate[i] += dout[i] * up[i] * sg * (1.0f + g * (1.0f - sg));
+    dup[i] += dout[i] * silu;
+  }
+}
+__global__ void accumulate_k(float* y, const float* x, int64_t n) {
+  MT_GRID_STRIDE(i, n) y[i] += x[i];
+}
+__global__ void scale_k(float* x, float s, int64_t n) {
+  MT_GRID_STRIDE(i, n) x[i] *= s;
+}
+__global__ void f32_to_bf16_k(uint16_t* out, const float* in, int64_t n) {
+  MT_GRID_STRIDE(i, n) out[i] = f32_to_bf16_bits(in[i]);
+}
+__global__ void bf16_to_f32_k(float* out, const uint16_t* in, int64_t n) {
+  MT_GRID_STRIDE(i, n) out[i] = bf16_bits_to_f32(in[i]);
+}
+__global__ void add_bias_k(float* x, const float* b, int64_t N, int64_t C) {
+  MT_GRID_STRIDE(i, N * C) x[i] += b[i % C];
+}
+__global__ void copy_columns_k(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols) {
+  MT_GRID_STRIDE(i, N * cols) {
+    const int64_t r = i / cols, c = i % cols;
+    out[i] = in[r * ld + c0 + c];
+  }
+}
+
+// Deterministic reduction: a fixed grid of kRedBlocks blocks, each thread summing a fixed strided
+// subset in double, blocks reduced in a fixed tree, then one block summing the partials in order.
+// The result depends only on n and the data, never on timing.
+constexpr int kRedBlocks = 264;
+template <bool kSquares>
+__global__ void reduce_partials_k(double* partial, const float* x, int64_t n) {
+  __shared__ double shm[32];
+  double acc = 0.0;
+  MT_GRID_STRIDE(i, n) {
+    const double v = x[i];
+    acc += kSquares ? v * v : v;
+  }
+  acc = warp_sum_d(acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shm[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    double v = lane < static_cast<int>(blockDim.x >> 5) ? shm[lane] : 0.0;
+    v = warp_sum_d(v);
+    if (lane == 0) partial[blockIdx.x] = v;
+  }
+}
+__global__ void reduce_final_k(double* out, const double* partial, int nparts) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    double s = 0.0;
+    for (int i = 0; i < nparts; ++i) s += partial[i];
+    *out = s;
+  }
+}
+
+template <bool kSquares>
+double reduce(const float* x, int64_t n) {
+  if (n <= 0) return 0.0;
+  double* part = static_cast<double*>(scratch(kScratchReduce, (kRedBlocks + 1) * sizeof(double)));
+  reduce_partials_k<kSquares><<<kRedBlocks, kThreads, 0, stream()>>>(part, x, n);
+  check_launch(kSquares ? "sum_squares" : "sum");
+  reduce_final_k<<<1, 32, 0, stream()>>>(part + kRedBlocks, part, kRedBlocks);
+  check_launch("sum (final)");
+  double r = 0.0;
+  mt::cuda::copy_to_host(&r, part + kRedBlocks, sizeof r);
+  return r;
+}
+}  // namespace
+
+void gelu_forward(float* out, const float* inp, int64_t n) {
+  if (n <= 0) return;
+  gelu_fwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(out, inp, n);
+  check_launch("gelu_forward");
+}
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+  if (n <= 0) return;
+  gelu_bwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(dinp, inp, dout, n);
+  check_launch("gelu_backward");
+}
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
+  if (n <= 0) return;
+  swiglu_fwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(out, gate, up, n);
+  check_launch("swiglu_forward");
+}
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
+  if (n <= 0) return;
+  swiglu_bwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(dgate, dup, dout, gate, up, n);
+  check_launch("swiglu_backward");
+}
+void accumulate(float* y, const float* x, int64_t n) {
+  if (n <= 0) return;
+  accumulate_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(y, x, n);
+  check_launch("accumulate");
+}
+void scale(float* x, float s, int64_t n) {
+  if (n <= 0) return;
+  scale_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(x, s, n);
+  check_launch("scale");
+}
+double sum_squares(const float* x, int64_t n) { return reduce<true>(x, n); }
+double sum(const float* x, int64_t n) { return reduce<false>(x, n); }
+void cast_f32_to_bf16(bf16* out, const float* in, int64_t n) {
+  if (n <= 0) return;
+  f32_to_bf16_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(reinterpret_cast<uint16_t*>(out), in, n);
+  check_launch("cast_f32_to_bf16");
+}
+void cast_bf16_to_f32(float* out, const bf16* in, int64_t n) {
+  if (n <= 0) return;
+  bf16_to_f32_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(out, reinterpret_cast<const uint16_t*>(in), n);
+  check_launch("cast_bf16_to_f32");
+}
+void add_bias(float* x, const float* b, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  add_bias_k<<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(x, b, N, C);
+  check_launch("add_bias");
+}
+void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols) {
+  if (N <= 0 || cols <= 0) return;
+  copy_columns_k<<<grid_for(N * cols, kThreads), kThreads, 0, stream()>>>(out, in, N, ld, c0, cols);
+  check_launch("copy_columns");
+}
+
+}  // namespace mt::kernels::cuda

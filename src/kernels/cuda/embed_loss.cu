@@ -1,0 +1,234 @@
+// Embeddings, softmax cross-entropy (fused and vocab-parallel) and AdamW (contracts:
+// kernels/cpu/embedding.h, loss.h, adamw.h).
+//
+// Embedding and position backward are deterministic without atomics: one thread per channel walks
+// the tokens in index order (the CPU's order, so the sums are bitwise the CPU's). That exposes
+// only C-way parallelism: correct, not fast (docs/gpu.md, "what remains").
+// Cross-entropy targets live on the device, so they are not validated on the host as the CPU does:
+// a target >= V gives a NaN loss for that row (the trainer's finite check reports it).
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace mt::kernels::cuda {
+
+namespace {
+constexpr int kThreads = 256;
+
+#define MT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// out[n, :] = table[ids[n] - lo, :] when lo <= ids[n] < lo + rows, else 0; table f32 or bf16.
+template <bool kBf16>
+__global__ void embed_fwd_k(float* out, const int32_t* ids, const void* table, int64_t lo, int64_t rows, int64_t N,
+                            int64_t C) {
+  MT_GRID_STRIDE(i, N * C) {
+    const int64_t n = i / C, c = i % C;
+    const int64_t r = static_cast<int64_t>(ids[n]) - lo;
+    float v = 0.0f;
+    if (r >= 0 && r < rows) {
+      if constexpr (kBf16) v = bf16_bits_to_f32(static_cast<const uint16_t*>(table)[r * C + c]);
+      else v = static_cast<const float*>(table)[r * C + c];
+    }
+    out[i] = v;
+  }
+}
+__global__ void embed_bwd_k(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
+                            int64_t C) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t r = static_cast<int64_t>(ids[n]) - lo;
+    if (r >= 0 && r < rows) dtable[r * C + c] += dout[n * C + c];
+  }
+}
+__global__ void pos_add_rows_k(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C) {
+  MT_GRID_STRIDE(i, R * C) {
+    const int64_t r = i / C, c = i % C;
+    x[i] += pos[((row0 + r) % T) * C + c];
+  }
+}
+__global__ void pos_bwd_k(float* dpos, const float* dout, int64_t B, int64_t T, int64_t C) {
+  MT_GRID_STRIDE(i, T * C) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < B; ++b) s += dout[b * T * C + i];
+    dpos[i] += s;
+  }
+}
+
+// One block per row. grad: overwrite the row with (softmax - onehot) * dloss (0 in padding).
+template <bool kGrad>
+__global__ void ce_k(float* logits, float* losses, const int32_t* targets, int64_t V, int64_t Vp, float dloss) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  float* x = logits + n * Vp;
+  const int32_t tgt = targets[n];
+  if (tgt < 0) {
+    if constexpr (kGrad)
+      for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) x[j] = 0.0f;
+    if (threadIdx.x == 0) losses[n] = 0.0f;
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
+  m = block_max(m, shm);
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - m);
+  s = block_sum(s, shm);
+  const bool bad = tgt >= V;
+  if (threadIdx.x == 0) losses[n] = bad ? NAN : logf(s) + m - x[tgt];
+  if constexpr (kGrad) {
+    __syncthreads();  // x[tgt] was read above
+    const float f = dloss / s;
+    for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x)
+      x[j] = j < V ? expf(x[j] - m) * f - (j == tgt ? dloss : 0.0f) : 0.0f;
+  }
+}
+
+__global__ void vp_rowmax_k(float* rowmax, const float* lg, int64_t Vl, int64_t valid) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, lg[n * Vl + j]);
+  m = block_max(m, shm);
+  if (threadIdx.x == 0) rowmax[n] = m;
+}
+__global__ void vp_stats_k(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N,
+                           int64_t Vl, int64_t valid, int64_t lo) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  const float m = rowmax[n];
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) s += expf(lg[n * Vl + j] - m);
+  s = block_sum(s, shm);
+  if (threadIdx.x == 0) {
+    stats[n] = s;
+    const int64_t t = static_cast<int64_t>(targets[n]) - lo;
+    stats[N + n] = (targets[n] >= 0 && t >= 0 && t < valid) ? lg[n * Vl + t] : 0.0f;
+  }
+}
+__global__ void vp_finish_k(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets,
+                            int64_t N, int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss) {
+  const int64_t n = blockIdx.x;
+  const bool ignore = targets[n] < 0;
+  if (threadIdx.x == 0) losses[n] = ignore ? 0.0f : logf(stats[n]) + rowmax[n] - stats[N + n];
+  if (!train) return;
+  const float inv = 1.0f / stats[n], m = rowmax[n];
+  const int64_t t = static_cast<int64_t>(targets[n]) - lo;
+  for (int64_t j = threadIdx.x; j < Vl; j += blockDim.x) {
+    float g = 0.0f;
+    if (!ignore && j < valid) g = (expf(lg[n * Vl + j] - m) * inv - (j == t ? 1.0f : 0.0f)) * dloss;
+    lg[n * Vl + j] = g;
+  }
+}
+
+__global__ void adamw_k(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+                        float beta2, float eps, float lr_wd, float inv_bc1, float inv_bc2, float grad_scale) {
+  MT_GRID_STRIDE(i, n) {
+    const float g = grad[i] * grad_scale;
+    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float den = sqrtf(vi * inv_bc2);
+    const float p = param[i];
+    param[i] = p - (lr * ((mi * inv_bc1) / (den + eps)) + lr_wd * p);
+  }
+}
+
+void check_vocab(int64_t V, int64_t Vp, const char* fn) {
+  if (V <= 0 || Vp < V)
+    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": need 0 < V <= Vp (V=" + std::to_string(V) +
+                                ", Vp=" + std::to_string(Vp) + ")");
+}
+}  // namespace
+
+void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  embed_fwd_k<false><<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(out, ids, table, 0, INT64_MAX, N, C);
+  check_launch("embedding_forward");
+}
+void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  embed_bwd_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dtable, dout, ids, 0, INT64_MAX, N, C);
+  check_launch("embedding_backward");
+}
+void position_add_forward(float* x, const float* pos, int64_t B, int64_t T, int64_t C) {
+  position_add_rows(x, pos, B * T, T, 0, C);
+}
+void position_add_backward(float* dpos, const float* dout, int64_t B, int64_t T, int64_t C) {
+  if (B <= 0 || T <= 0 || C <= 0) return;
+  pos_bwd_k<<<grid_for(T * C, kThreads), kThreads, 0, stream()>>>(dpos, dout, B, T, C);
+  check_launch("position_add_backward");
+}
+void vocab_embedding_forward(float* out, const int32_t* ids, const void* table, DType dt, int64_t lo, int64_t rows,
+                             int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  if (dt == DType::BF16)
+    embed_fwd_k<true><<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(out, ids, table, lo, rows, N, C);
+  else
+    embed_fwd_k<false><<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(out, ids, table, lo, rows, N, C);
+  check_launch("vocab_embedding_forward");
+}
+void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
+                              int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  embed_bwd_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dtable, dout, ids, lo, rows, N, C);
+  check_launch("vocab_embedding_backward");
+}
+void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C) {
+  if (R <= 0 || C <= 0) return;
+  pos_add_rows_k<<<grid_for(R * C, kThreads), kThreads, 0, stream()>>>(x, pos, R, T, row0, C);
+  check_launch("position_add_rows");
+}
+
+void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+                           float dloss) {
+  check_vocab(V, Vp, "softmax_cross_entropy");
+  if (N <= 0) return;
+  ce_k<true><<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(logits, losses, targets, V, Vp, dloss);
+  check_launch("softmax_cross_entropy");
+}
+void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                   int64_t Vp) {
+  check_vocab(V, Vp, "softmax_cross_entropy_forward");
+  if (N <= 0) return;
+  ce_k<false><<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(const_cast<float*>(logits), losses, targets, V, Vp,
+                                                                    0.0f);
+  check_launch("softmax_cross_entropy_forward");
+}
+void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid) {
+  if (N <= 0) return;
+  vp_rowmax_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(rowmax, lg, Vl, valid);
+  check_launch("vp_ce_rowmax");
+}
+void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
+                 int64_t valid, int64_t lo) {
+  if (N <= 0) return;
+  vp_stats_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(stats, lg, rowmax, targets, N, Vl, valid, lo);
+  check_launch("vp_ce_stats");
+}
+void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
+                  int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss) {
+  if (N <= 0) return;
+  vp_finish_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(lg, losses, rowmax, stats, targets, N, Vl, valid, lo,
+                                                                   train, dloss);
+  check_launch("vp_ce_finish");
+}
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float weight_decay, int64_t step, float grad_scale) {
+  if (n <= 0) return;
+  // Bias corrections as the CPU computes them (double, then float).
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  adamw_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(param, grad, m, v, n, lr, beta1, beta2, eps,
+                                                            lr * weight_decay, static_cast<float>(1.0 / bc1),
+                                                            static_cast<float>(1.0 / bc2), grad_scale);
+  check_launch("adamw_update");
+}
+
+}  // namespace mt::kernels::cuda

@@ -1,0 +1,78 @@
+// The CUDA backend's kernels (host entry points with the CPU contracts of kernels/cpu/*.h; each
+// queues its work on the CUDA device's compute stream). Pointers are device memory except where
+// the contract says host (rope inv_freq). Reductions to a host double synchronise the stream.
+#pragma once
+#include <cstdint>
+
+#include "runtime/dtype.h"
+
+namespace mt::kernels::cuda {
+
+// Scratch slots (common.cuh scratch()).
+enum ScratchSlot : int { kScratchReduce = 0, kScratchGemm, kScratchRope, kScratchTmp, kNumScratch };
+
+// elementwise.cu
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n);
+void accumulate(float* y, const float* x, int64_t n);
+void scale(float* x, float s, int64_t n);
+double sum_squares(const float* x, int64_t n);
+double sum(const float* x, int64_t n);
+void cast_f32_to_bf16(bf16* out, const float* in, int64_t n);
+void cast_bf16_to_f32(float* out, const bf16* in, int64_t n);
+void add_bias(float* x, const float* b, int64_t N, int64_t C);
+void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
+
+// gemm.cu (cuBLASLt)
+void linear_forward(float* out, const float* inp, const float* W, const float* bias, int64_t N, int64_t C, int64_t OC);
+void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, const float* inp, const float* W,
+                     int64_t N, int64_t C, int64_t OC);
+void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                         int64_t OC);
+void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp, const bf16* W,
+                          int64_t N, int64_t C, int64_t OC);
+
+// norm.cu
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
+                       int64_t N, int64_t C, float eps);
+void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                        const float* mean, const float* rstd, int64_t N, int64_t C);
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps);
+void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w, const float* rstd,
+                      int64_t N, int64_t C);
+
+// embed_loss.cu
+void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
+void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C);
+void position_add_forward(float* x, const float* pos, int64_t B, int64_t T, int64_t C);
+void position_add_backward(float* dpos, const float* dout, int64_t B, int64_t T, int64_t C);
+void vocab_embedding_forward(float* out, const int32_t* ids, const void* table, DType dt, int64_t lo, int64_t rows,
+                             int64_t N, int64_t C);
+void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
+                              int64_t C);
+void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C);
+void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+                           float dloss);
+void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                   int64_t Vp);
+void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid);
+void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
+                 int64_t valid, int64_t lo);
+void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
+                  int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss);
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float weight_decay, int64_t step, float grad_scale);
+
+// attention.cu
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                       int64_t hd);
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
+                        int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
+void rope_forward_freq(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
+void rope_backward_freq(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
+
+}  // namespace mt::kernels::cuda

@@ -1,0 +1,136 @@
+// LayerNorm and RMSNorm (contracts: kernels/cpu/norm.h). One block per row for the row statistics
+// and the input gradient; weight/bias gradients by a column kernel that sums the rows in index
+// order (deterministic, no atomics).
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels.h"
+
+namespace mt::kernels::cuda {
+
+namespace {
+constexpr int kThreads = 256;
+
+__global__ void layernorm_fwd_k(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
+                                int64_t C, float eps) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  float s = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
+  const float m = block_sum(s, shm) / static_cast<float>(C);
+  float v = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float d = x[c] - m;
+    v += d * d;
+  }
+  const float r = rsqrtf(block_sum(v, shm) / static_cast<float>(C) + eps);
+  float* o = out + n * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = (x[c] - m) * r * w[c] + b[c];
+  if (threadIdx.x == 0) {
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+
+__global__ void layernorm_bwd_dinp_k(float* dinp, const float* dout, const float* inp, const float* w, const float* mean,
+                                     const float* rstd, int64_t C) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  const float* dy = dout + n * C;
+  const float m = mean[n], r = rstd[n];
+  float a = 0.0f, bsum = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float dn = dy[c] * w[c];
+    a += dn;
+    bsum += dn * (x[c] - m) * r;
+  }
+  const float dn_mean = block_sum(a, shm) / static_cast<float>(C);
+  const float dnx_mean = block_sum(bsum, shm) / static_cast<float>(C);
+  float* dx = dinp + n * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float xh = (x[c] - m) * r;
+    dx[c] += (dy[c] * w[c] - dn_mean - xh * dnx_mean) * r;
+  }
+}
+
+// dw[c] += sum_n dout[n,c] * xhat[n,c]; db[c] += sum_n dout[n,c] (db may be null: RMSNorm).
+// mean null: RMSNorm (xhat = x * rstd).
+__global__ void norm_bwd_params_k(float* dw, float* db, const float* dout, const float* inp, const float* mean,
+                                  const float* rstd, int64_t N, int64_t C) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  float sw = 0.0f, sb = 0.0f;
+  for (int64_t n = 0; n < N; ++n) {
+    const float dy = dout[n * C + c];
+    const float xh = (inp[n * C + c] - (mean ? mean[n] : 0.0f)) * rstd[n];
+    sw += dy * xh;
+    sb += dy;
+  }
+  if (dw) dw[c] += sw;
+  if (db) db[c] += sb;
+}
+
+__global__ void rmsnorm_fwd_k(float* out, float* rstd, const float* inp, const float* w, int64_t C, float eps) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  float s = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += x[c] * x[c];
+  const float r = rsqrtf(block_sum(s, shm) / static_cast<float>(C) + eps);
+  float* o = out + n * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = x[c] * r * w[c];
+  if (threadIdx.x == 0) rstd[n] = r;
+}
+
+__global__ void rmsnorm_bwd_dinp_k(float* dinp, const float* dout, const float* inp, const float* w, const float* rstd,
+                                   int64_t C) {
+  __shared__ float shm[32];
+  const int64_t n = blockIdx.x;
+  const float* x = inp + n * C;
+  const float* dy = dout + n * C;
+  const float r = rstd[n];
+  float a = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) a += dy[c] * w[c] * x[c] * r;
+  const float dnx_mean = block_sum(a, shm) / static_cast<float>(C);
+  float* dx = dinp + n * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dx[c] += (dy[c] * w[c] - x[c] * r * dnx_mean) * r;
+}
+}  // namespace
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
+                       int64_t N, int64_t C, float eps) {
+  if (N <= 0 || C <= 0) return;
+  layernorm_fwd_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(out, mean, rstd, inp, w, b, C, eps);
+  check_launch("layernorm_forward");
+}
+void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
+                        const float* mean, const float* rstd, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  if (dinp) {
+    layernorm_bwd_dinp_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(dinp, dout, inp, w, mean, rstd, C);
+    check_launch("layernorm_backward");
+  }
+  if (dw || db) {
+    norm_bwd_params_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dw, db, dout, inp, mean, rstd, N, C);
+    check_launch("layernorm_backward (params)");
+  }
+}
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps) {
+  if (N <= 0 || C <= 0) return;
+  rmsnorm_fwd_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(out, rstd, inp, w, C, eps);
+  check_launch("rmsnorm_forward");
+}
+void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w, const float* rstd,
+                      int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  if (dinp) {
+    rmsnorm_bwd_dinp_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(dinp, dout, inp, w, rstd, C);
+    check_launch("rmsnorm_backward");
+  }
+  if (dw) {
+    norm_bwd_params_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dw, nullptr, dout, inp, nullptr, rstd, N, C);
+    check_launch("rmsnorm_backward (params)");
+  }
+}
+
+}  // namespace mt::kernels::cuda

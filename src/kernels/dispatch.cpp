@@ -1,0 +1,48 @@
+// kernels::table(d) and describe(d): which backend's table serves a device.
+#include <stdexcept>
+#include <string>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_isa.h"
+
+#ifdef MT_HAVE_CUDA
+#include "runtime/cuda/cuda_device.h"
+#endif
+
+namespace mt::kernels {
+
+const KernelTable& table(Device d) {
+  switch (d) {
+    case Device::Meta: return meta::meta_table();
+    case Device::CUDA: {
+#ifdef MT_HAVE_CUDA
+      return cuda::cuda_table();
+#else
+      std::string why;
+      device_available(Device::CUDA, &why);
+      throw std::runtime_error("meshtrain: kernels for device cuda: " + why);
+#endif
+    }
+    case Device::CPU: break;
+  }
+  return cpu::cpu_table();
+}
+
+std::string describe(Device d) {
+  switch (d) {
+    case Device::Meta: return "meta (counts bytes, runs no kernel)";
+    case Device::CUDA: {
+#ifdef MT_HAVE_CUDA
+      return mt::cuda::describe();
+#else
+      std::string why;
+      device_available(Device::CUDA, &why);
+      return "cuda unavailable: " + why;
+#endif
+    }
+    case Device::CPU: break;
+  }
+  return cpu::isa_summary();
+}
+
+}  // namespace mt::kernels

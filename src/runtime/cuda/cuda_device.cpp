@@ -1,0 +1,133 @@
+#include "runtime/cuda/cuda_device.h"
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+
+#include "runtime/block_cache.h"
+
+namespace mt::cuda {
+
+void check(int err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("meshtrain: cuda: ") + what + ": " +
+                             cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+const std::string& unavailable_reason() {
+  static const std::string why = [] {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess)
+      return std::string("no usable CUDA device: cudaGetDeviceCount failed (") + cudaGetErrorString(e) +
+             "); is an NVIDIA driver installed and a GPU visible (CUDA_VISIBLE_DEVICES)?";
+    if (n == 0) return std::string("no CUDA device is present (cudaGetDeviceCount found 0 GPUs)");
+    return std::string();
+  }();
+  return why;
+}
+
+void require() {
+  if (!unavailable_reason().empty()) throw std::runtime_error("meshtrain: device cuda: " + unavailable_reason());
+}
+
+namespace {
+struct State {
+  std::mutex mu;
+  cudaStream_t stream = nullptr;
+  MemoryTracker tracker;
+  BlockCache cache{"cuda allocator",
+                   [](size_t bytes) -> void* {
+                     void* p = nullptr;
+                     const cudaError_t e = cudaMalloc(&p, bytes);
+                     if (e == cudaErrorMemoryAllocation) {
+                       (void)cudaGetLastError();  // clear the sticky-free error so a retry can succeed
+                       return nullptr;
+                     }
+                     check(e, "cudaMalloc");
+                     return p;
+                   },
+                   [](void* p) { check(cudaFree(p), "cudaFree"); }};
+  State() {
+    require();
+    check(cudaSetDevice(0), "cudaSetDevice");
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+};
+State& state() {
+  static State* s = new State();  // never destroyed: tensors may outlive static teardown
+  return *s;
+}
+cudaStream_t st() { return state().stream; }
+}  // namespace
+
+void* alloc(size_t bytes, MemCategory c) {
+  State& s = state();
+  void* p = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    p = s.cache.take(bytes);
+    s.tracker.set_pool(s.cache.cached_bytes(), s.cache.reserved_bytes());
+  }
+  s.tracker.on_alloc(c, static_cast<int64_t>(bytes));
+  return p;
+}
+
+void free(void* p, size_t bytes, MemCategory c) {
+  if (!p) return;
+  State& s = state();
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    s.cache.give(p, bytes);
+    s.tracker.set_pool(s.cache.cached_bytes(), s.cache.reserved_bytes());
+  }
+  s.tracker.on_free(c, static_cast<int64_t>(bytes));
+}
+
+MemoryTracker& tracker() { return state().tracker; }
+
+void release_cache() {
+  State& s = state();
+  check(cudaStreamSynchronize(s.stream), "cudaStreamSynchronize");
+  std::lock_guard<std::mutex> lk(s.mu);
+  s.cache.release();
+  s.tracker.set_pool(s.cache.cached_bytes(), s.cache.reserved_bytes());
+}
+
+void* stream() { return st(); }
+void synchronize() { check(cudaStreamSynchronize(st()), "cudaStreamSynchronize"); }
+
+void zero(void* p, size_t bytes) {
+  if (bytes) check(cudaMemsetAsync(p, 0, bytes, st()), "cudaMemsetAsync");
+}
+void copy(void* dst, const void* src, size_t bytes) {
+  if (bytes && dst != src) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st()), "cudaMemcpyAsync D2D");
+}
+void copy_from_host(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st()), "cudaMemcpyAsync H2D");
+  synchronize();  // the host buffer may be reused (or freed) when this returns, pinned or not
+}
+void copy_to_host(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st()), "cudaMemcpyAsync D2H");
+  synchronize();
+}
+
+std::string describe() {
+  require();
+  cudaDeviceProp p{};
+  int dev = 0, drv = 0, rt = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaGetDeviceProperties(&p, dev), "cudaGetDeviceProperties");
+  check(cudaDriverGetVersion(&drv), "cudaDriverGetVersion");
+  check(cudaRuntimeGetVersion(&rt), "cudaRuntimeGetVersion");
+  auto ver = [](int v) { return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10); };
+  return std::string("cuda ") + p.name + " (sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
+         std::to_string(p.multiProcessorCount) + " SMs, " + format_bytes(static_cast<int64_t>(p.totalGlobalMem)) +
+         "), driver " + ver(drv) + ", runtime " + ver(rt);
+}
+
+}  // namespace mt::cuda
