@@ -3,10 +3,11 @@
 // fp32: dnnl_sgemm (row-major). On the measured shapes it is as fast as the f32 matmul primitive
 // (both run the same jit GEMM) and needs no primitive cache.
 // bf16: the oneDNN matmul primitive (bf16 src/weights, f32 dst, alpha as output scale, beta as a
-// sum post-op), cached per (transposes, shape, alpha, beta). Where the CPU lacks bf16 support
-// (oneDNN 2.6 needs AVX-512; it refuses to create the primitive on AVX2-only machines), or only a
-// reference implementation exists, the inputs are widened to fp32 block by block into cached
-// scratch and multiplied with sgemm: the same arithmetic (exact bf16 products, fp32 sums).
+// sum post-op), cached per (transposes, shape, alpha, beta). Where the CPU lacks native bf16
+// arithmetic (AVX512_BF16 or AMX; oneDNN's emulation on plain AVX-512 is slower than widening, and
+// on AVX2-only machines it refuses to create the primitive), or only a reference implementation
+// exists, the inputs are widened to fp32 block by block into cached scratch and multiplied with
+// sgemm: the same arithmetic (exact bf16 products, fp32 sums).
 #include "kernels/cpu/gemm.h"
 
 #include <omp.h>
@@ -66,12 +67,17 @@ void sgemm_raw(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 
 // ---- bf16 through the oneDNN matmul primitive -------------------------------------------------
 
+// The thread count is part of the key: a oneDNN primitive splits its work for the number of
+// OpenMP threads there were when it was created, and keeps that split (measured: a primitive made
+// at 1 thread and run at 2 used one core, 184 vs 366 GFLOP/s for the LM head on Zen 4).
 struct Bf16Key {
   bool ta, tb;
   int64_t M, N, K;
   float alpha, beta;
+  int threads;
   bool operator<(const Bf16Key& o) const {
-    return std::tie(ta, tb, M, N, K, alpha, beta) < std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta);
+    return std::tie(ta, tb, M, N, K, alpha, beta, threads) <
+           std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta, o.threads);
   }
 };
 
@@ -106,7 +112,10 @@ std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
   auto it = c.entries.find(k);
   if (it != c.entries.end()) return it->second;
   auto e = std::make_shared<Bf16Entry>();
-  if (!c.force_fallback) {
+  // Without AVX512_BF16 (or AMX) oneDNN can still build a bf16 matmul on AVX-512, emulating the
+  // bf16 products; measured on Zen 4 capped at avx512 it ran at 72-76 GFLOP/s against 140-184 for
+  // widening to fp32 + sgemm (docs/benchmarks.md, "CPU instruction sets"): widen there.
+  if (!c.force_fallback && active_isa() >= CpuIsa::AVX512_BF16) {
     using dt = dnnl::memory::data_type;
     using dims = dnnl::memory::dims;
     e->a_md = dnnl::memory::desc({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.M} : dims{k.K, 1});
@@ -222,7 +231,7 @@ void set_bf16_force_fallback(bool force) {
 }
 bool bf16_gemm_is_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                          float beta) {
-  return bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta})->native;
+  return bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta, omp_get_max_threads()})->native;
 }
 void sgemm_strided(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -255,7 +264,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     scale_c(C, M * N, beta);
     return;
   }
-  std::shared_ptr<Bf16Entry> e = bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta});
+  std::shared_ptr<Bf16Entry> e = bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta, omp_get_max_threads()});
   if (!e->native) {
     gemm_bf16_widened(ta, tb, M, N, K, alpha, A, B, beta, C);
     return;
