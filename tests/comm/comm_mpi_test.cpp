@@ -512,10 +512,11 @@ __attribute__((noipa)) double compute_ms(double ms) {
 }  // namespace
 
 TEST(ProcessGroup, CommunicationProgressesWhileComputing) {
+  // The communication thread must finish a collective while the caller only computes: the caller
+  // never waits, it computes in slices and polls Work::test() (which only reads the state). If the
+  // engine progressed only inside wait(), the handle would never complete and the test would fail at
+  // its deadline. Timing figures are printed, not asserted (shared CI machines make them noisy).
   auto w = g_world->world();
-  const int n = w->size();
-  if (n > static_cast<int>(std::thread::hardware_concurrency()))
-    GTEST_SKIP() << "more ranks than cores: compute and communication cannot both run";
   const size_t count = 8u << 20;  // 32 MiB of f32
   std::vector<float> buf(count, 1.0f);
   w->all_reduce(buf.data(), count, DType::F32)->wait();  // warm-up (staging buffers)
@@ -527,27 +528,31 @@ TEST(ProcessGroup, CommunicationProgressesWhileComputing) {
     comm_ms = std::min(comm_ms, ms_since(t0));
   }
   MPI_Allreduce(MPI_IN_PLACE, &comm_ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  double wait_ms = 1e9, total_ms = 0, sink = 0;
-  for (int rep = 0; rep < 3 && wait_ms > 0.1 * comm_ms; ++rep) {
-    w->barrier()->wait();
-    auto t0 = std::chrono::steady_clock::now();
-    auto h = w->all_reduce(buf.data(), count, DType::F32);
-    sink += compute_ms(3 * comm_ms);
-    auto t1 = std::chrono::steady_clock::now();
-    h->wait();
-    double wm = ms_since(t1);
-    if (wm < wait_ms) {
-      wait_ms = wm;
-      total_ms = ms_since(t0);
-    }
+  w->barrier()->wait();
+  auto t0 = std::chrono::steady_clock::now();
+  auto h = w->all_reduce(buf.data(), count, DType::F32);
+  double sink = 0;
+  int slices = 0;
+  bool done = false;
+  while (!(done = h->test()) && ms_since(t0) < 60000.0) {
+    sink += compute_ms(0.5);
+    ++slices;
   }
+  const double together_ms = ms_since(t0);
+  EXPECT_TRUE(done) << "the all-reduce made no progress in 60 s while the caller computed";
+  if (!done) h->wait();
   EXPECT_GT(sink, 0.0);
-  double hidden = 100.0 * (1.0 - wait_ms / comm_ms);
+  if (w->size() > 1) {
+    EXPECT_GT(slices, 0) << "the collective finished before any computation: nothing was overlapped";
+  }
+  // Every element was summed over the ranks three times (warm-up and two timed runs) before this one.
+  const float expect = std::pow(static_cast<float>(w->size()), 4.0f);
+  EXPECT_EQ(buf[0], expect);
+  EXPECT_EQ(buf[count - 1], expect);
   if (g_world->rank() == 0)
-    std::printf("[overlap] all_reduce 32 MiB alone %.1f ms; compute %.1f ms; together %.1f ms; "
-                "wait after compute %.2f ms -> %.0f%% of the communication hidden\n",
-                comm_ms, 3 * comm_ms, total_ms, wait_ms, hidden);
-  EXPECT_LT(wait_ms, 0.5 * comm_ms);  // typically 0 here; lenient for shared machines
+    std::printf("[overlap] all_reduce 32 MiB alone %.1f ms; finished during %d compute slices of "
+                "0.5 ms (%.1f ms), never waited on\n",
+                comm_ms, slices, together_ms);
 }
 
 // Prints only rank 0's progress; failures of any rank are shown with the rank.
