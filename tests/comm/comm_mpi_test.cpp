@@ -541,9 +541,11 @@ TEST(ProcessGroup, CommunicationProgressesWhileComputing) {
   const double together_ms = ms_since(t0);
   EXPECT_TRUE(done) << "the all-reduce made no progress in 60 s while the caller computed";
   if (!done) h->wait();
-  EXPECT_GT(sink, 0.0);
   if (w->size() > 1) {
     EXPECT_GT(slices, 0) << "the collective finished before any computation: nothing was overlapped";
+  }
+  if (slices > 0) {
+    EXPECT_GT(sink, 0.0);  // the computation really ran (on one rank it may not have been needed)
   }
   // Every element was summed over the ranks three times (warm-up and two timed runs) before this one.
   const float expect = std::pow(static_cast<float>(w->size()), 4.0f);
