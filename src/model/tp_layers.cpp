@@ -141,6 +141,12 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
     if (bf) ctx_.kt->cast_bf16_to_f32(ctx_.stage, x.bf(), R * in_);
     hin = ctx_.comm->start_all_gather_activations(src, ctx_.full_buffer(), R * in_);
   }
+  if (!ctx_.tp()) {
+    // Nothing to overlap: both gradients in one call per weight, so a bf16 backward casts the
+    // output gradient once (the LM head's is [tokens, vocabulary]). Same GEMMs in the same order.
+    for (const Grad& g : grads) lin.backward(dx, g.w.dw, g.w.db, g.dy, x, g.w, N, in_);
+    return dx;
+  }
   for (const Grad& g : grads) lin.backward(dx, nullptr, nullptr, g.dy, x, g.w, N, in_);  // input gradient first
   const int hsum = ctx_.start_input_grad_sum(dx);
   const Tensor* xin = &x;

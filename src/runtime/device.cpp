@@ -1,7 +1,9 @@
 #include "runtime/device.h"
 
+#include <omp.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -158,17 +160,43 @@ bool is_meta_pointer(const void* p) {
 }
 
 namespace dev {
+namespace {
+// Host memset / memcpy of large buffers on every compute thread: one core's stores reach about
+// half the bandwidth two do (measured on a 2-core Xeon: memset of 121 MB 14.0 -> 7.2 ms, memcpy
+// 19.5 -> 10.2 ms; a step zeroes every gradient once). Contiguous, 4 KiB-aligned pieces.
+constexpr size_t kParallelBytes = size_t(4) << 20;
+template <class F>
+void host_parallel(size_t bytes, F&& piece) {
+  const int nt = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (bytes < kParallelBytes || nt <= 1) {
+    piece(size_t(0), bytes);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    const size_t t = static_cast<size_t>(omp_get_thread_num()), T = static_cast<size_t>(omp_get_num_threads());
+    const size_t per = (bytes / T + 4095) & ~size_t(4095);
+    const size_t lo = std::min(bytes, t * per), hi = std::min(bytes, lo + per);
+    if (hi > lo) piece(lo, hi - lo);
+  }
+}
+}  // namespace
+
 void zero(Device d, void* p, size_t bytes) {
   if (d == Device::CUDA) {
     MT_CUDA_OR_THROW(cuda::zero(p, bytes));
   }
-  if (d == Device::CPU && bytes) std::memset(p, 0, bytes);
+  if (d == Device::CPU && bytes)
+    host_parallel(bytes, [p](size_t off, size_t n) { std::memset(static_cast<char*>(p) + off, 0, n); });
 }
 void copy(Device d, void* dst, const void* src, size_t bytes) {
   if (d == Device::CUDA) {
     MT_CUDA_OR_THROW(cuda::copy(dst, src, bytes));
   }
-  if (d == Device::CPU && bytes && dst != src) std::memcpy(dst, src, bytes);
+  if (d == Device::CPU && bytes && dst != src)
+    host_parallel(bytes, [dst, src](size_t off, size_t n) {
+      std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, n);
+    });
 }
 void copy_from_host(Device d, void* dst, const void* host_src, size_t bytes) {
   if (d == Device::CUDA) {

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cmath>
 #include <iostream>
 #include <limits>
@@ -151,6 +153,49 @@ TEST(GemmBf16, BlockedWideningPathMatchesReference) {
   check_bf16_gemm("widened, small blocks");
   detail::set_bf16_fallback_block_elems(int64_t(4) << 20);
   detail::set_bf16_force_fallback(false);
+}
+
+TEST(GemmBf16, SplitLargeGemmsMatchReference) {
+  // The native path splits a dimension >= min_dim (the LM head's vocabulary) into chunks: with
+  // tiny limits both splits (K accumulated, N through a contiguous block) and their nesting run
+  // on the test shapes. On CPUs without native bf16 this covers the strided widening.
+  detail::set_bf16_split(16, 7, 9);
+  check_bf16_gemm("split into chunks");
+  // beta = 0 must not read C (it may hold NaN), also through the N split's copy-out.
+  const int64_t M = 33, N = 40, K = 50;
+  auto A = to_bf16(kt::randn(M * K, 41)), B = to_bf16(kt::randn(K * N, 42));
+  std::vector<float> C(M * N, std::numeric_limits<float>::quiet_NaN());
+  gemm_bf16(false, true, M, N, K, 1.0f, A.data(), B.data(), 0.0f, C.data());
+  auto want = ref_gemm(false, true, M, N, K, 1.0, bf16_to_double(A), bf16_to_double(B), 0.0,
+                       std::vector<double>(M * N, 0.0));
+  EXPECT_TRUE(kt::close(C, want, 1e-5, 2e-5 * std::sqrt(double(K))));
+  detail::set_bf16_split(16384, 4096, 4096);
+}
+
+TEST(GemmBf16, LmHeadShapesBitIdenticalAcrossThreadCounts) {
+  // The split depends on the shape only: 1 and 2 threads give the same bits on the LM head's
+  // three GEMMs (vocabulary 20000, so every split engages at the default limits).
+  const int64_t T = 64, V = 20000, C = 96;
+  auto X = to_bf16(kt::randn(T * C, 51)), W = to_bf16(kt::randn(V * C, 52)), D = to_bf16(kt::randn(T * V, 53));
+  auto run = [&](int threads) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> L(T * V, 0.0f), dX(T * C, 0.0f), dW(V * C, 0.0f);
+    gemm_bf16(false, true, T, V, C, 1.0f, X.data(), W.data(), 0.0f, L.data());   // forward
+    gemm_bf16(false, false, T, C, V, 1.0f, D.data(), W.data(), 1.0f, dX.data());  // dinp
+    gemm_bf16(true, false, V, C, T, 1.0f, D.data(), X.data(), 1.0f, dW.data());   // dW
+    omp_set_num_threads(saved);
+    return std::make_tuple(L, dX, dW);
+  };
+  auto [L1, dX1, dW1] = run(1);
+  auto [L2, dX2, dW2] = run(2);
+  EXPECT_TRUE(kt::bitwise_equal(L1, L2));
+  EXPECT_TRUE(kt::bitwise_equal(dX1, dX2));
+  EXPECT_TRUE(kt::bitwise_equal(dW1, dW2));
+  // and the split forward agrees with the reference
+  auto want = ref_gemm(false, true, T, V, C, 1.0, bf16_to_double(X), bf16_to_double(W), 0.0,
+                       std::vector<double>(T * V, 0.0));
+  EXPECT_TRUE(kt::close(L1, want, 1e-5, 2e-5 * std::sqrt(double(C))));
 }
 
 // ---- linear layers --------------------------------------------------------------------------

@@ -70,16 +70,23 @@ void sgemm_raw(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 // The thread count is part of the key: a oneDNN primitive splits its work for the number of
 // OpenMP threads there were when it was created, and keeps that split (measured: a primitive made
 // at 1 thread and run at 2 used one core, 184 vs 366 GFLOP/s for the LM head on Zen 4).
+// The leading dimensions are part of it too: the split GEMMs below address blocks of larger
+// matrices.
 struct Bf16Key {
   bool ta, tb;
   int64_t M, N, K;
   float alpha, beta;
   int threads;
+  int64_t lda, ldb, ldc;
   bool operator<(const Bf16Key& o) const {
-    return std::tie(ta, tb, M, N, K, alpha, beta, threads) <
-           std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta, o.threads);
+    return std::tie(ta, tb, M, N, K, alpha, beta, threads, lda, ldb, ldc) <
+           std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta, o.threads, o.lda, o.ldb, o.ldc);
   }
 };
+
+Bf16Key dense_key(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, float beta) {
+  return Bf16Key{ta, tb, M, N, K, alpha, beta, omp_get_max_threads(), ta ? M : K, tb ? K : N, N};
+}
 
 struct Bf16Entry {
   bool native = false;  // false: use the widen-to-fp32 path
@@ -118,9 +125,9 @@ std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
   if (!c.force_fallback && active_isa() >= CpuIsa::AVX512_BF16) {
     using dt = dnnl::memory::data_type;
     using dims = dnnl::memory::dims;
-    e->a_md = dnnl::memory::desc({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.M} : dims{k.K, 1});
-    e->b_md = dnnl::memory::desc({k.K, k.N}, dt::bf16, k.tb ? dims{1, k.K} : dims{k.N, 1});
-    e->c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.N, 1});
+    e->a_md = dnnl::memory::desc({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
+    e->b_md = dnnl::memory::desc({k.K, k.N}, dt::bf16, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
+    e->c_md = dnnl::memory::desc({k.M, k.N}, dt::f32, dims{k.ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
@@ -163,8 +170,8 @@ void widen_block(float* dst, const bf16* src, int64_t ld, int64_t r0, int64_t R,
   }
 }
 
-void gemm_bf16_widened(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
-                       const bf16* A, const bf16* B, float beta, float* C) {
+void gemm_bf16_widened(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+                       int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   thread_local Scratch sa, sb;
   const int64_t lim = std::max<int64_t>(g_fallback_block_elems, 1);
   // Prefer one block along M and N; split K only when a full-K block of the smaller side would
@@ -182,14 +189,14 @@ void gemm_bf16_widened(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float 
     for (int64_t n0 = 0; n0 < N; n0 += nb) {
       const int64_t nl = std::min(nb, N - n0);
       // op(B) block rows k0.., cols n0..: stored [K,N] (rows k) or [N,K] (rows n).
-      if (tb) widen_block(wb, B, K, n0, nl, k0, kl);  // packed [nl, kl]
-      else widen_block(wb, B, N, k0, kl, n0, nl);     // packed [kl, nl]
+      if (tb) widen_block(wb, B, ldb, n0, nl, k0, kl);  // packed [nl, kl]
+      else widen_block(wb, B, ldb, k0, kl, n0, nl);     // packed [kl, nl]
       for (int64_t m0 = 0; m0 < M; m0 += mb) {
         const int64_t ml = std::min(mb, M - m0);
-        if (ta) widen_block(wa, A, M, k0, kl, m0, ml);  // packed [kl, ml]
-        else widen_block(wa, A, K, m0, ml, k0, kl);     // packed [ml, kl]
+        if (ta) widen_block(wa, A, lda, k0, kl, m0, ml);  // packed [kl, ml]
+        else widen_block(wa, A, lda, m0, ml, k0, kl);     // packed [ml, kl]
         sgemm_raw(ta, tb, ml, nl, kl, alpha, wa, ta ? ml : kl, wb, tb ? kl : nl, bk,
-                  C + m0 * N + n0, N);
+                  C + m0 * ldc + n0, ldc);
       }
     }
   }
@@ -219,6 +226,87 @@ void broadcast_bias(float* out, const float* bias, int64_t N, int64_t OC) {
   for (int64_t n = 0; n < N; ++n) std::copy(bias, bias + OC, out + n * OC);
 }
 
+// One oneDNN bf16 matmul on (possibly strided) blocks: C = alpha op(A) op(B) + beta C.
+void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+                     int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  std::shared_ptr<Bf16Entry> e =
+      bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta, omp_get_max_threads(), lda, ldb, ldc});
+  if (!e->native) {  // no primitive for this block's strides: the same arithmetic by widening
+    gemm_bf16_widened(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  thread_local std::unique_ptr<dnnl::stream> strm;
+  thread_local Scratch scratch;
+  dnnl::engine& eng = [] () -> dnnl::engine& {
+    Bf16Cache& c = bf16_cache();
+    std::lock_guard<std::mutex> lk(c.mu);
+    return engine_locked(c);
+  }();
+  if (!strm) strm = std::make_unique<dnnl::stream>(eng);
+  dnnl::memory am(e->a_md, eng, const_cast<bf16*>(A));
+  dnnl::memory bm(e->b_md, eng, const_cast<bf16*>(B));
+  dnnl::memory cm(e->c_md, eng, C);
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (e->scratch_bytes > 0) {
+    dnnl::memory sm(e->scratch_md, eng, scratch.get(e->scratch_bytes));
+    args.emplace(DNNL_ARG_SCRATCHPAD, sm);
+  }
+  e->prim.execute(*strm, args);
+  strm->wait();
+}
+
+// Splitting large bf16 GEMMs (the LM head: one dimension is the vocabulary). oneDNN 2.6's matmul
+// runs them at half the block layers' rate or less; measured by bench/kernel_bench on a 2-core
+// Xeon with AMX-BF16, 1024 tokens x vocabulary 50304 x width 384, 2 threads, GFLOP/s whole -> split:
+//   dinp (K = vocabulary) 499 -> 1200 in K chunks of 4096 accumulated into C (2048 / 8192: 1175);
+//   forward (N = vocabulary) 657 -> 855 in N chunks of 4096 computed into a contiguous block and
+//   copied out (a strided destination ran at 370: writing through it is the slow part; chunks of
+//   2048 / 8192: 758 / 726).
+// dW (M = vocabulary) stays whole: M chunks of 2048-25152 ran at 590-610 against 861.
+// Capped at AVX512_BF16 on the same machine both splits ran as fast as the whole (190-205).
+// The chunks depend on the shape only, never on the thread count, so results stay bit-identical
+// across thread counts; the K split adds fp32 partial sums to C in chunk order.
+struct SplitLimits {
+  int64_t min_dim = 16384;  // K or N splits from this size on
+  int64_t k_chunk = 4096, n_chunk = 4096;
+};
+SplitLimits g_split;
+
+void gemm_bf16_split(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
+                     int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const SplitLimits& L = g_split;
+  if (K >= L.min_dim && K > L.k_chunk) {
+    for (int64_t k0 = 0; k0 < K; k0 += L.k_chunk) {
+      const int64_t kc = std::min(L.k_chunk, K - k0);
+      gemm_bf16_split(ta, tb, M, N, kc, alpha, ta ? A + k0 * lda : A + k0, lda, tb ? B + k0 : B + k0 * ldb, ldb,
+                      k0 == 0 ? beta : 1.0f, C, ldc);
+    }
+    return;
+  }
+  if (N >= L.min_dim && N > L.n_chunk) {
+    thread_local Scratch blk;
+    for (int64_t n0 = 0; n0 < N; n0 += L.n_chunk) {
+      const int64_t nc = std::min(L.n_chunk, N - n0);
+      float* t = blk.as<float>(static_cast<size_t>(M * nc));
+      run_bf16_native(ta, tb, M, nc, K, alpha, A, lda, tb ? B + n0 * ldb : B + n0, ldb, 0.0f, t, nc);
+#pragma omp parallel for schedule(static) if (M * nc > detail::kParallelMin)
+      for (int64_t m = 0; m < M; ++m) {
+        float* c = C + m * ldc + n0;
+        const float* r = t + m * nc;
+        if (beta == 0.0f) {
+          std::copy(r, r + nc, c);
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < nc; ++j) c[j] = r[j] + beta * c[j];
+        }
+      }
+    }
+    return;
+  }
+  run_bf16_native(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 }  // namespace
 
 namespace detail {
@@ -231,7 +319,10 @@ void set_bf16_force_fallback(bool force) {
 }
 bool bf16_gemm_is_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                          float beta) {
-  return bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta, omp_get_max_threads()})->native;
+  return bf16_entry(dense_key(ta, tb, M, N, K, alpha, beta))->native;
+}
+void set_bf16_split(int64_t min_dim, int64_t k_chunk, int64_t n_chunk) {
+  g_split = SplitLimits{min_dim, k_chunk, n_chunk};
 }
 void sgemm_strided(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -264,30 +355,11 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     scale_c(C, M * N, beta);
     return;
   }
-  std::shared_ptr<Bf16Entry> e = bf16_entry(Bf16Key{ta, tb, M, N, K, alpha, beta, omp_get_max_threads()});
-  if (!e->native) {
-    gemm_bf16_widened(ta, tb, M, N, K, alpha, A, B, beta, C);
+  if (!bf16_entry(dense_key(ta, tb, M, N, K, alpha, beta))->native) {
+    gemm_bf16_widened(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
     return;
   }
-  thread_local std::unique_ptr<dnnl::stream> strm;
-  thread_local Scratch scratch;
-  dnnl::engine& eng = [] () -> dnnl::engine& {
-    Bf16Cache& c = bf16_cache();
-    std::lock_guard<std::mutex> lk(c.mu);
-    return engine_locked(c);
-  }();
-  if (!strm) strm = std::make_unique<dnnl::stream>(eng);
-  dnnl::memory am(e->a_md, eng, const_cast<bf16*>(A));
-  dnnl::memory bm(e->b_md, eng, const_cast<bf16*>(B));
-  dnnl::memory cm(e->c_md, eng, C);
-  std::unordered_map<int, dnnl::memory> args = {
-      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-  if (e->scratch_bytes > 0) {
-    dnnl::memory sm(e->scratch_md, eng, scratch.get(e->scratch_bytes));
-    args.emplace(DNNL_ARG_SCRATCHPAD, sm);
-  }
-  e->prim.execute(*strm, args);
-  strm->wait();
+  gemm_bf16_split(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
 }
 
 void linear_forward(float* out, const float* inp, const float* W, const float* bias, int64_t N,

@@ -18,5 +18,8 @@ bool bf16_gemm_is_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 // blocked loops. Not thread-safe; call them only while no GEMM runs.
 void set_bf16_force_fallback(bool force);
 void set_bf16_fallback_block_elems(int64_t elems);
+// Testing hook: where the native bf16 GEMM splits large problems (K or N >= min_dim splits into
+// chunks of k_chunk / n_chunk; defaults 16384, 4096, 4096).
+void set_bf16_split(int64_t min_dim, int64_t k_chunk, int64_t n_chunk);
 
 }  // namespace mt::kernels::cpu::detail
