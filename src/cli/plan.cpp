@@ -332,7 +332,8 @@ int run(int argc, char** argv) {
     const int64_t seq = st.seq > 0 ? st.seq : m.seq_len;
     const double tok = static_cast<double>(probe_mb * seq);
     const double wide = static_cast<double>(std::max(m.padded_vocab, 4 * m.ffn_hidden));
-    const double probe_bytes = 4.0 * (4.0 * tok * wide + 2.0 * m.n_embd * wide);
+    // matmul buffers, and the optimizer-step probe's weights, gradients and moments (16 B/param)
+    const double probe_bytes = 4.0 * (4.0 * tok * wide + 2.0 * m.n_embd * wide) + 16.0 * static_cast<double>(m.num_params());
     if (probe_bytes > 2.0 * GiB) {
       notes.push_back("this-cpu: the model is too large to probe on this machine (" +
                       std::to_string(static_cast<int>(probe_bytes / GiB)) +

@@ -333,6 +333,7 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
       sum.flops_per_s += j.at("flops_per_s").get<double>();
       sum.gemm_flops_per_s += j.at("gemm_flops_per_s").get<double>();
       sum.mem_bw += j.at("mem_bw").get<double>();
+      sum.elem_bw += j.value("elem_bw", 0.0);
     } catch (const std::exception& ex) {
       err = std::string("compute probe output unreadable (") + ex.what() + "): " + tail(out, 400);
     }
@@ -342,6 +343,7 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
   sum.flops_per_s /= n;
   sum.gemm_flops_per_s /= n;
   sum.mem_bw /= n;
+  sum.elem_bw /= n;
   sum.procs = e.ranks;
   sum.threads = threads;
   return sum;
@@ -475,10 +477,11 @@ Cluster measured_cluster(const ComputeCeiling& cc, const CommCeiling& comm, int 
   c.mem_reserved /= ranks;
   c.peak_flops_fp32 = c.peak_flops_bf16 = cc.flops_per_s;
   c.compute_efficiency = 1.0;  // measured at the model's own shapes
-  c.mem_bw = cc.mem_bw;
+  c.mem_bw = cc.elem_bw > 0 ? cc.elem_bw : cc.mem_bw;  // the engine's elementwise kernels, as the planner counts them
   c.mem_bw_efficiency = 1.0;
   c.intra = {comm.bw, comm.latency_s};
   c.inter = c.intra;
+  if (comm.sync_bw > 0) c.intra_sync = {comm.sync_bw, comm.sync_latency_s};
   return c;
 }
 
@@ -570,6 +573,7 @@ JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::stri
   j.mean.flops_per_s = 0.5 * (j.before.flops_per_s + j.after.flops_per_s);
   j.mean.gemm_flops_per_s = 0.5 * (j.before.gemm_flops_per_s + j.after.gemm_flops_per_s);
   j.mean.mem_bw = 0.5 * (j.before.mem_bw + j.after.mem_bw);
+  j.mean.elem_bw = 0.5 * (j.before.elem_bw + j.after.elem_bw);
   j.steps = std::move(m.steps);
   j.fin = std::move(m.fin);
   if (static_cast<int>(j.steps.size()) != o.steps) j.error = "incomplete metrics of job " + tag;
@@ -972,6 +976,8 @@ ValidationReport run_validation(const ValidateOptions& in) {
     cc.source = "this-cpu preset (not measured)";
     for (const auto& c : rep.comm_ceilings)  // the job's conditions: its ranks computing
       if (c.ranks == e.ranks && c.busy) cc = c;
+    for (const auto& c : rep.comm_ceilings)  // blocking collectives: all ranks waiting, cores idle
+      if (c.ranks == e.ranks && !c.busy) cc.sync_bw = c.bw, cc.sync_latency_s = c.latency_s;
     const auto tj = Clock::now();
     LayoutResult r = run_layout(o, dir, data, e, i++, rep.cores, cc);
     if (o.progress) {
@@ -1064,7 +1070,7 @@ std::string format_validation(const ValidationReport& rep) {
     if (r.error.empty() && r.attempts > 0)
       o << "  compute, " << r.layout.label() << ": " << fmt("%.1f", r.compute.flops_per_s / 1e9)
         << " GFLOP/s per rank matmul+attention (" << fmt("%.1f", r.compute.gemm_flops_per_s / 1e9) << " GEMM alone), "
-        << fmt("%.1f GB/s", r.compute.mem_bw / 1e9) << " streaming; " << r.compute.procs << " probes x "
+        << fmt("%.1f GB/s", r.compute.mem_bw / 1e9) << " streaming, " << fmt("%.1f GB/s", r.compute.elem_bw / 1e9) << " as the planner counts the elementwise kernels; " << r.compute.procs << " probes x "
         << r.compute.threads << " threads\n";
 
   for (const auto& r : rep.results)

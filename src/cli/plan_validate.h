@@ -124,6 +124,9 @@ struct CommCeiling {
   bool busy = false;      // measured while one single-threaded compute process per rank ran (the
                           // job's conditions; used for the prediction), or on an otherwise idle machine
   std::string source;     // how it was measured
+  // For a busy ceiling, the same ranks' idle figures: what blocking collectives see (tensor and
+  // context parallelism: every rank at the collective, cores otherwise idle). 0: not measured.
+  double sync_bw = 0, sync_latency_s = 0;
 };
 
 // ---- the validation run --------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ struct Cluster {
   double mem_bw_efficiency = 0.8;  // achievable fraction of mem_bw for streaming kernels
   Link intra;                      // inside a node (NVLink / shared memory)
   Link inter;                      // between nodes, per GPU (one NIC per GPU, rail-optimised)
+  // Inside a node for collectives every rank of the group enters at once and waits for (tensor
+  // parallelism's, context parallelism's ring), when they see another link than the overlapped
+  // data-parallel ones: on CPUs those run on the caller's thread with the cores otherwise idle,
+  // the overlapped ones on a communication thread competing with compute. bw 0: use `intra`.
+  Link intra_sync;
   double overlap_efficiency = 1.0; // fraction of a collective that can hide behind compute
   double kernel_overhead_s = 4e-6; // fixed cost per kernel (launch gap, wave tail); ~36 kernels per layer per
                                    // micro-batch (12 forward, 24 backward) - what makes tiny micro-batches slow

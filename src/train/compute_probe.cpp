@@ -13,6 +13,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "plan/cost_model.h"
 #include "runtime/tensor.h"
 
 namespace mt {
@@ -75,7 +76,7 @@ plan::CpuMeasurement measure_this_cpu(const ModelConfig& m, int64_t micro_batch,
   const ComputeCeiling cc = measure_compute_here(m, micro_batch, bf16, seconds);
   r.model_flops = cc.flops_per_s;
   r.model_flops_bf16 = bf16;
-  r.mem_bw = cc.mem_bw;
+  r.mem_bw = cc.elem_bw > 0 ? cc.elem_bw : cc.mem_bw;  // what the planner's elementwise model needs
   r.peak_flops_fp32 = fma_peak_here();
   // bf16 arithmetic: AVX512-BF16's dot product does twice the fp32 FMA work per instruction and
   // AMX-BF16 a tile multiply (Intel: 1024 bf16 FLOP per cycle and core, 16x the AVX-512 fp32
@@ -162,7 +163,74 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
     f_gemm += head_flops;
   } while (secs_since(t0) < seconds);
 
+  // The non-matmul work of one micro-batch as the engine runs it (model/transformer.cpp,
+  // model/tp_layers.cpp): per block two norms forward and backward, the activation, two residual
+  // adds each way, in bf16 the casts of the linears' inputs and output gradients; the final norm,
+  // the fused cross-entropy over [tokens, vocabulary / tp] and its input cast, the embedding; then
+  // the optimizer step over the rank's parameters (zeroed gradients, their norm, AdamW, bf16 copy).
+  const int64_t P = std::max<int64_t>(1, m.num_params() / t);
+  Tensor pw = Tensor::zeros({P}, DType::F32, MemCategory::Workspace), pg = Tensor::zeros({P}, DType::F32, MemCategory::Workspace),
+         pm = Tensor::zeros({P}, DType::F32, MemCategory::Workspace), pv = Tensor::zeros({P}, DType::F32, MemCategory::Workspace);
+  Tensor pb = Tensor::zeros({use_bf16 ? P : 1}, DType::BF16, MemCategory::Workspace);
+  const int64_t NF = N * std::max(F, C);
+  std::vector<float> ea(sz(NF), 0.01f), eb(sz(NF), 0.02f), ec(sz(NF)), ed(sz(NF)), nw(sz(C), 1.0f), nb(sz(C), 0.0f),
+      mean(sz(N)), rstd(sz(N)), ndw(sz(C)), ndb(sz(C)), losses(sz(N));
+  float* logits = out.data();  // [N, max_out], max_out >= V
+  std::vector<bf16> eab(sz(NF));
+  std::vector<int32_t> ids(sz(N));
+  for (int64_t i = 0; i < N; ++i) ids[sz(i)] = static_cast<int32_t>(i % std::min<int64_t>(V, m.vocab_size));
+  float *table = w.data(), *dtable = dw.data();  // [max_w] >= the embedding table
+  auto norm = [&]() {
+    if (gpt) {
+      K.layernorm_forward(ec.data(), mean.data(), rstd.data(), ea.data(), nw.data(), nb.data(), N, C, 1e-5f);
+      K.layernorm_backward(ed.data(), ndw.data(), ndb.data(), eb.data(), ea.data(), nw.data(), mean.data(), rstd.data(), N, C);
+    } else {
+      K.rmsnorm_forward(ec.data(), rstd.data(), ea.data(), nw.data(), N, C, 1e-5f);
+      K.rmsnorm_backward(ed.data(), ndw.data(), eb.data(), ea.data(), nw.data(), rstd.data(), N, C);
+    }
+  };
+  auto elementwise_step = [&]() {
+    for (int64_t l = 0; l < m.n_layer; ++l) {
+      norm();
+      norm();
+      if (gpt) {
+        K.gelu_forward(ec.data(), ea.data(), N * F);
+        K.gelu_backward(ed.data(), ea.data(), eb.data(), N * F);
+      } else {
+        K.swiglu_forward(ec.data(), ea.data(), eb.data(), N * F);
+        K.swiglu_backward(ed.data(), ec.data(), eb.data(), ea.data(), eb.data(), N * F);
+      }
+      for (int i = 0; i < 4; ++i) K.accumulate(ec.data(), ea.data(), N * C);
+      if (use_bf16)
+        for (auto [in, o] : lin) {
+          K.cast_f32_to_bf16(eab.data(), ea.data(), N * in);  // the input
+          K.cast_f32_to_bf16(eab.data(), eb.data(), N * o);   // the output gradient
+        }
+    }
+    norm();
+    if (use_bf16) K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
+    K.softmax_cross_entropy(logits, losses.data(), ids.data(), N, std::min<int64_t>(V, m.vocab_size), V, 1.0f);
+    K.embedding_forward(ec.data(), ids.data(), table, N, C);
+    K.embedding_backward(dtable, eb.data(), ids.data(), N, C);
+    pg.zero_();
+    g_sink = static_cast<float>(K.sum_squares(pg.f32(), P));
+    K.adamw_update(pw.f32(), pg.f32(), pm.f32(), pv.f32(), P, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.0f);
+    if (use_bf16) K.cast_f32_to_bf16(pb.bf(), pw.f32(), P);
+  };
+  elementwise_step();  // warm-up: first touch of the buffers
+  double t_elem = 0;
+  int reps = 0;
+  const auto e0 = Clock::now();
+  do {
+    const auto a = Clock::now();
+    elementwise_step();
+    t_elem += secs_since(a);
+    ++reps;
+  } while (secs_since(e0) < std::max(0.05, 0.3 * seconds));
+
   ComputeCeiling r;
+  r.elem_s = t_elem / reps;
+  r.elem_bw = plan::elementwise_bytes(m, micro_batch, use_bf16, static_cast<int>(t)) / r.elem_s;
   r.gemm_flops_per_s = f_gemm / t_gemm;
   r.flops_per_s = (f_gemm + f_attn) / (t_gemm + t_attn);
   r.threads = omp_get_max_threads();
@@ -186,6 +254,7 @@ std::string compute_probe_json(const ComputeCeiling& c) {
   json j = {{"flops_per_s", c.flops_per_s},
             {"gemm_flops_per_s", c.gemm_flops_per_s},
             {"mem_bw", c.mem_bw},
+            {"elem_bw", c.elem_bw},
             {"threads", c.threads}};
   return j.dump() + "\n";
 }

@@ -15,6 +15,12 @@ struct ComputeCeiling {
   double flops_per_s = 0;   // matmul + attention FLOPs (the planner's count) per second, per rank
   double gemm_flops_per_s = 0;  // the matmuls alone
   double mem_bw = 0;        // bytes/s per rank, streaming (triad)
+  // The engine's own non-matmul kernels of one micro-batch (norms, activations, residual adds,
+  // casts, embedding, loss) and of the optimizer step, timed at the model's shapes: the planner's
+  // byte count for that work (cost_model.cpp) divided by their time, i.e. the bandwidth at which
+  // the planner's elementwise model reproduces what the kernels really take. 0: not measured.
+  double elem_bw = 0;
+  double elem_s = 0;        // that time, seconds per micro-batch + optimizer step
   int procs = 0, threads = 0;
 };
 // Runs in this process on the current OpenMP thread count: times the model's forward and backward

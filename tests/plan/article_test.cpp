@@ -153,11 +153,16 @@ TEST_F(Bands, HundredsOfBillionsUseModelParallelism) {
         continue;
       }
       const Layout& l = c->top.layout;
-      EXPECT_GT(l.tp, 1) << name << " " << c->gpus;  // TP inside the node, always
+      // Model parallelism or full sharding: no replica of the whole model state on a GPU.
+      const bool sharded = l.strategy == Strategy::ZeRO3 || l.strategy == Strategy::HSDP;
+      EXPECT_TRUE(l.tp > 1 || l.pp > 1 || sharded) << name << " " << c->gpus << ": " << l.describe();
       EXPECT_LE(l.tp, 8);
-      // Article: TP x PP x DP. Agrees for GPT-3 175B from 64 GPUs; for 405B with 8k sequences the
-      // planner prefers full sharding + TP + full checkpointing on 128-256 GPUs (no bubble).
-      if (std::string(name) == "gpt3-175b" && c->gpus >= 64) {
+      // Article: TP x PP x DP. Agrees for GPT-3 175B on 64 GPUs (tp x pp); from 128 GPUs the
+      // planner prefers full sharding with selective checkpointing: sequence-parallel TP pays ten
+      // activation collectives per layer (the engine's count, checked by plan --validate), exposed
+      // because the planner assumes no TP overlap. For 405B with 8k sequences it prefers full
+      // sharding + TP + full checkpointing on 128-256 GPUs (no bubble).
+      if (std::string(name) == "gpt3-175b" && c->gpus == 64) {
         EXPECT_GT(l.pp, 1) << l.describe();
       }
     }

@@ -224,12 +224,15 @@ TEST(Estimate, TensorAndPipelineParallel) {
   const Estimate e = estimate(m, c, st, l);
   // Bubble: (p-1) slots of one micro-batch; its share of the step is about (p-1)/(m+p-1).
   EXPECT_NEAR(e.time.bubble / e.time.total(), bubble_fraction(4, 16, 1), 0.02);
-  // TP volume per micro-batch: per layer 2 forward + 2 backward pairs (all-gather + reduce-scatter of
-  // b s h), embedding/head one pair each way, plus the cross-entropy's 3 tiny all-reduces.
-  const double act = 2048.0 * m.n_embd * 2;
-  const double pair = 2 * 7.0 / 8 * act;
+  // TP volume per micro-batch (SP, as the engine issues them): per layer 2 all-gathers + 2
+  // reduce-scatters of b s h forward, the same backward (the reduce-scatters of input gradients in
+  // fp32) plus 2 all-gathers re-gathering the inputs for the weight gradients; embedding / head an
+  // all-gather and a reduce-scatter each way (the backward one fp32); the cross-entropy's 3 tiny
+  // all-reduces. Each all-gather / reduce-scatter of X bytes moves 7/8 X on 8 ranks.
+  const double act = 2048.0 * m.n_embd * 2, grad = 2048.0 * m.n_embd * 4;
+  const double g = 7.0 / 8 * act, g4 = 7.0 / 8 * grad;
   const double layers = m.n_layer / 4.0;
-  const double tp_bytes = 16 * ((layers * 2 + 2) * pair + 3 * 2 * 7.0 / 8 * 2048 * 4);
+  const double tp_bytes = 16 * (layers * (4 * g + 2 * g + 2 * g4 + 2 * g) + (3 * g + g4) + 3 * 2 * 7.0 / 8 * 2048 * 4);
   // PP: one send forward and one backward per micro-batch, b s h / t with SP, across nodes here.
   const double pp_bytes = 16 * 2 * act / 8;
   EXPECT_NEAR(e.comm.intra_node, tp_bytes, 1e3);
