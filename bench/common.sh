@@ -65,3 +65,27 @@ bench_out() {
   [[ -n "$OUT" ]] || OUT=$(mktemp -d "/tmp/mt_$1.XXXXXX")
   mkdir -p "$OUT"
 }
+
+# Warns when interpreter PY's torch multiplies fp32 slowly: Debian's python3-torch links
+# libblas.so.3, which is the unoptimised netlib build unless OpenBLAS (or BLIS) provides it
+# (measured on a 2-core Xeon: 5.7 GFLOP/s with the reference BLAS, 306 with libopenblas0-pthread).
+# A peer measured that way is not PyTorch at its best. The check times a 512^3 matmul on 1 thread.
+#
+#   check_torch_blas PY
+check_torch_blas() {
+  local gf
+  gf=$("$1" - 2>/dev/null <<'PYEOF'
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(512, 512), torch.randn(512, 512)
+a @ b
+t = time.perf_counter(); n = 0
+while time.perf_counter() - t < 0.3:
+    a @ b; n += 1
+print(int(n * 2 * 512**3 / (time.perf_counter() - t) / 1e9))
+PYEOF
+)
+  if [[ -n "$gf" ]] && ((gf < 20)); then
+    echo "warning: $1's torch multiplies fp32 at $gf GFLOP/s per thread (reference BLAS?): install libopenblas0-pthread for a fair peer" >&2
+  fi
+}

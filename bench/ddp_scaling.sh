@@ -50,7 +50,7 @@ ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/tr
   --train.threads 1)
 
 runs=(mt1 mt2)
-[[ $PYTORCH == 1 ]] && runs+=(pt1 pt2)
+[[ $PYTORCH == 1 ]] && runs+=(pt1 pt2) && check_torch_blas "$PY"
 echo "ddp_scaling: $REPEATS repeats, meshtrain $STEPS steps, pytorch $([[ $PYTORCH == 1 ]] && echo "$TORCH_STEPS steps" || echo off); raw output in $OUT"
 for ((r = 1; r <= REPEATS; r++)); do
   echo "repeat $r/$REPEATS: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"

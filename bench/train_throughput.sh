@@ -97,6 +97,7 @@ if [[ -z "${OPENBLAS_CORETYPE:-}" ]]; then
 else
   CORETYPE=$OPENBLAS_CORETYPE
 fi
+[[ -n "$PYTORCH" ]] && check_torch_blas "$PYTORCH"
 [[ -n "$PYTORCH" ]] && echo "PyTorch runs: OPENBLAS_CORETYPE=$CORETYPE, $("$PYTORCH" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"
 
 runs=()
@@ -135,7 +136,9 @@ echo "after: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
 python3 - "$OUT" "$REPEATS" "$THREADS" "$DTYPES" <<'EOF'
 import json, re, statistics, sys
 out, R = sys.argv[1], int(sys.argv[2])
-BF16_NATIVE = re.search(r"\bavx512_bf16\b", open("/proc/cpuinfo").read()) is not None
+CPUINFO = open("/proc/cpuinfo").read()
+# bf16 arithmetic per cycle against the fp32 FMA peak (compute_probe.cpp): AMX-BF16 16x, AVX512-BF16 2x
+BF16_FACTOR = 16 if re.search(r"\bamx_bf16\b", CPUINFO) else 2 if re.search(r"\bavx512_bf16\b", CPUINFO) else 1
 threads = [int(t) for t in sys.argv[3].split()]
 dtypes = sys.argv[4].split()
 L, C, T, V, P_ALL = 6, 384, 256, 50304, None
@@ -216,7 +219,7 @@ for dt in dtypes:
         continue
     print()
     print(f"PyTorch eager {dt} ({'torch.autocast bf16' if dt == 'bf16' else 'fp32'}; bench/pytorch_compare.py) in the same "
-          "repeats. 'bound' = the FMA peak (x2 for bf16 on AVX512-BF16) / PyTorch's model")
+          "repeats. 'bound' = the FMA peak (for bf16 x2 with AVX512-BF16, x16 with AMX-BF16) / PyTorch's model")
     print("GFLOP/s: the largest meshtrain/PyTorch ratio any engine performing the model's flops could reach.")
     print()
     print("| dtype | threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | per-repeat ratio |")
@@ -224,7 +227,7 @@ for dt in dtypes:
     for t in threads:
         pt = [json.load(open(f"{out}/torch_{dt}_{t}t_r{r}.json"))["tokens_per_s"] for r in range(1, R + 1)]
         mt = [run(dt, t, r)[0] for r in range(1, R + 1)]
-        pk = [g.get(f"peak {t}t", float("nan")) * (2 if dt == "bf16" and BF16_NATIVE else 1) for g in gem]
+        pk = [g.get(f"peak {t}t", float("nan")) * (BF16_FACTOR if dt == "bf16" else 1) for g in gem]
         ratio = [a / b for a, b in zip(mt, pt)]
         bound = [p / (b * fpt / 1e9) for p, b in zip(pk, pt)]
         print(f"| {dt} | {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "

@@ -3,14 +3,15 @@
 # missing ones; uses sudo when not root). Usage: scripts/install_deps.sh [--demo | --test]
 #   --demo  adds `fortunes` (the demo's English text)
 #   --test  adds the oracles of the reference tests: Debian's python3-torch (the Hugging Face
-#           weight-layout check), the `tokenizers` package from PyPI (the tokenizer.json check)
+#           weight-layout check; with libopenblas0-pthread, without which its BLAS is the
+#           unoptimised reference one and the bench scripts' PyTorch peer runs at ~5 GFLOP/s), the `tokenizers` package from PyPI (the tokenizer.json check)
 #           and `transformers` from PyPI for Debian's python3 (the export check); none is a
 #           dependency of meshtrain itself.
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libgtest-dev libopenmpi-dev openmpi-bin libdnnl-dev
       libtomlplusplus-dev nlohmann-json3-dev python3)
 [[ "${1:-}" == "--demo" ]] && pkgs+=(fortunes)
-[[ "${1:-}" == "--test" ]] && pkgs+=(python3-torch python3-pip)
+[[ "${1:-}" == "--test" ]] && pkgs+=(python3-torch libopenblas0-pthread python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
