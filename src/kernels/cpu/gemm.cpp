@@ -259,7 +259,7 @@ void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
 // Splitting large bf16 GEMMs (the LM head: one dimension is the vocabulary). oneDNN 2.6's matmul
 // runs them at half the block layers' rate or less; measured by bench/kernel_bench on a 2-core
 // Xeon with AMX-BF16, 1024 tokens x vocabulary 50304 x width 384, 2 threads, GFLOP/s whole -> split:
-//   dinp (K = vocabulary) 499 -> 1200 in K chunks of 4096 accumulated into C (2048 / 8192: 1175);
+//   dinp (K = vocabulary) 499 -> 1200 in K chunks of 4096 accumulated into C (2048 / 8192: 1182 / 1177);
 //   forward (N = vocabulary) 657 -> 855 in N chunks of 4096 computed into a contiguous block and
 //   copied out (a strided destination ran at 370: writing through it is the slow part; chunks of
 //   2048 / 8192: 758 / 726).
