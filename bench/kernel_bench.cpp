@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/cpu/fma_peak.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
@@ -78,47 +79,9 @@ std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
   return v;
 }
 
-// fp32 FMA peak of `nt` threads, GFLOP/s: every thread runs independent chains of vector FMAs
-// (12 accumulators cover the latency x throughput of two FMA pipes) for ~0.1 s; the median of 5
-// trials. With the widest vector FMA this CPU has (chosen at run time, as the kernels are):
-// AVX-512 where present, else AVX2+FMA. (On Zen 4/5 both give the same peak per cycle; on Intel
-// server cores with two 512-bit FMA units AVX-512 doubles it.)
-// The body, for a vector type V of LANES floats (a macro so the AVX-512 copy can be compiled
-// under its own target pragma).
-#define MT_FMA_PEAK_BODY(V, LANES, SET1, FMA, FIRST)                                     \
-  constexpr int kAcc = 12;                                                              \
-  const int64_t iters = 8'000'000; /* x 12 FMAs x lanes x 2 flops per thread */         \
-  std::vector<double> trials;                                                           \
-  std::vector<float> sums(static_cast<size_t>(nt), 0.0f);                               \
-  for (int trial = 0; trial < 5; ++trial) {                                             \
-    const auto t0 = Clock::now();                                                       \
-    _Pragma("omp parallel num_threads(nt)") {                                           \
-      V acc[kAcc];                                                                      \
-      for (int i = 0; i < kAcc; ++i) acc[i] = SET1(float(i + omp_get_thread_num()));    \
-      const V b = SET1(1.0000001f), c = SET1(1e-7f);                                    \
-      for (int64_t k = 0; k < iters; ++k) {                                             \
-        _Pragma("GCC unroll 12") for (int i = 0; i < kAcc; ++i) acc[i] = FMA(acc[i], b, c); \
-      }                                                                                 \
-      float s = 0.0f;                                                                   \
-      for (int i = 0; i < kAcc; ++i) s += FIRST(acc[i]);                                \
-      sums[static_cast<size_t>(omp_get_thread_num())] = s;                              \
-    }                                                                                   \
-    g_sink = sums[0]; /* keeps the loops observable */                                  \
-    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();        \
-    trials.push_back(double(nt) * double(iters) * kAcc * LANES * 2.0 / sec / 1e9);      \
-  }                                                                                     \
-  std::sort(trials.begin(), trials.end());                                              \
-  return trials[trials.size() / 2];
-
-double fma_peak_avx2(int nt) { MT_FMA_PEAK_BODY(__m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32) }
-
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-double fma_peak_avx512(int nt) { MT_FMA_PEAK_BODY(__m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32) }
-#pragma GCC pop_options
-
-bool peak_uses_avx512() { return kernels::cpu::active_isa() >= kernels::cpu::CpuIsa::AVX512; }
-double fma_peak_gflops(int nt) { return peak_uses_avx512() ? fma_peak_avx512(nt) : fma_peak_avx2(nt); }
+// fp32 FMA peak of `nt` threads, GFLOP/s: ~0.1 s per trial, the median of 5 (kernels/cpu/fma_peak.h).
+double fma_peak_gflops(int nt) { return kernels::cpu::fma_peak(nt, 0.1, 5) / 1e9; }
+bool peak_uses_avx512() { return kernels::cpu::fma_peak_uses_avx512(); }
 
 }  // namespace
 

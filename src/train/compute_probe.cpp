@@ -1,7 +1,6 @@
 // The compute and memory-bandwidth ceilings of this CPU at a model's shapes (see compute_probe.h).
 #include "train/compute_probe.h"
 
-#include <immintrin.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -13,6 +12,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/cpu/fma_peak.h"
 #include "plan/cost_model.h"
 #include "runtime/tensor.h"
 
@@ -25,48 +25,9 @@ double secs_since(Clock::time_point t) { return std::chrono::duration<double>(Cl
 
 volatile float g_sink = 0.0f;
 
-// One trial of the FMA peak: every thread runs 12 independent chains (latency x two FMA pipes).
-#define MT_FMA_TRIAL(V, LANES, SET1, FMA, FIRST)                                            \
-  constexpr int kAcc = 12;                                                                 \
-  const int nt = omp_get_max_threads();                                                    \
-  const auto t0 = Clock::now();                                                            \
-  float total = 0.0f;                                                                      \
-  _Pragma("omp parallel reduction(+ : total)") {                                           \
-    V acc[kAcc];                                                                           \
-    for (int i = 0; i < kAcc; ++i) acc[i] = SET1(float(i + omp_get_thread_num()));        \
-    const V b = SET1(1.0000001f), c = SET1(1e-7f);                                         \
-    for (int64_t k = 0; k < iters; ++k) {                                                  \
-      _Pragma("GCC unroll 12") for (int i = 0; i < kAcc; ++i) acc[i] = FMA(acc[i], b, c);  \
-    }                                                                                      \
-    for (int i = 0; i < kAcc; ++i) total += FIRST(acc[i]);                                 \
-  }                                                                                        \
-  g_sink = total;                                                                          \
-  return double(nt) * double(iters) * kAcc * LANES * 2.0 / secs_since(t0);
-
-double fma_trial_avx2(int64_t iters) { MT_FMA_TRIAL(__m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_cvtss_f32) }
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-double fma_trial_avx512(int64_t iters) { MT_FMA_TRIAL(__m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_cvtss_f32) }
-#pragma GCC pop_options
-#undef MT_FMA_TRIAL
-
 }  // namespace
 
-double fma_peak_here(double seconds) {
-  using kernels::cpu::CpuIsa;
-  const bool wide = kernels::cpu::active_isa() >= CpuIsa::AVX512;
-  auto trial = [&](int64_t iters) { return wide ? fma_trial_avx512(iters) : fma_trial_avx2(iters); };
-  // Calibrate the length: a short trial, then three of seconds / 3 each.
-  int64_t iters = 20000;
-  const auto c0 = Clock::now();
-  trial(iters);
-  const double per_iter = std::max(1e-12, secs_since(c0) / static_cast<double>(iters));
-  iters = std::max<int64_t>(20000, static_cast<int64_t>(seconds / 3 / per_iter));
-  std::vector<double> r;
-  for (int i = 0; i < 3; ++i) r.push_back(trial(iters));
-  std::sort(r.begin(), r.end());
-  return r[1];
-}
+double fma_peak_here(double seconds) { return kernels::cpu::fma_peak(0, seconds / 3, 3); }
 
 plan::CpuMeasurement measure_this_cpu(const ModelConfig& m, int64_t micro_batch, bool bf16, int ranks_per_node,
                                       double seconds) {
