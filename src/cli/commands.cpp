@@ -7,7 +7,6 @@
 
 #include "cli/data_commands.h"
 #include "kernels/backend.h"
-#include "train/export.h"
 #include "train/trainer.h"
 
 namespace mt::cli {

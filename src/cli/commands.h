@@ -1,6 +1,6 @@
 // The meshtrain subcommands. Each takes argv with argv[0] = the command's own name and returns the
 // process exit code (0 ok, 1 failure, 2 bad options). The libraries below export the functions these
-// call; only this layer parses argv (except `train`, whose command is still train/trainer.cpp).
+// call; only this layer parses argv.
 #pragma once
 #include <string>
 
@@ -26,6 +26,11 @@ int run_schedule_command(int argc, char** argv);
 int run_plot_command(int argc, char** argv);
 // `meshtrain sample`: text generated from a checkpoint or safetensors weights.
 int run_sample_command(int argc, char** argv);
+// `meshtrain export --checkpoint DIR --out DIR`: a checkpoint as a Hugging Face model directory
+// (train/export.h). 0 ok, 2 bad options, 1 failure.
+int run_export_command(int argc, char** argv);
+// `meshtrain model-info (--hf-config FILE | --model PRESET)`: the model the engine builds.
+int run_model_info_command(int argc, char** argv);
 // `meshtrain train`: 0 ok, 2 config error, 1 any other failure (a multi-rank job is ended).
 int run_train_command(int argc, char** argv);
 

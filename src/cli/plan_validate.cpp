@@ -46,18 +46,9 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
-bool sharded_params(const std::string& s) { return s == "FULL_SHARD" || s == "HYBRID_SHARD"; }
-bool known_strategy(const std::string& s) {
-  return s == "NO_SHARD" || s == "ZERO1" || s == "SHARD_GRAD_OP" || s == "FULL_SHARD" || s == "HYBRID_SHARD" ||
-         s == "HYBRID_SHARD_ZERO2";
-}
-
-Strategy planner_strategy(const std::string& s) {
-  if (s == "NO_SHARD") return Strategy::DDP;
-  if (s == "ZERO1") return Strategy::ZeRO1;
-  if (s == "SHARD_GRAD_OP" || s == "HYBRID_SHARD_ZERO2") return Strategy::ZeRO2;
-  if (s == "FULL_SHARD") return Strategy::ZeRO3;
-  return Strategy::HSDP;
+// The planner does not model HYBRID_SHARD_ZERO2: it predicts it as ZeRO-2.
+Strategy planner_strategy(ShardingStrategy s) {
+  return s == ShardingStrategy::HybridShardZero2 ? Strategy::ShardGradOp : s;
 }
 
 }  // namespace
@@ -69,11 +60,11 @@ int EngineLayout::dp_ranks() const { return ranks / (std::max(1, tp) * std::max(
 int EngineLayout::pp_rank_of(int rank) const { return rank / std::max(1, ranks / std::max(1, pp)); }
 
 int EngineLayout::virtual_stages() const {
-  return pp > 1 && pp_schedule == "interleaved_1f1b" ? std::max(1, pp_virtual_stages) : 1;
+  return pp > 1 && pp_schedule == PipelineSchedule::Interleaved ? std::max(1, pp_virtual_stages) : 1;
 }
 
 int EngineLayout::shard_size() const {
-  if (strategy == "NO_SHARD") return 1;
+  if (!is_sharded(strategy)) return 1;
   return (hybrid() ? dp_ranks() / std::max(1, dp_replicate) : dp_ranks()) * std::max(1, cp);
 }
 
@@ -81,18 +72,19 @@ int EngineLayout::replicas() const { return hybrid() ? std::max(1, dp_replicate)
 
 std::string EngineLayout::label() const {
   std::string s;
-  if (strategy == "NO_SHARD") s = "DDP x" + std::to_string(dp_ranks());
-  else if (strategy == "HYBRID_SHARD") s = "HSDP " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
-  else if (strategy == "HYBRID_SHARD_ZERO2")
+  if (strategy == ShardingStrategy::NoShard) s = "DDP x" + std::to_string(dp_ranks());
+  else if (strategy == ShardingStrategy::HybridShard)
+    s = "HSDP " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
+  else if (strategy == ShardingStrategy::HybridShardZero2)
     s = "HSDP-ZeRO-2 " + std::to_string(replicas()) + "x" + std::to_string(shard_size());
   else s = std::string(strategy_label(planner_strategy(strategy))) + " x" + std::to_string(dp_ranks());
   if (cp > 1) s += " cp" + std::to_string(cp);
   if (tp > 1) s += " tp" + std::to_string(tp) + (sequence_parallel ? " sp" : "");
-  if (pp > 1) s += " pp" + std::to_string(pp) + " " + pp_schedule;
+  if (pp > 1) s += " pp" + std::to_string(pp) + " " + to_string(pp_schedule);
   if (virtual_stages() > 1) s += " v" + std::to_string(virtual_stages());
   s += bf16 ? " bf16" : " fp32";
   if (grad_accum > 1) s += " accum" + std::to_string(grad_accum);
-  if (checkpointing != Checkpointing::None) s += std::string(" ac:") + checkpointing_name(checkpointing);
+  if (checkpointing != Checkpointing::None) s += std::string(" ac:") + to_string(checkpointing);
   if (moe_experts > 0) s += " moe" + std::to_string(moe_experts) + "k" + std::to_string(moe_top_k);
   if (ep > 1) s += " ep" + std::to_string(ep);
   return s + " " + model;
@@ -113,8 +105,8 @@ std::vector<std::string> EngineLayout::train_args() const {
           "--train.micro_batch", std::to_string(micro_batch),
           "--train.grad_accum", std::to_string(grad_accum),
           "--train.dtype", bf16 ? "bf16" : "fp32",
-          "--train.activation_checkpointing", checkpointing_name(checkpointing),
-          "--parallel.strategy", strategy,
+          "--train.activation_checkpointing", to_string(checkpointing),
+          "--parallel.strategy", to_string(strategy),
           "--parallel.dp_replicate", std::to_string(replicas()),
           "--parallel.dp_shard", "-1",
           "--parallel.tp", std::to_string(tp),
@@ -123,7 +115,7 @@ std::vector<std::string> EngineLayout::train_args() const {
           "--parallel.bucket_mb", fmt("%g", bucket_mb)};
   if (sequence_parallel) a.insert(a.end(), {"--parallel.sequence_parallel", "true"});
   if (cp > 1) a.insert(a.end(), {"--parallel.cp", std::to_string(cp)});
-  if (pp > 1) a.insert(a.end(), {"--parallel.pp", std::to_string(pp), "--parallel.pp_schedule", pp_schedule});
+  if (pp > 1) a.insert(a.end(), {"--parallel.pp", std::to_string(pp), "--parallel.pp_schedule", to_string(pp_schedule)});
   if (virtual_stages() > 1) a.insert(a.end(), {"--parallel.pp_virtual_stages", std::to_string(virtual_stages())});
   if (moe_experts > 0)
     a.insert(a.end(), {"--model.moe_experts", std::to_string(moe_experts), "--model.moe_top_k", std::to_string(moe_top_k)});
@@ -132,7 +124,6 @@ std::vector<std::string> EngineLayout::train_args() const {
 }
 
 void check_engine_layout(const EngineLayout& e) {
-  if (!known_strategy(e.strategy)) throw std::invalid_argument("unknown strategy '" + e.strategy + "'");
   if (e.ranks < 1) throw std::invalid_argument("ranks must be >= 1");
   if (e.tp < 1 || e.ranks % e.tp != 0)
     throw std::invalid_argument("tp " + std::to_string(e.tp) + " does not divide " + std::to_string(e.ranks) + " ranks");
@@ -142,10 +133,9 @@ void check_engine_layout(const EngineLayout& e) {
   if (e.cp < 1 || e.ranks % (e.tp * e.pp * e.cp) != 0)
     throw std::invalid_argument("tp x pp x cp " + std::to_string(e.tp * e.pp * e.cp) + " does not divide " +
                                 std::to_string(e.ranks) + " ranks");
-  if (e.pp > 1 && e.pp_schedule != "gpipe" && e.pp_schedule != "1f1b" && e.pp_schedule != "interleaved_1f1b")
-    throw std::invalid_argument("pipeline schedule '" + e.pp_schedule + "': the validation predicts gpipe, 1f1b and "
-                                "interleaved_1f1b");
-  if (e.pp > 1 && e.pp_schedule == "interleaved_1f1b" && (e.pp_virtual_stages < 2 || e.grad_accum % e.pp != 0))
+  if (e.pp > 1 && e.pp_schedule == PipelineSchedule::None)
+    throw std::invalid_argument("pipeline schedule 'none': the validation predicts gpipe, 1f1b and interleaved_1f1b");
+  if (e.pp > 1 && e.pp_schedule == PipelineSchedule::Interleaved && (e.pp_virtual_stages < 2 || e.grad_accum % e.pp != 0))
     throw std::invalid_argument("interleaved_1f1b needs pp_virtual_stages >= 2 and micro-batches a multiple of pp");
   if (e.sequence_parallel && e.tp < 2) throw std::invalid_argument("sequence parallelism needs tp > 1");
   if (e.hybrid() && (e.dp_replicate < 1 || e.dp_ranks() % e.dp_replicate != 0))
@@ -170,8 +160,9 @@ void check_engine_layout(const EngineLayout& e) {
     if (e.pp > m.n_layer + 2) throw std::invalid_argument("pp " + std::to_string(e.pp) + " exceeds the model's units");
     ModelConfig r = m;
     r.resolve();
-    if (r.tied_embeddings && sharded_params(e.strategy))
-      throw std::invalid_argument("pp > 1 with " + e.strategy + " on a tied-embedding model: the engine refuses it");
+    if (r.tied_embeddings && shards_parameters(e.strategy))
+      throw std::invalid_argument("pp > 1 with " + std::string(to_string(e.strategy)) +
+                                  " on a tied-embedding model: the engine refuses it");
   }
 }
 
@@ -180,13 +171,13 @@ Layout planner_layout(const EngineLayout& e) {
   l.strategy = planner_strategy(e.strategy);
   l.tp = e.tp;
   l.cp = e.cp;
-  if (l.strategy == Strategy::DDP) {
+  if (l.strategy == Strategy::NoShard) {
     l.dp_replicate = e.dp_ranks();
     l.dp_shard = 1;
   } else if (e.hybrid()) {
     l.dp_replicate = e.replicas();
     l.dp_shard = e.dp_ranks() / e.replicas();  // the planner multiplies by cp itself
-    if (e.replicas() == 1) l.strategy = Strategy::ZeRO3;  // a hybrid over one replica is plain sharding
+    if (e.replicas() == 1) l.strategy = Strategy::FullShard;  // a hybrid over one replica is plain sharding
   } else {
     l.dp_replicate = 1;
     l.dp_shard = e.dp_ranks();
@@ -196,7 +187,7 @@ Layout planner_layout(const EngineLayout& e) {
   l.checkpointing = e.checkpointing;
   if (e.pp > 1) {
     l.pp = e.pp;
-    l.schedule = e.pp_schedule == "gpipe" ? Schedule::GPipe
+    l.schedule = e.pp_schedule == PipelineSchedule::GPipe ? Schedule::GPipe
                  : e.virtual_stages() > 1   ? Schedule::Interleaved
                                             : Schedule::OneFOneB;
     l.virtual_stages = e.virtual_stages();
@@ -809,30 +800,31 @@ PlannerGaps compare_with_planner(const ModelConfig& m_in, const EngineLayout& e,
 }
 
 std::vector<EngineLayout> default_validation_layouts() {
-  auto mk = [](const char* strategy, int ranks, int rep = 1) {
+  using S = ShardingStrategy;
+  auto mk = [](S strategy, int ranks, int rep = 1) {
     EngineLayout e;
     e.strategy = strategy;
     e.ranks = ranks;
     e.dp_replicate = rep;
     return e;
   };
-  std::vector<EngineLayout> v = {mk("NO_SHARD", 2), mk("ZERO1", 2), mk("SHARD_GRAD_OP", 2), mk("FULL_SHARD", 2),
-                                 mk("FULL_SHARD", 4), mk("HYBRID_SHARD", 4, 2)};
+  std::vector<EngineLayout> v = {mk(S::NoShard, 2), mk(S::Zero1, 2), mk(S::ShardGradOp, 2), mk(S::FullShard, 2),
+                                 mk(S::FullShard, 4), mk(S::HybridShard, 4, 2)};
   v[2].grad_accum = 2;  // ZeRO-2 reduce-scatters every micro-batch
-  EngineLayout ddp_bf16 = mk("NO_SHARD", 2);
+  EngineLayout ddp_bf16 = mk(S::NoShard, 2);
   ddp_bf16.bf16 = true;
   v.push_back(ddp_bf16);
-  EngineLayout llama = mk("FULL_SHARD", 2);
+  EngineLayout llama = mk(S::FullShard, 2);
   llama.model = "llama-mini";
   llama.bf16 = true;
   llama.checkpointing = Checkpointing::Selective;
   v.push_back(llama);
   // Tensor parallelism: tp = 2 alone (one data-parallel rank), and tp = 2 inside ZeRO-3 over two
   // data-parallel ranks (mesh dp_shard = 2 x tp = 2).
-  EngineLayout tp2 = mk("NO_SHARD", 2);
+  EngineLayout tp2 = mk(S::NoShard, 2);
   tp2.tp = 2;
   v.push_back(tp2);
-  EngineLayout tp2z3 = mk("FULL_SHARD", 4);
+  EngineLayout tp2z3 = mk(S::FullShard, 4);
   tp2z3.tp = 2;
   v.push_back(tp2z3);
   // Sequence parallelism: tp = 2 with the residual stream split over the tp ranks.
@@ -845,34 +837,34 @@ std::vector<EngineLayout> default_validation_layouts() {
   v.push_back(sp_bf16);
   // Pipelines: pp = 2 with 4 micro-batches (GPT-2's tied embedding cut apart), 1F1B and GPipe, and
   // 1F1B x DDP over 2 data-parallel ranks (mesh pp = 2 x dp_shard = 2).
-  EngineLayout pp2 = mk("NO_SHARD", 2);
+  EngineLayout pp2 = mk(S::NoShard, 2);
   pp2.pp = 2;
   pp2.grad_accum = 4;
   v.push_back(pp2);
   EngineLayout gpipe = pp2;
-  gpipe.pp_schedule = "gpipe";
+  gpipe.pp_schedule = PipelineSchedule::GPipe;
   v.push_back(gpipe);
   EngineLayout ppdp = pp2;
   ppdp.ranks = 4;
   v.push_back(ppdp);
   // Interleaved 1F1B: two model chunks per rank (4 stages over 2 ranks).
   EngineLayout inter = pp2;
-  inter.pp_schedule = "interleaved_1f1b";
+  inter.pp_schedule = PipelineSchedule::Interleaved;
   inter.pp_virtual_stages = 2;
   v.push_back(inter);
   // A mixture of experts (4 experts, top-2) with its experts split over both ranks (ep = 2).
-  EngineLayout moe = mk("NO_SHARD", 2);
+  EngineLayout moe = mk(S::NoShard, 2);
   moe.model = "llama-mini";
   moe.moe_experts = 4;
   moe.ep = 2;
   v.push_back(moe);
   // Context parallelism: cp = 2 alone (ring attention; the two ranks reduce gradients as DDP), and
   // inside ZeRO-3 over dp_shard 2 x cp 2, on Llama (RoPE, grouped-query attention).
-  EngineLayout cp2 = mk("NO_SHARD", 2);
+  EngineLayout cp2 = mk(S::NoShard, 2);
   cp2.model = "llama-mini";
   cp2.cp = 2;
   v.push_back(cp2);
-  EngineLayout cp2z3 = mk("FULL_SHARD", 4);
+  EngineLayout cp2z3 = mk(S::FullShard, 4);
   cp2z3.model = "llama-mini";
   cp2z3.cp = 2;
   v.push_back(cp2z3);
@@ -886,7 +878,8 @@ std::vector<std::string> validation_layout_names() {
 }
 
 std::vector<EngineLayout> default_scale_layouts() {
-  auto mk = [](const char* model, const char* strategy, int ranks, int tp, int pp, int64_t accum) {
+  using S = ShardingStrategy;
+  auto mk = [](const char* model, S strategy, int ranks, int tp, int pp, int64_t accum) {
     EngineLayout e;
     e.model = model;
     e.strategy = strategy;
@@ -900,10 +893,10 @@ std::vector<EngineLayout> default_scale_layouts() {
     e.micro_batch = 1;
     return e;
   };
-  EngineLayout hsdp = mk("llama3-70b", "HYBRID_SHARD", 128, 8, 1, 1);
+  EngineLayout hsdp = mk("llama3-70b", S::HybridShard, 128, 8, 1, 1);
   hsdp.dp_replicate = 2;
-  return {mk("llama3-70b", "FULL_SHARD", 64, 8, 1, 1), hsdp, mk("llama3-70b", "FULL_SHARD", 512, 8, 4, 8),
-          mk("llama3-405b", "FULL_SHARD", 512, 8, 8, 16), mk("llama3-405b", "ZERO1", 256, 8, 16, 16)};
+  return {mk("llama3-70b", S::FullShard, 64, 8, 1, 1), hsdp, mk("llama3-70b", S::FullShard, 512, 8, 4, 8),
+          mk("llama3-405b", S::FullShard, 512, 8, 8, 16), mk("llama3-405b", S::Zero1, 256, 8, 16, 16)};
 }
 
 std::vector<std::string> scale_layout_names() {
@@ -1165,9 +1158,9 @@ json gaps_json(const PlannerGaps& g) {
 }
 
 json layout_json(const EngineLayout& l) {
-  return {{"label", l.label()}, {"strategy", l.strategy}, {"ranks", l.ranks}, {"tp", l.tp},
+  return {{"label", l.label()}, {"strategy", to_string(l.strategy)}, {"ranks", l.ranks}, {"tp", l.tp},
           {"sequence_parallel", l.sequence_parallel}, {"pp", l.pp},
-          {"pp_schedule", l.pp > 1 ? l.pp_schedule : std::string()}, {"dp_replicate", l.replicas()},
+          {"pp_schedule", l.pp > 1 ? to_string(l.pp_schedule) : ""}, {"dp_replicate", l.replicas()},
           {"dtype", l.bf16 ? "bf16" : "fp32"}, {"model", l.model}};
 }
 

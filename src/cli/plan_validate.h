@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "model/model_config.h"
+#include "model/parallel_config.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "train/compute_probe.h"
@@ -36,13 +37,13 @@ using plan::Checkpointing;
 // One job of the engine: what `meshtrain train` is given.
 struct EngineLayout {
   std::string model = "gpt2-mini";   // model preset
-  std::string strategy = "NO_SHARD"; // --parallel.strategy (NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_*)
+  ShardingStrategy strategy = ShardingStrategy::NoShard;  // --parallel.strategy
   int ranks = 2;
   int tp = 1;                        // --parallel.tp: tensor-parallel degree (innermost mesh dimension)
   bool sequence_parallel = false;    // --parallel.sequence_parallel (needs tp > 1)
   int cp = 1;                        // --parallel.cp: context-parallel degree (between dp_shard and tp)
   int pp = 1;                        // --parallel.pp: pipeline ranks (outermost mesh dimension)
-  std::string pp_schedule = "1f1b";  // --parallel.pp_schedule: gpipe | 1f1b | interleaved_1f1b
+  PipelineSchedule pp_schedule = PipelineSchedule::OneFOneB;  // --parallel.pp_schedule
   int pp_virtual_stages = 1;         // --parallel.pp_virtual_stages (interleaved_1f1b: model chunks per rank)
   int dp_replicate = 1;              // HYBRID_*: replicas; the shard group is dp_ranks() / dp_replicate
   bool bf16 = false;                 // --train.dtype bf16 (bf16 compute, fp32 master, fp32 gradients)
@@ -65,7 +66,7 @@ struct EngineLayout {
   int virtual_stages() const;        // interleaved_1f1b: pp_virtual_stages, else 1
   int shard_size() const;            // ranks the parameters / gradients / optimizer are split over (x cp)
   int replicas() const;              // 1 unless hybrid
-  bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
+  bool hybrid() const { return is_hybrid(strategy); }
   std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini", "DDP x1 pp2 1f1b fp32 accum4 gpt2-mini", ...
   // The engine's command line after `train` (without data / metrics paths).
   std::vector<std::string> train_args() const;

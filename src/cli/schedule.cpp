@@ -91,10 +91,10 @@ int run_schedule_command(int argc, char** argv) {
       if (x < INT_MIN || x > INT_MAX) throw ArgError(std::string("option --") + flag + " is out of range");
       return static_cast<int>(x);
     };
-    name = ap.get("schedule", "1f1b");
+    name = ap.get("schedule", to_string(PipelineSchedule::OneFOneB));
     pp = as_int("pp", 0);
     m = as_int("microbatches", 0);
-    const bool interleaved = name == "interleaved_1f1b";
+    const bool interleaved = try_parse_pipeline_schedule(name) == PipelineSchedule::Interleaved;
     v = as_int("virtual-stages", interleaved ? 2 : 1);
     if (!parse_placement(ap.get("comm", "eager"), &placement))
       return bad_usage("--comm must be eager or batched, got '" + ap.get("comm") + "'");

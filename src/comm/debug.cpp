@@ -1,5 +1,5 @@
-// Configuration from the environment, logging, the flight recorder, fatal-error handling and the
-// group registry.
+// Configuration from the environment, logging, the desync check's comparison, the flight recorder,
+// fatal-error handling and the group registry.
 #include <unistd.h>
 
 #include <algorithm>
@@ -116,6 +116,23 @@ std::string describe(const OpDesc& d, bool extras, const std::vector<int>* grank
     s += std::to_string(peer) + " tag " + std::to_string(d.tag);
   }
   return s;
+}
+
+void check_fingerprints(const std::vector<Fingerprint>& fps, uint64_t seq, const std::string& group,
+                        const std::vector<int>& granks) {
+  std::string msg;
+  int bad = 0;
+  for (size_t q = 1; q < fps.size(); ++q) {
+    if (fps[q] == fps[0]) continue;
+    const bool extras = fps[q].same_basic(fps[0]);
+    std::string line = "rank " + std::to_string(granks[q]) + " called " + describe(fps[q].desc(), extras) +
+                       " as collective #" + std::to_string(seq) + " of group " + group + " while rank " +
+                       std::to_string(granks[0]) + " called " + describe(fps[0].desc(), extras);
+    if (bad == 0) msg = "collective desync: " + line;
+    else msg += "; " + line;
+    ++bad;
+  }
+  if (bad) throw CommError(msg);
 }
 
 // ---------------------------------------------------------------------------------------------

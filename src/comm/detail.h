@@ -101,6 +101,11 @@ struct Fingerprint {
   bool same_basic(const Fingerprint& o) const {
     return seq == o.seq && count == o.count && kind == o.kind && dt == o.dt;
   }
+  // What the desync check compares of a collective: sequence number, kind, dtype, count, op, root.
+  static Fingerprint of(const OpDesc& d) {
+    return {d.seq, d.count, static_cast<int32_t>(d.kind), static_cast<int32_t>(d.dt), static_cast<int32_t>(d.op),
+            static_cast<int32_t>(d.peer)};
+  }
   OpDesc desc() const {
     OpDesc d;
     d.kind = static_cast<OpKind>(kind);
@@ -114,8 +119,14 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 32);
 
-// One operation of a group, from issue to completion. `phase`, `pos`, `len`, `reqs` and `fp` are
-// the threaded backend's progress state.
+// The desync check of collective #seq of `group`: throws CommError("collective desync: rank R
+// called X as collective #seq of group G while rank R0 called Y; ...") naming every member whose
+// fingerprint differs from group rank 0's (`fps` in group-rank order, `granks` their world ranks).
+void check_fingerprints(const std::vector<Fingerprint>& fps, uint64_t seq, const std::string& group,
+                        const std::vector<int>& granks);
+
+// One operation of a group, from issue to completion. `phase`, `pos`, `len` and `reqs` are the
+// threaded backend's progress state; `fp`, `fps` and `fp_wait` the desync check's (GroupImpl).
 struct Op {
   OpDesc d;
   const void* sbuf = nullptr;
@@ -126,22 +137,37 @@ struct Op {
   int phase = 0;
   size_t pos = 0, len = 0;  // current slice
   std::vector<MPI_Request> reqs;
-  Fingerprint fp{};
+  Fingerprint fp{};              // this rank's fingerprint of the collective
+  std::vector<Fingerprint> fps;  // every member's (group-rank order), filled by the backend's exchange
+  bool fp_wait = false;          // the fingerprint exchange is running; the backend has not started
   bool queued = false;  // handed to the communication thread (counted in GroupImpl::pending)
   std::vector<size_t> scounts, rcounts;  // all_to_all_v: elements to / from each group rank
 };
 
 // How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
-// the flight recorder, the watchdog's view, completion, groups of one) is the same for every
-// backend. A threaded backend's operations run on the group's communication thread: start() once,
-// then progress() until it returns 2 (collectives; in issue order), or p2p_done() until true
-// (send / recv, concurrently). Other backends complete an operation inside run(), on the
-// calling thread. Backends today: MPI (threaded), Meta (count-only, see World::init_meta).
+// the flight recorder, the watchdog's view, the desync check, completion, groups of one) is the
+// same for every backend. A threaded backend's operations run on the group's communication
+// thread: start() once, then progress() until it returns 2 (collectives; in issue order), or
+// p2p_done() until true (send / recv, concurrently). Other backends complete an operation inside run(), on the
+// calling thread. Backends today: MPI (threaded), threads (threaded), Meta (count-only, see
+// World::init_meta).
+//
+// The desync check (MESHTRAIN_DEBUG=desync) is the front end's: before a collective starts it makes
+// this rank's fingerprint (op.fp), has the backend exchange it, compares every member's
+// (check_fingerprints) and only then calls start(). A backend only carries the fingerprints:
+// post_fingerprints(op) starts the exchange of op.fp, fingerprints_ready(op) is true once op.fps
+// holds every member's. A backend with no other members to ask (Meta) exchanges none.
 class CommBackend {
  public:
   virtual ~CommBackend() = default;
-  virtual const char* kind() const = 0;  // "mpi", "meta"
+  virtual const char* kind() const = 0;  // "mpi", "meta", "threads"
   virtual bool threaded() const = 0;
+  virtual bool exchanges_fingerprints() const { return false; }
+  // The exchange costs nothing (shared memory): the check runs before every collective, not only
+  // under MESHTRAIN_DEBUG=desync.
+  virtual bool fingerprints_free() const { return false; }
+  virtual void post_fingerprints(Op& op) { (void)op; }
+  virtual bool fingerprints_ready(Op& op) { (void)op; return true; }
   virtual void run(Op& op) { (void)op; }
   virtual void start(Op& op) { (void)op; }
   virtual int progress(Op& op) { (void)op; return 2; }  // 0 waiting, 1 advanced, 2 done
@@ -153,8 +179,8 @@ class CommBackend {
 };
 
 // The MPI backend (mpi_backend.cpp): direct and two-level algorithms over non-blocking MPI
-// point-to-point, driven by the communication thread. The desync fingerprint exchange runs on its
-// control communicator before each collective when MESHTRAIN_DEBUG has "desync".
+// point-to-point, driven by the communication thread. The desync check's fingerprints travel on its
+// control communicator (MPI_Iallgather).
 class MpiBackend final : public CommBackend {
  public:
   // Takes ownership of `comm` (size >= 2) and duplicates it for point-to-point and control traffic.
@@ -162,6 +188,9 @@ class MpiBackend final : public CommBackend {
   MpiBackend(const std::string& group_name, MPI_Comm comm);
   const char* kind() const override { return "mpi"; }
   bool threaded() const override { return true; }
+  bool exchanges_fingerprints() const override { return true; }
+  void post_fingerprints(Op& op) override;
+  bool fingerprints_ready(Op& op) override;
   void start(Op& op) override;
   int progress(Op& op) override;
   bool p2p_done(Op& op) override;
@@ -195,14 +224,13 @@ class MpiBackend final : public CommBackend {
                       std::vector<MPI_Request>& into);
   bool test_all(std::vector<MPI_Request>& r, const char* what, Op& op);
   void* ensure_staging(size_t bytes);
-  void desync_check(Op& op);
   int coll_tag(const Op& op, int phase) const;
 
   std::vector<MPI_Request> reqs;
   std::vector<MPI_Status> statuses;
   void* staging = nullptr;
   size_t staging_bytes_ = 0;
-  std::vector<unsigned char> fp_all;
+  std::vector<Fingerprint> fp_all;  // the fingerprint exchange's receive buffer (outlives a failed op)
 };
 
 // The Meta backend (meta_backend.cpp): counts, moves nothing; see World::init_meta.
@@ -224,7 +252,8 @@ class MetaBackend final : public CommBackend {
 // share memory (make_thread_group). Threaded like MPI: a collective completes on each member's
 // communication thread once every member has called it (each rank reduces all inputs in rank
 // order in fp32, so results equal the MPI backend's direct algorithms bit for bit); send copies
-// into the group's mailbox, recv completes when a matching message is there.
+// into the group's mailbox, recv completes when a matching message is there. Its fingerprints
+// for the desync check go through shared memory, so the check runs before every collective.
 struct ThreadShared;
 class ThreadBackend final : public CommBackend {
  public:
@@ -232,6 +261,10 @@ class ThreadBackend final : public CommBackend {
       : shared_(std::move(shared)), rank(rank_), size(size_) {}
   const char* kind() const override { return "threads"; }
   bool threaded() const override { return true; }
+  bool exchanges_fingerprints() const override { return true; }
+  bool fingerprints_free() const override { return true; }
+  void post_fingerprints(Op& op) override;
+  bool fingerprints_ready(Op& op) override;
   void start(Op& op) override;
   int progress(Op& op) override;
   bool p2p_done(Op& op) override;
@@ -306,6 +339,11 @@ struct GroupImpl {
   void complete(std::unique_ptr<Op> op, const std::string* err);
   void run_local(std::unique_ptr<Op> op);
   void run_inline(std::unique_ptr<Op> op);
+  // A collective on a threaded backend, after begin(): the desync check first when it is on (the
+  // backend's start only once every member's fingerprint is in and agrees), then the backend's
+  // start / progress. progress_collective returns as CommBackend::progress does.
+  void start_collective(Op& op);
+  int progress_collective(Op& op);
 };
 
 // Registry of groups (watchdog, finalize) and of their stats (kept after a group is destroyed).

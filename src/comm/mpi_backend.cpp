@@ -44,7 +44,6 @@ struct SourceList {
 }  // namespace
 
 enum Phase : int {
-  kDesyncWait = -1,
   kStart = 0,
   kRsWait = 1,
   kAgPost = 2,
@@ -216,38 +215,21 @@ void MpiBackend::start(Op& op) {
     return;
   }
   op.phase = kStart;
-  if (config().desync) {
-    op.fp = Fingerprint{op.d.seq, op.d.count, static_cast<int32_t>(op.d.kind),
-                        static_cast<int32_t>(op.d.dt), static_cast<int32_t>(op.d.op),
-                        static_cast<int32_t>(op.d.peer)};
-    fp_all.resize(sizeof(Fingerprint) * static_cast<size_t>(size));
-    MPI_Request r;
-    int rc = MPI_Iallgather(&op.fp, sizeof(Fingerprint), MPI_BYTE, fp_all.data(),
-                            sizeof(Fingerprint), MPI_BYTE, ctrl, &r);
-    if (rc != MPI_SUCCESS)
-      throw CommError("group " + name + ": fingerprint exchange failed: " + mpi_error_string(rc));
-    reqs.push_back(r);
-    op.phase = kDesyncWait;
-  }
 }
 
-void MpiBackend::desync_check(Op& op) {
-  std::vector<Fingerprint> fps(static_cast<size_t>(size));
-  std::memcpy(fps.data(), fp_all.data(), fp_all.size());
-  std::string msg;
-  int bad = 0;
-  for (int q = 1; q < size; ++q) {
-    if (fps[q] == fps[0]) continue;
-    const bool extras = fps[q].same_basic(fps[0]);
-    std::string line = "rank " + std::to_string(granks[q]) + " called " +
-                       describe(fps[q].desc(), extras) + " as collective #" +
-                       std::to_string(op.d.seq) + " of group " + name + " while rank " +
-                       std::to_string(granks[0]) + " called " + describe(fps[0].desc(), extras);
-    if (bad == 0) msg = "collective desync: " + line;
-    else msg += "; " + line;
-    ++bad;
-  }
-  if (bad) throw CommError(msg);
+void MpiBackend::post_fingerprints(Op& op) {
+  fp_all.resize(static_cast<size_t>(size));
+  MPI_Request r;
+  int rc = MPI_Iallgather(&op.fp, sizeof(Fingerprint), MPI_BYTE, fp_all.data(), sizeof(Fingerprint), MPI_BYTE, ctrl,
+                          &r);
+  if (rc != MPI_SUCCESS) throw CommError("group " + name + ": fingerprint exchange failed: " + mpi_error_string(rc));
+  reqs.push_back(r);
+}
+
+bool MpiBackend::fingerprints_ready(Op& op) {
+  if (!test_all(reqs, "fingerprint exchange", op)) return false;
+  op.fps = fp_all;
+  return true;
 }
 
 // Advances `op`; returns 0 when waiting on MPI, 1 when it moved to a later phase, 2 when done.
@@ -258,13 +240,6 @@ int MpiBackend::progress(Op& op) {
   int advanced = 0;
   for (;;) {
     switch (op.phase) {
-      case kDesyncWait:
-        if (!test_all(reqs, "fingerprint exchange", op)) return advanced;
-        desync_check(op);
-        op.phase = kStart;
-        advanced = 1;
-        break;
-
       case kStart: {
         if (kind == OpKind::Barrier) {
           MPI_Request req;

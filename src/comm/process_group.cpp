@@ -1,6 +1,7 @@
 // Process groups: the operations' front end (issue, accounting, flight recorder, the watchdog's
-// view, completion) and the communication thread that drives a threaded backend (MPI); the
-// backends themselves are in mpi_backend.cpp and meta_backend.cpp (see detail.h's CommBackend).
+// view, the desync check, completion) and the communication thread that drives a threaded backend
+// (MPI, threads); the backends themselves are in mpi_backend.cpp, thread_backend.cpp and
+// meta_backend.cpp (see detail.h's CommBackend).
 
 #include <pthread.h>
 #include <sched.h>
@@ -336,8 +337,29 @@ void GroupImpl::begin(Op& op) {
   if (!is_p2p(op.d.kind)) started.store(op.d.seq);
 }
 
+void GroupImpl::start_collective(Op& op) {
+  if (backend->exchanges_fingerprints() && (config().desync || backend->fingerprints_free())) {
+    op.fp = Fingerprint::of(op.d);
+    op.fps.assign(static_cast<size_t>(size), Fingerprint{});
+    op.fp_wait = true;
+    backend->post_fingerprints(op);
+    return;
+  }
+  backend->start(op);
+}
+
+int GroupImpl::progress_collective(Op& op) {
+  if (!op.fp_wait) return backend->progress(op);
+  if (!backend->fingerprints_ready(op)) return 0;
+  op.fp_wait = false;
+  check_fingerprints(op.fps, op.d.seq, name, granks);
+  backend->start(op);
+  const int s = backend->progress(op);
+  return s == 0 ? 1 : s;  // the exchange finished: progress either way
+}
+
 // A collective on its caller's thread (InlineScope): what the communication thread does for one
-// operation - start, progress with the same back-off, complete - while inline_busy keeps the
+// operation - start, progress (spinning first, then the same back-off), complete - while inline_busy keeps the
 // thread from starting anything else.
 void GroupImpl::run_inline(std::unique_ptr<Op> op) {
   auto release = [this] {
@@ -349,7 +371,7 @@ void GroupImpl::run_inline(std::unique_ptr<Op> op) {
   };
   try {
     begin(*op);
-    backend->start(*op);
+    start_collective(*op);
     // The caller has nothing else to do until the collective completes, and what it waits for is
     // mostly its peers arriving (their compute's skew, ~0.1 ms per collective in a tp step): it
     // polls, yielding, for up to 2 ms before backing off into sleeps like the communication thread
@@ -360,7 +382,7 @@ void GroupImpl::run_inline(std::unique_ptr<Op> op) {
     const int64_t spin_until = now_ns() + kInlineSpinNs;
     unsigned idle = 0;
     for (;;) {
-      const int s = backend->progress(*op);
+      const int s = progress_collective(*op);
       if (s == 2) break;
       if (s == 1) {
         idle = 0;
@@ -570,10 +592,10 @@ void GroupImpl::thread_main() {
           cur = std::move(colls.front());
           colls.pop_front();
           begin(*cur);
-          backend->start(*cur);
+          start_collective(*cur);
           progressed = true;
         }
-        int s = backend->progress(*cur);
+        int s = progress_collective(*cur);
         if (s == 2) {
           complete(std::move(cur), nullptr);
           cur.reset();

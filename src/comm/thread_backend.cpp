@@ -1,5 +1,8 @@
 // The thread backend: a group's ranks are threads of one process (see detail.h, ThreadBackend).
 //
+// The members agree on what collective s is before it starts (the front end's desync check, whose
+// fingerprints this backend exchanges in shared memory before every collective).
+//
 // A collective of sequence number s: each member's communication thread registers its buffers
 // (start), waits until every member has (progress, phase 0), computes its own output from all
 // inputs into a private buffer, waits until every member has computed (phase 1: until then others
@@ -29,7 +32,12 @@ struct ThreadShared {
   std::string name;
   int size;
   std::mutex mu;
+  struct Fingerprints {  // the desync check's exchange of one collective
+    std::vector<Fingerprint> fps;
+    int posted = 0, read = 0;
+  };
   std::map<uint64_t, Collective> colls;                                       // by sequence number
+  std::map<uint64_t, Fingerprints> fingerprints;                             // by sequence number
   std::map<std::tuple<int, int, int>, std::vector<std::vector<unsigned char>>> mail;  // (src, dst, tag)
 };
 
@@ -41,6 +49,23 @@ size_t out_bytes(const OpDesc& d, int n) {
   return d.kind == OpKind::AllGather ? b * static_cast<size_t>(n) : b;
 }
 }  // namespace
+
+void ThreadBackend::post_fingerprints(Op& op) {
+  std::lock_guard<std::mutex> lk(shared_->mu);
+  ThreadShared::Fingerprints& f = shared_->fingerprints[op.d.seq];
+  if (f.fps.empty()) f.fps.resize(static_cast<size_t>(size));
+  f.fps[static_cast<size_t>(rank)] = op.fp;
+  ++f.posted;
+}
+
+bool ThreadBackend::fingerprints_ready(Op& op) {
+  std::lock_guard<std::mutex> lk(shared_->mu);
+  auto it = shared_->fingerprints.find(op.d.seq);
+  if (it == shared_->fingerprints.end() || it->second.posted < size) return false;
+  op.fps = it->second.fps;
+  if (++it->second.read == size) shared_->fingerprints.erase(it);
+  return true;
+}
 
 void ThreadBackend::start(Op& op) {
   std::lock_guard<std::mutex> lk(shared_->mu);
@@ -86,13 +111,6 @@ int ThreadBackend::progress(Op& op) {
       ThreadShared::Collective& c = shared_->colls[op.d.seq];
       if (c.arrived < n) return 0;
       slots = c.slots;
-    }
-    for (int q = 0; q < n; ++q) {
-      const OpDesc& o = slots[static_cast<size_t>(q)].d;
-      if (o.kind != op.d.kind || o.count != op.d.count || o.dt != op.d.dt || o.op != op.d.op || o.peer != op.d.peer)
-        throw CommError("collective desync: rank " + std::to_string(q) + " called " + describe(o, true) +
-                        " as collective #" + std::to_string(op.d.seq) + " of group " + shared_->name +
-                        " while rank " + std::to_string(rank) + " called " + describe(op.d, true));
     }
     const size_t es = dtype_size(op.d.dt), len = op.d.count;
     result_.resize(out_bytes(op.d, n));

@@ -10,18 +10,6 @@
 
 namespace mt {
 
-bool parse_recompute(const std::string& s, Recompute* out) {
-  if (s == "none") *out = Recompute::None;
-  else if (s == "full") *out = Recompute::Full;
-  else if (s == "selective") *out = Recompute::Selective;
-  else return false;
-  return true;
-}
-
-const char* recompute_name(Recompute r) {
-  return r == Recompute::None ? "none" : r == Recompute::Full ? "full" : "selective";
-}
-
 // Everything one block saves in forward for its backward. Matmul inputs are kept in the compute
 // dtype only (bf16 in mixed precision); what elementwise backward passes need stays fp32.
 struct BlockActivations {

@@ -17,6 +17,7 @@
 #include "model/expert_comm.h"
 #include "model/context_parallel.h"
 #include "model/model_config.h"
+#include "model/parallel_config.h"  // Recompute
 #include "model/parameters.h"
 #include "model/tp_layers.h"
 #include "runtime/tensor.h"
@@ -26,10 +27,6 @@ namespace mt {
 namespace kernels {
 struct KernelTable;
 }
-
-enum class Recompute { None, Full, Selective };
-bool parse_recompute(const std::string& s, Recompute* out);
-const char* recompute_name(Recompute r);
 
 // Called around every unit. Default implementations do nothing.
 class UnitHooks {

@@ -1,7 +1,7 @@
-// Pipeline parallelism: cutting the model into stages and running a schedule's action lists.
+// Pipeline parallelism: running a schedule's action lists.
 //
 // The model's units (embedding, blocks, head) are cut into pp * v contiguous virtual stages
-// (pipeline_schedule.h: rank r runs stages r, r + pp, ...). Each pipeline rank builds a Transformer
+// (pipeline_stages.h; pipeline_schedule.h: rank r runs stages r, r + pp, ...). Each pipeline rank builds a Transformer
 // that owns only its stages' units; the executor walks the rank's list of the schedule in order:
 // a forward or backward of micro-batch m on stage s runs those units on m's activation slot,
 // activations and input gradients travel as asynchronous point-to-point messages over the pp
@@ -25,25 +25,10 @@
 #include "comm/process_group.h"
 #include "model/transformer.h"
 #include "parallel/pipeline_schedule.h"
+#include "parallel/pipeline_stages.h"
 #include "parallel/strategy.h"
 
 namespace mt::parallel {
-
-// Units [first, last] of each virtual stage, in stage order.
-struct StagePartition {
-  std::vector<std::pair<int, int>> stages;
-  std::string describe() const;  // "0-2 | 3-4 | 5-7" with unit names' short form
-};
-
-// Relative cost (forward + backward FLOPs per token) of each unit: the embedding is a lookup, a block
-// its matmuls and attention, the head its final norm and the [C x V] output projection.
-std::vector<double> unit_costs(const ModelConfig& c);
-// Contiguous stages that minimise the most expensive stage (every stage gets at least one unit).
-// `manual`: blocks per stage ("3,3,2"; the embedding joins the first stage, the head the last),
-// overriding the cost model. Throws std::invalid_argument naming the problem.
-StagePartition partition_stages(const ModelConfig& c, int num_stages, const std::string& manual = "");
-// The owned-unit flags (for the Transformer constructor) of pipeline rank r.
-std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units);
 
 struct PipelineStepStats {
   double loss_sum = 0;     // sum of the micro-batch losses (last stage only; 0 elsewhere)

@@ -76,7 +76,11 @@ bool operator==(const PipeAction& a, const PipeAction& b) {
 // ---------------------------------------------------------------------------------------------
 // Builders
 
-std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "interleaved_1f1b"}; }
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> v;
+  for (PipelineSchedule k : all_pipeline_schedules()) v.emplace_back(to_string(k));
+  return v;
+}
 
 // Largest pp * v * m a builder accepts (the lists and the checker's tables grow with it).
 constexpr long long kMaxScheduleSize = 1 << 20;
@@ -176,17 +180,17 @@ static PipeAction fwd(int mb, int stage) { return {PipeAction::Forward, mb, stag
 static PipeAction bwd(int mb, int stage) { return {PipeAction::Backward, mb, stage, -1}; }
 
 PipeSchedule gpipe(int pp, int m) {
-  check_sizes("gpipe", pp, m, 1);
+  check_sizes(to_string(PipelineSchedule::GPipe), pp, m, 1);
   std::vector<std::vector<PipeAction>> c(pp);
   for (int r = 0; r < pp; ++r) {
     for (int i = 0; i < m; ++i) c[r].push_back(fwd(i, r));
     for (int i = 0; i < m; ++i) c[r].push_back(bwd(i, r));
   }
-  return add_comm("gpipe", pp, m, 1, c);
+  return add_comm(to_string(PipelineSchedule::GPipe), pp, m, 1, c);
 }
 
 PipeSchedule one_f_one_b(int pp, int m) {
-  check_sizes("1f1b", pp, m, 1);
+  check_sizes(to_string(PipelineSchedule::OneFOneB), pp, m, 1);
   std::vector<std::vector<PipeAction>> c(pp);
   for (int r = 0; r < pp; ++r) {
     // Warm-up: enough forwards that the first backward reaches this rank just as they are done.
@@ -199,11 +203,11 @@ PipeSchedule one_f_one_b(int pp, int m) {
     }
     for (int i = steady; i < m; ++i) c[r].push_back(bwd(i, r));  // cool-down
   }
-  return add_comm("1f1b", pp, m, 1, c);
+  return add_comm(to_string(PipelineSchedule::OneFOneB), pp, m, 1, c);
 }
 
 PipeSchedule interleaved_1f1b(int pp, int m, int v, CommPlacement placement) {
-  check_sizes("interleaved_1f1b", pp, m, v);
+  check_sizes(to_string(PipelineSchedule::Interleaved), pp, m, v);
   if (v < 2)
     throw std::invalid_argument("interleaved_1f1b needs at least 2 virtual stages per rank, got " +
                                 std::to_string(v) + " (with one stage per rank use the 1f1b schedule)");
@@ -244,8 +248,8 @@ PipeSchedule interleaved_1f1b(int pp, int m, int v, CommPlacement placement) {
       steps[r].push_back({c[r].back()});
     }
   }
-  if (placement == CommPlacement::Batched) return add_comm_stepped("interleaved_1f1b", pp, m, v, steps);
-  return add_comm("interleaved_1f1b", pp, m, v, c);
+  if (placement == CommPlacement::Batched) return add_comm_stepped(to_string(PipelineSchedule::Interleaved), pp, m, v, steps);
+  return add_comm(to_string(PipelineSchedule::Interleaved), pp, m, v, c);
 }
 
 const char* placement_name(CommPlacement p) { return p == CommPlacement::Eager ? "eager" : "batched"; }
@@ -260,17 +264,27 @@ bool parse_placement(const std::string& s, CommPlacement* out) {
   return true;
 }
 
-PipeSchedule make_schedule(const std::string& name, int pp, int m, int v, CommPlacement placement) {
-  if (name == "interleaved_1f1b") return interleaved_1f1b(pp, m, v, placement);
-  if (name == "gpipe" || name == "1f1b") {
-    if (v != 1)
-      throw std::invalid_argument("schedule " + name + " has one stage per rank; virtual stages = " +
-                                  std::to_string(v) + " needs --schedule interleaved_1f1b");
-    return name == "gpipe" ? gpipe(pp, m) : one_f_one_b(pp, m);
+PipeSchedule make_schedule(PipelineSchedule kind, int pp, int m, int v, CommPlacement placement) {
+  switch (kind) {
+    case PipelineSchedule::Interleaved: return interleaved_1f1b(pp, m, v, placement);
+    case PipelineSchedule::GPipe:
+    case PipelineSchedule::OneFOneB:
+      if (v != 1)
+        throw std::invalid_argument(std::string("schedule ") + to_string(kind) +
+                                    " has one stage per rank; virtual stages = " + std::to_string(v) +
+                                    " needs --schedule interleaved_1f1b");
+      return kind == PipelineSchedule::GPipe ? gpipe(pp, m) : one_f_one_b(pp, m);
+    case PipelineSchedule::None: break;
   }
-  std::string known;
-  for (const auto& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: " + known + ")");
+  throw std::invalid_argument("pipeline schedule 'none' has no action lists (known: " +
+                              valid_values(PipelineSchedule{}) + ")");
+}
+
+PipeSchedule make_schedule(const std::string& name, int pp, int m, int v, CommPlacement placement) {
+  if (std::optional<PipelineSchedule> kind = try_parse_pipeline_schedule(name))
+    return make_schedule(*kind, pp, m, v, placement);
+  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: " + valid_values(PipelineSchedule{}) +
+                              ")");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 // sends and receives that move activations forward and gradients backward. Because it is plain
 // data it can be printed, checked (complete, matched, deadlock-free) and timed without a model;
 // parallel::PipelineExecutor (pipeline_executor.h) runs exactly these lists when the trainer has
-// pp > 1. This module depends on nothing else (library mt_schedule), so the planner can use it.
+// pp > 1. This module depends on nothing but the parallel configuration's vocabulary (library
+// mt_schedule, linking mt_parallel_config), so the planner can use it.
 //
 // Layout (Megatron): the model is cut into pp * v contiguous virtual stages; rank r owns stages
 // r, r + pp, r + 2pp, ... (v = 1 is the ordinary one-stage-per-rank pipeline). The output of
@@ -24,6 +25,8 @@
 #pragma once
 #include <string>
 #include <vector>
+
+#include "model/parallel_config.h"
 
 namespace mt::parallel {
 
@@ -87,9 +90,13 @@ PipeSchedule one_f_one_b(int pp, int microbatches);
 // chunks in groups of pp; requires microbatches % pp == 0 and v >= 2 (v = 1 is plain 1f1b).
 PipeSchedule interleaved_1f1b(int pp, int microbatches, int virtual_stages,
                               CommPlacement placement = CommPlacement::Eager);
-// By name: "gpipe" | "1f1b" | "interleaved_1f1b". Throws std::invalid_argument with a clear
-// message for an unknown name or invalid sizes (pp, m, v < 1, v != 1 for a non-interleaved
-// schedule, m % pp != 0 for interleaved).
+// By kind (model/parallel_config.h: GPipe, OneFOneB, Interleaved). Throws std::invalid_argument
+// with a clear message for invalid sizes (pp, m, v < 1, v != 1 for a non-interleaved schedule,
+// m % pp != 0 for interleaved) and for PipelineSchedule::None.
+PipeSchedule make_schedule(PipelineSchedule kind, int pp, int microbatches, int virtual_stages = 1,
+                           CommPlacement placement = CommPlacement::Eager);
+// By name: "gpipe" | "1f1b" | "interleaved_1f1b" (to_string of the kinds); an unknown name throws
+// std::invalid_argument listing the known ones.
 PipeSchedule make_schedule(const std::string& name, int pp, int microbatches, int virtual_stages = 1,
                            CommPlacement placement = CommPlacement::Eager);
 std::vector<std::string> schedule_names();

@@ -10,27 +10,6 @@
 
 namespace mt::parallel {
 
-bool parse_shard_strategy(const std::string& s, ShardStrategy* out) {
-  if (s == "ZERO1") *out = ShardStrategy::Zero1;
-  else if (s == "SHARD_GRAD_OP") *out = ShardStrategy::Zero2;
-  else if (s == "FULL_SHARD") *out = ShardStrategy::Zero3;
-  else if (s == "HYBRID_SHARD") *out = ShardStrategy::Hybrid3;
-  else if (s == "HYBRID_SHARD_ZERO2") *out = ShardStrategy::Hybrid2;
-  else return false;
-  return true;
-}
-
-const char* shard_strategy_name(ShardStrategy s) {
-  switch (s) {
-    case ShardStrategy::Zero1: return "ZERO1";
-    case ShardStrategy::Zero2: return "SHARD_GRAD_OP";
-    case ShardStrategy::Zero3: return "FULL_SHARD";
-    case ShardStrategy::Hybrid3: return "HYBRID_SHARD";
-    case ShardStrategy::Hybrid2: return "HYBRID_SHARD_ZERO2";
-  }
-  return "?";
-}
-
 struct ShardedDataParallel::UnitState {
   int64_t offset = 0, numel = 0;  // the unit's (padded) range of the flat buffer
   int64_t shard = 0;              // numel / N
@@ -46,16 +25,16 @@ struct ShardedDataParallel::UnitState {
 };
 
 bool ShardedDataParallel::params_sharded() const {
-  return opts_.strategy == ShardStrategy::Zero3 || opts_.strategy == ShardStrategy::Hybrid3;
+  return shards_parameters(opts_.strategy);
 }
-bool ShardedDataParallel::grads_sharded() const { return opts_.strategy != ShardStrategy::Zero1; }
+bool ShardedDataParallel::grads_sharded() const { return shards_gradients(opts_.strategy); }
 
-ModelStorage ShardedDataParallel::storage_for(ShardStrategy s, DType compute, int shard_size) {
+ModelStorage ShardedDataParallel::storage_for(ShardingStrategy s, DType compute, int shard_size) {
   ModelStorage st;
-  const bool p_sharded = s == ShardStrategy::Zero3 || s == ShardStrategy::Hybrid3;
+  const bool p_sharded = shards_parameters(s);
   st.weights = !p_sharded;  // ZeRO-1/2 keep full parameters in the compute dtype
   st.master = false;        // fp32 master weights are sharded (bf16 mode)
-  st.grads = s == ShardStrategy::Zero1;
+  st.grads = !shards_gradients(s);
   st.unit_align = 16 * static_cast<int64_t>(shard_size);  // shards of whole 64-byte lines
   (void)compute;
   return st;
@@ -66,6 +45,8 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
                                          std::shared_ptr<comm::ProcessGroup> norm, ShardOptions opts, AdamWConfig adam)
     : model_(model), shard_(std::move(shard)), replicate_(std::move(replicate)), norm_group_(std::move(norm)), opts_(opts),
       cd_(model.compute_dtype()), N_(shard_->size()), r_(shard_->rank()), tied_(model.config().tied_embeddings && model.owns_unit(0) && model.owns_unit(model.num_units() - 1)) {
+  if (!is_sharded(opts_.strategy))
+    throw std::invalid_argument("ShardedDataParallel: NO_SHARD is not a sharded strategy (DataParallel runs it)");
   if (opts_.prefetch < 0) throw std::invalid_argument("parallel.prefetch must be >= 0");
   const int U = model_.num_units();
   units_.resize(U);
@@ -352,7 +333,7 @@ ShardStepStats ShardedDataParallel::finish_backward() {
   for (int u = 0; u < model_.num_units(); ++u)
     if (last_micro_ && model_.owns_unit(u) && !units_[u].done_backward) missing += (missing.empty() ? "" : ", ") + model_.unit(u).name;
   if (!missing.empty())
-    throw std::runtime_error(std::string(shard_strategy_name(opts_.strategy)) +
+    throw std::runtime_error(std::string(to_string(opts_.strategy)) +
                              ": backward finished without producing gradients for unit(s) " + missing +
                              "; their reductions were never started");
   poll(true);

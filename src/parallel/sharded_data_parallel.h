@@ -22,18 +22,14 @@
 #include <vector>
 
 #include "comm/process_group.h"
+#include "model/parallel_config.h"
 #include "model/transformer.h"
 #include "parallel/optimizer.h"
 
 namespace mt::parallel {
 
-enum class ShardStrategy { Zero1, Zero2, Zero3, Hybrid3, Hybrid2 };
-// Parses the parallel.strategy names (ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2).
-bool parse_shard_strategy(const std::string& s, ShardStrategy* out);
-const char* shard_strategy_name(ShardStrategy s);
-
 struct ShardOptions {
-  ShardStrategy strategy = ShardStrategy::Zero3;
+  ShardingStrategy strategy = ShardingStrategy::FullShard;  // any but NO_SHARD
   bool reshard_after_forward = true;
   int prefetch = 1;
   // Gradient accumulation: reduce-scatter after every micro-batch (less memory) or keep unsharded
@@ -50,7 +46,7 @@ struct ShardStepStats {
 class ShardedDataParallel : public UnitHooks {
  public:
   // How the model must be built for this strategy (which flat buffers it keeps, unit padding).
-  static ModelStorage storage_for(ShardStrategy s, DType compute, int shard_size);
+  static ModelStorage storage_for(ShardingStrategy s, DType compute, int shard_size);
 
   // `shard`: the group parameters are sharded over; `replicate`: the group across which shards are
   // replicated (size 1 unless hybrid); `norm`: the shard group's members on a communicator of
@@ -103,7 +99,7 @@ class ShardedDataParallel : public UnitHooks {
   int max_units_gathered() const { return max_gathered_; }
   void reset_max_units_gathered() { max_gathered_ = gathered_count_; }
   AdamW& optimizer() { return *adam_; }
-  ShardStrategy strategy() const { return opts_.strategy; }
+  ShardingStrategy strategy() const { return opts_.strategy; }
   bool params_sharded() const;
   bool grads_sharded() const;
 

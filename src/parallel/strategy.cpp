@@ -17,7 +17,7 @@ class DdpStrategy final : public Strategy {
   DdpStrategy(Transformer& m, std::shared_ptr<comm::ProcessGroup> dp, const StrategySpec& spec)
       : model_(m), dp_(std::move(dp)), ddp_(m, dp_, spec.bucket_mb),
         adam_(AdamW::full_spans(m.params()), m.flat_size(), spec.adam) {}
-  const char* name() const override { return "NO_SHARD"; }
+  const char* name() const override { return to_string(ShardingStrategy::NoShard); }
   UnitHooks* hooks() override { return &ddp_; }
   void load_unit(int u, const float* w, const float* m, const float* v) override {
     const UnitRange& r = model_.unit(u);
@@ -88,7 +88,7 @@ class ShardedStrategy final : public Strategy {
                   std::shared_ptr<comm::ProcessGroup> replicate, std::shared_ptr<comm::ProcessGroup> norm,
                   ShardOptions o, AdamWConfig adam)
       : sdp_(m, std::move(shard), std::move(replicate), std::move(norm), o, adam) {}
-  const char* name() const override { return shard_strategy_name(sdp_.strategy()); }
+  const char* name() const override { return to_string(sdp_.strategy()); }
   UnitHooks* hooks() override { return &sdp_; }
   void begin_load() override { sdp_.release_all(); }
   void load_unit(int u, const float* w, const float* m, const float* v) override { sdp_.load_unit(u, w, m, v); }
@@ -125,10 +125,8 @@ class ShardedStrategy final : public Strategy {
 }  // namespace
 
 ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_size) {
-  if (spec.strategy == "NO_SHARD") return ModelStorage{};
-  ShardStrategy s;
-  if (!parse_shard_strategy(spec.strategy, &s)) throw std::invalid_argument("unknown strategy " + spec.strategy);
-  return ShardedDataParallel::storage_for(s, compute, shard_size);
+  if (!is_sharded(spec.strategy)) return ModelStorage{};
+  return ShardedDataParallel::storage_for(spec.strategy, compute, shard_size);
 }
 
 std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& model,
@@ -136,25 +134,25 @@ std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& m
                                         std::shared_ptr<comm::ProcessGroup> shard,
                                         std::shared_ptr<comm::ProcessGroup> replicate,
                                         std::shared_ptr<comm::ProcessGroup> norm) {
-  if (spec.strategy == "NO_SHARD") return std::make_unique<DdpStrategy>(model, dp, spec);
+  if (!is_sharded(spec.strategy)) return std::make_unique<DdpStrategy>(model, dp, spec);
   ShardOptions o;
-  if (!parse_shard_strategy(spec.strategy, &o.strategy)) throw std::invalid_argument("unknown strategy " + spec.strategy);
+  o.strategy = spec.strategy;
   o.reshard_after_forward = spec.reshard_after_forward;
   o.prefetch = spec.prefetch;
   o.reduce_every_microbatch = spec.reduce_every_microbatch;
   return std::make_unique<ShardedStrategy>(model, shard, replicate, norm, o, spec.adam);
 }
 
-StateBytes expected_state_bytes(const std::string& strategy, DType compute, int64_t flat, int shard_size) {
+StateBytes expected_state_bytes(ShardingStrategy strategy, DType compute, int64_t flat, int shard_size) {
   const int64_t N = shard_size;
   const bool f32 = compute == DType::F32;
   const int64_t pb = f32 ? 4 : 2, ob = f32 ? 8 : 12;  // bf16: fp32 master lives with the moments
   StateBytes b;
-  if (strategy == "NO_SHARD") {
+  if (!is_sharded(strategy)) {
     b = {pb * flat, 4 * flat, ob * flat};
-  } else if (strategy == "ZERO1") {
+  } else if (!shards_gradients(strategy)) {  // ZERO1
     b = {pb * flat, 4 * flat, ob * flat / N};
-  } else if (strategy == "SHARD_GRAD_OP" || strategy == "HYBRID_SHARD_ZERO2") {
+  } else if (!shards_parameters(strategy)) {  // SHARD_GRAD_OP, HYBRID_SHARD_ZERO2
     b = {pb * flat, 4 * flat / N, ob * flat / N};
   } else {  // FULL_SHARD, HYBRID_SHARD: only shards persist (fp32 master counted as params in fp32)
     b = f32 ? StateBytes{4 * flat / N, 4 * flat / N, 8 * flat / N} : StateBytes{0, 4 * flat / N, 12 * flat / N};
@@ -162,11 +160,11 @@ StateBytes expected_state_bytes(const std::string& strategy, DType compute, int6
   return b;
 }
 
-int64_t zero_paper_bytes(const std::string& strategy, int64_t P, int shard_size) {
+int64_t zero_paper_bytes(ShardingStrategy strategy, int64_t P, int shard_size) {
   const int64_t N = shard_size;
-  if (strategy == "NO_SHARD") return 16 * P;
-  if (strategy == "ZERO1") return 4 * P + 12 * P / N;
-  if (strategy == "SHARD_GRAD_OP" || strategy == "HYBRID_SHARD_ZERO2") return 2 * P + 14 * P / N;
+  if (!is_sharded(strategy)) return 16 * P;
+  if (!shards_gradients(strategy)) return 4 * P + 12 * P / N;   // ZERO1
+  if (!shards_parameters(strategy)) return 2 * P + 14 * P / N;  // SHARD_GRAD_OP, HYBRID_SHARD_ZERO2
   return 16 * P / N;
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "comm/process_group.h"
+#include "model/parallel_config.h"
 #include "model/transformer.h"
 #include "parallel/optimizer.h"
 
@@ -66,7 +67,7 @@ class Strategy {
 };
 
 struct StrategySpec {
-  std::string strategy = "NO_SHARD";  // the parallel.strategy names
+  ShardingStrategy strategy = ShardingStrategy::NoShard;
   double bucket_mb = 25.0;
   bool reshard_after_forward = true;
   int prefetch = 1;
@@ -92,10 +93,10 @@ struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t total() const { return params + grads + optimizer; }
 };
-StateBytes expected_state_bytes(const std::string& strategy, DType compute, int64_t flat, int shard_size);
+StateBytes expected_state_bytes(ShardingStrategy strategy, DType compute, int64_t flat, int shard_size);
 // The ZeRO paper's mixed-precision figure (bf16 params and grads, fp32 master and moments):
 // DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
-int64_t zero_paper_bytes(const std::string& strategy, int64_t params, int shard_size);
+int64_t zero_paper_bytes(ShardingStrategy strategy, int64_t params, int shard_size);
 
 // Collective over `group`: throws, naming the rank and what differs, unless every rank built the
 // same model (parameter count, unit count and sizes).

@@ -39,7 +39,7 @@ AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_no
   po.allow_offload = false;
   // One rank has nothing to shard: the planner only knows the single-replica layout then.
   if (world_size > 1) po.strategy = opts.strategy;
-  if (world_size == 1 && opts.strategy == Strategy::HSDP)
+  if (world_size == 1 && opts.strategy == Strategy::HybridShard)
     throw std::invalid_argument("auto layout: HYBRID_SHARD needs at least 4 ranks (2 replicas x 2 shards)");
   po.checkpointing = opts.checkpointing;
   PlanResult r;
@@ -59,9 +59,9 @@ AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_no
   a.grad_accum = l.microbatches;
   a.tp = l.tp;
   a.pp = l.pp;
-  a.activation_checkpointing = checkpointing_name(l.checkpointing);
-  a.strategy = strategy_config_name(world_size == 1 && opts.strategy ? *opts.strategy : l.strategy);
-  if (l.strategy == Strategy::HSDP) {
+  a.activation_checkpointing = to_string(l.checkpointing);
+  a.strategy = to_string(world_size == 1 && opts.strategy ? *opts.strategy : l.strategy);
+  if (l.strategy == Strategy::HybridShard) {
     a.dp_replicate = l.dp_replicate;
     a.dp_shard = l.dp_shard;
   } else {

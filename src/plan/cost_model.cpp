@@ -10,68 +10,42 @@ namespace mt::plan {
 
 // ---- names ----------------------------------------------------------------------------------------
 
-const char* strategy_config_name(Strategy s) {
-  switch (s) {
-    case Strategy::DDP: return "NO_SHARD";
-    case Strategy::ZeRO1: return "ZERO1";
-    case Strategy::ZeRO2: return "SHARD_GRAD_OP";
-    case Strategy::ZeRO3: return "FULL_SHARD";
-    case Strategy::HSDP: return "HYBRID_SHARD";
-  }
-  return "?";
-}
-
 const char* strategy_label(Strategy s) {
   switch (s) {
-    case Strategy::DDP: return "DDP";
-    case Strategy::ZeRO1: return "ZeRO-1";
-    case Strategy::ZeRO2: return "ZeRO-2";
-    case Strategy::ZeRO3: return "ZeRO-3";
-    case Strategy::HSDP: return "HSDP";
-  }
-  return "?";
-}
-
-const char* schedule_name(Schedule s) {
-  switch (s) {
-    case Schedule::None: return "none";
-    case Schedule::GPipe: return "gpipe";
-    case Schedule::OneFOneB: return "1f1b";
-    case Schedule::Interleaved: return "interleaved_1f1b";
-  }
-  return "?";
-}
-
-const char* checkpointing_name(Checkpointing c) {
-  switch (c) {
-    case Checkpointing::None: return "none";
-    case Checkpointing::Selective: return "selective";
-    case Checkpointing::Full: return "full";
+    case Strategy::NoShard: return "DDP";
+    case Strategy::Zero1: return "ZeRO-1";
+    case Strategy::ShardGradOp: return "ZeRO-2";
+    case Strategy::FullShard: return "ZeRO-3";
+    case Strategy::HybridShard: return "HSDP";
+    case Strategy::HybridShardZero2: return "HSDP-ZeRO-2";
   }
   return "?";
 }
 
 bool parse_strategy(const std::string& s, Strategy* out) {
-  for (Strategy v : {Strategy::DDP, Strategy::ZeRO1, Strategy::ZeRO2, Strategy::ZeRO3, Strategy::HSDP})
-    if (s == strategy_label(v) || s == strategy_config_name(v)) {
+  for (Strategy v : {Strategy::NoShard, Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard, Strategy::HybridShard})
+    if (s == strategy_label(v) || s == to_string(v)) {
       *out = v;
       return true;
     }
-  if (s == "ddp") *out = Strategy::DDP;
-  else if (s == "zero1" || s == "zero-1") *out = Strategy::ZeRO1;
-  else if (s == "zero2" || s == "zero-2") *out = Strategy::ZeRO2;
-  else if (s == "zero3" || s == "zero-3" || s == "fsdp") *out = Strategy::ZeRO3;
-  else if (s == "hsdp") *out = Strategy::HSDP;
+  if (s == "ddp") *out = Strategy::NoShard;
+  else if (s == "zero1" || s == "zero-1") *out = Strategy::Zero1;
+  else if (s == "zero2" || s == "zero-2") *out = Strategy::ShardGradOp;
+  else if (s == "zero3" || s == "zero-3" || s == "fsdp") *out = Strategy::FullShard;
+  else if (s == "hsdp") *out = Strategy::HybridShard;
   else return false;
   return true;
 }
 
 bool parse_schedule(const std::string& s, Schedule* out) {
-  for (Schedule v : {Schedule::None, Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved})
-    if (s == schedule_name(v)) {
-      *out = v;
-      return true;
-    }
+  if (s == to_string(Schedule::None)) {
+    *out = Schedule::None;
+    return true;
+  }
+  if (std::optional<Schedule> v = try_parse_pipeline_schedule(s)) {
+    *out = *v;
+    return true;
+  }
   if (s == "interleaved") {
     *out = Schedule::Interleaved;
     return true;
@@ -80,11 +54,10 @@ bool parse_schedule(const std::string& s, Schedule* out) {
 }
 
 bool parse_checkpointing(const std::string& s, Checkpointing* out) {
-  for (Checkpointing v : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full})
-    if (s == checkpointing_name(v)) {
-      *out = v;
-      return true;
-    }
+  if (std::optional<Checkpointing> v = try_parse_recompute(s)) {
+    *out = *v;
+    return true;
+  }
   return false;
 }
 
@@ -93,12 +66,12 @@ std::string Layout::describe() const {
   std::snprintf(buf, sizeof buf, "%s dp_replicate=%d dp_shard=%d%s tp=%d pp=%d%s%s mb=%lldx%lld ac=%s%s",
                 strategy_label(strategy), dp_replicate, dp_shard, cp > 1 ? (" cp=" + std::to_string(cp)).c_str() : "",
                 tp, pp, pp > 1 ? " " : "",
-                pp > 1 ? (std::string(schedule_name(schedule)) +
+                pp > 1 ? (std::string(to_string(schedule)) +
                           (schedule == Schedule::Interleaved ? "(v=" + std::to_string(virtual_stages) + ")" : ""))
                              .c_str()
                        : "",
                 static_cast<long long>(micro_batch), static_cast<long long>(microbatches),
-                checkpointing_name(checkpointing), cpu_offload ? " offload" : "");
+                to_string(checkpointing), cpu_offload ? " offload" : "");
   if (ep > 1) return std::string(buf) + " ep=" + std::to_string(ep);
   return buf;
 }
@@ -117,17 +90,18 @@ ModelStateBytes zero_model_state(double psi, Strategy s, int shard, bool fp32, b
   const double n = std::max(1, shard);
   ModelStateBytes r;
   switch (s) {
-    case Strategy::DDP:
+    case Strategy::NoShard:
       r = {k.params * psi, k.grads * psi, k.optimizer * psi};
       break;
-    case Strategy::ZeRO1:
+    case Strategy::Zero1:
       r = {k.params * psi, k.grads * psi, k.optimizer * psi / n};
       break;
-    case Strategy::ZeRO2:
+    case Strategy::ShardGradOp:
+    case Strategy::HybridShardZero2:  // ZeRO-2 inside the shard group
       r = {k.params * psi, k.grads * psi / n, k.optimizer * psi / n};
       break;
-    case Strategy::ZeRO3:
-    case Strategy::HSDP:
+    case Strategy::FullShard:
+    case Strategy::HybridShard:
       r = {k.params * psi / n, k.grads * psi / n, k.optimizer * psi / n};
       break;
   }
@@ -330,17 +304,19 @@ std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetu
     return "cp=" + str(l.cp) + " needs the sequence (" + str(setup.seq_or(m)) + ") divisible by 2 x cp";
   if (l.micro_batch < 1 || l.microbatches < 1) return "micro-batch size and count must be >= 1";
   switch (l.strategy) {
-    case Strategy::DDP:
+    case Strategy::NoShard:
       if (l.dp_shard != 1) return "DDP replicates: dp_shard must be 1";
       break;
-    case Strategy::ZeRO1:
-    case Strategy::ZeRO2:
-    case Strategy::ZeRO3:
+    case Strategy::Zero1:
+    case Strategy::ShardGradOp:
+    case Strategy::FullShard:
       if (l.dp_replicate != 1) return std::string(strategy_label(l.strategy)) + " shards over all data-parallel ranks: dp_replicate must be 1";
       break;
-    case Strategy::HSDP:
+    case Strategy::HybridShard:
       if (l.dp_replicate < 2 || l.dp_shard < 2) return "HSDP needs dp_replicate >= 2 and dp_shard >= 2";
       break;
+    case Strategy::HybridShardZero2:
+      return "HYBRID_SHARD_ZERO2 is not modelled by the planner";
   }
   if (m.n_head % l.tp != 0) return "tp=" + str(l.tp) + " does not divide n_head=" + str(m.n_head);
   if (m.n_kv_head % l.tp != 0) return "tp=" + str(l.tp) + " does not divide n_kv_head=" + str(m.n_kv_head);
@@ -358,7 +334,7 @@ std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetu
     return "virtual_stages > 1 only with interleaved_1f1b";
   }
   if (l.cpu_offload) {
-    if (l.strategy == Strategy::DDP) return "CPU offload of optimizer state needs a sharded strategy";
+    if (l.strategy == Strategy::NoShard) return "CPU offload of optimizer state needs a sharded strategy";
     if (c.host_link_bw <= 0 || c.host_mem_bw_per_node <= 0) return "cluster has no separate host memory to offload to";
   }
   if (setup.reduce_bytes != 2 && setup.reduce_bytes != 4) return "reduce dtype must be 2 or 4 bytes";
@@ -421,11 +397,12 @@ std::string why_sentence(const Estimate& e) {
   if (e.dp_exposed_s > 0) {
     std::string what;
     switch (l.strategy) {
-      case Strategy::DDP: what = "gradient all-reduce"; break;
-      case Strategy::ZeRO1:
-      case Strategy::ZeRO2: what = "gradient reduce-scatter and parameter all-gather"; break;
-      case Strategy::ZeRO3: what = "ZeRO-3 all-gathers and reduce-scatters"; break;
-      case Strategy::HSDP: what = "HSDP shard collectives and replica all-reduce"; break;
+      case Strategy::NoShard: what = "gradient all-reduce"; break;
+      case Strategy::Zero1:
+      case Strategy::ShardGradOp: what = "gradient reduce-scatter and parameter all-gather"; break;
+      case Strategy::FullShard: what = "ZeRO-3 all-gathers and reduce-scatters"; break;
+      case Strategy::HybridShard:
+      case Strategy::HybridShardZero2: what = "HSDP shard collectives and replica all-reduce"; break;
     }
     what = "exposed " + what + (e.dp_inter_node ? " across nodes" : " inside the node");
     losses.push_back({e.dp_exposed_s, what});
@@ -491,10 +468,10 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.psi_stage = psi;
   E.psi_experts = psi_e;
 
-  const int shard = (l.strategy == Strategy::DDP) ? 1 : l.dp_shard * cp;  // cp ranks shard too
+  const int shard = (l.strategy == Strategy::NoShard) ? 1 : l.dp_shard * cp;  // cp ranks shard too
   ModelStateBytes ms = zero_model_state(ep > 1 ? psi_dense : psi, l.strategy, shard, st.fp32, l.cpu_offload, st.grad_bytes);
   if (ep > 1) {
-    const ModelStateBytes me = zero_model_state(psi_e, Strategy::DDP, 1, st.fp32, false, st.grad_bytes);
+    const ModelStateBytes me = zero_model_state(psi_e, Strategy::NoShard, 1, st.fp32, false, st.grad_bytes);
     ms.params += me.params;
     ms.grads += me.grads;
     ms.optimizer += me.optimizer;
@@ -540,7 +517,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   double comm_buf = 0;
   const int dpc = l.dp() * cp;  // ranks the gradients are reduced over
   if (dpc > 1) {
-    if (l.strategy == Strategy::ZeRO3 || l.strategy == Strategy::HSDP)
+    if (l.strategy == Strategy::FullShard || l.strategy == Strategy::HybridShard)
       comm_buf += 2 * unit * pb + unit * rb;  // gathered current + prefetched unit, unsharded grad
     else
       comm_buf += 2 * std::min(st.bucket_bytes, psi_dp * rb);
@@ -623,7 +600,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   const GroupShape g_shard = group_shape(l.dp_shard * cp, t, G);
   const GroupShape g_rep = group_shape(l.dp_replicate, t * cp * l.dp_shard, G);
   // DDP reduces over the replicas and the cp ranks (dp_shard = 1: contiguous at stride t).
-  const GroupShape g_dp = l.strategy == Strategy::DDP ? group_shape(l.dp_replicate * cp, t, G) : g_shard;
+  const GroupShape g_dp = l.strategy == Strategy::NoShard ? group_shape(l.dp_replicate * cp, t, G) : g_shard;
 
   CollCost per_mb, per_step;  // bytes per micro-batch / per step
   double mb_tp = 0, mb_pp = 0, mb_dp = 0, step_dp = 0;  // exposed seconds
@@ -730,7 +707,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
     const double grad_bytes = psi_dp * rb, param_bytes = psi_dp * pb;
     const double bucket_g = std::min(grad_bytes, st.bucket_bytes), bucket_p = std::min(param_bytes, st.bucket_bytes);
     switch (l.strategy) {
-      case Strategy::DDP: {  // all-reduce once per step (no_sync while accumulating), during the last backward
+      case Strategy::NoShard: {  // all-reduce once per step (no_sync while accumulating), during the last backward
         CollCost ar = split_collective(Collective::AllReduce, grad_bytes, buckets(grad_bytes), g_dp, c);
         per_step = per_step + ar;
         dp_total = ar.time;
@@ -738,15 +715,15 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         step_dp = overlapped(ar.time, collective(Collective::AllReduce, bucket_g, g_dp, c).time, T_b);
         break;
       }
-      case Strategy::ZeRO1:
-      case Strategy::ZeRO2: {
+      case Strategy::Zero1:
+      case Strategy::ShardGradOp: {
         CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, buckets(grad_bytes), g_dp, c);
         const double rs_ex = overlapped(rs.time, collective(Collective::ReduceScatter, bucket_g, g_dp, c).time, T_b);
         CollCost ag = split_collective(Collective::AllGather, param_bytes, buckets(param_bytes), g_dp, c);
         const double ag_ex = st.overlap_param_gather
                                  ? overlapped(ag.time, collective(Collective::AllGather, bucket_p, g_dp, c).time, T_f)
                                  : ag.time;
-        if (l.strategy == Strategy::ZeRO1) {  // full gradients accumulate locally; reduce once
+        if (l.strategy == Strategy::Zero1) {  // full gradients accumulate locally; reduce once
           per_step = per_step + rs;
           step_dp = rs_ex;
           dp_total = rs.time;
@@ -758,12 +735,12 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         per_step = per_step + ag;
         step_dp += ag_ex;
         dp_total += ag.time;
-        E.group_bytes.dp = (l.strategy == Strategy::ZeRO1 ? 1.0 : M) * (rs.intra_bytes + rs.inter_bytes) +
+        E.group_bytes.dp = (l.strategy == Strategy::Zero1 ? 1.0 : M) * (rs.intra_bytes + rs.inter_bytes) +
                            ag.intra_bytes + ag.inter_bytes;
         break;
       }
-      case Strategy::ZeRO3:
-      case Strategy::HSDP: {  // per micro-batch: gather forward, gather backward, reduce-scatter
+      case Strategy::FullShard:
+      case Strategy::HybridShard: {  // per micro-batch: gather forward, gather backward, reduce-scatter
         CollCost ag = split_collective(Collective::AllGather, param_bytes, n_units, g_shard, c);
         CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, n_units, g_shard, c);
         const double first = collective(Collective::AllGather, unit0 * pb, g_shard, c).time;
@@ -773,7 +750,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         mb_dp = overlapped(ag.time, first, T_f) + ex_b;
         dp_total = M * (2 * ag.time + rs.time);
         E.group_bytes.dp = M * (2 * (ag.intra_bytes + ag.inter_bytes) + rs.intra_bytes + rs.inter_bytes);
-        if (l.strategy == Strategy::HSDP) {  // replicas all-reduce their gradient shard once per step
+        if (l.strategy == Strategy::HybridShard) {  // replicas all-reduce their gradient shard once per step
           CollCost ar = split_collective(Collective::AllReduce, grad_bytes / shard, n_units, g_rep, c);
           const double ar_last = collective(Collective::AllReduce, unit0 * rb / shard, g_rep, c).time;
           per_step = per_step + ar;
@@ -784,12 +761,13 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         }
         break;
       }
+      case Strategy::HybridShardZero2: break;  // refused by check_layout
     }
   }
   E.dp_comm_s = dp_total;
   E.dp_exposed_s = M * mb_dp + step_dp;
-  E.dp_inter_node = (l.strategy == Strategy::DDP ? g_rep : g_shard).nodes > 1 ||
-                    (l.strategy == Strategy::HSDP && g_rep.nodes > 1);
+  E.dp_inter_node = (l.strategy == Strategy::NoShard ? g_rep : g_shard).nodes > 1 ||
+                    (l.strategy == Strategy::HybridShard && g_rep.nodes > 1);
 
   // ---- optimizer step and offload ----
   const double adam_bytes = 28.0;  // read+write fp32 master, m, v (24) + read grad + write param

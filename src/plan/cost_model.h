@@ -14,26 +14,28 @@
 #include <string>
 
 #include "model/model_config.h"
+#include "model/parallel_config.h"
 #include "plan/cluster.h"
 
 namespace mt::plan {
 
-enum class Strategy { DDP, ZeRO1, ZeRO2, ZeRO3, HSDP };
-enum class Schedule { None, GPipe, OneFOneB, Interleaved };
-enum class Checkpointing { None, Selective, Full };
+// The parallel configuration's vocabulary (model/parallel_config.h) under the planner's names: one
+// enum each with the engine, printed by mt::to_string in the config spellings (NO_SHARD, ...;
+// none, gpipe, 1f1b, interleaved_1f1b; none, selective, full). The planner models every strategy
+// but HYBRID_SHARD_ZERO2 (check_layout refuses it).
+using Strategy = ShardingStrategy;
+using Schedule = PipelineSchedule;  // None: no pipeline (pp = 1)
+using Checkpointing = Recompute;
 enum class AttentionImpl { Flash, Unfused };
 
-// Config spellings (the `parallel.strategy` key, docs/training.md): NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD,
-// HYBRID_SHARD. `meshtrain train --parallel.strategy=<this>` accepts them.
-const char* strategy_config_name(Strategy s);
-// Human labels: DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP.
+// Human labels: DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP (HSDP-ZeRO-2 for HYBRID_SHARD_ZERO2).
 const char* strategy_label(Strategy s);
-// "none" (no pipeline), "gpipe", "1f1b", "interleaved_1f1b".
-const char* schedule_name(Schedule s);
-// "none", "selective", "full".
-const char* checkpointing_name(Checkpointing c);
-bool parse_strategy(const std::string& s, Strategy* out);  // accepts labels and config names
+// A modelled strategy from its label, its config spelling or a lower-case alias (ddp, zero1, zero-1,
+// zero2, zero3, fsdp, hsdp); false for anything else, HYBRID_SHARD_ZERO2 included.
+bool parse_strategy(const std::string& s, Strategy* out);
+// "none" or a config spelling (gpipe, 1f1b, interleaved_1f1b), or "interleaved".
 bool parse_schedule(const std::string& s, Schedule* out);
+// A config spelling: none, selective, full.
 bool parse_checkpointing(const std::string& s, Checkpointing* out);
 
 // The training setup that does not depend on the layout.
@@ -61,7 +63,7 @@ struct TrainSetup {
 };
 
 struct Layout {
-  Strategy strategy = Strategy::DDP;
+  Strategy strategy = Strategy::NoShard;
   int dp_replicate = 1;   // replicas (DDP, and HSDP's outer dimension)
   int dp_shard = 1;       // shard group size (ZeRO-1/2/3, HSDP's inner dimension)
   int tp = 1;

@@ -132,24 +132,28 @@ std::string secs(double s) {
 std::string layout_words(const Layout& l) {
   std::string s;
   switch (l.strategy) {
-    case Strategy::DDP:
+    case Strategy::NoShard:
       s = l.dp_replicate > 1 ? "DDP over " + std::to_string(l.dp_replicate) + " replicas" : "a single model replica";
       break;
-    case Strategy::ZeRO1: s = "ZeRO-1 (optimizer state sharded " + std::to_string(l.dp_shard) + " ways)"; break;
-    case Strategy::ZeRO2:
+    case Strategy::Zero1: s = "ZeRO-1 (optimizer state sharded " + std::to_string(l.dp_shard) + " ways)"; break;
+    case Strategy::ShardGradOp:
       s = "ZeRO-2 / SHARD_GRAD_OP (optimizer state and gradients sharded " + std::to_string(l.dp_shard) + " ways)";
       break;
-    case Strategy::ZeRO3: s = "ZeRO-3 / FULL_SHARD (everything sharded " + std::to_string(l.dp_shard) + " ways)"; break;
-    case Strategy::HSDP:
+    case Strategy::FullShard: s = "ZeRO-3 / FULL_SHARD (everything sharded " + std::to_string(l.dp_shard) + " ways)"; break;
+    case Strategy::HybridShard:
       s = "HSDP (full shard inside groups of " + std::to_string(l.dp_shard) + ", " + std::to_string(l.dp_replicate) +
           " replicas)";
+      break;
+    case Strategy::HybridShardZero2:
+      s = "HSDP-ZeRO-2 (optimizer state and gradients sharded inside groups of " + std::to_string(l.dp_shard) + ", " +
+          std::to_string(l.dp_replicate) + " replicas)";
       break;
   }
   if (l.tp > 1) s += ", tensor parallel " + std::to_string(l.tp) + " with sequence parallelism";
   if (l.ep > 1) s += ", experts split over " + std::to_string(l.ep) + " ranks (parallel.ep)";
   if (l.cp > 1) s += ", context parallel " + std::to_string(l.cp) + " (ring attention)";
   if (l.pp > 1) {
-    s += ", pipeline " + std::to_string(l.pp) + " stages (" + schedule_name(l.schedule);
+    s += ", pipeline " + std::to_string(l.pp) + " stages (" + to_string(l.schedule);
     if (l.schedule == Schedule::Interleaved) s += ", " + std::to_string(l.virtual_stages) + " chunks per rank";
     s += ")";
   }
@@ -194,7 +198,7 @@ std::string lost_because(const Estimate& a, const Estimate& b) {
   const double dre = b.recompute_s - a.recompute_s;
   const double dopt = b.optimizer_s - a.optimizer_s;
   ds.push_back({b.time.compute - a.time.compute - dre - dopt, "more compute per GPU"});
-  if (dre > 0) ds.push_back({dre, "activation recomputation (" + std::string(checkpointing_name(b.layout.checkpointing)) + " checkpointing)"});
+  if (dre > 0) ds.push_back({dre, "activation recomputation (" + std::string(to_string(b.layout.checkpointing)) + " checkpointing)"});
   if (dopt > 0) ds.push_back({dopt, b.layout.cpu_offload ? "the CPU Adam step" : "a larger optimizer step"});
   ds.push_back({b.dp_exposed_s - a.dp_exposed_s, std::string("exposed data-parallel communication") +
                                                        (b.dp_inter_node ? " across nodes" : "")});
@@ -278,15 +282,15 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
         if (dp == 1) {
           dps.push_back(l);
         } else {
-          l.strategy = Strategy::DDP, l.dp_replicate = dp, l.dp_shard = 1;
+          l.strategy = Strategy::NoShard, l.dp_replicate = dp, l.dp_shard = 1;
           dps.push_back(l);
-          for (Strategy s : {Strategy::ZeRO1, Strategy::ZeRO2, Strategy::ZeRO3}) {
+          for (Strategy s : {Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard}) {
             l.strategy = s, l.dp_replicate = 1, l.dp_shard = dp;
             dps.push_back(l);
           }
           for (int g : divisors(dp))
             if (g > 1 && g < dp) {
-              l.strategy = Strategy::HSDP, l.dp_shard = g, l.dp_replicate = dp / g;
+              l.strategy = Strategy::HybridShard, l.dp_shard = g, l.dp_replicate = dp / g;
               dps.push_back(l);
             }
         }
@@ -322,7 +326,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
             for (Checkpointing ac : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full}) {
               if (opts.checkpointing && ac != *opts.checkpointing) continue;
               for (bool off : {false, true}) {
-                if (off && (!opts.allow_offload || base.strategy == Strategy::DDP || cluster.host_link_bw <= 0))
+                if (off && (!opts.allow_offload || base.strategy == Strategy::NoShard || cluster.host_link_bw <= 0))
                   continue;
                 Layout l = base;
                 l.schedule = sched;
@@ -350,7 +354,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
   std::sort(all.begin(), all.end(), better);
 
   // Best of each strategy (before de-duplication: the first of each in rank order).
-  for (Strategy s : {Strategy::DDP, Strategy::ZeRO1, Strategy::ZeRO2, Strategy::ZeRO3, Strategy::HSDP})
+  for (Strategy s : {Strategy::NoShard, Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard, Strategy::HybridShard})
     for (const auto& e : all)
       if (e.layout.strategy == s) {
         R.best_per_strategy.push_back(e);

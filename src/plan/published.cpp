@@ -28,7 +28,7 @@ Cluster sized(const std::string& preset, int gpus) {
 Layout layout(Strategy s, int dp, int tp, int pp, Schedule sched, int64_t mb, int64_t m, Checkpointing ac) {
   Layout l;
   l.strategy = s;
-  if (s == Strategy::DDP)
+  if (s == Strategy::NoShard)
     l.dp_replicate = dp;
   else
     l.dp_shard = dp;
@@ -56,7 +56,7 @@ PublishedCase llmc(const std::string& id, const std::string& preset_model, const
   c.setup.micro_batch = mb;
   c.setup.seq = 1024;
   c.setup.reduce_bytes = 2;
-  c.layout = layout(Strategy::ZeRO1, 8, 1, 1, Schedule::None, mb, accum, Checkpointing::None);
+  c.layout = layout(Strategy::Zero1, 8, 1, 1, Schedule::None, mb, accum, Checkpointing::None);
   c.metric = Metric::SecondsPerStep;
   c.published = seconds;
   return c;
@@ -86,7 +86,7 @@ std::vector<PublishedCase> published_cases() {
     c.setup.attention = AttentionImpl::Unfused;
     c.setup.dropout = true;
     c.setup.sequence_parallel = false;
-    c.layout = layout(Strategy::DDP, 8, 8, 16, Schedule::OneFOneB, 1, 1536 / 8, Checkpointing::Full);
+    c.layout = layout(Strategy::NoShard, 8, 8, 16, Schedule::OneFOneB, 1, 1536 / 8, Checkpointing::Full);
     c.metric = Metric::TflopsPerGpuMegatron;
     c.published = 138;
     c.published_mfu = 0.44;
@@ -107,7 +107,7 @@ std::vector<PublishedCase> published_cases() {
     c.setup.micro_batch = 1;
     c.setup.seq = 8192;
     c.setup.recompute_fraction = rc;
-    c.layout = layout(Strategy::ZeRO3, 64, 1, 1, Schedule::None, 1, 1, ac);
+    c.layout = layout(Strategy::FullShard, 64, 1, 1, Schedule::None, 1, 1, ac);
     c.metric = Metric::TokensPerSecPerGpu;
     c.published = tps;
     c.published_mfu = mfu;
@@ -164,8 +164,8 @@ double fsdp_over_ddp_comm_ratio(bool fp32_reduce, int64_t microbatches) {
   TrainSetup st;
   st.reduce_bytes = fp32_reduce ? 4 : 2;
   st.seq = 4096;
-  Layout ddp = layout(Strategy::DDP, 8, 1, 1, Schedule::None, 1, microbatches, Checkpointing::Full);
-  Layout z3 = layout(Strategy::ZeRO3, 8, 1, 1, Schedule::None, 1, microbatches, Checkpointing::Full);
+  Layout ddp = layout(Strategy::NoShard, 8, 1, 1, Schedule::None, 1, microbatches, Checkpointing::Full);
+  Layout z3 = layout(Strategy::FullShard, 8, 1, 1, Schedule::None, 1, microbatches, Checkpointing::Full);
   const Estimate a = estimate(m, c, st, ddp), b = estimate(m, c, st, z3);
   return (b.comm.intra_node + b.comm.inter_node) / (a.comm.intra_node + a.comm.inter_node);
 }
@@ -194,10 +194,10 @@ std::vector<ArticleCheck> article_checks() {
   }
   {
     const double psi = 3e9;
-    const ModelStateBytes ddp = zero_model_state(psi, Strategy::DDP, 8, false);
-    const ModelStateBytes z1 = zero_model_state(psi, Strategy::ZeRO1, 8, false);
-    const ModelStateBytes z2 = zero_model_state(psi, Strategy::ZeRO2, 8, false);
-    const ModelStateBytes z3 = zero_model_state(psi, Strategy::ZeRO3, 8, false);
+    const ModelStateBytes ddp = zero_model_state(psi, Strategy::NoShard, 8, false);
+    const ModelStateBytes z1 = zero_model_state(psi, Strategy::Zero1, 8, false);
+    const ModelStateBytes z2 = zero_model_state(psi, Strategy::ShardGradOp, 8, false);
+    const ModelStateBytes z3 = zero_model_state(psi, Strategy::FullShard, 8, false);
     v.push_back({"3b-on-8x40gb",
                  "3B in bf16: params ~6 GB + Adam ~24 GB = ~30 GB per GPU with DDP; FSDP cuts it to ~3.75 GB per GPU",
                  "DDP " + f1("%.0f GB", ddp.total() / 1e9) + " per GPU (6 params + 6 grads + 12 master + 24 moments); "
@@ -240,13 +240,13 @@ std::vector<ArticleCheck> article_checks() {
                  "correct if the fp32 master copy counts as optimizer state (ZeRO's K = 12); moments alone are 56 GB"});
   }
   {
-    const ModelStateBytes z3 = zero_model_state(70e9, Strategy::ZeRO3, 32, false);
+    const ModelStateBytes z3 = zero_model_state(70e9, Strategy::FullShard, 32, false);
     v.push_back({"70b-fsdp-32", "70B fits on 32x80GB with FSDP, where DDP would need 700 GB per GPU",
                  "ZeRO-3 over 32: " + f1("%.0f GB", z3.total() / 1e9) + " of model state per GPU; DDP would need 1120 GB",
                  "correct that FSDP fits (35 GB + activations); DDP's figure is 1.12 TB, not 700 GB"});
   }
   {
-    const ModelStateBytes z3o = zero_model_state(70e9, Strategy::ZeRO3, 4, false, true);
+    const ModelStateBytes z3o = zero_model_state(70e9, Strategy::FullShard, 4, false, true);
     v.push_back({"70b-offload-4", "Fully sharded + CPU offload can fit 70B on 4x80GB (step ~1.6x slower)",
                  "ZeRO-3 + optimizer offload over 4: " + f1("%.0f GB", z3o.total() / 1e9) +
                      " of bf16 params + grads per GPU (65 GiB of the ~75 usable) and 840 GB of optimizer state in "

@@ -35,8 +35,8 @@ std::string human_count(double n) {
 
 std::string dp_cell_no_cp(const Layout& l) {
   switch (l.strategy) {
-    case Strategy::DDP: return l.dp_replicate > 1 ? "DDP x" + std::to_string(l.dp_replicate) : "single";
-    case Strategy::HSDP: return "HSDP " + std::to_string(l.dp_replicate) + "x" + std::to_string(l.dp_shard);
+    case Strategy::NoShard: return l.dp_replicate > 1 ? "DDP x" + std::to_string(l.dp_replicate) : "single";
+    case Strategy::HybridShard: return "HSDP " + std::to_string(l.dp_replicate) + "x" + std::to_string(l.dp_shard);
     default: return std::string(strategy_label(l.strategy)) + " x" + std::to_string(l.dp_shard);
   }
 }
@@ -49,7 +49,7 @@ std::string dp_cell(const Layout& l) {
 std::string sched_cell(const Layout& l) {
   if (l.pp == 1) return "-";
   if (l.schedule == Schedule::Interleaved) return "interl.v" + std::to_string(l.virtual_stages);
-  return schedule_name(l.schedule);
+  return to_string(l.schedule);
 }
 
 json model_json(const ModelConfig& m, int64_t seq) {
@@ -74,7 +74,7 @@ json model_json(const ModelConfig& m, int64_t seq) {
 
 json estimate_json(const Estimate& e) {
   const Layout& l = e.layout;
-  return {{"strategy", strategy_config_name(l.strategy)},
+  return {{"strategy", to_string(l.strategy)},
           {"strategy_label", strategy_label(l.strategy)},
           {"dp_replicate", l.dp_replicate},
           {"dp_shard", l.dp_shard},
@@ -82,11 +82,11 @@ json estimate_json(const Estimate& e) {
           {"pp", l.pp},
           {"ep", l.ep},
           {"cp", l.cp},
-          {"pp_schedule", schedule_name(l.schedule)},
+          {"pp_schedule", to_string(l.schedule)},
           {"pp_virtual_stages", l.virtual_stages},
           {"micro_batch", l.micro_batch},
           {"microbatches", l.microbatches},
-          {"activation_checkpointing", checkpointing_name(l.checkpointing)},
+          {"activation_checkpointing", to_string(l.checkpointing)},
           {"cpu_offload", l.cpu_offload},
           {"mem_per_gpu_bytes",
            {{"params", bytes(e.mem.params)},
@@ -139,7 +139,7 @@ std::string format_plan(const PlanResult& r) {
     const Layout& l = e.layout;
     const MemoryBytes& mb = e.mem;
     rows.push_back({std::to_string(++i), dp_cell(l), std::to_string(l.tp), std::to_string(l.pp), sched_cell(l),
-                    std::to_string(l.micro_batch) + "x" + std::to_string(l.microbatches), checkpointing_name(l.checkpointing),
+                    std::to_string(l.micro_batch) + "x" + std::to_string(l.microbatches), to_string(l.checkpointing),
                     l.cpu_offload ? "yes" : "-", fmt("%.1f", mb.total() / GiB),
                     fmt("%.1f", mb.params / GiB) + "/" + fmt("%.1f", mb.grads / GiB) + "/" + fmt("%.1f", mb.optimizer / GiB) +
                         "/" + fmt("%.1f", mb.activations / GiB) + "/" + fmt("%.1f", mb.comm / GiB),
@@ -163,7 +163,7 @@ std::string format_plan(const PlanResult& r) {
       if (b.layout.strategy == top.layout.strategy) continue;
       std::string s = std::string("  best ") + strategy_label(b.layout.strategy) + " (" + dp_cell(b.layout) + ", tp " +
                       std::to_string(b.layout.tp) + ", pp " + std::to_string(b.layout.pp) + ", ac " +
-                      checkpointing_name(b.layout.checkpointing) + (b.layout.cpu_offload ? ", offload" : "") + "): ";
+                      to_string(b.layout.checkpointing) + (b.layout.cpu_offload ? ", offload" : "") + "): ";
       if (!b.fits)
         s += "does not fit (" + fmt("%.1f GiB", b.mem.total() / GiB) + " needed)";
       else if (top.fits) {
@@ -284,7 +284,7 @@ std::string format_article(const Cluster& bands_cluster, bool as_json) {
     std::string cell = dp_cell(l);
     if (l.tp > 1) cell += " tp" + std::to_string(l.tp);
     if (l.pp > 1) cell += " pp" + std::to_string(l.pp) + "(" + sched_cell(l) + ")";
-    cell += std::string(" ac:") + checkpointing_name(l.checkpointing);
+    cell += std::string(" ac:") + to_string(l.checkpointing);
     if (l.cpu_offload) cell += " offload";
     rows.push_back({b.model, human_count(b.params), std::to_string(b.gpus), article_band(b.params),
                     b.any_fits ? cell : "nothing fits", b.any_fits ? fmt("%.1f%%", 100 * b.top.mfu) : "-",

@@ -3,6 +3,7 @@
 #include <toml++/toml.h>
 
 #include "model/hf_config.h"
+#include "model/parallel_config.h"
 
 #include <functional>
 #include <sstream>
@@ -19,6 +20,14 @@ struct Field {
   void* ptr;
   std::string help;
 };
+
+// "A | B | C": the values of a key in the parallel configuration's vocabulary.
+template <class E>
+std::string alternatives(const std::vector<E>& values) {
+  std::string s;
+  for (E v : values) s += (s.empty() ? "" : " | ") + std::string(to_string(v));
+  return s;
+}
 
 std::vector<Field> fields(RunConfig& c) {
   return {
@@ -78,7 +87,7 @@ std::vector<Field> fields(RunConfig& c) {
        "compute the LM head, loss and head gradients this many tokens at a time in forward, so the [tokens, vocab] "
        "logits are never held (0 = off)"},
       {"train.activation_checkpointing", Kind::String, &c.train.activation_checkpointing,
-       "none | full | selective (every second block)"},
+       alternatives(all_recompute_modes()) + " (every second block)"},
       {"train.threads", Kind::Int, &c.train.threads, "compute threads per rank (0 = cores / ranks on this node)"},
       {"train.eval_every", Kind::Int, &c.train.eval_every, "steps between validation losses (0 = never)"},
       {"train.eval_batches", Kind::Int, &c.train.eval_batches, "micro-batches per validation loss"},
@@ -102,15 +111,14 @@ std::vector<Field> fields(RunConfig& c) {
        "start from these weights (a .safetensors file with Hugging Face names, or a checkpoint): fresh optimizer, step 0"},
       {"train.sample_tokens", Kind::Int, &c.train.sample_tokens, "tokens to generate after training (0 = none)"},
       {"train.sample_prompt", Kind::String, &c.train.sample_prompt, "prompt of the end-of-run sample"},
-      {"parallel.strategy", Kind::String, &c.parallel.strategy,
-       "NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2"},
+      {"parallel.strategy", Kind::String, &c.parallel.strategy, alternatives(all_sharding_strategies())},
       {"parallel.dp_replicate", Kind::Int, &c.parallel.dp_replicate, "replica groups"},
       {"parallel.dp_shard", Kind::Int, &c.parallel.dp_shard, "shard group size (-1 = what the world size leaves)"},
       {"parallel.tp", Kind::Int, &c.parallel.tp, "tensor-parallel degree"},
       {"parallel.pp", Kind::Int, &c.parallel.pp, "pipeline-parallel degree"},
       {"parallel.ep", Kind::Int, &c.parallel.ep,
        "expert-parallel degree (MoE): routed experts split over this many data-parallel ranks, tokens exchanged by all-to-all"},
-      {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, "gpipe | 1f1b | interleaved_1f1b"},
+      {"parallel.pp_schedule", Kind::String, &c.parallel.pp_schedule, alternatives(all_pipeline_schedules())},
       {"parallel.pp_virtual_stages", Kind::Int, &c.parallel.pp_virtual_stages, "stages per rank (interleaved)"},
       {"parallel.pp_microbatches", Kind::Int, &c.parallel.pp_microbatches, "0 = grad_accum"},
       {"parallel.tp_overlap", Kind::Bool, &c.parallel.tp_overlap,

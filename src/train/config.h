@@ -49,7 +49,7 @@ struct RunConfig {
     int64_t seed = 1337;
     std::string dtype = "fp32";
     std::string device = "cpu";  // cpu | cuda (cuda: docs/gpu.md; not wired into training yet)
-    std::string activation_checkpointing = "none";
+    std::string activation_checkpointing = "none";  // parse_recompute (model/parallel_config.h)
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;
     bool eval_at_start = false;          // a validation loss before the first step (printed, and in the final metrics)
@@ -66,10 +66,10 @@ struct RunConfig {
     std::string sample_prompt = "";
   } train;
   struct Parallel {
-    std::string strategy = "NO_SHARD";
+    std::string strategy = "NO_SHARD";    // parse_sharding_strategy (model/parallel_config.h)
     int64_t dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;
     int64_t ep = 1;  // expert parallelism: routed experts split over ep data-parallel ranks
-    std::string pp_schedule = "1f1b";
+    std::string pp_schedule = "1f1b";     // parse_pipeline_schedule
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;
     bool sequence_parallel = false;

@@ -5,11 +5,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "model/hf_config.h"
 #include "model/transformer.h"
-#include "runtime/arg_parser.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/safetensors.h"
@@ -19,7 +19,8 @@ namespace fs = std::filesystem;
 namespace mt {
 
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir, int64_t max_shard_bytes) {
-  if (max_shard_bytes <= 0) throw std::runtime_error("--max-shard-mb must be positive");
+  if (max_shard_bytes <= 0)
+    throw std::runtime_error("the largest shard must be positive, got " + std::to_string(max_shard_bytes) + " bytes");
   const std::string dir = resolve_checkpoint(checkpoint);
   const RunConfig rc = load_checkpoint_config(dir);
   const ModelConfig mc = rc.model_config();
@@ -90,105 +91,31 @@ ExportResult export_checkpoint(const std::string& checkpoint, const std::string&
   return res;
 }
 
-int run_export_command(int argc, char** argv) {
-  ArgParser ap({"checkpoint", "out", "max-shard-mb"}, {"help"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain export: %s (see --help)\n", e.what());
-    return 2;
+nlohmann::json model_info_json(const ModelConfig& m) {
+  nlohmann::json j = {{"arch", arch_name(m.arch)},
+                      {"n_layer", m.n_layer},
+                      {"n_head", m.n_head},
+                      {"n_kv_head", m.n_kv_head},
+                      {"n_embd", m.n_embd},
+                      {"ffn_hidden", m.ffn_hidden},
+                      {"vocab_size", m.vocab_size},
+                      {"seq_len", m.seq_len},
+                      {"max_position", m.max_position},
+                      {"norm_eps", m.norm_eps},
+                      {"tied_embeddings", m.tied_embeddings},
+                      {"num_params", m.num_params()}};
+  if (m.arch == Arch::Llama) {
+    j["rope_theta"] = m.rope_theta;
+    if (m.rope_scaled())
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", m.rope_scaling_factor},
+                           {"low_freq_factor", m.rope_low_freq_factor},
+                           {"high_freq_factor", m.rope_high_freq_factor},
+                           {"original_max_position_embeddings", m.rope_original_max_position}};
+    j["rope_inv_freq"] = m.rope_inv_freq();
+    if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
   }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N]\n\n"
-        "Writes a checkpoint as a Hugging Face model directory that transformers loads\n"
-        "(AutoModelForCausalLM.from_pretrained(DIR)): config.json (GPT2LMHeadModel or LlamaForCausalLM,\n"
-        "with the norm epsilon, rope_theta, rope_scaling, tied head and position-table size of the\n"
-        "model) and the fp32 weights under Hugging Face names, in model.safetensors - or, above\n"
-        "--max-shard-mb, in model-00001-of-0000N.safetensors shards with model.safetensors.index.json.\n\n"
-        "  --checkpoint DIR   a step_* checkpoint, or a checkpoint_dir (its latest)\n"
-        "  --out DIR          output directory (created; existing files of the same names replaced)\n"
-        "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n");
-    return 0;
-  }
-  if (!ap.has("checkpoint") || !ap.has("out")) {
-    std::fprintf(stderr, "meshtrain export: --checkpoint DIR and --out DIR are required (see --help)\n");
-    return 2;
-  }
-  try {
-    const double mb = ap.get_double("max-shard-mb", 5000);
-    ExportResult r = export_checkpoint(ap.get("checkpoint"), ap.get("out"), static_cast<int64_t>(mb * 1e6));
-    std::printf("exported %lld tensors (%.1f MB) in %d safetensors file%s and config.json to %s\n",
-                static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, r.files, r.files == 1 ? "" : "s",
-                ap.get("out").c_str());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "meshtrain export: %s\n", e.what());
-    return 1;
-  }
-  return 0;
-}
-
-int run_model_info_command(int argc, char** argv) {
-  ArgParser ap({"hf-config", "model", "seq-len"}, {"help", "json"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain model-info: %s (see --help)\n", e.what());
-    return 2;
-  }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain model-info (--hf-config config.json | --model PRESET) [--seq-len N] [--json]\n\n"
-        "Prints the model the engine builds from a Hugging Face config.json (as model.hf_config does)\n"
-        "or a preset: architecture, dimensions, norm epsilon, rope_theta and rope scaling with the\n"
-        "resulting rotary inverse frequencies, tied head, position-table rows, parameter count; or\n"
-        "the error that refuses the config.\n");
-    return 0;
-  }
-  if (ap.has("hf-config") == ap.has("model")) {
-    std::fprintf(stderr, "meshtrain model-info: give --hf-config FILE or --model PRESET (see --help)\n");
-    return 2;
-  }
-  try {
-    std::vector<std::pair<std::string, std::string>> ov;
-    if (ap.has("hf-config")) ov.push_back({"model.hf_config", ap.get("hf-config")});
-    else ov.push_back({"model.preset", ap.get("model")});
-    if (ap.has("seq-len")) ov.push_back({"model.seq_len", ap.get("seq-len")});
-    const ModelConfig m = RunConfig::load("", ov).model_config();
-    nlohmann::json j = {{"arch", arch_name(m.arch)},
-                        {"n_layer", m.n_layer},
-                        {"n_head", m.n_head},
-                        {"n_kv_head", m.n_kv_head},
-                        {"n_embd", m.n_embd},
-                        {"ffn_hidden", m.ffn_hidden},
-                        {"vocab_size", m.vocab_size},
-                        {"seq_len", m.seq_len},
-                        {"max_position", m.max_position},
-                        {"norm_eps", m.norm_eps},
-                        {"tied_embeddings", m.tied_embeddings},
-                        {"num_params", m.num_params()}};
-    if (m.arch == Arch::Llama) {
-      j["rope_theta"] = m.rope_theta;
-      if (m.rope_scaled())
-        j["rope_scaling"] = {{"rope_type", "llama3"},
-                             {"factor", m.rope_scaling_factor},
-                             {"low_freq_factor", m.rope_low_freq_factor},
-                             {"high_freq_factor", m.rope_high_freq_factor},
-                             {"original_max_position_embeddings", m.rope_original_max_position}};
-      j["rope_inv_freq"] = m.rope_inv_freq();
-      if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
-    }
-    if (ap.flag("json")) {
-      std::printf("%s\n", j.dump(2).c_str());
-    } else {
-      for (auto it = j.begin(); it != j.end(); ++it)
-        if (it.key() != "rope_inv_freq") std::printf("%-16s %s\n", it.key().c_str(), it.value().dump().c_str());
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "meshtrain model-info: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  return j;
 }
 
 }  // namespace mt

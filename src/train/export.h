@@ -1,9 +1,13 @@
-// `meshtrain export`: a checkpoint as a Hugging Face model directory (config.json and HF-named
-// safetensors, sharded with model.safetensors.index.json above --max-shard-mb), and
-// `meshtrain model-info`: what the engine makes of a preset or a Hugging Face config.json.
+// The library side of `meshtrain export` and `meshtrain model-info` (the commands are
+// src/cli/export.cpp): a checkpoint as a Hugging Face model directory (config.json and HF-named
+// safetensors, sharded with model.safetensors.index.json above a size), and what the engine makes
+// of a model config.
 #pragma once
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
+
+#include "model/model_config.h"
 
 namespace mt {
 
@@ -12,10 +16,13 @@ struct ExportResult {
   int64_t tensors = 0, bytes = 0;
 };
 // Writes out_dir/config.json and the weights of checkpoint `checkpoint` (a step_* directory or a
-// checkpoint_dir, meaning its latest). Throws std::runtime_error naming what is wrong.
+// checkpoint_dir, meaning its latest), no safetensors file above max_shard_bytes (> 0) unless one
+// tensor is larger. Throws std::runtime_error naming what is wrong.
 ExportResult export_checkpoint(const std::string& checkpoint, const std::string& out_dir, int64_t max_shard_bytes);
 
-int run_export_command(int argc, char** argv);
-int run_model_info_command(int argc, char** argv);
+// The resolved model: architecture, dimensions, norm epsilon, tied head, position-table rows,
+// parameter count; for Llama also rope_theta, rope_scaling (when scaled), the rotary inverse
+// frequencies (rope_inv_freq) and the sliding window (when there is one).
+nlohmann::json model_info_json(const ModelConfig& m);
 
 }  // namespace mt

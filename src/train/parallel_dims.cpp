@@ -1,6 +1,7 @@
 #include "train/parallel_dims.h"
 
 #include <array>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -13,13 +14,12 @@ int64_t padded_vocab_for_tp(int64_t vocab, int tp) {
 
 ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& mc, int world) {
   const auto& p = cfg.parallel;
-  static const char* strategies[] = {"NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
-                                     "HYBRID_SHARD_ZERO2"};
-  bool known = false;
-  for (const char* s : strategies) known |= p.strategy == s;
-  if (!known)
-    throw ConfigError("parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
-                      "HYBRID_SHARD_ZERO2; got '" + p.strategy + "'");
+  ShardingStrategy strategy;
+  try {
+    strategy = parse_sharding_strategy(p.strategy, "parallel.strategy");
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
   for (auto [name, v] : {std::pair<const char*, int64_t>{"parallel.dp_replicate", p.dp_replicate},
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.cp", p.cp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
@@ -28,7 +28,7 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   ParallelDims d;
   d.world = world;
-  d.strategy = p.strategy;
+  d.strategy = strategy;
   if (!d.hybrid() && p.dp_replicate > 1)
     throw ConfigError("parallel.dp_replicate = " + std::to_string(p.dp_replicate) + " needs a HYBRID_* strategy (" +
                       p.strategy + " shards or replicates over every data-parallel rank; set dp_shard instead)");
@@ -144,7 +144,7 @@ ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
   // Same members as the pp group, for loss and gradient-norm sums (keeps the pp counters to
   // activations and gradients).
   if (d.pp > 1) g.pp_aux = w.split_like(*g.pp, "pp_aux");
-  if (d.strategy != "NO_SHARD") g.grad_norm = w.split_like(*g.shard, "grad_norm");
+  if (is_sharded(d.strategy)) g.grad_norm = w.split_like(*g.shard, "grad_norm");
   if (d.ep > 1) {
     // World rank r = ((pp * dp) + dp_rank) * tp + tp_rank (the mesh's order, tp fastest); the ep
     // group is a block of ep consecutive dp ranks, edp the dp ranks at the same place in their block.

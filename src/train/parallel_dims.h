@@ -7,6 +7,7 @@
 
 #include "comm/world.h"
 #include "model/model_config.h"
+#include "model/parallel_config.h"
 #include "train/config.h"
 
 namespace mt {
@@ -17,7 +18,7 @@ struct ParallelDims {
   std::string cp_mode = "ring";  // ring | allgather
   int pp_virtual_stages = 1;
   int ep = 1;  // expert parallelism: blocks of ep consecutive data-parallel ranks share out the routed experts
-  std::string strategy = "NO_SHARD";  // NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD | HYBRID_SHARD_ZERO2
+  ShardingStrategy strategy = ShardingStrategy::NoShard;
   bool sequence_parallel = false;
 
   // Checks the [parallel] section (and what it needs of [model] and [train]) for a world of
@@ -29,7 +30,7 @@ struct ParallelDims {
   // times the cp ranks (which hold the same weights and see different tokens of the same sequences).
   int dp() const { return dp_replicate * dp_shard; }
   bool cp_enabled() const { return cp > 1; }
-  bool hybrid() const { return strategy.rfind("HYBRID", 0) == 0; }
+  bool hybrid() const { return is_hybrid(strategy); }
   bool tp_enabled() const { return tp > 1; }
   bool pp_enabled() const { return pp > 1; }
   bool ep_enabled() const { return ep > 1; }

@@ -195,9 +195,11 @@ void Trainer::build() {
   groups_ = ParallelGroups::build(*W_, dims_);
   if (!parse_dtype(tc_.dtype, &dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
   check_train_device(tc_.device, dry_);
-  if (!parse_recompute(tc_.activation_checkpointing, &rc_))
-    throw ConfigError("train.activation_checkpointing must be none, full or selective, got '" +
-                      tc_.activation_checkpointing + "'");
+  try {
+    rc_ = parse_recompute(tc_.activation_checkpointing, "train.activation_checkpointing");
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");
@@ -229,7 +231,7 @@ void Trainer::build() {
     full_y_.resize(full_x_.size());
   }
 
-  spec_.strategy = cfg_.parallel.strategy;
+  spec_.strategy = dims_.strategy;
   spec_.bucket_mb = cfg_.parallel.bucket_mb;
   spec_.reshard_after_forward = cfg_.parallel.reshard_after_forward;
   spec_.prefetch = static_cast<int>(cfg_.parallel.prefetch);
@@ -240,8 +242,10 @@ void Trainer::build() {
 
   // The step's schedule, checked before it runs, and the stages' units (one stage without a pipeline).
   try {
-    schedule_ = std::make_unique<parallel::PipeSchedule>(parallel::make_schedule(
-        pp > 1 ? cfg_.parallel.pp_schedule : "1f1b", pp, static_cast<int>(accum_), dims_.pp_virtual_stages));
+    const PipelineSchedule kind =
+        pp > 1 ? parse_pipeline_schedule(cfg_.parallel.pp_schedule, "parallel.pp_schedule") : PipelineSchedule::OneFOneB;
+    schedule_ = std::make_unique<parallel::PipeSchedule>(
+        parallel::make_schedule(kind, pp, static_cast<int>(accum_), dims_.pp_virtual_stages));
     partition_ = parallel::partition_stages(mc_, schedule_->num_stages(), pp > 1 ? cfg_.parallel.pp_partition : "");
   } catch (const std::invalid_argument& e) {
     throw ConfigError(std::string("pipeline: ") + e.what());
@@ -670,7 +674,7 @@ TrainResult Trainer::run() {
                 "recompute %s | %d threads\n",
                 cfg_.data.train.c_str(), static_cast<long long>(loader_ ? loader_->total_tokens() : 0),
                 static_cast<long long>(B_), static_cast<long long>(T_full_), static_cast<long long>(accum_), dims_.dp(),
-                static_cast<long long>(B_ * T_full_ * accum_ * dims_.dp()), dtype_name(dt_), recompute_name(rc_), threads_);
+                static_cast<long long>(B_ * T_full_ * accum_ * dims_.dp()), dtype_name(dt_), to_string(rc_), threads_);
     if (dims_.cp > 1)
       std::printf("context parallel: cp %d (%s), each sequence in %d chunks of %lld tokens, %lld tokens per rank\n",
                   dims_.cp, dims_.cp_mode.c_str(), 2 * dims_.cp, static_cast<long long>(T_full_ / (2 * dims_.cp)),
@@ -727,7 +731,7 @@ void Trainer::report() {
                   format_bytes(resident_[i]).c_str());
     std::printf("  %-12s %16s\n", "total", format_bytes(ms.total_peak).c_str());
     if (rc_ != Recompute::None)
-      std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", recompute_name(rc_),
+      std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", to_string(rc_),
                   format_bytes(model_->activation_bytes_saved()).c_str(), format_bytes(model_->activation_bytes()).c_str());
     const int64_t F = model_->flat_size();
     parallel::StateBytes want = parallel::expected_state_bytes(spec_.strategy, dt_, F, groups_.shard->size());

@@ -19,7 +19,7 @@ using plan::Strategy;
 
 EngineLayout layout(const std::string& strategy, int ranks, int rep = 1) {
   EngineLayout e;
-  e.strategy = strategy;
+  e.strategy = parse_sharding_strategy(strategy);
   e.ranks = ranks;
   e.dp_replicate = rep;
   return e;
@@ -34,18 +34,18 @@ EngineLayout tp_layout(const std::string& strategy, int ranks, int tp, const std
 
 TEST(ValidateLayout, PlannerLayoutMapping) {
   Layout l = planner_layout(layout("NO_SHARD", 4));
-  EXPECT_EQ(l.strategy, Strategy::DDP);
+  EXPECT_EQ(l.strategy, Strategy::NoShard);
   EXPECT_EQ(l.dp_replicate, 4);
   l = planner_layout(layout("HYBRID_SHARD", 4, 2));
-  EXPECT_EQ(l.strategy, Strategy::HSDP);
+  EXPECT_EQ(l.strategy, Strategy::HybridShard);
   EXPECT_EQ(l.dp_replicate * l.dp_shard, 4);
   EXPECT_THROW(check_engine_layout(layout("HYBRID_SHARD", 4, 3)), std::invalid_argument);
   EXPECT_THROW(check_engine_layout(layout("FULL_SHARD", 4, 2)), std::invalid_argument);
-  EXPECT_THROW(check_engine_layout(layout("TP", 2)), std::invalid_argument);
+  EXPECT_THROW(layout("TP", 2), std::invalid_argument);  // not a parallel.strategy
   // Tensor parallelism: the planner sees dp = ranks / tp and tp; the engine is told --parallel.tp.
   const EngineLayout t = tp_layout("FULL_SHARD", 4, 2);
   l = planner_layout(t);
-  EXPECT_EQ(l.strategy, Strategy::ZeRO3);
+  EXPECT_EQ(l.strategy, Strategy::FullShard);
   EXPECT_EQ(l.tp, 2);
   EXPECT_EQ(l.dp_shard, 2);
   EXPECT_EQ(l.world(), 4);
@@ -111,7 +111,7 @@ ValidationReport run_and_check(const std::vector<EngineLayout>& layouts, const s
     }
     for (const std::string& g : must_see) {
       if (g == "dp" && r.layout.dp_ranks() == 1) continue;  // tp alone: one data-parallel rank
-      if (g == "grad_norm" && r.layout.strategy == "NO_SHARD") continue;  // sharded strategies only
+      if (g == "grad_norm" && r.layout.strategy == ShardingStrategy::NoShard) continue;  // sharded strategies only
       if ((g == "tp" || g == "tp_aux") && r.layout.tp == 1) continue;
       if ((g == "pp" || g == "pp_aux") && r.layout.pp == 1) continue;
       bool saw = false;

@@ -1,9 +1,12 @@
 // The thread backend: every operation of a group whose ranks are threads of this process against a
-// sequential reference, and its accounting. (A desync is a fatal job error, as on MPI: it ends the
-// process, so it is not exercised here.)
+// sequential reference, its accounting, and the front end's desync check on it (a desync is a fatal
+// job error, as on MPI: it ends the process, so that test runs in a child process).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -119,6 +122,39 @@ TEST(ThreadGroup, AllToAllVDeliversEveryRanksPart) {
       EXPECT_EQ(s[OpKind::AllToAllV].bytes, n > 1 ? sent : 0u);
     });
   }
+}
+
+// The desync check is the front end's, so the thread backend reports a mismatched collective with
+// the MPI backend's message (tests/comm/comm_fail_test.cpp, Job.DesyncIsNamedOnEveryRank, runs the
+// same calls over MPI), before any data moves. It ends the job, so it runs in a child process.
+TEST(ThreadGroupDeathTest, MismatchedCollectiveIsNamedAsOnMpi) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        auto g = make_thread_group("dp", 4);
+        std::vector<std::string> caught(4);
+        on_ranks(4, [&](int r) {
+          std::vector<float> a(4096, 1.0f);
+          std::vector<bf16> b(1024 * 4);
+          try {
+            for (int i = 0; i < 3; ++i) g[r]->all_reduce(a.data(), a.size(), DType::F32)->wait();
+            if (r == 2) g[r]->all_gather(b.data(), b.data(), 1024, DType::BF16)->wait();
+            else g[r]->all_reduce(a.data(), a.size(), DType::F32)->wait();
+          } catch (const CommError& e) {
+            caught[static_cast<size_t>(r)] = e.what();
+          }
+        });
+        bool all_failed = true;
+        for (int r = 0; r < 4; ++r) {
+          std::fprintf(stderr, "rank %d caught: %s\n", r, caught[static_cast<size_t>(r)].c_str());
+          all_failed = all_failed && !caught[static_cast<size_t>(r)].empty();
+        }
+        std::fflush(stderr);
+        std::_Exit(all_failed ? 3 : 4);
+      },
+      ::testing::ExitedWithCode(3),
+      "rank 3 caught: collective desync: rank 2 called all_gather\\(bf16, 1024\\) as collective #4 of group dp "
+      "while rank 0 called all_reduce\\(f32, 4096\\)");
 }
 
 }  // namespace

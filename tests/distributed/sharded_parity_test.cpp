@@ -96,7 +96,7 @@ TEST_F(Sharded, ModelStateMemoryMatchesTheFormulas) {
         ASSERT_TRUE(r.final.is_object()) << tag;
         const int64_t F = r.final["flat_size"];
         DType dt = dtype == "fp32" ? DType::F32 : DType::BF16;
-        const auto want = parallel::expected_state_bytes(strategy, dt, F, np);
+        const auto want = parallel::expected_state_bytes(parse_sharding_strategy(strategy), dt, F, np);
         ASSERT_EQ(r.final["mem_resident_by_category_per_rank"].size(), static_cast<size_t>(np));
         for (int rank = 0; rank < np; ++rank) {
           const auto& got = r.final["mem_resident_by_category_per_rank"][rank];
@@ -118,7 +118,7 @@ TEST_F(Sharded, FullShardGathersAtMostOnePlusPrefetchUnits) {
     ModelConfig c = model_preset("gpt2-tiny");
     c.n_layer = 6;
     parallel::StrategySpec spec;
-    spec.strategy = "FULL_SHARD";
+    spec.strategy = ShardingStrategy::FullShard;
     ModelStorage st = parallel::model_storage(spec, DType::F32, 2);
     Transformer m(c, DType::F32, Recompute::None, ModelStorage{false, false, false, st.unit_align});
     int64_t block = m.unit(1).numel, root = m.unit(0).numel + m.unit(m.num_units() - 1).numel;
@@ -173,7 +173,7 @@ TEST_F(Sharded, CheckpointSavingHoldsOneUnitAtATime) {
   c.n_layer = 6;
   const Transformer ref(c, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
   parallel::StrategySpec spec;
-  spec.strategy = "FULL_SHARD";
+  spec.strategy = ShardingStrategy::FullShard;
   const Transformer local(c, DType::F32, Recompute::None,
                           ModelStorage{false, false, false, parallel::model_storage(spec, DType::F32, 2).unit_align});
   int64_t largest = 0;  // elements of the largest unit (its padded local range if that is larger)

@@ -58,7 +58,7 @@ Trained train(const std::string& strategy, int ranks) {
   std::vector<Trained> out(static_cast<size_t>(ranks));
   on_ranks(ranks, [&](int r) {
     parallel::StrategySpec spec;
-    spec.strategy = strategy;
+    spec.strategy = parse_sharding_strategy(strategy);
     spec.bucket_mb = 0.01;
     spec.adam = AdamWConfig{3e-3, 0.9, 0.95, 1e-8, 0.1};
     Transformer model(c, DType::F32, Recompute::None, parallel::model_storage(spec, DType::F32, ranks));

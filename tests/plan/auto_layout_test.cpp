@@ -56,12 +56,12 @@ TEST(AutoLayout, GlobalBatchRoundsUpToWholeSequencesPerRank) {
 TEST(AutoLayout, PinnedStrategyAndCheckpointingAreKept) {
   const ModelConfig m = model_preset("gpt2-mini");
   AutoLayoutOptions o;
-  o.strategy = Strategy::DDP;
+  o.strategy = Strategy::NoShard;
   AutoLayout a = auto_layout(m, 2, 2, 1024, o);
   EXPECT_EQ(a.strategy, "NO_SHARD");
   EXPECT_EQ(a.dp_replicate, 1);  // DDP over every rank: dp_shard = world in the engine's mesh
   EXPECT_EQ(a.dp_shard, 2);
-  o.strategy = Strategy::ZeRO3;
+  o.strategy = Strategy::FullShard;
   o.checkpointing = Checkpointing::Full;
   a = auto_layout(m, 4, 4, 2048, o);
   EXPECT_EQ(a.strategy, "FULL_SHARD");
@@ -76,7 +76,7 @@ TEST(AutoLayout, OneRank) {
   EXPECT_EQ(a.strategy, "NO_SHARD");
   expect_consistent(a, 1);
   AutoLayoutOptions o;
-  o.strategy = Strategy::ZeRO3;  // kept: the engine runs a shard group of one
+  o.strategy = Strategy::FullShard;  // kept: the engine runs a shard group of one
   a = auto_layout(m, 1, 1, 512, o);
   EXPECT_EQ(a.strategy, "FULL_SHARD");
   EXPECT_EQ(a.dp_shard, 1);
@@ -106,7 +106,7 @@ TEST(AutoLayout, HybridMapsToReplicateTimesShard) {
   AutoLayoutOptions o;
   o.cluster = "h100-80g-roce100";
   o.fp32 = false;
-  o.strategy = Strategy::HSDP;
+  o.strategy = Strategy::HybridShard;
   const AutoLayout a = auto_layout(model_preset("llama3-8b"), 16, 8, 1 << 21, o);
   EXPECT_EQ(a.strategy, "HYBRID_SHARD");
   EXPECT_GE(a.dp_shard, 2);
@@ -193,7 +193,7 @@ TEST(AutoLayout, RejectsBadInput) {
   o.cluster = "no-such-cluster";
   EXPECT_THROW(auto_layout(m, 2, 2, 1024, o), std::invalid_argument);
   o = {};
-  o.strategy = Strategy::HSDP;
+  o.strategy = Strategy::HybridShard;
   EXPECT_THROW(auto_layout(m, 1, 1, 1024, o), std::invalid_argument);
   EXPECT_THROW(auto_layout(m, 3, 3, 3 * 128, o), std::invalid_argument);  // 3 ranks: no 2 x 2 split
 }

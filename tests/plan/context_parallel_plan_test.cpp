@@ -31,9 +31,9 @@ TEST(ContextParallelPlan, ActivationsFallByCpAndTheCpRanksShard) {
   const Cluster c = cluster("h100-80g-ib400", 16);
   TrainSetup st;
   st.seq = 65536;
-  const Estimate base = estimate(m, c, st, layout(Strategy::ZeRO3, 4, 1));
+  const Estimate base = estimate(m, c, st, layout(Strategy::FullShard, 4, 1));
   for (int cp : {2, 4}) {
-    const Estimate e = estimate(m, c, st, layout(Strategy::ZeRO3, 4, cp));
+    const Estimate e = estimate(m, c, st, layout(Strategy::FullShard, 4, cp));
     EXPECT_EQ(e.world, 4 * cp);
     EXPECT_NEAR(e.mem.activations, base.mem.activations / cp, 1e-6 * base.mem.activations) << "cp " << cp;
     // FULL_SHARD over dp_shard x cp: the model state per GPU is 16 psi / (4 cp).
@@ -52,7 +52,7 @@ TEST(ContextParallelPlan, RingBytesAreTheEnginesFormula) {
   st.seq = 32768;
   for (Checkpointing ac : {Checkpointing::None, Checkpointing::Full})
     for (int cp : {2, 4, 8}) {
-      const Estimate e = estimate(m, c, st, layout(Strategy::ZeRO1, 8 / cp, cp, ac));
+      const Estimate e = estimate(m, c, st, layout(Strategy::Zero1, 8 / cp, cp, ac));
       const double block = 32768.0 / cp * 2 * 8 * 128 * 4;  // fp32 K and V of a rank's tokens
       const double sends = 32.0 * (cp - 1) * (ac == Checkpointing::Full ? 4 : 3);
       EXPECT_DOUBLE_EQ(e.group_bytes.cp, 2 * 2 * sends * block) << "cp " << cp;  // 2 micro-batches, send + receive
@@ -63,7 +63,7 @@ TEST(ContextParallelPlan, RefusesSequencesThatDoNotSplit) {
   const ModelConfig m = model_preset("llama3-8b");
   TrainSetup st;
   st.seq = 6004;  // not a multiple of 8
-  EXPECT_NE(check_layout(m, cluster("h100-80g-ib400", 8), st, layout(Strategy::ZeRO1, 2, 4)).find("divisible by 2 x cp"),
+  EXPECT_NE(check_layout(m, cluster("h100-80g-ib400", 8), st, layout(Strategy::Zero1, 2, 4)).find("divisible by 2 x cp"),
             std::string::npos);
 }
 

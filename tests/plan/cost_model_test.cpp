@@ -17,12 +17,40 @@ Cluster cluster(const std::string& name, int gpus) {
 Layout dp_layout(Strategy s, int dp, int64_t mb = 1, int64_t m = 1, Checkpointing ac = Checkpointing::None) {
   Layout l;
   l.strategy = s;
-  if (s == Strategy::DDP) l.dp_replicate = dp;
+  if (s == Strategy::NoShard) l.dp_replicate = dp;
   else l.dp_shard = dp;
   l.micro_batch = mb;
   l.microbatches = m;
   l.checkpointing = ac;
   return l;
+}
+
+// The planner's names are the engine's enums (model/parallel_config.h): labels and aliases parse
+// to them, the config spelling prints; HYBRID_SHARD_ZERO2 is the one strategy it does not model.
+TEST(Names, StrategyLabelsAliasesAndTheUnmodelledHybridZero2) {
+  Strategy s{};
+  EXPECT_TRUE(parse_strategy("ZeRO-3", &s));
+  EXPECT_EQ(s, Strategy::FullShard);
+  EXPECT_TRUE(parse_strategy("fsdp", &s));
+  EXPECT_EQ(s, Strategy::FullShard);
+  EXPECT_TRUE(parse_strategy("SHARD_GRAD_OP", &s));
+  EXPECT_EQ(s, Strategy::ShardGradOp);
+  EXPECT_STREQ(to_string(Strategy::HybridShard), "HYBRID_SHARD");
+  EXPECT_STREQ(strategy_label(Strategy::HybridShard), "HSDP");
+  EXPECT_FALSE(parse_strategy("HYBRID_SHARD_ZERO2", &s));
+  Schedule k{};
+  EXPECT_TRUE(parse_schedule("none", &k));
+  EXPECT_EQ(k, Schedule::None);
+  EXPECT_TRUE(parse_schedule("interleaved", &k));
+  EXPECT_EQ(k, Schedule::Interleaved);
+  Checkpointing ac{};
+  EXPECT_TRUE(parse_checkpointing("selective", &ac));
+  EXPECT_EQ(ac, Checkpointing::Selective);
+  EXPECT_FALSE(parse_checkpointing("some", &ac));
+  Layout l = dp_layout(Strategy::HybridShardZero2, 4);
+  l.dp_replicate = 2;
+  EXPECT_NE(check_layout(model_preset("gpt2-124m"), cluster("h100-80g-ib400", 8), TrainSetup{}, l).find("not modelled"),
+            std::string::npos);
 }
 
 TEST(ModelState, SixteenBytesPerParamEitherPrecision) {
@@ -36,15 +64,15 @@ TEST(ModelState, SixteenBytesPerParamEitherPrecision) {
 TEST(ModelState, ZeroPaperFigureOne) {
   // ZeRO (arXiv 1910.02054) Fig. 1: 7.5B parameters, N_d = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
   const double psi = 7.5e9;
-  EXPECT_NEAR(zero_model_state(psi, Strategy::DDP, 64, false).total() / 1e9, 120.0, 0.05);
-  EXPECT_NEAR(zero_model_state(psi, Strategy::ZeRO1, 64, false).total() / 1e9, 31.4, 0.05);
-  EXPECT_NEAR(zero_model_state(psi, Strategy::ZeRO2, 64, false).total() / 1e9, 16.6, 0.05);
-  EXPECT_NEAR(zero_model_state(psi, Strategy::ZeRO3, 64, false).total() / 1e9, 1.875, 0.01);
+  EXPECT_NEAR(zero_model_state(psi, Strategy::NoShard, 64, false).total() / 1e9, 120.0, 0.05);
+  EXPECT_NEAR(zero_model_state(psi, Strategy::Zero1, 64, false).total() / 1e9, 31.4, 0.05);
+  EXPECT_NEAR(zero_model_state(psi, Strategy::ShardGradOp, 64, false).total() / 1e9, 16.6, 0.05);
+  EXPECT_NEAR(zero_model_state(psi, Strategy::FullShard, 64, false).total() / 1e9, 1.875, 0.01);
   // The per-strategy shapes: 4psi + 12psi/N, 2psi + 14psi/N, 16psi/N.
-  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::ZeRO1, 8, false).total(), 4 + 12.0 / 8);
-  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::ZeRO2, 8, false).total(), 2 + 14.0 / 8);
-  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::HSDP, 8, false).total(), 16.0 / 8);
-  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::ZeRO2, 8, false, true).optimizer, 0.0);  // offloaded
+  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::Zero1, 8, false).total(), 4 + 12.0 / 8);
+  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::ShardGradOp, 8, false).total(), 2 + 14.0 / 8);
+  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::HybridShard, 8, false).total(), 16.0 / 8);
+  EXPECT_DOUBLE_EQ(zero_model_state(1.0, Strategy::ShardGradOp, 8, false, true).optimizer, 0.0);  // offloaded
 }
 
 TEST(Activations, KorthikantiTableTwo) {
@@ -147,17 +175,17 @@ TEST(Estimate, DdpAndZeroCommunicationVolumes) {
   const Cluster c = cluster("h100-80g-ib400", 8);
   TrainSetup st;
   st.reduce_bytes = 2;  // same dtype for gathers and reductions
-  const Estimate ddp = estimate(m, c, st, dp_layout(Strategy::DDP, 8));
-  const Estimate z1 = estimate(m, c, st, dp_layout(Strategy::ZeRO1, 8));
-  const Estimate z3 = estimate(m, c, st, dp_layout(Strategy::ZeRO3, 8));
+  const Estimate ddp = estimate(m, c, st, dp_layout(Strategy::NoShard, 8));
+  const Estimate z1 = estimate(m, c, st, dp_layout(Strategy::Zero1, 8));
+  const Estimate z3 = estimate(m, c, st, dp_layout(Strategy::FullShard, 8));
   const double psi = static_cast<double>(m.num_params());
   EXPECT_NEAR(ddp.comm.intra_node, 2.0 * 7 / 8 * psi * 2, 1.0);  // all-reduce: 2(n-1)/n x 2 bytes x psi
   EXPECT_EQ(ddp.comm.inter_node, 0.0);
   EXPECT_NEAR(z1.comm.intra_node / ddp.comm.intra_node, 1.0, 1e-9);  // reduce-scatter + all-gather
   EXPECT_NEAR(z3.comm.intra_node / ddp.comm.intra_node, 1.5, 1e-9);  // 2 all-gathers + reduce-scatter
   // With 4 accumulation micro-batches ZeRO-3 gathers and scatters every micro-batch; DDP once.
-  const Estimate z3m = estimate(m, c, st, dp_layout(Strategy::ZeRO3, 8, 1, 4));
-  const Estimate ddpm = estimate(m, c, st, dp_layout(Strategy::DDP, 8, 1, 4));
+  const Estimate z3m = estimate(m, c, st, dp_layout(Strategy::FullShard, 8, 1, 4));
+  const Estimate ddpm = estimate(m, c, st, dp_layout(Strategy::NoShard, 8, 1, 4));
   EXPECT_NEAR(z3m.comm.intra_node / ddpm.comm.intra_node, 6.0, 1e-9);
 }
 
@@ -166,19 +194,19 @@ TEST(Estimate, ModelStateMemoryMatchesFormulas) {
   const Cluster c = cluster("h100-80g-ib400", 16);
   TrainSetup st;
   const double psi = static_cast<double>(m.num_params());
-  const Estimate ddp = estimate(m, c, st, dp_layout(Strategy::DDP, 16));
+  const Estimate ddp = estimate(m, c, st, dp_layout(Strategy::NoShard, 16));
   EXPECT_NEAR(ddp.mem.params + ddp.mem.grads + ddp.mem.optimizer, 16 * psi, 1.0);
-  const Estimate z1 = estimate(m, c, st, dp_layout(Strategy::ZeRO1, 16));
+  const Estimate z1 = estimate(m, c, st, dp_layout(Strategy::Zero1, 16));
   EXPECT_NEAR(z1.mem.params + z1.mem.grads + z1.mem.optimizer, 4 * psi + 12 * psi / 16, 1.0);
-  const Estimate z2 = estimate(m, c, st, dp_layout(Strategy::ZeRO2, 16));
+  const Estimate z2 = estimate(m, c, st, dp_layout(Strategy::ShardGradOp, 16));
   EXPECT_NEAR(z2.mem.params + z2.mem.grads + z2.mem.optimizer, 2 * psi + 14 * psi / 16, 1.0);
-  const Estimate z3 = estimate(m, c, st, dp_layout(Strategy::ZeRO3, 16));
+  const Estimate z3 = estimate(m, c, st, dp_layout(Strategy::FullShard, 16));
   EXPECT_NEAR(z3.mem.params + z3.mem.grads + z3.mem.optimizer, psi, 1.0);
   EXPECT_FALSE(ddp.fits);  // 128 GB of model state on an 80 GB GPU
   EXPECT_TRUE(z3.fits);
   // Checkpointing shrinks activations: none > selective > full.
-  const Estimate sel = estimate(m, c, st, dp_layout(Strategy::ZeRO3, 16, 1, 1, Checkpointing::Selective));
-  const Estimate full = estimate(m, c, st, dp_layout(Strategy::ZeRO3, 16, 1, 1, Checkpointing::Full));
+  const Estimate sel = estimate(m, c, st, dp_layout(Strategy::FullShard, 16, 1, 1, Checkpointing::Selective));
+  const Estimate full = estimate(m, c, st, dp_layout(Strategy::FullShard, 16, 1, 1, Checkpointing::Full));
   EXPECT_GT(z3.mem.activations, sel.mem.activations);
   EXPECT_GT(sel.mem.activations, full.mem.activations);
   // ... and costs recomputation: full recomputes the forward (~1/3 of forward+backward).
@@ -191,7 +219,7 @@ TEST(Estimate, OffloadMovesOptimizerToHost) {
   const ModelConfig m = model_preset("llama3-8b");
   const Cluster c = cluster("h100-80g-ib400", 8);
   TrainSetup st;
-  Layout l = dp_layout(Strategy::ZeRO3, 8);
+  Layout l = dp_layout(Strategy::FullShard, 8);
   const Estimate on = estimate(m, c, st, l);
   l.cpu_offload = true;
   const Estimate off = estimate(m, c, st, l);
@@ -200,10 +228,10 @@ TEST(Estimate, OffloadMovesOptimizerToHost) {
   EXPECT_GT(off.offload_s, 0.0);
   EXPECT_GT(off.time.total(), on.time.total());
   // DDP cannot offload; the CPU cluster has nowhere to offload to.
-  Layout d = dp_layout(Strategy::DDP, 8);
+  Layout d = dp_layout(Strategy::NoShard, 8);
   d.cpu_offload = true;
   EXPECT_FALSE(check_layout(m, c, st, d).empty());
-  Layout z = dp_layout(Strategy::ZeRO2, 2);
+  Layout z = dp_layout(Strategy::ShardGradOp, 2);
   z.cpu_offload = true;
   EXPECT_FALSE(check_layout(model_preset("gpt2-124m"), cluster("this-cpu", 2), st, z).empty());
 }
@@ -214,7 +242,7 @@ TEST(Estimate, TensorAndPipelineParallel) {
   TrainSetup st;
   st.seq = 2048;
   Layout l;
-  l.strategy = Strategy::DDP;
+  l.strategy = Strategy::NoShard;
   l.dp_replicate = 2;
   l.tp = 8;
   l.pp = 4;
@@ -255,7 +283,7 @@ TEST(Estimate, RejectsInvalidLayouts) {
   const ModelConfig m = model_preset("gpt2-124m");
   const Cluster c = cluster("h100-80g-ib400", 8);
   TrainSetup st;
-  Layout l = dp_layout(Strategy::ZeRO3, 8);
+  Layout l = dp_layout(Strategy::FullShard, 8);
   l.tp = 5;  // 12 heads
   EXPECT_NE(check_layout(m, c, st, l).find("n_head"), std::string::npos);
   EXPECT_THROW(estimate(m, c, st, l), std::invalid_argument);
@@ -266,7 +294,7 @@ TEST(Estimate, RejectsInvalidLayouts) {
   l.virtual_stages = 2;
   l.microbatches = 3;  // Megatron needs m % p == 0
   EXPECT_FALSE(check_layout(m, c, st, l).empty());
-  Layout h = dp_layout(Strategy::HSDP, 8);
+  Layout h = dp_layout(Strategy::HybridShard, 8);
   EXPECT_FALSE(check_layout(m, c, st, h).empty());  // needs both dims >= 2
 }
 

@@ -31,7 +31,7 @@ TEST(MoePlan, ExpertParallelismSplitsTheExpertsAndMovesTokens) {
   TrainSetup st;
   st.seq = 4096;
   Layout l;
-  l.strategy = Strategy::ZeRO3;
+  l.strategy = Strategy::FullShard;
   l.dp_shard = 8;
   l.micro_batch = 1;
   l.microbatches = 2;

@@ -67,7 +67,7 @@ TEST(Planner, SmallModelOnOneNodeIsPlainDataParallel) {
   const Layout& l = r.candidates[0].layout;
   EXPECT_EQ(l.tp, 1);
   EXPECT_EQ(l.pp, 1);
-  EXPECT_TRUE(l.strategy == Strategy::DDP || l.strategy == Strategy::ZeRO1 || l.strategy == Strategy::ZeRO2)
+  EXPECT_TRUE(l.strategy == Strategy::NoShard || l.strategy == Strategy::Zero1 || l.strategy == Strategy::ShardGradOp)
       << l.describe();
   EXPECT_EQ(l.checkpointing, Checkpointing::None);
 }
@@ -75,13 +75,13 @@ TEST(Planner, SmallModelOnOneNodeIsPlainDataParallel) {
 TEST(Planner, HonoursConstraints) {
   PlanOptions o;
   o.tp = 2;
-  o.strategy = Strategy::ZeRO3;
+  o.strategy = Strategy::FullShard;
   o.checkpointing = Checkpointing::Full;
   o.top_k = 0;
   const PlanResult r = plan(model_preset("llama3-8b"), cluster("h100-80g-ib400", 16), TrainSetup{}, o);
   for (const auto& e : r.candidates) {
     EXPECT_EQ(e.layout.tp, 2);
-    EXPECT_EQ(e.layout.strategy, Strategy::ZeRO3);
+    EXPECT_EQ(e.layout.strategy, Strategy::FullShard);
     EXPECT_EQ(e.layout.checkpointing, Checkpointing::Full);
   }
   PlanOptions bad;

@@ -1,5 +1,5 @@
-// Tokenizers: byte, GPT-2 BPE against the reference encodings in $MT_SHARED_DATA/gpt2-tokenizer,
-// the factory, and `meshtrain tokenize`.
+// Tokenizers: byte, GPT-2 BPE against the reference encodings in tests/train/data, the factory,
+// and `meshtrain tokenize`.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -161,11 +161,14 @@ TEST(Gpt2Tokenizer, SpecialTextIsOrdinaryAndInvalidUtf8RoundTrips) {
   EXPECT_EQ(tok.decode(tok.encode(long_word)), long_word);
 }
 
+// tests/train/data/tinyshakespeare_head.txt: the first 277 lines (8 KB) of tinyshakespeare's
+// input.txt (Shakespeare, public domain), shipped so the test runs in a fresh clone.
 TEST(Gpt2Tokenizer, RoundTripsShakespeare) {
-  std::ifstream f(std::string(MT_SHARED_DATA) + "/tinyshakespeare/input.txt", std::ios::binary);
-  if (!f) GTEST_SKIP() << "tinyshakespeare not found";
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  text.resize(std::min<size_t>(text.size(), 200000));
+  const std::string path = std::string(MT_SOURCE_DIR) + "/tests/train/data/tinyshakespeare_head.txt";
+  std::ifstream f(path, std::ios::binary);
+  ASSERT_TRUE(f.good()) << "missing fixture " << path;
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ASSERT_GT(text.size(), 8000u) << path;
   const auto ids = gpt2().encode(text);
   EXPECT_LT(ids.size(), text.size() / 2);  // BPE compresses English well over 2x
   EXPECT_EQ(gpt2().decode(ids), text);

@@ -398,7 +398,11 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   // cuda: why it cannot be used here (no CUDA build, no GPU), or, with a GPU, that training on it
   // is not wired yet.
   expect_error({{"train.device", "cuda"}}, "train.device = cuda: ");
-  expect_error({{"parallel.strategy", "BOGUS"}}, "parallel.strategy");
+  expect_error({{"parallel.strategy", "BOGUS"}},
+               "parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
+               "HYBRID_SHARD_ZERO2; got 'BOGUS'");
+  expect_error({{"train.activation_checkpointing", "some"}},
+               "train.activation_checkpointing must be one of none, full, selective; got 'some'");
   expect_error({{"data.train", (dir_ / "missing*.bin").string()}}, "missing");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);
   EXPECT_THROW(RunConfig::load("", {{"train.steps", "ten"}}), ConfigError);

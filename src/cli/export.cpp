@@ -1,0 +1,101 @@
+// `meshtrain export` (a checkpoint as a Hugging Face model directory) and `meshtrain model-info`
+// (what the engine makes of a preset or a Hugging Face config.json): argv and printing over
+// train/export.h.
+#include <cstdio>
+#include <exception>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cli/commands.h"
+#include "runtime/arg_parser.h"
+#include "train/config.h"
+#include "train/export.h"
+
+namespace mt::cli {
+
+int run_export_command(int argc, char** argv) {
+  ArgParser ap({"checkpoint", "out", "max-shard-mb"}, {"help"});
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain export: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (ap.flag("help")) {
+    std::printf(
+        "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N]\n\n"
+        "Writes a checkpoint as a Hugging Face model directory that transformers loads\n"
+        "(AutoModelForCausalLM.from_pretrained(DIR)): config.json (GPT2LMHeadModel or LlamaForCausalLM,\n"
+        "with the norm epsilon, rope_theta, rope_scaling, tied head and position-table size of the\n"
+        "model) and the fp32 weights under Hugging Face names, in model.safetensors - or, above\n"
+        "--max-shard-mb, in model-00001-of-0000N.safetensors shards with model.safetensors.index.json.\n\n"
+        "  --checkpoint DIR   a step_* checkpoint, or a checkpoint_dir (its latest)\n"
+        "  --out DIR          output directory (created; existing files of the same names replaced)\n"
+        "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n");
+    return 0;
+  }
+  if (!ap.has("checkpoint") || !ap.has("out")) {
+    std::fprintf(stderr, "meshtrain export: --checkpoint DIR and --out DIR are required (see --help)\n");
+    return 2;
+  }
+  try {
+    const double mb = ap.get_double("max-shard-mb", 5000);
+    const auto max_bytes = static_cast<int64_t>(mb * 1e6);
+    if (!(mb > 0) || max_bytes <= 0) {
+      std::fprintf(stderr, "meshtrain export: --max-shard-mb must be positive\n");
+      return 1;
+    }
+    ExportResult r = export_checkpoint(ap.get("checkpoint"), ap.get("out"), max_bytes);
+    std::printf("exported %lld tensors (%.1f MB) in %d safetensors file%s and config.json to %s\n",
+                static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, r.files, r.files == 1 ? "" : "s",
+                ap.get("out").c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain export: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+int run_model_info_command(int argc, char** argv) {
+  ArgParser ap({"hf-config", "model", "seq-len"}, {"help", "json"});
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    std::fprintf(stderr, "meshtrain model-info: %s (see --help)\n", e.what());
+    return 2;
+  }
+  if (ap.flag("help")) {
+    std::printf(
+        "usage: meshtrain model-info (--hf-config config.json | --model PRESET) [--seq-len N] [--json]\n\n"
+        "Prints the model the engine builds from a Hugging Face config.json (as model.hf_config does)\n"
+        "or a preset: architecture, dimensions, norm epsilon, rope_theta and rope scaling with the\n"
+        "resulting rotary inverse frequencies, tied head, position-table rows, parameter count; or\n"
+        "the error that refuses the config.\n");
+    return 0;
+  }
+  if (ap.has("hf-config") == ap.has("model")) {
+    std::fprintf(stderr, "meshtrain model-info: give --hf-config FILE or --model PRESET (see --help)\n");
+    return 2;
+  }
+  try {
+    std::vector<std::pair<std::string, std::string>> ov;
+    if (ap.has("hf-config")) ov.push_back({"model.hf_config", ap.get("hf-config")});
+    else ov.push_back({"model.preset", ap.get("model")});
+    if (ap.has("seq-len")) ov.push_back({"model.seq_len", ap.get("seq-len")});
+    const nlohmann::json j = model_info_json(RunConfig::load("", ov).model_config());
+    if (ap.flag("json")) {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      for (auto it = j.begin(); it != j.end(); ++it)
+        if (it.key() != "rope_inv_freq") std::printf("%-16s %s\n", it.key().c_str(), it.value().dump().c_str());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain model-info: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace mt::cli
