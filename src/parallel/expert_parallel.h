@@ -42,14 +42,18 @@ class ProcessGroupExpertComm final : public ExpertComm {
 
 class ExpertParallel {
  public:
-  // `edp`: the ranks holding this rank's experts; `ep_aux`: the ep group's members (norms,
-  // checkpoint gathers); `dp`: the data-parallel degree (gradients are averaged over dp ranks).
+  // `edp`: the ranks holding this rank's experts (the same tp slice of them); `ep_aux`: the ep
+  // group's members (norms, checkpoint gathers); `tp_aux`: the tensor-parallel ranks, which hold
+  // the other slices of the same experts (null or of size 1 without tp; checkpoint gathers);
+  // `dp`: the data-parallel degree (gradients are averaged over dp ranks).
   ExpertParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> edp, std::shared_ptr<comm::ProcessGroup> ep_aux,
-                 int dp, AdamWConfig adam);
+                 std::shared_ptr<comm::ProcessGroup> tp_aux, int dp, AdamWConfig adam);
   // After the step's backward: the expert gradients summed over edp and divided by dp (the mean
   // over every data-parallel rank's tokens: each rank's experts already saw its whole ep group's).
   void reduce_grads(StepComm* c);
-  // The local experts' squared gradient norm summed over the ep group (every expert once).
+  // The local experts' squared gradient norm summed over the ep group (every expert once). With
+  // tp the caller sums it over the tp ranks: parameters every tp rank holds whole (GPT-2's
+  // down-projection biases) count 1/tp here.
   double grad_norm_sq();
   void optimizer_step(double lr, float grad_scale);
   // Checkpoints and initialisation, one unit at a time: `w`, `m`, `v` point at unit u's first
@@ -64,7 +68,7 @@ class ExpertParallel {
 
  private:
   Transformer& model_;
-  std::shared_ptr<comm::ProcessGroup> edp_, ep_aux_;
+  std::shared_ptr<comm::ProcessGroup> edp_, ep_aux_, tp_aux_;
   int dp_;
   AdamW adam_;
   // The name of local expert parameter `p` as ep rank r holds it (its expert index shifted).
