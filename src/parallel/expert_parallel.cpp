@@ -149,6 +149,47 @@ void ExpertParallel::gather_unit(const Transformer& ref, int u, float* w, float*
   }
 }
 
+int64_t ExpertParallel::unit_begin(int u) const {
+  for (const ParamInfo& p : model_.expert_params())
+    if (p.unit == u) return p.offset;
+  return 0;
+}
+
+int64_t ExpertParallel::unit_numel(int u) const {
+  int64_t n = 0;
+  for (const ParamInfo& p : model_.expert_params())
+    if (p.unit == u) n += p.numel;
+  return n;
+}
+
+void ExpertParallel::read_local(int u, float* w, float* m, float* v) {
+  const int64_t b = unit_begin(u), n = unit_numel(u);
+  if (n == 0) return;
+  const Device d = model_.device();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (w) dev::copy(d, w, model_.expert_weights().f32() + b, bytes);
+  if (m) dev::copy(d, m, adam_.exp_avg().f32() + b, bytes);
+  if (v) dev::copy(d, v, adam_.exp_avg_sq().f32() + b, bytes);
+}
+
+void ExpertParallel::write_local(int u, const float* w, const float* m, const float* v) {
+  const int64_t b = unit_begin(u), n = unit_numel(u);
+  if (n == 0) return;
+  const Device d = model_.device();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  dev::copy(d, model_.expert_weights().f32() + b, w, bytes);
+  if (m)
+    dev::copy(d, adam_.exp_avg().f32() + b, m, bytes);
+  else
+    dev::zero(d, adam_.exp_avg().f32() + b, bytes);
+  if (v)
+    dev::copy(d, adam_.exp_avg_sq().f32() + b, v, bytes);
+  else
+    dev::zero(d, adam_.exp_avg_sq().f32() + b, bytes);
+  if (model_.compute_dtype() == DType::BF16)
+    model_.kernels().cast_f32_to_bf16(model_.expert_compute_weights().bf() + b, model_.expert_weights().f32() + b, n);
+}
+
 StateBytes ExpertParallel::state_bytes() const {
   const int64_t n = model_.expert_size();
   const bool f32 = model_.compute_dtype() == DType::F32;

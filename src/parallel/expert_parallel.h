@@ -66,6 +66,18 @@ class ExpertParallel {
   // The experts' state this rank keeps: weights (bf16 copy in bf16 mode), gradients, optimizer.
   StateBytes state_bytes() const;
 
+  // ---- sharded checkpoints: this rank's own experts, no communication ----
+  // Unit u's local experts are the range [begin, begin + numel) of the expert buffers.
+  int64_t unit_begin(int u) const;
+  int64_t unit_numel(int u) const;
+  // Whether this rank writes its experts into a sharded checkpoint: the first of the edp ranks
+  // holding them (the others hold the same values).
+  bool writes_checkpoint() const { return edp_->rank() == 0; }
+  // Copies unit u's local fp32 weights and moments out (unit_numel(u) elements each, device
+  // buffers), and in (m / v null: zero moments; then end_load).
+  void read_local(int u, float* w, float* m, float* v);
+  void write_local(int u, const float* w, const float* m, const float* v);
+
  private:
   Transformer& model_;
   std::shared_ptr<comm::ProcessGroup> edp_, ep_aux_, tp_aux_;

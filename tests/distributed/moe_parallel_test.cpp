@@ -3,13 +3,15 @@
 // reference runs each rank's micro-batch as one micro-batch of its own (grad_accum), so the
 // per-micro-batch load-balancing loss is the same quantity in both runs; losses, aux losses,
 // expert loads and final weights must agree at fp32 tolerance. Also: exact model-state bytes with
-// experts split, and the refused layouts.
+// experts split, sharded checkpoints across ep / tp layouts, and the refused layouts.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -219,34 +221,122 @@ TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
   EXPECT_EQ(epc.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
 }
 
-// Checkpoints hold every expert whatever the layout: 4 steps with ep = 2, then the run resumed with
-// ep = 1 (DDP, every rank all experts) ends where 8 uninterrupted ep = 2 steps end; and back.
+// The largest absolute difference of two runs' final weights; NaN (an element no piece of a sharded
+// checkpoint held) or a size mismatch fail.
+double max_weight_diff(const RunResult& a, const RunResult& b, const std::string& what) {
+  EXPECT_EQ(a.weights.size(), b.weights.size()) << what;
+  EXPECT_FALSE(a.weights.empty()) << what;
+  if (a.weights.size() != b.weights.size()) return 1e30;
+  double maxd = 0;
+  for (size_t i = 0; i < a.weights.size(); ++i) {
+    const double d = std::abs(static_cast<double>(a.weights[i]) - static_cast<double>(b.weights[i]));
+    if (std::isnan(d)) {
+      ADD_FAILURE() << what << ": weight " << i << " is NaN (missing from a checkpoint)";
+      return 1e30;
+    }
+    maxd = std::max(maxd, d);
+  }
+  std::printf("[%s] max |dw| %.3g\n", what.c_str(), maxd);
+  return maxd;
+}
+
+// A sharded checkpoint's pieces of one logical tensor: the files holding them and the elements
+// they cover.
+struct TensorPieces {
+  std::set<std::string> files;
+  int64_t covered = 0, numel = 0;
+};
+TensorPieces tensor_pieces(const std::filesystem::path& ckdir, const std::string& name) {
+  std::ifstream latest(ckdir / "latest");
+  std::string step;
+  std::getline(latest, step);
+  TensorPieces out;
+  std::ifstream mf(ckdir / step / "metadata.json");
+  if (!mf) {
+    ADD_FAILURE() << (ckdir / step).string() << " is not a sharded checkpoint";
+    return out;
+  }
+  const auto meta = nlohmann::json::parse(mf);
+  const auto& t = meta.at("tensors").at(name);
+  out.numel = 1;
+  for (const auto& d : t.at("shape")) out.numel *= d.get<int64_t>();
+  for (const auto& p : t.at("pieces")) {
+    out.files.insert(meta.at("files")[p[0].get<size_t>()].at("name").get<std::string>());
+    out.covered += p[3].get<int64_t>() * p[5].get<int64_t>();
+  }
+  return out;
+}
+
+// Checkpoints hold every expert whatever the layout, in the sharded format too (each ep rank writes
+// its own experts): 4 steps with ep = 2 (saved asynchronously), then resumed with ep = 1 (DDP, every
+// rank all experts) and with ep = 2 again, both ending where 8 uninterrupted ep = 2 steps end
+// (the same layout exactly); and an ep = 1 checkpoint in the full format resumed with ep = 2.
 TEST_F(MoeParity, CheckpointFromExpertParallelResumesWithoutIt) {
-  auto first = train(2, 2, 1, "first", kMoe + " --parallel.ep 2 --train.steps 4 --train.lr_schedule constant");
+  auto first = train(2, 2, 1, "first", kMoe + " --parallel.ep 2 --train.steps 4 --train.lr_schedule constant"
+                                              " --train.checkpoint_async true");
   (void)first;
-  const std::string ck = (dir_ / "ck_first").string();
-  auto rest = train(2, 2, 1, "rest", kMoe + " --train.resume " + ck + " --train.lr_schedule constant");
+  const std::filesystem::path ck = dir_ / "ck_first";
+  // Experts 2 and 3 live on ep rank 1 (world rank 1) only, and its file holds them; the dense part
+  // is DDP's, its replicas splitting what they write.
+  for (const char* name : {"model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                           "exp_avg_sq.model.layers.1.block_sparse_moe.experts.2.w2.weight"}) {
+    const TensorPieces tp = tensor_pieces(ck, name);
+    EXPECT_EQ(tp.files, std::set<std::string>{"rank_00001.safetensors"}) << name;
+    EXPECT_EQ(tp.covered, tp.numel) << name;
+  }
+  EXPECT_EQ(tensor_pieces(ck, "model.layers.1.block_sparse_moe.experts.0.w3.weight").files,
+            std::set<std::string>{"rank_00000.safetensors"});
+  auto rest = train(2, 2, 1, "rest", kMoe + " --train.resume " + ck.string() + " --train.lr_schedule constant");
+  auto again = train(2, 2, 1, "again", kMoe + " --parallel.ep 2 --train.resume " + ck.string() +
+                                           " --train.lr_schedule constant");
   auto whole = train(2, 2, 1, "whole", kMoe + " --parallel.ep 2 --train.lr_schedule constant");
   ASSERT_EQ(rest.losses.size(), 4u);
+  ASSERT_EQ(again.losses.size(), 4u);
   ASSERT_EQ(whole.losses.size(), 8u);
-  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
-  ASSERT_EQ(rest.weights.size(), whole.weights.size());
-  double maxd = 0;
-  for (size_t i = 0; i < rest.weights.size(); ++i)
-    maxd = std::max(maxd, static_cast<double>(std::abs(rest.weights[i] - whole.weights[i])));
-  EXPECT_LT(maxd, kWeightTol);
-  // And the other way: ep = 1's checkpoint resumed with ep = 2 (each rank takes its experts'
-  // weights and Adam moments out of it). Expert parallelism reads the full format only (the
-  // sharded one is refused, with the reason, under ep > 1; an ep > 1 job saves the full format).
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "ep 1 from ep 2, step " << 5 + i;
+    EXPECT_EQ(again.losses[i], whole.losses[4 + i]) << "ep 2 from ep 2, step " << 5 + i;
+  }
+  EXPECT_LT(max_weight_diff(rest, whole, "sharded ep 2 -> ep 1"), kWeightTol);
+  EXPECT_EQ(max_weight_diff(again, whole, "sharded ep 2 -> ep 2"), 0.0);
+  // And the other way: ep = 1's checkpoint (full format) resumed with ep = 2 (each rank takes its
+  // experts' weights and Adam moments out of it).
   train(2, 2, 1, "first1", kMoe + " --train.steps 4 --train.lr_schedule constant --train.checkpoint_format full");
   auto rest2 = train(2, 2, 1, "rest2", kMoe + " --parallel.ep 2 --train.resume " + (dir_ / "ck_first1").string() +
                                            " --train.lr_schedule constant");
   ASSERT_EQ(rest2.losses.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest2.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
-  maxd = 0;
-  for (size_t i = 0; i < rest2.weights.size(); ++i)
-    maxd = std::max(maxd, static_cast<double>(std::abs(rest2.weights[i] - whole.weights[i])));
-  EXPECT_LT(maxd, kWeightTol);
+  EXPECT_LT(max_weight_diff(rest2, whole, "full ep 1 -> ep 2"), kWeightTol);
+}
+
+// A sharded checkpoint of ep 2 x tp 2 (4 ranks: each expert's tp slices in the files of the two tp
+// ranks of its ep rank) resumed by ep 2 on 2 ranks, and an ep 2 one resumed by ep 2 x tp 2: both
+// end where 8 uninterrupted ep 2 steps end.
+TEST_F(MoeParity, ShardedCheckpointAcrossExpertAndTensorParallelLayouts) {
+  const std::string c = " --train.lr_schedule constant";
+  train(4, 2, 1, "first4", kMoe + " --parallel.ep 2 --parallel.tp 2 --train.steps 4" + c);
+  const std::filesystem::path ck4 = dir_ / "ck_first4";
+  // World rank = dp rank x 2 + tp rank; ep rank = dp rank (ep = dp = 2).
+  for (const char* name : {"model.layers.0.block_sparse_moe.experts.3.w1.weight",   // rows split over tp
+                           "exp_avg.model.layers.1.block_sparse_moe.experts.2.w2.weight"}) {  // columns
+    const TensorPieces tp = tensor_pieces(ck4, name);
+    EXPECT_EQ(tp.files, (std::set<std::string>{"rank_00002.safetensors", "rank_00003.safetensors"})) << name;
+    EXPECT_EQ(tp.covered, tp.numel) << name;
+  }
+  EXPECT_EQ(tensor_pieces(ck4, "model.layers.0.block_sparse_moe.experts.1.w3.weight").files,
+            (std::set<std::string>{"rank_00000.safetensors", "rank_00001.safetensors"}));
+  auto whole = train(2, 2, 1, "whole", kMoe + " --parallel.ep 2" + c);
+  auto rest = train(2, 2, 1, "rest", kMoe + " --parallel.ep 2 --train.resume " + ck4.string() + c);
+  ASSERT_EQ(whole.losses.size(), 8u);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  EXPECT_LT(max_weight_diff(rest, whole, "sharded ep 2 x tp 2 -> ep 2"), kWeightTol);
+  train(2, 2, 1, "first2", kMoe + " --parallel.ep 2 --train.steps 4" + c);
+  auto rest4 = train(4, 2, 1, "rest4", kMoe + " --parallel.ep 2 --parallel.tp 2 --train.resume " +
+                                           (dir_ / "ck_first2").string() + c);
+  ASSERT_EQ(rest4.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest4.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  EXPECT_LT(max_weight_diff(rest4, whole, "sharded ep 2 -> ep 2 x tp 2"), kWeightTol);
 }
 
 TEST_F(MoeParity, RefusedLayoutsSayWhy) {
