@@ -136,9 +136,6 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
   F_l_ = cfg_.ffn_hidden / t;
   if (cfg_.moe()) {
     const int64_t ep = std::max(1, storage_.ep), er = storage_.ep_rank;
-    if (t > 1 && ep > 1)
-      throw std::invalid_argument("parallel.ep > 1 with parallel.tp > 1 is not supported yet: experts kept apart for "
-                                  "expert parallelism are not split over tensor-parallel ranks");
     need(cfg_.expert_ffn(), "model.moe_ffn_hidden (one expert's width)");
     if (cfg_.moe_experts % ep != 0)
       throw std::invalid_argument("model.moe_experts (" + std::to_string(cfg_.moe_experts) +
@@ -1210,6 +1207,21 @@ void Transformer::shard_unit_from_full(const Transformer& full_layout, int u, co
   }
 }
 
+void Transformer::shard_param_from_full(const ParamInfo& lp, const ParamInfo& fp, const float* full, float* local) const {
+  for_each_tp_run(lp, fp, tpc_.rank, tpc_.size, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+    dev::copy(dev_, local + li, full + fi, static_cast<size_t>(n) * sizeof(float));
+  });
+}
+
+void Transformer::assemble_param_full(const ParamInfo& lp, const ParamInfo& fp, const std::vector<const float*>& locals,
+                                      float* full) const {
+  if (static_cast<int>(locals.size()) != tpc_.size) throw std::invalid_argument("assemble_param_full: one buffer per tp rank");
+  for (int r = 0; r < tpc_.size; ++r)
+    for_each_tp_run(lp, fp, r, tpc_.size, cfg_, [&](int64_t fi, int64_t li, int64_t n) {
+      dev::copy(dev_, full + fi, locals[r] + li, static_cast<size_t>(n) * sizeof(float));
+    });
+}
+
 void Transformer::assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
                                      float* full) const {
   if (static_cast<int>(locals.size()) != tpc_.size) throw std::invalid_argument("assemble_unit_full: one buffer per tp rank");
@@ -1557,6 +1569,9 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     float* dysend = moe_ws(19, Ms * C).f32();
     float* dyrecv = moe_ws(18, M * C).f32();
     kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    // With tp the returned outputs are this tp rank's partial sums (its slice of every expert, as
+    // the ep peers sharing its tp rank computed them): <dout, y> is summed over the tp ranks.
+    if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);
     ep_comm_->all_to_all_v(dysend, a.send_rows.data(), dyrecv, a.recv_rows.data(), C, DType::F32);
     kt_->moe_gather_rows(dy, dyrecv, a.order.data<int32_t>(), M, C * 4);
   }

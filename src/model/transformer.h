@@ -49,7 +49,8 @@ struct ModelStorage {
   bool grads = true;     // full fp32 gradients
   int64_t unit_align = 1;  // each unit's range is padded to a multiple of this (for even shards)
   // Expert parallelism (MoE): this rank holds routed experts [ep_rank * E / ep, (ep_rank + 1) * E / ep)
-  // of every MoE layer and exchanges tokens with the other ep ranks through `ep_comm`.
+  // of every MoE layer (with tp, its tp slice of each) and exchanges tokens with the other ep ranks
+  // (those of its tp rank) through `ep_comm`.
   int ep = 1, ep_rank = 0;
 };
 
@@ -234,6 +235,12 @@ class Transformer {
   void shard_unit_from_full(const Transformer& full_layout, int u, const float* full, float* local) const;
   void assemble_unit_full(const Transformer& full_layout, int u, const std::vector<const float*>& locals,
                           float* full) const;
+  // The same for one parameter: `lp` one of this model's parameters (params() or, with experts
+  // apart, expert_params()), `fp` the same parameter in an unsplit layout; `full` / `locals[r]` /
+  // `local` point at the parameter's first element.
+  void shard_param_from_full(const ParamInfo& lp, const ParamInfo& fp, const float* full, float* local) const;
+  void assemble_param_full(const ParamInfo& lp, const ParamInfo& fp, const std::vector<const float*>& locals,
+                           float* full) const;
   // Where this rank's part of parameter `local` (one of params()) lies in the unsplit parameter,
   // both viewed as matrices of [shape[0], numel / shape[0]]: runs of local rows
   // [local_row, local_row + rows) are the full rows [full_row, full_row + rows), all starting at

@@ -42,14 +42,18 @@ class ProcessGroupExpertComm final : public ExpertComm {
 
 class ExpertParallel {
  public:
-  // `edp`: the ranks holding this rank's experts; `ep_aux`: the ep group's members (norms,
-  // checkpoint gathers); `dp`: the data-parallel degree (gradients are averaged over dp ranks).
+  // `edp`: the ranks holding this rank's experts (the same tp slice of them); `ep_aux`: the ep
+  // group's members (norms, checkpoint gathers); `tp_aux`: the tensor-parallel ranks, which hold
+  // the other slices of the same experts (null or of size 1 without tp; checkpoint gathers);
+  // `dp`: the data-parallel degree (gradients are averaged over dp ranks).
   ExpertParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> edp, std::shared_ptr<comm::ProcessGroup> ep_aux,
-                 int dp, AdamWConfig adam);
+                 std::shared_ptr<comm::ProcessGroup> tp_aux, int dp, AdamWConfig adam);
   // After the step's backward: the expert gradients summed over edp and divided by dp (the mean
   // over every data-parallel rank's tokens: each rank's experts already saw its whole ep group's).
   void reduce_grads(StepComm* c);
-  // The local experts' squared gradient norm summed over the ep group (every expert once).
+  // The local experts' squared gradient norm summed over the ep group (every expert once). With
+  // tp the caller sums it over the tp ranks: parameters every tp rank holds whole (GPT-2's
+  // down-projection biases) count 1/tp here.
   double grad_norm_sq();
   void optimizer_step(double lr, float grad_scale);
   // Checkpoints and initialisation, one unit at a time: `w`, `m`, `v` point at unit u's first
@@ -62,9 +66,21 @@ class ExpertParallel {
   // The experts' state this rank keeps: weights (bf16 copy in bf16 mode), gradients, optimizer.
   StateBytes state_bytes() const;
 
+  // ---- sharded checkpoints: this rank's own experts, no communication ----
+  // Unit u's local experts are the range [begin, begin + numel) of the expert buffers.
+  int64_t unit_begin(int u) const;
+  int64_t unit_numel(int u) const;
+  // Whether this rank writes its experts into a sharded checkpoint: the first of the edp ranks
+  // holding them (the others hold the same values).
+  bool writes_checkpoint() const { return edp_->rank() == 0; }
+  // Copies unit u's local fp32 weights and moments out (unit_numel(u) elements each, device
+  // buffers), and in (m / v null: zero moments; then end_load).
+  void read_local(int u, float* w, float* m, float* v);
+  void write_local(int u, const float* w, const float* m, const float* v);
+
  private:
   Transformer& model_;
-  std::shared_ptr<comm::ProcessGroup> edp_, ep_aux_;
+  std::shared_ptr<comm::ProcessGroup> edp_, ep_aux_, tp_aux_;
   int dp_;
   AdamW adam_;
   // The name of local expert parameter `p` as ep rank r holds it (its expert index shifted).

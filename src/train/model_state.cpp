@@ -87,6 +87,19 @@ void ModelState::save(CheckpointWriter* writer) {
   }
 }
 
+// With expert parallelism a unit's range in a rank's file is the strategy's owned range followed,
+// on the ranks that write experts (the first of each edp group), by the unit's local experts.
+int64_t ModelState::strategy_numel(int u) const {
+  if (model_.unit(u).numel == 0) return 0;
+  const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
+  return sp.end - sp.begin;
+}
+
+int64_t ModelState::expert_numel(int u) const {
+  if (!ep_ || !ep_->writes_checkpoint() || model_.unit(u).numel == 0) return 0;
+  return ep_->unit_numel(u);
+}
+
 std::vector<std::vector<LocalPiece>> ModelState::owned_pieces() const {
   std::vector<std::vector<LocalPiece>> out(static_cast<size_t>(model_.num_units()));
   for (int u = 0; u < model_.num_units(); ++u) {
@@ -95,30 +108,55 @@ std::vector<std::vector<LocalPiece>> ModelState::owned_pieces() const {
     // Replicas split the range they share: replica i writes the i-th of `replicas` parts.
     const int64_t len = sp.end - sp.begin;
     const int64_t b = sp.begin + len * sp.replica / sp.replicas, e = sp.begin + len * (sp.replica + 1) / sp.replicas;
-    out[static_cast<size_t>(u)] = unit_pieces(model_, ref_, u, b, e, true);
-    for (LocalPiece& p : out[static_cast<size_t>(u)]) p.local += b - sp.begin;
+    std::vector<LocalPiece>& pieces = out[static_cast<size_t>(u)];
+    pieces = unit_pieces(model_, ref_, u, b, e, true);
+    for (LocalPiece& p : pieces) p.local += b - sp.begin;
+    if (expert_numel(u) > 0)
+      for (LocalPiece p : expert_unit_pieces(model_, ref_, u, true)) {
+        p.local += len;
+        pieces.push_back(p);
+      }
   }
   return out;
 }
 
-int64_t ModelState::owned_numel(int u) const {
-  if (model_.unit(u).numel == 0) return 0;
-  const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
-  return sp.end - sp.begin;
-}
+int64_t ModelState::owned_numel(int u) const { return strategy_numel(u) + expert_numel(u); }
 
 void ModelState::snapshot_unit(int u, float* w, float* m, float* v) {
-  const int64_t n = owned_numel(u);
-  if (n == 0) return;
-  Tensor t[3] = {workspace(n), workspace(n), workspace(n)};
-  strategy_.read_owned(u, t[0].f32(), t[1].f32(), t[2].f32());
+  const int64_t ns = strategy_numel(u), ne = expert_numel(u);
   float* dst[3] = {w, m, v};
-  for (int k = 0; k < 3; ++k) dev::copy_to_host(t[k].device(), dst[k], t[k].f32(), static_cast<size_t>(n) * sizeof(float));
+  if (ns > 0) {
+    Tensor t[3] = {workspace(ns), workspace(ns), workspace(ns)};
+    strategy_.read_owned(u, t[0].f32(), t[1].f32(), t[2].f32());
+    for (int k = 0; k < 3; ++k)
+      dev::copy_to_host(t[k].device(), dst[k], t[k].f32(), static_cast<size_t>(ns) * sizeof(float));
+  }
+  if (ne > 0) {
+    Tensor t[3] = {workspace(ne), workspace(ne), workspace(ne)};
+    ep_->read_local(u, t[0].f32(), t[1].f32(), t[2].f32());
+    for (int k = 0; k < 3; ++k)
+      dev::copy_to_host(t[k].device(), dst[k] + ns, t[k].f32(), static_cast<size_t>(ne) * sizeof(float));
+  }
 }
 
 void ModelState::load_owned(const ShardedCheckpoint& ck, bool moments, int64_t adam_steps) {
   strategy_.begin_load();
   HostBuffer host[3];
+  const int kinds = moments ? 3 : 1;
+  // Reads `pieces` (offsets into a range of n elements) into n-element device buffers t[0..kinds).
+  auto read = [&](const std::vector<LocalPiece>& pieces, int64_t n, Tensor* t) {
+    for (int k = 0; k < kinds; ++k) {  // padding stays zero
+      float* h = host[k].reserve(static_cast<size_t>(n));
+      std::fill(h, h + n, 0.0f);
+    }
+    for (const LocalPiece& p : pieces)
+      for (int k = 0; k < kinds; ++k)
+        ck.read_box(logical_name(ref_.params()[static_cast<size_t>(p.param)], k), p.box, host[k].data() + p.local);
+    for (int k = 0; k < kinds; ++k) {
+      t[k] = workspace(n);
+      dev::copy_from_host(t[k].device(), t[k].f32(), host[k].data(), static_cast<size_t>(n) * sizeof(float));
+    }
+  };
   for (int u = 0; u < model_.num_units(); ++u) {
     if (u == 0 && model_.has_tied_replica()) {
       // The head's copy of a tied embedding: the token embedding's rows (first parameter of unit 0).
@@ -130,25 +168,23 @@ void ModelState::load_owned(const ShardedCheckpoint& ck, bool moments, int64_t a
       dev::copy_from_host(full.device(), full.f32(), h.data(), static_cast<size_t>(rows * cols) * sizeof(float));
       model_.load_tied_replica(ref_, full.f32());
     }
-    const int64_t n = owned_numel(u);
-    if (n == 0) continue;
-    const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
-    const int kinds = moments ? 3 : 1;
-    for (int k = 0; k < kinds; ++k) {  // padding stays zero
-      float* h = host[k].reserve(static_cast<size_t>(n));
-      std::fill(h, h + n, 0.0f);
+    const int64_t n = strategy_numel(u);
+    if (n > 0) {
+      const parallel::Strategy::OwnedSpan sp = strategy_.owned_span(u);
+      Tensor t[3];
+      read(unit_pieces(model_, ref_, u, sp.begin, sp.end, false), n, t);
+      strategy_.write_owned(u, t[0].f32(), moments ? t[1].f32() : nullptr, moments ? t[2].f32() : nullptr);
     }
-    for (const LocalPiece& p : unit_pieces(model_, ref_, u, sp.begin, sp.end, false))
-      for (int k = 0; k < kinds; ++k)
-        ck.read_box(logical_name(ref_.params()[static_cast<size_t>(p.param)], k), p.box, host[k].data() + p.local);
-    Tensor t[3];
-    for (int k = 0; k < kinds; ++k) {
-      t[k] = workspace(n);
-      dev::copy_from_host(t[k].device(), t[k].f32(), host[k].data(), static_cast<size_t>(n) * sizeof(float));
+    // Expert parallelism: every rank reads all of its local experts (whatever layout wrote them).
+    const int64_t ne = ep_ && model_.unit(u).numel > 0 ? ep_->unit_numel(u) : 0;
+    if (ne > 0) {
+      Tensor t[3];
+      read(expert_unit_pieces(model_, ref_, u, false), ne, t);
+      ep_->write_local(u, t[0].f32(), moments ? t[1].f32() : nullptr, moments ? t[2].f32() : nullptr);
     }
-    strategy_.write_owned(u, t[0].f32(), moments ? t[1].f32() : nullptr, moments ? t[2].f32() : nullptr);
   }
   strategy_.end_load_owned(adam_steps);
+  if (ep_) ep_->end_load(adam_steps);
 }
 
 }  // namespace mt

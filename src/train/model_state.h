@@ -35,12 +35,13 @@ class ModelState {
 
   // ---- sharded checkpoints: only what this rank holds, no communication ----
   // The pieces this rank writes, per unit, with offsets relative to the start of its owned range
-  // (the strategy's owned_span): of elements several ranks hold (replicas, tp ranks for replicated
-  // parameters) each is written by exactly one of them.
+  // (the strategy's owned_span, followed with expert parallelism by the unit's local experts on
+  // the first rank of each edp group): of elements several ranks hold (replicas, tp ranks for
+  // replicated parameters, edp ranks for experts) each is written by exactly one of them.
   std::vector<std::vector<LocalPiece>> owned_pieces() const;
-  // Elements of unit u's owned range (the size of the host buffers snapshot_unit fills).
+  // Elements of unit u's owned range and local experts (the size of the host buffers snapshot_unit fills).
   int64_t owned_numel(int u) const;
-  // Copies unit u's owned fp32 weights and moments to host buffers of owned_numel(u) elements.
+  // Copies unit u's owned fp32 weights and moments (then its experts') to host buffers of owned_numel(u) elements.
   void snapshot_unit(int u, float* w, float* m, float* v);
   // Loads this rank's owned ranges of every unit (and a tied replica) from `ck`, whatever layout
   // wrote it, reading only the bytes they need; then end_load_owned (collective).
@@ -53,6 +54,10 @@ class ModelState {
   comm::ProcessGroup& tp_aux_;
   comm::ProcessGroup* pp_aux_;
   parallel::ExpertParallel* ep_ = nullptr;
+  // Unit u's part of this rank's file: the strategy's owned range, then (expert parallelism, on the
+  // ranks that write them) the local experts.
+  int64_t strategy_numel(int u) const;
+  int64_t expert_numel(int u) const;
 };
 
 }  // namespace mt

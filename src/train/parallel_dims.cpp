@@ -92,10 +92,6 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
       throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " must divide the data-parallel degree (" +
                         std::to_string(d.dp()) + " = dp_replicate x dp_shard): expert parallelism borrows its ranks from it");
   }
-  if (d.ep > 1 && d.tp > 1)
-    throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " with parallel.tp = " + std::to_string(d.tp) +
-                      ": experts kept apart for expert parallelism are not split over tensor-parallel ranks yet "
-                      "(use one of the two for the experts)");
   if (mc.moe() && d.cp > 1)
     throw ConfigError("parallel.cp = " + std::to_string(d.cp) + " with a mixture of experts (model.moe_experts) is not "
                       "supported yet: the router's load-balancing statistics would cover one rank's chunks of each "
@@ -110,6 +106,28 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
                         ") must be divisible by parallel.tp (" + std::to_string(d.tp) + ")");
   }
   return d;
+}
+
+// World rank r = ((pp * dp) + dp_rank) * tp + tp_rank (the mesh's order, tp fastest; cp, which
+// would sit between dp and tp, is refused with MoE). The ep group is a block of ep consecutive dp
+// ranks, edp the dp ranks at the same place in their blocks, both among the ranks of one stage and
+// one tp rank (Megatron's expert-tensor-parallel = tp: every tp rank of an ep rank holds its tp
+// slice of that ep rank's experts and exchanges tokens with the ep peers that share its tp rank).
+namespace {
+std::array<int, 3> stage_dp_tp(const ParallelDims& d, int r) {
+  const int dp = d.dp(), tp = d.tp;
+  return {r / (tp * dp), (r / tp) % dp, r % tp};
+}
+}  // namespace
+
+std::pair<int, int> ep_color_key(const ParallelDims& d, int r) {
+  const auto c = stage_dp_tp(d, r);
+  return {(c[0] * d.tp + c[2]) * (d.dp() / d.ep) + c[1] / d.ep, c[1] % d.ep};
+}
+
+std::pair<int, int> edp_color_key(const ParallelDims& d, int r) {
+  const auto c = stage_dp_tp(d, r);
+  return {(c[0] * d.tp + c[2]) * d.ep + c[1] % d.ep, c[1] / d.ep};
 }
 
 ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
@@ -146,22 +164,9 @@ ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {
   if (d.pp > 1) g.pp_aux = w.split_like(*g.pp, "pp_aux");
   if (is_sharded(d.strategy)) g.grad_norm = w.split_like(*g.shard, "grad_norm");
   if (d.ep > 1) {
-    // World rank r = ((pp * dp) + dp_rank) * tp + tp_rank (the mesh's order, tp fastest); the ep
-    // group is a block of ep consecutive dp ranks, edp the dp ranks at the same place in their block.
-    const int dp = d.dp(), tp = d.tp, ep = d.ep;
-    auto coords = [=](int r) {
-      const int t = r % tp, q = (r / tp) % dp, s = r / (tp * dp);
-      return std::array<int, 3>{s, q, t};
-    };
-    g.ep = w.split_by([=](int r) {
-      const auto c = coords(r);
-      return std::pair<int, int>{(c[0] * tp + c[2]) * (dp / ep) + c[1] / ep, c[1] % ep};
-    }, "ep");
+    g.ep = w.split_by([d](int r) { return ep_color_key(d, r); }, "ep");
     g.ep_aux = w.split_like(*g.ep, "ep_aux");
-    g.edp = w.split_by([=](int r) {
-      const auto c = coords(r);
-      return std::pair<int, int>{(c[0] * tp + c[2]) * ep + c[1] % ep, c[1] / ep};
-    }, "edp");
+    g.edp = w.split_by([d](int r) { return edp_color_key(d, r); }, "edp");
   }
   return g;
 }

@@ -4,6 +4,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "comm/world.h"
 #include "model/model_config.h"
@@ -38,6 +39,13 @@ struct ParallelDims {
 
 // The vocabulary padded so every tensor-parallel rank holds whole 64-row blocks (64 x tp).
 int64_t padded_vocab_for_tp(int64_t vocab, int tp);
+
+// Expert parallelism: {colour, key} of world rank r in the ep group (a block of ep consecutive
+// data-parallel ranks of one stage and tp rank; key = place in the block) and in the edp group (the
+// data-parallel ranks of one stage and tp rank at the same place in their blocks; key = block).
+// Needs cp = 1.
+std::pair<int, int> ep_color_key(const ParallelDims& d, int world_rank);
+std::pair<int, int> edp_color_key(const ParallelDims& d, int world_rank);
 
 // Every group of this rank. Collective over the world: all ranks build it at the same point.
 struct ParallelGroups {

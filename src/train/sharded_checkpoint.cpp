@@ -96,12 +96,14 @@ std::string step_dir_name(int64_t step) {
 
 // ---- what a rank holds, as boxes ------------------------------------------------------------------
 
-std::vector<LocalPiece> unit_pieces(const Transformer& model, const Transformer& ref, int u, int64_t begin,
-                                    int64_t end, bool dedup) {
+namespace {
+// The elements [begin, end) of unit u's parameters among `params` (offsets relative to `uo`) as
+// boxes of ref's parameters.
+std::vector<LocalPiece> pieces_of(const Transformer& model, const std::vector<ParamInfo>& params, int64_t uo,
+                                  const Transformer& ref, int u, int64_t begin, int64_t end, bool dedup) {
   std::vector<LocalPiece> out;
-  const int64_t uo = model.unit(u).offset;
   const std::vector<ParamInfo>& rps = ref.params();
-  for (const ParamInfo& lp : model.params()) {
+  for (const ParamInfo& lp : params) {
     if (lp.unit != u) continue;
     if (dedup && lp.tp_split == TpSplit::None && model.tp_rank() != 0) continue;  // tp rank 0 writes replicated parameters
     const int64_t pb = lp.offset - uo;  // the parameter's range in the unit
@@ -150,6 +152,23 @@ std::vector<LocalPiece> unit_pieces(const Transformer& model, const Transformer&
     }
   }
   return out;
+}
+}  // namespace
+
+std::vector<LocalPiece> unit_pieces(const Transformer& model, const Transformer& ref, int u, int64_t begin,
+                                    int64_t end, bool dedup) {
+  return pieces_of(model, model.params(), model.unit(u).offset, ref, u, begin, end, dedup);
+}
+
+std::vector<LocalPiece> expert_unit_pieces(const Transformer& model, const Transformer& ref, int u, bool dedup) {
+  int64_t lo = -1, hi = 0;
+  for (const ParamInfo& p : model.expert_params())
+    if (p.unit == u) {
+      if (lo < 0) lo = p.offset;
+      hi = p.offset + p.numel;
+    }
+  if (lo < 0) return {};
+  return pieces_of(model, model.expert_params(), lo, ref, u, 0, hi - lo, dedup);
 }
 
 // ---- writing one rank's file ----------------------------------------------------------------------

@@ -65,6 +65,10 @@ struct LocalPiece {
 std::vector<LocalPiece> unit_pieces(const Transformer& model, const Transformer& ref, int u, int64_t begin,
                                     int64_t end, bool dedup);
 
+// With expert parallelism (experts apart): unit u's local experts, the whole of their range of the
+// expert buffers (offsets relative to its start), as boxes of ref's parameters; `dedup` as above.
+std::vector<LocalPiece> expert_unit_pieces(const Transformer& model, const Transformer& ref, int u, bool dedup);
+
 // The logical tensors of a model: the parameter's name, or the moment's prefix + name.
 std::string logical_name(const ParamInfo& p, int kind);  // kind 0 weights, 1 exp_avg, 2 exp_avg_sq
 std::vector<int64_t> logical_shape(const ParamInfo& p, const ModelConfig& c);

@@ -261,7 +261,8 @@ void Trainer::build() {
   if (dims_.ep_enabled()) {
     ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
     model_->set_expert_comm(ep_comm_.get());
-    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, dims_.dp(), spec_.adam);
+    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, groups_.tp_aux, dims_.dp(),
+                                                     spec_.adam);
   }
   model_->set_tp_overlap(cfg_.parallel.tp_overlap);
   model_->set_loss_chunk(tc_.loss_chunk_tokens);
@@ -283,17 +284,9 @@ void Trainer::build() {
   model_->set_hooks(trace_->enabled() ? static_cast<UnitHooks*>(tracing_.get()) : strategy_->hooks());
   state_ = std::make_unique<ModelState>(*model_, *ref_, *strategy_, *groups_.tp_aux, groups_.pp_aux.get());
   state_->set_expert_parallel(ep_.get());
-  // The sharded format writes what the strategy and ModelState own; the local experts of expert
-  // parallelism live outside both and are saved unit by unit by the full format.
-  std::string ckpt_format = tc_.checkpoint_format;
-  if (ep_ && ckpt_format == "sharded") {
-    if (tc_.checkpoint_async)
-      throw ConfigError("train.checkpoint_async needs the sharded format, which expert parallelism (parallel.ep > 1) "
-                        "does not support yet: set train.checkpoint_async = false");
-    ckpt_format = "full";
-    if (log_ && !tc_.checkpoint_dir.empty())
-      std::printf("checkpoints: parallel.ep > 1 saves in the full format (the sharded one does not hold experts yet)\n");
-  }
+  // The sharded format writes what the strategy owns and, with expert parallelism, each ep rank's
+  // local experts (ModelState::owned_pieces).
+  const std::string& ckpt_format = tc_.checkpoint_format;
   if (ckpt_format != "sharded" && ckpt_format != "full")
     throw ConfigError("train.checkpoint_format must be sharded or full, got '" + ckpt_format + "'");
   if (tc_.checkpoint_async && ckpt_format != "sharded")
@@ -306,12 +299,14 @@ void Trainer::build() {
                                    {"cp", dims_.cp},
                                    {"tp", dims_.tp},
                                    {"pp", dims_.pp},
+                                   {"ep", dims_.ep},
                                    {"dtype", dtype_name(dt_)}};
     const std::map<std::string, std::string> coords = {{"rank", std::to_string(rank_)},
                                                        {"world", std::to_string(world_)},
                                                        {"dp_rank", std::to_string(dp_rank)},
                                                        {"cp_rank", std::to_string(groups_.cp ? groups_.cp->rank() : 0)},
                                                        {"tp_rank", std::to_string(groups_.tp->rank())},
+                                                       {"ep_rank", std::to_string(groups_.ep ? groups_.ep->rank() : 0)},
                                                        {"pp_rank", std::to_string(groups_.pp_rank)}};
     saver_ = std::make_unique<CheckpointSaver>(*state_, *ref_, *groups_.metrics, rank_, cfg_, layout, coords);
   }
@@ -454,9 +449,6 @@ void Trainer::load_state() {
     }
     if (log_) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
   }
-  if (loaded && ep_)
-    throw ConfigError("resuming an expert-parallel job (parallel.ep > 1) from a sharded checkpoint (" + resume_dir +
-                      ") is not supported yet: its experts are saved only by train.checkpoint_format = \"full\"");
   if (!loaded) {
     auto t0 = Clock::now();
     state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));

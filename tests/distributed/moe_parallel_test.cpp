@@ -1,12 +1,17 @@
 // Mixture of experts with expert parallelism against single-process training on the same global
-// batch, as real processes under mpirun: ep = 2 and 4, ep 2 x FULL_SHARD, ep 2 x pp 2. The
+// batch, as real processes under mpirun: ep = 2 and 4, ep 2 x FULL_SHARD, ep 2 x pp 2, ep 2 x tp 2. The
 // reference runs each rank's micro-batch as one micro-batch of its own (grad_accum), so the
 // per-micro-batch load-balancing loss is the same quantity in both runs; losses, aux losses,
 // expert loads and final weights must agree at fp32 tolerance. Also: exact model-state bytes with
-// experts split, and the refused layouts.
+// experts split, sharded checkpoints across ep / tp layouts, and the refused layouts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -124,6 +129,61 @@ TEST_F(MoeParity, ExpertParallelWithPipelineMatchesOneRank) {
   for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
 }
 
+// Expert parallelism with tensor parallelism (Megatron's expert-tensor-parallel = tp): ep 2 x tp 2
+// on 4 ranks, every tp rank holding its tp slice of its ep rank's experts, the tokens exchanged
+// among the ep peers sharing a tp rank, the outputs summed over tp. Llama (SwiGLU) experts with a
+// shared expert, and GPT-2 experts (replicated down-projection biases, added once over tp).
+TEST_F(MoeParity, ExpertParallelWithTensorParallelMatchesOneRank) {
+  auto ref = train(1, 2, 2, "ref", kMoe);
+  auto et = train(4, 2, 1, "ep2tp2", kMoe + " --parallel.ep 2 --parallel.tp 2");
+  ASSERT_FALSE(et.losses.empty());
+  expect_close(ref, et, kLossTol, kWeightTol, "llama MoE, ep=2 x tp=2");
+  const Moe a = moe("ref"), b = moe("ep2tp2");
+  ASSERT_EQ(b.aux.size(), 8u);
+  double maxaux = 0;
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+    maxaux = std::max(maxaux, std::abs(a.aux[i] - b.aux[i]));
+    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert, step " << i + 1;
+  }
+  std::printf("[ep=2 x tp=2] max |d aux| %.3g\n", maxaux);
+  EXPECT_EQ(et.final.at("moe_dropped_tokens").get<int64_t>(), 0);
+  EXPECT_GT(et.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
+  EXPECT_GT(et.final.at("comm_bytes_by_group").value("tp", int64_t{0}), 0);
+  // Model state per rank, exactly: DDP's flat buffers plus the local experts' tp slices: 2 of 4
+  // experts per MoE layer, 3 matrices of C x F / tp each.
+  const int64_t flat = et.final.at("flat_size").get<int64_t>();
+  const auto& es = et.final.at("expert_state_bytes");
+  EXPECT_EQ(es.at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64 / 2);
+  ASSERT_EQ(et.final.at("mem_resident_by_category_per_rank").size(), 4u);
+  for (const auto& r : et.final.at("mem_resident_by_category_per_rank")) {
+    EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
+    EXPECT_EQ(r.at("grads").get<int64_t>(), 4 * flat + es.at("grads").get<int64_t>());
+    EXPECT_EQ(r.at("optimizer").get<int64_t>(), 8 * flat + es.at("optimizer").get<int64_t>());
+  }
+  // The dry run of every rank builds the same layout: the real run's model state, to the byte.
+  for (int r = 0; r < 4; ++r) {
+    const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
+    RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world 4 --rank " + std::to_string(r) +
+                   kMoe + " --parallel.ep 2 --parallel.tp 2 --train.micro_batch 2 --log.metrics_out " + m);
+    ASSERT_EQ(d.code, 0) << d.output;
+    const auto dj = final_metrics(m).at("mem_resident_by_category");
+    const auto& rj = et.final.at("mem_resident_by_category_per_rank")[r];
+    for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+  }
+  const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+                          " --model.moe_aux_loss_coef 0.02";
+  // Both in the full format (Hugging Face layout: GPT-2's Conv1D weights transposed), which also
+  // gathers every expert's slices over ep and tp.
+  auto gref = train(1, 2, 2, "gref", gpt + " --train.checkpoint_format full");
+  auto get = train(4, 2, 1, "gep2tp2", gpt + " --parallel.ep 2 --parallel.tp 2 --train.checkpoint_format full");
+  ASSERT_FALSE(get.losses.empty());
+  expect_close(gref, get, kLossTol, kWeightTol, "gpt2 MoE, ep=2 x tp=2");
+  const Moe ga = moe("gref"), gb = moe("gep2tp2");
+  ASSERT_EQ(gb.aux.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(ga.aux[i], gb.aux[i], 1e-5) << "gpt2 aux loss, step " << i + 1;
+}
+
 // Tensor parallelism splits every expert's hidden width (ep = 1): Llama experts with a shared
 // expert on tp 2, and GPT-2 experts (biases added once over the tp ranks) on tp 2 x FULL_SHARD 2.
 TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
@@ -161,34 +221,122 @@ TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
   EXPECT_EQ(epc.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
 }
 
-// Checkpoints hold every expert whatever the layout: 4 steps with ep = 2, then the run resumed with
-// ep = 1 (DDP, every rank all experts) ends where 8 uninterrupted ep = 2 steps end; and back.
+// The largest absolute difference of two runs' final weights; NaN (an element no piece of a sharded
+// checkpoint held) or a size mismatch fail.
+double max_weight_diff(const RunResult& a, const RunResult& b, const std::string& what) {
+  EXPECT_EQ(a.weights.size(), b.weights.size()) << what;
+  EXPECT_FALSE(a.weights.empty()) << what;
+  if (a.weights.size() != b.weights.size()) return 1e30;
+  double maxd = 0;
+  for (size_t i = 0; i < a.weights.size(); ++i) {
+    const double d = std::abs(static_cast<double>(a.weights[i]) - static_cast<double>(b.weights[i]));
+    if (std::isnan(d)) {
+      ADD_FAILURE() << what << ": weight " << i << " is NaN (missing from a checkpoint)";
+      return 1e30;
+    }
+    maxd = std::max(maxd, d);
+  }
+  std::printf("[%s] max |dw| %.3g\n", what.c_str(), maxd);
+  return maxd;
+}
+
+// A sharded checkpoint's pieces of one logical tensor: the files holding them and the elements
+// they cover.
+struct TensorPieces {
+  std::set<std::string> files;
+  int64_t covered = 0, numel = 0;
+};
+TensorPieces tensor_pieces(const std::filesystem::path& ckdir, const std::string& name) {
+  std::ifstream latest(ckdir / "latest");
+  std::string step;
+  std::getline(latest, step);
+  TensorPieces out;
+  std::ifstream mf(ckdir / step / "metadata.json");
+  if (!mf) {
+    ADD_FAILURE() << (ckdir / step).string() << " is not a sharded checkpoint";
+    return out;
+  }
+  const auto meta = nlohmann::json::parse(mf);
+  const auto& t = meta.at("tensors").at(name);
+  out.numel = 1;
+  for (const auto& d : t.at("shape")) out.numel *= d.get<int64_t>();
+  for (const auto& p : t.at("pieces")) {
+    out.files.insert(meta.at("files")[p[0].get<size_t>()].at("name").get<std::string>());
+    out.covered += p[3].get<int64_t>() * p[5].get<int64_t>();
+  }
+  return out;
+}
+
+// Checkpoints hold every expert whatever the layout, in the sharded format too (each ep rank writes
+// its own experts): 4 steps with ep = 2 (saved asynchronously), then resumed with ep = 1 (DDP, every
+// rank all experts) and with ep = 2 again, both ending where 8 uninterrupted ep = 2 steps end
+// (the same layout exactly); and an ep = 1 checkpoint in the full format resumed with ep = 2.
 TEST_F(MoeParity, CheckpointFromExpertParallelResumesWithoutIt) {
-  auto first = train(2, 2, 1, "first", kMoe + " --parallel.ep 2 --train.steps 4 --train.lr_schedule constant");
+  auto first = train(2, 2, 1, "first", kMoe + " --parallel.ep 2 --train.steps 4 --train.lr_schedule constant"
+                                              " --train.checkpoint_async true");
   (void)first;
-  const std::string ck = (dir_ / "ck_first").string();
-  auto rest = train(2, 2, 1, "rest", kMoe + " --train.resume " + ck + " --train.lr_schedule constant");
+  const std::filesystem::path ck = dir_ / "ck_first";
+  // Experts 2 and 3 live on ep rank 1 (world rank 1) only, and its file holds them; the dense part
+  // is DDP's, its replicas splitting what they write.
+  for (const char* name : {"model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                           "exp_avg_sq.model.layers.1.block_sparse_moe.experts.2.w2.weight"}) {
+    const TensorPieces tp = tensor_pieces(ck, name);
+    EXPECT_EQ(tp.files, std::set<std::string>{"rank_00001.safetensors"}) << name;
+    EXPECT_EQ(tp.covered, tp.numel) << name;
+  }
+  EXPECT_EQ(tensor_pieces(ck, "model.layers.1.block_sparse_moe.experts.0.w3.weight").files,
+            std::set<std::string>{"rank_00000.safetensors"});
+  auto rest = train(2, 2, 1, "rest", kMoe + " --train.resume " + ck.string() + " --train.lr_schedule constant");
+  auto again = train(2, 2, 1, "again", kMoe + " --parallel.ep 2 --train.resume " + ck.string() +
+                                           " --train.lr_schedule constant");
   auto whole = train(2, 2, 1, "whole", kMoe + " --parallel.ep 2 --train.lr_schedule constant");
   ASSERT_EQ(rest.losses.size(), 4u);
+  ASSERT_EQ(again.losses.size(), 4u);
   ASSERT_EQ(whole.losses.size(), 8u);
-  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
-  ASSERT_EQ(rest.weights.size(), whole.weights.size());
-  double maxd = 0;
-  for (size_t i = 0; i < rest.weights.size(); ++i)
-    maxd = std::max(maxd, static_cast<double>(std::abs(rest.weights[i] - whole.weights[i])));
-  EXPECT_LT(maxd, kWeightTol);
-  // And the other way: ep = 1's checkpoint resumed with ep = 2 (each rank takes its experts'
-  // weights and Adam moments out of it). Expert parallelism reads the full format only (the
-  // sharded one is refused, with the reason, under ep > 1; an ep > 1 job saves the full format).
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "ep 1 from ep 2, step " << 5 + i;
+    EXPECT_EQ(again.losses[i], whole.losses[4 + i]) << "ep 2 from ep 2, step " << 5 + i;
+  }
+  EXPECT_LT(max_weight_diff(rest, whole, "sharded ep 2 -> ep 1"), kWeightTol);
+  EXPECT_EQ(max_weight_diff(again, whole, "sharded ep 2 -> ep 2"), 0.0);
+  // And the other way: ep = 1's checkpoint (full format) resumed with ep = 2 (each rank takes its
+  // experts' weights and Adam moments out of it).
   train(2, 2, 1, "first1", kMoe + " --train.steps 4 --train.lr_schedule constant --train.checkpoint_format full");
   auto rest2 = train(2, 2, 1, "rest2", kMoe + " --parallel.ep 2 --train.resume " + (dir_ / "ck_first1").string() +
                                            " --train.lr_schedule constant");
   ASSERT_EQ(rest2.losses.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest2.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
-  maxd = 0;
-  for (size_t i = 0; i < rest2.weights.size(); ++i)
-    maxd = std::max(maxd, static_cast<double>(std::abs(rest2.weights[i] - whole.weights[i])));
-  EXPECT_LT(maxd, kWeightTol);
+  EXPECT_LT(max_weight_diff(rest2, whole, "full ep 1 -> ep 2"), kWeightTol);
+}
+
+// A sharded checkpoint of ep 2 x tp 2 (4 ranks: each expert's tp slices in the files of the two tp
+// ranks of its ep rank) resumed by ep 2 on 2 ranks, and an ep 2 one resumed by ep 2 x tp 2: both
+// end where 8 uninterrupted ep 2 steps end.
+TEST_F(MoeParity, ShardedCheckpointAcrossExpertAndTensorParallelLayouts) {
+  const std::string c = " --train.lr_schedule constant";
+  train(4, 2, 1, "first4", kMoe + " --parallel.ep 2 --parallel.tp 2 --train.steps 4" + c);
+  const std::filesystem::path ck4 = dir_ / "ck_first4";
+  // World rank = dp rank x 2 + tp rank; ep rank = dp rank (ep = dp = 2).
+  for (const char* name : {"model.layers.0.block_sparse_moe.experts.3.w1.weight",   // rows split over tp
+                           "exp_avg.model.layers.1.block_sparse_moe.experts.2.w2.weight"}) {  // columns
+    const TensorPieces tp = tensor_pieces(ck4, name);
+    EXPECT_EQ(tp.files, (std::set<std::string>{"rank_00002.safetensors", "rank_00003.safetensors"})) << name;
+    EXPECT_EQ(tp.covered, tp.numel) << name;
+  }
+  EXPECT_EQ(tensor_pieces(ck4, "model.layers.0.block_sparse_moe.experts.1.w3.weight").files,
+            (std::set<std::string>{"rank_00000.safetensors", "rank_00001.safetensors"}));
+  auto whole = train(2, 2, 1, "whole", kMoe + " --parallel.ep 2" + c);
+  auto rest = train(2, 2, 1, "rest", kMoe + " --parallel.ep 2 --train.resume " + ck4.string() + c);
+  ASSERT_EQ(whole.losses.size(), 8u);
+  ASSERT_EQ(rest.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  EXPECT_LT(max_weight_diff(rest, whole, "sharded ep 2 x tp 2 -> ep 2"), kWeightTol);
+  train(2, 2, 1, "first2", kMoe + " --parallel.ep 2 --train.steps 4" + c);
+  auto rest4 = train(4, 2, 1, "rest4", kMoe + " --parallel.ep 2 --parallel.tp 2 --train.resume " +
+                                           (dir_ / "ck_first2").string() + c);
+  ASSERT_EQ(rest4.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(rest4.losses[i], whole.losses[4 + i], kLossTol) << "step " << 5 + i;
+  EXPECT_LT(max_weight_diff(rest4, whole, "sharded ep 2 -> ep 2 x tp 2"), kWeightTol);
 }
 
 TEST_F(MoeParity, RefusedLayoutsSayWhy) {
@@ -203,9 +351,6 @@ TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   r = run(mpirun(2) + base + " --model.preset llama-tiny --model.moe_experts 3 --parallel.ep 2");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("must be divisible by parallel.ep"), std::string::npos) << r.output;
-  r = run(mpirun(4) + base + kMoe + " --parallel.tp 2 --parallel.ep 2");
-  EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("not split over tensor-parallel ranks"), std::string::npos) << r.output;
   r = run(mpirun(2) + base + kMoe + " --parallel.tp 2 --parallel.sequence_parallel true");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("sequence_parallel with a mixture of experts"), std::string::npos) << r.output;
