@@ -376,8 +376,9 @@ void GroupImpl::run_inline(std::unique_ptr<Op> op) {
     // mostly its peers arriving (their compute's skew, ~0.1 ms per collective in a tp step): it
     // polls, yielding, for up to 2 ms before backing off into sleeps like the communication thread
     // (which must not spin: it shares the cores with compute). Measured on a 2-core Xeon, tp2
-    // gpt2-mini (bench/tp_inline.sh): exposed tp time per step 2.8 -> 1.3 ms fp32, 5.6 -> 1.7 ms
-    // bf16 + SP with the sleeps of up to MESHTRAIN_COMM_POLL_US (50 us) replaced by yields.
+    // gpt2-mini (bench/tp_inline.sh, docs/benchmarks.md): bf16 + SP step 18.3 -> 13.1 ms, exposed
+    // tp time 5.6 -> 2.2 ms (fp32 18.9 -> 16.8, 2.8 -> 2.3), where sleeping made the inline path
+    // slower than the communication thread (16.1 / 3.8).
     constexpr int64_t kInlineSpinNs = 2'000'000;
     const int64_t spin_until = now_ns() + kInlineSpinNs;
     unsigned idle = 0;
