@@ -133,7 +133,9 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   Tensor pw = Tensor::zeros({P}, DType::F32, MemCategory::Workspace), pg = Tensor::zeros({P}, DType::F32, MemCategory::Workspace),
          pm = Tensor::zeros({P}, DType::F32, MemCategory::Workspace), pv = Tensor::zeros({P}, DType::F32, MemCategory::Workspace);
   Tensor pb = Tensor::zeros({use_bf16 ? P : 1}, DType::BF16, MemCategory::Workspace);
-  const int64_t NF = N * std::max(F, C);
+  int64_t widest = std::max(F, C);  // every row width the kernels below touch
+  for (auto [in, o] : lin) widest = std::max({widest, in, o});
+  const int64_t NF = N * widest;
   std::vector<float> ea(sz(NF), 0.01f), eb(sz(NF), 0.02f), ec(sz(NF)), ed(sz(NF)), nw(sz(C), 1.0f), nb(sz(C), 0.0f),
       mean(sz(N)), rstd(sz(N)), ndw(sz(C)), ndb(sz(C)), losses(sz(N));
   float* logits = out.data();  // [N, max_out], max_out >= V
