@@ -44,6 +44,48 @@ class MoeParity : public ParityFixture {
     }
     return m;
   }
+  // The 8 steps' aux losses of run `other` equal run `ref`'s (1e-5) and, with `tokens`, so do the
+  // tokens per expert. Returns the largest |aux difference|.
+  double expect_same_routing(const std::string& ref, const std::string& other, bool tokens, const std::string& what = "") {
+    const Moe a = moe(ref), b = moe(other);
+    EXPECT_EQ(b.aux.size(), 8u);
+    if (b.aux.size() != 8u || a.aux.size() < 8u) return 0.0;
+    double worst = 0;
+    for (size_t i = 0; i < 8; ++i) {
+      EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << what << "aux loss, step " << i + 1;
+      worst = std::max(worst, std::abs(a.aux[i] - b.aux[i]));
+      if (tokens) {
+        EXPECT_EQ(a.tokens[i], b.tokens[i]) << what << "tokens per expert, step " << i + 1;
+      }
+    }
+    return worst;
+  }
+  // Model state per rank, exactly: the strategy's flat buffers (DDP, fp32: 16 bytes per element)
+  // plus the local experts' weights, gradients and two moments.
+  static void expect_ddp_model_state(const nlohmann::json& fin, size_t ranks) {
+    const int64_t flat = fin.at("flat_size").get<int64_t>();
+    const auto& es = fin.at("expert_state_bytes");
+    ASSERT_EQ(fin.at("mem_resident_by_category_per_rank").size(), ranks);
+    for (const auto& r : fin.at("mem_resident_by_category_per_rank")) {
+      EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
+      EXPECT_EQ(r.at("grads").get<int64_t>(), 4 * flat + es.at("grads").get<int64_t>());
+      EXPECT_EQ(r.at("optimizer").get<int64_t>(), 8 * flat + es.at("optimizer").get<int64_t>());
+    }
+  }
+  // The Meta dry run of each of `world` ranks with `args` builds the real run's layout: its model
+  // state is the real run's (`fin`), to the byte (activations and all-to-all bytes depend on the
+  // routing, which a dry run cannot see: it assumes an even spread).
+  void expect_dry_runs_match(int world, const std::string& args, const nlohmann::json& fin) {
+    for (int r = 0; r < world; ++r) {
+      const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
+      RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world " + std::to_string(world) +
+                     " --rank " + std::to_string(r) + args + " --log.metrics_out " + m);
+      ASSERT_EQ(d.code, 0) << d.output;
+      const auto dj = final_metrics(m).at("mem_resident_by_category");
+      const auto& rj = fin.at("mem_resident_by_category_per_rank")[r];
+      for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+    }
+  }
 };
 
 TEST_F(MoeParity, ExpertParallelTwoRanksMatchesOneRank) {
@@ -51,12 +93,7 @@ TEST_F(MoeParity, ExpertParallelTwoRanksMatchesOneRank) {
   auto ep = train(2, 2, 1, "ep2", kMoe + " --parallel.ep 2");
   ASSERT_FALSE(ep.losses.empty());
   expect_close(ref, ep, kLossTol, kWeightTol, "ep=2");
-  const Moe a = moe("ref"), b = moe("ep2");
-  ASSERT_EQ(b.aux.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) {
-    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
-    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert, step " << i + 1;
-  }
+  expect_same_routing("ref", "ep2", true);
   // Dropless: 2 MoE layers x 2 choices x 4 sequences of 32 tokens per step x 8 steps, all served.
   EXPECT_EQ(ep.final.at("moe_dropped_tokens").get<int64_t>(), 0);
   int64_t total = 0;
@@ -66,29 +103,10 @@ TEST_F(MoeParity, ExpertParallelTwoRanksMatchesOneRank) {
   // The tokens travelled: the ep group's counters hold the all-to-all's bytes.
   EXPECT_GT(ep.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
   EXPECT_GT(ep.final.at("ep_all_to_all_bytes_per_step").get<int64_t>(), 0);
-  // Model state per rank, exactly: the strategy's flat buffers (DDP, fp32: 16 bytes per element)
-  // plus the local experts' weights, gradients and two moments.
-  const int64_t flat = ep.final.at("flat_size").get<int64_t>();
-  const auto& es = ep.final.at("expert_state_bytes");
-  for (const auto& r : ep.final.at("mem_resident_by_category_per_rank")) {
-    EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
-    EXPECT_EQ(r.at("grads").get<int64_t>(), 4 * flat + es.at("grads").get<int64_t>());
-    EXPECT_EQ(r.at("optimizer").get<int64_t>(), 8 * flat + es.at("optimizer").get<int64_t>());
-  }
+  expect_ddp_model_state(ep.final, 2);
   // Each rank holds half of the routed experts: 2 of 4 per MoE layer, 3 C x F weights each.
-  EXPECT_EQ(es.at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64);
-  // The Meta dry run of each rank builds the same layout: its model state is the real run's, to
-  // the byte (activations and all-to-all bytes depend on the routing, which a dry run cannot see:
-  // it assumes an even spread).
-  for (int r = 0; r < 2; ++r) {
-    const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
-    RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world 2 --rank " + std::to_string(r) +
-                   kMoe + " --parallel.ep 2 --train.micro_batch 2 --log.metrics_out " + m);
-    ASSERT_EQ(d.code, 0) << d.output;
-    const auto dj = final_metrics(m).at("mem_resident_by_category");
-    const auto& rj = ep.final.at("mem_resident_by_category_per_rank")[r];
-    for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
-  }
+  EXPECT_EQ(ep.final.at("expert_state_bytes").at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64);
+  expect_dry_runs_match(2, kMoe + " --parallel.ep 2 --train.micro_batch 2", ep.final);
 }
 
 TEST_F(MoeParity, ExpertParallelFourRanksMatchesOneRank) {
@@ -96,9 +114,7 @@ TEST_F(MoeParity, ExpertParallelFourRanksMatchesOneRank) {
   auto ep = train(4, 2, 1, "ep4", kMoe + " --parallel.ep 4");
   ASSERT_FALSE(ep.losses.empty());
   expect_close(ref, ep, kLossTol, kWeightTol, "ep=4");
-  const Moe a = moe("ref"), b = moe("ep4");
-  ASSERT_EQ(b.aux.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+  expect_same_routing("ref", "ep4", false);
 }
 
 // ep 2 inside 4 data-parallel ranks: the expert gradients are also reduced over the 2 ranks that
@@ -108,9 +124,7 @@ TEST_F(MoeParity, ExpertParallelWithFullShardMatchesOneRank) {
   auto ep = train(4, 2, 1, "ep2fs", kMoe + " --parallel.ep 2 --parallel.strategy FULL_SHARD");
   ASSERT_FALSE(ep.losses.empty());
   expect_close(ref, ep, kLossTol, kWeightTol, "ep=2 x FULL_SHARD 4");
-  const Moe a = moe("ref"), b = moe("ep2fs");
-  ASSERT_EQ(b.aux.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+  expect_same_routing("ref", "ep2fs", false);
   EXPECT_GT(ep.final.at("comm_bytes_by_group").value("edp", int64_t{0}), 0);
   // The same over a hybrid mesh (2 replicas x 2 shards) and ZeRO-1 with every rank's own experts.
   auto hy = train(4, 2, 1, "ep2hy", kMoe + " --parallel.ep 2 --parallel.strategy HYBRID_SHARD --parallel.dp_replicate 2");
@@ -124,9 +138,7 @@ TEST_F(MoeParity, ExpertParallelWithPipelineMatchesOneRank) {
   auto ep = train(4, 2, 2, "ep2pp2", kMoe + " --parallel.ep 2 --parallel.pp 2");
   ASSERT_FALSE(ep.losses.empty());
   expect_close(ref, ep, kLossTol, kWeightTol, "ep=2 x pp=2");
-  const Moe a = moe("ref"), b = moe("ep2pp2");
-  ASSERT_EQ(b.aux.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
+  expect_same_routing("ref", "ep2pp2", false);
 }
 
 // Expert parallelism with tensor parallelism (Megatron's expert-tensor-parallel = tp): ep 2 x tp 2
@@ -138,39 +150,17 @@ TEST_F(MoeParity, ExpertParallelWithTensorParallelMatchesOneRank) {
   auto et = train(4, 2, 1, "ep2tp2", kMoe + " --parallel.ep 2 --parallel.tp 2");
   ASSERT_FALSE(et.losses.empty());
   expect_close(ref, et, kLossTol, kWeightTol, "llama MoE, ep=2 x tp=2");
-  const Moe a = moe("ref"), b = moe("ep2tp2");
-  ASSERT_EQ(b.aux.size(), 8u);
-  double maxaux = 0;
-  for (size_t i = 0; i < 8; ++i) {
-    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
-    maxaux = std::max(maxaux, std::abs(a.aux[i] - b.aux[i]));
-    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert, step " << i + 1;
-  }
+  const double maxaux = expect_same_routing("ref", "ep2tp2", true);
   std::printf("[ep=2 x tp=2] max |d aux| %.3g\n", maxaux);
   EXPECT_EQ(et.final.at("moe_dropped_tokens").get<int64_t>(), 0);
   EXPECT_GT(et.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
   EXPECT_GT(et.final.at("comm_bytes_by_group").value("tp", int64_t{0}), 0);
   // Model state per rank, exactly: DDP's flat buffers plus the local experts' tp slices: 2 of 4
   // experts per MoE layer, 3 matrices of C x F / tp each.
-  const int64_t flat = et.final.at("flat_size").get<int64_t>();
-  const auto& es = et.final.at("expert_state_bytes");
-  EXPECT_EQ(es.at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64 / 2);
-  ASSERT_EQ(et.final.at("mem_resident_by_category_per_rank").size(), 4u);
-  for (const auto& r : et.final.at("mem_resident_by_category_per_rank")) {
-    EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
-    EXPECT_EQ(r.at("grads").get<int64_t>(), 4 * flat + es.at("grads").get<int64_t>());
-    EXPECT_EQ(r.at("optimizer").get<int64_t>(), 8 * flat + es.at("optimizer").get<int64_t>());
-  }
+  EXPECT_EQ(et.final.at("expert_state_bytes").at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64 / 2);
+  expect_ddp_model_state(et.final, 4);
   // The dry run of every rank builds the same layout: the real run's model state, to the byte.
-  for (int r = 0; r < 4; ++r) {
-    const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
-    RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world 4 --rank " + std::to_string(r) +
-                   kMoe + " --parallel.ep 2 --parallel.tp 2 --train.micro_batch 2 --log.metrics_out " + m);
-    ASSERT_EQ(d.code, 0) << d.output;
-    const auto dj = final_metrics(m).at("mem_resident_by_category");
-    const auto& rj = et.final.at("mem_resident_by_category_per_rank")[r];
-    for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
-  }
+  expect_dry_runs_match(4, kMoe + " --parallel.ep 2 --parallel.tp 2 --train.micro_batch 2", et.final);
   const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
                           " --model.moe_aux_loss_coef 0.02";
   // Both in the full format (Hugging Face layout: GPT-2's Conv1D weights transposed), which also
@@ -179,9 +169,7 @@ TEST_F(MoeParity, ExpertParallelWithTensorParallelMatchesOneRank) {
   auto get = train(4, 2, 1, "gep2tp2", gpt + " --parallel.ep 2 --parallel.tp 2 --train.checkpoint_format full");
   ASSERT_FALSE(get.losses.empty());
   expect_close(gref, get, kLossTol, kWeightTol, "gpt2 MoE, ep=2 x tp=2");
-  const Moe ga = moe("gref"), gb = moe("gep2tp2");
-  ASSERT_EQ(gb.aux.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(ga.aux[i], gb.aux[i], 1e-5) << "gpt2 aux loss, step " << i + 1;
+  expect_same_routing("gref", "gep2tp2", false, "gpt2 ");
 }
 
 // Tensor parallelism splits every expert's hidden width (ep = 1): Llama experts with a shared
@@ -191,12 +179,7 @@ TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
   auto tp = train(2, 2, 1, "tp2", kMoe + " --parallel.tp 2");
   ASSERT_FALSE(tp.losses.empty());
   expect_close(ref, tp, kLossTol, kWeightTol, "llama MoE, tp=2");
-  const Moe a = moe("ref"), b = moe("tp2");
-  ASSERT_EQ(b.aux.size(), 8u);
-  for (size_t i = 0; i < 8; ++i) {
-    EXPECT_NEAR(a.aux[i], b.aux[i], 1e-5) << "aux loss, step " << i + 1;
-    EXPECT_EQ(a.tokens[i], b.tokens[i]) << "tokens per expert (counted once over tp), step " << i + 1;
-  }
+  expect_same_routing("ref", "tp2", true, "(tokens counted once over tp) ");
   const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1";
   auto gref = train(1, 2, 2, "gref", gpt);
   auto gtp = train(4, 2, 1, "gtp", gpt + " --parallel.tp 2 --parallel.strategy FULL_SHARD");
