@@ -112,6 +112,13 @@ dnnl::engine& engine_locked(Bf16Cache& c) {
   return *c.eng;
 }
 
+// Whether oneDNN's bf16 matmul may serve at all: native bf16 arithmetic (AVX512_BF16 or AMX) and
+// no test forcing the widening path. Per shape it may still lack a primitive (bf16_entry).
+bool bf16_native_possible() {
+  apply_isa_cap();
+  return !bf16_cache().force_fallback && active_isa() >= CpuIsa::AVX512_BF16;
+}
+
 std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
   apply_isa_cap();
   Bf16Cache& c = bf16_cache();
@@ -122,7 +129,7 @@ std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
   // Without AVX512_BF16 (or AMX) oneDNN can still build a bf16 matmul on AVX-512, emulating the
   // bf16 products; measured on Zen 4 capped at avx512 it ran at 72-76 GFLOP/s against 140-184 for
   // widening to fp32 + sgemm (docs/benchmarks.md, "CPU instruction sets"): widen there.
-  if (!c.force_fallback && active_isa() >= CpuIsa::AVX512_BF16) {
+  if (bf16_native_possible()) {
     using dt = dnnl::memory::data_type;
     using dims = dnnl::memory::dims;
     e->a_md = dnnl::memory::desc({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
@@ -355,10 +362,11 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     scale_c(C, M * N, beta);
     return;
   }
-  if (!bf16_entry(dense_key(ta, tb, M, N, K, alpha, beta))->native) {
+  if (!bf16_native_possible()) {
     gemm_bf16_widened(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
     return;
   }
+  // Each block looks up (or builds) its own primitive and widens where none exists.
   gemm_bf16_split(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
 }
 
