@@ -254,6 +254,10 @@ int main(int argc, char** argv) {
     rec("cross-entropy fused fwd+grad (1024x50304)", 1, median_ms([&] {
           K.softmax_cross_entropy(logits.data(), losses.data(), targets.data(), N, V, VP, 1.0f / N);
         }));
+    std::memcpy(logits.data(), logits0.data(), logits.size() * 4);
+    rec("cross-entropy fused, bf16 gradient (bf16 runs)", 0, median_ms([&] {
+          K.softmax_cross_entropy_bf16(logits.data(), losses.data(), targets.data(), N, V, VP, 1.0f / N);
+        }));
     rec("cross-entropy forward only", 0, median_ms([&] {
           K.softmax_cross_entropy_forward(logits0.data(), losses.data(), targets.data(), N, V, VP);
         }));
@@ -261,7 +265,11 @@ int main(int argc, char** argv) {
     rec("embedding bwd", 1, median_ms([&] { K.embedding_backward(dwte.data(), dx.data(), ids.data(), N, C); }));
     rec("adamw (30.3M params)", 1, median_ms([&] {
           K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
-                       0.1f, 10, 1.0f);
+                       0.1f, 10, 1.0f, nullptr);
+        }));
+    rec("adamw + its bf16 copy (bf16 runs)", 0, median_ms([&] {
+          K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
+                       0.1f, 10, 1.0f, reinterpret_cast<bf16*>(dwte.data()));
         }));
     rec("cast f32->bf16 (30.3M)", 0, median_ms([&] {
           K.cast_f32_to_bf16(reinterpret_cast<bf16*>(pm.data()), p.data(), nparams);

@@ -42,6 +42,9 @@ struct KernelTable {
                               int64_t OC);
   void (*linear_backward_bf16)(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
                                const bf16* W, int64_t N, int64_t C, int64_t OC);
+  // The same two GEMMs (no bias) from an output gradient that is already bf16 (cpu/gemm.h).
+  void (*linear_backward_bf16_dy)(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W, int64_t N,
+                                  int64_t C, int64_t OC);
   // --- norms (cpu/norm.h) ---
   void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
                             int64_t N, int64_t C, float eps);
@@ -100,6 +103,9 @@ struct KernelTable {
   // --- loss (cpu/loss.h) ---
   void (*softmax_cross_entropy)(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                 int64_t Vp, float dloss);
+  // softmax_cross_entropy with the gradient left in bf16 over the logits' storage (cpu/loss.h).
+  void (*softmax_cross_entropy_bf16)(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t Vp, float dloss);
   void (*softmax_cross_entropy_forward)(const float* logits, float* losses, const int32_t* targets, int64_t N,
                                         int64_t V, int64_t Vp);
   // Vocab-parallel cross-entropy (Megatron) over a rank's `Vl` logit columns of which the first
@@ -126,7 +132,7 @@ struct KernelTable {
                                const float* w, int64_t N, int64_t k, int64_t C);
   // --- optimizer (cpu/adamw.h) ---
   void (*adamw_update)(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
-                       float beta2, float eps, float weight_decay, int64_t step, float grad_scale);
+                       float beta2, float eps, float weight_decay, int64_t step, float grad_scale, bf16* param_bf16);
 };
 
 // The table of device d. For Device::CUDA in a build without the CUDA backend this throws an error

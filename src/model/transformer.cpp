@@ -108,6 +108,9 @@ struct Transformer::Slot {
   Tensor ids, targets, head_in, head_in_bf, head_mean, head_rstd, logits, losses;
   Tensor head_dx;          // chunked head: the head input's gradient, computed by the forward
   bool chunked = false;    // the last forward of this slot used the chunked head
+  // The training forward left the logits' gradient in bf16, a dense [N, Vp] matrix over the first
+  // half of the logits' storage: bf16 compute, whole head, tp = 1, no chunked head-weight gradient.
+  bool grad_bf16 = false;
 };
 
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute, ModelStorage storage,
@@ -969,8 +972,13 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
       if (targets[i] >= V)
         throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
     dev::copy_from_host(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
+    // In bf16 the head's backward multiplies the logits' gradient in bf16: with the whole vocabulary
+    // here (tp = 1) the loss rounds it as it writes it, saving the fp32 gradient and a cast pass.
+    s.grad_bf16 = train && bf && !s.chunked && !tpc_.tp() && !(defer_emb_ && head_chunk_done_);
     if (s.chunked)
       chunked_head_forward(hin, train, dloss_scale);
+    else if (s.grad_bf16)
+      kt_->softmax_cross_entropy_bf16(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
     else
       VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp)
           .forward(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
@@ -991,6 +999,7 @@ const bf16* Transformer::head_wb() const {
   if (tied_w_.defined()) return tied_w_.bf();
   return wb(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
 }
+const bf16* Transformer::head_grad_bf16() const { return reinterpret_cast<const bf16*>(s_->logits.f32()); }
 float* Transformer::head_gp() const {
   if (tied_g_.defined()) return tied_g_.f32();
   return gp(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
@@ -1033,7 +1042,18 @@ void Transformer::backward_units(int first, int last, const float* dout) {
       for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
         const int64_t cv = std::min(rows, Vp - r0);
         const float* dl = s.logits.f32();
-        if (cv < Vp) {  // the chunk's columns of the logits' gradient, contiguous
+        if (s.grad_bf16 && cv == Vp) {
+          kt_->linear_backward_bf16_dy(dhin, head_gp(), head_grad_bf16(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
+          head_chunk_done_(r0, r0 + cv);
+          continue;
+        }
+        if (s.grad_bf16) {
+          // The forward chose the bf16 gradient before the deferral was switched on (a schedule that
+          // interleaves micro-batches): the chunk's columns, widened exactly (cast back unchanged).
+          const bf16* g = head_grad_bf16();
+          for (int64_t n = 0; n < N; ++n) kt_->cast_bf16_to_f32(head_chunk_buf_.f32() + n * cv, g + n * Vp + r0, cv);
+          dl = head_chunk_buf_.f32();
+        } else if (cv < Vp) {  // the chunk's columns of the logits' gradient, contiguous
           kt_->copy_columns(head_chunk_buf_.f32(), dl, N, Vp, r0, cv);
           dl = head_chunk_buf_.f32();
         }
@@ -1043,6 +1063,9 @@ void Transformer::backward_units(int first, int last, const float* dout) {
           kt_->linear_backward(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in.f32(), head_wf() + r0 * C, N, C, cv);
         head_chunk_done_(r0, r0 + cv);
       }
+    } else if (s.grad_bf16) {
+      dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
+      kt_->linear_backward_bf16_dy(dhin, head_gp(), head_grad_bf16(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
     } else {
       // The head is column-parallel over the vocabulary; its input was kept with every row.
       Weight w;

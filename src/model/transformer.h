@@ -273,6 +273,7 @@ class Transformer {
   const float* head_wf();
   const bf16* head_wb() const;
   float* head_gp() const;
+  const bf16* head_grad_bf16() const;  // the loss's bf16 gradient over the logits (Slot::grad_bf16)
 
   ModelConfig cfg_;
   DType compute_;

@@ -80,10 +80,9 @@ double ExpertParallel::grad_norm_sq() {
 
 void ExpertParallel::optimizer_step(double lr, float grad_scale) {
   if (model_.expert_size() == 0) return;
-  adam_.step(model_.expert_weights().f32(), model_.expert_grads().f32(), lr, grad_scale);
-  if (model_.compute_dtype() == DType::BF16)
-    model_.kernels().cast_f32_to_bf16(model_.expert_compute_weights().bf(), model_.expert_weights().f32(),
-                                      model_.expert_size());
+  const bool bf = model_.compute_dtype() == DType::BF16;
+  adam_.step(model_.expert_weights().f32(), model_.expert_grads().f32(), lr, grad_scale, false, false,
+             bf ? model_.expert_compute_weights().bf() : nullptr);
 }
 
 std::string ExpertParallel::name_on_rank(const ParamInfo& p, int r) const {

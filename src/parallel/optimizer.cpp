@@ -23,13 +23,16 @@ std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
   return v;
 }
 
-void AdamW::step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state, bool g_by_state) {
+void AdamW::step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state, bool g_by_state,
+                 bf16* compute) {
   ++step_;
   for (const auto& sp : spans_) {
-    kernels::table(m_.device()).adamw_update(weights + (w_by_state ? sp.s_off : sp.w_off), grads + (g_by_state ? sp.s_off : sp.w_off),
+    const int64_t w = w_by_state ? sp.s_off : sp.w_off;
+    kernels::table(m_.device()).adamw_update(weights + w, grads + (g_by_state ? sp.s_off : sp.w_off),
                           m_.f32() + sp.s_off, v_.f32() + sp.s_off, sp.n, static_cast<float>(lr),
                           static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
-                          sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, step_, grad_scale);
+                          sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, step_, grad_scale,
+                          compute ? compute + w : nullptr);
   }
 }
 

@@ -32,9 +32,10 @@ class AdamW {
   // (Not merged across parameters, so norms can be weighted per parameter.)
   static std::vector<AdamSpan> full_spans(const std::vector<ParamInfo>& params);
   // One update. `weights` is indexed by w_off (or by s_off when w_by_state), `grads` by w_off
-  // (or s_off when g_by_state). grad_scale multiplies every gradient (clipping).
+  // (or s_off when g_by_state). grad_scale multiplies every gradient (clipping). compute (may be
+  // null): a bf16 copy of the weights, indexed as `weights`, refreshed in the same pass.
   void step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state = false,
-            bool g_by_state = false);
+            bool g_by_state = false, bf16* compute = nullptr);
   int64_t step_count() const { return step_; }
   void set_step_count(int64_t s) { step_ = s; }
   Tensor& exp_avg() { return m_; }

@@ -63,8 +63,10 @@ class DdpStrategy final : public Strategy {
     return s;
   }
   void optimizer_step(double lr, float scale, StepComm*) override {
-    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale);
-    model_.sync_compute_weights();
+    // bf16: the compute copy is refreshed by the update itself (padding, in no span, never changes).
+    const bool bf = model_.compute_dtype() == DType::BF16;
+    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale, false, false,
+               bf ? model_.compute_weights().bf() : nullptr);
     model_.zero_grads();
   }
   int64_t adam_steps() const override { return adam_.step_count(); }

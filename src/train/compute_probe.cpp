@@ -128,7 +128,7 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   // model/tp_layers.cpp): per block two norms forward and backward, the activation, two residual
   // adds each way, in bf16 the casts of the linears' inputs and output gradients; the final norm,
   // the fused cross-entropy over [tokens, vocabulary / tp] and its input cast, the embedding; then
-  // the optimizer step over the rank's parameters (zeroed gradients, their norm, AdamW, bf16 copy).
+  // the optimizer step over the rank's parameters (zeroed gradients, their norm, AdamW writing the bf16 copy).
   const int64_t P = std::max<int64_t>(1, m.num_params() / t);
   Tensor pw = Tensor::zeros({P}, DType::F32, MemCategory::Workspace), pg = Tensor::zeros({P}, DType::F32, MemCategory::Workspace),
          pm = Tensor::zeros({P}, DType::F32, MemCategory::Workspace), pv = Tensor::zeros({P}, DType::F32, MemCategory::Workspace);
@@ -172,13 +172,17 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
     }
     norm();
     if (use_bf16) K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
-    K.softmax_cross_entropy(logits, losses.data(), ids.data(), N, std::min<int64_t>(V, m.vocab_size), V, 1.0f);
+    // (in bf16 without tp the loss leaves the head's gradient in bf16 itself)
+    if (use_bf16 && t == 1)
+      K.softmax_cross_entropy_bf16(logits, losses.data(), ids.data(), N, std::min<int64_t>(V, m.vocab_size), V, 1.0f);
+    else
+      K.softmax_cross_entropy(logits, losses.data(), ids.data(), N, std::min<int64_t>(V, m.vocab_size), V, 1.0f);
     K.embedding_forward(ec.data(), ids.data(), table, N, C);
     K.embedding_backward(dtable, eb.data(), ids.data(), N, C);
     pg.zero_();
     g_sink = static_cast<float>(K.sum_squares(pg.f32(), P));
-    K.adamw_update(pw.f32(), pg.f32(), pm.f32(), pv.f32(), P, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.0f);
-    if (use_bf16) K.cast_f32_to_bf16(pb.bf(), pw.f32(), P);
+    K.adamw_update(pw.f32(), pg.f32(), pm.f32(), pv.f32(), P, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 1.0f,
+                   use_bf16 ? pb.bf() : nullptr);  // the bf16 copy in the same pass
   };
   elementwise_step();  // warm-up: first touch of the buffers
   double t_elem = 0;

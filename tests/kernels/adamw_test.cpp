@@ -1,5 +1,6 @@
 // AdamW against hand-computed values and a double-precision re-statement of torch.optim.AdamW.
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/activation.h"
 
 #include <gtest/gtest.h>
 
@@ -82,6 +83,28 @@ TEST(AdamW, DeterministicAcrossThreadCounts) {
     return p;
   };
   EXPECT_TRUE(kt::bitwise_equal(run(1), run(2)));
+}
+
+// The bf16 copy written by the update is the updated fp32 weight rounded as cast_f32_to_bf16
+// rounds it (every element, tail block included), and the fp32 results do not change.
+TEST(AdamW, Bf16CopyInTheSamePassEqualsCastAfterwards) {
+  const int64_t n = 100003;
+  auto p0 = kt::randn(size_t(n), 31), g = kt::randn(size_t(n), 32);
+  auto a = p0, b = p0;
+  std::vector<float> ma(size_t(n), 0.1f), va(size_t(n), 0.01f), mb = ma, vb = va;
+  std::vector<bf16> copy(size_t(n), bf16{0xffff});
+  std::vector<bf16> want(static_cast<size_t>(n));
+  adamw_update(a.data(), g.data(), ma.data(), va.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.8f);
+  kt::with_threads(2, [&] {
+    adamw_update(b.data(), g.data(), mb.data(), vb.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, 0.8f, copy.data());
+  });
+  EXPECT_TRUE(kt::bitwise_equal(a, b));
+  EXPECT_TRUE(kt::bitwise_equal(ma, mb));
+  EXPECT_TRUE(kt::bitwise_equal(va, vb));
+  cast_f32_to_bf16(want.data(), a.data(), n);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ += copy[size_t(i)].bits != want[size_t(i)].bits;
+  EXPECT_EQ(differ, 0);
 }
 
 }  // namespace

@@ -303,8 +303,8 @@ TEST(CudaKernels, AdamW) {
   for (int64_t step = 1; step <= 3; ++step) {
     auto g = kt::randn(n, 50 + step);
     DBuf<float> dg(g);
-    C().adamw_update(p.data(), g.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.7f);
-    G().adamw_update(dp.p, dg.p, dm.p, dv.p, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.7f);
+    C().adamw_update(p.data(), g.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.7f, nullptr);
+    G().adamw_update(dp.p, dg.p, dm.p, dv.p, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.7f, nullptr);
   }
   EXPECT_TRUE(near(dp.host(), p, 1e-6, 1e-7)) << "adamw param";
   EXPECT_TRUE(near(dm.host(), m, 1e-6, 1e-8)) << "adamw m";

@@ -298,6 +298,33 @@ TEST(LinearBf16, ForwardAndBackwardMatchRoundedReference) {
   EXPECT_TRUE(kt::close(ab, plus(g0b, db), 1e-6, 1e-6));
 }
 
+// An output gradient that is already bf16 (the LM head's, as softmax_cross_entropy_bf16 leaves
+// it): the same sums as linear_backward_bf16 on the fp32 gradient it rounds, bit for bit, on the
+// default and the widening path, with a vocabulary-sized width (dinp's K split engages), and
+// accumulating.
+TEST(LinearBf16, BackwardFromBf16GradientEqualsRoundedFp32Gradient) {
+  const int64_t N = 48, C = 40, OC = 20000;
+  auto x16 = to_bf16(kt::randn(N * C, 61)), W16 = to_bf16(kt::randn(OC * C, 62, 0.05f));
+  auto dout = kt::randn(N * OC, 63, 1e-3f);
+  auto d16 = to_bf16(dout);
+  for (bool widen : {false, true}) {
+    detail::set_bf16_force_fallback(widen);
+    auto ax = kt::randn(N * C, 64), aW = kt::randn(OC * C, 65);
+    auto bx = ax, bW = aW;
+    linear_backward_bf16(ax.data(), aW.data(), nullptr, dout.data(), x16.data(), W16.data(), N, C, OC);
+    linear_backward_bf16_dy(bx.data(), bW.data(), d16.data(), x16.data(), W16.data(), N, C, OC);
+    EXPECT_TRUE(kt::bitwise_equal(ax, bx)) << (widen ? "widened" : "default");
+    EXPECT_TRUE(kt::bitwise_equal(aW, bW)) << (widen ? "widened" : "default");
+  }
+  detail::set_bf16_force_fallback(false);
+  // Against the double reference of the rounded gradient.
+  std::vector<float> dx(N * C, 0.0f);
+  linear_backward_bf16_dy(dx.data(), nullptr, d16.data(), x16.data(), W16.data(), N, C, OC);
+  auto want = ref_gemm(false, false, N, C, OC, 1.0, bf16_to_double(d16), bf16_to_double(W16), 0.0,
+                       std::vector<double>(N * C, 0.0));
+  EXPECT_TRUE(kt::close(dx, want, 1e-5, 2e-5 * std::sqrt(double(OC)) * 1e-3));
+}
+
 // The gradient check must reject a wrong gradient: a linear backward that forgets the bias
 // broadcast (dbias from only the first row) or transposes W is caught at these tolerances.
 TEST(Linear, GradientCheckRejectsWrongGradient) {

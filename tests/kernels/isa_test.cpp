@@ -237,11 +237,19 @@ TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
     k.vp_ce_finish(vl.data(), l3.data(), mx.data(), st.data(), tg.data(), N, Vp, 600, 0, true, 0.5f);
     o = {l1, l2, lg, mx, st, l3, vl};
   }, 1e-5, 1e-7);
+  check("cross-entropy, bf16 gradient", [&](const KernelTable& k, Out& o) {
+    std::vector<float> lg = logits, l(N);
+    k.softmax_cross_entropy_bf16(lg.data(), l.data(), tg.data(), N, V, Vp, 1.0f / N);
+    std::vector<bf16> g(N * Vp);
+    std::memcpy(g.data(), lg.data(), g.size() * sizeof(bf16));
+    o = {l, bf_to_f(g)};
+  }, 1e-5, 1e-7);
   check("adamw", [&](const KernelTable& k, Out& o) {
     std::vector<float> p = x, m = y, v(n);
     for (int64_t i = 0; i < n; ++i) v[i] = std::abs(z[i]);
-    k.adamw_update(p.data(), z.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, 0.5f);
-    o = {p, m, v};
+    std::vector<bf16> pb(n);
+    k.adamw_update(p.data(), z.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, 0.5f, pb.data());
+    o = {p, m, v, bf_to_f(pb)};
   });
 }
 

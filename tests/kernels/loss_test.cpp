@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
+#include "runtime/dtype.h"
 #include "test_util.h"
 
 namespace mt::kernels::cpu {
@@ -87,6 +89,44 @@ TEST(CrossEntropy, StableForLargeLogitsAndDeterministic) {
     for (int64_t j = 0; j < Vp; ++j) s += g1[size_t(n * Vp + j)];
     EXPECT_NEAR(s, 0.0, 1e-6);
   }
+}
+
+// The bf16-gradient form equals the fp32 kernel followed by the cast, bit for bit: losses, every
+// gradient value (padded columns and ignored rows zero), at 1 and 2 threads, as a dense [N, Vp]
+// bf16 matrix over the first half of the logits' storage.
+TEST(CrossEntropy, Bf16GradientInPlaceEqualsFp32KernelThenCast) {
+  const int64_t N = 37, V = 1000, Vp = 1040;
+  auto logits = kt::randn(N * Vp, 7, 4.0f);
+  std::vector<int32_t> tg(N);
+  for (int64_t n = 0; n < N; ++n) tg[n] = n == 5 ? -1 : int32_t((n * 131) % V);
+  tg[3] = 0;
+  tg[4] = int32_t(V - 1);
+  const float dloss = 1.0f / N;
+  auto g32 = logits;
+  std::vector<float> l32(N);
+  softmax_cross_entropy(g32.data(), l32.data(), tg.data(), N, V, Vp, dloss);
+  for (int threads : {1, 2}) {
+    auto buf = logits;
+    std::vector<float> l16(N, -1.0f);
+    kt::with_threads(threads, [&] { softmax_cross_entropy_bf16(buf.data(), l16.data(), tg.data(), N, V, Vp, dloss); });
+    EXPECT_TRUE(kt::bitwise_equal(l16, l32)) << threads << " threads";
+    int64_t bad = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const unsigned char* row = reinterpret_cast<const unsigned char*>(buf.data()) + 2 * n * Vp;
+      for (int64_t j = 0; j < Vp; ++j) {
+        uint16_t got;
+        std::memcpy(&got, row + 2 * j, 2);
+        if (got != float_to_bf16(g32[size_t(n * Vp + j)]).bits) ++bad;
+      }
+    }
+    EXPECT_EQ(bad, 0) << threads << " threads";
+  }
+  // The loss is rejected where the fp32 one is.
+  std::vector<int32_t> out = tg;
+  out[0] = int32_t(V);
+  auto buf = logits;
+  std::vector<float> l(N);
+  EXPECT_THROW(softmax_cross_entropy_bf16(buf.data(), l.data(), out.data(), N, V, Vp, dloss), std::out_of_range);
 }
 
 TEST(CrossEntropy, RejectsTargetOutsideVocabulary) {

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
 MT_CPU_VARIANT_BEGIN
@@ -29,7 +30,7 @@ inline void sqrt_inplace(float* x, int64_t n) {
 }  // namespace
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, int64_t step, float grad_scale) {
+                  float beta2, float eps, float weight_decay, int64_t step, float grad_scale, bf16* param_bf16) {
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
   const float inv_bc1 = static_cast<float>(1.0 / bc1);
@@ -62,6 +63,11 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
       const float mhat = mb[i] * inv_bc1;
       const float p = pb[i];
       pb[i] = p - (lr * (mhat / (den[i] + eps)) + lr_wd * p);
+    }
+    if (param_bf16) {
+      bf16* ob = param_bf16 + i0;
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) ob[i] = detail::to_bf16(pb[i]);
     }
   }
 }

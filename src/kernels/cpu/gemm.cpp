@@ -397,10 +397,15 @@ void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dou
     bf16* d16 = s.as<bf16>(static_cast<size_t>(n));
 #pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
     for (int64_t i = 0; i < n; ++i) d16[i] = detail::to_bf16(dout[i]);
-    if (dinp) gemm_bf16(false, false, N, C, OC, 1.0f, d16, W, 1.0f, dinp);
-    if (dW) gemm_bf16(true, false, OC, C, N, 1.0f, d16, inp, 1.0f, dW);
+    linear_backward_bf16_dy(dinp, dW, d16, inp, W, N, C, OC);
   }
   if (dbias) bias_backward(dbias, dout, N, OC);
+}
+
+void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W,
+                             int64_t N, int64_t C, int64_t OC) {
+  if (dinp) gemm_bf16(false, false, N, C, OC, 1.0f, dout, W, 1.0f, dinp);
+  if (dW) gemm_bf16(true, false, OC, C, N, 1.0f, dout, inp, 1.0f, dW);
 }
 
 }  // namespace mt::kernels::cpu

@@ -31,5 +31,10 @@ void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float
 // accumulated as in linear_backward.
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
                           const bf16* W, int64_t N, int64_t C, int64_t OC);
+// The same two GEMMs (no bias) from an output gradient that is already bf16, dout [N, OC] (the LM
+// head's, as softmax_cross_entropy_bf16 leaves it). Dense on purpose: oneDNN's bf16 matmul with a
+// strided operand splits the sum differently on 1 and 2 threads.
+void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W,
+                             int64_t N, int64_t C, int64_t OC);
 
 }  // namespace mt::kernels::cpu

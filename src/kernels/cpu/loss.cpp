@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -35,6 +36,21 @@ float row_max(const float* x, int64_t V) {
   for (int64_t j = 0; j < V; ++j) m = x[j] > m ? x[j] : m;
   return m;
 }
+
+// One row's max, exponentials (in place) and loss; returns dloss / (sum of the exponentials).
+float ce_row_exp(float* x, float* loss, int32_t tgt, int64_t V, float dloss) {
+  const float m = row_max(x, V);
+  const float xt = x[tgt];
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < V; ++j) {
+    const float e = detail::exp_f(x[j] - m);
+    x[j] = e;
+    s += e;
+  }
+  *loss = std::log(s) + m - xt;
+  return dloss / s;
+}
 }  // namespace
 
 void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
@@ -49,22 +65,53 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
       losses[n] = 0.0f;
       continue;
     }
-    const float m = row_max(x, V);
-    const float xt = x[tgt];
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < V; ++j) {
-      const float e = detail::exp_f(x[j] - m);
-      x[j] = e;
-      s += e;
-    }
-    const float logs = std::log(s);
-    losses[n] = logs + m - xt;
-    const float f = dloss / s;
+    const float f = ce_row_exp(x, losses + n, tgt, V, dloss);
 #pragma omp simd
     for (int64_t j = 0; j < V; ++j) x[j] *= f;
     x[tgt] -= dloss;
     for (int64_t j = V; j < Vp; ++j) x[j] = 0.0f;
+  }
+}
+
+void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                int64_t Vp, float dloss) {
+  check_targets(targets, N, V, Vp, "softmax_cross_entropy_bf16");
+  bf16* grad = reinterpret_cast<bf16*>(logits);  // [N, Vp], over the first half of the logits
+  // Row n's gradient goes to bytes [2 n Vp, 2 (n + 1) Vp): inside the storage of row n / 2. Rows
+  // therefore run in waves [1, 2), [2, 4), [4, 8), ...: each wave writes only over rows an earlier
+  // wave has finished, its own rows in parallel. Row 0 writes over itself, a chunk at a time, each
+  // chunk read before it is stored (value j lands on float j / 2 <= j).
+  auto row = [&](int64_t n) {
+    float* x = logits + n * Vp;
+    unsigned char* g = reinterpret_cast<unsigned char*>(grad + n * Vp);
+    const int32_t tgt = targets[n];
+    if (tgt < 0) {
+      std::memset(g, 0, static_cast<size_t>(Vp) * sizeof(bf16));
+      losses[n] = 0.0f;
+      return;
+    }
+    const float f = ce_row_exp(x, losses + n, tgt, V, dloss);
+    constexpr int64_t kChunk = 64;
+    for (int64_t j0 = 0; j0 < Vp; j0 += kChunk) {
+      const int64_t c = std::min(kChunk, Vp - j0);
+      float e[kChunk];
+      bf16 o[kChunk];
+      std::memcpy(e, x + j0, static_cast<size_t>(c) * sizeof(float));
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) {
+        const int64_t j = j0 + i;
+        float v = j < V ? e[i] * f : 0.0f;
+        v = j == tgt ? v - dloss : v;
+        o[i] = detail::to_bf16(v);
+      }
+      std::memcpy(g + j0 * static_cast<int64_t>(sizeof(bf16)), o, static_cast<size_t>(c) * sizeof(bf16));
+    }
+  };
+  if (N > 0) row(0);
+  for (int64_t lo = 1; lo < N; lo *= 2) {
+    const int64_t hi = std::min(2 * lo, N);
+#pragma omp parallel for schedule(static) if ((hi - lo) * Vp > detail::kParallelMin)
+    for (int64_t n = lo; n < hi; ++n) row(n);
   }
 }
 

@@ -11,6 +11,12 @@ MT_CPU_NS_BEGIN
 // dloss * sum_n losses[n] w.r.t. the logits: (softmax - onehot) * dloss, zero in padded columns.
 void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                            int64_t Vp, float dloss);
+// The same loss, with the gradient rounded to bf16 (round to nearest even, as cast_f32_to_bf16)
+// and written as a dense [N, Vp] bf16 matrix over the first half of the logits' storage: equal,
+// bit for bit, to softmax_cross_entropy followed by a cast into a separate buffer, without the
+// fp32 gradient's write and the cast's pass (the bf16 LM head's backward reads it directly).
+void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                int64_t Vp, float dloss);
 // Forward only (losses), logits untouched: for eval.
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets,
                                    int64_t N, int64_t V, int64_t Vp);

@@ -6,6 +6,7 @@
 // only C-way parallelism: correct, not fast (docs/gpu.md, "what remains").
 // Cross-entropy targets live on the device, so they are not validated on the host as the CPU does:
 // a target >= V gives a NaN loss for that row (the trainer's finite check reports it).
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -88,6 +89,24 @@ __global__ void ce_k(float* logits, float* losses, const int32_t* targets, int64
   }
 }
 
+// Rows [row0, row0 + gridDim.x) of the fp32 gradient rounded to bf16 into a dense [N, Vp] bf16
+// matrix over the first half of the logits' storage, a tile of blockDim.x values at a time (every
+// thread reads its value, the block syncs, then writes). Row n lands inside row n / 2's storage, so
+// the host launches row 0 alone (its tiles land on floats it has read) and then the waves [1, 2),
+// [2, 4), ... in stream order, each over rows an earlier launch has finished.
+__global__ void grad_rows_to_bf16_k(float* logits, int64_t Vp, int64_t row0) {
+  const int64_t n = row0 + blockIdx.x;
+  const float* x = logits + n * Vp;
+  uint16_t* g = reinterpret_cast<uint16_t*>(logits) + n * Vp;
+  for (int64_t j0 = 0; j0 < Vp; j0 += blockDim.x) {
+    const int64_t j = j0 + threadIdx.x;
+    const float v = j < Vp ? x[j] : 0.0f;
+    __syncthreads();
+    if (j < Vp) g[j] = f32_to_bf16_bits(v);
+    __syncthreads();
+  }
+}
+
 __global__ void vp_rowmax_k(float* rowmax, const float* lg, int64_t Vl, int64_t valid) {
   __shared__ float shm[32];
   const int64_t n = blockIdx.x;
@@ -126,7 +145,8 @@ __global__ void vp_finish_k(float* lg, float* losses, const float* rowmax, const
 }
 
 __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
-                        float beta2, float eps, float lr_wd, float inv_bc1, float inv_bc2, float grad_scale) {
+                        float beta2, float eps, float lr_wd, float inv_bc1, float inv_bc2, float grad_scale,
+                        uint16_t* param_bf16) {
   MT_GRID_STRIDE(i, n) {
     const float g = grad[i] * grad_scale;
     const float mi = beta1 * m[i] + (1.0f - beta1) * g;
@@ -135,7 +155,9 @@ __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int
     v[i] = vi;
     const float den = sqrtf(vi * inv_bc2);
     const float p = param[i];
-    param[i] = p - (lr * ((mi * inv_bc1) / (den + eps)) + lr_wd * p);
+    const float np = p - (lr * ((mi * inv_bc1) / (den + eps)) + lr_wd * p);
+    param[i] = np;
+    if (param_bf16) param_bf16[i] = f32_to_bf16_bits(np);
   }
 }
 
@@ -192,6 +214,15 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
   ce_k<true><<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(logits, losses, targets, V, Vp, dloss);
   check_launch("softmax_cross_entropy");
 }
+void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+                                float dloss) {
+  softmax_cross_entropy(logits, losses, targets, N, V, Vp, dloss);
+  if (N <= 0) return;
+  grad_rows_to_bf16_k<<<1, kThreads, 0, stream()>>>(logits, Vp, 0);
+  for (int64_t lo = 1; lo < N; lo *= 2)
+    grad_rows_to_bf16_k<<<static_cast<unsigned>(std::min(2 * lo, N) - lo), kThreads, 0, stream()>>>(logits, Vp, lo);
+  check_launch("softmax_cross_entropy_bf16");
+}
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                    int64_t Vp) {
   check_vocab(V, Vp, "softmax_cross_entropy_forward");
@@ -220,14 +251,16 @@ void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* st
 }
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
-                  float eps, float weight_decay, int64_t step, float grad_scale) {
+                  float eps, float weight_decay, int64_t step, float grad_scale,
+                  bf16* param_bf16) {
   if (n <= 0) return;
   // Bias corrections as the CPU computes them (double, then float).
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
   adamw_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(param, grad, m, v, n, lr, beta1, beta2, eps,
                                                             lr * weight_decay, static_cast<float>(1.0 / bc1),
-                                                            static_cast<float>(1.0 / bc2), grad_scale);
+                                                            static_cast<float>(1.0 / bc2), grad_scale,
+                                                            reinterpret_cast<uint16_t*>(param_bf16));
   check_launch("adamw_update");
 }
 

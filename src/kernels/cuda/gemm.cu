@@ -163,10 +163,15 @@ void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dou
     // dout rounded to bf16 for the two GEMMs, as the CPU does.
     bf16* d16 = static_cast<bf16*>(scratch(kScratchTmp, static_cast<size_t>(N * OC) * sizeof(bf16)));
     cast_f32_to_bf16(d16, dout, N * OC);
-    if (dinp) gemm(false, false, N, C, OC, 1.0f, d16, W, 1.0f, dinp, true);
-    if (dW) gemm(true, false, OC, C, N, 1.0f, d16, inp, 1.0f, dW, true);
+    linear_backward_bf16_dy(dinp, dW, d16, inp, W, N, C, OC);
   }
   if (dbias && N > 0 && OC > 0) bias_backward(dbias, dout, N, OC);
+}
+void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W, int64_t N,
+                             int64_t C, int64_t OC) {
+  if (N <= 0 || OC <= 0) return;
+  if (dinp) gemm(false, false, N, C, OC, 1.0f, dout, W, 1.0f, dinp, true);
+  if (dW) gemm(true, false, OC, C, N, 1.0f, dout, inp, 1.0f, dW, true);
 }
 
 }  // namespace mt::kernels::cuda

@@ -33,6 +33,8 @@ void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float
                          int64_t OC);
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp, const bf16* W,
                           int64_t N, int64_t C, int64_t OC);
+void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W, int64_t N,
+                             int64_t C, int64_t OC);
 
 // norm.cu
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
@@ -55,6 +57,8 @@ void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* i
 void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C);
 void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
                            float dloss);
+void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
+                                float dloss);
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                    int64_t Vp);
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid);
@@ -63,7 +67,7 @@ void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32
 void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
                   int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss);
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
-                  float eps, float weight_decay, int64_t step, float grad_scale);
+                  float eps, float weight_decay, int64_t step, float grad_scale, bf16* param_bf16);
 
 // attention.cu
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,

@@ -36,6 +36,7 @@ const KernelTable& meta_table() {
     k.linear_backward = as_nop(k.linear_backward);
     k.linear_forward_bf16 = as_nop(k.linear_forward_bf16);
     k.linear_backward_bf16 = as_nop(k.linear_backward_bf16);
+    k.linear_backward_bf16_dy = as_nop(k.linear_backward_bf16_dy);
     k.layernorm_forward = as_nop(k.layernorm_forward);
     k.layernorm_backward = as_nop(k.layernorm_backward);
     k.rmsnorm_forward = as_nop(k.rmsnorm_forward);
@@ -61,6 +62,7 @@ const KernelTable& meta_table() {
     k.vocab_embedding_backward = as_nop(k.vocab_embedding_backward);
     k.position_add_rows = as_nop(k.position_add_rows);
     k.softmax_cross_entropy = as_nop(k.softmax_cross_entropy);
+    k.softmax_cross_entropy_bf16 = as_nop(k.softmax_cross_entropy_bf16);
     k.softmax_cross_entropy_forward = as_nop(k.softmax_cross_entropy_forward);
     k.vp_ce_rowmax = as_nop(k.vp_ce_rowmax);
     k.vp_ce_stats = as_nop(k.vp_ce_stats);
