@@ -109,6 +109,30 @@ TEST(GemmF32, RunToRunBitIdentical) {
   EXPECT_TRUE(kt::bitwise_equal(C1, C2));
 }
 
+// A vocabulary-sized K runs in chunks accumulated into C (both transposes of A and B, alpha, beta):
+// it still matches the double reference, and the chunks depend on the shape only, so 1 and 2
+// threads give the same bits wherever one sgemm call does (checked on the LM head's dinp shape).
+TEST(GemmF32, LargeKInChunksMatchesReferenceAndThreadCounts) {
+  const int64_t M = 40, N = 24, K = 20000;
+  auto C0 = kt::randn(static_cast<size_t>(M * N), 73);
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      auto A = kt::randn(static_cast<size_t>(M * K), 71), B = kt::randn(static_cast<size_t>(K * N), 72);
+      std::vector<float> C = C0;
+      gemm_f32(ta, tb, M, N, K, 0.5f, A.data(), B.data(), 0.75f, C.data());
+      auto want = ref_gemm(ta, tb, M, N, K, 0.5, kt::to_double(A), kt::to_double(B), 0.75, kt::to_double(C0));
+      EXPECT_TRUE(kt::close(C, want, 1e-5, 2e-5 * std::sqrt(double(K)))) << "ta=" << ta << " tb=" << tb;
+    }
+  const int64_t T = 64, C = 96, V = 20000;
+  auto D = kt::randn(static_cast<size_t>(T * V), 74), W = kt::randn(static_cast<size_t>(V * C), 75);
+  auto run = [&](int threads) {
+    std::vector<float> dX(static_cast<size_t>(T * C), 0.0f);
+    kt::with_threads(threads, [&] { gemm_f32(false, false, T, C, V, 1.0f, D.data(), W.data(), 1.0f, dX.data()); });
+    return dX;
+  };
+  EXPECT_TRUE(kt::bitwise_equal(run(1), run(2)));
+}
+
 // bf16 GEMM: exact products of the bf16 inputs summed in fp32, so it matches the double product
 // of the rounded inputs to fp32 accuracy, and the fp32 GEMM of the unrounded inputs to within
 // the bf16 input rounding (2 * 2^-8 relative per product, bounded by sum |a||b|).

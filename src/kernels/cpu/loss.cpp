@@ -4,6 +4,8 @@
 // dloss subtracted at the target. Padded columns [V, Vp) are never read and are set to 0.
 #include "kernels/cpu/loss.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -37,16 +39,17 @@ float row_max(const float* x, int64_t V) {
   return m;
 }
 
-// One row's max, exponentials (in place) and loss; returns dloss / (sum of the exponentials).
-float ce_row_exp(float* x, float* loss, int32_t tgt, int64_t V, float dloss) {
+// One row's max, exponentials (into e, which may be x itself) and loss; returns dloss / (sum of
+// the exponentials).
+float ce_row_exp(const float* x, float* e, float* loss, int32_t tgt, int64_t V, float dloss) {
   const float m = row_max(x, V);
   const float xt = x[tgt];
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t j = 0; j < V; ++j) {
-    const float e = detail::exp_f(x[j] - m);
-    x[j] = e;
-    s += e;
+    const float v = detail::exp_f(x[j] - m);
+    e[j] = v;
+    s += v;
   }
   *loss = std::log(s) + m - xt;
   return dloss / s;
@@ -65,7 +68,7 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
       losses[n] = 0.0f;
       continue;
     }
-    const float f = ce_row_exp(x, losses + n, tgt, V, dloss);
+    const float f = ce_row_exp(x, x, losses + n, tgt, V, dloss);
 #pragma omp simd
     for (int64_t j = 0; j < V; ++j) x[j] *= f;
     x[tgt] -= dloss;
@@ -73,16 +76,38 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
   }
 }
 
+namespace {
+constexpr int64_t kChunk = 64;  // values of a row the bf16 gradient converts at a time
+
+void scale_to_bf16(bf16* o, const float* e, float f) {
+#pragma omp simd
+  for (int64_t i = 0; i < kChunk; ++i) o[i] = detail::to_bf16(e[i] * f);
+}
+
+// 128 bytes (one chunk of bf16) to a 64-byte aligned destination with non-temporal stores: the
+// gradient lands on rows finished long ago, so ordinary stores would first read those lines back.
+void stream_chunk(void* dst, const bf16* src) {
+#if defined(MT_CPU_VARIANT_AVX512)
+  for (int i = 0; i < 2; ++i)
+    _mm512_stream_si512(static_cast<__m512i*>(dst) + i, _mm512_loadu_si512(reinterpret_cast<const __m512i*>(src) + i));
+#else
+  for (int i = 0; i < 4; ++i)
+    _mm256_stream_si256(static_cast<__m256i*>(dst) + i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src) + i));
+#endif
+}
+}  // namespace
+
 void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                 int64_t Vp, float dloss) {
   check_targets(targets, N, V, Vp, "softmax_cross_entropy_bf16");
   bf16* grad = reinterpret_cast<bf16*>(logits);  // [N, Vp], over the first half of the logits
-  // Row n's gradient goes to bytes [2 n Vp, 2 (n + 1) Vp): inside the storage of row n / 2. Rows
+  // A row's exponentials go to a per-thread buffer (it stays in cache; the logits are only read,
+  // so no fp32 row is written back to memory), then its bf16 gradient to bytes [2 n Vp, 2 (n + 1)
+  // Vp) of the logits: inside the storage of row n / 2 (row 0: its own, already read). Rows
   // therefore run in waves [1, 2), [2, 4), [4, 8), ...: each wave writes only over rows an earlier
-  // wave has finished, its own rows in parallel. Row 0 writes over itself, a chunk at a time, each
-  // chunk read before it is stored (value j lands on float j / 2 <= j).
+  // wave has read, its own rows in parallel.
   auto row = [&](int64_t n) {
-    float* x = logits + n * Vp;
+    const float* x = logits + n * Vp;
     unsigned char* g = reinterpret_cast<unsigned char*>(grad + n * Vp);
     const int32_t tgt = targets[n];
     if (tgt < 0) {
@@ -90,22 +115,25 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
       losses[n] = 0.0f;
       return;
     }
-    const float f = ce_row_exp(x, losses + n, tgt, V, dloss);
-    constexpr int64_t kChunk = 64;
+    thread_local detail::Scratch scratch;
+    float* e = scratch.as<float>(static_cast<size_t>(Vp));
+    const float f = ce_row_exp(x, e, losses + n, tgt, V, dloss);
     for (int64_t j0 = 0; j0 < Vp; j0 += kChunk) {
       const int64_t c = std::min(kChunk, Vp - j0);
-      float e[kChunk];
       bf16 o[kChunk];
-      std::memcpy(e, x + j0, static_cast<size_t>(c) * sizeof(float));
-#pragma omp simd
-      for (int64_t i = 0; i < c; ++i) {
-        const int64_t j = j0 + i;
-        float v = j < V ? e[i] * f : 0.0f;
-        v = j == tgt ? v - dloss : v;
-        o[i] = detail::to_bf16(v);
-      }
-      std::memcpy(g + j0 * static_cast<int64_t>(sizeof(bf16)), o, static_cast<size_t>(c) * sizeof(bf16));
+      if (c == kChunk)
+        scale_to_bf16(o, e + j0, f);  // fixed trip count: vectorised
+      else
+        for (int64_t i = 0; i < c; ++i) o[i] = detail::to_bf16(e[j0 + i] * f);
+      for (int64_t j = std::max(j0, V); j < j0 + c; ++j) o[j - j0] = bf16{0};  // padded columns
+      if (tgt >= j0 && tgt < j0 + c) o[tgt - j0] = detail::to_bf16(e[tgt] * f - dloss);
+      unsigned char* d = g + j0 * static_cast<int64_t>(sizeof(bf16));
+      if (c == kChunk && reinterpret_cast<uintptr_t>(d) % 64 == 0)
+        stream_chunk(d, o);
+      else
+        std::memcpy(d, o, static_cast<size_t>(c) * sizeof(bf16));
     }
+    _mm_sfence();  // the streamed stores are visible before the row counts as done
   };
   if (N > 0) row(0);
   for (int64_t lo = 1; lo < N; lo *= 2) {
