@@ -749,9 +749,6 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
 
 void Transformer::set_sequence_parallel(bool on) {
   if (ws_bt_ != 0) throw std::logic_error("set_sequence_parallel must come before the first forward");
-  if (on && cfg_.moe())
-    throw std::invalid_argument("parallel.sequence_parallel with a mixture of experts is not supported: the MoE layer "
-                                "needs every token's row on each tensor-parallel rank");
   tpc_.sp = on && tpc_.tp();
 }
 
@@ -814,8 +811,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   kt_->accumulate(a.res2.f32(), x, R * C);
   // MLP: out = res2 + down(act(ln2(res2))).
   const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
-  if (p.moe) {
-    moe_forward(layer, p, a, out);
+  if (p.moe) {  // under SP on every row, gathered as the dense MLP's column-parallel layer does
+    moe_forward(layer, p, a, tpc_.sp ? tpc_.gather(ln2) : a.ln2, out);
     kt_->accumulate(out, a.res2.f32(), R * C);
     return;
   }
@@ -851,8 +848,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   float* dact = bwd_ws_[5].f32();
   // MLP. dx already carries the residual path's gradient.
   if (p.moe) {
-    moe_backward(layer, p, a, dx, dnorm);
-    norm(p.ln2_w, p.ln2_b, true).backward(dx, dnorm, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    const float* dln2 = moe_backward(layer, p, a, dx, dnorm);
+    norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
     RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
     dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
@@ -1312,7 +1309,7 @@ Weight Transformer::expert_weight(int w, int b, int64_t out, bool grads) {
   return r;
 }
 
-// The MoE layer of block `layer` on the normalised input a.ln2 ([N, C], compute dtype): out = the
+// The MoE layer of block `layer` on the normalised input x ([N, C], compute dtype): out = the
 // router-weighted sum of each token's k experts' outputs plus the shared experts' output.
 //   router   logits = ln2 @ Wr^T (fp32), scores, top-k and normalised weights (moe_router_forward)
 //   dispatch the host reads the choices and orders them expert by expert (token order inside an
@@ -1322,7 +1319,9 @@ Weight Transformer::expert_weight(int w, int b, int64_t out, bool grads) {
 //   experts  one GEMM per expert over its contiguous rows (grouped: no per-token loop)
 //   return   the outputs travel back the same way
 //   combine  out[t] = sum_j w[t, j] * y[row of (t, j)]
-void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out) {
+// x: the normalised input of every token of the micro-batch ([N, C], compute dtype: a.ln2, or under
+// sequence parallelism its rows gathered over tp); out: this rank's rows of the output.
+void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations& a, const Tensor& x, float* out) {
   const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
@@ -1335,10 +1334,10 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   const float* xin = nullptr;
   if (bf) {
     float* t = moe_ws(0, N * C).f32();
-    kt_->cast_bf16_to_f32(t, a.ln2.bf(), N * C);
+    kt_->cast_bf16_to_f32(t, x.bf(), N * C);
     xin = t;
   } else {
-    xin = a.ln2.f32();
+    xin = x.f32();
   }
   kt_->linear_forward(a.r_logits.f32(), xin, wf(p.router), nullptr, N, C, E);
   kt_->moe_router_forward(a.r_scores.f32(), a.r_idx.data<int32_t>(), a.r_w.f32(), a.r_lse.f32(), a.r_logits.f32(), N, E,
@@ -1384,7 +1383,7 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     a.M = Ms;
     alloc_moe_acts(a, cfg_, compute_, N, Ms, Fe);
     dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
-    kt_->moe_gather_rows(a.xs.raw(), a.ln2.raw(), a.order.data<int32_t>(), Ms, C * esz);
+    kt_->moe_gather_rows(a.xs.raw(), x.raw(), a.order.data<int32_t>(), Ms, C * esz);
   } else {
     // Counts first: every ep rank's rows per expert; then the rows themselves.
     const int R = ep_comm_->size();
@@ -1426,7 +1425,7 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     dev::copy_from_host(dev_, tok.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
     void* xsend = moe_ws(16, (Ms * C * esz + 3) / 4).raw();
     void* xrecv = moe_ws(17, (Mr * C * esz + 3) / 4).raw();
-    kt_->moe_gather_rows(xsend, a.ln2.raw(), tok.data<int32_t>(), Ms, C * esz);
+    kt_->moe_gather_rows(xsend, x.raw(), tok.data<int32_t>(), Ms, C * esz);
     ep_comm_->all_to_all_v(xsend, a.send_rows.data(), xrecv, a.recv_rows.data(), C, compute_);
     kt_->moe_gather_rows(a.xs.raw(), xrecv, a.order.data<int32_t>(), Mr, C * esz);
   }
@@ -1475,28 +1474,30 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     ep_comm_->all_to_all_v(yrecv, a.recv_rows.data(), a.ysend.f32(), a.send_rows.data(), C, DType::F32);
     yback = a.ysend.f32();
   }
-  dev::zero(dev_, out, static_cast<size_t>(N * C) * sizeof(float));
-  kt_->moe_combine(out, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  float* y = tpc_.partial_buffer(out);  // every token's output (this tp rank's partial sums)
+  dev::zero(dev_, y, static_cast<size_t>(N * C) * sizeof(float));
+  kt_->moe_combine(y, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
   // Shared experts: a dense MLP of width Fs on every token.
   const int64_t Fs = Fs_l_;
   if (Fs > 0) {
     float* so = moe_ws(13, N * C).f32();
     float* sact = bf ? moe_ws(1, std::max(M * Fe, N * Fs)).f32() : a.act.f32();
     if (gpt) {
-      lin(a.fc.f32(), a.ln2, 0, weight(p.fc_w, p.fc_b, Fs, false), N, C);
+      lin(a.fc.f32(), x, 0, weight(p.fc_w, p.fc_b, Fs, false), N, C);
       kt_->gelu_forward(sact, a.fc.f32(), N * Fs);
     } else {
-      lin(a.fc.f32(), a.ln2, 0, weight(p.fc_w, -1, Fs, false), N, C);
-      lin(a.up.f32(), a.ln2, 0, weight(p.up_w, -1, Fs, false), N, C);
+      lin(a.fc.f32(), x, 0, weight(p.fc_w, -1, Fs, false), N, C);
+      lin(a.up.f32(), x, 0, weight(p.up_w, -1, Fs, false), N, C);
       kt_->swiglu_forward(sact, a.fc.f32(), a.up.f32(), N * Fs);
     }
     if (bf) kt_->cast_f32_to_bf16(a.act.bf(), sact, N * Fs);
     lin(so, a.act, 0, weight(p.down_w, tpc_.rank == 0 ? p.down_b : -1, C, false), N, Fs);
-    kt_->accumulate(out, so, N * C);
+    kt_->accumulate(y, so, N * C);
   }
   // Tensor parallelism: every expert's hidden width is split (w1 / w3 / c_fc by rows, w2 / c_proj
-  // by columns), so each tp rank holds a partial sum of the layer's output.
-  if (tpc_.tp()) tpc_.comm->all_reduce_activations(out, N * C);
+  // by columns), so each tp rank holds a partial sum of the layer's output: all-reduced, or under
+  // SP reduce-scattered to this rank's rows (the row-parallel layer's reduction).
+  tpc_.reduce_partial(y, out);
   if (recomputing_) return;
   // Statistics and the auxiliary losses' values (their gradients are applied in backward).
   if (moe_stats_.layers.empty() || moe_stats_.layers.front() == layer) ++moe_stats_.microbatches;
@@ -1521,10 +1522,12 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   moe_stats_.z_loss += z / static_cast<double>(N);
 }
 
-// dout: the gradient of the MoE layer's output ([N, C]); dln2 receives the gradient of its input.
-// The exchanges of the forward run in reverse: the output gradients go to the experts' ranks, the
-// input gradients come back.
-void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2) {
+// dout_rows: the gradient of this rank's rows of the MoE layer's output; dln2: [N, C] workspace.
+// Returns the gradient of the layer's input, summed over tp (this rank's rows under sequence
+// parallelism, as the column-parallel layer's backward returns it). The exchanges of the forward
+// run in reverse: the output gradients go to the experts' ranks, the input gradients come back.
+const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout_rows,
+                                       float* dln2) {
   (void)layer;
   const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_, M = a.M;
   const int64_t Ms = a.Msend;
@@ -1539,6 +1542,11 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     else
       kt_->linear_backward(dx, w.dw, w.db, dy, x.f32() + row0 * in, w.wf, n, in, w.out);
   };
+  // Under SP every token's output gradient and input (the saved rows gathered again), as the
+  // dense MLP's row- and column-parallel layers gather them.
+  const float* dout = tpc_.gather_grad(dout_rows);
+  if (tpc_.sp) tpc_.comm->wait(tpc_.start_regather(a.ln2));
+  const Tensor& x = tpc_.sp ? tpc_.full_compute() : a.ln2;
   dev::zero(dev_, dln2, static_cast<size_t>(N * C) * sizeof(float));
   // Shared experts.
   const int64_t Fs = Fs_l_;
@@ -1550,13 +1558,13 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     linb(sdact, weight(p.down_w, p.down_b, C, true), dout, a.act, 0, N, Fs);
     if (gpt) {
       kt_->gelu_backward(sdfc, a.fc.f32(), sdact, N * Fs);
-      linb(dln2, weight(p.fc_w, p.fc_b, Fs, true), sdfc, a.ln2, 0, N, C);
+      linb(dln2, weight(p.fc_w, p.fc_b, Fs, true), sdfc, x, 0, N, C);
     } else {
       float* sdup = moe_ws(12, N * Fs).f32();
       dev::zero(dev_, sdup, static_cast<size_t>(N * Fs) * sizeof(float));
       kt_->swiglu_backward(sdfc, sdup, sdact, a.fc.f32(), a.up.f32(), N * Fs);
-      linb(dln2, weight(p.fc_w, -1, Fs, true), sdfc, a.ln2, 0, N, C);
-      linb(dln2, weight(p.up_w, -1, Fs, true), sdup, a.ln2, 0, N, C);
+      linb(dln2, weight(p.fc_w, -1, Fs, true), sdfc, x, 0, N, C);
+      linb(dln2, weight(p.up_w, -1, Fs, true), sdup, x, 0, N, C);
     }
   }
   // Combine: the routed rows' output gradients (in the order sent) and the router weights' gradients.
@@ -1621,8 +1629,6 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     dxback = dxsend;
   }
   kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
-  // The experts' input gradients are partial over tp ranks; the router's (below) is whole on each.
-  if (tpc_.tp()) tpc_.comm->all_reduce_activations(dln2, N * C);
   // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
   // micro-batch's mean loss, whose weight is dloss x N) and the z-loss.
   float* aux = nullptr;
@@ -1641,12 +1647,18 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
   const float* xin = nullptr;
   if (bf) {
     float* t = moe_ws(0, N * C).f32();
-    kt_->cast_bf16_to_f32(t, a.ln2.bf(), N * C);
+    kt_->cast_bf16_to_f32(t, x.bf(), N * C);
     xin = t;
   } else {
-    xin = a.ln2.f32();
+    xin = x.f32();
   }
-  kt_->linear_backward(dln2, gp(p.router), nullptr, dlogits, xin, wf(p.router), N, C, E);
+  // The experts' input gradients are partial sums over the tp ranks, the router's is whole on each:
+  // tp rank 0 adds it, then the sum over tp (reduce-scattered under SP) overlaps the router's
+  // weight gradient.
+  kt_->linear_backward(tpc_.rank == 0 ? dln2 : nullptr, nullptr, nullptr, dlogits, xin, wf(p.router), N, C, E);
+  const int h = tpc_.start_input_grad_sum(dln2);
+  kt_->linear_backward(nullptr, gp(p.router), nullptr, dlogits, xin, wf(p.router), N, C, E);
+  return tpc_.input_grad_sum(dln2, h);
 }
 
 }  // namespace mt

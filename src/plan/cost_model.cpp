@@ -656,10 +656,11 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // Expert parallelism: per MoE layer and micro-batch four all-to-alls of the token choices' rows
   // that leave the rank ((ep-1)/ep of k x tokens rows of h): input rows (compute dtype) and output
   // rows (fp32) forward, their gradients (fp32) backward, as this engine sends them; a recomputed
-  // forward repeats its two. Point-to-point, synchronous: all exposed.
+  // forward repeats its two. Point-to-point, synchronous: all exposed. Every tp rank routes all the
+  // micro-batch's tokens, with sequence parallelism too (the MoE layer gathers its input over tp).
   if (ep > 1 && m.moe()) {
     const GroupShape g_ep = group_shape(ep, t, G);
-    const double rows = x.k * tokens / (sp ? T : 1.0) * (ep - 1.0) / ep;
+    const double rows = x.k * tokens * (ep - 1.0) / ep;
     const double per_layer = rows * x.h * (e + 4.0 + 4.0 + 4.0 + rc_mm * (e + 4.0));
     const double bytes = Lps * x.moe_frac * per_layer;
     // Peers off the node: (ep - local) of the ep - 1 others.

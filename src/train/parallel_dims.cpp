@@ -96,9 +96,6 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
     throw ConfigError("parallel.cp = " + std::to_string(d.cp) + " with a mixture of experts (model.moe_experts) is not "
                       "supported yet: the router's load-balancing statistics would cover one rank's chunks of each "
                       "sequence instead of the whole batch");
-  if (mc.moe() && d.sequence_parallel)
-    throw ConfigError("parallel.sequence_parallel with a mixture of experts (model.moe_experts) is not supported: the MoE "
-                      "layer needs every token's row on each tensor-parallel rank");
   if (mc.moe() && d.tp > 1) {
     const int64_t fe = mc.expert_ffn();
     if (fe % d.tp != 0)

@@ -55,6 +55,17 @@ TEST(MoePlan, ExpertParallelismSplitsTheExpertsAndMovesTokens) {
   EXPECT_NEAR(eight.group_bytes.ep, 2.0 * 32 * rows * 4096 * (2 + 4 + 4 + 4 + (2 + 4)), 1e3);
   EXPECT_GT(eight.ep_comm_s, 0.0);
   EXPECT_NE(eight.layout.describe().find("ep=8"), std::string::npos);
+  // With tp every tp rank routes all the micro-batch's tokens, with sequence parallelism as well
+  // (the MoE layer gathers its input over tp): the same rows leave each rank.
+  l.tp = 2;
+  l.dp_shard = 4;
+  l.ep = 4;
+  st.sequence_parallel = false;
+  const Estimate tp2 = estimate(m, c, st, l);
+  st.sequence_parallel = true;
+  const Estimate tp2sp = estimate(m, c, st, l);
+  EXPECT_NEAR(tp2.group_bytes.ep, 2.0 * 32 * (2.0 * 4096 * 3 / 4) * 4096 * (2 + 4 + 4 + 4 + (2 + 4)), 1e3);
+  EXPECT_EQ(tp2sp.group_bytes.ep, tp2.group_bytes.ep);
 }
 
 TEST(MoePlan, TheSearchTriesExpertParallelismForMoeModelsOnly) {
