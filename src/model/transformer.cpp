@@ -33,6 +33,7 @@ struct BlockActivations {
   Tensor inv, ysend;
   int64_t Msend = 0;
   std::vector<int64_t> counts;      // choices per expert, all experts, before any capacity drop (host)
+  std::vector<int64_t> counts_all;  // the same over the whole micro-batch (summed over the cp ranks)
   std::vector<int64_t> kept;        // routed rows per local expert (host)
   int64_t M = 0;                    // routed rows in use
   float dloss = 0.0f;               // the loss-gradient scale of the forward that filled this set
@@ -1351,6 +1352,7 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   }
   a.counts.assign(static_cast<size_t>(E), 0);
   for (int32_t e : idx) ++a.counts[e];
+  moe_counts_over_cp(a);
   int64_t cap = N * k;
   if (cfg_.moe_capacity_factor > 0)
     cap = static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(N * k) /
@@ -1515,11 +1517,31 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   std::vector<float> hp(static_cast<size_t>(E)), hl(static_cast<size_t>(N));
   dev::copy_to_host(dev_, hp.data(), P.raw(), hp.size() * sizeof(float));
   dev::copy_to_host(dev_, hl.data(), a.r_lse.raw(), hl.size() * sizeof(float));
+  // With cp this rank's share of the whole micro-batch's losses (its tokens' part of P_e and of the
+  // z-loss's mean, f_e over every cp rank's choices): the shares sum to the micro-batch's losses.
+  const double Nall = static_cast<double>(N) * (cp_ ? cp_->size() : 1);
   double aux = 0, z = 0;
-  for (int64_t e = 0; e < E; ++e) aux += static_cast<double>(a.counts[e]) / static_cast<double>(N * k) * hp[e];
+  for (int64_t e = 0; e < E; ++e) aux += static_cast<double>(a.counts_all[e]) / (Nall * k) * hp[e];
   for (float v : hl) z += static_cast<double>(v) * v;
-  moe_stats_.aux_loss += static_cast<double>(E) * aux;
-  moe_stats_.z_loss += z / static_cast<double>(N);
+  moe_stats_.aux_loss += static_cast<double>(E) * aux * (static_cast<double>(N) / Nall);
+  moe_stats_.z_loss += z / Nall;
+}
+
+// f_e of the load-balancing loss counts the whole micro-batch's choices: with context parallelism
+// every cp rank routes its chunks of the same sequences, so the counts are summed over the cp ranks
+// (Megatron-Core reduces them over its tp x cp group; the tp ranks here route the same tokens).
+void Transformer::moe_counts_over_cp(BlockActivations& a) {
+  a.counts_all = a.counts;
+  if (!cp_) return;
+  const int64_t E = cfg_.moe_experts;
+  const int n = cp_->size();
+  std::vector<float> mine(a.counts.begin(), a.counts.end()), all(static_cast<size_t>(n * E), 0.0f);
+  cp_->all_gather(mine.data(), all.data(), E);  // host counts, as the ep counts' all-gather
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t c = 0;
+    for (int r = 0; r < n; ++r) c += static_cast<int64_t>(all[static_cast<size_t>(r * E + e)]);
+    a.counts_all[e] = c;
+  }
 }
 
 // dout_rows: the gradient of this rank's rows of the MoE layer's output; dln2: [N, C] workspace.
@@ -1630,13 +1652,16 @@ const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockAct
   }
   kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
   // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
-  // micro-batch's mean loss, whose weight is dloss x N) and the z-loss.
+  // micro-batch's mean loss, whose weight is dloss x N) and the z-loss. With cp (N local tokens of
+  // N cp in the micro-batch, gradients averaged over the cp ranks) each rank differentiates cp
+  // times its share: the same per-token factor, with f_e over the whole micro-batch.
   float* aux = nullptr;
   if (cfg_.moe_aux_loss_coef > 0) {
+    const double Nall = static_cast<double>(N) * (cp_ ? cp_->size() : 1);
     std::vector<float> h(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e)
       h[e] = static_cast<float>(static_cast<double>(a.dloss) * N * cfg_.moe_aux_loss_coef * E *
-                                (static_cast<double>(a.counts[e]) / static_cast<double>(N * k)) / static_cast<double>(N));
+                                (static_cast<double>(a.counts_all[e]) / (Nall * k)) / static_cast<double>(N));
     aux = moe_ws(14, E).f32();
     dev::copy_from_host(dev_, aux, h.data(), h.size() * sizeof(float));
   }

@@ -659,7 +659,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // forward repeats its two. Point-to-point, synchronous: all exposed. Every tp rank routes all the
   // micro-batch's tokens, with sequence parallelism too (the MoE layer gathers its input over tp).
   if (ep > 1 && m.moe()) {
-    const GroupShape g_ep = group_shape(ep, t, G);
+    const GroupShape g_ep = group_shape(ep, t * cp, G);  // consecutive dp ranks of one cp and tp rank
     const double rows = x.k * tokens * (ep - 1.0) / ep;
     const double per_layer = rows * x.h * (e + 4.0 + 4.0 + 4.0 + rc_mm * (e + 4.0));
     const double bytes = Lps * x.moe_frac * per_layer;
@@ -780,11 +780,13 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.optimizer_s = opt_s;
 
   // ---- step time: compute on the critical stage + exposed communication + bubble ----
-  // The experts' gradient all-reduce over the dp / ep ranks holding them (ep > 1), once per step
-  // after backward (this engine does not overlap it).
+  // The experts' gradient all-reduce over the dp / ep ranks holding them times the cp ranks (ep > 1),
+  // once per step after backward (this engine does not overlap it). With cp the group's shape is
+  // that of its cp ranks' stride (they are the closest members).
   double step_edp = 0;
-  if (ep > 1 && l.dp() / ep > 1) {
-    CollCost ar = collective(Collective::AllReduce, psi_e * rb, group_shape(l.dp() / ep, t * ep, G), c);
+  if (ep > 1 && l.dp() / ep * cp > 1) {
+    const GroupShape g_edp = group_shape(l.dp() / ep * cp, cp > 1 ? t : t * ep, G);
+    CollCost ar = collective(Collective::AllReduce, psi_e * rb, g_edp, c);
     per_step = per_step + ar;
     step_edp = ar.time;
     E.group_bytes.edp = ar.intra_bytes + ar.inter_bytes;

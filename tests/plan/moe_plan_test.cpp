@@ -80,6 +80,15 @@ TEST(MoePlan, TheSearchTriesExpertParallelismForMoeModelsOnly) {
   for (const Estimate& e : plan(model_preset("mixtral-8x7b"), c, st, o).candidates) saw_ep |= e.layout.ep > 1;
   EXPECT_TRUE(saw_ep);
   for (const Estimate& e : plan(model_preset("llama3-8b"), c, st, o).candidates) EXPECT_EQ(e.layout.ep, 1);
+  // Context parallelism composes with MoE (with and without ep), but not with a capacity factor
+  // (the engine refuses it: drops would depend on which chunks a cp rank sees).
+  o.cp_min_seq = 4096;
+  ModelConfig m = model_preset("mixtral-8x7b");
+  bool saw_cp_ep = false;
+  for (const Estimate& e : plan(m, c, st, o).candidates) saw_cp_ep |= e.layout.cp > 1 && e.layout.ep > 1;
+  EXPECT_TRUE(saw_cp_ep);
+  m.moe_capacity_factor = 1.25f;
+  for (const Estimate& e : plan(m, c, st, o).candidates) EXPECT_EQ(e.layout.cp, 1);
 }
 
 }  // namespace
