@@ -540,7 +540,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l));
-        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, BT * cfg_.moe_top_k, Fe_l_);
+        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_rows_hint(BT), Fe_l_);
       }
     } else if (!s.losses.defined()) {
       out_buf(L);
@@ -568,7 +568,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
     if (cfg_.moe()) {  // recomputed MoE layers share their own set
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
       alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, Fs_l_);
-      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, BT * cfg_.moe_top_k, Fe_l_);
+      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_rows_hint(BT), Fe_l_);
     }
   }
   auto W = MemCategory::Workspace;
@@ -1272,6 +1272,21 @@ Tensor& Transformer::moe_ws(size_t i, int64_t n) {
   return t;
 }
 
+// An expert's capacity for n tokens' choices: ceil(factor x n k / E), or every choice (dropless).
+int64_t Transformer::moe_capacity(int64_t n) const {
+  const int64_t k = cfg_.moe_top_k;
+  if (cfg_.moe_capacity_factor <= 0) return n * k;
+  return static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(n * k) /
+                                        static_cast<double>(cfg_.moe_experts)));
+}
+
+// Routed rows an MoE layer's activations are first sized for: every choice (dropless or with a
+// capacity: a rank may receive up to that many with ep), or exactly E x capacity when padded (what
+// a rank sends, and with ep receives).
+int64_t Transformer::moe_rows_hint(int64_t n) const {
+  return cfg_.moe_pad_to_capacity ? cfg_.moe_experts * moe_capacity(n) : n * cfg_.moe_top_k;
+}
+
 Transformer::MoeStats Transformer::take_moe_stats() {
   MoeStats s = std::move(moe_stats_);
   moe_stats_ = MoeStats{};
@@ -1353,17 +1368,17 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   a.counts.assign(static_cast<size_t>(E), 0);
   for (int32_t e : idx) ++a.counts[e];
   moe_counts_over_cp(a);
-  int64_t cap = N * k;
-  if (cfg_.moe_capacity_factor > 0)
-    cap = static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(N * k) /
-                                         static_cast<double>(E)));
+  // With model.moe_pad_to_capacity every expert gets exactly `cap` rows, the kept choices' rows
+  // first, then zero rows (order -1); their outputs are never combined and their gradients are zero.
+  const bool pad = cfg_.moe_pad_to_capacity;
+  const int64_t cap = moe_capacity(N);
   std::vector<int64_t> off(static_cast<size_t>(E) + 1, 0), fill(static_cast<size_t>(E), 0), kept(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
-    kept[e] = std::min(a.counts[e], cap);
+    kept[e] = pad ? cap : std::min(a.counts[e], cap);  // rows sent to expert e
     off[e + 1] = off[e] + kept[e];
   }
   const int64_t Ms = off[E];  // rows this rank's tokens send (to every expert)
-  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(Ms, 1)));
+  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(Ms, 1)), -1);
   int64_t dropped = 0;
   for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < k; ++j) {
@@ -1389,8 +1404,8 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   } else {
     // Counts first: every ep rank's rows per expert; then the rows themselves.
     const int R = ep_comm_->size();
-    std::vector<int64_t> K(static_cast<size_t>(R * E));
-    ep_comm_->all_gather_counts(kept.data(), K.data(), E);
+    std::vector<int64_t> K(static_cast<size_t>(R * E), cap);
+    if (!pad) ep_comm_->all_gather_counts(kept.data(), K.data(), E);  // padded: every count is cap
     a.send_rows.assign(static_cast<size_t>(R), 0);
     a.recv_rows.assign(static_cast<size_t>(R), 0);
     for (int r = 0; r < R; ++r)
@@ -1511,8 +1526,8 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   }
   for (int64_t e = 0; e < E; ++e) moe_stats_.tokens[li][e] += a.counts[e];
   moe_stats_.dropped += dropped;
+  Tensor& P = moe_ws(2, E);  // before the dry run's return: the same workspace
   if (dev_ == Device::Meta) return;
-  Tensor& P = moe_ws(2, E);
   kt_->moe_balance_probs(P.f32(), a.r_scores.f32(), N, E, sig);
   std::vector<float> hp(static_cast<size_t>(E)), hl(static_cast<size_t>(N));
   dev::copy_to_host(dev_, hp.data(), P.raw(), hp.size() * sizeof(float));
@@ -1592,12 +1607,15 @@ const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockAct
   // Combine: the routed rows' output gradients (in the order sent) and the router weights' gradients.
   float* dw = moe_ws(8, N * k).f32();
   float* dy = moe_ws(3, M * C).f32();  // in expert order
+  const bool pad = cfg_.moe_pad_to_capacity;  // padding rows get no gradient: zero, not left unwritten
   if (!ep) {
+    if (pad) dev::zero(dev_, dy, static_cast<size_t>(M * C) * sizeof(float));
     kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
     if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);  // <dout, y> over the tp ranks' partial outputs
   } else {
     float* dysend = moe_ws(19, Ms * C).f32();
     float* dyrecv = moe_ws(18, M * C).f32();
+    if (pad) dev::zero(dev_, dysend, static_cast<size_t>(Ms * C) * sizeof(float));
     kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
     // With tp the returned outputs are this tp rank's partial sums (its slice of every expert, as
     // the ep peers sharing its tp rank computed them): <dout, y> is summed over the tp ranks.

@@ -451,6 +451,15 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // every earlier key of the sequence, so attention FLOPs per token keep the full s).
   const int cp = l.cp;
   const double tokens = x.s * mbs / cp;
+  // MoE rows per token through the routed experts: its k choices, or with model.moe_pad_to_capacity
+  // E x capacity rows per micro-batch (capacity = ceil(factor x tokens x k / E)), zero rows included:
+  // they are computed, held and sent like the others.
+  double k_rows = x.k;
+  if (m.moe() && m.moe_pad_to_capacity && m.moe_capacity_factor > 0) {
+    const double E_moe = static_cast<double>(m.moe_experts);
+    k_rows = E_moe * std::ceil(static_cast<double>(m.moe_capacity_factor) * tokens * x.k / E_moe) / tokens;
+  }
+  const double pad_f = (k_rows - x.k) * static_cast<double>(m.expert_ffn());  // extra expert width per token
 
   // ---- parameters per GPU: heaviest pipeline stage after TP ----
   const double block_tp = (x.block - x.norm_block) / T + x.norm_block;
@@ -489,7 +498,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   ModelConfig ma = m;
   if (m.moe()) {
     ma.moe_experts = 0;
-    ma.ffn_hidden = static_cast<int64_t>((1 - x.moe_frac) * x.f + x.moe_frac * x.moe_f);
+    ma.ffn_hidden = static_cast<int64_t>((1 - x.moe_frac) * x.f + x.moe_frac * (x.moe_f + pad_f));
   }
   TrainSetup st_rank = st;  // this rank's tokens per sequence
   st_rank.seq = seq / cp;
@@ -547,7 +556,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   } else {
     rc_mm = rc_attn = rc_elem = recompute_share(l.checkpointing);
   }
-  const double mm_f = 2.0 * x.block_mm / T, at_f = 4.0 * x.s * x.h / T;
+  const double mm_f = 2.0 * (x.block_mm + x.moe_frac * (x.gpt2 ? 2.0 : 3.0) * x.h * pad_f) / T;
+  const double at_f = 4.0 * x.s * x.h / T;
   const double d = st.dropout ? 1.0 : 0.0;
   double elem_rep, elem_split;  // forward elementwise traffic per token per layer
   if (x.gpt2) {
@@ -660,7 +670,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // micro-batch's tokens, with sequence parallelism too (the MoE layer gathers its input over tp).
   if (ep > 1 && m.moe()) {
     const GroupShape g_ep = group_shape(ep, t * cp, G);  // consecutive dp ranks of one cp and tp rank
-    const double rows = x.k * tokens * (ep - 1.0) / ep;
+    const double rows = k_rows * tokens * (ep - 1.0) / ep;
     const double per_layer = rows * x.h * (e + 4.0 + 4.0 + 4.0 + rc_mm * (e + 4.0));
     const double bytes = Lps * x.moe_frac * per_layer;
     // Peers off the node: (ep - local) of the ep - 1 others.

@@ -75,8 +75,9 @@ class MoeParity : public ParityFixture {
   }
   // The Meta dry run of each of `world` ranks with `args` builds the real run's layout: its model
   // state is the real run's (`fin`), to the byte (activations and all-to-all bytes depend on the
-  // routing, which a dry run cannot see: it assumes an even spread).
-  void expect_dry_runs_match(int world, const std::string& args, const nlohmann::json& fin) {
+  // routing, which a dry run cannot see: it assumes an even spread; with `routing_free` (experts
+  // padded to their capacity) activations and workspace are compared too).
+  void expect_dry_runs_match(int world, const std::string& args, const nlohmann::json& fin, bool routing_free = false) {
     for (int r = 0; r < world; ++r) {
       const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
       RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world " + std::to_string(world) +
@@ -85,6 +86,9 @@ class MoeParity : public ParityFixture {
       const auto dj = final_metrics(m).at("mem_resident_by_category");
       const auto& rj = fin.at("mem_resident_by_category_per_rank")[r];
       for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+      if (routing_free) {
+        for (const char* k : {"activations", "workspace"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+      }
     }
   }
 };
@@ -281,6 +285,47 @@ TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
   EXPECT_EQ(epc.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
 }
 
+// model.moe_pad_to_capacity: every expert receives exactly its capacity of rows from each rank, zero
+// rows filling up (their outputs discarded, no gradient from them), so a padded run trains like the
+// unpadded one with the same capacity (same drops), and its sizes no longer depend on the routing:
+// every rank's dry run has the real run's activations and workspace to the byte. Llama experts in
+// one process and on ep 2; GPT-2 experts (a zero row's hidden is gelu(bias), not zero) on one
+// process and ep 2 x tp 2.
+TEST_F(MoeParity, PaddedToCapacityMatchesUnpadded) {
+  const std::string cap = kMoe + " --model.moe_capacity_factor 1.0";
+  const std::string pad = cap + " --model.moe_pad_to_capacity true";
+  auto ref = train(1, 2, 2, "refc", cap);
+  auto one = train(1, 2, 2, "onep", pad);
+  ASSERT_FALSE(one.losses.empty());
+  expect_close(ref, one, kLossTol, kWeightTol, "llama MoE, capacity 1.0, padded vs not (one process)");
+  expect_same_routing("refc", "onep", true, "(padded, one process) ");
+  const int64_t dropped = ref.final.at("moe_dropped_tokens").get<int64_t>();
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(one.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+  auto ep = train(2, 2, 1, "ep2p", pad + " --parallel.ep 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "llama MoE, capacity 1.0, ep=2 padded vs one process unpadded");
+  expect_same_routing("refc", "ep2p", true, "(padded, ep 2) ");
+  EXPECT_EQ(ep.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+  // Every step sends the same bytes: per MoE layer and micro-batch E x capacity rows leave each
+  // rank, half of them to the other rank: capacity ceil(1.0 x 64 x 2 / 4) = 32 rows of 32 values,
+  // fp32 input rows and outputs forward, output and input gradients backward.
+  EXPECT_EQ(ep.final.at("ep_all_to_all_bytes_per_step").get<int64_t>(), 2 * (4 * 32 / 2) * 32 * 4 * 4);
+  expect_ddp_model_state(ep.final, 2);
+  expect_dry_runs_match(2, pad + " --parallel.ep 2 --train.micro_batch 2", ep.final, true);
+  const std::string gcap = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+                           " --model.moe_aux_loss_coef 0.02 --model.moe_capacity_factor 1.0";
+  auto gref = train(1, 2, 2, "gcap", gcap);
+  auto gone = train(1, 2, 2, "gonep", gcap + " --model.moe_pad_to_capacity true");
+  expect_close(gref, gone, kLossTol, kWeightTol, "gpt2 MoE, capacity 1.0, padded vs not (one process)");
+  auto get = train(4, 2, 1, "gep2tp2p", gcap + " --model.moe_pad_to_capacity true --parallel.ep 2 --parallel.tp 2");
+  ASSERT_FALSE(get.losses.empty());
+  expect_close(gref, get, kLossTol, kWeightTol, "gpt2 MoE, capacity 1.0, ep=2 x tp=2 padded vs one process unpadded");
+  expect_same_routing("gcap", "gep2tp2p", true, "gpt2 (padded, ep 2 x tp 2) ");
+  expect_dry_runs_match(4, gcap + " --model.moe_pad_to_capacity true --parallel.ep 2 --parallel.tp 2 --train.micro_batch 2",
+                        get.final, true);
+}
+
 // The largest absolute difference of two runs' final weights; NaN (an element no piece of a sharded
 // checkpoint held) or a size mismatch fail.
 double max_weight_diff(const RunResult& a, const RunResult& b, const std::string& what) {
@@ -411,6 +456,12 @@ TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   r = run(mpirun(2) + base + " --model.preset llama-tiny --model.moe_experts 3 --parallel.ep 2");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("must be divisible by parallel.ep"), std::string::npos) << r.output;
+  r = run("MESHTRAIN_MPI=0 " + base + kMoe + " --model.moe_pad_to_capacity true");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("model.moe_pad_to_capacity needs a mixture of experts (model.moe_experts > 0) with a capacity "
+                          "(model.moe_capacity_factor > 0)"),
+            std::string::npos)
+      << r.output;
   r = run(mpirun(2) + base + kMoe + " --parallel.cp 2 --model.moe_capacity_factor 1.25");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("model.moe_capacity_factor > 0 with parallel.cp = 2 is not supported"), std::string::npos)

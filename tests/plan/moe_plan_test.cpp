@@ -66,6 +66,17 @@ TEST(MoePlan, ExpertParallelismSplitsTheExpertsAndMovesTokens) {
   const Estimate tp2sp = estimate(m, c, st, l);
   EXPECT_NEAR(tp2.group_bytes.ep, 2.0 * 32 * (2.0 * 4096 * 3 / 4) * 4096 * (2 + 4 + 4 + 4 + (2 + 4)), 1e3);
   EXPECT_EQ(tp2sp.group_bytes.ep, tp2.group_bytes.ep);
+  // Padded to a capacity: E x ceil(factor x tokens x k / E) rows per micro-batch, whatever the
+  // routing (capacity ceil(1.25 x 4096 x 2 / 8) = 1280 rows of each of 8 experts).
+  ModelConfig mp = m;
+  mp.moe_capacity_factor = 1.25f;
+  mp.moe_pad_to_capacity = true;
+  const Estimate padded = estimate(mp, c, st, l);
+  EXPECT_NEAR(padded.group_bytes.ep, tp2.group_bytes.ep * (8.0 * 1280) / (2.0 * 4096), 1e3);
+  EXPECT_GT(padded.mem.activations, tp2sp.mem.activations);  // the same setup, sequence parallel
+  EXPECT_GT(padded.time.compute, tp2sp.time.compute);
+  mp.moe_pad_to_capacity = false;  // a capacity alone changes nothing the planner models (drops are not)
+  EXPECT_EQ(estimate(mp, c, st, l).group_bytes.ep, tp2.group_bytes.ep);
 }
 
 TEST(MoePlan, TheSearchTriesExpertParallelismForMoeModelsOnly) {
