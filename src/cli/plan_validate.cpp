@@ -86,6 +86,7 @@ std::string EngineLayout::label() const {
   if (grad_accum > 1) s += " accum" + std::to_string(grad_accum);
   if (checkpointing != Checkpointing::None) s += std::string(" ac:") + to_string(checkpointing);
   if (moe_experts > 0) s += " moe" + std::to_string(moe_experts) + "k" + std::to_string(moe_top_k);
+  if (moe_capacity_factor > 0) s += fmt(" cap%g", moe_capacity_factor) + (moe_pad_to_capacity ? " padded" : "");
   if (ep > 1) s += " ep" + std::to_string(ep);
   return s + " " + model;
 }
@@ -95,6 +96,8 @@ ModelConfig engine_model(const EngineLayout& e) {
   if (e.moe_experts > 0) {
     m.moe_experts = e.moe_experts;
     m.moe_top_k = e.moe_top_k;
+    m.moe_capacity_factor = static_cast<float>(e.moe_capacity_factor);
+    m.moe_pad_to_capacity = e.moe_pad_to_capacity;
     m.resolve();
   }
   return m;
@@ -119,6 +122,8 @@ std::vector<std::string> EngineLayout::train_args() const {
   if (virtual_stages() > 1) a.insert(a.end(), {"--parallel.pp_virtual_stages", std::to_string(virtual_stages())});
   if (moe_experts > 0)
     a.insert(a.end(), {"--model.moe_experts", std::to_string(moe_experts), "--model.moe_top_k", std::to_string(moe_top_k)});
+  if (moe_capacity_factor > 0) a.insert(a.end(), {"--model.moe_capacity_factor", fmt("%g", moe_capacity_factor)});
+  if (moe_pad_to_capacity) a.insert(a.end(), {"--model.moe_pad_to_capacity", "true"});
   if (ep > 1) a.insert(a.end(), {"--parallel.ep", std::to_string(ep)});
   return a;
 }
@@ -146,6 +151,8 @@ void check_engine_layout(const EngineLayout& e) {
   if (e.ep < 1 || (e.ep > 1 && (e.moe_experts < 1 || e.dp_ranks() % e.ep != 0 || e.moe_experts % e.ep != 0)))
     throw std::invalid_argument("ep " + std::to_string(e.ep) + " needs MoE experts and must divide them and the " +
                                 std::to_string(e.dp_ranks()) + " data-parallel ranks");
+  if (e.moe_pad_to_capacity && (e.moe_experts < 1 || e.moe_capacity_factor <= 0))
+    throw std::invalid_argument("padding to capacity needs MoE experts and a capacity factor > 0");
   const ModelConfig m = engine_model(e);
   for (auto [v, what] : {std::pair<int64_t, const char*>{m.n_head, "n_head"}, {m.n_kv_head, "n_kv_head"},
                          {m.ffn_hidden, "ffn_hidden"}})
@@ -858,6 +865,12 @@ std::vector<EngineLayout> default_validation_layouts() {
   moe.moe_experts = 4;
   moe.ep = 2;
   v.push_back(moe);
+  // The same padded to a capacity (factor 1.25): sizes independent of the routing, so activations,
+  // workspace and the ep all-to-all's bytes are checked exactly too.
+  EngineLayout moe_pad = moe;
+  moe_pad.moe_capacity_factor = 1.25;
+  moe_pad.moe_pad_to_capacity = true;
+  v.push_back(moe_pad);
   // Context parallelism: cp = 2 alone (ring attention; the two ranks reduce gradients as DDP), and
   // inside ZeRO-3 over dp_shard 2 x cp 2, on Llama (RoPE, grouped-query attention).
   EngineLayout cp2 = mk(S::NoShard, 2);
@@ -874,7 +887,7 @@ std::vector<EngineLayout> default_validation_layouts() {
 std::vector<std::string> validation_layout_names() {
   return {"ddp", "zero1",       "zero2",  "zero3", "zero3x4",   "hsdp",   "ddp-bf16",
           "llama-zero3-bf16", "tp2", "tp2-zero3x4", "tp2-sp", "tp2-sp-bf16", "pp2", "pp2-gpipe", "pp2-dp2", "pp2-interleaved",
-          "moe-ep2", "cp2", "cp2-zero3x4"};
+          "moe-ep2", "moe-ep2-pad", "cp2", "cp2-zero3x4"};
 }
 
 std::vector<EngineLayout> default_scale_layouts() {

@@ -53,13 +53,17 @@ struct EngineLayout {
   bool reduce_every_microbatch = true;  // --parallel.reduce_every_microbatch
   bool reshard_after_forward = true;
   double bucket_mb = 25.0;           // --parallel.bucket_mb (the engine's MB are 1e6 bytes)
-  // Mixture of experts (0 experts = the preset's dense model): --model.moe_experts / moe_top_k and
-  // --parallel.ep. With ep > 1 the routed rows a rank holds depend on the routing, which a dry run
-  // cannot see (it assumes an even spread): activations, workspace and the ep group's bytes are
-  // then shown as info; the model state and every other group's bytes stay exact.
+  // Mixture of experts (0 experts = the preset's dense model): --model.moe_experts / moe_top_k,
+  // --model.moe_capacity_factor / moe_pad_to_capacity and --parallel.ep. With ep > 1 the routed rows
+  // a rank holds depend on the routing, which a dry run cannot see (it assumes an even spread):
+  // activations, workspace and the ep group's bytes are then shown as info; the model state and
+  // every other group's bytes stay exact. Padded to a capacity, every expert receives exactly its
+  // capacity of rows from each rank whatever the routing: everything is checked exactly.
   int64_t moe_experts = 0, moe_top_k = 2;
+  double moe_capacity_factor = 0;    // 0 = dropless
+  bool moe_pad_to_capacity = false;  // needs moe_capacity_factor > 0
   int ep = 1;
-  bool routing_dependent() const { return moe_experts > 0; }
+  bool routing_dependent() const { return moe_experts > 0 && !moe_pad_to_capacity; }
 
   int dp_ranks() const;              // ranks / (tp x pp x cp): the ranks that see different data
   int pp_rank_of(int rank) const;    // pp is the outermost mesh dimension

@@ -69,6 +69,9 @@ void ModelConfig::resolve() {
     need(moe_aux_loss_coef >= 0 && moe_z_loss_coef >= 0, "model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0");
     need(moe_capacity_factor >= 0, "model.moe_capacity_factor must be >= 0 (0 = dropless)");
   }
+  need(!moe_pad_to_capacity || (moe() && moe_capacity_factor > 0),
+       "model.moe_pad_to_capacity needs a mixture of experts (model.moe_experts > 0) with a capacity "
+       "(model.moe_capacity_factor > 0): a dropless expert has no capacity to pad to");
 }
 
 int64_t ModelConfig::moe_layers() const {

@@ -37,6 +37,9 @@ struct ModelConfig {
   // load balancing (Switch / GShard, coefficient moe_aux_loss_coef) and router z-loss
   // (moe_z_loss_coef). moe_capacity_factor 0 = dropless; > 0 = each expert takes at most
   // ceil(factor x tokens x k / experts) of a micro-batch's tokens, the rest are dropped (counted).
+  // moe_pad_to_capacity (needs a capacity factor): every expert receives exactly its capacity of
+  // rows from each rank, zero rows filling up (Megatron's --moe-pad-expert-input-to-capacity), so
+  // message, GEMM and activation sizes do not depend on the routing.
   int64_t moe_experts = 0;
   int64_t moe_top_k = 2;
   int64_t moe_every = 1;
@@ -46,6 +49,7 @@ struct ModelConfig {
   float moe_aux_loss_coef = 0.01f;
   float moe_z_loss_coef = 0.0f;
   float moe_capacity_factor = 0.0f;
+  bool moe_pad_to_capacity = false;
 
   bool moe() const { return moe_experts > 0; }
   bool is_moe_layer(int64_t l) const { return moe() && l % moe_every == 0; }

@@ -57,6 +57,13 @@ const Tensor& TpContext::full_compute() {
   return full_bf_;
 }
 
+int TpContext::start_regather(const Tensor& x) {
+  const int64_t n = rows(N_) * C_;
+  if (x.dtype() == DType::F32) return comm->start_all_gather_activations(x.f32(), full_.f32(), n);
+  kt->cast_bf16_to_f32(stage, x.bf(), n);
+  return comm->start_all_gather_activations(stage, full_.f32(), n);
+}
+
 void TpContext::gather_into(const float* rows_f32, float* out) {
   comm->all_gather_activations(rows_f32, out, rows(N_) * C_);
 }
@@ -128,19 +135,12 @@ void ColumnParallelLinear::forward(const Tensor& x, const float* x_rows, std::in
 
 float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Grad> grads, float* dx, bool rows_saved) {
   const int64_t N = ctx_.tokens();
-  const bool bf = ctx_.compute == DType::BF16;
   const bool regather = ctx_.sp && rows_saved;
   const Linear lin{ctx_.kt, ctx_.compute};
   dev::zero(ctx_.kt->device, dx, static_cast<size_t>(N * in_) * sizeof(float));
   // Under SP the weight gradient needs every row of the input: re-gathered from the saved rows,
   // started before the input-gradient matmul (which does not need it) so that they overlap.
-  int hin = -1;
-  if (regather) {
-    const int64_t R = ctx_.rows(N);
-    const float* src = x.dtype() == DType::F32 ? x.f32() : ctx_.stage;
-    if (bf) ctx_.kt->cast_bf16_to_f32(ctx_.stage, x.bf(), R * in_);
-    hin = ctx_.comm->start_all_gather_activations(src, ctx_.full_buffer(), R * in_);
-  }
+  const int hin = regather ? ctx_.start_regather(x) : -1;
   if (!ctx_.tp()) {
     // Nothing to overlap: both gradients in one call per weight, so a bf16 backward casts the
     // output gradient once (the LM head's is [tokens, vocabulary]). Same GEMMs in the same order.

@@ -87,6 +87,10 @@ class TpContext {
 
   // SP: every row, in the compute dtype, from this rank's fp32 rows.
   const Tensor& gather(const float* rows);
+  // SP: starts gathering every row of an input saved as this rank's rows ([rows(N), C], compute
+  // dtype) into full_buffer(); after comm->wait(handle), full_compute() holds them in the compute
+  // dtype (what gather() returned in the forward).
+  int start_regather(const Tensor& saved_rows);
   // SP: every row of a gradient from this rank's rows (fp32 on the wire); else g itself.
   const float* gather_grad(const float* g);
   // The sum over tp of a layer's input gradient `partial` ([N, C]; reduce-scattered to this rank's

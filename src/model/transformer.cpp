@@ -33,6 +33,7 @@ struct BlockActivations {
   Tensor inv, ysend;
   int64_t Msend = 0;
   std::vector<int64_t> counts;      // choices per expert, all experts, before any capacity drop (host)
+  std::vector<int64_t> counts_all;  // the same over the whole micro-batch (summed over the cp ranks)
   std::vector<int64_t> kept;        // routed rows per local expert (host)
   int64_t M = 0;                    // routed rows in use
   float dloss = 0.0f;               // the loss-gradient scale of the forward that filled this set
@@ -542,7 +543,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l));
-        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, BT * cfg_.moe_top_k, Fe_l_);
+        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_rows_hint(BT), Fe_l_);
       }
     } else if (!s.losses.defined()) {
       out_buf(L);
@@ -570,7 +571,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
     if (cfg_.moe()) {  // recomputed MoE layers share their own set
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
       alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, Fs_l_);
-      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, BT * cfg_.moe_top_k, Fe_l_);
+      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_rows_hint(BT), Fe_l_);
     }
   }
   auto W = MemCategory::Workspace;
@@ -752,9 +753,6 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
 
 void Transformer::set_sequence_parallel(bool on) {
   if (ws_bt_ != 0) throw std::logic_error("set_sequence_parallel must come before the first forward");
-  if (on && cfg_.moe())
-    throw std::invalid_argument("parallel.sequence_parallel with a mixture of experts is not supported: the MoE layer "
-                                "needs every token's row on each tensor-parallel rank");
   tpc_.sp = on && tpc_.tp();
 }
 
@@ -817,8 +815,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   kt_->accumulate(a.res2.f32(), x, R * C);
   // MLP: out = res2 + down(act(ln2(res2))).
   const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
-  if (p.moe) {
-    moe_forward(layer, p, a, out);
+  if (p.moe) {  // under SP on every row, gathered as the dense MLP's column-parallel layer does
+    moe_forward(layer, p, a, tpc_.sp ? tpc_.gather(ln2) : a.ln2, out);
     kt_->accumulate(out, a.res2.f32(), R * C);
     return;
   }
@@ -854,8 +852,8 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   float* dact = bwd_ws_[5].f32();
   // MLP. dx already carries the residual path's gradient.
   if (p.moe) {
-    moe_backward(layer, p, a, dx, dnorm);
-    norm(p.ln2_w, p.ln2_b, true).backward(dx, dnorm, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+    const float* dln2 = moe_backward(layer, p, a, dx, dnorm);
+    norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   } else {
     RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
     dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
@@ -1297,6 +1295,21 @@ Tensor& Transformer::moe_ws(size_t i, int64_t n) {
   return t;
 }
 
+// An expert's capacity for n tokens' choices: ceil(factor x n k / E), or every choice (dropless).
+int64_t Transformer::moe_capacity(int64_t n) const {
+  const int64_t k = cfg_.moe_top_k;
+  if (cfg_.moe_capacity_factor <= 0) return n * k;
+  return static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(n * k) /
+                                        static_cast<double>(cfg_.moe_experts)));
+}
+
+// Routed rows an MoE layer's activations are first sized for: every choice (dropless or with a
+// capacity: a rank may receive up to that many with ep), or exactly E x capacity when padded (what
+// a rank sends, and with ep receives).
+int64_t Transformer::moe_rows_hint(int64_t n) const {
+  return cfg_.moe_pad_to_capacity ? cfg_.moe_experts * moe_capacity(n) : n * cfg_.moe_top_k;
+}
+
 Transformer::MoeStats Transformer::take_moe_stats() {
   MoeStats s = std::move(moe_stats_);
   moe_stats_ = MoeStats{};
@@ -1335,7 +1348,7 @@ Weight Transformer::expert_weight(int w, int b, int64_t out, bool grads) {
   return r;
 }
 
-// The MoE layer of block `layer` on the normalised input a.ln2 ([N, C], compute dtype): out = the
+// The MoE layer of block `layer` on the normalised input x ([N, C], compute dtype): out = the
 // router-weighted sum of each token's k experts' outputs plus the shared experts' output.
 //   router   logits = ln2 @ Wr^T (fp32), scores, top-k and normalised weights (moe_router_forward)
 //   dispatch the host reads the choices and orders them expert by expert (token order inside an
@@ -1345,7 +1358,9 @@ Weight Transformer::expert_weight(int w, int b, int64_t out, bool grads) {
 //   experts  one GEMM per expert over its contiguous rows (grouped: no per-token loop)
 //   return   the outputs travel back the same way
 //   combine  out[t] = sum_j w[t, j] * y[row of (t, j)]
-void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out) {
+// x: the normalised input of every token of the micro-batch ([N, C], compute dtype: a.ln2, or under
+// sequence parallelism its rows gathered over tp); out: this rank's rows of the output.
+void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations& a, const Tensor& x, float* out) {
   const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_;
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
@@ -1358,10 +1373,10 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   const float* xin = nullptr;
   if (bf) {
     float* t = moe_ws(0, N * C).f32();
-    kt_->cast_bf16_to_f32(t, a.ln2.bf(), N * C);
+    kt_->cast_bf16_to_f32(t, x.bf(), N * C);
     xin = t;
   } else {
-    xin = a.ln2.f32();
+    xin = x.f32();
   }
   kt_->linear_forward(a.r_logits.f32(), xin, wf(p.router), nullptr, N, C, E);
   kt_->moe_router_forward(a.r_scores.f32(), a.r_idx.data<int32_t>(), a.r_w.f32(), a.r_lse.f32(), a.r_logits.f32(), N, E,
@@ -1375,17 +1390,18 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   }
   a.counts.assign(static_cast<size_t>(E), 0);
   for (int32_t e : idx) ++a.counts[e];
-  int64_t cap = N * k;
-  if (cfg_.moe_capacity_factor > 0)
-    cap = static_cast<int64_t>(std::ceil(static_cast<double>(cfg_.moe_capacity_factor) * static_cast<double>(N * k) /
-                                         static_cast<double>(E)));
+  moe_counts_over_cp(a);
+  // With model.moe_pad_to_capacity every expert gets exactly `cap` rows, the kept choices' rows
+  // first, then zero rows (order -1); their outputs are never combined and their gradients are zero.
+  const bool pad = cfg_.moe_pad_to_capacity;
+  const int64_t cap = moe_capacity(N);
   std::vector<int64_t> off(static_cast<size_t>(E) + 1, 0), fill(static_cast<size_t>(E), 0), kept(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
-    kept[e] = std::min(a.counts[e], cap);
+    kept[e] = pad ? cap : std::min(a.counts[e], cap);  // rows sent to expert e
     off[e + 1] = off[e] + kept[e];
   }
   const int64_t Ms = off[E];  // rows this rank's tokens send (to every expert)
-  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(Ms, 1)));
+  std::vector<int32_t> pos(static_cast<size_t>(N * k)), order(static_cast<size_t>(std::max<int64_t>(Ms, 1)), -1);
   int64_t dropped = 0;
   for (int64_t t = 0; t < N; ++t)
     for (int64_t j = 0; j < k; ++j) {
@@ -1407,12 +1423,12 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     a.M = Ms;
     alloc_moe_acts(a, cfg_, compute_, N, Ms, Fe);
     dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
-    kt_->moe_gather_rows(a.xs.raw(), a.ln2.raw(), a.order.data<int32_t>(), Ms, C * esz);
+    kt_->moe_gather_rows(a.xs.raw(), x.raw(), a.order.data<int32_t>(), Ms, C * esz);
   } else {
     // Counts first: every ep rank's rows per expert; then the rows themselves.
     const int R = ep_comm_->size();
-    std::vector<int64_t> K(static_cast<size_t>(R * E));
-    ep_comm_->all_gather_counts(kept.data(), K.data(), E);
+    std::vector<int64_t> K(static_cast<size_t>(R * E), cap);
+    if (!pad) ep_comm_->all_gather_counts(kept.data(), K.data(), E);  // padded: every count is cap
     a.send_rows.assign(static_cast<size_t>(R), 0);
     a.recv_rows.assign(static_cast<size_t>(R), 0);
     for (int r = 0; r < R; ++r)
@@ -1449,7 +1465,7 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     dev::copy_from_host(dev_, tok.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
     void* xsend = moe_ws(16, (Ms * C * esz + 3) / 4).raw();
     void* xrecv = moe_ws(17, (Mr * C * esz + 3) / 4).raw();
-    kt_->moe_gather_rows(xsend, a.ln2.raw(), tok.data<int32_t>(), Ms, C * esz);
+    kt_->moe_gather_rows(xsend, x.raw(), tok.data<int32_t>(), Ms, C * esz);
     ep_comm_->all_to_all_v(xsend, a.send_rows.data(), xrecv, a.recv_rows.data(), C, compute_);
     kt_->moe_gather_rows(a.xs.raw(), xrecv, a.order.data<int32_t>(), Mr, C * esz);
   }
@@ -1498,28 +1514,30 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     ep_comm_->all_to_all_v(yrecv, a.recv_rows.data(), a.ysend.f32(), a.send_rows.data(), C, DType::F32);
     yback = a.ysend.f32();
   }
-  dev::zero(dev_, out, static_cast<size_t>(N * C) * sizeof(float));
-  kt_->moe_combine(out, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  float* y = tpc_.partial_buffer(out);  // every token's output (this tp rank's partial sums)
+  dev::zero(dev_, y, static_cast<size_t>(N * C) * sizeof(float));
+  kt_->moe_combine(y, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
   // Shared experts: a dense MLP of width Fs on every token.
   const int64_t Fs = Fs_l_;
   if (Fs > 0) {
     float* so = moe_ws(13, N * C).f32();
     float* sact = bf ? moe_ws(1, std::max(M * Fe, N * Fs)).f32() : a.act.f32();
     if (gpt) {
-      lin(a.fc.f32(), a.ln2, 0, weight(p.fc_w, p.fc_b, Fs, false), N, C);
+      lin(a.fc.f32(), x, 0, weight(p.fc_w, p.fc_b, Fs, false), N, C);
       kt_->gelu_forward(sact, a.fc.f32(), N * Fs);
     } else {
-      lin(a.fc.f32(), a.ln2, 0, weight(p.fc_w, -1, Fs, false), N, C);
-      lin(a.up.f32(), a.ln2, 0, weight(p.up_w, -1, Fs, false), N, C);
+      lin(a.fc.f32(), x, 0, weight(p.fc_w, -1, Fs, false), N, C);
+      lin(a.up.f32(), x, 0, weight(p.up_w, -1, Fs, false), N, C);
       kt_->swiglu_forward(sact, a.fc.f32(), a.up.f32(), N * Fs);
     }
     if (bf) kt_->cast_f32_to_bf16(a.act.bf(), sact, N * Fs);
     lin(so, a.act, 0, weight(p.down_w, tpc_.rank == 0 ? p.down_b : -1, C, false), N, Fs);
-    kt_->accumulate(out, so, N * C);
+    kt_->accumulate(y, so, N * C);
   }
   // Tensor parallelism: every expert's hidden width is split (w1 / w3 / c_fc by rows, w2 / c_proj
-  // by columns), so each tp rank holds a partial sum of the layer's output.
-  if (tpc_.tp()) tpc_.comm->all_reduce_activations(out, N * C);
+  // by columns), so each tp rank holds a partial sum of the layer's output: all-reduced, or under
+  // SP reduce-scattered to this rank's rows (the row-parallel layer's reduction).
+  tpc_.reduce_partial(y, out);
   if (recomputing_) return;
   // Statistics and the auxiliary losses' values (their gradients are applied in backward).
   if (moe_stats_.layers.empty() || moe_stats_.layers.front() == layer) ++moe_stats_.microbatches;
@@ -1531,23 +1549,45 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   }
   for (int64_t e = 0; e < E; ++e) moe_stats_.tokens[li][e] += a.counts[e];
   moe_stats_.dropped += dropped;
+  Tensor& P = moe_ws(2, E);  // before the dry run's return: the same workspace
   if (dev_ == Device::Meta) return;
-  Tensor& P = moe_ws(2, E);
   kt_->moe_balance_probs(P.f32(), a.r_scores.f32(), N, E, sig);
   std::vector<float> hp(static_cast<size_t>(E)), hl(static_cast<size_t>(N));
   dev::copy_to_host(dev_, hp.data(), P.raw(), hp.size() * sizeof(float));
   dev::copy_to_host(dev_, hl.data(), a.r_lse.raw(), hl.size() * sizeof(float));
+  // With cp this rank's share of the whole micro-batch's losses (its tokens' part of P_e and of the
+  // z-loss's mean, f_e over every cp rank's choices): the shares sum to the micro-batch's losses.
+  const double Nall = static_cast<double>(N) * (cp_ ? cp_->size() : 1);
   double aux = 0, z = 0;
-  for (int64_t e = 0; e < E; ++e) aux += static_cast<double>(a.counts[e]) / static_cast<double>(N * k) * hp[e];
+  for (int64_t e = 0; e < E; ++e) aux += static_cast<double>(a.counts_all[e]) / (Nall * k) * hp[e];
   for (float v : hl) z += static_cast<double>(v) * v;
-  moe_stats_.aux_loss += static_cast<double>(E) * aux;
-  moe_stats_.z_loss += z / static_cast<double>(N);
+  moe_stats_.aux_loss += static_cast<double>(E) * aux * (static_cast<double>(N) / Nall);
+  moe_stats_.z_loss += z / Nall;
 }
 
-// dout: the gradient of the MoE layer's output ([N, C]); dln2 receives the gradient of its input.
-// The exchanges of the forward run in reverse: the output gradients go to the experts' ranks, the
-// input gradients come back.
-void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2) {
+// f_e of the load-balancing loss counts the whole micro-batch's choices: with context parallelism
+// every cp rank routes its chunks of the same sequences, so the counts are summed over the cp ranks
+// (Megatron-Core reduces them over its tp x cp group; the tp ranks here route the same tokens).
+void Transformer::moe_counts_over_cp(BlockActivations& a) {
+  a.counts_all = a.counts;
+  if (!cp_) return;
+  const int64_t E = cfg_.moe_experts;
+  const int n = cp_->size();
+  std::vector<float> mine(a.counts.begin(), a.counts.end()), all(static_cast<size_t>(n * E), 0.0f);
+  cp_->all_gather(mine.data(), all.data(), E);  // host counts, as the ep counts' all-gather
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t c = 0;
+    for (int r = 0; r < n; ++r) c += static_cast<int64_t>(all[static_cast<size_t>(r * E + e)]);
+    a.counts_all[e] = c;
+  }
+}
+
+// dout_rows: the gradient of this rank's rows of the MoE layer's output; dln2: [N, C] workspace.
+// Returns the gradient of the layer's input, summed over tp (this rank's rows under sequence
+// parallelism, as the column-parallel layer's backward returns it). The exchanges of the forward
+// run in reverse: the output gradients go to the experts' ranks, the input gradients come back.
+const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout_rows,
+                                       float* dln2) {
   (void)layer;
   const int64_t N = B_ * T_, C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k, Fe = Fe_l_, M = a.M;
   const int64_t Ms = a.Msend;
@@ -1562,6 +1602,11 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     else
       kt_->linear_backward(dx, w.dw, w.db, dy, x.f32() + row0 * in, w.wf, n, in, w.out);
   };
+  // Under SP every token's output gradient and input (the saved rows gathered again), as the
+  // dense MLP's row- and column-parallel layers gather them.
+  const float* dout = tpc_.gather_grad(dout_rows);
+  if (tpc_.sp) tpc_.comm->wait(tpc_.start_regather(a.ln2));
+  const Tensor& x = tpc_.sp ? tpc_.full_compute() : a.ln2;
   dev::zero(dev_, dln2, static_cast<size_t>(N * C) * sizeof(float));
   // Shared experts.
   const int64_t Fs = Fs_l_;
@@ -1573,24 +1618,27 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     linb(sdact, weight(p.down_w, p.down_b, C, true), dout, a.act, 0, N, Fs);
     if (gpt) {
       kt_->gelu_backward(sdfc, a.fc.f32(), sdact, N * Fs);
-      linb(dln2, weight(p.fc_w, p.fc_b, Fs, true), sdfc, a.ln2, 0, N, C);
+      linb(dln2, weight(p.fc_w, p.fc_b, Fs, true), sdfc, x, 0, N, C);
     } else {
       float* sdup = moe_ws(12, N * Fs).f32();
       dev::zero(dev_, sdup, static_cast<size_t>(N * Fs) * sizeof(float));
       kt_->swiglu_backward(sdfc, sdup, sdact, a.fc.f32(), a.up.f32(), N * Fs);
-      linb(dln2, weight(p.fc_w, -1, Fs, true), sdfc, a.ln2, 0, N, C);
-      linb(dln2, weight(p.up_w, -1, Fs, true), sdup, a.ln2, 0, N, C);
+      linb(dln2, weight(p.fc_w, -1, Fs, true), sdfc, x, 0, N, C);
+      linb(dln2, weight(p.up_w, -1, Fs, true), sdup, x, 0, N, C);
     }
   }
   // Combine: the routed rows' output gradients (in the order sent) and the router weights' gradients.
   float* dw = moe_ws(8, N * k).f32();
   float* dy = moe_ws(3, M * C).f32();  // in expert order
+  const bool pad = cfg_.moe_pad_to_capacity;  // padding rows get no gradient: zero, not left unwritten
   if (!ep) {
+    if (pad) dev::zero(dev_, dy, static_cast<size_t>(M * C) * sizeof(float));
     kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
     if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);  // <dout, y> over the tp ranks' partial outputs
   } else {
     float* dysend = moe_ws(19, Ms * C).f32();
     float* dyrecv = moe_ws(18, M * C).f32();
+    if (pad) dev::zero(dev_, dysend, static_cast<size_t>(Ms * C) * sizeof(float));
     kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
     // With tp the returned outputs are this tp rank's partial sums (its slice of every expert, as
     // the ep peers sharing its tp rank computed them): <dout, y> is summed over the tp ranks.
@@ -1644,16 +1692,17 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
     dxback = dxsend;
   }
   kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
-  // The experts' input gradients are partial over tp ranks; the router's (below) is whole on each.
-  if (tpc_.tp()) tpc_.comm->all_reduce_activations(dln2, N * C);
   // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
-  // micro-batch's mean loss, whose weight is dloss x N) and the z-loss.
+  // micro-batch's mean loss, whose weight is dloss x N) and the z-loss. With cp (N local tokens of
+  // N cp in the micro-batch, gradients averaged over the cp ranks) each rank differentiates cp
+  // times its share: the same per-token factor, with f_e over the whole micro-batch.
   float* aux = nullptr;
   if (cfg_.moe_aux_loss_coef > 0) {
+    const double Nall = static_cast<double>(N) * (cp_ ? cp_->size() : 1);
     std::vector<float> h(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e)
       h[e] = static_cast<float>(static_cast<double>(a.dloss) * N * cfg_.moe_aux_loss_coef * E *
-                                (static_cast<double>(a.counts[e]) / static_cast<double>(N * k)) / static_cast<double>(N));
+                                (static_cast<double>(a.counts_all[e]) / (Nall * k)) / static_cast<double>(N));
     aux = moe_ws(14, E).f32();
     dev::copy_from_host(dev_, aux, h.data(), h.size() * sizeof(float));
   }
@@ -1664,12 +1713,18 @@ void Transformer::moe_backward(int layer, const BlockParams& p, BlockActivations
   const float* xin = nullptr;
   if (bf) {
     float* t = moe_ws(0, N * C).f32();
-    kt_->cast_bf16_to_f32(t, a.ln2.bf(), N * C);
+    kt_->cast_bf16_to_f32(t, x.bf(), N * C);
     xin = t;
   } else {
-    xin = a.ln2.f32();
+    xin = x.f32();
   }
-  kt_->linear_backward(dln2, gp(p.router), nullptr, dlogits, xin, wf(p.router), N, C, E);
+  // The experts' input gradients are partial sums over the tp ranks, the router's is whole on each:
+  // tp rank 0 adds it, then the sum over tp (reduce-scattered under SP) overlaps the router's
+  // weight gradient.
+  kt_->linear_backward(tpc_.rank == 0 ? dln2 : nullptr, nullptr, nullptr, dlogits, xin, wf(p.router), N, C, E);
+  const int h = tpc_.start_input_grad_sum(dln2);
+  kt_->linear_backward(nullptr, gp(p.router), nullptr, dlogits, xin, wf(p.router), N, C, E);
+  return tpc_.input_grad_sum(dln2, h);
 }
 
 }  // namespace mt

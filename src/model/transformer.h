@@ -336,8 +336,11 @@ class Transformer {
   MoeStats moe_stats_;
   std::deque<Tensor> moe_ws_;  // MoE forward and backward workspace (references stay valid as it grows)
   Tensor& moe_ws(size_t i, int64_t n);
-  void moe_forward(int layer, const BlockParams& p, BlockActivations& a, float* out);
-  void moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout, float* dln2);
+  void moe_forward(int layer, const BlockParams& p, BlockActivations& a, const Tensor& x, float* out);
+  const float* moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout_rows, float* dln2);
+  void moe_counts_over_cp(BlockActivations& a);
+  int64_t moe_capacity(int64_t n) const;
+  int64_t moe_rows_hint(int64_t n) const;
   int64_t ws_bt_ = 0;                                     // size of the shared workspace
   // context parallelism: the communicator, mode, positions of the local tokens and the buffers the
   // key / value blocks and their gradients travel in (workspace)

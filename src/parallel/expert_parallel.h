@@ -45,11 +45,13 @@ class ExpertParallel {
   // `edp`: the ranks holding this rank's experts (the same tp slice of them); `ep_aux`: the ep
   // group's members (norms, checkpoint gathers); `tp_aux`: the tensor-parallel ranks, which hold
   // the other slices of the same experts (null or of size 1 without tp; checkpoint gathers);
-  // `dp`: the data-parallel degree (gradients are averaged over dp ranks).
+  // `dp`: the data-parallel degree times cp (gradients are averaged over those ranks, as the
+  // dense part's are).
   ExpertParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> edp, std::shared_ptr<comm::ProcessGroup> ep_aux,
                  std::shared_ptr<comm::ProcessGroup> tp_aux, int dp, AdamWConfig adam);
   // After the step's backward: the expert gradients summed over edp and divided by dp (the mean
-  // over every data-parallel rank's tokens: each rank's experts already saw its whole ep group's).
+  // over every data-parallel (x cp) rank's tokens: each rank's experts already saw its whole ep
+  // group's).
   void reduce_grads(StepComm* c);
   // The local experts' squared gradient norm summed over the ep group (every expert once). With
   // tp the caller sums it over the tp ranks: parameters every tp rank holds whole (GPT-2's

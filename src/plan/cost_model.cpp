@@ -451,6 +451,15 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // every earlier key of the sequence, so attention FLOPs per token keep the full s).
   const int cp = l.cp;
   const double tokens = x.s * mbs / cp;
+  // MoE rows per token through the routed experts: its k choices, or with model.moe_pad_to_capacity
+  // E x capacity rows per micro-batch (capacity = ceil(factor x tokens x k / E)), zero rows included:
+  // they are computed, held and sent like the others.
+  double k_rows = x.k;
+  if (m.moe() && m.moe_pad_to_capacity && m.moe_capacity_factor > 0) {
+    const double E_moe = static_cast<double>(m.moe_experts);
+    k_rows = E_moe * std::ceil(static_cast<double>(m.moe_capacity_factor) * tokens * x.k / E_moe) / tokens;
+  }
+  const double pad_f = (k_rows - x.k) * static_cast<double>(m.expert_ffn());  // extra expert width per token
 
   // ---- parameters per GPU: heaviest pipeline stage after TP ----
   const double block_tp = (x.block - x.norm_block) / T + x.norm_block;
@@ -489,7 +498,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   ModelConfig ma = m;
   if (m.moe()) {
     ma.moe_experts = 0;
-    ma.ffn_hidden = static_cast<int64_t>((1 - x.moe_frac) * x.f + x.moe_frac * x.moe_f);
+    ma.ffn_hidden = static_cast<int64_t>((1 - x.moe_frac) * x.f + x.moe_frac * (x.moe_f + pad_f));
   }
   TrainSetup st_rank = st;  // this rank's tokens per sequence
   st_rank.seq = seq / cp;
@@ -547,7 +556,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   } else {
     rc_mm = rc_attn = rc_elem = recompute_share(l.checkpointing);
   }
-  const double mm_f = 2.0 * x.block_mm / T, at_f = 4.0 * x.s * x.h / T;
+  const double mm_f = 2.0 * (x.block_mm + x.moe_frac * (x.gpt2 ? 2.0 : 3.0) * x.h * pad_f) / T;
+  const double at_f = 4.0 * x.s * x.h / T;
   const double d = st.dropout ? 1.0 : 0.0;
   double elem_rep, elem_split;  // forward elementwise traffic per token per layer
   if (x.gpt2) {
@@ -656,10 +666,11 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // Expert parallelism: per MoE layer and micro-batch four all-to-alls of the token choices' rows
   // that leave the rank ((ep-1)/ep of k x tokens rows of h): input rows (compute dtype) and output
   // rows (fp32) forward, their gradients (fp32) backward, as this engine sends them; a recomputed
-  // forward repeats its two. Point-to-point, synchronous: all exposed.
+  // forward repeats its two. Point-to-point, synchronous: all exposed. Every tp rank routes all the
+  // micro-batch's tokens, with sequence parallelism too (the MoE layer gathers its input over tp).
   if (ep > 1 && m.moe()) {
-    const GroupShape g_ep = group_shape(ep, t, G);
-    const double rows = x.k * tokens / (sp ? T : 1.0) * (ep - 1.0) / ep;
+    const GroupShape g_ep = group_shape(ep, t * cp, G);  // consecutive dp ranks of one cp and tp rank
+    const double rows = k_rows * tokens * (ep - 1.0) / ep;
     const double per_layer = rows * x.h * (e + 4.0 + 4.0 + 4.0 + rc_mm * (e + 4.0));
     const double bytes = Lps * x.moe_frac * per_layer;
     // Peers off the node: (ep - local) of the ep - 1 others.
@@ -779,11 +790,13 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.optimizer_s = opt_s;
 
   // ---- step time: compute on the critical stage + exposed communication + bubble ----
-  // The experts' gradient all-reduce over the dp / ep ranks holding them (ep > 1), once per step
-  // after backward (this engine does not overlap it).
+  // The experts' gradient all-reduce over the dp / ep ranks holding them times the cp ranks (ep > 1),
+  // once per step after backward (this engine does not overlap it). With cp the group's shape is
+  // that of its cp ranks' stride (they are the closest members).
   double step_edp = 0;
-  if (ep > 1 && l.dp() / ep > 1) {
-    CollCost ar = collective(Collective::AllReduce, psi_e * rb, group_shape(l.dp() / ep, t * ep, G), c);
+  if (ep > 1 && l.dp() / ep * cp > 1) {
+    const GroupShape g_edp = group_shape(l.dp() / ep * cp, cp > 1 ? t : t * ep, G);
+    CollCost ar = collective(Collective::AllReduce, psi_e * rb, g_edp, c);
     per_step = per_step + ar;
     step_edp = ar.time;
     E.group_bytes.edp = ar.intra_bytes + ar.inter_bytes;

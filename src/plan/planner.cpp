@@ -263,6 +263,7 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
      for (int cp : divisors(N / tp / pp)) {
       if (opts.cp ? cp != opts.cp : (cp > 1 && st.seq_or(model) < opts.cp_min_seq)) continue;
       if (cp > 1 && st.seq_or(model) % (2 * cp) != 0) continue;
+      if (cp > 1 && model.moe() && model.moe_capacity_factor > 0) continue;  // the engine refuses it (moe.md)
       const int dp = N / tp / pp / cp;
       if (st.global_batch % dp) continue;
       const int64_t local = st.global_batch / dp;  // sequences per step per replica

@@ -61,6 +61,9 @@ std::vector<Field> fields(RunConfig& c) {
       {"model.moe_z_loss_coef", Kind::Float, &c.model.moe_z_loss_coef, "router z-loss coefficient (-1 = the preset's, 0 = off)"},
       {"model.moe_capacity_factor", Kind::Float, &c.model.moe_capacity_factor,
        "expert capacity = factor x tokens x top_k / experts per micro-batch, overflow dropped and counted (0 = dropless; -1 = the preset's, 0)"},
+      {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
+       "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
+       "message, GEMM and activation sizes"},
       {"data.train", Kind::String, &c.data.train, "training token shards: a file or a glob"},
       {"data.val", Kind::String, &c.data.val, "validation token shards (empty = no eval)"},
       {"data.tokenizer", Kind::String, &c.data.tokenizer, "byte | gpt2 | hf: how samples are decoded"},
@@ -305,7 +308,8 @@ ModelConfig RunConfig::model_config() const {
   if (model.rope_theta > 0) m.rope_theta = static_cast<float>(model.rope_theta);
   const bool moe_over = model.moe_experts >= 0 || model.moe_top_k >= 0 || model.moe_every >= 0 ||
                         model.moe_shared_experts >= 0 || model.moe_ffn_hidden >= 0 || !model.moe_router.empty() ||
-                        model.moe_aux_loss_coef >= 0 || model.moe_z_loss_coef >= 0 || model.moe_capacity_factor >= 0;
+                        model.moe_aux_loss_coef >= 0 || model.moe_z_loss_coef >= 0 || model.moe_capacity_factor >= 0 ||
+                        model.moe_pad_to_capacity;
   if (model.moe_experts >= 0) m.moe_experts = model.moe_experts;
   if (model.moe_top_k >= 0) m.moe_top_k = model.moe_top_k;
   if (model.moe_every >= 0) m.moe_every = model.moe_every;
@@ -319,6 +323,7 @@ ModelConfig RunConfig::model_config() const {
   if (model.moe_aux_loss_coef >= 0) m.moe_aux_loss_coef = static_cast<float>(model.moe_aux_loss_coef);
   if (model.moe_z_loss_coef >= 0) m.moe_z_loss_coef = static_cast<float>(model.moe_z_loss_coef);
   if (model.moe_capacity_factor >= 0) m.moe_capacity_factor = static_cast<float>(model.moe_capacity_factor);
+  if (model.moe_pad_to_capacity) m.moe_pad_to_capacity = true;
   if (custom || moe_over) m.name += "+overrides";
   try {
     m.resolve();

@@ -31,6 +31,7 @@ struct RunConfig {
     int64_t moe_experts = -1, moe_top_k = -1, moe_every = -1, moe_shared_experts = -1, moe_ffn_hidden = -1;
     std::string moe_router;                 // "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
     double moe_aux_loss_coef = -1, moe_z_loss_coef = -1, moe_capacity_factor = -1;
+    bool moe_pad_to_capacity = false;
   } model;
   struct Data {
     std::string train = "data/default/train.bin";

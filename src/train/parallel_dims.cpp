@@ -92,13 +92,11 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
       throw ConfigError("parallel.ep = " + std::to_string(d.ep) + " must divide the data-parallel degree (" +
                         std::to_string(d.dp()) + " = dp_replicate x dp_shard): expert parallelism borrows its ranks from it");
   }
-  if (mc.moe() && d.cp > 1)
-    throw ConfigError("parallel.cp = " + std::to_string(d.cp) + " with a mixture of experts (model.moe_experts) is not "
-                      "supported yet: the router's load-balancing statistics would cover one rank's chunks of each "
-                      "sequence instead of the whole batch");
-  if (mc.moe() && d.sequence_parallel)
-    throw ConfigError("parallel.sequence_parallel with a mixture of experts (model.moe_experts) is not supported: the MoE "
-                      "layer needs every token's row on each tensor-parallel rank");
+  if (mc.moe() && d.cp > 1 && mc.moe_capacity_factor > 0)
+    throw ConfigError("model.moe_capacity_factor > 0 with parallel.cp = " + std::to_string(d.cp) +
+                      " is not supported: which token choices an expert drops depends on the order of the whole "
+                      "micro-batch's tokens, and each cp rank routes only its chunks of every sequence (the drops "
+                      "would differ from a run without cp); use a dropless MoE (model.moe_capacity_factor = 0)");
   if (mc.moe() && d.tp > 1) {
     const int64_t fe = mc.expert_ffn();
     if (fe % d.tp != 0)
@@ -108,26 +106,28 @@ ParallelDims ParallelDims::from_config(const RunConfig& cfg, const ModelConfig& 
   return d;
 }
 
-// World rank r = ((pp * dp) + dp_rank) * tp + tp_rank (the mesh's order, tp fastest; cp, which
-// would sit between dp and tp, is refused with MoE). The ep group is a block of ep consecutive dp
-// ranks, edp the dp ranks at the same place in their blocks, both among the ranks of one stage and
-// one tp rank (Megatron's expert-tensor-parallel = tp: every tp rank of an ep rank holds its tp
-// slice of that ep rank's experts and exchanges tokens with the ep peers that share its tp rank).
+// World rank r = (((pp * dp) + dp_rank) * cp + cp_rank) * tp + tp_rank (the mesh's order, tp
+// fastest). The ep group is a block of ep consecutive dp ranks among the ranks of one stage, cp rank
+// and tp rank (Megatron's expert-tensor-parallel = tp: every tp rank of an ep rank holds its tp
+// slice of that ep rank's experts and exchanges tokens with the ep peers that share its tp rank;
+// the cp ranks route different tokens, so each exchanges with the peers holding its own chunks).
+// edp holds the same experts and slice: the dp ranks at the same place in their blocks, times the
+// cp ranks (which see other tokens of the same sequences), of one stage and tp rank.
 namespace {
-std::array<int, 3> stage_dp_tp(const ParallelDims& d, int r) {
-  const int dp = d.dp(), tp = d.tp;
-  return {r / (tp * dp), (r / tp) % dp, r % tp};
+std::array<int, 4> stage_dp_cp_tp(const ParallelDims& d, int r) {
+  const int dp = d.dp(), cp = d.cp, tp = d.tp;
+  return {r / (tp * cp * dp), (r / (tp * cp)) % dp, (r / tp) % cp, r % tp};
 }
 }  // namespace
 
 std::pair<int, int> ep_color_key(const ParallelDims& d, int r) {
-  const auto c = stage_dp_tp(d, r);
-  return {(c[0] * d.tp + c[2]) * (d.dp() / d.ep) + c[1] / d.ep, c[1] % d.ep};
+  const auto c = stage_dp_cp_tp(d, r);
+  return {((c[0] * d.cp + c[2]) * d.tp + c[3]) * (d.dp() / d.ep) + c[1] / d.ep, c[1] % d.ep};
 }
 
 std::pair<int, int> edp_color_key(const ParallelDims& d, int r) {
-  const auto c = stage_dp_tp(d, r);
-  return {(c[0] * d.tp + c[2]) * d.ep + c[1] % d.ep, c[1] / d.ep};
+  const auto c = stage_dp_cp_tp(d, r);
+  return {(c[0] * d.tp + c[3]) * d.ep + c[1] % d.ep, (c[1] / d.ep) * d.cp + c[2]};
 }
 
 ParallelGroups ParallelGroups::build(comm::World& w, const ParallelDims& d) {

@@ -41,9 +41,9 @@ struct ParallelDims {
 int64_t padded_vocab_for_tp(int64_t vocab, int tp);
 
 // Expert parallelism: {colour, key} of world rank r in the ep group (a block of ep consecutive
-// data-parallel ranks of one stage and tp rank; key = place in the block) and in the edp group (the
-// data-parallel ranks of one stage and tp rank at the same place in their blocks; key = block).
-// Needs cp = 1.
+// data-parallel ranks of one stage, cp rank and tp rank; key = place in the block) and in the edp
+// group (the data-parallel ranks of one stage and tp rank at the same place in their blocks, with
+// every cp rank; key = block x cp + cp rank).
 std::pair<int, int> ep_color_key(const ParallelDims& d, int world_rank);
 std::pair<int, int> edp_color_key(const ParallelDims& d, int world_rank);
 

@@ -261,8 +261,9 @@ void Trainer::build() {
   if (dims_.ep_enabled()) {
     ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
     model_->set_expert_comm(ep_comm_.get());
-    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, groups_.tp_aux, dims_.dp(),
-                                                     spec_.adam);
+    // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
+    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, groups_.tp_aux,
+                                                     dims_.dp() * dims_.cp, spec_.adam);
   }
   model_->set_tp_overlap(cfg_.parallel.tp_overlap);
   model_->set_loss_chunk(tc_.loss_chunk_tokens);

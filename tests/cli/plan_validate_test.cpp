@@ -192,6 +192,37 @@ TEST(ValidateAgainstEngine, ExpertParallelModelStateIsExact) {
   EXPECT_NE(rep.results[0].layout.label().find("ep2"), std::string::npos);
 }
 
+// The same padded to a capacity (factor 1.25, model.moe_pad_to_capacity): every expert receives
+// exactly its capacity of rows from each rank whatever the routing, so every category but the CPU
+// kernels' scratch and every group's bytes, the ep group's all-to-all included, are checked exactly.
+TEST(ValidateAgainstEngine, ExpertParallelPaddedToCapacityIsExact) {
+  EngineLayout moe = layout("NO_SHARD", 2);
+  moe.model = "llama-mini";
+  moe.moe_experts = 4;
+  moe.ep = 2;
+  moe.moe_capacity_factor = 1.25;
+  moe.moe_pad_to_capacity = true;
+  EXPECT_FALSE(moe.routing_dependent());
+  const ValidationReport rep = run_and_check({moe}, {"dp", "ep", "ep_aux"});
+  ASSERT_EQ(rep.results.size(), 1u);
+  int exact = 0;
+  for (const MemRow& m : rep.results[0].mem) {
+    EXPECT_EQ(m.check, m.category == "scratch" ? MemCheck::Info : MemCheck::Exact) << m.category;
+    exact += m.check == MemCheck::Exact;
+  }
+  EXPECT_GE(exact, 5);  // params, grads, optimizer, activations, workspace (and comm buffers)
+  bool ep_exact = false;
+  for (const CommRow& c : rep.results[0].comm) {
+    EXPECT_FALSE(c.info) << c.group;
+    ep_exact |= c.group == "ep" && c.measured > 0 && c.ok;
+  }
+  EXPECT_TRUE(ep_exact);
+  EXPECT_NE(rep.results[0].layout.label().find("cap1.25 padded"), std::string::npos);
+  EngineLayout bad = moe;
+  bad.moe_capacity_factor = 0;
+  EXPECT_THROW(check_engine_layout(bad), std::invalid_argument);
+}
+
 // Context parallelism (ring attention) alone and inside ZeRO-3 over dp_shard x cp: dry runs equal the
 // real jobs on every rank, bytes on the cp ring and the dp_cp / dp_shard_cp reductions.
 TEST(ValidateAgainstEngine, ContextParallelDryRunsEqualRealRuns) {

@@ -1,5 +1,6 @@
 // Mixture of experts with expert parallelism against single-process training on the same global
-// batch, as real processes under mpirun: ep = 2 and 4, ep 2 x FULL_SHARD, ep 2 x pp 2, ep 2 x tp 2. The
+// batch, as real processes under mpirun: ep = 2 and 4, ep 2 x FULL_SHARD, ep 2 x pp 2, ep 2 x tp 2,
+// tp 2 with sequence parallelism (with and without ep), cp 2 (alone, with ep 2, with tp 2 + SP). The
 // reference runs each rank's micro-batch as one micro-batch of its own (grad_accum), so the
 // per-micro-batch load-balancing loss is the same quantity in both runs; losses, aux losses,
 // expert loads and final weights must agree at fp32 tolerance. Also: exact model-state bytes with
@@ -61,10 +62,10 @@ class MoeParity : public ParityFixture {
     return worst;
   }
   // Model state per rank, exactly: the strategy's flat buffers (DDP, fp32: 16 bytes per element)
-  // plus the local experts' weights, gradients and two moments.
+  // plus the local experts' weights, gradients and two moments (none apart with ep = 1).
   static void expect_ddp_model_state(const nlohmann::json& fin, size_t ranks) {
     const int64_t flat = fin.at("flat_size").get<int64_t>();
-    const auto& es = fin.at("expert_state_bytes");
+    const nlohmann::json es = fin.value("expert_state_bytes", nlohmann::json{{"params", 0}, {"grads", 0}, {"optimizer", 0}});
     ASSERT_EQ(fin.at("mem_resident_by_category_per_rank").size(), ranks);
     for (const auto& r : fin.at("mem_resident_by_category_per_rank")) {
       EXPECT_EQ(r.at("params").get<int64_t>(), 4 * flat + es.at("params").get<int64_t>());
@@ -74,8 +75,9 @@ class MoeParity : public ParityFixture {
   }
   // The Meta dry run of each of `world` ranks with `args` builds the real run's layout: its model
   // state is the real run's (`fin`), to the byte (activations and all-to-all bytes depend on the
-  // routing, which a dry run cannot see: it assumes an even spread).
-  void expect_dry_runs_match(int world, const std::string& args, const nlohmann::json& fin) {
+  // routing, which a dry run cannot see: it assumes an even spread; with `routing_free` (experts
+  // padded to their capacity) activations and workspace are compared too).
+  void expect_dry_runs_match(int world, const std::string& args, const nlohmann::json& fin, bool routing_free = false) {
     for (int r = 0; r < world; ++r) {
       const std::string m = (dir_ / ("dry" + std::to_string(r) + ".jsonl")).string();
       RunOut d = run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --dry-run --world " + std::to_string(world) +
@@ -84,6 +86,9 @@ class MoeParity : public ParityFixture {
       const auto dj = final_metrics(m).at("mem_resident_by_category");
       const auto& rj = fin.at("mem_resident_by_category_per_rank")[r];
       for (const char* k : {"params", "grads", "optimizer"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+      if (routing_free) {
+        for (const char* k : {"activations", "workspace"}) EXPECT_EQ(dj.at(k), rj.at(k)) << "rank " << r << " " << k;
+      }
     }
   }
 };
@@ -187,6 +192,82 @@ TEST_F(MoeParity, TensorParallelExpertsMatchOneRank) {
   expect_close(gref, gtp, kLossTol, kWeightTol, "gpt2 MoE, tp=2 x FULL_SHARD 2");
 }
 
+// Sequence parallelism (Megatron's all-gather dispatcher): the MoE layer's sequence-sharded input is
+// gathered over tp, every tp rank routes the whole micro-batch and runs its slice of the experts,
+// and the output is reduce-scattered back to the rank's rows. tp 2 + SP on 2 ranks (Llama experts
+// with a shared expert, and GPT-2 experts), and ep 2 x tp 2 + SP on 4, against one process: the
+// same losses, aux losses and tokens per expert (the whole micro-batch's), final weights, every
+// rank's exact model-state bytes and its dry run's.
+TEST_F(MoeParity, SequenceParallelExpertsMatchOneRank) {
+  const std::string sp = " --parallel.tp 2 --parallel.sequence_parallel true";
+  auto ref = train(1, 2, 1, "ref", kMoe);
+  auto tp = train(2, 2, 1, "tp2sp", kMoe + sp);
+  ASSERT_FALSE(tp.losses.empty());
+  expect_close(ref, tp, kLossTol, kWeightTol, "llama MoE, tp=2 + SP");
+  std::printf("[tp=2 + SP] max |d aux| %.3g\n", expect_same_routing("ref", "tp2sp", true, "(tp 2 + SP) "));
+  EXPECT_GT(tp.final.at("comm_bytes_by_group").value("tp", int64_t{0}), 0);
+  expect_ddp_model_state(tp.final, 2);
+  expect_dry_runs_match(2, kMoe + sp + " --train.micro_batch 2", tp.final);
+  // Against tp 2 without SP in bf16 (activations cross the tp group in bf16 both ways), with full
+  // recompute (a recomputed MoE layer gathers its input again).
+  auto tpb = train(2, 2, 1, "tp2b", kMoe + " --parallel.tp 2 --train.dtype bf16");
+  auto spb = train(2, 2, 1, "tp2spb", kMoe + sp + " --train.dtype bf16 --train.activation_checkpointing full");
+  ASSERT_FALSE(spb.losses.empty());
+  expect_close(tpb, spb, kLossTol, kWeightTol, "bf16 llama MoE, tp=2 + SP + full recompute vs tp=2");
+  const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+                          " --model.moe_aux_loss_coef 0.02";
+  auto gref = train(1, 2, 1, "gref", gpt);
+  auto gtp = train(2, 2, 1, "gtp2sp", gpt + sp);
+  ASSERT_FALSE(gtp.losses.empty());
+  expect_close(gref, gtp, kLossTol, kWeightTol, "gpt2 MoE, tp=2 + SP");
+  expect_same_routing("gref", "gtp2sp", true, "gpt2 (tp 2 + SP) ");
+  auto ref2 = train(1, 2, 2, "ref2", kMoe);
+  auto et = train(4, 2, 1, "ep2tp2sp", kMoe + " --parallel.ep 2" + sp);
+  ASSERT_FALSE(et.losses.empty());
+  expect_close(ref2, et, kLossTol, kWeightTol, "llama MoE, ep=2 x tp=2 + SP");
+  std::printf("[ep=2 x tp=2 + SP] max |d aux| %.3g\n", expect_same_routing("ref2", "ep2tp2sp", true, "(ep 2 x tp 2 + SP) "));
+  EXPECT_EQ(et.final.at("moe_dropped_tokens").get<int64_t>(), 0);
+  EXPECT_GT(et.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
+  EXPECT_EQ(et.final.at("expert_state_bytes").at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64 / 2);
+  expect_ddp_model_state(et.final, 4);
+  expect_dry_runs_match(4, kMoe + " --parallel.ep 2" + sp + " --train.micro_batch 2", et.final);
+}
+
+// Context parallelism: each cp rank routes its chunks of every sequence; the load-balancing loss
+// counts f_e over the whole micro-batch (summed over cp), and each rank's aux / z losses are its
+// share of the micro-batch's, so they sum to one process's and so do their gradients. cp 2 on 2
+// ranks; ep 2 x cp 2 on 4 (the experts' gradients reduced over edp x cp), with DDP and FULL_SHARD;
+// cp 2 x tp 2 + SP on 4 with GPT-2 experts. Against one process: losses, aux losses, tokens per
+// expert, final weights, every rank's exact model-state bytes and its dry run's.
+TEST_F(MoeParity, ContextParallelExpertsMatchOneRank) {
+  auto ref = train(1, 2, 1, "ref", kMoe);
+  auto cp = train(2, 2, 1, "cp2", kMoe + " --parallel.cp 2");
+  ASSERT_FALSE(cp.losses.empty());
+  expect_close(ref, cp, kLossTol, kWeightTol, "llama MoE, cp=2");
+  std::printf("[cp=2] max |d aux| %.3g\n", expect_same_routing("ref", "cp2", true, "(cp 2) "));
+  expect_ddp_model_state(cp.final, 2);
+  expect_dry_runs_match(2, kMoe + " --parallel.cp 2 --train.micro_batch 2", cp.final);
+  auto ref2 = train(1, 2, 2, "ref2", kMoe);
+  auto ec = train(4, 2, 1, "ep2cp2", kMoe + " --parallel.ep 2 --parallel.cp 2");
+  ASSERT_FALSE(ec.losses.empty());
+  expect_close(ref2, ec, kLossTol, kWeightTol, "llama MoE, ep=2 x cp=2");
+  std::printf("[ep=2 x cp=2] max |d aux| %.3g\n", expect_same_routing("ref2", "ep2cp2", true, "(ep 2 x cp 2) "));
+  EXPECT_GT(ec.final.at("comm_bytes_by_group").value("ep", int64_t{0}), 0);
+  EXPECT_GT(ec.final.at("comm_bytes_by_group").value("edp", int64_t{0}), 0);
+  EXPECT_EQ(ec.final.at("expert_state_bytes").at("params").get<int64_t>(), 4 * 2 * 2 * 3 * 32 * 64);
+  expect_ddp_model_state(ec.final, 4);
+  expect_dry_runs_match(4, kMoe + " --parallel.ep 2 --parallel.cp 2 --train.micro_batch 2", ec.final);
+  auto ecfs = train(4, 2, 1, "ep2cp2fs", kMoe + " --parallel.ep 2 --parallel.cp 2 --parallel.strategy FULL_SHARD");
+  expect_close(ref2, ecfs, kLossTol, kWeightTol, "llama MoE, ep=2 x cp=2 x FULL_SHARD");
+  const std::string gpt = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+                          " --model.moe_aux_loss_coef 0.02 --model.moe_z_loss_coef 0.001";
+  auto gref = train(1, 2, 1, "gref", gpt);
+  auto gct = train(4, 2, 1, "gcp2tp2sp", gpt + " --parallel.cp 2 --parallel.tp 2 --parallel.sequence_parallel true");
+  ASSERT_FALSE(gct.losses.empty());
+  expect_close(gref, gct, kLossTol, kWeightTol, "gpt2 MoE, cp=2 x tp=2 + SP");
+  expect_same_routing("gref", "gcp2tp2sp", true, "gpt2 (cp 2 x tp 2 + SP) ");
+}
+
 // bf16 (rows travel in bf16, outputs and gradients in fp32); a capacity factor that drops tokens,
 // with full recompute (a recomputed layer repeats its exchanges) and ZeRO-2 for the dense part.
 TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
@@ -202,6 +283,47 @@ TEST_F(MoeParity, ExpertParallelBf16CapacityAndRecomputeMatchOneRank) {
   const int64_t dropped = refc.final.at("moe_dropped_tokens").get<int64_t>();
   EXPECT_GT(dropped, 0);
   EXPECT_EQ(epc.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+}
+
+// model.moe_pad_to_capacity: every expert receives exactly its capacity of rows from each rank, zero
+// rows filling up (their outputs discarded, no gradient from them), so a padded run trains like the
+// unpadded one with the same capacity (same drops), and its sizes no longer depend on the routing:
+// every rank's dry run has the real run's activations and workspace to the byte. Llama experts in
+// one process and on ep 2; GPT-2 experts (a zero row's hidden is gelu(bias), not zero) on one
+// process and ep 2 x tp 2.
+TEST_F(MoeParity, PaddedToCapacityMatchesUnpadded) {
+  const std::string cap = kMoe + " --model.moe_capacity_factor 1.0";
+  const std::string pad = cap + " --model.moe_pad_to_capacity true";
+  auto ref = train(1, 2, 2, "refc", cap);
+  auto one = train(1, 2, 2, "onep", pad);
+  ASSERT_FALSE(one.losses.empty());
+  expect_close(ref, one, kLossTol, kWeightTol, "llama MoE, capacity 1.0, padded vs not (one process)");
+  expect_same_routing("refc", "onep", true, "(padded, one process) ");
+  const int64_t dropped = ref.final.at("moe_dropped_tokens").get<int64_t>();
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(one.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+  auto ep = train(2, 2, 1, "ep2p", pad + " --parallel.ep 2");
+  ASSERT_FALSE(ep.losses.empty());
+  expect_close(ref, ep, kLossTol, kWeightTol, "llama MoE, capacity 1.0, ep=2 padded vs one process unpadded");
+  expect_same_routing("refc", "ep2p", true, "(padded, ep 2) ");
+  EXPECT_EQ(ep.final.at("moe_dropped_tokens").get<int64_t>(), dropped);
+  // Every step sends the same bytes: per MoE layer and micro-batch E x capacity rows leave each
+  // rank, half of them to the other rank: capacity ceil(1.0 x 64 x 2 / 4) = 32 rows of 32 values,
+  // fp32 input rows and outputs forward, output and input gradients backward.
+  EXPECT_EQ(ep.final.at("ep_all_to_all_bytes_per_step").get<int64_t>(), 2 * (4 * 32 / 2) * 32 * 4 * 4);
+  expect_ddp_model_state(ep.final, 2);
+  expect_dry_runs_match(2, pad + " --parallel.ep 2 --train.micro_batch 2", ep.final, true);
+  const std::string gcap = " --model.preset gpt2-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1"
+                           " --model.moe_aux_loss_coef 0.02 --model.moe_capacity_factor 1.0";
+  auto gref = train(1, 2, 2, "gcap", gcap);
+  auto gone = train(1, 2, 2, "gonep", gcap + " --model.moe_pad_to_capacity true");
+  expect_close(gref, gone, kLossTol, kWeightTol, "gpt2 MoE, capacity 1.0, padded vs not (one process)");
+  auto get = train(4, 2, 1, "gep2tp2p", gcap + " --model.moe_pad_to_capacity true --parallel.ep 2 --parallel.tp 2");
+  ASSERT_FALSE(get.losses.empty());
+  expect_close(gref, get, kLossTol, kWeightTol, "gpt2 MoE, capacity 1.0, ep=2 x tp=2 padded vs one process unpadded");
+  expect_same_routing("gcap", "gep2tp2p", true, "gpt2 (padded, ep 2 x tp 2) ");
+  expect_dry_runs_match(4, gcap + " --model.moe_pad_to_capacity true --parallel.ep 2 --parallel.tp 2 --train.micro_batch 2",
+                        get.final, true);
 }
 
 // The largest absolute difference of two runs' final weights; NaN (an element no piece of a sharded
@@ -334,12 +456,16 @@ TEST_F(MoeParity, RefusedLayoutsSayWhy) {
   r = run(mpirun(2) + base + " --model.preset llama-tiny --model.moe_experts 3 --parallel.ep 2");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("must be divisible by parallel.ep"), std::string::npos) << r.output;
-  r = run(mpirun(2) + base + kMoe + " --parallel.tp 2 --parallel.sequence_parallel true");
+  r = run("MESHTRAIN_MPI=0 " + base + kMoe + " --model.moe_pad_to_capacity true");
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("sequence_parallel with a mixture of experts"), std::string::npos) << r.output;
-  r = run(mpirun(2) + base + kMoe + " --parallel.cp 2");
+  EXPECT_NE(r.output.find("model.moe_pad_to_capacity needs a mixture of experts (model.moe_experts > 0) with a capacity "
+                          "(model.moe_capacity_factor > 0)"),
+            std::string::npos)
+      << r.output;
+  r = run(mpirun(2) + base + kMoe + " --parallel.cp 2 --model.moe_capacity_factor 1.25");
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("parallel.cp = 2 with a mixture of experts"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.moe_capacity_factor > 0 with parallel.cp = 2 is not supported"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

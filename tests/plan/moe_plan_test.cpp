@@ -55,6 +55,28 @@ TEST(MoePlan, ExpertParallelismSplitsTheExpertsAndMovesTokens) {
   EXPECT_NEAR(eight.group_bytes.ep, 2.0 * 32 * rows * 4096 * (2 + 4 + 4 + 4 + (2 + 4)), 1e3);
   EXPECT_GT(eight.ep_comm_s, 0.0);
   EXPECT_NE(eight.layout.describe().find("ep=8"), std::string::npos);
+  // With tp every tp rank routes all the micro-batch's tokens, with sequence parallelism as well
+  // (the MoE layer gathers its input over tp): the same rows leave each rank.
+  l.tp = 2;
+  l.dp_shard = 4;
+  l.ep = 4;
+  st.sequence_parallel = false;
+  const Estimate tp2 = estimate(m, c, st, l);
+  st.sequence_parallel = true;
+  const Estimate tp2sp = estimate(m, c, st, l);
+  EXPECT_NEAR(tp2.group_bytes.ep, 2.0 * 32 * (2.0 * 4096 * 3 / 4) * 4096 * (2 + 4 + 4 + 4 + (2 + 4)), 1e3);
+  EXPECT_EQ(tp2sp.group_bytes.ep, tp2.group_bytes.ep);
+  // Padded to a capacity: E x ceil(factor x tokens x k / E) rows per micro-batch, whatever the
+  // routing (capacity ceil(1.25 x 4096 x 2 / 8) = 1280 rows of each of 8 experts).
+  ModelConfig mp = m;
+  mp.moe_capacity_factor = 1.25f;
+  mp.moe_pad_to_capacity = true;
+  const Estimate padded = estimate(mp, c, st, l);
+  EXPECT_NEAR(padded.group_bytes.ep, tp2.group_bytes.ep * (8.0 * 1280) / (2.0 * 4096), 1e3);
+  EXPECT_GT(padded.mem.activations, tp2sp.mem.activations);  // the same setup, sequence parallel
+  EXPECT_GT(padded.time.compute, tp2sp.time.compute);
+  mp.moe_pad_to_capacity = false;  // a capacity alone changes nothing the planner models (drops are not)
+  EXPECT_EQ(estimate(mp, c, st, l).group_bytes.ep, tp2.group_bytes.ep);
 }
 
 TEST(MoePlan, TheSearchTriesExpertParallelismForMoeModelsOnly) {
@@ -69,6 +91,15 @@ TEST(MoePlan, TheSearchTriesExpertParallelismForMoeModelsOnly) {
   for (const Estimate& e : plan(model_preset("mixtral-8x7b"), c, st, o).candidates) saw_ep |= e.layout.ep > 1;
   EXPECT_TRUE(saw_ep);
   for (const Estimate& e : plan(model_preset("llama3-8b"), c, st, o).candidates) EXPECT_EQ(e.layout.ep, 1);
+  // Context parallelism composes with MoE (with and without ep), but not with a capacity factor
+  // (the engine refuses it: drops would depend on which chunks a cp rank sees).
+  o.cp_min_seq = 4096;
+  ModelConfig m = model_preset("mixtral-8x7b");
+  bool saw_cp_ep = false;
+  for (const Estimate& e : plan(m, c, st, o).candidates) saw_cp_ep |= e.layout.cp > 1 && e.layout.ep > 1;
+  EXPECT_TRUE(saw_cp_ep);
+  m.moe_capacity_factor = 1.25f;
+  for (const Estimate& e : plan(m, c, st, o).candidates) EXPECT_EQ(e.layout.cp, 1);
 }
 
 }  // namespace

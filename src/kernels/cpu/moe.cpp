@@ -109,8 +109,12 @@ void moe_gather_rows(void* out, const void* in, const int32_t* rows, int64_t n, 
   auto* o = static_cast<char*>(out);
   const auto* s = static_cast<const char*>(in);
 #pragma omp parallel for if (n * row_bytes > 262144)
-  for (int64_t i = 0; i < n; ++i)
-    std::memcpy(o + i * row_bytes, s + static_cast<int64_t>(rows[i]) * row_bytes, static_cast<size_t>(row_bytes));
+  for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] < 0)
+      std::memset(o + i * row_bytes, 0, static_cast<size_t>(row_bytes));
+    else
+      std::memcpy(o + i * row_bytes, s + static_cast<int64_t>(rows[i]) * row_bytes, static_cast<size_t>(row_bytes));
+  }
 }
 
 void moe_combine(float* out, const float* y, const int32_t* pos, const float* w, int64_t N, int64_t k, int64_t C) {

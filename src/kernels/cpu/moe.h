@@ -21,7 +21,8 @@ void moe_router_backward(float* dlogits, const float* dw, const float* scores, c
                          int64_t k, int sigmoid);
 // The mean over tokens of the balance probabilities (see above) per expert: P [E].
 void moe_balance_probs(float* P, const float* scores, int64_t N, int64_t E, int sigmoid);
-// out row i = in row rows[i] (rows of row_bytes bytes; any element type).
+// out row i = in row rows[i] (rows of row_bytes bytes; any element type); a negative rows[i] writes
+// a zero row (padding).
 void moe_gather_rows(void* out, const void* in, const int32_t* rows, int64_t n, int64_t row_bytes);
 // out[t] += sum_j w[t, j] * y[pos[t, j]] over j < k with pos >= 0 (w null: weight 1), j in order.
 void moe_combine(float* out, const float* y, const int32_t* pos, const float* w, int64_t N, int64_t k, int64_t C);
