@@ -4,8 +4,6 @@
 // dloss subtracted at the target. Padded columns [V, Vp) are never read and are set to 0.
 #include "kernels/cpu/loss.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -84,17 +82,6 @@ void scale_to_bf16(bf16* o, const float* e, float f) {
   for (int64_t i = 0; i < kChunk; ++i) o[i] = detail::to_bf16(e[i] * f);
 }
 
-// 128 bytes (one chunk of bf16) to a 64-byte aligned destination with non-temporal stores: the
-// gradient lands on rows finished long ago, so ordinary stores would first read those lines back.
-void stream_chunk(void* dst, const bf16* src) {
-#if defined(MT_CPU_VARIANT_AVX512)
-  for (int i = 0; i < 2; ++i)
-    _mm512_stream_si512(static_cast<__m512i*>(dst) + i, _mm512_loadu_si512(reinterpret_cast<const __m512i*>(src) + i));
-#else
-  for (int i = 0; i < 4; ++i)
-    _mm256_stream_si256(static_cast<__m256i*>(dst) + i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src) + i));
-#endif
-}
 }  // namespace
 
 void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
@@ -127,13 +114,8 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
         for (int64_t i = 0; i < c; ++i) o[i] = detail::to_bf16(e[j0 + i] * f);
       for (int64_t j = std::max(j0, V); j < j0 + c; ++j) o[j - j0] = bf16{0};  // padded columns
       if (tgt >= j0 && tgt < j0 + c) o[tgt - j0] = detail::to_bf16(e[tgt] * f - dloss);
-      unsigned char* d = g + j0 * static_cast<int64_t>(sizeof(bf16));
-      if (c == kChunk && reinterpret_cast<uintptr_t>(d) % 64 == 0)
-        stream_chunk(d, o);
-      else
-        std::memcpy(d, o, static_cast<size_t>(c) * sizeof(bf16));
+      std::memcpy(g + j0 * static_cast<int64_t>(sizeof(bf16)), o, static_cast<size_t>(c) * sizeof(bf16));
     }
-    _mm_sfence();  // the streamed stores are visible before the row counts as done
   };
   if (N > 0) row(0);
   for (int64_t lo = 1; lo < N; lo *= 2) {
