@@ -105,6 +105,7 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
     thread_local detail::Scratch scratch;
     float* e = scratch.as<float>(static_cast<size_t>(Vp));
     const float f = ce_row_exp(x, e, losses + n, tgt, V, dloss);
+    std::fill(e + V, e + Vp, 0.0f);  // the padded columns' chunk reads defined values
     for (int64_t j0 = 0; j0 < Vp; j0 += kChunk) {
       const int64_t c = std::min(kChunk, Vp - j0);
       bf16 o[kChunk];
