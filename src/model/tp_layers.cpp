@@ -1,6 +1,7 @@
 #include "model/tp_layers.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "kernels/backend.h"
 #include "runtime/device.h"
@@ -24,6 +25,16 @@ void TpComm::reduce_scatter_sum(const float* in, float* out, int64_t n) {
   dev::copy(d, out, all.f32() + rank() * n, bytes);
 }
 
+int TpComm::start_all_gather_bf16(const bf16* in, bf16* out, int64_t n) {
+  const kernels::KernelTable& k = kernels::table(current_device());
+  Tensor mine = Tensor::empty({n}, DType::F32, MemCategory::Workspace);
+  Tensor all = Tensor::empty({n * size()}, DType::F32, MemCategory::Workspace);
+  k.cast_bf16_to_f32(mine.f32(), in, n);
+  all_gather(mine.f32(), all.f32(), n);
+  k.cast_f32_to_bf16(out, all.f32(), n * size());
+  return -1;
+}
+
 // ---- TpContext ----
 
 TpContext::TpContext(const kernels::KernelTable* k, DType cd, TpComm* c) : kt(k), compute(cd), comm(c) {
@@ -38,30 +49,35 @@ void TpContext::allocate(int64_t N, int64_t C) {
   C_ = C;
   if (!sp) return;
   auto W = MemCategory::Workspace;
-  full_ = Tensor::empty({N, C}, DType::F32, W);
-  if (compute == DType::BF16) full_bf_ = Tensor::empty({N, C}, DType::BF16, W);
+  if (compute == DType::F32)
+    full_ = Tensor::empty({N, C}, DType::F32, W);
+  else
+    full_bf_ = Tensor::empty({N, C}, DType::BF16, W);
   dfull_ = Tensor::empty({N, C}, DType::F32, W);
   part_ = Tensor::empty({N, C}, DType::F32, W);
   pgrad_ = Tensor::empty({std::max<int64_t>(2 * C, 16)}, DType::F32, W);
 }
 
-// The full [N, C] rows from this rank's R = N / t (fp32) in the compute dtype.
-const Tensor& TpContext::gather(const float* rows_f32) {
+// The full [N, C] rows from this rank's R = N / t in the compute dtype. In bf16 `saved` holds the
+// rounded `rows_f32`, which is what the matmuls read: gathered as bf16, nothing is cast (before,
+// the rows were rounded into staging, gathered, widened into fp32 and rounded again, four passes
+// over the rows with the same result).
+const Tensor& TpContext::gather(const Tensor& saved, const float* rows_f32) {
+  if (saved.dtype() != compute) throw std::logic_error("TpContext::gather: saved rows are not in the compute dtype");
+  if (compute == DType::BF16) {
+    comm->wait(comm->start_all_gather_bf16(saved.bf(), full_bf_.bf(), rows(N_) * C_));
+    return full_bf_;
+  }
   comm->all_gather_activations(rows_f32, full_.f32(), rows(N_) * C_);
-  return full_compute();
-}
-
-const Tensor& TpContext::full_compute() {
-  if (compute == DType::F32) return full_;
-  kt->cast_f32_to_bf16(full_bf_.bf(), full_.f32(), N_ * C_);
-  return full_bf_;
+  return full_;
 }
 
 int TpContext::start_regather(const Tensor& x) {
   const int64_t n = rows(N_) * C_;
+  if (x.dtype() != compute)
+    throw std::logic_error("TpContext::start_regather: saved rows are not in the compute dtype");
   if (x.dtype() == DType::F32) return comm->start_all_gather_activations(x.f32(), full_.f32(), n);
-  kt->cast_bf16_to_f32(stage, x.bf(), n);
-  return comm->start_all_gather_activations(stage, full_.f32(), n);
+  return comm->start_all_gather_bf16(x.bf(), full_bf_.bf(), n);
 }
 
 void TpContext::gather_into(const float* rows_f32, float* out) {
@@ -128,7 +144,7 @@ void store_compute(const kernels::KernelTable* kt, const Tensor& dst, const floa
 // ---- ColumnParallelLinear ----
 
 void ColumnParallelLinear::forward(const Tensor& x, const float* x_rows, std::initializer_list<Out> outs) {
-  const Tensor& in = ctx_.sp ? ctx_.gather(x_rows) : x;
+  const Tensor& in = ctx_.sp ? ctx_.gather(x, x_rows) : x;
   const Linear lin{ctx_.kt, ctx_.compute};
   for (const Out& o : outs) lin.forward(o.y, in, o.w, o.w.b, ctx_.tokens(), in_);
 }

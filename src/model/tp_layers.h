@@ -62,6 +62,11 @@ class TpComm {
     return -1;
   }
   virtual void wait(int handle) { (void)handle; }
+  // bf16 rows gathered as they are (sequence parallelism in bf16 runs: the rows a layer saved are
+  // already the rounded values its matmuls read, so they travel without a cast either side). `out`
+  // receives size() x n values in rank order. The default widens, gathers in fp32 and rounds back
+  // (exact); handles as above.
+  virtual int start_all_gather_bf16(const bf16* in, bf16* out, int64_t n);
 };
 
 // What the layers share: kernels, compute dtype, the tp communicator (null for tp = 1), the
@@ -85,11 +90,12 @@ class TpContext {
   int64_t tokens() const { return N_; }
   void allocate(int64_t N, int64_t C);
 
-  // SP: every row, in the compute dtype, from this rank's fp32 rows.
-  const Tensor& gather(const float* rows);
+  // SP: every row in the compute dtype, from this rank's rows: `saved` (compute dtype) and, for
+  // fp32, the same values `rows`. In bf16 the saved rows themselves are gathered (no casts).
+  const Tensor& gather(const Tensor& saved, const float* rows);
   // SP: starts gathering every row of an input saved as this rank's rows ([rows(N), C], compute
-  // dtype) into full_buffer(); after comm->wait(handle), full_compute() holds them in the compute
-  // dtype (what gather() returned in the forward).
+  // dtype); after comm->wait(handle), full_compute() holds them (what gather() returned in the
+  // forward).
   int start_regather(const Tensor& saved_rows);
   // SP: every row of a gradient from this rank's rows (fp32 on the wire); else g itself.
   const float* gather_grad(const float* g);
@@ -105,9 +111,8 @@ class TpContext {
   // Workspace for partial sums that are reduce-scattered ([N, C]); `out` itself without SP.
   float* partial_buffer(float* out) { return sp ? part_.f32() : out; }
 
-  // SP: the gather target of every row ([N, C] fp32), and its contents in the compute dtype.
-  float* full_buffer() { return full_.f32(); }
-  const Tensor& full_compute();
+  // SP: every row ([N, C]) as the last gather() / re-gather left them, in the compute dtype.
+  const Tensor& full_compute() const { return compute == DType::F32 ? full_ : full_bf_; }
 
   // The norms' parameter-gradient contributions under SP ([max(2C, 16)]).
   float* norm_grad_scratch() { return pgrad_.f32(); }

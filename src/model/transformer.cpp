@@ -816,7 +816,7 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   // MLP: out = res2 + down(act(ln2(res2))).
   const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
   if (p.moe) {  // under SP on every row, gathered as the dense MLP's column-parallel layer does
-    moe_forward(layer, p, a, tpc_.sp ? tpc_.gather(ln2) : a.ln2, out);
+    moe_forward(layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out);
     kt_->accumulate(out, a.res2.f32(), R * C);
     return;
   }

@@ -113,6 +113,15 @@ int ProcessGroupTpComm::start_reduce_scatter_activations(const float* in, float*
   });
 }
 
+int ProcessGroupTpComm::start_all_gather_bf16(const bf16* in, bf16* out, int64_t n) {
+  const int h = slot();
+  Pending& p = pending_[static_cast<size_t>(h)];
+  p.work = g_->all_gather(in, out, static_cast<size_t>(n), DType::BF16);
+  p.out = nullptr;
+  p.active = true;
+  return h;
+}
+
 void ProcessGroupTpComm::wait(int handle) {
   if (handle < 0) return;
   if (static_cast<size_t>(handle) >= pending_.size() || !pending_[static_cast<size_t>(handle)].active)

@@ -35,6 +35,7 @@ class ProcessGroupTpComm final : public TpComm {
   int start_all_reduce_activations(float* x, int64_t n) override;
   int start_all_gather_activations(const float* in, float* out, int64_t n) override;
   int start_reduce_scatter_activations(const float* in, float* out, int64_t n) override;
+  int start_all_gather_bf16(const bf16* in, bf16* out, int64_t n) override;
   void wait(int handle) override;
   // Since the last call: milliseconds the tp collectives ran (communication thread) and the
   // milliseconds the compute thread waited for them (exposed).

@@ -137,7 +137,7 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   for (auto [in, o] : lin) widest = std::max({widest, in, o});
   const int64_t NF = N * widest;
   std::vector<float> ea(sz(NF), 0.01f), eb(sz(NF), 0.02f), ec(sz(NF)), ed(sz(NF)), nw(sz(C), 1.0f), nb(sz(C), 0.0f),
-      mean(sz(N)), rstd(sz(N)), ndw(sz(C)), ndb(sz(C)), losses(sz(N));
+      mean(sz(N)), rstd(sz(N)), ndw(sz(C)), ndb(sz(C)), losses(sz(N)), vstats(sz(2 * N));
   float* logits = out.data();  // [N, max_out], max_out >= V
   std::vector<bf16> eab(sz(NF));
   std::vector<int32_t> ids(sz(N));
@@ -172,11 +172,18 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
     }
     norm();
     if (use_bf16) K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
-    // (in bf16 without tp the loss leaves the head's gradient in bf16 itself)
-    if (use_bf16 && t == 1)
-      K.softmax_cross_entropy_bf16(logits, losses.data(), ids.data(), N, std::min<int64_t>(V, m.vocab_size), V, 1.0f);
-    else
-      K.softmax_cross_entropy(logits, losses.data(), ids.data(), N, std::min<int64_t>(V, m.vocab_size), V, 1.0f);
+    // (in bf16 without tp the loss leaves the head's gradient in bf16 itself; with tp it is the
+    // vocabulary-parallel loss's three passes over this rank's columns)
+    const int64_t Vv = std::min<int64_t>(V, m.vocab_size);
+    if (t > 1) {
+      K.vp_ce_rowmax(mean.data(), logits, N, V, Vv);
+      K.vp_ce_stats(vstats.data(), logits, mean.data(), ids.data(), N, V, Vv, 0);
+      K.vp_ce_finish(logits, losses.data(), mean.data(), vstats.data(), ids.data(), N, V, Vv, 0, true, 1.0f);
+    } else if (use_bf16) {
+      K.softmax_cross_entropy_bf16(logits, losses.data(), ids.data(), N, Vv, V, 1.0f);
+    } else {
+      K.softmax_cross_entropy(logits, losses.data(), ids.data(), N, Vv, V, 1.0f);
+    }
     K.embedding_forward(ec.data(), ids.data(), table, N, C);
     K.embedding_backward(dtable, eb.data(), ids.data(), N, C);
     pg.zero_();

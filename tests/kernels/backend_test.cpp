@@ -2,6 +2,7 @@
 // touches no memory, and the kernels added for the seam match the code they replaced.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -79,6 +80,46 @@ TEST(KernelTable, VocabParallelCrossEntropyOnOneRankIsTheFusedLoss) {
   k.vp_ce_finish(lg.data(), loss.data(), mx.data(), stats.data(), tg.data(), N, Vp, V, 0, true, 0.5f);
   for (int64_t n = 0; n < N; ++n) EXPECT_NEAR(loss[n], ref_loss[n], 1e-5) << n;
   for (size_t i = 0; i < lg.size(); ++i) EXPECT_NEAR(lg[i], ref[i], 1e-6) << i;
+}
+
+// The same loss with the vocabulary split over two "ranks" (columns [0, 300) and [300, 601) of a
+// row padded to 640; the second holds the padding): the statistics combined as the tp layer
+// combines them (max, then sums) give the fused loss and its gradient.
+TEST(KernelTable, VocabParallelCrossEntropySplitOverTwoShardsIsTheFusedLoss) {
+  const KernelTable& k = table(Device::CPU);
+  const int64_t N = 37, V = 601, Vp = 640, lo1 = 300;
+  const int64_t Vl[2] = {lo1, Vp - lo1}, valid[2] = {lo1, V - lo1}, lo[2] = {0, lo1};
+  std::vector<float> lg(N * Vp, 0.0f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < V; ++j) lg[n * Vp + j] = 3.0f * std::sin(0.37f * static_cast<float>(n * V + j));
+  std::vector<int32_t> tg(N);
+  for (int64_t n = 0; n < N; ++n) tg[n] = n == 5 ? -1 : static_cast<int32_t>((n * 97) % V);
+  std::vector<float> ref = lg, ref_loss(N);
+  k.softmax_cross_entropy(ref.data(), ref_loss.data(), tg.data(), N, V, Vp, 1.0f / N);
+  std::vector<float> sh[2], mx[2], st[2], loss[2];
+  for (int r = 0; r < 2; ++r) {
+    sh[r].resize(N * Vl[r]);
+    for (int64_t n = 0; n < N; ++n)
+      std::copy_n(lg.begin() + n * Vp + lo[r], Vl[r], sh[r].begin() + n * Vl[r]);
+    mx[r].resize(N), st[r].resize(2 * N), loss[r].resize(N);
+    k.vp_ce_rowmax(mx[r].data(), sh[r].data(), N, Vl[r], valid[r]);
+  }
+  std::vector<float> gmx(N), gst(2 * N, 0.0f);
+  for (int64_t n = 0; n < N; ++n) gmx[n] = std::max(mx[0][n], mx[1][n]);
+  for (int r = 0; r < 2; ++r) {
+    k.vp_ce_stats(st[r].data(), sh[r].data(), gmx.data(), tg.data(), N, Vl[r], valid[r], lo[r]);
+    for (int64_t i = 0; i < 2 * N; ++i) gst[i] += st[r][i];
+  }
+  for (int r = 0; r < 2; ++r) {
+    k.vp_ce_finish(sh[r].data(), loss[r].data(), gmx.data(), gst.data(), tg.data(), N, Vl[r], valid[r], lo[r], true,
+                   1.0f / N);
+    for (int64_t n = 0; n < N; ++n) {
+      EXPECT_NEAR(loss[r][n], ref_loss[n], 2e-6 * (1 + std::fabs(ref_loss[n]))) << r << " row " << n;
+      for (int64_t j = 0; j < Vl[r]; ++j)
+        EXPECT_NEAR(sh[r][n * Vl[r] + j], ref[n * Vp + lo[r] + j], 1e-8) << r << " row " << n << " col " << j;
+    }
+  }
+  EXPECT_EQ(loss[0][5], 0.0f);  // an ignored target: no loss, no gradient
 }
 
 TEST(KernelTable, CopyColumnsAndBias) {

@@ -145,41 +145,47 @@ void softmax_cross_entropy_forward(const float* logits, float* losses, const int
   }
 }
 
+// The vocabulary-parallel loss (one rank's columns [lo, lo + valid) of every row) in the same
+// float arithmetic as softmax_cross_entropy: on one rank holding the whole vocabulary the three
+// passes give its bits. Vectorised like it (exp_f, simd reductions); rows in parallel.
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid) {
-#pragma omp parallel for
-  for (int64_t n = 0; n < N; ++n) {
-    float m = -INFINITY;
-    for (int64_t j = 0; j < valid; ++j) m = std::max(m, lg[n * Vl + j]);
-    rowmax[n] = m;
-  }
+#pragma omp parallel for schedule(static) if (N * Vl > detail::kParallelMin)
+  for (int64_t n = 0; n < N; ++n) rowmax[n] = valid > 0 ? row_max(lg + n * Vl, valid) : -INFINITY;
 }
 
 void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
                  int64_t valid, int64_t lo) {
-#pragma omp parallel for
+#pragma omp parallel for schedule(static) if (N * Vl > detail::kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
-    double se = 0;
-    for (int64_t j = 0; j < valid; ++j) se += std::exp(static_cast<double>(lg[n * Vl + j] - rowmax[n]));
-    stats[n] = static_cast<float>(se);
+    const float* x = lg + n * Vl;
+    const float m = rowmax[n];
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < valid; ++j) s += detail::exp_f(x[j] - m);
+    stats[n] = s;
     const int64_t t = targets[n] - lo;
-    stats[N + n] = (targets[n] >= 0 && t >= 0 && t < valid) ? lg[n * Vl + t] : 0.0f;
+    stats[N + n] = (targets[n] >= 0 && t >= 0 && t < valid) ? x[t] : 0.0f;
   }
 }
 
 void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
                   int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss) {
-#pragma omp parallel for
+#pragma omp parallel for schedule(static) if (N * Vl > detail::kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const bool ignore = targets[n] < 0;
     losses[n] = ignore ? 0.0f : std::log(stats[n]) + rowmax[n] - stats[N + n];
     if (!train) continue;
-    const float inv = 1.0f / stats[n];
-    const int64_t t = targets[n] - lo;
-    for (int64_t j = 0; j < Vl; ++j) {
-      float g = 0.0f;
-      if (!ignore && j < valid) g = (std::exp(lg[n * Vl + j] - rowmax[n]) * inv - (j == t ? 1.0f : 0.0f)) * dloss;
-      lg[n * Vl + j] = g;
+    float* x = lg + n * Vl;
+    if (ignore) {
+      std::fill(x, x + Vl, 0.0f);
+      continue;
     }
+    const float m = rowmax[n], f = dloss / stats[n];
+#pragma omp simd
+    for (int64_t j = 0; j < valid; ++j) x[j] = detail::exp_f(x[j] - m) * f;
+    const int64_t t = targets[n] - lo;
+    if (t >= 0 && t < valid) x[t] -= dloss;
+    std::fill(x + std::max<int64_t>(valid, 0), x + Vl, 0.0f);
   }
 }
 
