@@ -361,6 +361,10 @@ CommCeiling probe_comm(const ValidateOptions& o, const std::string& dir, int ran
                                    "--min-bytes", "32K",       "--max-bytes", "4M",
                                    "--factor",    "4",         "--no-mpi",    "--no-check"};
   if (c.busy) argv.insert(argv.end(), {"--iters", "5", "--warmup", "1"});
+  // Idle: the link the blocking collectives see (tensor parallelism's, the context-parallel ring):
+  // each is waited for before the next is issued, so the fit is to a dependent chain (--blocking),
+  // not to back-to-back operations, whose per-operation costs overlap.
+  else argv.push_back("--blocking");
   // Busy: the collectives measured while one single-threaded compute process per rank keeps a core
   // busy the way every rank's compute thread will (on a CPU the communication threads then compete
   // with the compute threads for the cores; with more cores than ranks they find idle ones).
@@ -429,7 +433,7 @@ CommCeiling probe_comm(const ValidateOptions& o, const std::string& dir, int ran
   c.source = "meshtrain launch -n " + std::to_string(ranks) + " -- bench comm, " + std::to_string(rows) +
              " points 32K-4M of all_gather, reduce_scatter, all_reduce" +
              (c.busy ? ", with " + std::to_string(ranks) + " single-threaded compute probes running"
-                     : ", machine otherwise idle");
+                     : ", each waited for before the next (--blocking), machine otherwise idle");
   return c;
 }
 
