@@ -549,14 +549,31 @@ Metrics run_train_job(const ValidateOptions& o, const std::string& dir, const st
   return m;
 }
 
+// The machine's CPU time so far, from the aggregate line of /proc/stat (jiffies): all of it and the
+// part the hypervisor gave other guests (steal). False where there is no such file (not Linux).
+bool cpu_times(double* total, double* steal) {
+  std::ifstream f("/proc/stat");
+  std::string tag;
+  if (!(f >> tag) || tag != "cpu") return false;
+  double v[8] = {0};  // user nice system idle iowait irq softirq steal
+  for (double& x : v)
+    if (!(f >> x)) return false;
+  *total = 0;
+  for (double x : v) *total += x;
+  *steal = v[7];
+  return true;
+}
+
 // One timed run of a layout: the compute ceiling measured just before and just after the job (their
 // mean is the ceiling the prediction uses; their spread shows how much the machine's load moved),
-// the job, its metrics.
+// the job, its metrics, and the share of the machine's CPU time the hypervisor took while the job
+// ran (steal; -1: not measurable here).
 struct JobRun {
   std::string error;
   ComputeCeiling before, after, mean;
   std::vector<json> steps;
   json fin;
+  double steal = -1;
 };
 
 JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::string& data, const EngineLayout& e,
@@ -565,7 +582,10 @@ JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::stri
   Metrics m;
   try {
     j.before = probe_compute(o, dir, e, cores);
+    double t0 = 0, s0 = 0, t1 = 0, s1 = 0;
+    const bool stat0 = cpu_times(&t0, &s0);
     m = run_train_job(o, dir, data, e, "train" + tag, {"--train.steps", std::to_string(o.steps)});
+    if (stat0 && cpu_times(&t1, &s1) && t1 > t0) j.steal = (s1 - s0) / (t1 - t0);
     j.after = probe_compute(o, dir, e, cores);
   } catch (const std::exception& ex) {
     j.error = ex.what();
@@ -612,6 +632,7 @@ void time_check(const ValidateOptions& o, const ModelConfig& m, const EngineLayo
   t.checked = o.check_time;
   t.ok = std::fabs(t.error) <= o.time_tolerance;
   t.ceiling_drift = j.before.flops_per_s > 0 ? j.after.flops_per_s / j.before.flops_per_s - 1 : 0;
+  t.steal = j.steal;
   r.compute = j.mean;
 }
 
@@ -995,7 +1016,7 @@ ValidationReport run_validation(const ValidateOptions& in) {
       if (r.error.empty() && r.attempts > 0)
         *o.progress << ": compute ceiling " << fmt("%.1f GFLOP/s", r.compute.flops_per_s / 1e9) << " per rank, step "
                     << fmt("%.0f ms", r.time.measured_s * 1e3) << " measured vs " << fmt("%.0f ms", r.time.predicted_s * 1e3)
-                    << " predicted";
+                    << " predicted" << (r.time.steal >= 0 ? fmt(", steal %.0f%%", 100 * r.time.steal) : std::string());
       else if (!r.error.empty())
         *o.progress << ": " << r.error;
       *o.progress << "\n";
@@ -1139,6 +1160,7 @@ std::string format_validation(const ValidationReport& rep) {
       std::string verdict = !r.time.checked ? "(not checked)" : r.time.ok ? "ok" : "FAIL";
       if (r.attempts > 1) verdict += fmt(" (run %.0f; first ", r.attempts) + fmt("%+.0f%%)", 100 * r.first_time_error);
       rows.push_back({r.layout.label(), fmt("%.1f", r.compute.flops_per_s / 1e9), fmt("%+.0f%%", 100 * r.time.ceiling_drift),
+                      r.time.steal < 0 ? std::string("-") : fmt("%.0f%%", 100 * r.time.steal),
                       fmt("%.1f", r.time.compute_s * 1e3),
                       fmt("%.1f", r.time.exposed_s * 1e3) +
                           (r.layout.tp > 1 ? " (tp " + fmt("%.1f", r.time.tp_exposed_s * 1e3) + ")" : std::string()) +
@@ -1153,9 +1175,11 @@ std::string format_validation(const ValidationReport& rep) {
     }
     o << "(pipelines: + bubble = estimate()'s bubble, then the formula's / the measured mean idle share of the pp\n"
          " ranks; the engine's exposed is the data-parallel wait only)\n";
-    o << format_table({"layout", "GFLOP/s", "drift", "compute ms", "exposed ms pred/meas", "predicted ms", "measured ms",
-                       "range", "error", "25%"},
-                      rows, {false, true, true, true, true, true, true, true, true, false});
+    o << "(steal: the share of the machine's CPU time the hypervisor gave other guests while the job ran,\n"
+         " from /proc/stat; on a shared virtual machine it is what makes one run of a layout differ from the next)\n";
+    o << format_table({"layout", "GFLOP/s", "drift", "steal", "compute ms", "exposed ms pred/meas", "predicted ms",
+                       "measured ms", "range", "error", "25%"},
+                      rows, {false, true, true, true, true, true, true, true, true, true, false});
   } else {
     o << "\nStep time: (not measured)\n";
   }
@@ -1214,6 +1238,7 @@ std::string validation_json(const ValidationReport& rep) {
                             {"measured_median", r.time.measured_s},
                             {"measured_exposed_comm_median", r.time.measured_exposed_s},
                             {"error", r.time.error}, {"checked", r.time.checked}, {"ok", r.time.ok}, {"ceiling_drift", r.time.ceiling_drift},
+                            {"steal", r.time.steal},
                             {"attempts", r.attempts}, {"bubble", r.time.bubble_s},
                             {"pp_bubble_predicted", r.time.bubble_predicted},
                             {"pp_bubble_measured", r.time.bubble_measured}};

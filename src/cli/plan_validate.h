@@ -193,6 +193,7 @@ struct TimeRow {
   double bubble_predicted = 0, bubble_measured = 0;  // pp_bubble: idle fraction, formula / measured
   double error = 0;                    // predicted / measured - 1
   double ceiling_drift = 0;            // compute ceiling after the job / before - 1
+  double steal = -1;                   // share of the machine's CPU time stolen by the hypervisor during the job (-1: unknown)
   bool checked = false, ok = false;
 };
 struct LayoutResult {
