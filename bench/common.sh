@@ -28,6 +28,21 @@ bench_setup() {
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 }
 
+# The machine's CPU time so far, "total steal" in jiffies (/proc/stat's aggregate line), and the share
+# of the time since such a snapshot that the hypervisor gave other guests (steal; on a shared
+# virtual machine the main reason one run differs from the next):
+#   s0=$(cpu_snapshot); ...; echo "steal $(steal_since "$s0")"
+cpu_snapshot() {
+  awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $9; exit }' /proc/stat 2>/dev/null || echo "0 0"
+}
+steal_since() {
+  local t0 s0 t1 s1
+  read -r t0 s0 <<<"$1"
+  read -r t1 s1 <<<"$(cpu_snapshot)"
+  awk -v t0="$t0" -v s0="$s0" -v t1="$t1" -v s1="$s1" \
+    'BEGIN { if (t1 > t0) printf "%.0f%%", 100 * (s1 - s0) / (t1 - t0); else printf "-" }'
+}
+
 # Waits, polling every 30 s for at most LIMIT seconds, until the 1-minute load is at most MAX;
 # sets `waited` to the seconds it waited.
 #

@@ -10,7 +10,8 @@
 # file) over the steps after the first; the table gives medians over repeats, and the efficiency is
 # the median of the per-repeat ratios (1 and 2 ranks measured side by side).
 # Both meshtrain runs get GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (what `meshtrain launch` gives
-# its ranks) and 1 OpenMP thread per rank.
+# its ranks) and 1 OpenMP thread per rank. Each run's line gives the steal: the share of the
+# machine's CPU time the hypervisor gave other guests meanwhile.
 #
 # usage: bench/ddp_scaling.sh [--steps N] [--repeats R] [--torch-steps N] [--no-pytorch] [--python PY]
 #   --python PY: the interpreter whose torch is the peer (default /usr/bin/python3, Debian's 1.13)
@@ -35,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     --pytorch) PYTORCH=1; shift ;;
     --python) PY=$2; PYTORCH=1; shift 2 ;;
     --no-pytorch) PYTORCH=0; shift ;;
-    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
     *) bench_option "$@" && shift 2 || { echo "ddp_scaling.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
@@ -57,6 +58,7 @@ for ((r = 1; r <= REPEATS; r++)); do
   order=("${runs[@]}")
   if ((r % 2 == 0)); then order=(); for ((i = ${#runs[@]} - 1; i >= 0; i--)); do order+=("${runs[$i]}"); done; fi
   for run in "${order[@]}"; do
+    snap=$(cpu_snapshot)
     case $run in
       mt1) GLIBC_TUNABLES=glibc.malloc.hugetlb=1 OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
              --log.metrics_out "$OUT/mt1_r$r.jsonl" >"$OUT/mt1_r$r.log" 2>&1 ;;
@@ -67,7 +69,7 @@ for ((r = 1; r <= REPEATS; r++)); do
       pt2) "$PY" "$ROOT/bench/pytorch_compare.py" --mode ddp --ranks 2 \
              --steps "$TORCH_STEPS" --warmup 1 >"$OUT/pt2_r$r.jsonl" 2>"$OUT/pt2_r$r.log" ;;
     esac
-    echo "  $run done, load $(cut -d' ' -f1 /proc/loadavg)"
+    echo "  $run done, load $(cut -d' ' -f1 /proc/loadavg), steal $(steal_since "$snap")" | tee -a "$OUT/load.txt"
   done
 done
 echo "after: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"

@@ -30,6 +30,7 @@
 # the ceiling, and the median over repeats of achieved / ceiling (a ratio measured side by side).
 # "cpu share" = process CPU time / (wall time x threads) of the whole run: < 1 means the machine
 # was busy with other work (or threads were idle), so the wall-clock figures are pessimistic.
+# "steal" per run: the share of the machine's CPU time the hypervisor gave other guests meanwhile.
 #
 # usage: bench/train_throughput.sh [options]
 #   --steps N        training steps per run (default 12; the first is excluded as warm-up)
@@ -67,7 +68,7 @@ while [[ $# -gt 0 ]]; do
     --dtypes) DTYPES=$2; shift 2 ;;
     --kb-time) KB_TIME=$2; shift 2 ;;
     --pytorch) PYTORCH=$2; shift 2 ;;
-    -h | --help) sed -n '2,52p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,49p' "$0"; exit 0 ;;
     *) bench_option "$@" && shift 2 || { echo "train_throughput.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
@@ -116,10 +117,12 @@ for ((r = 1; r <= REPEATS; r++)); do
     dt=${run%%:*}; t=${run##*:}
     tag=${dt}_${t}t_r$r
     TIMEFORMAT='%R %U %S'
+    snap=$(cpu_snapshot)
     { time "$MT" train "${TRAIN_ARGS[@]}" --train.dtype "$dt" --train.threads "$t" \
         --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1; } 2>"$OUT/$tag.time"
     read -r wall user sys <"$OUT/$tag.time" || true
-    printf '  %-10s wall %6ss  user %6ss  sys %5ss\n' "$dt ${t}t" "$wall" "$user" "$sys"
+    printf '  %-10s wall %6ss  user %6ss  sys %5ss  steal %s\n' "$dt ${t}t" "$wall" "$user" "$sys" \
+      "$(steal_since "$snap")" | tee -a "$OUT/load.txt"
   done
   if [[ -n "$PYTORCH" ]]; then
     for dt in $DTYPES; do for t in $THREADS; do
