@@ -26,7 +26,9 @@ namespace {
 const char* kHelp =
     "usage: meshtrain launch -n N [options] -- <subcommand and its arguments>\n\n"
     "Runs `meshtrain <subcommand ...>` on N ranks through mpirun and prints the mpirun command.\n"
-    "On one machine (no --hostfile) it passes --bind-to none, and when N exceeds the cores also\n"
+    "On one machine (no --hostfile) every rank is bound to its own T CPUs (T = its threads) when\n"
+    "N x T fits on the machine (--use-hwthread-cpus --map-by slot:PE=T --bind-to hwthread);\n"
+    "otherwise, or with --bind none, it passes --bind-to none, and when N exceeds the cores also\n"
     "--oversubscribe and --mca mpi_yield_when_idle 1. Every rank gets OMP_NUM_THREADS (cores / N,\n"
     "at least 1, unless --threads), GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (large temporary\n"
     "buffers are otherwise very slow on these machines) and every MESHTRAIN_* variable that is\n"
@@ -36,6 +38,9 @@ const char* kHelp =
     "  --hostfile FILE     run across the machines listed in FILE (mpirun host file; this\n"
     "                      binary must exist at the same path on every machine)\n"
     "  --threads T         OMP_NUM_THREADS per rank\n"
+    "  --bind cores|none   one machine: bind each rank to its own CPUs when they fit (default\n"
+    "                      cores), or leave placement to the scheduler; placement arguments in\n"
+    "                      --mpirun-args (--bind-to, --map-by, ...) replace it\n"
     "  --mpirun PATH       the mpirun to run (default: $MESHTRAIN_MPIRUN or mpirun)\n"
     "  --mpirun-args ARGS  extra mpirun arguments, space-separated (e.g. \"--mca btl_tcp_links 2\")\n"
     "  --max-restarts K    when the job fails (a rank exits non-zero or dies from a signal),\n"
@@ -107,7 +112,7 @@ int run_launch_command(int argc, char** argv) {
   }
   std::vector<char*> cargs = {argv[0]};
   for (auto& a : args) cargs.push_back(a.data());
-  ArgParser ap({"np", "n", "hostfile", "threads", "mpirun", "mpirun-args", "max-restarts"},
+  ArgParser ap({"np", "n", "hostfile", "threads", "bind", "mpirun", "mpirun-args", "max-restarts"},
                {"dry-run", "help", "h"});
   LaunchOptions o;
   try {
@@ -127,6 +132,8 @@ int run_launch_command(int argc, char** argv) {
     if (!o.hostfile.empty() && access(o.hostfile.c_str(), R_OK) != 0)
       throw ArgError("cannot read host file '" + o.hostfile + "'");
     o.threads = static_cast<int>(ap.get_int("threads", 0));
+    o.bind = ap.get("bind", "cores");
+    if (o.bind != "cores" && o.bind != "none") throw ArgError("--bind must be cores or none, not '" + o.bind + "'");
     if (ap.get_int("max-restarts", 0) < 0) throw ArgError("--max-restarts must be >= 0");
     const char* env_mpirun = std::getenv("MESHTRAIN_MPIRUN");
     o.mpirun = ap.get("mpirun", env_mpirun && *env_mpirun ? env_mpirun : "mpirun");

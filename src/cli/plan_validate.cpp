@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <omp.h>
 #include <signal.h>
+#include <sched.h>
 #include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -308,6 +309,24 @@ std::vector<std::pair<std::string, std::string>> rank_env(int threads) {
 
 int threads_per_rank(int ranks, int cores) { return std::max(1, cores / std::max(1, ranks)); }
 
+// Places process `pid`, the i-th of `ranks` with `threads` threads each, where `meshtrain launch`
+// places rank i of a job: on the i-th block of `threads` CPUs this process may use, when all the
+// ranks' threads fit (comm::build_launch_plan binds them then). The probes run beside or instead of
+// the jobs' ranks and should see the cores the way the ranks do.
+void place_like_rank(pid_t pid, int i, int ranks, int threads) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  if (static_cast<int64_t>(ranks) * threads > static_cast<int64_t>(cpus.size())) return;
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  for (int k = 0; k < threads; ++k) CPU_SET(cpus[static_cast<size_t>(i * threads + k)], &mine);
+  sched_setaffinity(pid, sizeof mine, &mine);  // best effort: unplaced, the probe still measures
+}
+
 // N probe processes at once, as the N ranks of a job will run.
 ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, const EngineLayout& e, int cores) {
   const int threads = threads_per_rank(e.ranks, cores);
@@ -317,6 +336,7 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
                           std::to_string(e.micro_batch), "--dtype", e.bf16 ? "bf16" : "fp32", "--tp",
                           std::to_string(e.tp), "--probe-seconds", fmt("%g", o.probe_seconds)},
                          rank_env(threads), dir + "/probe" + std::to_string(i) + ".log"));
+  for (int i = 0; i < e.ranks; ++i) place_like_rank(kids[static_cast<size_t>(i)].pid, i, e.ranks, threads);
   ComputeCeiling sum;
   std::string err;
   for (const auto& k : kids) {
@@ -387,6 +407,7 @@ CommCeiling probe_comm(const ValidateOptions& o, const std::string& dir, int ran
                             std::to_string(busy_like->micro_batch), "--dtype", busy_like->bf16 ? "bf16" : "fp32",
                             "--tp", std::to_string(busy_like->tp), "--probe-seconds", "20"},
                            rank_env(1), dir + "/load" + tag + std::to_string(i) + ".log"));
+  for (int i = 0; i < static_cast<int>(load.size()); ++i) place_like_rank(load[static_cast<size_t>(i)].pid, i, ranks, 1);
   const int rc = run_child(argv, {}, log, 120);
   guard.stop();
   const std::string out = read_file(log);

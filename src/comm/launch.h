@@ -24,6 +24,10 @@ struct LaunchOptions {
   int threads = 0;              // OMP_NUM_THREADS per rank; 0 = cores / ranks (at least 1)
   int cores = 0;                // 0 = detect
   bool is_root = false;
+  // One machine: "cores" binds each rank to its own `threads` CPUs when the ranks' threads fit on
+  // the machine (otherwise, and with "none", no binding); mpirun arguments that place ranks
+  // themselves (--bind-to, --map-by, --cpu-set, --rankfile) turn it off.
+  std::string bind = "cores";
   std::vector<std::string> extra_mpirun_args;
   std::vector<std::string> forward_env;  // names of variables to pass with -x (if set)
   std::vector<std::string> command;      // subcommand and arguments

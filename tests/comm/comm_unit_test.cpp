@@ -230,7 +230,30 @@ TEST(Launch, OneMachineDefaults) {
   line = shell_join(p.argv);
   EXPECT_EQ(line.find("--oversubscribe"), std::string::npos) << line;
   EXPECT_NE(line.find("-x OMP_NUM_THREADS=2"), std::string::npos) << line;
+  EXPECT_NE(line.find("--use-hwthread-cpus --map-by slot:PE=2 --bind-to hwthread"), std::string::npos) << line;
   EXPECT_TRUE(p.env.empty());
+
+  // The ranks' threads fit: each rank bound to its own CPUs; they do not: no binding.
+  o.nranks = 2;
+  p = build_launch_plan(o);
+  line = shell_join(p.argv);
+  EXPECT_NE(line.find("mpirun -np 2 --use-hwthread-cpus --map-by slot:PE=1 --bind-to hwthread"), std::string::npos)
+      << line;
+  o.threads = 2;
+  p = build_launch_plan(o);
+  line = shell_join(p.argv);
+  EXPECT_NE(line.find("mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=2"), std::string::npos) << line;
+  o.threads = 0;
+  o.bind = "none";
+  p = build_launch_plan(o);
+  EXPECT_NE(shell_join(p.argv).find("mpirun -np 2 --bind-to none"), std::string::npos) << shell_join(p.argv);
+  o.bind = "cores";
+  o.extra_mpirun_args = {"--map-by", "core"};  // the user's placement wins
+  p = build_launch_plan(o);
+  line = shell_join(p.argv);
+  EXPECT_EQ(line.find("--bind-to"), std::string::npos) << line;
+  EXPECT_NE(line.find("--map-by core"), std::string::npos) << line;
+  o.extra_mpirun_args.clear();
 
   o.hostfile = "hosts.txt";
   o.nranks = 8;
