@@ -84,7 +84,7 @@ LaunchPlan build_launch_plan(const LaunchOptions& o) {
       // of gpt2-mini pp 2 took 198-248 ms unbound against 123-136 bound, llama-mini cp 2 53-85 vs
       // 31-45 ms (docs/comm.md, "Launching").
       p.argv.insert(p.argv.end(), {"--use-hwthread-cpus", "--map-by", "slot:PE=" + std::to_string(threads),
-                                   "--bind-to", "hwthread"});
+                                   "--bind-to", "hwthread:if-supported"});
     } else if (!user_places) {
       p.argv.insert(p.argv.end(), {"--bind-to", "none"});
     }

@@ -230,14 +230,14 @@ TEST(Launch, OneMachineDefaults) {
   line = shell_join(p.argv);
   EXPECT_EQ(line.find("--oversubscribe"), std::string::npos) << line;
   EXPECT_NE(line.find("-x OMP_NUM_THREADS=2"), std::string::npos) << line;
-  EXPECT_NE(line.find("--use-hwthread-cpus --map-by slot:PE=2 --bind-to hwthread"), std::string::npos) << line;
+  EXPECT_NE(line.find("--use-hwthread-cpus --map-by slot:PE=2 --bind-to hwthread:if-supported"), std::string::npos) << line;
   EXPECT_TRUE(p.env.empty());
 
   // The ranks' threads fit: each rank bound to its own CPUs; they do not: no binding.
   o.nranks = 2;
   p = build_launch_plan(o);
   line = shell_join(p.argv);
-  EXPECT_NE(line.find("mpirun -np 2 --use-hwthread-cpus --map-by slot:PE=1 --bind-to hwthread"), std::string::npos)
+  EXPECT_NE(line.find("mpirun -np 2 --use-hwthread-cpus --map-by slot:PE=1 --bind-to hwthread:if-supported"), std::string::npos)
       << line;
   o.threads = 2;
   p = build_launch_plan(o);
