@@ -141,7 +141,8 @@ int run_probe(const ArgParser& a) {
   const int tp = static_cast<int>(pos_int(a, "tp", 1));
   for (int64_t v : {m.n_head, m.n_kv_head, m.ffn_hidden})
     if (v % tp != 0) throw Bad("--tp " + std::to_string(tp) + " does not divide the model's heads / kv heads / ffn");
-  std::cout << compute_probe_json(measure_compute_here(m, pos_int(a, "micro-batch", 4), d == "bf16", secs, 48e6, tp));
+  std::cout << compute_probe_json(
+      measure_compute_here(m, pos_int(a, "micro-batch", 4), d == "bf16", secs, 48e6, tp, a.flag("sequence-parallel")));
   return 0;
 }
 
@@ -184,7 +185,7 @@ int run(int argc, char** argv) {
                "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
                "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
-               "no-offload", "validate", "no-time-check", "probe-compute", "no-measure"});
+               "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});
   a.parse(argc, argv, 1);
   if (!a.positional().empty()) throw Bad("unexpected argument '" + a.positional()[0] + "'");
   if (a.flag("help")) {

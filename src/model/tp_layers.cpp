@@ -65,7 +65,7 @@ void TpContext::allocate(int64_t N, int64_t C) {
 const Tensor& TpContext::gather(const Tensor& saved, const float* rows_f32) {
   if (saved.dtype() != compute) throw std::logic_error("TpContext::gather: saved rows are not in the compute dtype");
   if (compute == DType::BF16) {
-    comm->wait(comm->start_all_gather_bf16(saved.bf(), full_bf_.bf(), rows(N_) * C_));
+    comm->all_gather_bf16(saved.bf(), full_bf_.bf(), rows(N_) * C_);
     return full_bf_;
   }
   comm->all_gather_activations(rows_f32, full_.f32(), rows(N_) * C_);

@@ -67,6 +67,7 @@ class TpComm {
   // receives size() x n values in rank order. The default widens, gathers in fp32 and rounds back
   // (exact); handles as above.
   virtual int start_all_gather_bf16(const bf16* in, bf16* out, int64_t n);
+  virtual void all_gather_bf16(const bf16* in, bf16* out, int64_t n) { wait(start_all_gather_bf16(in, out, n)); }
 };
 
 // What the layers share: kernels, compute dtype, the tp communicator (null for tp = 1), the

@@ -1,5 +1,6 @@
 #include "parallel/tensor_parallel.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -28,6 +29,37 @@ void ProcessGroupTpComm::blocking_now(Issue issue) {
   w->wait();
   exposed_ms_ += ms_since(t0);
   comm_ms_ += w->elapsed_ms();
+}
+
+// A start_* waited for at once: issued inside an InlineScope (it runs here when the group has
+// nothing else in flight), and exposed from the issue on, less the cast to bf16 before it.
+template <class Start>
+void ProcessGroupTpComm::now(Start start) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int h;
+  cast_ms_ = 0;
+  {
+    comm::InlineScope inline_scope;
+    h = start();
+  }
+  exposed_ms_ += std::max(0.0, ms_since(t0) - cast_ms_);
+  wait(h);
+}
+
+void ProcessGroupTpComm::all_reduce_activations(float* x, int64_t n) {
+  now([&] { return start_all_reduce_activations(x, n); });
+}
+
+void ProcessGroupTpComm::all_gather_activations(const float* in, float* out, int64_t n) {
+  now([&] { return start_all_gather_activations(in, out, n); });
+}
+
+void ProcessGroupTpComm::reduce_scatter_activations(const float* in, float* out, int64_t n) {
+  now([&] { return start_reduce_scatter_activations(in, out, n); });
+}
+
+void ProcessGroupTpComm::all_gather_bf16(const bf16* in, bf16* out, int64_t n) {
+  now([&] { return start_all_gather_bf16(in, out, n); });
 }
 
 void ProcessGroupTpComm::all_reduce_sum(float* x, int64_t n) {
@@ -67,7 +99,9 @@ int ProcessGroupTpComm::start_all_reduce_activations(float* x, int64_t n) {
   Pending& p = pending_[static_cast<size_t>(h)];
   if (act_dt_ == DType::BF16) {
     bf16* b = staging(p, n);
+    const auto c0 = std::chrono::steady_clock::now();
     kernels::table(current_device()).cast_f32_to_bf16(b, x, n);
+    cast_ms_ = ms_since(c0);
     p.work = g_->all_reduce(b, static_cast<size_t>(n), DType::BF16, comm::ReduceOp::Sum);
     p.result = b;
     p.out = x;
@@ -88,7 +122,9 @@ int ProcessGroupTpComm::start_two_buffers(const float* in, int64_t n_in, float* 
   Pending& p = pending_[static_cast<size_t>(h)];
   if (act_dt_ == DType::BF16) {
     bf16* b = staging(p, n_in + n_out);
+    const auto c0 = std::chrono::steady_clock::now();
     kernels::table(current_device()).cast_f32_to_bf16(b, in, n_in);
+    cast_ms_ = ms_since(c0);
     p.work = issue(b, b + n_in, DType::BF16);
     p.result = b + n_in;
     p.out = out;

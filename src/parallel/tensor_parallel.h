@@ -25,13 +25,12 @@ class ProcessGroupTpComm final : public TpComm {
   // Activations travel in `dt` (BF16 in bf16 runs: half the bytes; the sums are formed in fp32 and
   // rounded once). F32 (the default) makes them the same as the calls above.
   void set_activation_dtype(DType dt) { act_dt_ = dt; }
-  void all_reduce_activations(float* x, int64_t n) override { wait(start_all_reduce_activations(x, n)); }
-  void all_gather_activations(const float* in, float* out, int64_t n) override {
-    wait(start_all_gather_activations(in, out, n));
-  }
-  void reduce_scatter_activations(const float* in, float* out, int64_t n) override {
-    wait(start_reduce_scatter_activations(in, out, n));
-  }
+  // The blocking forms are started and waited for at once, so they run on this thread like the
+  // fp32 ones above (comm::InlineScope): no hand-off to the communication thread and back.
+  void all_reduce_activations(float* x, int64_t n) override;
+  void all_gather_activations(const float* in, float* out, int64_t n) override;
+  void reduce_scatter_activations(const float* in, float* out, int64_t n) override;
+  void all_gather_bf16(const bf16* in, bf16* out, int64_t n) override;
   int start_all_reduce_activations(float* x, int64_t n) override;
   int start_all_gather_activations(const float* in, float* out, int64_t n) override;
   int start_reduce_scatter_activations(const float* in, float* out, int64_t n) override;
@@ -63,6 +62,9 @@ class ProcessGroupTpComm final : public TpComm {
   void blocking(const comm::WorkHandle& w);
   template <class Issue>
   void blocking_now(Issue issue);
+  template <class Start>
+  void now(Start start);
+  double cast_ms_ = 0;  // the last start_*'s cast of its input to bf16 (compute, not communication)
   std::shared_ptr<comm::ProcessGroup> g_;
   double comm_ms_ = 0, exposed_ms_ = 0;
   DType act_dt_ = DType::F32;

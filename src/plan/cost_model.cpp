@@ -635,6 +635,11 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
       const CollCost ag = collective(Collective::AllGather, act, g_tp, cs), rs = collective(Collective::ReduceScatter, act, g_tp, cs);
       const CollCost rs_g = collective(Collective::ReduceScatter, grad, g_tp, cs);
       tp = Lps * (fwd_passes * (2.0 * ag + 2.0 * rs) + (2.0 * ag + 2.0 * rs_g) + 2.0 * ag) + (2.0 * ag + rs + rs_g);
+      // Each norm saw only its rank's rows: its parameters' gradient (fp32) is summed over the tp
+      // ranks in backward, one small all-reduce per norm (model/tp_layers.cpp Norm::backward): two
+      // per block and the final norm. Latency-bound: on a CPU each costs a round trip.
+      tp = tp + Lps * 2.0 * collective(Collective::AllReduce, x.norm_block / 2.0 * 4.0, g_tp, cs) +
+           collective(Collective::AllReduce, x.norm_final * 4.0, g_tp, cs);
     } else {
       const CollCost ar = collective(Collective::AllReduce, act, g_tp, cs), ar_g = collective(Collective::AllReduce, grad, g_tp, cs);
       tp = Lps * (fwd_passes * 2.0 * ar + 2.0 * ar_g) + (ar + ar_g);
@@ -824,7 +829,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
 
 namespace mt::plan {
 
-double elementwise_bytes(const ModelConfig& m, int64_t micro_batch, bool bf16, int tp) {
+double elementwise_bytes(const ModelConfig& m, int64_t micro_batch, bool bf16, int tp, bool sp) {
   // estimate() on a cluster whose arithmetic is free and whose memory moves one byte per second:
   // its elementwise and optimizer seconds are then the bytes it charges.
   Cluster c;
@@ -846,7 +851,7 @@ double elementwise_bytes(const ModelConfig& m, int64_t micro_batch, bool bf16, i
   st.global_batch = micro_batch;
   st.micro_batch = micro_batch;
   st.attention = AttentionImpl::Flash;
-  st.sequence_parallel = false;
+  st.sequence_parallel = sp && tp > 1;
   Layout l;
   l.tp = tp;
   l.micro_batch = micro_batch;

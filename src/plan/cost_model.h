@@ -216,6 +216,6 @@ Estimate estimate(const ModelConfig& m, const Cluster& c, const TrainSetup& setu
 // one rank of a tp-way tensor-parallel job (no SP) with this engine's setup (fp32 gradients). A
 // probe that times the engine's own kernels for that work divides this by their time to get the
 // bandwidth at which estimate() reproduces them (train/compute_probe.cpp).
-double elementwise_bytes(const ModelConfig& m, int64_t micro_batch, bool bf16, int tp = 1);
+double elementwise_bytes(const ModelConfig& m, int64_t micro_batch, bool bf16, int tp = 1, bool sp = false);
 
 }  // namespace mt::plan

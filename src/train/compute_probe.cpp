@@ -14,6 +14,7 @@
 #include "kernels/cpu/cpu_isa.h"
 #include "kernels/cpu/fma_peak.h"
 #include "plan/cost_model.h"
+#include "runtime/device.h"
 #include "runtime/tensor.h"
 
 namespace mt {
@@ -53,7 +54,7 @@ plan::CpuMeasurement measure_this_cpu(const ModelConfig& m, int64_t micro_batch,
 }
 
 ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch, bool use_bf16, double seconds,
-                                    double stream_bytes, int tp) {
+                                    double stream_bytes, int tp, bool sp) {
   ModelConfig m = m_in;
   m.resolve();
   const kernels::KernelTable& K = kernels::table(Device::CPU);  // the kernels the engine runs here
@@ -126,7 +127,9 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
 
   // The non-matmul work of one micro-batch as the engine runs it (model/transformer.cpp,
   // model/tp_layers.cpp): per block two norms forward and backward, the activation, two residual
-  // adds each way, in bf16 the casts of the linears' inputs and output gradients; the final norm,
+  // adds each way (under SP on the rank's rows), the activation gradients zeroed before the
+  // backward accumulates into them, in bf16 the casts of the linears' inputs and output gradients
+  // and with tp those of the activations that cross in bf16; the final norm,
   // the fused cross-entropy over [tokens, vocabulary / tp] and its input cast, the embedding; then
   // the optimizer step over the rank's parameters (zeroed gradients, their norm, AdamW writing the bf16 copy).
   const int64_t P = std::max<int64_t>(1, m.num_params() / t);
@@ -143,19 +146,33 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   std::vector<int32_t> ids(sz(N));
   for (int64_t i = 0; i < N; ++i) ids[sz(i)] = static_cast<int32_t>(i % std::min<int64_t>(V, m.vocab_size));
   float *table = w.data(), *dtable = dw.data();  // [max_w] >= the embedding table
+  sp = sp && t > 1;
+  const int64_t Rn = sp ? N / t : N;  // rows a norm sees: under SP its rank's share of the sequence
   auto norm = [&]() {
     if (gpt) {
-      K.layernorm_forward(ec.data(), mean.data(), rstd.data(), ea.data(), nw.data(), nb.data(), N, C, 1e-5f);
-      K.layernorm_backward(ed.data(), ndw.data(), ndb.data(), eb.data(), ea.data(), nw.data(), mean.data(), rstd.data(), N, C);
+      K.layernorm_forward(ec.data(), mean.data(), rstd.data(), ea.data(), nw.data(), nb.data(), Rn, C, 1e-5f);
+      K.layernorm_backward(ed.data(), ndw.data(), ndb.data(), eb.data(), ea.data(), nw.data(), mean.data(), rstd.data(), Rn, C);
     } else {
-      K.rmsnorm_forward(ec.data(), rstd.data(), ea.data(), nw.data(), N, C, 1e-5f);
-      K.rmsnorm_backward(ed.data(), ndw.data(), eb.data(), ea.data(), nw.data(), rstd.data(), N, C);
+      K.rmsnorm_forward(ec.data(), rstd.data(), ea.data(), nw.data(), Rn, C, 1e-5f);
+      K.rmsnorm_backward(ed.data(), ndw.data(), eb.data(), ea.data(), nw.data(), rstd.data(), Rn, C);
     }
   };
+  // The activation gradients the backward zeroes before accumulating into them (the kernels add,
+  // gemm.h): the MLP's input and output side, the attention output, qkv and the two linears' inputs.
+  std::vector<float> zbuf(sz(N * ((gpt ? 2 : 3) * F + 2 * C + nh * hd + qkvw)));
   auto elementwise_step = [&]() {
     for (int64_t l = 0; l < m.n_layer; ++l) {
       norm();
       norm();
+      dev::zero(Device::CPU, zbuf.data(), zbuf.size() * sizeof(float));
+      if (t > 1 && use_bf16)
+        // The forward's two partial sums travel in bf16 (cast before, widened after: their rank's
+        // rows under SP); under SP the backward's two output-gradient gathers too.
+        for (int i = 0; i < (sp ? 4 : 2); ++i) {
+          const bool fwd = i < 2;
+          K.cast_f32_to_bf16(eab.data(), ea.data(), fwd ? N * C : Rn * C);
+          K.cast_bf16_to_f32(ec.data(), eab.data(), fwd ? Rn * C : N * C);
+        }
       if (gpt) {
         K.gelu_forward(ec.data(), ea.data(), N * F);
         K.gelu_backward(ed.data(), ea.data(), eb.data(), N * F);
@@ -163,7 +180,7 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
         K.swiglu_forward(ec.data(), ea.data(), eb.data(), N * F);
         K.swiglu_backward(ed.data(), ec.data(), eb.data(), ea.data(), eb.data(), N * F);
       }
-      for (int i = 0; i < 4; ++i) K.accumulate(ec.data(), ea.data(), N * C);
+      for (int i = 0; i < 4; ++i) K.accumulate(ec.data(), ea.data(), Rn * C);
       if (use_bf16)
         for (auto [in, o] : lin) {
           K.cast_f32_to_bf16(eab.data(), ea.data(), N * in);  // the input
@@ -204,7 +221,7 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
 
   ComputeCeiling r;
   r.elem_s = t_elem / reps;
-  r.elem_bw = plan::elementwise_bytes(m, micro_batch, use_bf16, static_cast<int>(t)) / r.elem_s;
+  r.elem_bw = plan::elementwise_bytes(m, micro_batch, use_bf16, static_cast<int>(t), sp) / r.elem_s;
   r.gemm_flops_per_s = f_gemm / t_gemm;
   r.flops_per_s = (f_gemm + f_attn) / (t_gemm + t_attn);
   r.threads = omp_get_max_threads();
@@ -229,6 +246,7 @@ std::string compute_probe_json(const ComputeCeiling& c) {
             {"gemm_flops_per_s", c.gemm_flops_per_s},
             {"mem_bw", c.mem_bw},
             {"elem_bw", c.elem_bw},
+            {"elem_s", c.elem_s},
             {"threads", c.threads}};
   return j.dump() + "\n";
 }

@@ -25,9 +25,10 @@ struct ComputeCeiling {
 };
 // Runs in this process on the current OpenMP thread count: times the model's forward and backward
 // matmuls (its exact shapes, one micro-batch, one tp rank's share when tp > 1) and its attention
-// kernel (the rank's heads) for about `seconds`, and a triad over `stream_bytes`.
+// kernel (the rank's heads) for about `seconds`, and a triad over `stream_bytes`. `sp`: the layout
+// runs sequence parallelism (norms and residual adds on the rank's rows, bf16 gathers' casts).
 ComputeCeiling measure_compute_here(const ModelConfig& m, int64_t micro_batch, bool bf16, double seconds,
-                                    double stream_bytes = 48e6, int tp = 1);
+                                    double stream_bytes = 48e6, int tp = 1, bool sp = false);
 // `meshtrain plan --probe-compute` (internal): measure_compute_here, printed as one JSON line.
 std::string compute_probe_json(const ComputeCeiling& c);
 
@@ -38,7 +39,8 @@ double fma_peak_here(double seconds = 0.06);
 // This rank's figures for the planner's measured this-cpu cluster (plan::measured_cpu_cluster):
 // measure_compute_here at the model's shapes (~`seconds`), the FMA peak, the node's memory, and
 // the CPU's description. Run it on every rank at once (the ranks share cores and memory
-// bandwidth) and average the figures over the ranks so they all plan alike.
+// bandwidth) and agree on one set of figures so they all plan alike: the slowest rank's when each
+// rank has CPUs of its own (the job runs at its pace), the mean when they time-share cores.
 plan::CpuMeasurement measure_this_cpu(const ModelConfig& m, int64_t micro_batch, bool bf16, int ranks_per_node,
                                       double seconds = 0.3);
 

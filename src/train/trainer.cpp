@@ -957,8 +957,7 @@ void choose_layout(RunConfig& cfg) {
   const int64_t tokens = cfg.train.micro_batch * cfg.train.grad_accum * mc.seq_len * W.size();
   // The planner's picture of this machine comes from this machine: every rank measures the
   // engine's kernels at the model's shapes on the threads it will train with, all at once (they
-  // share the cores and the memory bandwidth), and the ranks average the figures so that they all
-  // choose the same layout.
+  // share the cores and the memory bandwidth), and the ranks agree on one set of figures (below).
   {
     const int threads = cfg.train.threads > 0 ? static_cast<int>(cfg.train.threads)
                                               : std::max(1, auto_threads() / W.local_size());
@@ -967,9 +966,17 @@ void choose_layout(RunConfig& cfg) {
     plan::CpuMeasurement cm = measure_this_cpu(mc, std::max<int64_t>(1, cfg.train.micro_batch), !o.fp32, W.local_size());
     omp_set_num_threads(before);
     if (W.size() > 1) {
+      // The same figures on every rank, so all choose the same layout. With each rank on CPUs of
+      // its own, the slowest rank's (the largest reciprocal): every collective waits for it, so
+      // the job runs at its pace. Ranks that time-share cores even out: the mean.
+      const bool own_cpus = static_cast<int64_t>(W.local_size()) * threads <= auto_threads();
       float f[4] = {static_cast<float>(cm.model_flops), static_cast<float>(cm.mem_bw),
                     static_cast<float>(cm.peak_flops_fp32), static_cast<float>(cm.peak_flops_bf16)};
-      W.world()->all_reduce(f, 4, DType::F32, comm::ReduceOp::Avg)->wait();
+      if (own_cpus)
+        for (float& v : f) v = 1.0f / v;
+      W.world()->all_reduce(f, 4, DType::F32, own_cpus ? comm::ReduceOp::Max : comm::ReduceOp::Avg)->wait();
+      if (own_cpus)
+        for (float& v : f) v = 1.0f / v;
       cm.model_flops = f[0], cm.mem_bw = f[1], cm.peak_flops_fp32 = f[2], cm.peak_flops_bf16 = f[3];
     }
     o.cluster_model = plan::measured_cpu_cluster(cm);

@@ -314,12 +314,14 @@ TEST(Cluster, PresetsAndCpuSharing) {
 
 // elementwise_bytes is what estimate() charges to bandwidth for that work: on the this-cpu preset
 // with a bandwidth of B, its elementwise + optimizer seconds times B equal it (fp32 and bf16, tp 1
-// and 2); the activation part grows with the micro-batch, the optimizer's 28 B/param does not.
+// and 2, with and without sequence parallelism); the activation part grows with the micro-batch,
+// the optimizer's 28 B/param does not; under SP the norms and residual adds see 1/tp of the rows.
 TEST(ElementwiseBytes, IsWhatEstimateChargesToBandwidth) {
   ModelConfig m = model_preset("gpt2-mini");
   m.resolve();
   for (bool bf16 : {false, true})
-    for (int tp : {1, 2}) {
+    for (int tp : {1, 2})
+      for (bool sp : {false, true}) {
       Cluster c = cluster("this-cpu", tp);
       c.shared_node = false;  // 10 GB/s per rank
       c.mem_bw = 10e9;
@@ -329,13 +331,19 @@ TEST(ElementwiseBytes, IsWhatEstimateChargesToBandwidth) {
       st.grad_bytes = 4;
       st.seq = m.seq_len;
       st.global_batch = st.micro_batch = 4;
-      st.sequence_parallel = false;
+      st.sequence_parallel = sp && tp > 1;
       Layout l;
       l.tp = tp;
       l.micro_batch = 4;
       const Estimate e = estimate(m, c, st, l);
-      const double bytes = elementwise_bytes(m, 4, bf16, tp);
-      EXPECT_NEAR((e.elementwise_s + e.optimizer_s) * 10e9, bytes, 1e-6 * bytes) << bf16 << " tp " << tp;
+      const double bytes = elementwise_bytes(m, 4, bf16, tp, sp);
+      EXPECT_NEAR((e.elementwise_s + e.optimizer_s) * 10e9, bytes, 1e-6 * bytes) << bf16 << " tp " << tp << " sp " << sp;
+      if (sp && tp > 1) {
+        EXPECT_LT(bytes, elementwise_bytes(m, 4, bf16, tp, false));
+      }
+      if (tp == 1) {
+        EXPECT_DOUBLE_EQ(bytes, elementwise_bytes(m, 4, bf16, tp, !sp));
+      }
     }
   const double one = elementwise_bytes(m, 1, false), two = elementwise_bytes(m, 2, false);
   const double opt = 28.0 * static_cast<double>(m.num_params());
