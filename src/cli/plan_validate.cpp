@@ -499,13 +499,14 @@ double median(std::vector<double> v) {
 // The cluster the measured ceilings describe: one node holding the job's ranks, per-rank compute
 // and memory bandwidth as the probes saw them with all ranks running, the collectives as bench comm
 // saw them. Overlap efficiency and per-kernel overhead stay the `this-cpu` preset's.
-Cluster measured_cluster(const ComputeCeiling& cc, const CommCeiling& comm, int ranks) {
+Cluster measured_cluster(const ComputeCeiling& cc, const CommCeiling& comm, int ranks, int cores) {
   Cluster c = cluster_preset("this-cpu");
   c.name = "this-cpu (measured)";
   c.description = "this machine as measured just before the job";
   c.gpus = ranks;
   c.gpus_per_node = ranks;
   c.shared_node = false;  // the probes already ran N at once: their figures are per rank
+  c.cores_per_rank = static_cast<double>(cores) / std::max(1, ranks * cc.threads);
   c.mem_per_gpu /= ranks;
   c.mem_reserved /= ranks;
   c.peak_flops_fp32 = c.peak_flops_bf16 = cc.flops_per_s;
@@ -636,8 +637,8 @@ JobRun run_job(const ValidateOptions& o, const std::string& dir, const std::stri
 // estimate() as it stands, on the measured cluster: compute, exposed communication (its
 // tensor-parallel part shown on its own) and, with a pipeline, its bubble.
 void time_check(const ValidateOptions& o, const ModelConfig& m, const EngineLayout& e, const CommCeiling& cc,
-                const JobRun& j, LayoutResult& r) {
-  const Cluster cl = measured_cluster(j.mean, cc, e.ranks);
+                const JobRun& j, LayoutResult& r, int cores) {
+  const Cluster cl = measured_cluster(j.mean, cc, e.ranks, cores);
   const Layout l = planner_layout(e);
   const Estimate est = estimate(m, cl, planner_setup(m, e), l);
   TimeRow& t = r.time;
@@ -748,7 +749,7 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
       r.error = j.error;
       return r;
     }
-    time_check(o, m, e, cc, j, r);
+    time_check(o, m, e, cc, j, r, cores);
     r.attempts = 1;
     // The engine's bytes per step: the timed job's minus the one-step job's, per extra step.
     for (GapRow& row : r.gaps.rows) {
@@ -766,7 +767,7 @@ LayoutResult run_layout(const ValidateOptions& o, const std::string& dir, const 
       JobRun again = run_job(o, dir, data, e, tag + "r" + std::to_string(k + 1), cores);
       if (!again.error.empty()) break;
       ++r.attempts;
-      time_check(o, m, e, cc, again, r);
+      time_check(o, m, e, cc, again, r, cores);
     }
   }
   r.ok = r.flat_dry == r.flat_measured && r.stages_dry == r.stages_measured && r.slots_dry == r.slots_measured;

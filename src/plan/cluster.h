@@ -43,6 +43,10 @@ struct Cluster {
   // CPU "devices": ranks on one node share its cores, memory and memory bandwidth. Then peak_flops_*,
   // mem_per_gpu and mem_bw hold the whole node's figures and per_rank() divides them.
   bool shared_node = false;
+  // CPUs, per-rank figures measured with every rank computing at once: the cores each rank has
+  // (cores / ranks). Below 1 the ranks time-share cores, and a rank that waits (its pipeline bubble,
+  // exposed communication) lends its share to the others (estimate()). 0: a device of its own.
+  double cores_per_rank = 0;
   std::string efficiency_note;     // one line: where compute_efficiency comes from
   std::string device = "GPU";      // what one rank runs on, in the planner's sentences ("GPU"; "rank" on CPUs)
 

@@ -811,6 +811,16 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   E.time.compute = M * (T_f + T_b) + opt_s;
   E.time.exposed_comm = M * (mb_tp + mb_pp + mb_dp + mb_ep + mb_cp) + step_dp + step_edp + E.offload_s;
   E.time.bubble = p > 1 ? (p - 1.0) / v * slot : 0.0;
+  // Ranks time-sharing cores (per-rank rates measured with every rank computing): each computes a
+  // share beta of the step and waits the rest, and while it waits the others get its cores. With n
+  // ranks on c cores a computing rank then has min(1, c / (n beta)) of a core where the probes had
+  // c / n, so its compute - and the bubble, which is the other stage's compute - shrink by
+  // max(c / n, beta). beta from the times before the scaling (one pass).
+  if (c.cores_per_rank > 0 && c.cores_per_rank < 1 && E.time.total() > 0) {
+    const double s = std::max(c.cores_per_rank, E.time.compute / E.time.total());
+    E.time.compute *= s;
+    E.time.bubble *= s;
+  }
   E.pp_comm_s = M * mb_pp;
   E.recompute_s = M * rc_s;
   E.elementwise_s = M * elem_s;

@@ -256,11 +256,14 @@ TEST(Estimate, TensorAndPipelineParallel) {
   // reduce-scatters of b s h forward, the same backward (the reduce-scatters of input gradients in
   // fp32) plus 2 all-gathers re-gathering the inputs for the weight gradients; embedding / head an
   // all-gather and a reduce-scatter each way (the backward one fp32); the cross-entropy's 3 tiny
-  // all-reduces. Each all-gather / reduce-scatter of X bytes moves 7/8 X on 8 ranks.
+  // all-reduces; each norm's fp32 weight and bias gradient all-reduced (2 per layer and the final
+  // norm). Each all-gather / reduce-scatter of X bytes moves 7/8 X on 8 ranks, an all-reduce 2 x 7/8 X.
   const double act = 2048.0 * m.n_embd * 2, grad = 2048.0 * m.n_embd * 4;
   const double g = 7.0 / 8 * act, g4 = 7.0 / 8 * grad;
   const double layers = m.n_layer / 4.0;
-  const double tp_bytes = 16 * (layers * (4 * g + 2 * g + 2 * g4 + 2 * g) + (3 * g + g4) + 3 * 2 * 7.0 / 8 * 2048 * 4);
+  const double norm = 2 * 7.0 / 8 * 2.0 * m.n_embd * 4;
+  const double tp_bytes = 16 * (layers * (4 * g + 2 * g + 2 * g4 + 2 * g + 2 * norm) + (3 * g + g4) + norm +
+                                3 * 2 * 7.0 / 8 * 2048 * 4);
   // PP: one send forward and one backward per micro-batch, b s h / t with SP, across nodes here.
   const double pp_bytes = 16 * 2 * act / 8;
   EXPECT_NEAR(e.comm.intra_node, tp_bytes, 1e3);
@@ -277,6 +280,45 @@ TEST(Estimate, TensorAndPipelineParallel) {
   const Estimate gp = estimate(m, c, st, l);
   EXPECT_NEAR(gp.time.bubble, e.time.bubble, 1e-9);
   EXPECT_GT(gp.mem.activations, 3.0 * e.mem.activations);
+}
+
+// Ranks time-sharing cores (cores_per_rank < 1, per-rank rates measured with all of them busy): a
+// rank's waits lend its cores to the others, so compute and bubble shrink by max(cores per rank,
+// the compute share of the step); exposed communication does not. One core per rank or more, or
+// a device of its own (0), changes nothing.
+TEST(Estimate, RanksTimeSharingCoresLendTheirShareWhileTheyWait) {
+  const ModelConfig m = model_preset("gpt2-mini");
+  Cluster c = cluster("this-cpu", 4);
+  c.shared_node = false;
+  TrainSetup st;
+  st.seq = m.seq_len;
+  st.micro_batch = 4;
+  st.global_batch = 16;
+  Layout l;
+  l.strategy = Strategy::NoShard;
+  l.dp_replicate = 2;
+  l.pp = 2;
+  l.schedule = Schedule::OneFOneB;
+  l.micro_batch = 4;
+  l.microbatches = 4;
+  const Estimate own = estimate(m, c, st, l);
+  ASSERT_GT(own.time.bubble, 0);
+  for (double cpr : {1.0, 2.0}) {
+    c.cores_per_rank = cpr;
+    EXPECT_DOUBLE_EQ(estimate(m, c, st, l).time.total(), own.time.total()) << cpr;
+  }
+  c.cores_per_rank = 0.5;
+  const Estimate shared = estimate(m, c, st, l);
+  const double beta = own.time.compute / own.time.total();
+  const double s = std::max(0.5, beta);
+  EXPECT_LT(s, 1.0);
+  EXPECT_NEAR(shared.time.compute, s * own.time.compute, 1e-12 * own.time.compute);
+  EXPECT_NEAR(shared.time.bubble, s * own.time.bubble, 1e-12 * own.time.bubble);
+  EXPECT_DOUBLE_EQ(shared.time.exposed_comm, own.time.exposed_comm);
+  // Crowded cores (c / n below the compute share): the scale is the compute share itself.
+  c.cores_per_rank = 0.01;
+  const Estimate crowded = estimate(m, c, st, l);
+  EXPECT_NEAR(crowded.time.compute, beta * own.time.compute, 1e-12 * own.time.compute);
 }
 
 TEST(Estimate, RejectsInvalidLayouts) {
