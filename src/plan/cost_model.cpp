@@ -623,26 +623,32 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // head input's gradient 1. With SP each all-reduce becomes an all-gather + reduce-scatter pair,
   // the backward re-gathers the 2 column-parallel inputs for their weight gradients (2 all-gathers
   // per layer), and the embedding / head add a pair each way. Vocab-parallel CE: three tiny
-  // all-reduces. (Checked against the engine's bytes by plan --validate: exact without SP, within
-  // 0.2% with SP.)
-  // In bf16 the activations travel in bf16 and the input gradients' sums in fp32 (Megatron's
-  // choice, model/tp_layers.cpp).
+  // all-reduces.
+  // In bf16 the activations and the input gradients' sums travel in bf16 (TpComm's *_activations
+  // calls, parallel/tensor_parallel.cpp); under SP the gathered output gradients, which also feed
+  // bias and embedding gradients, travel in fp32 (TpContext::gather_grad). Checked against the
+  // engine's bytes by plan --validate and its test, to the byte (until 2026-12-03 the input-gradient
+  // sums were counted in fp32: +50% on tp without SP in bf16, and SP's norm all-reduces were missing).
   if (t > 1) {
     const double act = tokens * x.h * e, grad = tokens * x.h * 4.0;
     const double fwd_passes = 1.0 + rc_mm;  // recomputed layers re-issue their forward collectives
     CollCost tp;
     if (sp) {
       const CollCost ag = collective(Collective::AllGather, act, g_tp, cs), rs = collective(Collective::ReduceScatter, act, g_tp, cs);
-      const CollCost rs_g = collective(Collective::ReduceScatter, grad, g_tp, cs);
-      tp = Lps * (fwd_passes * (2.0 * ag + 2.0 * rs) + (2.0 * ag + 2.0 * rs_g) + 2.0 * ag) + (2.0 * ag + rs + rs_g);
+      const CollCost ag_g = collective(Collective::AllGather, grad, g_tp, cs);
+      // Per layer: forward 2 gathers + 2 reduce-scatters; backward the 2 output gradients gathered,
+      // the 2 input gradients reduce-scattered, the 2 saved inputs re-gathered. Embedding and head:
+      // a reduce-scatter and a gather forward, the head input gradient's reduce-scatter and the
+      // embedding output gradient's gather backward.
+      tp = Lps * (fwd_passes * (2.0 * ag + 2.0 * rs) + (2.0 * ag_g + 2.0 * rs) + 2.0 * ag) + (ag + 2.0 * rs + ag_g);
       // Each norm saw only its rank's rows: its parameters' gradient (fp32) is summed over the tp
       // ranks in backward, one small all-reduce per norm (model/tp_layers.cpp Norm::backward): two
       // per block and the final norm. Latency-bound: on a CPU each costs a round trip.
       tp = tp + Lps * 2.0 * collective(Collective::AllReduce, x.norm_block / 2.0 * 4.0, g_tp, cs) +
            collective(Collective::AllReduce, x.norm_final * 4.0, g_tp, cs);
     } else {
-      const CollCost ar = collective(Collective::AllReduce, act, g_tp, cs), ar_g = collective(Collective::AllReduce, grad, g_tp, cs);
-      tp = Lps * (fwd_passes * 2.0 * ar + 2.0 * ar_g) + (ar + ar_g);
+      const CollCost ar = collective(Collective::AllReduce, act, g_tp, cs);
+      tp = Lps * (fwd_passes * 2.0 + 2.0) * ar + 2.0 * ar;
     }
     tp = tp + 3.0 * collective(Collective::AllReduce, tokens * 4.0, g_tp, cs);
     per_mb = per_mb + tp;

@@ -166,12 +166,11 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
       norm();
       dev::zero(Device::CPU, zbuf.data(), zbuf.size() * sizeof(float));
       if (t > 1 && use_bf16)
-        // The forward's two partial sums travel in bf16 (cast before, widened after: their rank's
-        // rows under SP); under SP the backward's two output-gradient gathers too.
-        for (int i = 0; i < (sp ? 4 : 2); ++i) {
-          const bool fwd = i < 2;
-          K.cast_f32_to_bf16(eab.data(), ea.data(), fwd ? N * C : Rn * C);
-          K.cast_bf16_to_f32(ec.data(), eab.data(), fwd ? Rn * C : N * C);
+        // The forward's two partial sums and the backward's two input-gradient sums travel in bf16:
+        // cast before, widened after (the rank's rows under SP).
+        for (int i = 0; i < 4; ++i) {
+          K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
+          K.cast_bf16_to_f32(ec.data(), eab.data(), Rn * C);
         }
       if (gpt) {
         K.gelu_forward(ec.data(), ea.data(), N * F);
@@ -189,6 +188,11 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
     }
     norm();
     if (use_bf16) K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
+    if (t > 1 && use_bf16)  // the embedding's partial sums and the head input gradient's, in bf16
+      for (int i = 0; i < 2; ++i) {
+        K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
+        K.cast_bf16_to_f32(ec.data(), eab.data(), Rn * C);
+      }
     // (in bf16 without tp the loss leaves the head's gradient in bf16 itself; with tp it is the
     // vocabulary-parallel loss's three passes over this rank's columns)
     const int64_t Vv = std::min<int64_t>(V, m.vocab_size);
