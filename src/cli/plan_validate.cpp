@@ -344,7 +344,7 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
   const bool own_cpus = static_cast<int64_t>(e.ranks) * threads <= cores;
   ComputeCeiling sum;
   bool first = true;
-  auto slowest = [&](double& into, double v) { into = first ? v : own_cpus ? std::min(into, v) : into + v; };
+  auto combine = [&](double& into, double v) { into = first ? v : own_cpus ? std::min(into, v) : into + v; };
   std::string err;
   for (const auto& k : kids) {
     const int rc = wait_child(k, 60 + 10 * o.probe_seconds);
@@ -355,10 +355,10 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
     }
     try {
       const json j = json::parse(out.substr(out.find('{')));
-      slowest(sum.flops_per_s, j.at("flops_per_s").get<double>());
-      slowest(sum.gemm_flops_per_s, j.at("gemm_flops_per_s").get<double>());
-      slowest(sum.mem_bw, j.at("mem_bw").get<double>());
-      slowest(sum.elem_bw, j.value("elem_bw", 0.0));
+      combine(sum.flops_per_s, j.at("flops_per_s").get<double>());
+      combine(sum.gemm_flops_per_s, j.at("gemm_flops_per_s").get<double>());
+      combine(sum.mem_bw, j.at("mem_bw").get<double>());
+      combine(sum.elem_bw, j.value("elem_bw", 0.0));
       first = false;
     } catch (const std::exception& ex) {
       err = std::string("compute probe output unreadable (") + ex.what() + "): " + tail(out, 400);

@@ -213,7 +213,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& c, const TrainSetup& setu
 
 // The bytes the cost model charges to memory bandwidth for one micro-batch of `micro_batch`
 // sequences (forward + backward elementwise traffic, no recomputation) and one optimizer step, on
-// one rank of a tp-way tensor-parallel job (no SP) with this engine's setup (fp32 gradients). A
+// one rank of a tp-way tensor-parallel job (`sp`: with sequence parallelism) with this engine's
+// setup (fp32 gradients). A
 // probe that times the engine's own kernels for that work divides this by their time to get the
 // bandwidth at which estimate() reproduces them (train/compute_probe.cpp).
 double elementwise_bytes(const ModelConfig& m, int64_t micro_batch, bool bf16, int tp = 1, bool sp = false);
