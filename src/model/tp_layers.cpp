@@ -55,7 +55,7 @@ void TpContext::allocate(int64_t N, int64_t C) {
     full_bf_ = Tensor::empty({N, C}, DType::BF16, W);
   dfull_ = Tensor::empty({N, C}, DType::F32, W);
   part_ = Tensor::empty({N, C}, DType::F32, W);
-  pgrad_ = Tensor::empty({std::max<int64_t>(2 * C, 16)}, DType::F32, W);
+  pgrad_ = Tensor::empty({std::max<int64_t>(4 * C, 16)}, DType::F32, W);  // a block's two norms, weight + bias
 }
 
 // The full [N, C] rows from this rank's R = N / t in the compute dtype. In bf16 `saved` holds the
@@ -212,8 +212,36 @@ const float* Norm::forward_saved(const Tensor& saved, const Tensor& mean, const 
   return y;
 }
 
+float* TpContext::norm_grad_slot(float* dw, float* db, int64_t C, int64_t n) {
+  if (pgrad_used_ + n > pgrad_.numel()) {
+    const bool deferred = defer_norms_;
+    flush_norm_grads();
+    defer_norms_ = deferred;
+  }
+  if (n > pgrad_.numel()) throw std::logic_error("TpContext::norm_grad_slot: norm wider than its workspace");
+  float* t = pgrad_.f32() + pgrad_used_;
+  dev::zero(kt->device, t, static_cast<size_t>(n) * sizeof(float));
+  pending_norms_.push_back({dw, db, C, pgrad_used_});
+  pgrad_used_ += n;
+  return t;
+}
+
+void TpContext::flush_norm_grads() {
+  defer_norms_ = false;
+  if (pgrad_used_ == 0) return;
+  float* t = pgrad_.f32();
+  comm->all_reduce_sum(t, pgrad_used_);
+  for (const PendingNorm& p : pending_norms_) {
+    kt->accumulate(p.dw, t + p.off, p.C);
+    if (p.db) kt->accumulate(p.db, t + p.off + p.C, p.C);
+  }
+  pending_norms_.clear();
+  pgrad_used_ = 0;
+}
+
 // Under SP each rank saw only its rows, so the parameters' contribution is computed into a zeroed
-// buffer and summed over the tp ranks first: every rank adds the same full value.
+// slot and summed over the tp ranks first: every rank adds the same full value (at once, or with
+// the other norm of its block at the block's end).
 void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd,
                     int64_t R) const {
   auto run = [&](float* dw, float* db) {
@@ -223,13 +251,9 @@ void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& me
       ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
   };
   if (!ctx_.sp) return run(dw_, db_);
-  const int64_t n = ln_ ? 2 * C_ : C_;
-  float* t = ctx_.norm_grad_scratch();
-  dev::zero(ctx_.kt->device, t, static_cast<size_t>(n) * sizeof(float));
+  float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
   run(t, ln_ ? t + C_ : nullptr);
-  ctx_.comm->all_reduce_sum(t, n);
-  ctx_.kt->accumulate(dw_, t, C_);
-  if (db_) ctx_.kt->accumulate(db_, t + C_, C_);
+  if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();
 }
 
 // ---- VocabParallelEmbedding ----

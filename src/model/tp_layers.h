@@ -15,6 +15,7 @@
 #pragma once
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #include "runtime/tensor.h"
 
@@ -115,12 +116,27 @@ class TpContext {
   // SP: every row ([N, C]) as the last gather() / re-gather left them, in the compute dtype.
   const Tensor& full_compute() const { return compute == DType::F32 ? full_ : full_bf_; }
 
-  // The norms' parameter-gradient contributions under SP ([max(2C, 16)]).
-  float* norm_grad_scratch() { return pgrad_.f32(); }
+  // Under SP a norm's parameter-gradient contribution (from its rank's rows) is summed over the tp
+  // ranks. norm_grad_slot hands out a zeroed slot of n floats for the norm whose gradients are dw
+  // (C) and db (C, or null) and records them; flush_norm_grads sums every recorded slot in one
+  // all-reduce and adds each to its gradients. While a block defers (defer_norm_grads, until its
+  // flush at the block's end) its two norms share that one all-reduce; otherwise every norm
+  // flushes at once. The sums are the same either way.
+  float* norm_grad_slot(float* dw, float* db, int64_t C, int64_t n);
+  void defer_norm_grads() { defer_norms_ = true; }
+  bool norm_grads_deferred() const { return defer_norms_; }
+  void flush_norm_grads();  // also ends the deferral
 
  private:
+  struct PendingNorm {
+    float *dw, *db;
+    int64_t C, off;
+  };
   int64_t N_ = 0, C_ = 0;
   Tensor full_, full_bf_, dfull_, part_, pgrad_;
+  std::vector<PendingNorm> pending_norms_;
+  int64_t pgrad_used_ = 0;
+  bool defer_norms_ = false;
 };
 
 // One weight matrix [out, in] (fp32 or bf16 by the compute dtype, the other null), its fp32 bias

@@ -844,6 +844,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
   if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
+  if (tpc_.sp) tpc_.defer_norm_grads();  // the block's two norm-gradient sums in one all-reduce (below)
   float* dnorm = bwd_ws_[0].f32();
   float* dqkv = bwd_ws_[1].f32();
   float* datty = bwd_ws_[2].f32();
@@ -885,6 +886,7 @@ void Transformer::block_backward(int layer, const float* x, BlockActivations& a,
     kt_->rope_backward_freq(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
   const float* dln1 = ColumnParallelLinear(tpc_, C).backward(a.ln1, {{dqkv, qkv_weight(p, QKV, true)}}, dnorm);
   norm(p.ln1_w, p.ln1_b, true).backward(dx, dln1, x, a.ln1_mean, a.ln1_rstd, R);
+  if (tpc_.sp) tpc_.flush_norm_grads();  // before the unit's gradients are handed to data parallelism
 }
 
 double Transformer::forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T, bool train,

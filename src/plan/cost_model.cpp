@@ -642,9 +642,10 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
       // embedding output gradient's gather backward.
       tp = Lps * (fwd_passes * (2.0 * ag + 2.0 * rs) + (2.0 * ag_g + 2.0 * rs) + 2.0 * ag) + (ag + 2.0 * rs + ag_g);
       // Each norm saw only its rank's rows: its parameters' gradient (fp32) is summed over the tp
-      // ranks in backward, one small all-reduce per norm (model/tp_layers.cpp Norm::backward): two
-      // per block and the final norm. Latency-bound: on a CPU each costs a round trip.
-      tp = tp + Lps * 2.0 * collective(Collective::AllReduce, x.norm_block / 2.0 * 4.0, g_tp, cs) +
+      // ranks in backward (model/tp_layers.cpp TpContext::flush_norm_grads): one small all-reduce
+      // per block for its two norms, one for the final norm. Latency-bound: on a CPU each costs a
+      // round trip.
+      tp = tp + Lps * collective(Collective::AllReduce, x.norm_block * 4.0, g_tp, cs) +
            collective(Collective::AllReduce, x.norm_final * 4.0, g_tp, cs);
     } else {
       const CollCost ar = collective(Collective::AllReduce, act, g_tp, cs);

@@ -256,8 +256,9 @@ TEST(Estimate, TensorAndPipelineParallel) {
   // reduce-scatters of b s h forward, the same backward (the reduce-scatters of input gradients in
   // fp32) plus 2 all-gathers re-gathering the inputs for the weight gradients; embedding / head an
   // all-gather and a reduce-scatter each way (the backward one fp32); the cross-entropy's 3 tiny
-  // all-reduces; each norm's fp32 weight and bias gradient all-reduced (2 per layer and the final
-  // norm). Each all-gather / reduce-scatter of X bytes moves 7/8 X on 8 ranks, an all-reduce 2 x 7/8 X.
+  // all-reduces; the norms' fp32 weight and bias gradients all-reduced (a layer's two together, and
+  // the final norm). Each all-gather / reduce-scatter of X bytes moves 7/8 X on 8 ranks, an
+  // all-reduce 2 x 7/8 X.
   const double act = 2048.0 * m.n_embd * 2, grad = 2048.0 * m.n_embd * 4;
   const double g = 7.0 / 8 * act, g4 = 7.0 / 8 * grad;
   const double layers = m.n_layer / 4.0;
