@@ -322,6 +322,25 @@ TEST(LinearBf16, ForwardAndBackwardMatchRoundedReference) {
   EXPECT_TRUE(kt::close(ab, plus(g0b, db), 1e-6, 1e-6));
 }
 
+// The linear forward's bias added by the bf16 primitive itself (written once) gives what filling
+// the output with the bias and accumulating the product into it (beta = 1) gives, bit for bit, at
+// a block layer's shape and an odd one, on 1 and 2 threads.
+TEST(LinearBf16, FusedBiasEqualsBroadcastThenAccumulate) {
+  const int before = omp_get_max_threads();
+  for (auto [N, C, OC] : {std::tuple<int64_t, int64_t, int64_t>{1024, 384, 1152}, {37, 53, 29}})
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      auto x16 = to_bf16(kt::randn(N * C, 61)), W16 = to_bf16(kt::randn(OC * C, 62));
+      auto b = kt::randn(OC, 63);
+      std::vector<float> fused(N * OC, 7.0f), acc(N * OC);
+      linear_forward_bf16(fused.data(), x16.data(), W16.data(), b.data(), N, C, OC);
+      for (int64_t n = 0; n < N; ++n) std::copy(b.begin(), b.end(), acc.begin() + n * OC);
+      gemm_bf16(false, true, N, OC, C, 1.0f, x16.data(), W16.data(), 1.0f, acc.data());
+      EXPECT_TRUE(kt::bitwise_equal(fused, acc)) << N << "x" << OC << "x" << C << ", " << threads << " threads";
+    }
+  omp_set_num_threads(before);
+}
+
 // An output gradient that is already bf16 (the LM head's, as softmax_cross_entropy_bf16 leaves
 // it): the same sums as linear_backward_bf16 on the fp32 gradient it rounds, bit for bit, on the
 // default and the widening path, with a vocabulary-sized width (dinp's K split engages), and

@@ -72,15 +72,18 @@ void sgemm_raw(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 // at 1 thread and run at 2 used one core, 184 vs 366 GFLOP/s for the LM head on Zen 4).
 // The leading dimensions are part of it too: the split GEMMs below address blocks of larger
 // matrices.
+// `bias`: an fp32 bias row [N] added by the primitive (the linear layer's forward), so that the
+// output is written once instead of being filled with the bias first and read back (beta = 1).
 struct Bf16Key {
   bool ta, tb;
   int64_t M, N, K;
   float alpha, beta;
   int threads;
   int64_t lda, ldb, ldc;
+  bool bias = false;
   bool operator<(const Bf16Key& o) const {
-    return std::tie(ta, tb, M, N, K, alpha, beta, threads, lda, ldb, ldc) <
-           std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta, o.threads, o.lda, o.ldb, o.ldc);
+    return std::tie(ta, tb, M, N, K, alpha, beta, threads, lda, ldb, ldc, bias) <
+           std::tie(o.ta, o.tb, o.M, o.N, o.K, o.alpha, o.beta, o.threads, o.lda, o.ldb, o.ldc, o.bias);
   }
 };
 
@@ -91,7 +94,7 @@ Bf16Key dense_key(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha
 struct Bf16Entry {
   bool native = false;  // false: use the widen-to-fp32 path
   dnnl::matmul prim;
-  dnnl::memory::desc a_md, b_md, c_md, scratch_md;
+  dnnl::memory::desc a_md, b_md, c_md, bias_md, scratch_md;
   size_t scratch_bytes = 0;
 };
 
@@ -143,9 +146,11 @@ std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
       po.append_sum(k.beta);
       attr.set_post_ops(po);
     }
+    if (k.bias) e->bias_md = dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1});
     try {
-      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(e->a_md, e->b_md, e->c_md), attr,
-                                      engine_locked(c));
+      dnnl::matmul::primitive_desc pd(k.bias ? dnnl::matmul::desc(e->a_md, e->b_md, e->bias_md, e->c_md)
+                                             : dnnl::matmul::desc(e->a_md, e->b_md, e->c_md),
+                                      attr, engine_locked(c));
       std::string impl = pd.impl_info_str();
       if (impl.rfind("ref", 0) != 0) {  // a reference implementation is far slower than widening
         e->prim = dnnl::matmul(pd);
@@ -233,6 +238,9 @@ void broadcast_bias(float* out, const float* bias, int64_t N, int64_t OC) {
   for (int64_t n = 0; n < N; ++n) std::copy(bias, bias + OC, out + n * OC);
 }
 
+// The oneDNN primitive of an entry on these operands (and the bias row when the entry has one).
+void execute_bf16(const Bf16Entry& e, const bf16* A, const bf16* B, float* C, const float* bias);
+
 // One oneDNN bf16 matmul on (possibly strided) blocks: C = alpha op(A) op(B) + beta C.
 void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
                      int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -242,6 +250,11 @@ void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
     gemm_bf16_widened(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
+  execute_bf16(*e, A, B, C, nullptr);
+}
+
+void execute_bf16(const Bf16Entry& ent, const bf16* A, const bf16* B, float* C, const float* bias) {
+  const Bf16Entry* e = &ent;
   thread_local std::unique_ptr<dnnl::stream> strm;
   thread_local Scratch scratch;
   dnnl::engine& eng = [] () -> dnnl::engine& {
@@ -255,6 +268,7 @@ void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
   dnnl::memory cm(e->c_md, eng, C);
   std::unordered_map<int, dnnl::memory> args = {
       {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(e->bias_md, eng, const_cast<float*>(bias)));
   if (e->scratch_bytes > 0) {
     dnnl::memory sm(e->scratch_md, eng, scratch.get(e->scratch_bytes));
     args.emplace(DNNL_ARG_SCRATCHPAD, sm);
@@ -396,6 +410,17 @@ void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, co
 
 void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N,
                          int64_t C, int64_t OC) {
+  // The bias added by the primitive when there is one for it (out written once; the same sums:
+  // the products' total plus the bias). Shapes the split path handles keep the broadcast.
+  if (bias && N > 0 && OC > 0 && C > 0 && bf16_native_possible() && OC < g_split.min_dim && C < g_split.min_dim) {
+    Bf16Key k = dense_key(false, true, N, OC, C, 1.0f, 0.0f);
+    k.bias = true;
+    const std::shared_ptr<Bf16Entry> e = bf16_entry(k);
+    if (e->native) {
+      execute_bf16(*e, inp, W, out, bias);
+      return;
+    }
+  }
   if (bias) broadcast_bias(out, bias, N, OC);
   gemm_bf16(false, true, N, OC, C, 1.0f, inp, W, bias ? 1.0f : 0.0f, out);
 }
