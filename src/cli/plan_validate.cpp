@@ -390,7 +390,11 @@ CommCeiling probe_comm(const ValidateOptions& o, const std::string& dir, int ran
                                    "bench",       "comm",      "--ops",       "all_gather,reduce_scatter,all_reduce",
                                    "--min-bytes", "32K",       "--max-bytes", "4M",
                                    "--factor",    "4",         "--no-mpi",    "--no-check"};
-  if (c.busy) argv.insert(argv.end(), {"--iters", "5", "--warmup", "1"});
+  // Busy: 20 timed iterations per point. Where ranks time-share cores an operation takes whatever
+  // the scheduler gives it (3.5-15 ms each on 4 ranks and 2 cores, whatever the size), and with 5
+  // the fitted latency swung between 0 and 1.2 ms per ring step from run to run (2026-12-03;
+  // with 20: 0.5-0.95 ms over three runs).
+  if (c.busy) argv.insert(argv.end(), {"--iters", "20", "--warmup", "2"});
   // Idle: the link the blocking collectives see (tensor parallelism's, the context-parallel ring):
   // each is waited for before the next is issued, so the fit is to a dependent chain (--blocking),
   // not to back-to-back operations, whose per-operation costs overlap.
