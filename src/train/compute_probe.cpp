@@ -160,18 +160,21 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
   // The activation gradients the backward zeroes before accumulating into them (the kernels add,
   // gemm.h): the MLP's input and output side, the attention output, qkv and the two linears' inputs.
   std::vector<float> zbuf(sz(N * ((gpt ? 2 : 3) * F + 2 * C + nh * hd + qkvw)));
+  // `k` sums over the tp ranks that travel in bf16 (tp > 1 in bf16 runs): each [N, C] partial is
+  // cast before and its result (the rank's rows under SP) widened after.
+  auto tp_bf16_sums = [&](int k) {
+    if (t == 1 || !use_bf16) return;
+    for (int i = 0; i < k; ++i) {
+      K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
+      K.cast_bf16_to_f32(ec.data(), eab.data(), Rn * C);
+    }
+  };
   auto elementwise_step = [&]() {
     for (int64_t l = 0; l < m.n_layer; ++l) {
       norm();
       norm();
       dev::zero(Device::CPU, zbuf.data(), zbuf.size() * sizeof(float));
-      if (t > 1 && use_bf16)
-        // The forward's two partial sums and the backward's two input-gradient sums travel in bf16:
-        // cast before, widened after (the rank's rows under SP).
-        for (int i = 0; i < 4; ++i) {
-          K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
-          K.cast_bf16_to_f32(ec.data(), eab.data(), Rn * C);
-        }
+      tp_bf16_sums(4);  // the forward's two partial sums, the backward's two input-gradient sums
       if (gpt) {
         K.gelu_forward(ec.data(), ea.data(), N * F);
         K.gelu_backward(ed.data(), ea.data(), eb.data(), N * F);
@@ -188,11 +191,7 @@ ComputeCeiling measure_compute_here(const ModelConfig& m_in, int64_t micro_batch
     }
     norm();
     if (use_bf16) K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
-    if (t > 1 && use_bf16)  // the embedding's partial sums and the head input gradient's, in bf16
-      for (int i = 0; i < 2; ++i) {
-        K.cast_f32_to_bf16(eab.data(), ea.data(), N * C);
-        K.cast_bf16_to_f32(ec.data(), eab.data(), Rn * C);
-      }
+    tp_bf16_sums(2);  // the embedding's partial sums and the head input gradient's
     // (in bf16 without tp the loss leaves the head's gradient in bf16 itself; with tp it is the
     // vocabulary-parallel loss's three passes over this rank's columns)
     const int64_t Vv = std::min<int64_t>(V, m.vocab_size);

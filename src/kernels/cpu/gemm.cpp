@@ -239,7 +239,28 @@ void broadcast_bias(float* out, const float* bias, int64_t N, int64_t OC) {
 }
 
 // The oneDNN primitive of an entry on these operands (and the bias row when the entry has one).
-void execute_bf16(const Bf16Entry& e, const bf16* A, const bf16* B, float* C, const float* bias);
+void execute_bf16(const Bf16Entry& e, const bf16* A, const bf16* B, float* C, const float* bias) {
+  thread_local std::unique_ptr<dnnl::stream> strm;
+  thread_local Scratch scratch;
+  dnnl::engine& eng = [] () -> dnnl::engine& {
+    Bf16Cache& c = bf16_cache();
+    std::lock_guard<std::mutex> lk(c.mu);
+    return engine_locked(c);
+  }();
+  if (!strm) strm = std::make_unique<dnnl::stream>(eng);
+  dnnl::memory am(e.a_md, eng, const_cast<bf16*>(A));
+  dnnl::memory bm(e.b_md, eng, const_cast<bf16*>(B));
+  dnnl::memory cm(e.c_md, eng, C);
+  std::unordered_map<int, dnnl::memory> args = {
+      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(e.bias_md, eng, const_cast<float*>(bias)));
+  if (e.scratch_bytes > 0) {
+    dnnl::memory sm(e.scratch_md, eng, scratch.get(e.scratch_bytes));
+    args.emplace(DNNL_ARG_SCRATCHPAD, sm);
+  }
+  e.prim.execute(*strm, args);
+  strm->wait();
+}
 
 // One oneDNN bf16 matmul on (possibly strided) blocks: C = alpha op(A) op(B) + beta C.
 void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A,
@@ -251,30 +272,6 @@ void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
     return;
   }
   execute_bf16(*e, A, B, C, nullptr);
-}
-
-void execute_bf16(const Bf16Entry& ent, const bf16* A, const bf16* B, float* C, const float* bias) {
-  const Bf16Entry* e = &ent;
-  thread_local std::unique_ptr<dnnl::stream> strm;
-  thread_local Scratch scratch;
-  dnnl::engine& eng = [] () -> dnnl::engine& {
-    Bf16Cache& c = bf16_cache();
-    std::lock_guard<std::mutex> lk(c.mu);
-    return engine_locked(c);
-  }();
-  if (!strm) strm = std::make_unique<dnnl::stream>(eng);
-  dnnl::memory am(e->a_md, eng, const_cast<bf16*>(A));
-  dnnl::memory bm(e->b_md, eng, const_cast<bf16*>(B));
-  dnnl::memory cm(e->c_md, eng, C);
-  std::unordered_map<int, dnnl::memory> args = {
-      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-  if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(e->bias_md, eng, const_cast<float*>(bias)));
-  if (e->scratch_bytes > 0) {
-    dnnl::memory sm(e->scratch_md, eng, scratch.get(e->scratch_bytes));
-    args.emplace(DNNL_ARG_SCRATCHPAD, sm);
-  }
-  e->prim.execute(*strm, args);
-  strm->wait();
 }
 
 // Splitting large bf16 GEMMs (the LM head: one dimension is the vocabulary). oneDNN 2.6's matmul
