@@ -163,11 +163,95 @@ void check_bf16_gemm(const char* path) {
 
 TEST(GemmBf16, MatchesReferenceOnDefaultPath) {
   std::cout << "[ info ] bf16 GEMM path on this CPU: "
-            << (detail::bf16_gemm_is_native(false, true, 64, 64, 64, 1.0f, 0.0f)
+            << (detail::amx_gemm_ready() ? "meshtrain's AMX tile GEMM"
+                : detail::bf16_gemm_is_native(false, true, 64, 64, 64, 1.0f, 0.0f)
                     ? "oneDNN bf16 matmul"
                     : "widen to fp32 + sgemm (no oneDNN bf16 support)")
             << "\n";
   check_bf16_gemm("default");
+}
+
+TEST(GemmBf16, OneDnnPathMatchesReference) {
+  // On AMX machines the default path is meshtrain's tile GEMM; oneDNN's matmul stays what serves
+  // the vocabulary-sized K and what MESHTRAIN_AMX_GEMM=0 selects.
+  detail::set_amx_gemm_enabled(false);
+  check_bf16_gemm("oneDNN");
+  detail::set_amx_gemm_enabled(true);
+}
+
+// ---- the AMX tile GEMM ----------------------------------------------------------------------
+
+// Strided operands (leading dimensions past the logical width), every transpose, alpha, beta and
+// the bias, tails in M, N and K, and a shape large enough for the K chunks: against the double
+// reference of the bf16 inputs.
+TEST(GemmBf16Amx, MatchesReferenceWithStridesBiasAndKChunks) {
+  if (!detail::amx_gemm_ready()) GTEST_SKIP() << "no AMX-BF16 here (or the level is capped below amx_bf16)";
+  const Shape shapes[] = {{5, 7, 9}, {1, 1, 1}, {33, 17, 65}, {64, 130, 48}, {96, 64, 2000}, {800, 800, 1000}};
+  for (const Shape& s : shapes)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        if (s.M * s.N * s.K > 1e8 && (ta || !tb)) continue;  // the chunked shape once (forward layout)
+        const int64_t ar = ta ? s.K : s.M, ac = ta ? s.M : s.K, br = tb ? s.N : s.K, bc = tb ? s.K : s.N;
+        const int64_t lda = ac + 3, ldb = bc + 5, ldc = s.N + 2;
+        auto A16 = to_bf16(kt::randn(static_cast<size_t>(ar * lda), 71));
+        auto B16 = to_bf16(kt::randn(static_cast<size_t>(br * ldb), 72));
+        auto bias = kt::randn(static_cast<size_t>(s.N), 73);
+        auto C0 = kt::randn(static_cast<size_t>(s.M * ldc), 74);
+        // Dense copies for the reference.
+        std::vector<double> A(ar * ac), B(br * bc), Cd(s.M * s.N);
+        for (int64_t i = 0; i < ar; ++i)
+          for (int64_t j = 0; j < ac; ++j) A[i * ac + j] = bf16_to_float(A16[i * lda + j]);
+        for (int64_t i = 0; i < br; ++i)
+          for (int64_t j = 0; j < bc; ++j) B[i * bc + j] = bf16_to_float(B16[i * ldb + j]);
+        for (int64_t i = 0; i < s.M; ++i)
+          for (int64_t j = 0; j < s.N; ++j) Cd[i * s.N + j] = C0[i * ldc + j];
+        for (auto [alpha, beta, with_bias] : {std::tuple<float, float, bool>{1.0f, 0.0f, true}, {0.5f, 1.0f, false},
+                                              {1.0f, 1.0f, true}, {-2.0f, 0.25f, false}}) {
+          std::vector<float> C = C0;
+          if (beta == 0.0f)  // beta = 0 must not read C
+            for (int64_t i = 0; i < s.M; ++i)
+              for (int64_t j = 0; j < s.N; ++j) C[i * ldc + j] = std::numeric_limits<float>::quiet_NaN();
+          detail::amx_gemm_bf16(ta, tb, s.M, s.N, s.K, alpha, A16.data(), lda, B16.data(), ldb, beta, C.data(), ldc,
+                                with_bias ? bias.data() : nullptr);
+          auto want = ref_gemm(ta, tb, s.M, s.N, s.K, alpha, A, B, beta, Cd);
+          std::vector<float> got(s.M * s.N);
+          for (int64_t i = 0; i < s.M; ++i)
+            for (int64_t j = 0; j < s.N; ++j) {
+              got[i * s.N + j] = C[i * ldc + j];
+              if (with_bias) want[i * s.N + j] += bias[j];
+            }
+          EXPECT_TRUE(kt::close(got, want, 1e-5, 2e-5 * std::abs(alpha) * std::sqrt(double(s.K))))
+              << "M=" << s.M << " N=" << s.N << " K=" << s.K << " ta=" << ta << " tb=" << tb << " alpha=" << alpha
+              << " beta=" << beta << " bias=" << with_bias;
+          // The padding columns past N (ldc) are left alone.
+          for (int64_t i = 0; i < s.M; ++i)
+            for (int64_t j = s.N; j < ldc; ++j) ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << i << "," << j;
+        }
+      }
+}
+
+// Units of work are handed out by a counter, and each one computes its block the same way on any
+// thread: 1, 2 and 3 threads give the same bits, for the block layers' three GEMMs.
+TEST(GemmBf16Amx, BitIdenticalOnAnyNumberOfThreads) {
+  if (!detail::amx_gemm_ready()) GTEST_SKIP() << "no AMX-BF16 here (or the level is capped below amx_bf16)";
+  const int64_t T = 300, C = 200, OC = 520;
+  auto X = to_bf16(kt::randn(T * C, 81)), W = to_bf16(kt::randn(OC * C, 82)), D = to_bf16(kt::randn(T * OC, 83));
+  auto run = [&](int threads) {
+    std::vector<float> Y(T * OC), dX(T * C, 0.5f), dW(OC * C, 0.25f);
+    kt::with_threads(threads, [&] {
+      gemm_bf16(false, true, T, OC, C, 1.0f, X.data(), W.data(), 0.0f, Y.data());
+      gemm_bf16(false, false, T, C, OC, 1.0f, D.data(), W.data(), 1.0f, dX.data());
+      gemm_bf16(true, false, OC, C, T, 1.0f, D.data(), X.data(), 1.0f, dW.data());
+    });
+    return std::make_tuple(Y, dX, dW);
+  };
+  auto [Y1, dX1, dW1] = run(1);
+  for (int threads : {2, 3}) {
+    auto [Y, dX, dW] = run(threads);
+    EXPECT_TRUE(kt::bitwise_equal(Y1, Y)) << threads;
+    EXPECT_TRUE(kt::bitwise_equal(dX1, dX)) << threads;
+    EXPECT_TRUE(kt::bitwise_equal(dW1, dW)) << threads;
+  }
 }
 
 TEST(GemmBf16, BlockedWideningPathMatchesReference) {
@@ -183,6 +267,8 @@ TEST(GemmBf16, SplitLargeGemmsMatchReference) {
   // The native path splits a dimension >= min_dim (the LM head's vocabulary) into chunks: with
   // tiny limits both splits (K accumulated, N through a contiguous block) and their nesting run
   // on the test shapes. On CPUs without native bf16 this covers the strided widening.
+  // (oneDNN's path: the AMX tile GEMM does not split.)
+  detail::set_amx_gemm_enabled(false);
   detail::set_bf16_split(16, 7, 9);
   check_bf16_gemm("split into chunks");
   // beta = 0 must not read C (it may hold NaN), also through the N split's copy-out.
@@ -194,6 +280,7 @@ TEST(GemmBf16, SplitLargeGemmsMatchReference) {
                        std::vector<double>(M * N, 0.0));
   EXPECT_TRUE(kt::close(C, want, 1e-5, 2e-5 * std::sqrt(double(K))));
   detail::set_bf16_split(16384, 4096, 4096);
+  detail::set_amx_gemm_enabled(true);
 }
 
 TEST(GemmBf16, LmHeadShapesBitIdenticalAcrossThreadCounts) {

@@ -122,6 +122,10 @@ bool bf16_native_possible() {
   return !bf16_cache().force_fallback && active_isa() >= CpuIsa::AVX512_BF16;
 }
 
+// Whether the AMX tile GEMM (amx_gemm.cpp) serves bf16 GEMMs: ready on this CPU and no test
+// forcing the widening path.
+bool use_amx() { return detail::amx_gemm_ready() && !bf16_cache().force_fallback; }
+
 std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
   apply_isa_cap();
   Bf16Cache& c = bf16_cache();
@@ -384,6 +388,12 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     scale_c(C, M * N, beta);
     return;
   }
+  // AMX tiles, except for a vocabulary-sized K (the LM head's input gradient), where oneDNN's
+  // matmul in K chunks measured faster (docs/cpu.md, "bf16 GEMMs on AMX tiles").
+  if (use_amx() && K < g_split.min_dim) {
+    detail::amx_gemm_bf16(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N, nullptr);
+    return;
+  }
   if (!bf16_native_possible()) {
     gemm_bf16_widened(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N);
     return;
@@ -407,6 +417,10 @@ void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, co
 
 void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N,
                          int64_t C, int64_t OC) {
+  if (bias && N > 0 && OC > 0 && C > 0 && use_amx()) {  // bias added in the epilogue
+    detail::amx_gemm_bf16(false, true, N, OC, C, 1.0f, inp, C, W, C, 0.0f, out, OC, bias);
+    return;
+  }
   // The bias added by the primitive when there is one for it (out written once; the same sums:
   // the products' total plus the bias). Shapes the split path handles keep the broadcast.
   if (bias && N > 0 && OC > 0 && C > 0 && bf16_native_possible() && OC < g_split.min_dim && C < g_split.min_dim) {

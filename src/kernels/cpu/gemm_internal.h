@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "runtime/dtype.h"
+
 namespace mt::kernels::cpu::detail {
 
 // Row-major sgemm with explicit leading dimensions (C = alpha op(A) op(B) + beta C). Called from
@@ -21,5 +23,17 @@ void set_bf16_fallback_block_elems(int64_t elems);
 // Testing hook: where the native bf16 GEMM splits large problems (K or N >= min_dim splits into
 // chunks of k_chunk / n_chunk; defaults 16384, 4096, 4096).
 void set_bf16_split(int64_t min_dim, int64_t k_chunk, int64_t n_chunk);
+
+// bf16 GEMMs on AMX tiles (amx_gemm.cpp). Ready when the level in force is amx_bf16, the CPU and
+// the kernel grant the tile state, and the path is enabled (default on; MESHTRAIN_AMX_GEMM=0 or
+// the hook below turn it off, leaving oneDNN's matmul).
+bool amx_gemm_ready();
+bool amx_gemm_enabled();
+void set_amx_gemm_enabled(bool enabled);
+// C = alpha op(A) op(B) + beta C, plus bias[n] on every row when bias != nullptr; bf16 inputs,
+// fp32 sums and output. Call only when amx_gemm_ready(). Results are bit-identical on any
+// number of threads.
+void amx_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+                   const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias);
 
 }  // namespace mt::kernels::cpu::detail
