@@ -182,11 +182,14 @@ TEST(GemmBf16, OneDnnPathMatchesReference) {
 // ---- the AMX tile GEMM ----------------------------------------------------------------------
 
 // Strided operands (leading dimensions past the logical width), every transpose, alpha, beta and
-// the bias, tails in M, N and K, and a shape large enough for the K chunks: against the double
-// reference of the bf16 inputs.
+// the bias, tails in M, N and K, and shapes for each blocking path: against the double reference
+// of the bf16 inputs.
 TEST(GemmBf16Amx, MatchesReferenceWithStridesBiasAndKChunks) {
   if (!detail::amx_gemm_ready()) GTEST_SKIP() << "no AMX-BF16 here (or the level is capped below amx_bf16)";
-  const Shape shapes[] = {{5, 7, 9}, {1, 1, 1}, {33, 17, 65}, {64, 130, 48}, {96, 64, 2000}, {800, 800, 1000}};
+  // {800, 800, 1000}: K in chunks; {40, 6528, 2000}: op(B) packed per group by its unit (the LM
+  // head's forward), A (a tail in M) packed once for all groups.
+  const Shape shapes[] = {{5, 7, 9},       {1, 1, 1},         {33, 17, 65},       {64, 130, 48},
+                          {400, 20, 70},   {96, 64, 2000},    {800, 800, 1000},   {40, 6528, 2000}};
   for (const Shape& s : shapes)
     for (int ta = 0; ta < 2; ++ta)
       for (int tb = 0; tb < 2; ++tb) {
@@ -205,6 +208,7 @@ TEST(GemmBf16Amx, MatchesReferenceWithStridesBiasAndKChunks) {
           for (int64_t j = 0; j < bc; ++j) B[i * bc + j] = bf16_to_float(B16[i * ldb + j]);
         for (int64_t i = 0; i < s.M; ++i)
           for (int64_t j = 0; j < s.N; ++j) Cd[i * s.N + j] = C0[i * ldc + j];
+        const std::vector<double> P = ref_gemm(ta, tb, s.M, s.N, s.K, 1.0, A, B, 0.0, {});
         for (auto [alpha, beta, with_bias] : {std::tuple<float, float, bool>{1.0f, 0.0f, true}, {0.5f, 1.0f, false},
                                               {1.0f, 1.0f, true}, {-2.0f, 0.25f, false}}) {
           std::vector<float> C = C0;
@@ -213,7 +217,8 @@ TEST(GemmBf16Amx, MatchesReferenceWithStridesBiasAndKChunks) {
               for (int64_t j = 0; j < s.N; ++j) C[i * ldc + j] = std::numeric_limits<float>::quiet_NaN();
           detail::amx_gemm_bf16(ta, tb, s.M, s.N, s.K, alpha, A16.data(), lda, B16.data(), ldb, beta, C.data(), ldc,
                                 with_bias ? bias.data() : nullptr);
-          auto want = ref_gemm(ta, tb, s.M, s.N, s.K, alpha, A, B, beta, Cd);
+          std::vector<double> want(P.size());
+          for (size_t i = 0; i < P.size(); ++i) want[i] = alpha * P[i] + (beta == 0.0f ? 0.0 : beta * Cd[i]);
           std::vector<float> got(s.M * s.N);
           for (int64_t i = 0; i < s.M; ++i)
             for (int64_t j = 0; j < s.N; ++j) {

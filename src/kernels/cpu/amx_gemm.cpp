@@ -119,18 +119,26 @@ inline __m512i load_row32(const bf16* row, int64_t k, int64_t K) {
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t(1) << n) - 1), row + k);
 }
 
-// 16 bf16 of a row starting at element m of [0, M): zeros past M.
-inline __m256i load_row16(const bf16* row, int64_t m, int64_t M) {
-  const int64_t n = M - m;
-  if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + m));
-  if (n <= 0) return _mm256_setzero_si256();
-  return _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), row + m);
+// Rows r0 and r1 (32 bf16 each) interleaved element by element: the first 16 pairs (lo) and the
+// last 16 (hi), one 32-bit pair per column.
+inline __m512i interleave_lo(__m512i r0, __m512i r1) {
+  const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                       5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  return _mm512_permutex2var_epi16(r0, idx, r1);
+}
+inline __m512i interleave_hi(__m512i r0, __m512i r1) {
+  const __m512i idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54, 22,
+                                       53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  return _mm512_permutex2var_epi16(r0, idx, r1);
 }
 
-// Pairs of K-consecutive elements of 16 rows (r0 .. r0+15 of [0, R), element k0 on) transposed
-// into 16 rows of 16 pairs: out + i * out_ld holds pair i of rows r0..r0+15 ... see callers.
-// src rows are `R` rows of length K with stride ld; writes out[j * out_ld + i] (as 32-bit) =
-// pair (k0/2 + j) of row r0 + i, for j in 0..15, i in 0..15.
+// Rows far apart (a leading dimension of kilobytes) defeat the hardware prefetcher: the packing
+// loops ask for the row kPrefetchRows further on while they use this one.
+constexpr int64_t kPrefetchRows = 16;
+
+// 16 rows of src (r0 .. r0+15 of [0, R), stride ld), 32 elements each from k0 on (of [0, K)), seen
+// as 16 pairs of K-consecutive elements, transposed: out[j * out_ld + i] (32-bit) = pair j of row
+// r0 + i. Zeros past R and K.
 inline void transpose_pairs16(const bf16* src, int64_t ld, int64_t r0, int64_t R, int64_t k0, int64_t K,
                               uint32_t* out, int64_t out_ld) {
   __m512i v[16];
@@ -140,18 +148,7 @@ inline void transpose_pairs16(const bf16* src, int64_t ld, int64_t r0, int64_t R
   for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * out_ld, v[j]);
 }
 
-// The 16 bf16 of rows k and k+1 (of [0, K)) at columns m..m+15 (of [0, M)), interleaved into 16
-// pairs (one 32-bit element per column).
-inline __m512i interleave_rows16(const bf16* src, int64_t ld, int64_t k, int64_t K, int64_t m, int64_t M) {
-  const __m256i lo = k < K ? load_row16(src + k * ld, m, M) : _mm256_setzero_si256();
-  const __m256i hi = k + 1 < K ? load_row16(src + (k + 1) * ld, m, M) : _mm256_setzero_si256();
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, both);
-}
-
-// Rows m0 .. m0+rows-1 of op(A) (rows a multiple of 16), K elements from k0 on (of [0, K)), into
+// Rows m0 .. m0+rows-1 of op(A) (rows a multiple of 32), K elements from k0 on (of [0, K)), into
 // Ap[rows][Kp] row-major, zero padded past M and past K.
 void pack_a_block(bool ta, const bf16* A, int64_t ld, int64_t M, int64_t K, int64_t m0, int64_t rows, int64_t k0,
                   int64_t Kp, bf16* Ap) {
@@ -164,13 +161,28 @@ void pack_a_block(bool ta, const bf16* A, int64_t ld, int64_t M, int64_t K, int6
     }
     return;
   }
-  // op(A) = A^T, A stored [K][M]: interleave pairs of A's rows, then transpose 16 x 16 pairs.
-  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+  // op(A) = A^T, A stored [K][M]: for 32 columns of A at a time, interleave pairs of A's rows
+  // (each row's 64 bytes loaded once), then transpose 16 x 16 pairs twice.
+  for (int64_t r0 = 0; r0 < rows; r0 += 32)
     for (int64_t k = 0; k < Kp; k += 32) {
-      __m512i v[16];
-      for (int j = 0; j < 16; ++j) v[j] = interleave_rows16(A, ld, k0 + k + 2 * j, K, m0 + r0, M);
-      transpose16(v);  // v[i] = the 16 pairs of row m0 + r0 + i
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(Ap + (r0 + i) * Kp + k, v[i]);
+      __m512i lo[16], hi[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t kr = k0 + k + 2 * j;
+        const __m512i a0 = kr < K ? load_row32(A + kr * ld, m0 + r0, M) : _mm512_setzero_si512();
+        const __m512i a1 = kr + 1 < K ? load_row32(A + (kr + 1) * ld, m0 + r0, M) : _mm512_setzero_si512();
+        if (kr + kPrefetchRows + 1 < K) {
+          _mm_prefetch(reinterpret_cast<const char*>(A + (kr + kPrefetchRows) * ld + m0 + r0), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(A + (kr + kPrefetchRows + 1) * ld + m0 + r0), _MM_HINT_T0);
+        }
+        lo[j] = interleave_lo(a0, a1);
+        hi[j] = interleave_hi(a0, a1);
+      }
+      transpose16(lo);  // lo[i] = the 16 pairs of row m0 + r0 + i
+      transpose16(hi);  // hi[i] = those of row m0 + r0 + 16 + i
+      for (int i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(Ap + (r0 + i) * Kp + k, lo[i]);
+        _mm512_storeu_si512(Ap + (r0 + 16 + i) * Kp + k, hi[i]);
+      }
     }
 }
 
@@ -185,16 +197,16 @@ void pack_b_panel(bool tb, const bf16* B, int64_t ldb, int64_t N, int64_t K, int
     return;
   }
   // B stored [K][N]: interleave rows 2kk and 2kk+1.
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23,
-                                          54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
   for (int64_t kk = 0; kk < Kp / 2; ++kk) {
     const int64_t k = k0 + 2 * kk;
     const __m512i r0 = k < K ? load_row32(B + k * ldb, n0, N) : _mm512_setzero_si512();
     const __m512i r1 = k + 1 < K ? load_row32(B + (k + 1) * ldb, n0, N) : _mm512_setzero_si512();
-    _mm512_storeu_si512(dst + kk * 32, _mm512_permutex2var_epi16(r0, lo_idx, r1));
-    _mm512_storeu_si512(dst + sub + kk * 32, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+    if (k + kPrefetchRows + 1 < K) {
+      _mm_prefetch(reinterpret_cast<const char*>(B + (k + kPrefetchRows) * ldb + n0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(B + (k + kPrefetchRows + 1) * ldb + n0), _MM_HINT_T0);
+    }
+    _mm512_storeu_si512(dst + kk * 32, interleave_lo(r0, r1));
+    _mm512_storeu_si512(dst + sub + kk * 32, interleave_hi(r0, r1));
   }
 }
 
@@ -251,7 +263,6 @@ inline void epilogue(const float* cbuf, int64_t rows, int64_t cols, float alpha,
   }
 }
 
-
 // One K chunk: C = alpha op(A) op(B) [k0, k0 + kc) + beta C (+ bias).
 void gemm_chunk(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t k0, int64_t kc, float alpha,
                 const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc,
@@ -260,11 +271,6 @@ void gemm_chunk(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t k0, i
   const int nth = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int64_t npanels = (N + kPanel - 1) / kPanel, mblocks = (M + kBlockM - 1) / kBlockM;
   const int64_t sub = Kp * 16;  // elements per VNNI sub-panel; a panel is two
-  // op(B) once, in panels, by all threads.
-  static thread_local detail::Scratch b_scratch;
-  bf16* bp = b_scratch.as<bf16>(static_cast<size_t>(npanels * 2 * sub));
-#pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1 && npanels > 1)
-  for (int64_t p = 0; p < npanels; ++p) pack_b_panel(tb, B, ldb, N, Kend, k0, Kp, p * kPanel, bp + p * 2 * sub, sub);
   // Panels in groups that stay in L2 (kL2Bytes) while a block of rows sweeps them; all of them in
   // one group when they fit, so that A streams through once.
   const int64_t panel_bytes = Kp * 64;
@@ -278,37 +284,63 @@ void gemm_chunk(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t k0, i
   const int64_t blocks_per_chunk = (mblocks + mchunks - 1) / mchunks;
   const int64_t nchunks = (mblocks + blocks_per_chunk - 1) / blocks_per_chunk;
   const int64_t units = ngroups * nchunks;
-  // A is used in place when it is row-major with whole steps of K; otherwise each block of rows is
-  // copied (transposed for op(A) = A^T) into a padded buffer that stays in L1/L2 while the block
-  // sweeps its group's panels.
-  const bool a_in_place = !ta && kc % kStepK == 0;
+  // op(B): when each group has one unit (a vocabulary-sized N) that unit packs it; otherwise all
+  // threads pack every panel once, up front.
+  const bool b_per_unit = nchunks == 1 && ngroups > 1;
+  static thread_local detail::Scratch b_scratch;
+  bf16* bp = nullptr;
+  if (!b_per_unit) {
+    bp = b_scratch.as<bf16>(static_cast<size_t>(npanels * 2 * sub));
+#pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1 && npanels > 1)
+    for (int64_t p = 0; p < npanels; ++p) pack_b_panel(tb, B, ldb, N, Kend, k0, Kp, p * kPanel, bp + p * 2 * sub, sub);
+  }
+  // A: in place when it is row-major with whole steps of K; else copied (transposed for
+  // op(A) = A^T) into a padded buffer, once up front when it is small, otherwise per block of rows
+  // while the block sweeps its group's panels.
+  const int64_t Mp = mblocks * kBlockM;
+  const bool a_in_place = !ta && kc % kStepK == 0 && M % kBlockM == 0;
+  const bool a_once = !a_in_place && ngroups > 1 && Mp * Kp * 2 <= 2 * kL2Bytes;
+  static thread_local detail::Scratch a_all_scratch;
+  bf16* a_all = nullptr;
+  if (a_once) {
+    a_all = a_all_scratch.as<bf16>(static_cast<size_t>(Mp * Kp));
+#pragma omp parallel for schedule(static) num_threads(nth) if (nth > 1 && mblocks > 1)
+    for (int64_t mb = 0; mb < mblocks; ++mb)
+      pack_a_block(ta, A, lda, M, Kend, mb * kBlockM, kBlockM, k0, Kp, a_all + mb * kBlockM * Kp);
+  }
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nth) if (nth > 1 && units > 1)
   {
-    static thread_local detail::Scratch a_scratch;
-    bf16* ap = a_scratch.as<bf16>(static_cast<size_t>(kBlockM * Kp));
+    static thread_local detail::Scratch a_scratch, g_scratch;
+    bf16* ap = a_in_place || a_once ? nullptr : a_scratch.as<bf16>(static_cast<size_t>(kBlockM * Kp));
+    bf16* gp = b_per_unit ? g_scratch.as<bf16>(static_cast<size_t>(group * 2 * sub)) : nullptr;
     alignas(64) float cbuf[kBlockM * kPanel];
     load_tile_config();
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       const int64_t g = u / nchunks, chunk = u % nchunks;
       const int64_t mb0 = chunk * blocks_per_chunk, mb1 = std::min(mblocks, mb0 + blocks_per_chunk);
       const int64_t p0 = g * group, p1 = std::min(npanels, p0 + group);
+      const bf16* panels = gp;
+      if (b_per_unit)
+        for (int64_t p = p0; p < p1; ++p)
+          pack_b_panel(tb, B, ldb, N, Kend, k0, Kp, p * kPanel, gp + (p - p0) * 2 * sub, sub);
+      else
+        panels = bp + p0 * 2 * sub;
       for (int64_t mb = mb0; mb < mb1; ++mb) {
         const int64_t m0 = mb * kBlockM, rows = std::min(kBlockM, M - m0);
-        const bool in_place = a_in_place && rows == kBlockM;
-        if (!in_place) pack_a_block(ta, A, lda, M, Kend, m0, kBlockM, k0, Kp, ap);
-        const bf16* a = in_place ? A + m0 * lda + k0 : ap;
-        const int64_t ld = in_place ? lda : Kp;
+        const bf16* a = a_in_place ? A + m0 * lda + k0 : a_once ? a_all + m0 * Kp : ap;
+        const int64_t ld = a_in_place ? lda : Kp;
+        if (!a_in_place && !a_once) pack_a_block(ta, A, lda, M, Kend, m0, kBlockM, k0, Kp, ap);
         for (int64_t p = p0; p < p1; ++p) {
-          const int64_t n0 = p * kPanel;
+          const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+          const bf16* panel = panels + (p - p0) * 2 * sub;
           // C's rows of this block are 32 short runs far apart: fetch them while the tiles multiply.
           for (int64_t r = 0; r < rows; ++r) {
             __builtin_prefetch(C + (m0 + r) * ldc + n0, 1, 3);
             __builtin_prefetch(C + (m0 + r) * ldc + n0 + 16, 1, 3);
           }
-          micro_kernel(a, ld, Kp, bp + p * 2 * sub, bp + p * 2 * sub + sub, cbuf);
-          epilogue(cbuf, rows, std::min(kPanel, N - n0), alpha, beta, bias ? bias + n0 : nullptr, C + m0 * ldc + n0,
-                   ldc);
+          micro_kernel(a, ld, Kp, panel, panel + sub, cbuf);
+          epilogue(cbuf, rows, cols, alpha, beta, bias ? bias + n0 : nullptr, C + m0 * ldc + n0, ldc);
         }
       }
     }
@@ -316,21 +348,25 @@ void gemm_chunk(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t k0, i
   }
 }
 
+// When neither op(B) nor A fits in L2 (a long K with wide operands), K runs in chunks sized for
+// op(B)'s panels to fit, and each chunk's sums are added to C in order (the
+// chunks depend on the shape only). fn(k0, kc, beta for this chunk).
+template <class F>
+void for_each_k_chunk(int64_t M, int64_t N, int64_t K, F&& fn, float beta) {
+  const int64_t Np = round_up(N, kPanel), Kp = round_up(K, kStepK);
+  int64_t kc = K;
+  if (Np * Kp * 2 > kL2Bytes && round_up(M, kBlockM) * Kp * 2 > kL2Bytes)
+    kc = std::max<int64_t>(kMinChunkK, kL2Bytes / (Np * 2) / kStepK * kStepK);
+  for (int64_t k0 = 0; k0 < K; k0 += kc) fn(k0, std::min(kc, K - k0), k0 == 0 ? beta : 1.0f);
+}
+
 }  // namespace
 
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
           const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias) {
-  // When neither op(B) nor A fits in L2 (the LM head's input gradient: K is the vocabulary), K
-  // runs in chunks sized for op(B)'s panels to fit, and each chunk's sums are added to C in order
-  // (the chunks depend on the shape only).
-  const int64_t Np = round_up(N, kPanel);
-  int64_t kc = K;
-  if (Np * round_up(K, kStepK) * 2 > kL2Bytes && round_up(M, kBlockM) * round_up(K, kStepK) * 2 > kL2Bytes)
-    kc = std::max<int64_t>(kMinChunkK, kL2Bytes / (Np * 2) / kStepK * kStepK);
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t n = std::min(kc, K - k0);
-    gemm_chunk(ta, tb, M, N, K, k0, n, alpha, A, lda, B, ldb, k0 == 0 ? beta : 1.0f, C, ldc, k0 == 0 ? bias : nullptr);
-  }
+  for_each_k_chunk(M, N, K, [&](int64_t k0, int64_t kc, float b) {
+    gemm_chunk(ta, tb, M, N, K, k0, kc, alpha, A, lda, B, ldb, b, C, ldc, k0 == 0 ? bias : nullptr);
+  }, beta);
 }
 
 #pragma GCC diagnostic pop

@@ -388,9 +388,9 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     scale_c(C, M * N, beta);
     return;
   }
-  // AMX tiles, except for a vocabulary-sized K (the LM head's input gradient), where oneDNN's
-  // matmul in K chunks measured faster (docs/cpu.md, "bf16 GEMMs on AMX tiles").
-  if (use_amx() && K < g_split.min_dim) {
+  // AMX tiles, except where the vocabulary is K or M (the LM head's input and weight gradients):
+  // there oneDNN's matmul measured as fast or faster (docs/cpu.md, "bf16 GEMMs on AMX tiles").
+  if (use_amx() && K < g_split.min_dim && !(ta && M >= g_split.min_dim)) {
     detail::amx_gemm_bf16(ta, tb, M, N, K, alpha, A, ta ? M : K, B, tb ? K : N, beta, C, N, nullptr);
     return;
   }
