@@ -20,6 +20,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/cpu/gemm_internal.h"
 #include "runtime/dtype.h"
 #include "test_util.h"
 
@@ -86,6 +87,7 @@ TEST(CpuIsa, DetectsTheBaselineAndNamesEveryLevel) {
   const std::string s = cpu::isa_summary();
   EXPECT_NE(s.find(std::string("isa ") + cpu::isa_name(cpu::active_isa())), std::string::npos) << s;
   EXPECT_NE(s.find("oneDNN "), std::string::npos) << s;
+  EXPECT_EQ(s.find("AMX tiles") != std::string::npos, kernels::cpu::detail::amx_gemm_ready()) << s;
   // The dispatched table is the active level's variant.
   EXPECT_EQ(&table(Device::CPU), &cpu::table_for(cpu::active_isa()));
   if (!have_avx512()) {

@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/gemm_internal.h"
 
 namespace mt::kernels::cpu {
 
@@ -202,6 +203,7 @@ std::string isa_summary() {
                   " model " + std::to_string(f.model_id) + "), isa " + isa_name(isa);
   if (isa != detected_isa()) s += std::string(" (capped; the CPU has ") + isa_name(detected_isa()) + ")";
   s += std::string(", kernels ") + kernel_variant(isa) + ", oneDNN " + onednn_isa();
+  if (detail::amx_gemm_ready()) s += ", bf16 GEMMs on AMX tiles";
   return s;
 }
 

@@ -49,7 +49,8 @@ const KernelTable& table_for(CpuIsa isa);
 // oneDNN's effective ISA as a name ("avx2", "avx512_core_bf16", ...).
 std::string onednn_isa();
 // One line for run headers and benchmarks: "cpu AMD EPYC 9B14 (family 25 model 17), isa
-// avx512_bf16 (kernels avx512, oneDNN avx512_core_bf16)".
+// avx512_bf16, kernels avx512, oneDNN avx512_core_bf16" (", bf16 GEMMs on AMX tiles" when
+// meshtrain's AMX GEMM serves them).
 std::string isa_summary();
 
 }  // namespace mt::kernels::cpu
