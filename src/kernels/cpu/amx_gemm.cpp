@@ -1,6 +1,6 @@
-// bf16 GEMM on AMX tiles (Intel Sapphire Rapids and newer): meshtrain's own, because oneDNN's
-// matmul runs the model's shapes at a quarter of what the tiles can do on the Xeons we get
-// (docs/cpu.md, "bf16 GEMMs on AMX tiles").
+// bf16 GEMM on AMX tiles (Intel Sapphire Rapids and newer): meshtrain's own, because oneDNN 2.6's
+// matmul ran the model's forward and input-gradient shapes 1.1-2x slower on the Xeons we get
+// (docs/cpu.md and docs/benchmarks.md, "bf16 GEMMs on AMX tiles").
 //
 // C[M,N] = alpha * op(A) @ op(B) + beta * C (+ bias[n] on every row), bf16 inputs, fp32 sums and
 // output, row-major with leading dimensions.
@@ -9,18 +9,22 @@
 // tile of A by a 32 x 16 tile of B held in pairs ("VNNI": row kk holds B[2kk][n], B[2kk+1][n]
 // next to each other for the 16 columns) and adds the 16 x 16 products into an fp32 tile. The
 // micro-kernel keeps a 32 x 32 block of C in four tiles, loads two A and two B tiles per step of
-// 32 along K, and issues four multiplies; the block is stored once, after the whole K, into a
-// buffer from which the epilogue applies alpha, beta and the bias.
-//   - A is used in place when it is row-major with K a multiple of 32 and M of 32; otherwise it is
-//     copied once into a padded row-major buffer (transposed when op(A) = A^T: the weight
-//     gradient's dout^T).
-//   - B is packed per panel of 32 columns into two VNNI sub-panels (one per tile) by the thread
-//     that uses it: pairs of rows interleaved when op(B) = B, a 16 x 16 transpose of 32-bit pairs
-//     when op(B) = B^T (the forward's W^T).
-//   - Work units are (group of up to 4 panels, chunk of rows), handed out by an atomic counter so
-//     that a slower core takes fewer; a unit's result does not depend on which thread runs it, so
-//     the output is bit-identical on any number of threads. The K sum runs in one order per
-//     element (32 at a time, in the tile unit's order), independent of the blocking.
+// 32 along K, and issues four multiplies; the block is stored once, after its whole K, into a
+// buffer from which an AVX-512 epilogue applies alpha, beta and the bias. (Storing the tiles
+// straight into C, and starting them from C or the bias, measured slower.)
+//   - op(B) is packed in panels of 32 columns, two VNNI sub-panels each (one per tile): pairs of
+//     rows interleaved when op(B) = B, a 16 x 16 transpose of 32-bit pairs when op(B) = B^T (the
+//     forward's W^T). All threads pack every panel up front, unless each group of panels has one
+//     unit of work (a vocabulary-sized N): then that unit packs its group.
+//   - A is used in place when it is row-major with K and M multiples of 32; otherwise each block
+//     of 32 rows is copied into a padded row-major buffer (transposed when op(A) = A^T: the weight
+//     gradient's dout^T), once for all groups when A is small.
+//   - Panels are swept in groups sized to stay in L2; work units are (group, chunk of rows),
+//     handed out by an atomic counter so that a slower core takes fewer. A unit's result does not
+//     depend on which thread runs it, so the output is bit-identical on any number of threads.
+//   - Each element's K sum runs 32 at a time in the tile unit's order; when neither op(B) nor A
+//     fits in L2, K runs in chunks whose sums are added to C in order. The chunks depend on the
+//     shape only.
 //
 // Everything that executes AMX or AVX-512 instructions is in the namespace amx_avx512 and runs
 // only after detail::amx_gemm_ready() (run-time check of the CPU, the ISA cap and the kernel's
@@ -34,7 +38,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string_view>
 
 #include "kernels/cpu/cpu_isa.h"
@@ -95,8 +98,8 @@ inline void transpose16(__m512i r[16]) {
     r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
     r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
-  // Now r[i] holds, per 128-bit lane L, elements of rows (i&~3)..(i&~3)+3 at column 4L + (i&3)
-  // mixed across groups; two rounds of 128-bit lane shuffles finish the transpose.
+  // Now lane L (128 bits) of r[4q + j] holds rows 4q .. 4q+3 at column 4L + j; two rounds of
+  // lane shuffles put the four lanes of a column in order.
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
     t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
@@ -132,10 +135,6 @@ inline __m512i interleave_hi(__m512i r0, __m512i r1) {
   return _mm512_permutex2var_epi16(r0, idx, r1);
 }
 
-// Rows far apart (a leading dimension of kilobytes) defeat the hardware prefetcher: the packing
-// loops ask for the row kPrefetchRows further on while they use this one.
-constexpr int64_t kPrefetchRows = 16;
-
 // 16 rows of src (r0 .. r0+15 of [0, R), stride ld), 32 elements each from k0 on (of [0, K)), seen
 // as 16 pairs of K-consecutive elements, transposed: out[j * out_ld + i] (32-bit) = pair j of row
 // r0 + i. Zeros past R and K.
@@ -170,10 +169,6 @@ void pack_a_block(bool ta, const bf16* A, int64_t ld, int64_t M, int64_t K, int6
         const int64_t kr = k0 + k + 2 * j;
         const __m512i a0 = kr < K ? load_row32(A + kr * ld, m0 + r0, M) : _mm512_setzero_si512();
         const __m512i a1 = kr + 1 < K ? load_row32(A + (kr + 1) * ld, m0 + r0, M) : _mm512_setzero_si512();
-        if (kr + kPrefetchRows + 1 < K) {
-          _mm_prefetch(reinterpret_cast<const char*>(A + (kr + kPrefetchRows) * ld + m0 + r0), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(A + (kr + kPrefetchRows + 1) * ld + m0 + r0), _MM_HINT_T0);
-        }
         lo[j] = interleave_lo(a0, a1);
         hi[j] = interleave_hi(a0, a1);
       }
@@ -201,10 +196,6 @@ void pack_b_panel(bool tb, const bf16* B, int64_t ldb, int64_t N, int64_t K, int
     const int64_t k = k0 + 2 * kk;
     const __m512i r0 = k < K ? load_row32(B + k * ldb, n0, N) : _mm512_setzero_si512();
     const __m512i r1 = k + 1 < K ? load_row32(B + (k + 1) * ldb, n0, N) : _mm512_setzero_si512();
-    if (k + kPrefetchRows + 1 < K) {
-      _mm_prefetch(reinterpret_cast<const char*>(B + (k + kPrefetchRows) * ldb + n0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(B + (k + kPrefetchRows + 1) * ldb + n0), _MM_HINT_T0);
-    }
     _mm512_storeu_si512(dst + kk * 32, interleave_lo(r0, r1));
     _mm512_storeu_si512(dst + sub + kk * 32, interleave_hi(r0, r1));
   }
