@@ -186,8 +186,9 @@ TEST(GemmBf16, OneDnnPathMatchesReference) {
 // of the bf16 inputs.
 TEST(GemmBf16Amx, MatchesReferenceWithStridesBiasAndKChunks) {
   if (!detail::amx_gemm_ready()) GTEST_SKIP() << "no AMX-BF16 here (or the level is capped below amx_bf16)";
-  // {800, 800, 1000}: K in chunks; {40, 6528, 2000}: op(B) packed per group by its unit (the LM
-  // head's forward), A (a tail in M) packed once for all groups.
+  // {400, 20, 70}: a tall weight-gradient shape (M = 20 N) with a tail in K; {800, 800, 1000}: K
+  // in chunks; {40, 6528, 2000}: op(B) packed per group by its unit (the LM head's forward), A (a
+  // tail in M) packed once for all groups.
   const Shape shapes[] = {{5, 7, 9},       {1, 1, 1},         {33, 17, 65},       {64, 130, 48},
                           {400, 20, 70},   {96, 64, 2000},    {800, 800, 1000},   {40, 6528, 2000}};
   for (const Shape& s : shapes)
