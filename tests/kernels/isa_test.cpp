@@ -112,6 +112,12 @@ TEST(CpuIsa, CapFromTheEnvironmentReachesKernelsAndOneDnn) {
   EXPECT_NE(capped.find("kernels avx2, oneDNN avx2"), std::string::npos) << capped;
   const std::string bad = run("MESHTRAIN_CPU_ISA=avx1024");
   EXPECT_NE(bad.find("unknown CPU ISA level 'avx1024'"), std::string::npos) << bad;
+  // The AMX GEMM switch: 0 turns it off (the header says so by omission), anything but 0 / 1 is refused.
+  const std::string off = run("MESHTRAIN_AMX_GEMM=0");
+  EXPECT_EQ(off.find("AMX tiles"), std::string::npos) << off;
+  EXPECT_NE(off.find("oneDNN "), std::string::npos) << off;
+  const std::string wrong = run("MESHTRAIN_AMX_GEMM=off");
+  EXPECT_NE(wrong.find("MESHTRAIN_AMX_GEMM=off (expected 0"), std::string::npos) << wrong;
   if (!cpu::missing_for(CpuIsa::AMX_BF16).empty()) {
     const std::string beyond = run("MESHTRAIN_CPU_ISA=amx_bf16");
     EXPECT_NE(beyond.find("lacks"), std::string::npos) << beyond;
