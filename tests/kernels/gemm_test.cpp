@@ -174,9 +174,10 @@ TEST(GemmBf16, MatchesReferenceOnDefaultPath) {
 TEST(GemmBf16, OneDnnPathMatchesReference) {
   // On AMX machines the default path is meshtrain's tile GEMM; oneDNN's matmul stays what serves
   // the vocabulary-sized K and what MESHTRAIN_AMX_GEMM=0 selects.
+  const bool was = detail::amx_gemm_enabled();
   detail::set_amx_gemm_enabled(false);
   check_bf16_gemm("oneDNN");
-  detail::set_amx_gemm_enabled(true);
+  detail::set_amx_gemm_enabled(was);
 }
 
 // ---- the AMX tile GEMM ----------------------------------------------------------------------
@@ -273,7 +274,8 @@ TEST(GemmBf16, SplitLargeGemmsMatchReference) {
   // The native path splits a dimension >= min_dim (the LM head's vocabulary) into chunks: with
   // tiny limits both splits (K accumulated, N through a contiguous block) and their nesting run
   // on the test shapes. On CPUs without native bf16 this covers the strided widening.
-  // (oneDNN's path: the AMX tile GEMM does not split.)
+  // (oneDNN's split path: the tile GEMM is switched off for it.)
+  const bool was = detail::amx_gemm_enabled();
   detail::set_amx_gemm_enabled(false);
   detail::set_bf16_split(16, 7, 9);
   check_bf16_gemm("split into chunks");
@@ -286,7 +288,7 @@ TEST(GemmBf16, SplitLargeGemmsMatchReference) {
                        std::vector<double>(M * N, 0.0));
   EXPECT_TRUE(kt::close(C, want, 1e-5, 2e-5 * std::sqrt(double(K))));
   detail::set_bf16_split(16384, 4096, 4096);
-  detail::set_amx_gemm_enabled(true);
+  detail::set_amx_gemm_enabled(was);
 }
 
 TEST(GemmBf16, LmHeadShapesBitIdenticalAcrossThreadCounts) {
