@@ -3,12 +3,15 @@
 // threads, plus a check that GEMM results do not depend on the thread count, and the cores' fp32
 // FMA peak (what no GEMM can exceed: the bound on any engine that performs the model's flops).
 //
-// Usage: kernel_bench [--min-time SECONDS] [--threads 1,2]
+// Usage: kernel_bench [--min-time SECONDS] [--threads 1,2] [--amx-vs-onednn PAIRS]
+//   --amx-vs-onednn PAIRS: also time meshtrain's AMX tile GEMM against oneDNN's bf16 matmul at every
+//   GEMM shape, PAIRS calls of each in alternation (on CPUs with AMX-BF16).
 #include <immintrin.h>
 #include <omp.h>
 #include <time.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +28,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/norm.h"
 
@@ -35,6 +39,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 double g_min_time = 0.3;
+int g_amx_pairs = 0;  // --amx-vs-onednn
 volatile float g_sink = 0.0f;
 
 double cpu_now() {
@@ -90,6 +95,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
+    else if (a == "--amx-vs-onednn" && i + 1 < argc) g_amx_pairs = std::max(1, std::atoi(argv[++i]));
     else if (a == "--threads" && i + 1 < argc) {
       threads.clear();
       for (const char* p = argv[++i]; *p;) {
@@ -98,7 +104,7 @@ int main(int argc, char** argv) {
         if (*p == ',') ++p;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--amx-vs-onednn PAIRS]\n", argv[0]);
       return 2;
     }
   }
@@ -140,19 +146,22 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|---:|");
   std::printf("\n");
   double step_gemm_ms[2][8] = {};  // [f32/bf16][thread idx]: fwd+bwd time of all GEMMs in one step
+  struct Op {
+    const char* name;
+    bool ta, tb;
+    int64_t M, Nn, K;
+    const float *a, *b;
+    const bf16 *a16, *b16;
+    float* c;
+  };
+  auto ops_of = [&](const G& g) {
+    return std::array<Op, 3>{
+        Op{"fwd", false, true, N, g.OC, g.Cin, X.data(), W.data(), X16.data(), W16.data(), Y.data()},
+        Op{"dinp", false, false, N, g.Cin, g.OC, Y.data(), W.data(), Y16.data(), W16.data(), dX.data()},
+        Op{"dW", true, false, g.OC, g.Cin, N, Y.data(), X.data(), Y16.data(), X16.data(), dW.data()}};
+  };
   for (const G& g : layers) {
-    struct Op {
-      const char* name;
-      bool ta, tb;
-      int64_t M, Nn, K;
-      const float *a, *b;
-      const bf16 *a16, *b16;
-      float* c;
-    };
-    const Op ops[] = {
-        {"fwd", false, true, N, g.OC, g.Cin, X.data(), W.data(), X16.data(), W16.data(), Y.data()},
-        {"dinp", false, false, N, g.Cin, g.OC, Y.data(), W.data(), Y16.data(), W16.data(), dX.data()},
-        {"dW", true, false, g.OC, g.Cin, N, Y.data(), X.data(), Y16.data(), X16.data(), dW.data()}};
+    const std::array<Op, 3> ops = ops_of(g);
     const int per_step = (std::string(g.name).rfind("lm_head", 0) == 0) ? 1 : int(L);
     for (const Op& o : ops) {
       const double flop = 2.0 * double(o.M) * double(o.Nn) * double(o.K);
@@ -172,6 +181,58 @@ int main(int argc, char** argv) {
       }
       std::printf("\n");
       std::fflush(stdout);
+    }
+  }
+
+  // The AMX tile GEMM against oneDNN's matmul at the same shapes, call by call in alternation (on a
+  // shared machine the two must see the same moments): the median over the pairs of oneDNN's time
+  // / the tile GEMM's, with the quartiles. The tile GEMM is called directly, so the LM head's
+  // input and weight gradients (which gemm_bf16 leaves to oneDNN) are shown too. beta = 1 for the
+  // gradients, as the engine accumulates them.
+  if (g_amx_pairs > 0) {
+    if (!detail::amx_gemm_ready()) {
+      std::printf("\n--amx-vs-onednn: the AMX tile GEMM does not run here (%s)\n",
+                  kernels::describe(Device::CPU).c_str());
+    } else {
+      std::printf("\nbf16: oneDNN time / AMX tile GEMM time, median of %d alternating pairs [quartiles]\n\n",
+                  g_amx_pairs);
+      std::printf("| layer | op | M x N x K |");
+      for (int nt : threads) std::printf(" %dt |", nt);
+      std::printf("\n|---|---|---|");
+      for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|");
+      std::printf("\n");
+      for (const G& g : layers)
+        for (const Op& o : ops_of(g)) {
+          const float beta = o.ta || !o.tb ? 1.0f : 0.0f;
+          auto tile = [&] {
+            detail::amx_gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.ta ? o.M : o.K, o.b16, o.tb ? o.K : o.Nn,
+                                  beta, o.c, o.Nn, nullptr);
+          };
+          auto onednn = [&] {
+            detail::set_amx_gemm_enabled(false);
+            gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.b16, beta, o.c);
+            detail::set_amx_gemm_enabled(true);
+          };
+          std::printf("| %s | %s | %ldx%ldx%ld |", g.name, o.name, long(o.M), long(o.Nn), long(o.K));
+          for (int nt : threads) {
+            omp_set_num_threads(nt);
+            tile();
+            onednn();
+            std::vector<double> r;
+            for (int i = 0; i < g_amx_pairs; ++i) {
+              auto t0 = Clock::now();
+              tile();
+              auto t1 = Clock::now();
+              onednn();
+              auto t2 = Clock::now();
+              r.push_back(std::chrono::duration<double>(t2 - t1).count() / std::chrono::duration<double>(t1 - t0).count());
+            }
+            std::sort(r.begin(), r.end());
+            std::printf(" %.2fx [%.2f, %.2f] |", r[r.size() / 2], r[r.size() / 4], r[3 * r.size() / 4]);
+          }
+          std::printf("\n");
+          std::fflush(stdout);
+        }
     }
   }
 
