@@ -213,11 +213,7 @@ const float* Norm::forward_saved(const Tensor& saved, const Tensor& mean, const 
 }
 
 float* TpContext::norm_grad_slot(float* dw, float* db, int64_t C, int64_t n) {
-  if (pgrad_used_ + n > pgrad_.numel()) {
-    const bool deferred = defer_norms_;
-    flush_norm_grads();
-    defer_norms_ = deferred;
-  }
+  if (pgrad_used_ + n > pgrad_.numel()) sum_pending_norms();  // full: sum what is there, keep deferring
   if (n > pgrad_.numel()) throw std::logic_error("TpContext::norm_grad_slot: norm wider than its workspace");
   float* t = pgrad_.f32() + pgrad_used_;
   dev::zero(kt->device, t, static_cast<size_t>(n) * sizeof(float));
@@ -228,6 +224,10 @@ float* TpContext::norm_grad_slot(float* dw, float* db, int64_t C, int64_t n) {
 
 void TpContext::flush_norm_grads() {
   defer_norms_ = false;
+  sum_pending_norms();
+}
+
+void TpContext::sum_pending_norms() {
   if (pgrad_used_ == 0) return;
   float* t = pgrad_.f32();
   comm->all_reduce_sum(t, pgrad_used_);

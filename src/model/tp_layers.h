@@ -128,6 +128,7 @@ class TpContext {
   void flush_norm_grads();  // also ends the deferral
 
  private:
+  void sum_pending_norms();  // the recorded slots in one all-reduce, added to their gradients
   struct PendingNorm {
     float *dw, *db;
     int64_t C, off;

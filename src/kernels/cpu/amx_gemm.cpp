@@ -38,6 +38,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 
 #include "kernels/cpu/cpu_isa.h"
@@ -379,11 +381,18 @@ std::atomic<int> g_amx_enabled{-1};
 
 void set_amx_gemm_enabled(bool enabled) { g_amx_enabled = enabled ? 1 : 0; }
 
+bool amx_gemm_env() {
+  const char* v = std::getenv("MESHTRAIN_AMX_GEMM");
+  if (!v || !*v || std::string_view(v) == "1") return true;
+  if (std::string_view(v) == "0") return false;
+  throw std::runtime_error(std::string("meshtrain: MESHTRAIN_AMX_GEMM=") + v +
+                           " (expected 0: bf16 GEMMs on oneDNN, or 1: on AMX tiles where the CPU has them)");
+}
+
 bool amx_gemm_enabled() {
   int e = g_amx_enabled.load();
   if (e < 0) {
-    const char* v = std::getenv("MESHTRAIN_AMX_GEMM");
-    e = (v && std::string_view(v) == "0") ? 0 : 1;
+    e = amx_gemm_env() ? 1 : 0;
     g_amx_enabled = e;
   }
   return e == 1;

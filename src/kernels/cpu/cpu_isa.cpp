@@ -97,10 +97,7 @@ dnnl::cpu_isa onednn_cap(CpuIsa isa) {
 CpuIsa choose_active() {
   // MESHTRAIN_AMX_GEMM (amx_gemm.cpp) is read at the first bf16 GEMM; a wrong value is refused
   // here, at start-up, with the level cap's other errors.
-  if (const char* env = std::getenv("MESHTRAIN_AMX_GEMM"); env && *env && std::string_view(env) != "0" &&
-                                                           std::string_view(env) != "1")
-    throw std::runtime_error(std::string("meshtrain: MESHTRAIN_AMX_GEMM=") + env +
-                             " (expected 0: bf16 GEMMs on oneDNN, or 1: on AMX tiles where the CPU has them)");
+  (void)detail::amx_gemm_env();
   CpuIsa isa = detected_isa();
   if (const char* env = std::getenv("MESHTRAIN_CPU_ISA"); env && *env) {
     const CpuIsa want = parse_isa(env);

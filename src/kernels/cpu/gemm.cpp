@@ -417,13 +417,14 @@ void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, co
 
 void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N,
                          int64_t C, int64_t OC) {
-  if (bias && N > 0 && OC > 0 && C > 0 && use_amx()) {  // bias added in the epilogue
+  const bool fuse_bias = bias && N > 0 && OC > 0 && C > 0;
+  if (fuse_bias && use_amx()) {  // bias added in the epilogue
     detail::amx_gemm_bf16(false, true, N, OC, C, 1.0f, inp, C, W, C, 0.0f, out, OC, bias);
     return;
   }
   // The bias added by the primitive when there is one for it (out written once; the same sums:
   // the products' total plus the bias). Shapes the split path handles keep the broadcast.
-  if (bias && N > 0 && OC > 0 && C > 0 && bf16_native_possible() && OC < g_split.min_dim && C < g_split.min_dim) {
+  if (fuse_bias && bf16_native_possible() && OC < g_split.min_dim && C < g_split.min_dim) {
     Bf16Key k = dense_key(false, true, N, OC, C, 1.0f, 0.0f);
     k.bias = true;
     const std::shared_ptr<Bf16Entry> e = bf16_entry(k);

@@ -29,6 +29,9 @@ void set_bf16_split(int64_t min_dim, int64_t k_chunk, int64_t n_chunk);
 // the hook below turn it off, leaving oneDNN's matmul).
 bool amx_gemm_ready();
 bool amx_gemm_enabled();
+// MESHTRAIN_AMX_GEMM as set in the environment: unset or 1 -> true, 0 -> false; any other value
+// throws std::runtime_error naming the variable.
+bool amx_gemm_env();
 void set_amx_gemm_enabled(bool enabled);
 // C = alpha op(A) op(B) + beta C, plus bias[n] on every row when bias != nullptr; bf16 inputs,
 // fp32 sums and output. Call only when amx_gemm_ready(). Results are bit-identical on any
