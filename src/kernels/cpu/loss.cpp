@@ -4,6 +4,8 @@
 // dloss subtracted at the target. Padded columns [V, Vp) are never read and are set to 0.
 #include "kernels/cpu/loss.h"
 
+#include <emmintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -77,6 +79,14 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
 namespace {
 constexpr int64_t kChunk = 64;  // values of a row the bf16 gradient converts at a time
 
+// One chunk of the gradient (128 bytes) to memory without reading its lines first: they hold
+// logits already consumed, so a plain store would fetch 128 bytes to overwrite them.
+inline void stream_chunk(unsigned char* dst, const bf16* o) {
+  static_assert(kChunk * sizeof(bf16) == 8 * sizeof(__m128i));
+  for (int i = 0; i < 8; ++i)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst) + i, _mm_loadu_si128(reinterpret_cast<const __m128i*>(o) + i));
+}
+
 void scale_to_bf16(bf16* o, const float* e, float f) {
 #pragma omp simd
   for (int64_t i = 0; i < kChunk; ++i) o[i] = detail::to_bf16(e[i] * f);
@@ -115,8 +125,13 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
         for (int64_t i = 0; i < c; ++i) o[i] = detail::to_bf16(e[j0 + i] * f);
       for (int64_t j = std::max(j0, V); j < j0 + c; ++j) o[j - j0] = bf16{0};  // padded columns
       if (tgt >= j0 && tgt < j0 + c) o[tgt - j0] = detail::to_bf16(e[tgt] * f - dloss);
-      std::memcpy(g + j0 * static_cast<int64_t>(sizeof(bf16)), o, static_cast<size_t>(c) * sizeof(bf16));
+      unsigned char* dst = g + j0 * static_cast<int64_t>(sizeof(bf16));
+      if (c == kChunk && reinterpret_cast<uintptr_t>(dst) % 16 == 0)
+        stream_chunk(dst, o);
+      else
+        std::memcpy(dst, o, static_cast<size_t>(c) * sizeof(bf16));
     }
+    _mm_sfence();  // the streamed rows are seen by whichever thread reads them next
   };
   if (N > 0) row(0);
   for (int64_t lo = 1; lo < N; lo *= 2) {
