@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <iostream>
 #include <limits>
 #include <tuple>
@@ -235,6 +236,40 @@ TEST(GemmBf16Amx, MatchesReferenceWithStridesBiasAndKChunks) {
             for (int64_t j = s.N; j < ldc; ++j) ASSERT_EQ(C[i * ldc + j], C0[i * ldc + j]) << i << "," << j;
         }
       }
+}
+
+// An output larger than 32 MiB with beta = 0 (the LM head's logits) is written with streaming
+// stores where a row's 32 columns are 64-byte aligned, plain stores elsewhere: the same bits as the
+// GEMM computed one row at a time (outputs small enough to go through the caches), and C is never
+// read (it starts as NaN). C starts 64-byte aligned and ldc = N + 1 makes every other row
+// misaligned; N has a tail panel.
+TEST(GemmBf16Amx, LargeOutputStreamedEqualsRowByRow) {
+  if (!detail::amx_gemm_ready()) GTEST_SKIP() << "no AMX-BF16 here (or the level is capped below amx_bf16)";
+  const int64_t M = 64, N = 131104 + 7, K = 64, ldc = N + 1;
+  ASSERT_GT(M * N * 4, int64_t(32) << 20);
+  auto A = to_bf16(kt::randn(static_cast<size_t>(M * K), 91)), B = to_bf16(kt::randn(static_cast<size_t>(N * K), 92));
+  auto aligned = [](std::vector<float>& v) {
+    return v.data() + (64 - reinterpret_cast<uintptr_t>(v.data()) % 64) % 64 / sizeof(float);
+  };
+  std::vector<float> whole_buf(static_cast<size_t>(M * ldc + 16), std::numeric_limits<float>::quiet_NaN()),
+      rows_buf(whole_buf);
+  float* whole = aligned(whole_buf);
+  float* rows = aligned(rows_buf);
+  kt::with_threads(2, [&] {
+    detail::amx_gemm_bf16(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, whole, ldc, nullptr);
+    for (int64_t m = 0; m < M; ++m)
+      detail::amx_gemm_bf16(false, true, 1, N, K, 1.0f, A.data() + m * K, K, B.data(), K, 0.0f, rows + m * ldc, ldc,
+                            nullptr);
+  });
+  int64_t differ = 0, nan = 0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      const float w = whole[m * ldc + n], r = rows[m * ldc + n];
+      nan += std::isnan(w);
+      differ += std::memcmp(&w, &r, sizeof(float)) != 0;
+    }
+  EXPECT_EQ(nan, 0);
+  EXPECT_EQ(differ, 0);
 }
 
 // Units of work are handed out by a counter, and each one computes its block the same way on any

@@ -11,7 +11,9 @@
 // micro-kernel keeps a 32 x 32 block of C in four tiles, loads two A and two B tiles per step of
 // 32 along K, and issues four multiplies; the block is stored once, after its whole K, into a
 // buffer from which an AVX-512 epilogue applies alpha, beta and the bias. (Storing the tiles
-// straight into C, and starting them from C or the bias, measured slower.)
+// straight into C, and starting them from C or the bias, measured slower.) An output with beta = 0
+// far larger than the caches (the LM head's logits) is written with streaming stores, so its old
+// lines are not fetched only to be overwritten.
 //   - op(B) is packed in panels of 32 columns, two VNNI sub-panels each (one per tile): pairs of
 //     rows interleaved when op(B) = B, a 16 x 16 transpose of 32-bit pairs when op(B) = B^T (the
 //     forward's W^T). All threads pack every panel up front, unless each group of panels has one
@@ -55,6 +57,7 @@ constexpr int64_t kBlockM = 32;    // rows of C per micro-kernel block (two tile
 constexpr int64_t kL2Bytes = int64_t(3) << 19;  // packed op(B) kept in L2 (1.5 MiB of the 2 MiB)
 constexpr int64_t kMinChunkK = 512;             // shortest K chunk (each costs a pass over C)
 constexpr int64_t kStepK = 32;     // K per tile multiply
+constexpr int64_t kStreamBytes = int64_t(32) << 20;  // outputs from this size on bypass the caches
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -229,8 +232,9 @@ inline void micro_kernel(const bf16* Ap, int64_t lda, int64_t Kp, const bf16* P0
 }
 
 // C block (rows m0.., columns n0..) = alpha * cbuf + beta * C (+ bias), rows < rows, columns < cols.
+// stream: whole 64-byte-aligned rows go to memory without their lines being read first (beta = 0).
 inline void epilogue(const float* cbuf, int64_t rows, int64_t cols, float alpha, float beta, const float* bias,
-                     float* C, int64_t ldc) {
+                     float* C, int64_t ldc, bool stream) {
   const __mmask16 m0 = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? __mmask16(0xffff) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
@@ -251,8 +255,13 @@ inline void epilogue(const float* cbuf, int64_t rows, int64_t cols, float alpha,
       x0 = _mm512_add_ps(x0, b0);
       x1 = _mm512_add_ps(x1, b1);
     }
-    _mm512_mask_storeu_ps(c, m0, x0);
-    _mm512_mask_storeu_ps(c + 16, m1, x1);
+    if (stream && cols == 32 && reinterpret_cast<uintptr_t>(c) % 64 == 0) {
+      _mm512_stream_ps(c, x0);
+      _mm512_stream_ps(c + 16, x1);
+    } else {
+      _mm512_mask_storeu_ps(c, m0, x0);
+      _mm512_mask_storeu_ps(c + 16, m1, x1);
+    }
   }
 }
 
@@ -301,6 +310,9 @@ void gemm_chunk(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t k0, i
     for (int64_t mb = 0; mb < mblocks; ++mb)
       pack_a_block(ta, A, lda, M, Kend, mb * kBlockM, kBlockM, k0, Kp, a_all + mb * kBlockM * Kp);
   }
+  // An output far larger than the caches (the LM head's logits) is written without reading it:
+  // with beta = 0 its old lines are never needed, and fetching them costs as much as the write.
+  const bool stream_c = beta == 0.0f && M * N * int64_t(sizeof(float)) > kStreamBytes;
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nth) if (nth > 1 && units > 1)
   {
@@ -327,16 +339,19 @@ void gemm_chunk(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t k0, i
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
           const bf16* panel = panels + (p - p0) * 2 * sub;
-          // C's rows of this block are 32 short runs far apart: fetch them while the tiles multiply.
-          for (int64_t r = 0; r < rows; ++r) {
-            __builtin_prefetch(C + (m0 + r) * ldc + n0, 1, 3);
-            __builtin_prefetch(C + (m0 + r) * ldc + n0 + 16, 1, 3);
-          }
+          // C's rows of this block are 32 short runs far apart: fetch them while the tiles multiply
+          // (unless they are only written, straight to memory).
+          if (!stream_c)
+            for (int64_t r = 0; r < rows; ++r) {
+              __builtin_prefetch(C + (m0 + r) * ldc + n0, 1, 3);
+              __builtin_prefetch(C + (m0 + r) * ldc + n0 + 16, 1, 3);
+            }
           micro_kernel(a, ld, Kp, panel, panel + sub, cbuf);
-          epilogue(cbuf, rows, cols, alpha, beta, bias ? bias + n0 : nullptr, C + m0 * ldc + n0, ldc);
+          epilogue(cbuf, rows, cols, alpha, beta, bias ? bias + n0 : nullptr, C + m0 * ldc + n0, ldc, stream_c);
         }
       }
     }
+    if (stream_c) _mm_sfence();  // the streamed rows are seen by whichever thread reads them next
     _tile_release();
   }
 }
