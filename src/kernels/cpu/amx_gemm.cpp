@@ -44,6 +44,7 @@
 #include <string>
 #include <string_view>
 
+#include "kernels/cpu/avx512_transpose.h"
 #include "kernels/cpu/cpu_isa.h"
 #include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/workspace.h"
@@ -90,34 +91,7 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// In-register transpose of a 16 x 16 block of 32-bit elements: r[i][j] -> r[j][i].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // Now lane L (128 bits) of r[4q + j] holds rows 4q .. 4q+3 at column 4L + j; two rounds of
-  // lane shuffles put the four lanes of a column in order.
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
+using avx512_util::transpose16;
 
 // 32 bf16 (64 bytes) of a row starting at element k of [0, K): zeros past K.
 inline __m512i load_row32(const bf16* row, int64_t k, int64_t K) {

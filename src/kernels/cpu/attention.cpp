@@ -5,9 +5,12 @@
 // the scores S = scale * Q_blk K^T are one small GEMM into a per-thread tile [bq, t0+bq], the
 // softmax is done row by row in that tile (exact, no online rescaling needed since the whole
 // visible row fits) and O_blk = P V is a second small GEMM. Forward keeps only the row
-// log-sum-exp; backward recomputes P = exp(S - lse) per block. The small GEMMs run on the calling
-// thread (oneDNN sgemm inside a parallel region), so each task is sequential and the result does
-// not depend on how tasks are spread over threads.
+// log-sum-exp; backward recomputes P = exp(S - lse) per block. The small GEMMs are this file's own
+// register-blocked FMA loops (small_gemm below) on the calling thread: oneDNN's sgemm cost more in
+// its per-call set-up than in arithmetic at these sizes (64 x 256 x 64). K^T and V^T are copied
+// once per task, so every GEMM reads its right-hand side row by row. Each task is sequential and
+// every output element is one FMA chain over k in order, so the result does not depend on how
+// tasks are spread over threads.
 //
 // Backward, grouped-query case: several query heads share one key/value head, so their dK/dV
 // contributions are first summed per (b, h) into scratch and then added per (b, kv head) in head
@@ -21,9 +24,12 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#include "kernels/cpu/gemm_internal.h"
+#include <immintrin.h>
+
+#include "kernels/cpu/avx512_transpose.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -32,7 +38,6 @@ MT_CPU_VARIANT_BEGIN
 namespace {
 
 using detail::Scratch;
-using detail::sgemm_strided;
 
 constexpr int64_t kBlockQ = 64;
 // Upper bound for the per-(b, h) dK/dV scratch of the grouped-query backward; batches are
@@ -44,6 +49,176 @@ void check_heads(int64_t nh, int64_t nkv, const char* fn) {
     throw std::invalid_argument(std::string("meshtrain: ") + fn + ": n_head (" + std::to_string(nh) +
                                 ") must be a positive multiple of n_kv_head (" +
                                 std::to_string(nkv) + ")");
+  }
+}
+
+// ---- small GEMMs -------------------------------------------------------------------------------
+//
+// C[M x N] = alpha * op(A)[M x K] * B[K x N] + beta * C (beta 0: C is not read), op(A) = A
+// (row-major, lda) or A^T (A stored [K][M]); B packed in panels of kNr columns (pack_rows /
+// pack_cols): panel p holds B[k][p kNr + c] at p K kNr + k kNr + c, zero past N, so that a tile
+// reads B at a short fixed stride. A tile of kMr rows x kNr columns stays in registers while k
+// runs; each element is acc = fma(a_k, b_k, acc) for k = 0 .. K-1 in order, then alpha * acc
+// (+ beta * C, as one more fma).
+#if defined(MT_CPU_VARIANT_AVX512)
+using vec = __m512;
+constexpr int64_t kW = 16;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+constexpr int kMr = 8;
+#else
+using vec = __m256;
+constexpr int64_t kW = 8;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+constexpr int kMr = 6;
+#endif
+constexpr int64_t kNr = 2 * kW;  // columns per register tile and per packed panel
+
+int64_t packed_size(int64_t K, int64_t N) { return (N + kNr - 1) / kNr * kNr * K; }
+
+// B[k][n] = src[k * ld + n] (row-major), n < N.
+void pack_rows(float* Bp, const float* src, int64_t ld, int64_t K, int64_t N) {
+  for (int64_t p = 0; p * kNr < N; ++p) {
+    const int64_t n0 = p * kNr, w = std::min(kNr, N - n0);
+    float* dst = Bp + p * K * kNr;
+    for (int64_t k = 0; k < K; ++k) {
+      const float* row = src + k * ld + n0;
+      float* d = dst + k * kNr;
+      for (int64_t c = 0; c < w; ++c) d[c] = row[c];
+      for (int64_t c = w; c < kNr; ++c) d[c] = 0.0f;
+    }
+  }
+}
+
+// In-register transpose of a kW x kW block: r[i][j] -> r[j][i].
+#if defined(MT_CPU_VARIANT_AVX512)
+inline void transpose_block(vec r[kW]) {
+  __m512i x[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(r[i]);
+  avx512_util::transpose16(x);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(x[i]);
+}
+#else
+inline void transpose_block(vec r[kW]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  // Half h of u[4q + j] holds rows 4q .. 4q+3 at column 4h + j.
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
+// B[k][n] = src[n * ld + k] (B = src^T: a head's keys or values as [hd][keys]), n < N.
+void pack_cols(float* Bp, const float* src, int64_t ld, int64_t K, int64_t N) {
+  for (int64_t p = 0; p * kNr < N; ++p) {
+    const int64_t n0 = p * kNr, w = std::min(kNr, N - n0);
+    float* dst = Bp + p * K * kNr;
+    int64_t c0 = 0, k0 = 0;
+    if (w == kNr) {  // whole kW x kW blocks through registers
+      for (; c0 < kNr; c0 += kW)
+        for (k0 = 0; k0 + kW <= K; k0 += kW) {
+          vec r[kW];
+          for (int i = 0; i < kW; ++i) r[i] = vload(src + (n0 + c0 + i) * ld + k0);
+          transpose_block(r);
+          for (int i = 0; i < kW; ++i) vstore(dst + (k0 + i) * kNr + c0, r[i]);
+        }
+      c0 = 0;
+    }
+    for (int64_t c = 0; c < kNr; ++c) {  // what the blocks left: rows k >= k0 (all of them for a partial panel)
+      const float* row = src + (n0 + c) * ld;
+      for (int64_t k = k0; k < K; ++k) dst[k * kNr + c] = c < w ? row[k] : 0.0f;
+    }
+    (void)c0;
+  }
+}
+
+// Rows [0, MR) x one panel of C (cols <= kNr valid columns); op(A)'s element (r, k) is at
+// a[r * ars + k * aks].
+template <int MR>
+inline void tile(const float* a, int64_t ars, int64_t aks, const float* b, int64_t K, float alpha, float beta,
+                 float* c, int64_t ldc, int64_t cols) {
+  vec acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vec b0 = vload(b + k * kNr), b1 = vload(b + k * kNr + kW);
+    const float* ak = a + k * aks;
+    for (int r = 0; r < MR; ++r) {
+      const vec x = vbcast(ak + r * ars);
+      acc[r][0] = vfma(x, b0, acc[r][0]);
+      acc[r][1] = vfma(x, b1, acc[r][1]);
+    }
+  }
+  const vec va = vset1(alpha), vb = vset1(beta);
+  for (int r = 0; r < MR; ++r) {
+    float* cr = c + r * ldc;
+    vec y0 = vmul(va, acc[r][0]), y1 = vmul(va, acc[r][1]);
+    if (cols == kNr) {
+      if (beta != 0.0f) {
+        y0 = vfma(vb, vload(cr), y0);
+        y1 = vfma(vb, vload(cr + kW), y1);
+      }
+      vstore(cr, y0);
+      vstore(cr + kW, y1);
+    } else {  // a last, partial panel
+      alignas(64) float y[kNr];
+      vstore(y, y0);
+      vstore(y + kW, y1);
+      for (int64_t j = 0; j < cols; ++j) cr[j] = beta != 0.0f ? std::fma(beta, cr[j], y[j]) : y[j];
+    }
+  }
+}
+
+// What a causal block of queries [t0, t0 + bq) lets a GEMM skip (row r of a score tile sees keys
+// j <= t0 + r): kScores: the register tiles of S / dP wholly above the diagonal (their entries
+// are never read as scores: the softmax and dS read only visible ones); kKeysK: with K running over
+// keys (O = P V, dQ = dS K), the keys past a tile's last visible one (P, dS are 0 there); kQueriesK:
+// with K running over queries and M over keys (dK = dS^T Q, dV = P^T dO), the queries before a
+// key tile's first visible one. Skipped products are exact zeros added to a sum, so the sums
+// are unchanged (up to the sign of a zero sum).
+enum class Causal { kNone, kScores, kKeysK, kQueriesK };
+
+// pstride: elements from one panel of Bp to the next (K kNr, or more when B is the first K rows of
+// a packed matrix).
+void small_gemm(bool ta, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* Bp,
+                int64_t pstride, float beta, float* C, int64_t ldc, Causal causal = Causal::kNone, int64_t t0 = 0) {
+  const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
+  auto run = [&](auto rows_tag, int64_t r, int64_t n0, const float* b, int64_t cols) {
+    constexpr int MR = decltype(rows_tag)::value;
+    int64_t kb = 0, ke = K;
+    if (causal == Causal::kScores && n0 > t0 + r + MR - 1) return;
+    if (causal == Causal::kKeysK) ke = std::min(K, t0 + r + MR);
+    if (causal == Causal::kQueriesK) kb = std::clamp<int64_t>(r - t0, 0, K);
+    tile<MR>(A + r * ars + kb * aks, ars, aks, b + kb * kNr, ke - kb, alpha, beta, C + r * ldc + n0, ldc, cols);
+  };
+  for (int64_t p = 0; p * kNr < N; ++p) {
+    const int64_t n0 = p * kNr, cols = std::min(kNr, N - n0);
+    const float* b = Bp + p * pstride;
+    int64_t r = 0;
+    for (; r + kMr <= M; r += kMr) run(std::integral_constant<int, kMr>{}, r, n0, b, cols);
+    for (; r < M; ++r) run(std::integral_constant<int, 1>{}, r, n0, b, cols);
   }
 }
 
@@ -61,7 +236,7 @@ void softmax_rows(float* S, int64_t bq, int64_t L, int64_t t0, const float* lse_
     } else {
       float m = row[0];
 #pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < nv; ++j) m = std::max(m, row[j]);
+      for (int64_t j = 0; j < nv; ++j) m = row[j] > m ? row[j] : m;  // (std::max here stays scalar)
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
       for (int64_t j = 0; j < nv; ++j) {
@@ -91,23 +266,29 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   const int64_t BQ = std::min(kBlockQ, T);
   const int nthr = omp_get_max_threads();
   thread_local Scratch scratch;
-  float* tiles = scratch.as<float>(static_cast<size_t>(nthr) * BQ * T);
+  const int64_t pk = packed_size(hd, T), pv = packed_size(T, hd);
+  const int64_t per_thr = BQ * T + pk + pv;  // score tile, K^T and V packed
+  float* tiles = scratch.as<float>(static_cast<size_t>(nthr) * per_thr);
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
-      float* S = tiles + static_cast<int64_t>(omp_get_thread_num()) * BQ * T;
+      float* S = tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr;
+      float* kt = S + BQ * T;
+      float* vp = kt + pk;
       const float* q = qkv + b * T * ld + h * hd;
       const float* k = qkv + b * T * ld + (nh + h / grp) * hd;
       const float* v = qkv + b * T * ld + (nh + nkv + h / grp) * hd;
       float* o = out + b * T * od + h * hd;
       float* l = lse + (b * nh + h) * T;
+      pack_cols(kt, k, ld, hd, T);
+      pack_rows(vp, v, ld, T, hd);
       for (int64_t t0 = 0; t0 < T; t0 += BQ) {
         const int64_t bq = std::min(BQ, T - t0);
         const int64_t L = t0 + bq;
-        sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, S, L);
+        small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, S, L, Causal::kScores, t0);
         softmax_rows(S, bq, L, t0, nullptr, l);
-        sgemm_strided(false, false, bq, hd, L, 1.0f, S, L, v, ld, 0.0f, o + t0 * od, od);
+        small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);  // V's first L rows
       }
     }
   }
@@ -124,8 +305,9 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const int64_t BQ = std::min(kBlockQ, T);
   const int nthr = omp_get_max_threads();
   thread_local Scratch tile_scratch, kv_scratch;
-  // Per thread: P tile, dP tile, D [BQ].
-  const int64_t per_thr = 2 * BQ * T + BQ;
+  // Per thread: P tile, dP tile, D [BQ], then packed: K^T and V^T, K, and a block's Q and dO.
+  const int64_t pkt = packed_size(hd, T), pkr = packed_size(T, hd), pq = packed_size(BQ, hd);
+  const int64_t per_thr = 2 * BQ * T + BQ + 2 * pkt + pkr + 2 * pq;
   float* tiles = tile_scratch.as<float>(static_cast<size_t>(nthr) * per_thr);
   // Grouped-query: dK, dV per (b, h) in scratch, for a chunk of batches at a time.
   const int64_t per_bh = 2 * T * hd;
@@ -146,6 +328,11 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         float* P = tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr;
         float* dP = P + BQ * T;
         float* D = dP + BQ * T;
+        float* kt = D + BQ;
+        float* vt = kt + pkt;
+        float* kr = vt + pkt;
+        float* qp = kr + pkr;
+        float* dop = qp + pq;
         const int64_t kvh = h / grp;
         const float* q = qkv + b * T * ld + h * hd;
         const float* k = qkv + b * T * ld + (nh + kvh) * hd;
@@ -166,12 +353,15 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           ldkv = hd;
           std::fill(dk, dk + per_bh, 0.0f);
         }
+        pack_cols(kt, k, ld, hd, T);
+        pack_cols(vt, v, ld, hd, T);
+        pack_rows(kr, k, ld, T, hd);
         for (int64_t t0 = 0; t0 < T; t0 += BQ) {
           const int64_t bq = std::min(BQ, T - t0);
           const int64_t L = t0 + bq;
-          sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, P, L);
+          small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, P, L, Causal::kScores, t0);
           softmax_rows(P, bq, L, t0, l, nullptr);
-          sgemm_strided(false, true, bq, L, hd, 1.0f, dO + t0 * od, od, v, ld, 0.0f, dP, L);
+          small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
           for (int64_t r = 0; r < bq; ++r) {
             const float* a = dO + (t0 + r) * od;
             const float* c = o + (t0 + r) * od;
@@ -180,17 +370,21 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             for (int64_t d = 0; d < hd; ++d) s += a[d] * c[d];
             D[r] = s;
           }
-          // dS = P * (dP - D), in place of dP (zero where P is masked).
+          // dS = P * (dP - D), in place of dP; 0 where P is masked (dP was not computed there).
           for (int64_t r = 0; r < bq; ++r) {
             float* dpr = dP + r * L;
             const float* pr = P + r * L;
             const float dr = D[r];
+            const int64_t nv = t0 + r + 1;
 #pragma omp simd
-            for (int64_t j = 0; j < L; ++j) dpr[j] = pr[j] * (dpr[j] - dr);
+            for (int64_t j = 0; j < nv; ++j) dpr[j] = pr[j] * (dpr[j] - dr);
+            for (int64_t j = nv; j < L; ++j) dpr[j] = 0.0f;
           }
-          sgemm_strided(false, false, bq, hd, L, sc, dP, L, k, ld, 1.0f, dq + t0 * ld, ld);
-          sgemm_strided(true, false, L, hd, bq, sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
-          sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
+          pack_rows(qp, q + t0 * ld, ld, bq, hd);
+          pack_rows(dop, dO + t0 * od, od, bq, hd);
+          small_gemm(false, bq, hd, L, sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
+          small_gemm(true, L, hd, bq, sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
+          small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
         }
       }
     }

@@ -104,7 +104,7 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
               float* row = S + r * Lt;
               float mx = row[0];
 #pragma omp simd reduction(max : mx)
-              for (int64_t j = 0; j < Lt; ++j) mx = std::max(mx, row[j]);
+              for (int64_t j = 0; j < Lt; ++j) mx = row[j] > mx ? row[j] : mx;  // (std::max here stays scalar)
               float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
               for (int64_t j = 0; j < Lt; ++j) {
