@@ -471,6 +471,28 @@ TEST(LinearBf16, FusedBiasEqualsBroadcastThenAccumulate) {
   omp_set_num_threads(before);
 }
 
+// With a bias, the bf16 copy of dout and the bias gradient come from one pass over dout: the same
+// bits as the gradients computed without the bias plus the bias gradient alone, on 1 and 2 threads
+// (a width with a partial column block).
+TEST(LinearBf16, BackwardWithBiasEqualsSeparatePasses) {
+  const int before = omp_get_max_threads();
+  const int64_t N = 300, C = 48, OC = 1000 + 37;
+  auto x16 = to_bf16(kt::randn(N * C, 66)), W16 = to_bf16(kt::randn(OC * C, 67));
+  auto dout = kt::randn(N * OC, 68);
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    auto ax = kt::randn(N * C, 69), aW = kt::randn(OC * C, 70), ab = kt::randn(OC, 71);
+    auto bx = ax, bW = aW, bb = ab;
+    linear_backward_bf16(ax.data(), aW.data(), ab.data(), dout.data(), x16.data(), W16.data(), N, C, OC);
+    linear_backward_bf16(bx.data(), bW.data(), nullptr, dout.data(), x16.data(), W16.data(), N, C, OC);
+    linear_backward_bf16(nullptr, nullptr, bb.data(), dout.data(), x16.data(), W16.data(), N, C, OC);
+    EXPECT_TRUE(kt::bitwise_equal(ax, bx)) << threads;
+    EXPECT_TRUE(kt::bitwise_equal(aW, bW)) << threads;
+    EXPECT_TRUE(kt::bitwise_equal(ab, bb)) << threads;
+  }
+  omp_set_num_threads(before);
+}
+
 // An output gradient that is already bf16 (the LM head's, as softmax_cross_entropy_bf16 leaves
 // it): the same sums as linear_backward_bf16 on the fp32 gradient it rounds, bit for bit, on the
 // default and the widening path, with a vocabulary-sized width (dinp's K split engages), and

@@ -439,15 +439,39 @@ void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float
 
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
                           const bf16* W, int64_t N, int64_t C, int64_t OC) {
-  if (dinp || dW) {
-    thread_local Scratch s;
-    const int64_t n = N * OC;
-    bf16* d16 = s.as<bf16>(static_cast<size_t>(n));
+  if (!dinp && !dW) {
+    if (dbias) bias_backward(dbias, dout, N, OC);
+    return;
+  }
+  thread_local Scratch s;
+  const int64_t n = N * OC;
+  bf16* d16 = s.as<bf16>(static_cast<size_t>(n));
+  if (dbias) {
+    // The bf16 copy of dout and the bias gradient in one read of dout: bias_backward's column
+    // blocks and row order, so the sums are the same.
+    constexpr int64_t kCb = 64;
+    const int64_t nblk = (OC + kCb - 1) / kCb;
+#pragma omp parallel for schedule(static) if (n > detail::kParallelMin)
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const int64_t c0 = blk * kCb;
+      const int64_t cl = std::min(kCb, OC - c0);
+      float acc[kCb] = {};
+      for (int64_t r = 0; r < N; ++r) {
+        const float* row = dout + r * OC + c0;
+        bf16* o = d16 + r * OC + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < cl; ++c) {
+          acc[c] += row[c];
+          o[c] = detail::to_bf16(row[c]);
+        }
+      }
+      for (int64_t c = 0; c < cl; ++c) dbias[c0 + c] += acc[c];
+    }
+  } else {
 #pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
     for (int64_t i = 0; i < n; ++i) d16[i] = detail::to_bf16(dout[i]);
-    linear_backward_bf16_dy(dinp, dW, d16, inp, W, N, C, OC);
   }
-  if (dbias) bias_backward(dbias, dout, N, OC);
+  linear_backward_bf16_dy(dinp, dW, d16, inp, W, N, C, OC);
 }
 
 void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W,
