@@ -224,15 +224,20 @@ for dt in dtypes:
     print(f"PyTorch eager {dt} ({'torch.autocast bf16' if dt == 'bf16' else 'fp32'}; bench/pytorch_compare.py) in the same "
           "repeats. 'bound' = the FMA peak (for bf16 x2 with AVX512-BF16, x16 with AMX-BF16) / PyTorch's model")
     print("GFLOP/s: the largest meshtrain/PyTorch ratio any engine performing the model's flops could reach.")
+    print("'GEMM bound' = meshtrain's own GEMM ceiling of this dtype measured in the same repeat (sgemm / mtbf16 above)")
+    print("/ PyTorch's model GFLOP/s: the ratio meshtrain would reach if every flop ran at its GEMM rate and")
+    print("nothing else in the step cost any time.")
     print()
-    print("| dtype | threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | per-repeat ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| dtype | threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | GEMM bound | per-repeat ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for t in threads:
         pt = [json.load(open(f"{out}/torch_{dt}_{t}t_r{r}.json"))["tokens_per_s"] for r in range(1, R + 1)]
         mt = [run(dt, t, r)[0] for r in range(1, R + 1)]
         pk = [g.get(f"peak {t}t", float("nan")) * (BF16_FACTOR if dt == "bf16" else 1) for g in gem]
         ratio = [a / b for a, b in zip(mt, pt)]
         bound = [p / (b * fpt / 1e9) for p, b in zip(pk, pt)]
+        gc = [g.get(f"{'mtbf16' if dt == 'bf16' else 'sgemm'} {t}t", float("nan")) for g in gem]
+        gbound = [c / (b * fpt / 1e9) for c, b in zip(gc, pt)]
         print(f"| {dt} | {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "
-              f"| {' / '.join(f'{x:.2f}' for x in ratio)} |")
+              f"| {med(gbound):.2f}x | {' / '.join(f'{x:.2f}' for x in ratio)} |")
 EOF
