@@ -699,7 +699,10 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   }
 
   // Data parallel. `overlapped`: a collective of total time `comm` issued while `window` seconds of
-  // compute run; its last piece (`tail`, one bucket or unit) cannot hide.
+  // compute run; its last piece (`tail`, one bucket or unit) cannot hide. The tail runs when the
+  // compute it would hide behind has not started or is over (the first unit's gather, the last
+  // bucket's reduction), so it sees the link of collectives the ranks wait for (cs: on CPUs, the
+  // cores idle), not the one of communication competing with compute.
   auto overlapped = [&](double comm, double tail, double window) {
     return tail + std::max(0.0, comm - tail - eta * window);
   };
@@ -735,17 +738,17 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         per_step = per_step + ar;
         dp_total = ar.time;
         E.group_bytes.dp = ar.intra_bytes + ar.inter_bytes;
-        step_dp = overlapped(ar.time, collective(Collective::AllReduce, bucket_g, g_dp, c).time, T_b);
+        step_dp = overlapped(ar.time, collective(Collective::AllReduce, bucket_g, g_dp, cs).time, T_b);
         break;
       }
       case Strategy::Zero1:
       case Strategy::ShardGradOp: {
         CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, buckets(grad_bytes), g_dp, c);
-        const double rs_ex = overlapped(rs.time, collective(Collective::ReduceScatter, bucket_g, g_dp, c).time, T_b);
+        const double rs_ex = overlapped(rs.time, collective(Collective::ReduceScatter, bucket_g, g_dp, cs).time, T_b);
         CollCost ag = split_collective(Collective::AllGather, param_bytes, buckets(param_bytes), g_dp, c);
         const double ag_ex = st.overlap_param_gather
-                                 ? overlapped(ag.time, collective(Collective::AllGather, bucket_p, g_dp, c).time, T_f)
-                                 : ag.time;
+                                 ? overlapped(ag.time, collective(Collective::AllGather, bucket_p, g_dp, cs).time, T_f)
+                                 : split_collective(Collective::AllGather, param_bytes, buckets(param_bytes), g_dp, cs).time;
         if (l.strategy == Strategy::Zero1) {  // full gradients accumulate locally; reduce once
           per_step = per_step + rs;
           step_dp = rs_ex;
@@ -766,8 +769,8 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
       case Strategy::HybridShard: {  // per micro-batch: gather forward, gather backward, reduce-scatter
         CollCost ag = split_collective(Collective::AllGather, param_bytes, n_units, g_shard, c);
         CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, n_units, g_shard, c);
-        const double first = collective(Collective::AllGather, unit0 * pb, g_shard, c).time;
-        const double last = collective(Collective::ReduceScatter, unit0 * rb, g_shard, c).time;
+        const double first = collective(Collective::AllGather, unit0 * pb, g_shard, cs).time;
+        const double last = collective(Collective::ReduceScatter, unit0 * rb, g_shard, cs).time;
         per_mb = per_mb + ag + ag + rs;
         const double ex_b = overlapped(ag.time + rs.time, last, T_b);
         mb_dp = overlapped(ag.time, first, T_f) + ex_b;
@@ -775,7 +778,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
         E.group_bytes.dp = M * (2 * (ag.intra_bytes + ag.inter_bytes) + rs.intra_bytes + rs.inter_bytes);
         if (l.strategy == Strategy::HybridShard) {  // replicas all-reduce their gradient shard once per step
           CollCost ar = split_collective(Collective::AllReduce, grad_bytes / shard, n_units, g_rep, c);
-          const double ar_last = collective(Collective::AllReduce, unit0 * rb / shard, g_rep, c).time;
+          const double ar_last = collective(Collective::AllReduce, unit0 * rb / shard, g_rep, cs).time;
           per_step = per_step + ar;
           dp_total += ar.time;
           E.group_bytes.dp_replicate = ar.intra_bytes + ar.inter_bytes;
