@@ -3,9 +3,12 @@
 // threads, plus a check that GEMM results do not depend on the thread count, and the cores' fp32
 // FMA peak (what no GEMM can exceed: the bound on any engine that performs the model's flops).
 //
-// Usage: kernel_bench [--min-time SECONDS] [--threads 1,2] [--amx-vs-onednn PAIRS]
+// Usage: kernel_bench [--min-time SECONDS] [--threads 1,2] [--amx-vs-onednn PAIRS] [--amx-probe]
 //   --amx-vs-onednn PAIRS: also time meshtrain's AMX tile GEMM against oneDNN's bf16 matmul at every
 //   GEMM shape, PAIRS calls of each in alternation (on CPUs with AMX-BF16).
+//   --amx-probe: only the tile unit's rate on each thread count: four TDPBF16PS on four accumulator
+//   tiles per step, with 0, 1, 2 or 4 tile loads (from a 4 KB buffer in L1) per step; a GEMM's
+//   2 x 2 block of C needs 4 (what bounds the tile GEMM where loads are slow).
 #include <immintrin.h>
 #include <omp.h>
 #include <time.h>
@@ -88,13 +91,88 @@ std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
 double fma_peak_gflops(int nt) { return kernels::cpu::fma_peak(nt, 0.1, 5) / 1e9; }
 bool peak_uses_avx512() { return kernels::cpu::fma_peak_uses_avx512(); }
 
+// GFLOP/s of `iters` steps of four TDPBF16PS with `loads` (0, 1, 2 or 4) tile loads each, on the
+// calling thread; amx_gemm_ready() must have granted the tile state.
+struct alignas(64) ProbeTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+__attribute__((target("amx-tile,amx-bf16"))) double amx_probe(long iters, int loads) {
+  static ProbeTileConfig cfg = [] {
+    ProbeTileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  alignas(64) static thread_local char buf[4096] = {};  // zeros: bf16 0.0
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < iters; ++i) {
+    if (loads >= 4) _tile_loadd(4, buf, 64);
+    if (loads >= 1) _tile_loadd(6, buf + 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (loads >= 2) _tile_loadd(7, buf + 2048, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (loads >= 4) _tile_loadd(5, buf + 3072, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  _tile_release();
+  return 4.0 * iters * 16 * 16 * 32 * 2 / s / 1e9;
+}
+
+int run_amx_probe(const std::vector<int>& threads) {
+  if (!kernels::cpu::detail::amx_gemm_ready()) {
+    std::printf("--amx-probe: no AMX-BF16 tiles here (or the level is capped below amx_bf16)\n");
+    return 0;
+  }
+  std::printf("AMX tile unit, GFLOP/s summed over the threads (median of 5 trials of 2^21 steps per thread);\n"
+              "a step: 4 TDPBF16PS (16x16x32) on 4 accumulator tiles, with N tile loads from L1\n\n| loads per step |");
+  for (int nt : threads) std::printf(" %dt |", nt);
+  std::printf("\n|---|");
+  for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|");
+  std::printf("\n");
+  for (int loads : {0, 1, 2, 4}) {
+    std::printf("| %d |", loads);
+    for (int nt : threads) {
+      std::vector<double> trials;
+      for (int r = 0; r < 5; ++r) {
+        std::vector<double> per(nt, 0.0);
+#pragma omp parallel num_threads(nt)
+        per[omp_get_thread_num()] = amx_probe(1L << 21, loads);
+        double sum = 0;
+        for (double g : per) sum += g;
+        trials.push_back(sum);
+      }
+      std::sort(trials.begin(), trials.end());
+      std::printf(" %.0f |", trials[2]);
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<int> threads = {1, 2};
+  bool probe = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
+    if (a == "--amx-probe") probe = true;
+    else if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
     else if (a == "--amx-vs-onednn" && i + 1 < argc) g_amx_pairs = std::max(1, std::atoi(argv[++i]));
     else if (a == "--threads" && i + 1 < argc) {
       threads.clear();
@@ -104,10 +182,11 @@ int main(int argc, char** argv) {
         if (*p == ',') ++p;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--amx-vs-onednn PAIRS]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--amx-vs-onednn PAIRS] [--amx-probe]\n", argv[0]);
       return 2;
     }
   }
+  if (probe) return run_amx_probe(threads);
   const int64_t B = 4, T = 256, C = 384, NH = 6, HD = 64, L = 6, V = 50257, VP = 50304;
   const int64_t N = B * T;
   // The non-GEMM kernels through the dispatched table: the variant the engine runs on this CPU
