@@ -6,8 +6,9 @@
 // softmax is done row by row in that tile (exact, no online rescaling needed since the whole
 // visible row fits) and O_blk = P V is a second small GEMM. Forward keeps only the row
 // log-sum-exp; backward recomputes P = exp(S - lse) per block. The small GEMMs are this file's own
-// register-blocked FMA loops (small_gemm below) on the calling thread: oneDNN's sgemm cost more in
-// its per-call set-up than in arithmetic at these sizes (64 x 256 x 64). K^T and V^T are copied
+// register-blocked FMA loops (small_gemm below) on the calling thread in the avx512 variant:
+// oneDNN's sgemm cost more in its per-call set-up than in arithmetic at these sizes (64 x 256 x
+// 64). The baseline variant keeps oneDNN's sgemm (kOwnGemm). K^T and V^T are copied
 // once per task, so every GEMM reads its right-hand side row by row. Each task is sequential and
 // every output element is one FMA chain over k in order, so the result does not depend on how
 // tasks are spread over threads.
@@ -30,6 +31,7 @@
 #include <immintrin.h>
 
 #include "kernels/cpu/avx512_transpose.h"
+#include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -38,6 +40,7 @@ MT_CPU_VARIANT_BEGIN
 namespace {
 
 using detail::Scratch;
+using detail::sgemm_strided;
 
 constexpr int64_t kBlockQ = 64;
 // Upper bound for the per-(b, h) dK/dV scratch of the grouped-query backward; batches are
@@ -81,9 +84,17 @@ inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vzero() { return _mm256_setzero_ps(); }
-constexpr int kMr = 6;
+constexpr int kMr = 4;  // 8 accumulators: with 6 rows (12) GCC spilled inside the k loop
 #endif
 constexpr int64_t kNr = 2 * kW;  // columns per register tile and per packed panel
+// The baseline (AVX2) variant keeps oneDNN's sgemm: with 16 ymm registers this loop measured
+// 1.3-1.5x slower than oneDNN's AVX2 code on the benchmark shapes (MESHTRAIN_CPU_ISA=avx2 on the
+// AMX Xeon), where the AVX-512 one is faster.
+#if defined(MT_CPU_VARIANT_AVX512)
+constexpr bool kOwnGemm = true;
+#else
+constexpr bool kOwnGemm = false;
+#endif
 
 int64_t packed_size(int64_t K, int64_t N) { return (N + kNr - 1) / kNr * kNr * K; }
 
@@ -218,6 +229,8 @@ void small_gemm(bool ta, int64_t M, int64_t N, int64_t K, float alpha, const flo
     const float* b = Bp + p * pstride;
     int64_t r = 0;
     for (; r + kMr <= M; r += kMr) run(std::integral_constant<int, kMr>{}, r, n0, b, cols);
+    for (; r + 4 <= M; r += 4) run(std::integral_constant<int, 4>{}, r, n0, b, cols);
+    for (; r + 2 <= M; r += 2) run(std::integral_constant<int, 2>{}, r, n0, b, cols);
     for (; r < M; ++r) run(std::integral_constant<int, 1>{}, r, n0, b, cols);
   }
 }
@@ -266,7 +279,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   const int64_t BQ = std::min(kBlockQ, T);
   const int nthr = omp_get_max_threads();
   thread_local Scratch scratch;
-  const int64_t pk = packed_size(hd, T), pv = packed_size(T, hd);
+  const int64_t pk = kOwnGemm ? packed_size(hd, T) : 0, pv = kOwnGemm ? packed_size(T, hd) : 0;
   const int64_t per_thr = BQ * T + pk + pv;  // score tile, K^T and V packed
   float* tiles = scratch.as<float>(static_cast<size_t>(nthr) * per_thr);
 
@@ -281,14 +294,22 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
       const float* v = qkv + b * T * ld + (nh + nkv + h / grp) * hd;
       float* o = out + b * T * od + h * hd;
       float* l = lse + (b * nh + h) * T;
-      pack_cols(kt, k, ld, hd, T);
-      pack_rows(vp, v, ld, T, hd);
+      if constexpr (kOwnGemm) {
+        pack_cols(kt, k, ld, hd, T);
+        pack_rows(vp, v, ld, T, hd);
+      }
       for (int64_t t0 = 0; t0 < T; t0 += BQ) {
         const int64_t bq = std::min(BQ, T - t0);
         const int64_t L = t0 + bq;
-        small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, S, L, Causal::kScores, t0);
+        if constexpr (kOwnGemm)
+          small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, S, L, Causal::kScores, t0);
+        else
+          sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, S, L);
         softmax_rows(S, bq, L, t0, nullptr, l);
-        small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);  // V's first L rows
+        if constexpr (kOwnGemm)  // V's first L rows
+          small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);
+        else
+          sgemm_strided(false, false, bq, hd, L, 1.0f, S, L, v, ld, 0.0f, o + t0 * od, od);
       }
     }
   }
@@ -306,7 +327,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const int nthr = omp_get_max_threads();
   thread_local Scratch tile_scratch, kv_scratch;
   // Per thread: P tile, dP tile, D [BQ], then packed: K^T and V^T, K, and a block's Q and dO.
-  const int64_t pkt = packed_size(hd, T), pkr = packed_size(T, hd), pq = packed_size(BQ, hd);
+  const int64_t pkt = kOwnGemm ? packed_size(hd, T) : 0, pkr = kOwnGemm ? packed_size(T, hd) : 0,
+                pq = kOwnGemm ? packed_size(BQ, hd) : 0;
   const int64_t per_thr = 2 * BQ * T + BQ + 2 * pkt + pkr + 2 * pq;
   float* tiles = tile_scratch.as<float>(static_cast<size_t>(nthr) * per_thr);
   // Grouped-query: dK, dV per (b, h) in scratch, for a chunk of batches at a time.
@@ -353,15 +375,23 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           ldkv = hd;
           std::fill(dk, dk + per_bh, 0.0f);
         }
-        pack_cols(kt, k, ld, hd, T);
-        pack_cols(vt, v, ld, hd, T);
-        pack_rows(kr, k, ld, T, hd);
+        if constexpr (kOwnGemm) {
+          pack_cols(kt, k, ld, hd, T);
+          pack_cols(vt, v, ld, hd, T);
+          pack_rows(kr, k, ld, T, hd);
+        }
         for (int64_t t0 = 0; t0 < T; t0 += BQ) {
           const int64_t bq = std::min(BQ, T - t0);
           const int64_t L = t0 + bq;
-          small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, P, L, Causal::kScores, t0);
+          if constexpr (kOwnGemm)
+            small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, P, L, Causal::kScores, t0);
+          else
+            sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, P, L);
           softmax_rows(P, bq, L, t0, l, nullptr);
-          small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
+          if constexpr (kOwnGemm)
+            small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
+          else
+            sgemm_strided(false, true, bq, L, hd, 1.0f, dO + t0 * od, od, v, ld, 0.0f, dP, L);
           for (int64_t r = 0; r < bq; ++r) {
             const float* a = dO + (t0 + r) * od;
             const float* c = o + (t0 + r) * od;
@@ -380,11 +410,17 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             for (int64_t j = 0; j < nv; ++j) dpr[j] = pr[j] * (dpr[j] - dr);
             for (int64_t j = nv; j < L; ++j) dpr[j] = 0.0f;
           }
-          pack_rows(qp, q + t0 * ld, ld, bq, hd);
-          pack_rows(dop, dO + t0 * od, od, bq, hd);
-          small_gemm(false, bq, hd, L, sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
-          small_gemm(true, L, hd, bq, sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
-          small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
+          if constexpr (kOwnGemm) {
+            pack_rows(qp, q + t0 * ld, ld, bq, hd);
+            pack_rows(dop, dO + t0 * od, od, bq, hd);
+            small_gemm(false, bq, hd, L, sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
+            small_gemm(true, L, hd, bq, sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
+            small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
+          } else {
+            sgemm_strided(false, false, bq, hd, L, sc, dP, L, k, ld, 1.0f, dq + t0 * ld, ld);
+            sgemm_strided(true, false, L, hd, bq, sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
+            sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
+          }
         }
       }
     }
