@@ -5,11 +5,11 @@
 // the scores S = scale * Q_blk K^T are one small GEMM into a per-thread tile [bq, t0+bq], the
 // softmax is done row by row in that tile (exact, no online rescaling needed since the whole
 // visible row fits) and O_blk = P V is a second small GEMM. Forward keeps only the row
-// log-sum-exp; backward recomputes P = exp(S - lse) per block. The small GEMMs are this file's own
-// register-blocked FMA loops (small_gemm below) on the calling thread in the avx512 variant:
-// oneDNN's sgemm cost more in its per-call set-up than in arithmetic at these sizes (64 x 256 x
-// 64). The baseline variant keeps oneDNN's sgemm (kOwnGemm). K^T and V^T are copied
-// once per task, so every GEMM reads its right-hand side row by row. Each task is sequential and
+// log-sum-exp; backward recomputes P = exp(S - lse) per block. In the avx512 variant the small
+// GEMMs are this file's own register-blocked FMA loops (small_gemm below) over K, V, K^T and V^T
+// packed once per task: oneDNN's sgemm cost more in its per-call set-up than in arithmetic at these
+// sizes (64 x 256 x 64). The baseline variant calls oneDNN's sgemm. All of them run on the calling
+// thread. Each task is sequential and
 // every output element is one FMA chain over k in order, so the result does not depend on how
 // tasks are spread over threads.
 //
@@ -55,7 +55,7 @@ void check_heads(int64_t nh, int64_t nkv, const char* fn) {
   }
 }
 
-// ---- small GEMMs -------------------------------------------------------------------------------
+// ---- small GEMMs (avx512 variant) ---------------------------------------------------------------
 //
 // C[M x N] = alpha * op(A)[M x K] * B[K x N] + beta * C (beta 0: C is not read), op(A) = A
 // (row-major, lda) or A^T (A stored [K][M]); B packed in panels of kNr columns (pack_rows /
@@ -63,38 +63,16 @@ void check_heads(int64_t nh, int64_t nkv, const char* fn) {
 // reads B at a short fixed stride. A tile of kMr rows x kNr columns stays in registers while k
 // runs; each element is acc = fma(a_k, b_k, acc) for k = 0 .. K-1 in order, then alpha * acc
 // (+ beta * C, as one more fma).
+//
+// The baseline (AVX2) variant keeps oneDNN's sgemm: the same loop with 16 ymm registers (4 x 16;
+// GCC spilled 6 x 16) measured 1.3-1.5x slower than oneDNN's AVX2 code on the benchmark shapes
+// (MESHTRAIN_CPU_ISA=avx2 on the AMX Xeon), where the AVX-512 one is faster.
 #if defined(MT_CPU_VARIANT_AVX512)
+#define MT_ATTENTION_OWN_GEMM 1
 using vec = __m512;
-constexpr int64_t kW = 16;
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vzero() { return _mm512_setzero_ps(); }
-constexpr int kMr = 8;
-#else
-using vec = __m256;
-constexpr int64_t kW = 8;
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vzero() { return _mm256_setzero_ps(); }
-constexpr int kMr = 4;  // 8 accumulators: with 6 rows (12) GCC spilled inside the k loop
-#endif
+constexpr int64_t kW = 16;     // floats per register
+constexpr int kMr = 8;         // rows per register tile
 constexpr int64_t kNr = 2 * kW;  // columns per register tile and per packed panel
-// The baseline (AVX2) variant keeps oneDNN's sgemm: with 16 ymm registers this loop measured
-// 1.3-1.5x slower than oneDNN's AVX2 code on the benchmark shapes (MESHTRAIN_CPU_ISA=avx2 on the
-// AMX Xeon), where the AVX-512 one is faster.
-#if defined(MT_CPU_VARIANT_AVX512)
-constexpr bool kOwnGemm = true;
-#else
-constexpr bool kOwnGemm = false;
-#endif
 
 int64_t packed_size(int64_t K, int64_t N) { return (N + kNr - 1) / kNr * kNr * K; }
 
@@ -112,57 +90,24 @@ void pack_rows(float* Bp, const float* src, int64_t ld, int64_t K, int64_t N) {
   }
 }
 
-// In-register transpose of a kW x kW block: r[i][j] -> r[j][i].
-#if defined(MT_CPU_VARIANT_AVX512)
-inline void transpose_block(vec r[kW]) {
-  __m512i x[16];
-  for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(r[i]);
-  avx512_util::transpose16(x);
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(x[i]);
-}
-#else
-inline void transpose_block(vec r[kW]) {
-  __m256 t[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  __m256 u[8];
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  // Half h of u[4q + j] holds rows 4q .. 4q+3 at column 4h + j.
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-#endif
-
 // B[k][n] = src[n * ld + k] (B = src^T: a head's keys or values as [hd][keys]), n < N.
 void pack_cols(float* Bp, const float* src, int64_t ld, int64_t K, int64_t N) {
   for (int64_t p = 0; p * kNr < N; ++p) {
     const int64_t n0 = p * kNr, w = std::min(kNr, N - n0);
     float* dst = Bp + p * K * kNr;
-    int64_t c0 = 0, k0 = 0;
-    if (w == kNr) {  // whole kW x kW blocks through registers
-      for (; c0 < kNr; c0 += kW)
-        for (k0 = 0; k0 + kW <= K; k0 += kW) {
-          vec r[kW];
-          for (int i = 0; i < kW; ++i) r[i] = vload(src + (n0 + c0 + i) * ld + k0);
-          transpose_block(r);
-          for (int i = 0; i < kW; ++i) vstore(dst + (k0 + i) * kNr + c0, r[i]);
-        }
-      c0 = 0;
+    // A whole panel: kW x kW blocks through registers for the rows k < k0.
+    const int64_t k0 = w == kNr ? K / kW * kW : 0;
+    for (int64_t c0 = 0; k0 > 0 && c0 < kNr; c0 += kW)
+      for (int64_t k = 0; k < k0; k += kW) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (n0 + c0 + i) * ld + k);
+        avx512_util::transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (k + i) * kNr + c0, r[i]);
+      }
+    for (int64_t c = 0; c < kNr; ++c) {  // the rest, and the zero columns of a partial panel
+      const float* row = c < w ? src + (n0 + c) * ld : nullptr;
+      for (int64_t k = k0; k < K; ++k) dst[k * kNr + c] = row ? row[k] : 0.0f;
     }
-    for (int64_t c = 0; c < kNr; ++c) {  // what the blocks left: rows k >= k0 (all of them for a partial panel)
-      const float* row = src + (n0 + c) * ld;
-      for (int64_t k = k0; k < K; ++k) dst[k * kNr + c] = c < w ? row[k] : 0.0f;
-    }
-    (void)c0;
   }
 }
 
@@ -172,31 +117,31 @@ template <int MR>
 inline void tile(const float* a, int64_t ars, int64_t aks, const float* b, int64_t K, float alpha, float beta,
                  float* c, int64_t ldc, int64_t cols) {
   vec acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const vec b0 = vload(b + k * kNr), b1 = vload(b + k * kNr + kW);
+    const vec b0 = _mm512_loadu_ps(b + k * kNr), b1 = _mm512_loadu_ps(b + k * kNr + kW);
     const float* ak = a + k * aks;
     for (int r = 0; r < MR; ++r) {
-      const vec x = vbcast(ak + r * ars);
-      acc[r][0] = vfma(x, b0, acc[r][0]);
-      acc[r][1] = vfma(x, b1, acc[r][1]);
+      const vec x = _mm512_set1_ps(ak[r * ars]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
     }
   }
-  const vec va = vset1(alpha), vb = vset1(beta);
+  const vec va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
-    vec y0 = vmul(va, acc[r][0]), y1 = vmul(va, acc[r][1]);
+    vec y0 = _mm512_mul_ps(va, acc[r][0]), y1 = _mm512_mul_ps(va, acc[r][1]);
     if (cols == kNr) {
       if (beta != 0.0f) {
-        y0 = vfma(vb, vload(cr), y0);
-        y1 = vfma(vb, vload(cr + kW), y1);
+        y0 = _mm512_fmadd_ps(vb, _mm512_loadu_ps(cr), y0);
+        y1 = _mm512_fmadd_ps(vb, _mm512_loadu_ps(cr + kW), y1);
       }
-      vstore(cr, y0);
-      vstore(cr + kW, y1);
+      _mm512_storeu_ps(cr, y0);
+      _mm512_storeu_ps(cr + kW, y1);
     } else {  // a last, partial panel
       alignas(64) float y[kNr];
-      vstore(y, y0);
-      vstore(y + kW, y1);
+      _mm512_store_ps(y, y0);
+      _mm512_store_ps(y + kW, y1);
       for (int64_t j = 0; j < cols; ++j) cr[j] = beta != 0.0f ? std::fma(beta, cr[j], y[j]) : y[j];
     }
   }
@@ -234,6 +179,7 @@ void small_gemm(bool ta, int64_t M, int64_t N, int64_t K, float alpha, const flo
     for (; r < M; ++r) run(std::integral_constant<int, 1>{}, r, n0, b, cols);
   }
 }
+#endif  // MT_CPU_VARIANT_AVX512
 
 // Row softmax of a score tile in place. Row r (query t0 + r) sees keys j <= t0 + r; entries past
 // that are set to 0. With lse_in == nullptr the max/sum are computed and the log-sum-exp written
@@ -279,7 +225,11 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   const int64_t BQ = std::min(kBlockQ, T);
   const int nthr = omp_get_max_threads();
   thread_local Scratch scratch;
-  const int64_t pk = kOwnGemm ? packed_size(hd, T) : 0, pv = kOwnGemm ? packed_size(T, hd) : 0;
+#if MT_ATTENTION_OWN_GEMM
+  const int64_t pk = packed_size(hd, T), pv = packed_size(T, hd);
+#else
+  const int64_t pk = 0, pv = 0;
+#endif
   const int64_t per_thr = BQ * T + pk + pv;  // score tile, K^T and V packed
   float* tiles = scratch.as<float>(static_cast<size_t>(nthr) * per_thr);
 
@@ -287,29 +237,31 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       float* S = tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr;
-      float* kt = S + BQ * T;
+#if MT_ATTENTION_OWN_GEMM
+      float* kt = S + BQ * T;  // packed K^T and V
       float* vp = kt + pk;
+#endif
       const float* q = qkv + b * T * ld + h * hd;
       const float* k = qkv + b * T * ld + (nh + h / grp) * hd;
       const float* v = qkv + b * T * ld + (nh + nkv + h / grp) * hd;
       float* o = out + b * T * od + h * hd;
       float* l = lse + (b * nh + h) * T;
-      if constexpr (kOwnGemm) {
-        pack_cols(kt, k, ld, hd, T);
-        pack_rows(vp, v, ld, T, hd);
-      }
+#if MT_ATTENTION_OWN_GEMM
+      pack_cols(kt, k, ld, hd, T);
+      pack_rows(vp, v, ld, T, hd);
+#endif
       for (int64_t t0 = 0; t0 < T; t0 += BQ) {
         const int64_t bq = std::min(BQ, T - t0);
         const int64_t L = t0 + bq;
-        if constexpr (kOwnGemm)
-          small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, S, L, Causal::kScores, t0);
-        else
-          sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, S, L);
+#if MT_ATTENTION_OWN_GEMM
+        small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, S, L, Causal::kScores, t0);
         softmax_rows(S, bq, L, t0, nullptr, l);
-        if constexpr (kOwnGemm)  // V's first L rows
-          small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);
-        else
-          sgemm_strided(false, false, bq, hd, L, 1.0f, S, L, v, ld, 0.0f, o + t0 * od, od);
+        small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);  // V's first L rows
+#else
+        sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, S, L);
+        softmax_rows(S, bq, L, t0, nullptr, l);
+        sgemm_strided(false, false, bq, hd, L, 1.0f, S, L, v, ld, 0.0f, o + t0 * od, od);
+#endif
       }
     }
   }
@@ -327,8 +279,11 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const int nthr = omp_get_max_threads();
   thread_local Scratch tile_scratch, kv_scratch;
   // Per thread: P tile, dP tile, D [BQ], then packed: K^T and V^T, K, and a block's Q and dO.
-  const int64_t pkt = kOwnGemm ? packed_size(hd, T) : 0, pkr = kOwnGemm ? packed_size(T, hd) : 0,
-                pq = kOwnGemm ? packed_size(BQ, hd) : 0;
+#if MT_ATTENTION_OWN_GEMM
+  const int64_t pkt = packed_size(hd, T), pkr = packed_size(T, hd), pq = packed_size(BQ, hd);
+#else
+  const int64_t pkt = 0, pkr = 0, pq = 0;
+#endif
   const int64_t per_thr = 2 * BQ * T + BQ + 2 * pkt + pkr + 2 * pq;
   float* tiles = tile_scratch.as<float>(static_cast<size_t>(nthr) * per_thr);
   // Grouped-query: dK, dV per (b, h) in scratch, for a chunk of batches at a time.
@@ -350,11 +305,13 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         float* P = tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr;
         float* dP = P + BQ * T;
         float* D = dP + BQ * T;
-        float* kt = D + BQ;
+#if MT_ATTENTION_OWN_GEMM
+        float* kt = D + BQ;  // packed right-hand sides
         float* vt = kt + pkt;
         float* kr = vt + pkt;
         float* qp = kr + pkr;
         float* dop = qp + pq;
+#endif
         const int64_t kvh = h / grp;
         const float* q = qkv + b * T * ld + h * hd;
         const float* k = qkv + b * T * ld + (nh + kvh) * hd;
@@ -375,23 +332,23 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           ldkv = hd;
           std::fill(dk, dk + per_bh, 0.0f);
         }
-        if constexpr (kOwnGemm) {
-          pack_cols(kt, k, ld, hd, T);
-          pack_cols(vt, v, ld, hd, T);
-          pack_rows(kr, k, ld, T, hd);
-        }
+#if MT_ATTENTION_OWN_GEMM
+        pack_cols(kt, k, ld, hd, T);
+        pack_cols(vt, v, ld, hd, T);
+        pack_rows(kr, k, ld, T, hd);
+#endif
         for (int64_t t0 = 0; t0 < T; t0 += BQ) {
           const int64_t bq = std::min(BQ, T - t0);
           const int64_t L = t0 + bq;
-          if constexpr (kOwnGemm)
-            small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, P, L, Causal::kScores, t0);
-          else
-            sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, P, L);
+#if MT_ATTENTION_OWN_GEMM
+          small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, P, L, Causal::kScores, t0);
           softmax_rows(P, bq, L, t0, l, nullptr);
-          if constexpr (kOwnGemm)
-            small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
-          else
-            sgemm_strided(false, true, bq, L, hd, 1.0f, dO + t0 * od, od, v, ld, 0.0f, dP, L);
+          small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
+#else
+          sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, P, L);
+          softmax_rows(P, bq, L, t0, l, nullptr);
+          sgemm_strided(false, true, bq, L, hd, 1.0f, dO + t0 * od, od, v, ld, 0.0f, dP, L);
+#endif
           for (int64_t r = 0; r < bq; ++r) {
             const float* a = dO + (t0 + r) * od;
             const float* c = o + (t0 + r) * od;
@@ -410,17 +367,17 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             for (int64_t j = 0; j < nv; ++j) dpr[j] = pr[j] * (dpr[j] - dr);
             for (int64_t j = nv; j < L; ++j) dpr[j] = 0.0f;
           }
-          if constexpr (kOwnGemm) {
-            pack_rows(qp, q + t0 * ld, ld, bq, hd);
-            pack_rows(dop, dO + t0 * od, od, bq, hd);
-            small_gemm(false, bq, hd, L, sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
-            small_gemm(true, L, hd, bq, sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
-            small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
-          } else {
-            sgemm_strided(false, false, bq, hd, L, sc, dP, L, k, ld, 1.0f, dq + t0 * ld, ld);
-            sgemm_strided(true, false, L, hd, bq, sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
-            sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
-          }
+#if MT_ATTENTION_OWN_GEMM
+          pack_rows(qp, q + t0 * ld, ld, bq, hd);
+          pack_rows(dop, dO + t0 * od, od, bq, hd);
+          small_gemm(false, bq, hd, L, sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
+          small_gemm(true, L, hd, bq, sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
+          small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
+#else
+          sgemm_strided(false, false, bq, hd, L, sc, dP, L, k, ld, 1.0f, dq + t0 * ld, ld);
+          sgemm_strided(true, false, L, hd, bq, sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
+          sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
+#endif
         }
       }
     }
