@@ -219,7 +219,8 @@ void gemm_bf16_widened(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float 
 }
 
 // dbias[o] += sum_n dout[n, o], blocks of columns per thread, rows in order (deterministic).
-void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
+// With dout16, dout's bf16 copy is written in the same pass (the bf16 linear backward).
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC, bf16* dout16 = nullptr) {
   constexpr int64_t kCb = 64;
   const int64_t nblk = (OC + kCb - 1) / kCb;
 #pragma omp parallel for schedule(static) if (N * OC > detail::kParallelMin)
@@ -229,8 +230,17 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
     float acc[kCb] = {};
     for (int64_t n = 0; n < N; ++n) {
       const float* row = dout + n * OC + c0;
+      if (dout16) {
+        bf16* o = dout16 + n * OC + c0;
 #pragma omp simd
-      for (int64_t c = 0; c < cl; ++c) acc[c] += row[c];
+        for (int64_t c = 0; c < cl; ++c) {
+          acc[c] += row[c];
+          o[c] = detail::to_bf16(row[c]);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cl; ++c) acc[c] += row[c];
+      }
     }
     for (int64_t c = 0; c < cl; ++c) dbias[c0 + c] += acc[c];
   }
@@ -447,26 +457,7 @@ void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dou
   const int64_t n = N * OC;
   bf16* d16 = s.as<bf16>(static_cast<size_t>(n));
   if (dbias) {
-    // The bf16 copy of dout and the bias gradient in one read of dout: bias_backward's column
-    // blocks and row order, so the sums are the same.
-    constexpr int64_t kCb = 64;
-    const int64_t nblk = (OC + kCb - 1) / kCb;
-#pragma omp parallel for schedule(static) if (n > detail::kParallelMin)
-    for (int64_t blk = 0; blk < nblk; ++blk) {
-      const int64_t c0 = blk * kCb;
-      const int64_t cl = std::min(kCb, OC - c0);
-      float acc[kCb] = {};
-      for (int64_t r = 0; r < N; ++r) {
-        const float* row = dout + r * OC + c0;
-        bf16* o = d16 + r * OC + c0;
-#pragma omp simd
-        for (int64_t c = 0; c < cl; ++c) {
-          acc[c] += row[c];
-          o[c] = detail::to_bf16(row[c]);
-        }
-      }
-      for (int64_t c = 0; c < cl; ++c) dbias[c0 + c] += acc[c];
-    }
+    bias_backward(dbias, dout, N, OC, d16);  // the bf16 copy and the bias gradient in one read of dout
   } else {
 #pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
     for (int64_t i = 0; i < n; ++i) d16[i] = detail::to_bf16(dout[i]);
