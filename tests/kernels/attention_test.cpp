@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+#include "kernels/backend.h"
+#include "runtime/device.h"
 #include "test_util.h"
 
 namespace mt::kernels::cpu {
@@ -53,12 +55,16 @@ std::vector<double> ref_attention(const std::vector<double>& qkv, const Dims& d,
   return out;
 }
 
-void check_forward(const Dims& d, uint64_t seed) {
+// `k`: the kernel table to run (default: this file's baseline variant, called directly).
+void check_forward(const Dims& d, uint64_t seed, const KernelTable* k = nullptr) {
   auto qkv = kt::randn(d.qkv_size(), seed);
   std::vector<double> lse_ref;
   auto want = ref_attention(kt::to_double(qkv), d, &lse_ref);
   std::vector<float> out(d.out_size()), lse(size_t(d.B * d.nh * d.T));
-  attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+  if (k)
+    k->attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+  else
+    attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
   EXPECT_TRUE(kt::close(out, want, 1e-5, 1e-5)) << "T=" << d.T << " nh=" << d.nh << " nkv=" << d.nkv;
   EXPECT_TRUE(kt::close(lse, lse_ref, 1e-5, 1e-5));
 }
@@ -73,14 +79,20 @@ TEST(Attention, ForwardMatchesReference) {
 
 // L = sum dout * attention(qkv); analytic gradient of every qkv element (or a random subset for
 // the larger case) against central differences; tolerance rel 1e-4, abs 1e-5.
-void check_backward(const Dims& d, uint64_t seed, size_t subset) {
+// `k`: the kernel table to run (default: this file's baseline variant, called directly).
+void check_backward(const Dims& d, uint64_t seed, size_t subset, const KernelTable* k = nullptr) {
   auto qkv = kt::randn(d.qkv_size(), seed);
   auto dout = kt::randn(d.out_size(), seed + 100);
   std::vector<float> out(d.out_size()), lse(size_t(d.B * d.nh * d.T));
-  attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
   std::vector<float> dqkv(d.qkv_size(), 0.0f);
-  attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), d.B, d.T, d.nh,
-                     d.nkv, d.hd);
+  if (k) {
+    k->attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+    k->attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), d.B, d.T, d.nh, d.nkv,
+                          d.hd);
+  } else {
+    attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+    attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+  }
   auto dd = kt::to_double(dout);
   std::vector<size_t> idx;
   if (subset) {
@@ -107,6 +119,20 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
   check_backward({1, 7, 3, 3, 5}, 12, 0);  // multi-head
   check_backward({2, 5, 4, 1, 8}, 13, 0);  // multi-query
   check_backward({1, 70, 2, 1, 8}, 14, 120);  // two query blocks (subset of inputs)
+}
+
+// The variant this CPU runs (kernels::table: on AVX-512 CPUs the avx512 variant, whose small GEMMs
+// are its own packed FMA loops with causal skipping) against the double reference and finite
+// differences: whole 32-column panels (head dimension 32, the register transposes), partial ones,
+// several query blocks, grouped-query.
+TEST(Attention, DispatchedVariantMatchesReferenceAndFiniteDifferences) {
+  const KernelTable& k = table(Device::CPU);
+  check_forward({1, 100, 2, 2, 32}, 15, &k);
+  check_forward({2, 130, 4, 2, 16}, 5, &k);
+  check_forward({1, 7, 3, 3, 5}, 2, &k);
+  check_backward({1, 100, 2, 2, 32}, 15, 400, &k);
+  check_backward({1, 77, 4, 2, 16}, 16, 400, &k);
+  check_backward({2, 9, 4, 2, 6}, 11, 0, &k);  // every input
 }
 
 TEST(Attention, GradientCheckRejectsWrongGradient) {
