@@ -91,48 +91,6 @@ std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
 double fma_peak_gflops(int nt) { return kernels::cpu::fma_peak(nt, 0.1, 5) / 1e9; }
 bool peak_uses_avx512() { return kernels::cpu::fma_peak_uses_avx512(); }
 
-// GFLOP/s of `iters` steps of four TDPBF16PS with `loads` (0, 1, 2 or 4) tile loads each, on the
-// calling thread; amx_gemm_ready() must have granted the tile state.
-struct alignas(64) ProbeTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-__attribute__((target("amx-tile,amx-bf16"))) double amx_probe(long iters, int loads) {
-  static ProbeTileConfig cfg = [] {
-    ProbeTileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.colsb[t] = 64;
-      c.rows[t] = 16;
-    }
-    return c;
-  }();
-  alignas(64) static thread_local char buf[4096] = {};  // zeros: bf16 0.0
-  _tile_loadconfig(&cfg);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < iters; ++i) {
-    if (loads >= 4) _tile_loadd(4, buf, 64);
-    if (loads >= 1) _tile_loadd(6, buf + 1024, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (loads >= 2) _tile_loadd(7, buf + 2048, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    if (loads >= 4) _tile_loadd(5, buf + 3072, 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  _tile_release();
-  return 4.0 * iters * 16 * 16 * 32 * 2 / s / 1e9;
-}
-
 int run_amx_probe(const std::vector<int>& threads) {
   if (!kernels::cpu::detail::amx_gemm_ready()) {
     std::printf("--amx-probe: no AMX-BF16 tiles here (or the level is capped below amx_bf16)\n");
@@ -151,7 +109,7 @@ int run_amx_probe(const std::vector<int>& threads) {
       for (int r = 0; r < 5; ++r) {
         std::vector<double> per(nt, 0.0);
 #pragma omp parallel num_threads(nt)
-        per[omp_get_thread_num()] = amx_probe(1L << 21, loads);
+        per[omp_get_thread_num()] = detail::amx_tile_probe_gflops(1L << 21, loads);
         double sum = 0;
         for (double g : per) sum += g;
         trials.push_back(sum);

@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -351,6 +352,35 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   }, beta);
 }
 
+// GFLOP/s of `steps` steps of four TDPBF16PS on four accumulator tiles, with `loads` (0, 1, 2 or
+// 4) tile loads each from a 4 KB buffer (in L1), on the calling thread.
+double tile_probe(long steps, int loads) {
+  alignas(64) static thread_local char buf[4096] = {};  // zeros: bf16 0.0
+  load_tile_config();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < steps; ++i) {
+    if (loads >= 4) _tile_loadd(4, buf, 64);
+    if (loads >= 1) _tile_loadd(6, buf + 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (loads >= 2) _tile_loadd(7, buf + 2048, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (loads >= 4) _tile_loadd(5, buf + 3072, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  _tile_release();
+  return 4.0 * static_cast<double>(steps) * 16 * 16 * 32 * 2 / s / 1e9;
+}
+
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 
@@ -395,6 +425,8 @@ bool amx_gemm_ready() {
   }();
   return granted && active_isa() >= CpuIsa::AMX_BF16 && amx_gemm_enabled();
 }
+
+double amx_tile_probe_gflops(long steps, int loads) { return amx_avx512::tile_probe(steps, loads); }
 
 void amx_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                    const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias) {

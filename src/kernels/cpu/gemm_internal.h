@@ -38,5 +38,9 @@ void set_amx_gemm_enabled(bool enabled);
 // number of threads.
 void amx_gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
                    const bf16* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias);
+// bench/kernel_bench --amx-probe: GFLOP/s of `steps` steps of four TDPBF16PS on four accumulator
+// tiles with `loads` (0, 1, 2 or 4) tile loads each from L1, on the calling thread. Call only when
+// amx_gemm_ready().
+double amx_tile_probe_gflops(long steps, int loads);
 
 }  // namespace mt::kernels::cpu::detail
