@@ -9,8 +9,14 @@
 // particular OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE and BLIS_ARCH_TYPE are neither set nor
 // changed here).
 //
+// Two more columns, not libraries: "split" is dnnl_sgemm called once per OpenMP thread, each call
+// single-threaded on its half of C (split along the larger of M and N at a multiple of 16): whether
+// oneDNN's own two-thread partition is what holds it back. "peak" is the cores' fp32 FMA peak
+// (kernels/cpu/fma_peak.h), sampled in each round between the libraries, so that a GEMM's share
+// of the peak is measured in the same seconds (on a shared machine both move minute to minute).
+//
 // Usage: gemm_libs [--rounds R] [--sample-time SECONDS] [--threads 1,2]
-//                  [--libs openblas,blis,sgemm,matmul,bf16,mt,mtbf16]
+//                  [--libs openblas,blis,sgemm,split,matmul,bf16,mt,mtbf16,peak]
 #include <dlfcn.h>
 #include <time.h>
 #include <omp.h>
@@ -28,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/fma_peak.h"
 #include "kernels/cpu/gemm.h"
 #include "runtime/arg_parser.h"
 #include "kernels/cpu/gemm_internal.h"
@@ -196,7 +203,7 @@ Sample sample_seconds(F&& f) {
 
 int main(int argc, char** argv) {
   std::vector<int> threads = {1, 2};
-  std::vector<std::string> libs = {"openblas", "blis", "sgemm", "matmul", "bf16", "mt", "mtbf16"};
+  std::vector<std::string> libs = {"openblas", "blis", "sgemm", "split", "matmul", "bf16", "mt", "mtbf16", "peak"};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--sample-time" && i + 1 < argc) g_sample_time = std::atof(argv[++i]);
@@ -207,7 +214,7 @@ int main(int argc, char** argv) {
     } else if (a == "--libs" && i + 1 < argc) libs = mt::split_list(argv[++i]);
     else {
       std::fprintf(stderr, "usage: %s [--rounds R] [--sample-time S] [--threads 1,2] [--libs %s]\n", argv[0],
-                   "openblas,blis,sgemm,matmul,bf16,mt,mtbf16");
+                   "openblas,blis,sgemm,split,matmul,bf16,mt,mtbf16,peak");
       return 2;
     }
   }
@@ -273,6 +280,29 @@ int main(int argc, char** argv) {
             dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.M, s.N, s.K, 1.0f, A.data(), lda,
                        B.data(), ldb, 0.0f, C.data(), ldc);
           };
+        } else if (lib == "split") {
+          fns[li] = [&, lda, ldb, ldc] {
+            // Halves of C along its larger side; each thread's call sees one OpenMP thread (nested
+            // parallelism is off), so oneDNN runs single-threaded on it.
+            const bool by_n = s.N >= s.M;
+            const int64_t len = by_n ? s.N : s.M;
+#pragma omp parallel
+            {
+              const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+              const int64_t per = (len / T + 15) / 16 * 16;
+              const int64_t lo = std::min(len, t * per), hi = t == T - 1 ? len : std::min(len, lo + per);
+              if (hi > lo) {
+                const float* a = A.data();
+                const float* b = B.data();
+                if (by_n) b += s.tb ? lo * ldb : lo;
+                else a += s.ta ? lo : lo * lda;
+                dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', by_n ? s.M : hi - lo, by_n ? hi - lo : s.N, s.K,
+                           1.0f, a, lda, b, ldb, 0.0f, C.data() + (by_n ? lo : lo * ldc), ldc);
+              }
+            }
+          };
+        } else if (lib == "peak") {
+          notes[lib] = "fp32 FMA peak of the threads (not a GEMM), sampled in each round";
         } else if (lib == "matmul" || lib == "bf16") {
           Matmuls::Entry* e = mm.get(s, lib == "bf16");
           if (!e) {
@@ -304,7 +334,13 @@ int main(int argc, char** argv) {
       std::vector<std::vector<double>> wall(libs.size()), cpu(libs.size());
       for (int r = 0; r < g_rounds; ++r)
         for (size_t li = 0; li < libs.size(); ++li)
-          if (fns[li]) {
+          if (libs[li] == "peak") {
+            // Stored as the time this shape's flops would take at the peak, so that the table's
+            // flop / time gives the peak itself.
+            const double secs = flop / mt::kernels::cpu::fma_peak(nt, g_sample_time, 1);
+            wall[li].push_back(secs);
+            cpu[li].push_back(secs * nt);
+          } else if (fns[li]) {
             const Sample smp = sample_seconds(fns[li]);
             wall[li].push_back(smp.wall);
             cpu[li].push_back(smp.cpu);
@@ -357,7 +393,8 @@ int main(int argc, char** argv) {
         res_cpu);
   std::printf("\nlegend: openblas = cblas_sgemm, blis = bli_sgemm, sgemm = dnnl_sgemm, matmul = oneDNN "
               "f32 matmul primitive, bf16 = oneDNN bf16 matmul primitive (bf16 in, f32 out), mt = "
-              "mt::kernels::cpu::gemm_f32, mtbf16 = mt::kernels::cpu::gemm_bf16\n");
+              "mt::kernels::cpu::gemm_f32, mtbf16 = mt::kernels::cpu::gemm_bf16, split = dnnl_sgemm "
+              "once per thread on its half of C, peak = the fp32 FMA peak sampled in the same rounds\n");
   for (auto& [k, v] : notes) std::printf("note %s: %s\n", k.c_str(), v.c_str());
   return 0;
 }

@@ -45,7 +45,9 @@
 #   --pytorch PY     also run PyTorch eager (each of --dtypes) in every repeat with interpreter PY (e.g.
 #                    /usr/bin/python3 with Debian's python3-torch); the summary then gives the
 #                    meshtrain / PyTorch ratio per thread count and the largest ratio the FMA peak
-#                    allows (peak / PyTorch's achieved model GFLOP/s)
+#                    allows (peak / PyTorch's achieved model GFLOP/s). A comma-separated list
+#                    (e.g. python3,/usr/bin/python3: PyPI's torch and Debian's) runs each in every
+#                    repeat, a table per interpreter, then the ratio against the faster one per repeat
 #   --out DIR        where raw outputs go (default: a new /tmp/mt_train_throughput.XXXXXX)
 set -euo pipefail
 
@@ -68,7 +70,7 @@ while [[ $# -gt 0 ]]; do
     --dtypes) DTYPES=$2; shift 2 ;;
     --kb-time) KB_TIME=$2; shift 2 ;;
     --pytorch) PYTORCH=$2; shift 2 ;;
-    -h | --help) sed -n '2,49p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,51p' "$0"; exit 0 ;;
     *) bench_option "$@" && shift 2 || { echo "train_throughput.sh: unknown option $1" >&2; exit 2; } ;;
   esac
 done
@@ -98,8 +100,17 @@ if [[ -z "${OPENBLAS_CORETYPE:-}" ]]; then
 else
   CORETYPE=$OPENBLAS_CORETYPE
 fi
-[[ -n "$PYTORCH" ]] && check_torch_blas "$PYTORCH"
-[[ -n "$PYTORCH" ]] && echo "PyTorch runs: OPENBLAS_CORETYPE=$CORETYPE, $("$PYTORCH" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)"
+PYS=()
+[[ -n "$PYTORCH" ]] && IFS=, read -r -a PYS <<<"$PYTORCH"
+TORCH_LABELS=()
+for i in "${!PYS[@]}"; do
+  check_torch_blas "${PYS[$i]}"
+  ver=$("${PYS[$i]}" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
+    { echo "train_throughput.sh: ${PYS[$i]} cannot import torch" >&2; exit 2; }
+  TORCH_LABELS+=("torch $ver (${PYS[$i]})")
+  echo "PyTorch runs [$i]: OPENBLAS_CORETYPE=$CORETYPE, ${TORCH_LABELS[$i]}"
+done
+printf '%s\n' "${TORCH_LABELS[@]}" >"$OUT/torch_labels.txt"
 
 runs=()
 for dt in $DTYPES; do for t in $THREADS; do runs+=("$dt:$t"); done; done
@@ -124,15 +135,15 @@ for ((r = 1; r <= REPEATS; r++)); do
     printf '  %-10s wall %6ss  user %6ss  sys %5ss  steal %s\n' "$dt ${t}t" "$wall" "$user" "$sys" \
       "$(steal_since "$snap")" | tee -a "$OUT/load.txt"
   done
-  if [[ -n "$PYTORCH" ]]; then
+  for i in "${!PYS[@]}"; do
     for dt in $DTYPES; do for t in $THREADS; do
-      OPENBLAS_CORETYPE=$CORETYPE "$PYTORCH" "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes "$dt" --threads "$t" \
-        --steps "$((STEPS - 1))" --bf16-steps "$((STEPS - 1))" --warmup 1 \
-        >"$OUT/torch_${dt}_${t}t_r$r.json" 2>"$OUT/torch_${dt}_${t}t_r$r.err"
-      printf '  %-10s %s tokens/s\n' "torch $dt ${t}t" \
-        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/torch_${dt}_${t}t_r$r.json")"
+      f=$OUT/torch${i}_${dt}_${t}t_r$r
+      OPENBLAS_CORETYPE=$CORETYPE "${PYS[$i]}" "$ROOT/bench/pytorch_compare.py" --mode eager --dtypes "$dt" --threads "$t" \
+        --steps "$((STEPS - 1))" --bf16-steps "$((STEPS - 1))" --warmup 1 >"$f.json" 2>"$f.err"
+      printf '  %-14s %s tokens/s\n' "torch[$i] $dt ${t}t" \
+        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$f.json")"
     done; done
-  fi
+  done
 done
 echo "after: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
 
@@ -216,28 +227,41 @@ if ("fp32", 1) in res and ("bf16", 1) in res:
     for t in threads:
         print(f"bf16 / fp32 at {t} thread(s) = {res[('bf16', t)] / res[('fp32', t)]:.2f}x")
 
-import os
-for dt in dtypes:
-    if not os.path.exists(f"{out}/torch_{dt}_{threads[0]}t_r1.json"):
-        continue
+labels = [l.strip() for l in open(f"{out}/torch_labels.txt") if l.strip()]
+torch_tps = lambda i, dt, t, r: json.load(open(f"{out}/torch{i}_{dt}_{t}t_r{r}.json"))["tokens_per_s"]
+mt_tps = {(dt, t): [run(dt, t, r)[0] for r in range(1, R + 1)] for dt in dtypes for t in threads}
+for i, label in enumerate(labels):
+    for dt in dtypes:
+        print()
+        print(f"PyTorch [{i}] {label}, eager {dt} ({'torch.autocast bf16' if dt == 'bf16' else 'fp32'}; "
+              "bench/pytorch_compare.py) in the same repeats.")
+        print("'bound' = the FMA peak (for bf16 x2 with AVX512-BF16, x16 with AMX-BF16) / PyTorch's model GFLOP/s:")
+        print("the largest meshtrain/PyTorch ratio any engine performing the model's flops could reach.")
+        print("'GEMM bound' = meshtrain's own GEMM ceiling of this dtype measured in the same repeat (sgemm / mtbf16 above)")
+        print("/ PyTorch's model GFLOP/s: the ratio meshtrain would reach if every flop ran at its GEMM rate and")
+        print("nothing else in the step cost any time.")
+        print()
+        print("| dtype | threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | GEMM bound | per-repeat ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for t in threads:
+            pt = [torch_tps(i, dt, t, r) for r in range(1, R + 1)]
+            mt = mt_tps[(dt, t)]
+            pk = [g.get(f"peak {t}t", float("nan")) * (BF16_FACTOR if dt == "bf16" else 1) for g in gem]
+            ratio = [a / b for a, b in zip(mt, pt)]
+            bound = [p / (b * fpt / 1e9) for p, b in zip(pk, pt)]
+            gc = [g.get(f"{'mtbf16' if dt == 'bf16' else 'sgemm'} {t}t", float("nan")) for g in gem]
+            gbound = [c / (b * fpt / 1e9) for c, b in zip(gc, pt)]
+            print(f"| {dt} | {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "
+                  f"| {med(gbound):.2f}x | {' / '.join(f'{x:.2f}' for x in ratio)} |")
+if len(labels) > 1:
     print()
-    print(f"PyTorch eager {dt} ({'torch.autocast bf16' if dt == 'bf16' else 'fp32'}; bench/pytorch_compare.py) in the same "
-          "repeats. 'bound' = the FMA peak (for bf16 x2 with AVX512-BF16, x16 with AMX-BF16) / PyTorch's model")
-    print("GFLOP/s: the largest meshtrain/PyTorch ratio any engine performing the model's flops could reach.")
-    print("'GEMM bound' = meshtrain's own GEMM ceiling of this dtype measured in the same repeat (sgemm / mtbf16 above)")
-    print("/ PyTorch's model GFLOP/s: the ratio meshtrain would reach if every flop ran at its GEMM rate and")
-    print("nothing else in the step cost any time.")
+    print("Against the faster PyTorch of each repeat (meshtrain / max over the interpreters):")
     print()
-    print("| dtype | threads | PyTorch tokens/s | PyTorch GFLOP/s | meshtrain tokens/s | meshtrain / PyTorch | bound | GEMM bound | per-repeat ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for t in threads:
-        pt = [json.load(open(f"{out}/torch_{dt}_{t}t_r{r}.json"))["tokens_per_s"] for r in range(1, R + 1)]
-        mt = [run(dt, t, r)[0] for r in range(1, R + 1)]
-        pk = [g.get(f"peak {t}t", float("nan")) * (BF16_FACTOR if dt == "bf16" else 1) for g in gem]
-        ratio = [a / b for a, b in zip(mt, pt)]
-        bound = [p / (b * fpt / 1e9) for p, b in zip(pk, pt)]
-        gc = [g.get(f"{'mtbf16' if dt == 'bf16' else 'sgemm'} {t}t", float("nan")) for g in gem]
-        gbound = [c / (b * fpt / 1e9) for c, b in zip(gc, pt)]
-        print(f"| {dt} | {t} | {med(pt):.0f} | {med(pt) * fpt / 1e9:.1f} | {med(mt):.0f} | {med(ratio):.2f}x | {med(bound):.2f}x "
-              f"| {med(gbound):.2f}x | {' / '.join(f'{x:.2f}' for x in ratio)} |")
+    print("| dtype | threads | meshtrain / faster PyTorch | per repeat (faster one) |")
+    print("|---|---:|---:|---|")
+    for dt in dtypes:
+        for t in threads:
+            best = [max(range(len(labels)), key=lambda i: torch_tps(i, dt, t, r)) for r in range(1, R + 1)]
+            ratio = [m / torch_tps(i, dt, t, r) for m, i, r in zip(mt_tps[(dt, t)], best, range(1, R + 1))]
+            print(f"| {dt} | {t} | {med(ratio):.2f}x | {' / '.join(f'{x:.2f} ([{i}])' for x, i in zip(ratio, best))} |")
 EOF
