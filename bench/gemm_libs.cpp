@@ -282,8 +282,8 @@ int main(int argc, char** argv) {
           };
         } else if (lib == "split") {
           fns[li] = [&, lda, ldb, ldc] {
-            // Halves of C along its larger side; each thread's call sees one OpenMP thread (nested
-            // parallelism is off), so oneDNN runs single-threaded on it.
+            // Halves of C along its larger side. oneDNN runs a call made inside a parallel region
+            // on the calling thread alone, so each half is a single-threaded sgemm.
             const bool by_n = s.N >= s.M;
             const int64_t len = by_n ? s.N : s.M;
 #pragma omp parallel
