@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -79,10 +80,30 @@ Ms median_ms(F&& f) {
   return med;
 }
 
-std::vector<float> rnd(size_t n, uint32_t seed, float scale = 1.0f) {
+// Buffers aligned to 64 bytes like the engine's allocations (the tile GEMM streams a large output
+// only in whole aligned rows: with malloc's 16-byte alignment the LM head's forward would not
+// take the path it takes in training).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
+using Buf = std::vector<float, Aligned64<float>>;
+
+Buf rnd(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
+  Buf v(n);
   for (auto& x : v) x = d(rng);
   return v;
 }
@@ -167,7 +188,7 @@ int main(int argc, char** argv) {
     maxi = std::max(maxi, N * g.Cin);
   }
   auto X = rnd(static_cast<size_t>(maxi), 1), W = rnd(static_cast<size_t>(maxw), 2, 0.02f), Y = rnd(static_cast<size_t>(maxo), 3);
-  std::vector<float> dX(static_cast<size_t>(maxi), 0.0f), dW(static_cast<size_t>(maxw), 0.0f);
+  Buf dX(static_cast<size_t>(maxi), 0.0f), dW(static_cast<size_t>(maxw), 0.0f);
   std::vector<bf16> X16(X.size()), W16(W.size()), Y16(Y.size());
   cast_f32_to_bf16(X16.data(), X.data(), int64_t(X.size()));
   cast_f32_to_bf16(W16.data(), W.data(), int64_t(W.size()));
@@ -278,13 +299,13 @@ int main(int argc, char** argv) {
   {
     std::printf("\nGEMM result identical on 1 and 2 threads (bitwise):");
     for (const G& g : layers) {
-      std::vector<float> c1(static_cast<size_t>(g.Cin * g.OC)), c2(c1.size());
+      Buf c1(static_cast<size_t>(g.Cin * g.OC)), c2(c1.size());
       omp_set_num_threads(1);
       gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, Y.data(), X.data(), 0.0f, c1.data());
       omp_set_num_threads(2);
       gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, Y.data(), X.data(), 0.0f, c2.data());
       const bool dw_same = std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0;
-      std::vector<float> f1(static_cast<size_t>(N * g.OC)), f2(f1.size());
+      Buf f1(static_cast<size_t>(N * g.OC)), f2(f1.size());
       omp_set_num_threads(1);
       gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, X.data(), W.data(), 0.0f, f1.data());
       omp_set_num_threads(2);
@@ -298,15 +319,15 @@ int main(int argc, char** argv) {
   // ---- other ops ----------------------------------------------------------------------------
   const int64_t ld = 3 * C;
   auto qkv = rnd(static_cast<size_t>(N * ld), 10);
-  std::vector<float> att(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T)), dqkv(qkv.size(), 0.0f);
+  Buf att(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T)), dqkv(qkv.size(), 0.0f);
   auto datt = rnd(static_cast<size_t>(N * C), 11);
   auto x = rnd(static_cast<size_t>(N * C), 12), w = rnd(static_cast<size_t>(C), 13), b = rnd(static_cast<size_t>(C), 14);
-  std::vector<float> y(static_cast<size_t>(N * C)), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N)), dx(static_cast<size_t>(N * C), 0.0f),
+  Buf y(static_cast<size_t>(N * C)), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N)), dx(static_cast<size_t>(N * C), 0.0f),
       dw(static_cast<size_t>(C), 0.0f), db(static_cast<size_t>(C), 0.0f);
   auto h = rnd(static_cast<size_t>(N * 4 * C), 15), dh = rnd(static_cast<size_t>(N * 4 * C), 16);
-  std::vector<float> gh(h.size()), dgh(h.size(), 0.0f);
+  Buf gh(h.size()), dgh(h.size(), 0.0f);
   auto logits0 = rnd(static_cast<size_t>(N * VP), 17, 2.0f);
-  std::vector<float> logits(logits0.size()), losses(static_cast<size_t>(N));
+  Buf logits(logits0.size()), losses(static_cast<size_t>(N));
   std::vector<int32_t> targets(static_cast<size_t>(N)), ids(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i) {
     targets[static_cast<size_t>(i)] = int32_t((i * 7919) % V);
@@ -314,8 +335,8 @@ int main(int argc, char** argv) {
   }
   const int64_t nparams = 12 * L * C * C + VP * C + T * C;  // ~30M
   auto p = rnd(static_cast<size_t>(nparams), 18, 0.02f), pg = rnd(static_cast<size_t>(nparams), 19, 0.01f);
-  std::vector<float> pm(static_cast<size_t>(nparams), 0.0f), pv(static_cast<size_t>(nparams), 0.0f);
-  std::vector<float> wte = rnd(static_cast<size_t>(VP * C), 20), dwte(static_cast<size_t>(VP * C), 0.0f);
+  Buf pm(static_cast<size_t>(nparams), 0.0f), pv(static_cast<size_t>(nparams), 0.0f);
+  Buf wte = rnd(static_cast<size_t>(VP * C), 20), dwte(static_cast<size_t>(VP * C), 0.0f);
 
   struct Row {
     std::string name;
