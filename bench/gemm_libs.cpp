@@ -36,7 +36,7 @@
 
 #include "kernels/cpu/fma_peak.h"
 #include "kernels/cpu/gemm.h"
-#include "runtime/arg_parser.h"
+#include "runtime/strings.h"
 #include "kernels/cpu/gemm_internal.h"
 #include "runtime/dtype.h"
 

@@ -5,10 +5,10 @@
 #include <cstdio>
 #include <cstring>
 
+#include "cli/arg_parser.h"
 #include "cli/commands.h"
 #include "comm/mpi_include.h"
 #include "comm/world.h"
-#include "runtime/arg_parser.h"
 #include "runtime/memory.h"
 
 namespace mt::cli {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/arg_parser.h"
+#include "cli/arg_parser.h"
 
 namespace mt::cli_support {
 

@@ -27,7 +27,7 @@ int run_plot_command(int argc, char** argv);
 // `meshtrain sample`: text generated from a checkpoint or safetensors weights.
 int run_sample_command(int argc, char** argv);
 // `meshtrain export --checkpoint DIR --out DIR`: a checkpoint as a Hugging Face model directory
-// (train/export.h). 0 ok, 2 bad options, 1 failure.
+// (checkpoint/export.h). 0 ok, 2 bad options, 1 failure.
 int run_export_command(int argc, char** argv);
 // `meshtrain model-info (--hf-config FILE | --model PRESET)`: the model the engine builds.
 int run_model_info_command(int argc, char** argv);

@@ -1,6 +1,6 @@
 // `meshtrain prepare` (text and JSON-lines corpora -> token shards) and `meshtrain tokenize`
-// (print token ids). Both parse their arguments here and call the library in train/corpus.h and
-// train/tokenizer.h.
+// (print token ids). Both parse their arguments here and call the library in data/corpus.h and
+// data/tokenizer.h.
 #pragma once
 
 namespace mt {

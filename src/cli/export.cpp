@@ -1,6 +1,6 @@
 // `meshtrain export` (a checkpoint as a Hugging Face model directory) and `meshtrain model-info`
 // (what the engine makes of a preset or a Hugging Face config.json): argv and printing over
-// train/export.h.
+// checkpoint/export.h.
 #include <cstdio>
 #include <exception>
 #include <nlohmann/json.hpp>
@@ -8,10 +8,11 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/export.h"
+#include "cli/arg_parser.h"
 #include "cli/commands.h"
-#include "runtime/arg_parser.h"
 #include "train/config.h"
-#include "train/export.h"
 
 namespace mt::cli {
 
@@ -47,7 +48,8 @@ int run_export_command(int argc, char** argv) {
       std::fprintf(stderr, "meshtrain export: --max-shard-mb must be positive\n");
       return 1;
     }
-    ExportResult r = export_checkpoint(ap.get("checkpoint"), ap.get("out"), max_bytes);
+    const std::string dir = resolve_checkpoint(ap.get("checkpoint"));
+    ExportResult r = export_checkpoint(dir, load_checkpoint_config(dir).model_config(), ap.get("out"), max_bytes);
     std::printf("exported %lld tensors (%.1f MB) in %d safetensors file%s and config.json to %s\n",
                 static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, r.files, r.files == 1 ? "" : "s",
                 ap.get("out").c_str());

@@ -10,9 +10,9 @@
 #include <cstring>
 #include <sstream>
 
+#include "cli/arg_parser.h"
 #include "cli/commands.h"
 #include "comm/launch.h"
-#include "runtime/arg_parser.h"
 
 extern char** environ;
 

@@ -1,5 +1,5 @@
 // `meshtrain plan`: parses the flags, runs the planner (plan/planner.h) and prints its report
-// (plan/report.h); `--validate` runs the harness in cli/plan_validate.h.
+// (plan/report.h); `--validate` runs the harness in validate/plan_validate.h.
 #include <omp.h>
 
 #include <algorithm>
@@ -11,16 +11,17 @@
 #include <string>
 #include <vector>
 
+#include "cli/arg_parser.h"
 #include "cli/commands.h"
-#include "cli/plan_validate.h"
 #include "plan/published.h"
 #include "plan/report.h"
 #include "plan/text_table.h"
-#include "runtime/arg_parser.h"
+#include "validate/plan_validate.h"
 
 namespace mt::cli {
 
 using namespace mt::plan;
+using namespace mt::validate;
 
 std::string plan_help() {
   std::string models = join(plan_model_preset_names(), ", ");

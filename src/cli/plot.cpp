@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "cli/arg_parser.h"
 #include "cli/cli_support.h"
 #include "cli/commands.h"
-#include "runtime/arg_parser.h"
 #include "train/metrics_plot.h"
 
 namespace mt::cli {

@@ -8,8 +8,8 @@
 
 #include "cli/cli_support.h"
 #include "cli/data_commands.h"
-#include "train/corpus.h"
-#include "train/tokenizer.h"
+#include "data/corpus.h"
+#include "data/tokenizer.h"
 
 namespace mt {
 

@@ -6,11 +6,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
+#include "cli/arg_parser.h"
 #include "cli/commands.h"
-#include "runtime/arg_parser.h"
-#include "train/checkpoint.h"
+#include "data/tokenizer.h"
+#include "train/config.h"
 #include "train/sampler.h"
-#include "train/tokenizer.h"
 
 namespace mt::cli {
 

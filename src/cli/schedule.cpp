@@ -1,14 +1,14 @@
-// `meshtrain schedule`: builds, prints, checks and times a pipeline schedule (parallel/pipeline_schedule.h).
+// `meshtrain schedule`: builds, prints, checks and times a pipeline schedule (parallel/layout/pipeline_schedule.h).
 #include <climits>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 
+#include "cli/arg_parser.h"
 #include "cli/cli_support.h"
 #include "cli/commands.h"
-#include "parallel/pipeline_schedule.h"
-#include "runtime/arg_parser.h"
+#include "parallel/layout/pipeline_schedule.h"
 
 namespace mt::cli {
 

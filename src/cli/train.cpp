@@ -3,10 +3,10 @@
 #include <cstdio>
 #include <string>
 
+#include "cli/arg_parser.h"
 #include "cli/commands.h"
 #include "comm/world.h"
-#include "model/model_config.h"
-#include "runtime/arg_parser.h"
+#include "model/config/model_config.h"
 #include "train/config.h"
 #include "train/trainer.h"
 

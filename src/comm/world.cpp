@@ -9,7 +9,7 @@
 #include <set>
 
 #include "comm/detail.h"
-#include "runtime/arg_parser.h"
+#include "runtime/strings.h"
 
 namespace mt::comm {
 

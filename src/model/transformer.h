@@ -16,8 +16,8 @@
 
 #include "model/expert_comm.h"
 #include "model/context_parallel.h"
-#include "model/model_config.h"
-#include "model/parallel_config.h"  // Recompute
+#include "model/config/model_config.h"
+#include "parallel/layout/parallel_config.h"  // Recompute
 #include "model/parameters.h"
 #include "model/tp_layers.h"
 #include "runtime/tensor.h"

@@ -24,8 +24,8 @@
 
 #include "comm/process_group.h"
 #include "model/transformer.h"
-#include "parallel/pipeline_schedule.h"
-#include "parallel/pipeline_stages.h"
+#include "parallel/layout/pipeline_schedule.h"
+#include "parallel/layout/pipeline_stages.h"
 #include "parallel/strategy.h"
 
 namespace mt::parallel {

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "comm/process_group.h"
-#include "model/parallel_config.h"
 #include "model/transformer.h"
+#include "parallel/layout/parallel_config.h"
 #include "parallel/optimizer.h"
 
 namespace mt::parallel {

@@ -13,7 +13,7 @@
 #include <optional>
 #include <string>
 
-#include "model/model_config.h"
+#include "model/config/model_config.h"
 #include "plan/cost_model.h"
 
 namespace mt::plan {

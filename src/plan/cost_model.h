@@ -13,13 +13,13 @@
 #include <cstdint>
 #include <string>
 
-#include "model/model_config.h"
-#include "model/parallel_config.h"
+#include "model/config/model_config.h"
+#include "parallel/layout/parallel_config.h"
 #include "plan/cluster.h"
 
 namespace mt::plan {
 
-// The parallel configuration's vocabulary (model/parallel_config.h) under the planner's names: one
+// The parallel configuration's vocabulary (parallel/layout/parallel_config.h) under the planner's names: one
 // enum each with the engine, printed by mt::to_string in the config spellings (NO_SHARD, ...;
 // none, gpipe, 1f1b, interleaved_1f1b; none, selective, full). The planner models every strategy
 // but HYBRID_SHARD_ZERO2 (check_layout refuses it).

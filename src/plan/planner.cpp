@@ -1,6 +1,6 @@
 #include "plan/planner.h"
 
-#include "model/hf_config.h"
+#include "model/config/hf_config.h"
 
 #include <algorithm>
 #include <cctype>
@@ -61,7 +61,7 @@ std::vector<std::string> plan_model_preset_names() {
 }
 
 ModelConfig model_from_hf_json(const std::string& text, const std::string& origin) {
-  return mt::model_from_hf_json(text, origin, /*strict=*/false);  // sizes only: see model/hf_config.h
+  return mt::model_from_hf_json(text, origin, /*strict=*/false);  // sizes only: see model/config/hf_config.h
 }
 
 ModelConfig model_from_hf_config(const std::string& path) {

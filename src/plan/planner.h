@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "model/model_config.h"
+#include "model/config/model_config.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 

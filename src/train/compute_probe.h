@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "model/model_config.h"
+#include "model/config/model_config.h"
 #include "plan/cluster.h"
 
 namespace mt {

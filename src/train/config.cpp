@@ -2,8 +2,9 @@
 
 #include <toml++/toml.h>
 
-#include "model/hf_config.h"
-#include "model/parallel_config.h"
+#include "checkpoint/checkpoint.h"
+#include "model/config/hf_config.h"
+#include "parallel/layout/parallel_config.h"
 
 #include <functional>
 #include <sstream>
@@ -346,6 +347,15 @@ std::string RunConfig::to_toml() const {
     out += f.key.substr(f.key.find('.') + 1) + " = " + value_string(f) + "\n";
   }
   return out;
+}
+
+RunRecord RunConfig::checkpoint_record() const { return RunRecord{to_toml(), model.hf_config, train.checkpoint_keep}; }
+
+RunConfig load_checkpoint_config(const std::string& dir) {
+  RunConfig c = RunConfig::load(checkpoint_config_toml(dir), {});
+  const std::string hf = checkpoint_hf_config(dir);
+  if (!c.model.hf_config.empty() && !hf.empty()) c.model.hf_config = hf;
+  return c;
 }
 
 std::string RunConfig::keys_help() {

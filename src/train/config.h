@@ -8,9 +8,11 @@
 #include <utility>
 #include <vector>
 
-#include "model/model_config.h"
+#include "model/config/model_config.h"
 
 namespace mt {
+
+struct RunRecord;  // checkpoint/checkpoint.h
 
 class ConfigError : public std::runtime_error {
  public:
@@ -50,7 +52,7 @@ struct RunConfig {
     int64_t seed = 1337;
     std::string dtype = "fp32";
     std::string device = "cpu";  // cpu | cuda (cuda: docs/gpu.md; not wired into training yet)
-    std::string activation_checkpointing = "none";  // parse_recompute (model/parallel_config.h)
+    std::string activation_checkpointing = "none";  // parse_recompute (parallel/layout/parallel_config.h)
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;
     bool eval_at_start = false;          // a validation loss before the first step (printed, and in the final metrics)
@@ -67,7 +69,7 @@ struct RunConfig {
     std::string sample_prompt = "";
   } train;
   struct Parallel {
-    std::string strategy = "NO_SHARD";    // parse_sharding_strategy (model/parallel_config.h)
+    std::string strategy = "NO_SHARD";    // parse_sharding_strategy (parallel/layout/parallel_config.h)
     int64_t dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;
     int64_t ep = 1;  // expert parallelism: routed experts split over ep data-parallel ranks
     std::string pp_schedule = "1f1b";     // parse_pipeline_schedule
@@ -94,7 +96,14 @@ struct RunConfig {
   ModelConfig model_config() const;
   // Every key as `section.key = value` lines (for --help and for checkpoints).
   std::string to_toml() const;
+  // What a checkpoint of this run records: this configuration, the model.hf_config file and
+  // train.checkpoint_keep.
+  RunRecord checkpoint_record() const;
   static std::string keys_help();
 };
+
+// The run configuration stored with checkpoint `dir` (its config.toml; model.hf_config, when set,
+// names the copy of the Hugging Face config inside the checkpoint).
+RunConfig load_checkpoint_config(const std::string& dir);
 
 }  // namespace mt

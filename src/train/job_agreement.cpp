@@ -10,9 +10,9 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/sharded_checkpoint.h"
+#include "data/data_loader.h"
 #include "runtime/crc32c.h"
-#include "train/data_loader.h"
-#include "train/sharded_checkpoint.h"
 
 #ifndef MT_GIT_COMMIT
 #define MT_GIT_COMMIT "unknown"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "comm/process_group.h"
-#include "model/model_config.h"
+#include "model/config/model_config.h"
 #include "train/config.h"
 
 namespace mt {

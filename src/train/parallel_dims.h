@@ -7,8 +7,8 @@
 #include <utility>
 
 #include "comm/world.h"
-#include "model/model_config.h"
-#include "model/parallel_config.h"
+#include "model/config/model_config.h"
+#include "parallel/layout/parallel_config.h"
 #include "train/config.h"
 
 namespace mt {

@@ -25,17 +25,17 @@
 #include "parallel/tensor_parallel.h"
 #include "plan/auto_layout.h"
 #include "runtime/clock.h"
-#include "train/checkpoint.h"
-#include "train/checkpoint_saver.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/checkpoint_saver.h"
 #include "train/chrome_trace.h"
 #include "train/compute_probe.h"
-#include "train/data_loader.h"
+#include "data/data_loader.h"
 #include "train/job_agreement.h"
 #include "train/metrics.h"
-#include "train/model_state.h"
+#include "checkpoint/model_state.h"
 #include "train/parallel_dims.h"
 #include "train/sampler.h"
-#include "train/tokenizer.h"
+#include "data/tokenizer.h"
 
 namespace mt {
 
@@ -309,7 +309,8 @@ void Trainer::build() {
                                                        {"tp_rank", std::to_string(groups_.tp->rank())},
                                                        {"ep_rank", std::to_string(groups_.ep ? groups_.ep->rank() : 0)},
                                                        {"pp_rank", std::to_string(groups_.pp_rank)}};
-    saver_ = std::make_unique<CheckpointSaver>(*state_, *ref_, *groups_.metrics, rank_, cfg_, layout, coords);
+    saver_ = std::make_unique<CheckpointSaver>(*state_, *ref_, *groups_.metrics, rank_, tc_.checkpoint_dir,
+                                               tc_.checkpoint_async, cfg_.checkpoint_record(), layout, coords);
   }
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
@@ -490,7 +491,7 @@ void Trainer::save() {
   std::unique_ptr<CheckpointWriter> writer;
   if (rank_ == 0) writer = std::make_unique<CheckpointWriter>(tc_.checkpoint_dir, *ref_, true, st_.step);
   state_->save(writer.get());
-  if (writer) writer->commit(st_, cfg_);
+  if (writer) writer->commit(st_, cfg_.checkpoint_record());
   full_save_ms_ += ms_since(t0);
   ++full_saves_;
 }

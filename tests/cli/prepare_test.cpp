@@ -9,18 +9,18 @@
 #include <string>
 #include <vector>
 
-#include "../train/run_command.h"
+#include "run_command.h"
 #include "cli/data_commands.h"
-#include "train/corpus.h"
-#include "train/data_loader.h"
-#include "train/hf_tokenizer.h"
-#include "train/token_shards.h"
+#include "data/corpus.h"
+#include "data/data_loader.h"
+#include "data/hf_tokenizer.h"
+#include "data/token_shards.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kTok = std::string(MT_SOURCE_DIR) + "/tests/train/data/bpe-llama3-style.json";
+const std::string kTok = std::string(MT_SOURCE_DIR) + "/tests/data/fixtures/bpe-llama3-style.json";
 
 struct Dir {
   fs::path path;

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "train/safetensors.h"
-#include "train/token_shards.h"
+#include "checkpoint/safetensors.h"
+#include "data/token_shards.h"
 
 namespace mt {
 

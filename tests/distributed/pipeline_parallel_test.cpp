@@ -8,7 +8,7 @@
 #include <string>
 
 #include "harness.h"
-#include "parallel/pipeline_schedule.h"
+#include "parallel/layout/pipeline_schedule.h"
 
 namespace mt {
 namespace {

@@ -1,6 +1,6 @@
 // Hugging Face config.json -> ModelConfig (GPT-2, Llama 2 / 3 / 3.1 with llama3 rope scaling, Mistral),
 // refusals naming the field, the config.json written for an export, and Llama 3.1's rotary
-// frequencies against the checked-in vector from transformers (tests/model/data).
+// frequencies against the checked-in vector from transformers (tests/model/fixtures).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "model/hf_config.h"
+#include "model/config/hf_config.h"
 #include "model/transformer.h"
 
 namespace mt {
@@ -90,8 +90,8 @@ TEST(HfModelConfig, Llama31RopeScalingMatchesTransformers) {
   EXPECT_FLOAT_EQ(m.rope_scaling_factor, 8.0f);
   EXPECT_EQ(m.rope_original_max_position, 8192);
   EXPECT_EQ(m.max_position, 131072);
-  std::ifstream f(std::string(MT_SOURCE_DIR) + "/tests/model/data/llama31_rope_inv_freq.json");
-  ASSERT_TRUE(f.good()) << "missing checked-in vector (tests/train/hf_export_check.py --write-vectors)";
+  std::ifstream f(std::string(MT_SOURCE_DIR) + "/tests/model/fixtures/llama31_rope_inv_freq.json");
+  ASSERT_TRUE(f.good()) << "missing checked-in vector (tests/checkpoint/hf_export_check.py --write-vectors)";
   const auto j = nlohmann::json::parse(f);
   const std::vector<double> want = j["inv_freq"].get<std::vector<double>>();
   const std::vector<float> got = m.rope_inv_freq();

@@ -25,7 +25,7 @@ Layout dp_layout(Strategy s, int dp, int64_t mb = 1, int64_t m = 1, Checkpointin
   return l;
 }
 
-// The planner's names are the engine's enums (model/parallel_config.h): labels and aliases parse
+// The planner's names are the engine's enums (parallel/layout/parallel_config.h): labels and aliases parse
 // to them, the config spelling prints; HYBRID_SHARD_ZERO2 is the one strategy it does not model.
 TEST(Names, StrategyLabelsAliasesAndTheUnmodelledHybridZero2) {
   Strategy s{};

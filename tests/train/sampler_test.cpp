@@ -8,13 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "../cli/run_command.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/export.h"
 #include "cli/commands.h"
-#include "run_command.h"
-#include "train/checkpoint.h"
+#include "data/token_shards.h"
 #include "train/config.h"
-#include "train/export.h"
 #include "train/sampler.h"
-#include "train/token_shards.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -60,7 +60,7 @@ TEST_F(Sampler, GreedyContinuesTheLearntCycle) {
 TEST_F(Sampler, WeightsFileSamplesLikeItsCheckpoint) {
   const std::string ck = resolve_checkpoint((dir_ / "ck").string());
   const std::string hf = (dir_ / "hf").string();  // the checkpoint's weights as one Hugging Face file
-  export_checkpoint(ck, hf, int64_t{1} << 40);
+  export_checkpoint(ck, load_checkpoint_config(ck).model_config(), hf, int64_t{1} << 40);
   for (const char* t : {"0", "0.8"}) {
     const std::string a = sample({"--checkpoint", ck, "--temperature", t, "--seed", "3"});
     const std::string b =

@@ -10,16 +10,23 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/export.h"
+#include "checkpoint/safetensors.h"
+#include "data/token_shards.h"
 #include "train/config.h"
-#include "train/export.h"
-#include "train/safetensors.h"
-#include "train/token_shards.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
 
 namespace mt {
 namespace {
+
+// What `meshtrain export` does: the model comes from the checkpoint's own configuration.
+ExportResult export_run(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes) {
+  const std::string dir = resolve_checkpoint(checkpoint);
+  return export_checkpoint(dir, load_checkpoint_config(dir).model_config(), out, max_shard_bytes);
+}
 
 class TrainerTest : public ::testing::Test {
  protected:
@@ -124,7 +131,7 @@ TEST_F(TrainerTest, ResumeIsExactWhenAMatrixHasAsManyRowsAsTheVocabulary) {
 TEST_F(TrainerTest, InitFromStartsFromSavedWeights) {
   auto ck = (dir_ / "ck").string();
   TrainResult a = train(config({{"train.steps", "6"}, {"train.checkpoint_dir", ck}}));
-  export_checkpoint(ck, (dir_ / "hf").string(), int64_t{1} << 40);  // the same weights as one safetensors file
+  export_run(ck, (dir_ / "hf").string(), int64_t{1} << 40);  // the same weights as one safetensors file
   for (const std::string& src : {ck, (dir_ / "hf" / "model.safetensors").string()}) {
     SCOPED_TRACE(src);
     TrainResult b = train(config({{"train.steps", "1"}, {"train.lr", "0"}, {"train.init_from", src}}));
@@ -347,7 +354,7 @@ TEST_F(TrainerTest, ExportWritesAHuggingFaceDirectory) {
   };
   TrainResult t = train(with({{"train.steps", "3"}, {"train.checkpoint_dir", ck}}));
   EXPECT_LT(t.losses.back(), t.losses.front());
-  ExportResult sharded = export_checkpoint(ck, out, 1);  // every tensor its own shard
+  ExportResult sharded = export_run(ck, out, 1);  // every tensor its own shard
   const int64_t n_params = 1 + 2 * 9 + 1;               // embedding, 9 per block, final norm; tied: no lm_head
   EXPECT_EQ(sharded.tensors, n_params);
   EXPECT_EQ(sharded.files, n_params);
@@ -355,7 +362,7 @@ TEST_F(TrainerTest, ExportWritesAHuggingFaceDirectory) {
   EXPECT_EQ(index["weight_map"].size(), static_cast<size_t>(n_params));
   EXPECT_FALSE(index["weight_map"].contains("lm_head.weight"));
   EXPECT_EQ(index["weight_map"]["model.embed_tokens.weight"], "model-00001-of-00020.safetensors");
-  ExportResult one = export_checkpoint(ck, out, int64_t{5} << 30);
+  ExportResult one = export_run(ck, out, int64_t{5} << 30);
   EXPECT_EQ(one.files, 1);
   EXPECT_FALSE(fs::exists(out + "/model.safetensors.index.json"));
   auto cj = nlohmann::json::parse(std::ifstream(out + "/config.json"));
@@ -367,7 +374,7 @@ TEST_F(TrainerTest, ExportWritesAHuggingFaceDirectory) {
   TrainResult a = train(with({{"train.steps", "1"}, {"train.lr", "0"}, {"train.init_from", ck}}));
   TrainResult b = train(with({{"train.steps", "1"}, {"train.lr", "0"}, {"train.init_from", out + "/model.safetensors"}}));
   EXPECT_EQ(a.losses, b.losses);
-  EXPECT_THROW(export_checkpoint((dir_ / "nothing").string(), out, 1), std::runtime_error);
+  EXPECT_THROW(export_run((dir_ / "nothing").string(), out, 1), std::runtime_error);
 }
 
 // train.eval_at_start: a validation loss before the first step, in the final metrics object.
