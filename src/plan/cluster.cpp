@@ -79,7 +79,7 @@ Cluster this_cpu() {
   c.mem_bw_efficiency = 1.0;         // already a measured figure
   c.intra = {5 * GB, 1.0e-6};        // OpenMPI shared memory, between its mid-size and large-message rates
   c.inter = {0.07 * GB, 50e-6};      // network namespaces over a 1 Gbit/s veth, all-reduce bus bandwidth
-  c.overlap_efficiency = 0.7;        // no MPI background progress: what polling hides (docs/bench-notes/comm.md)
+  c.overlap_efficiency = 0.7;        // no MPI background progress: about what polling hides at most
   c.kernel_overhead_s = 5e-6;        // OpenMP fork/join per parallel kernel
   c.host_link_bw = 0;                // host memory *is* device memory: offload frees nothing
   c.host_mem_per_node = 0;
