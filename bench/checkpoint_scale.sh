@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checkpoints at scale (issue 15; summary in docs/benchmarks.md): saving and loading a model of
+# Checkpoints at scale (summary in docs/benchmarks.md): saving and loading a model of
 # ~300 MB of checkpoint state (gpt2 arch, 8 layers, width 512: 25.4M parameters x 12 bytes of fp32
 # weights + two Adam moments) on 1, 2 and 4 ranks under FULL_SHARD, the sharded format (every rank
 # writes its own file; sync and async) against the rank-0 "full" path (rank 0 gathers and writes
@@ -20,13 +20,8 @@ RANKS="1 2 4"
 BUILD=$ROOT/build
 DATA=/tmp/mt_ckbench_data
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --ranks) RANKS=$2; shift 2 ;;
-    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "checkpoint_scale.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --ranks RANKS
+bench_parse "$@"
 bench_out ckscale
 # The corpus: this repository's sources and docs, byte-level (what the model learns does not matter here).
 if [[ ! -f "$DATA/train.bin" ]]; then

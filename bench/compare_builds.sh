@@ -9,19 +9,10 @@
 #        [--threads 2] [--data DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/common.sh
 A="" B="" STEPS=6 REPEATS=3 THREADS=2 DATA=/tmp/mt-bench-gpt2
-while (($#)); do
-  case "$1" in
-    --a) A=$2; shift 2 ;;
-    --b) B=$2; shift 2 ;;
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --threads) THREADS=$2; shift 2 ;;
-    --data) DATA=$2; shift 2 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
-    *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
-  esac
-done
+bench_opt --a A --b B --steps STEPS --repeats REPEATS --threads THREADS
+bench_parse "$@"
 [[ -x "$A" && -x "$B" ]] || { echo "--a and --b must name meshtrain binaries" >&2; exit 2; }
 if [[ ! -f "$DATA/train.bin" ]]; then
   text=../shared/data/tinyshakespeare/input.txt  # English text; Debian's fortunes without it

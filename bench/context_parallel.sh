@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What context parallelism (ring attention, parallel.cp) saves and costs (issue 18).
+# What context parallelism (ring attention, parallel.cp) saves and costs (results in
+# docs/benchmarks.md and docs/context_parallel.md).
 #
 # Part 1, memory and bytes at --seq (exact, from the engine's dry run, which matches a real run byte
 # for byte - DryRun.MatchesARealRunByteForByte): activations, workspace and the cp group's bytes per
@@ -20,36 +21,22 @@ PRESET=llama-mini
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --seq) SEQ=$2; shift 2 ;;
-    --time-seq) TSEQ=$2; shift 2 ;;
-    --steps) STEPS=$2; shift 2 ;;
-    --preset) PRESET=$2; shift 2 ;;
-    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "context_parallel.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --seq SEQ --time-seq TSEQ --steps STEPS --preset PRESET
+bench_parse "$@"
 bench_out context_parallel
 bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset "$PRESET" --train.micro_batch 1 --data.train "$DATA/train.bin"
   --data.val '' --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000 --train.threads 1)
-run() {  # tag, launcher..., -- train args...
-  local tag=$1; shift
-  echo "$tag: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
-  "$@" --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 ||
-    { echo "run failed, see $OUT/$tag.log" >&2; tail -20 "$OUT/$tag.log" >&2; exit 1; }
-}
 echo "context_parallel: $(nproc) cores, $PRESET, seq $SEQ; raw output in $OUT"
 for cp in 1 2 4; do
-  run "dry_cp$cp" "$MT" train "${ARGS[@]}" --model.seq_len "$SEQ" --train.steps 1 --parallel.cp "$cp" --dry-run --world "$cp" --rank 0
-  run "dry_t_cp$cp" "$MT" train "${ARGS[@]}" --model.seq_len "$TSEQ" --train.steps 1 --parallel.cp "$cp" --dry-run --world "$cp" --rank 0
+  bench_run "dry_cp$cp" "$MT" train "${ARGS[@]}" --model.seq_len "$SEQ" --train.steps 1 --parallel.cp "$cp" --dry-run --world "$cp" --rank 0
+  bench_run "dry_t_cp$cp" "$MT" train "${ARGS[@]}" --model.seq_len "$TSEQ" --train.steps 1 --parallel.cp "$cp" --dry-run --world "$cp" --rank 0
 done
-run real_cp1 env MESHTRAIN_MPI=0 "$MT" train "${ARGS[@]}" --model.seq_len "$TSEQ" --train.steps "$STEPS"
+bench_run real_cp1 env MESHTRAIN_MPI=0 "$MT" train "${ARGS[@]}" --model.seq_len "$TSEQ" --train.steps "$STEPS"
 L=(mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" --model.seq_len "$TSEQ" --train.steps "$STEPS" --parallel.cp 2)
-run real_cp2_ring "${L[@]}"
-run real_cp2_allgather "${L[@]}" --parallel.cp_mode allgather
+bench_run real_cp2_ring "${L[@]}"
+bench_run real_cp2_allgather "${L[@]}" --parallel.cp_mode allgather
 
 python3 - "$OUT" "$PRESET" "$SEQ" "$TSEQ" <<'PY'
 import json, sys

@@ -20,17 +20,9 @@ KERNELS=1
 BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --threads) THREADS=$2; shift 2 ;;
-    --dtypes) DTYPES=$2; shift 2 ;;
-    --no-kernels) KERNELS=0; shift ;;
-    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "cpu_levels.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --repeats REPEATS --threads THREADS --dtypes DTYPES
+bench_flag --no-kernels KERNELS=0
+bench_parse "$@"
 bench_out cpu_levels
 bench_setup "$BUILD" "$DATA" bench/kernel_bench
 

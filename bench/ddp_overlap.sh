@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# DDP communication/computation overlap over a slow link (issue 4, "Performance"; results in
-# docs/bench-notes/ddp.md). Needs root (network namespaces).
+# DDP communication/computation overlap over a slow link (results in docs/bench-notes/ddp.md).
+# Needs root (network namespaces).
 #
 # Two ranks, one per "node": bench/two_nodes.sh builds two network namespaces joined by a veth
 # pair shaped with tc tbf to --rate (default 1gbit), so the gradient all-reduce (fp32, 120 MB for
@@ -29,17 +29,8 @@ THREADS=1
 BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --rate) RATE=$2; shift 2 ;;
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --buckets) BUCKETS=$2; shift 2 ;;
-    --threads) THREADS=$2; shift 2 ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "ddp_overlap.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --rate RATE --steps STEPS --repeats REPEATS --buckets BUCKETS --threads THREADS
+bench_parse "$@"
 [[ $EUID -eq 0 ]] || { echo "ddp_overlap.sh: needs root" >&2; exit 1; }
 bench_out ddp_overlap
 bench_setup "$BUILD" "$DATA"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DDP scaling on one machine (issue 4, "Performance"; results in docs/bench-notes/ddp.md):
+# DDP scaling on one machine (results in docs/bench-notes/ddp.md):
 # meshtrain 2 ranks x 1 thread vs 1 rank x 1 thread on the benchmark config (gpt2-small-cpu,
 # micro-batch 4 per rank, fp32), scaling efficiency = tokens/s(2 ranks) / (2 x tokens/s(1 rank)).
 # Optionally (--pytorch, default when /usr/bin/python3 has torch) the same pair in PyTorch in the
@@ -13,9 +13,9 @@
 # its ranks) and 1 OpenMP thread per rank. Each run's line gives the steal: the share of the
 # machine's CPU time the hypervisor gave other guests meanwhile.
 #
-# usage: bench/ddp_scaling.sh [--steps N] [--repeats R] [--torch-steps N] [--no-pytorch] [--python PY]
+# usage: bench/ddp_scaling.sh [--steps N] [--repeats R] [--torch-steps N] [--pytorch] [--no-pytorch]
+#                             [--python PY] [--build DIR] [--data DIR] [--out DIR]
 #   --python PY: the interpreter whose torch is the peer (default /usr/bin/python3, Debian's 1.13)
-#                             [--build DIR] [--data DIR] [--out DIR]
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,21 +25,14 @@ REPEATS=3
 TORCH_STEPS=6
 PYTORCH=auto
 PY=/usr/bin/python3
+PY_ARG=
 BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --torch-steps) TORCH_STEPS=$2; shift 2 ;;
-    --pytorch) PYTORCH=1; shift ;;
-    --python) PY=$2; PYTORCH=1; shift 2 ;;
-    --no-pytorch) PYTORCH=0; shift ;;
-    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "ddp_scaling.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --repeats REPEATS --torch-steps TORCH_STEPS --python PY_ARG
+bench_flag --pytorch PYTORCH=1 --no-pytorch PYTORCH=0
+bench_parse "$@"
+if [[ -n $PY_ARG ]]; then PY=$PY_ARG; [[ $PYTORCH == 0 ]] || PYTORCH=1; fi
 bench_out ddp_scaling
 if [[ $PYTORCH == auto ]]; then
   if "$PY" -c 'import torch' 2>/dev/null; then PYTORCH=1; else PYTORCH=0; fi

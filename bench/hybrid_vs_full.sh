@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FULL_SHARD across all 4 ranks vs HYBRID_SHARD (dp_shard 2 inside a "node", dp_replicate 2 across)
-# over two "nodes" joined by a shaped link (issue 5, "Performance"; results in
-# docs/bench-notes/fsdp.md). Needs root: it runs bench/two_nodes.sh, which builds the namespaces
-# mtnode0/mtnode1 (10.99.0.1/.2, nothing else touched) and deletes them when the job ends.
+# over two "nodes" joined by a shaped link (results in docs/bench-notes/fsdp.md). Needs root: it
+# runs bench/two_nodes.sh, which builds the namespaces mtnode0/mtnode1 (10.99.0.1/.2, nothing else
+# touched) and deletes them when the job ends.
 #
 # Layout: 2 ranks per node, ranks 0,1 on mtnode0 and 2,3 on mtnode1 (two_nodes.sh fills a node's
 # slots first). meshtrain lays dp_shard out fastest, so HYBRID_SHARD's shard groups are {0,1} and
@@ -31,22 +31,9 @@ RATES="1gbit unshaped"
 BUILD=$ROOT/build-fsdpbench
 DATA=/tmp/fsdpdata
 OUT=
-WAIT=1
-MAX_LOAD=1.5
-LOAD_WAIT=300
-WAIT_PATTERN=${WAIT_PATTERN:-'ddp_overlap|ddp_scaling|train_throughput|pytorch_compare|two_nodes'}
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --rates) RATES=$2; shift 2 ;;
-    --no-wait) WAIT=0; shift ;;
-    --max-load) MAX_LOAD=$2; shift 2 ;;
-    --load-wait) LOAD_WAIT=$2; shift 2 ;;
-    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "hybrid_vs_full.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --repeats REPEATS --rates RATES
+bench_quiet_options
+bench_parse "$@"
 [[ $EUID -eq 0 ]] || { echo "hybrid_vs_full.sh: needs root (network namespaces)" >&2; exit 1; }
 bench_out hybrid
 BENCH_TEXTS="fortunes literature" bench_setup "$BUILD" "$DATA"
@@ -59,34 +46,12 @@ ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/tr
 # another job has them (and, with --no-wait, refuse); never delete namespaces this script did not make.
 ns_busy() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qE '^mtnode(0|1|br)$'; }
 wait_quiet() {
-  local waited=0
-  if [[ $WAIT == 1 ]]; then
-    while pgrep -f "$WAIT_PATTERN" >/dev/null || ns_busy; do sleep 10; waited=$((waited + 10)); done
-  fi
-  ((waited == 0)) || echo "  (waited ${waited}s for other benchmarks to finish)"
+  bench_wait_quiet ns_busy
   if ns_busy; then
     echo "hybrid_vs_full.sh: namespaces mtnode* exist (another two_nodes.sh job, or a --keep run); not touching them" >&2
     exit 1
   fi
-  [[ $WAIT == 1 ]] || return 0
-  wait_for_load "$MAX_LOAD" "$LOAD_WAIT"
 }
-
-# CPU ticks (utime+stime) of the rank processes, sampled until $1 exits: lines "pid ticks".
-sample_ticks() {  # sample_ticks PID FILE
-  local pid=$1 file=$2 p
-  : >"$file"
-  while kill -0 "$pid" 2>/dev/null; do
-    for p in $(pgrep -x meshtrain || true); do
-      if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q "^$MT train "; then
-        awk -v p="$p" '{print p, $14 + $15}' "/proc/$p/stat" 2>/dev/null >>"$file" || true
-      fi
-    done
-    sleep 0.5
-  done
-}
-# Busy CPU ticks of the whole machine (all cores, /proc/stat: user nice system irq softirq steal).
-busy_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
 
 echo "hybrid_vs_full: rates $RATES, $STEPS steps, $REPEATS repeat(s); raw output in $OUT"
 echo "load before: $(uptime)" | tee "$OUT/load.txt"
@@ -112,7 +77,7 @@ for ((r = 1; r <= REPEATS; r++)); do
       "$ROOT/bench/two_nodes.sh" -p 2 "${ropt[@]}" -- "$MT" train "${ARGS[@]}" "${extra[@]}" \
         --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 &
       jpid=$!
-      sample_ticks "$jpid" "$OUT/$tag.ticks" &
+      sample_ranks "$jpid" "$OUT/$tag.ticks" &
       spid=$!
       wait "$jpid" || rc=$?
       wait "$spid" || true
@@ -142,7 +107,7 @@ for tag, rc, sent, *load in (l.split() for l in open(f"{out}/runs.txt")):
     rec = {"rc": int(rc), "load": load[0], "sent": int(sent)}
     ticks = collections.defaultdict(int)
     for l in open(f"{out}/{tag}.ticks"):
-        p, tk = l.split()
+        p, _, tk = l.split()
         ticks[p] = max(ticks[p], int(tk))
     busy, wall = cpu[tag]
     # CPU-seconds used during the run by everything but the rank processes (other users' jobs,

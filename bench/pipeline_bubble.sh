@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Pipeline bubble, measured by the engine, next to the formula (issue 6, "Performance").
+# Pipeline bubble, measured by the engine, next to the formula (results in
+# docs/bench-notes/pipeline.md).
 #
 # For p = 2 and 4 pipeline ranks, each schedule (gpipe, 1f1b, interleaved_1f1b with v = 2) and
 # m = 4, 8, 16 micro-batches, runs `meshtrain train --parallel.pp p` on a GPT of 8 blocks (width
@@ -21,15 +22,8 @@ MICRO="4 8 16"
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --ranks) RANKS=$2; shift 2 ;;
-    --micro) MICRO=$2; shift 2 ;;
-    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "pipeline_bubble.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --ranks RANKS --micro MICRO
+bench_parse "$@"
 bench_out pp_bubble
 bench_setup "$BUILD" "$DATA"
 
@@ -44,11 +38,9 @@ for p in $RANKS; do
     [[ $sched == interleaved_1f1b ]] && v=2
     for m in $MICRO; do
       tag=p${p}_${sched}_m$m
-      echo "$tag: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
-      mpirun -np "$p" --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
+      bench_run "$tag" mpirun -np "$p" --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
         --parallel.pp "$p" --parallel.pp_schedule "$sched" --parallel.pp_virtual_stages "$v" \
-        --train.grad_accum "$m" --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 ||
-        { echo "run failed, see $OUT/$tag.log" >&2; tail -20 "$OUT/$tag.log" >&2; exit 1; }
+        --train.grad_accum "$m"
     done
   done
 done

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch reference for the meshtrain benchmark config (issues 2 and 4, "Performance").
+"""PyTorch reference for the meshtrain benchmark config (single-process and DDP throughput).
 
 The same model as `meshtrain train --model.preset gpt2-small-cpu --train.micro_batch 4`: GPT-2
 (learned positions, pre-LayerNorm blocks, tanh-GELU MLP, tied LM head), 6 layers, 6 heads, width
@@ -13,8 +13,8 @@ Modes (--mode, comma-separated; default eager,ddp):
          1 thread each (torch.set_num_threads(1), OPENBLAS_NUM_THREADS=1), default 25 MB buckets;
          tokens/s counts the global batch (ranks x 1024 tokens)
 Threads (--threads, eager only): "default" leaves PyTorch as it comes (Debian's 1.13: 1 intra-op
-thread; its GEMMs go to OpenBLAS, which starts its own threads, one per core) -- the setting
-machine.md found fastest; "1" pins everything to one thread (OPENBLAS_NUM_THREADS=1), the fair
+thread; its GEMMs go to OpenBLAS, which starts its own threads, one per core) -- the fastest
+setting for that build; "1" pins everything to one thread (OPENBLAS_NUM_THREADS=1), the fair
 partner for meshtrain's 1-thread runs; "2" sets 2 torch threads and 2 OpenBLAS threads.
 
 Prints one JSON line per measurement: {"mode", "dtype", "threads", "ranks", "tokens_per_s"
@@ -24,7 +24,7 @@ Install (Debian 12):  apt-get install -y python3-torch libgoogle-perftools4
 Run with /usr/bin/python3 (the interpreter that has torch). tcmalloc: the script re-executes
 itself with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 when that library exists and
 is not preloaded yet (--no-tcmalloc to skip): with glibc malloc PyTorch re-faults its big buffers
-every step and runs several times slower on these machines (reference/machine.md).
+every step and runs several times slower.
 
   /usr/bin/python3 bench/pytorch_compare.py --steps 10 --mode eager,ddp --dtypes fp32,bf16
   # side by side with meshtrain (same config, dtype, threads; torch "default" vs meshtrain 2 threads):

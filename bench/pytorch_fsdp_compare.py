@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch FSDP (FULL_SHARD, SHARD_GRAD_OP) on CPU with gloo, beside meshtrain (issue 5, "Performance").
+"""PyTorch FSDP (FULL_SHARD, SHARD_GRAD_OP) on CPU with gloo, beside meshtrain (docs/bench-notes/fsdp.md).
 
 Same model and step as bench/pytorch_compare.py and `meshtrain train --model.preset gpt2-small-cpu
 --train.micro_batch 4`: GPT-2 (learned positions, pre-LN, tanh GELU, tied head), 6 layers, 6 heads,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sharded data parallelism per strategy (issue 5, "Performance"; results in docs/bench-notes/fsdp.md):
+# Sharded data parallelism per strategy (results in docs/bench-notes/fsdp.md):
 # NO_SHARD (DDP), ZERO1, SHARD_GRAD_OP, FULL_SHARD at 2 and 4 ranks, HYBRID_SHARD (2 replicas x
 # 2 shards) at 4 ranks, on the benchmark config (gpt2-small-cpu, micro-batch 4 per rank, fp32,
 # 1 thread per rank). Per run, from rank 0's metrics file (--log.metrics_out):
@@ -8,11 +8,11 @@
 #   memory     peak and resident-after-step bytes per rank by category (mem_peak_by_category_per_rank,
 #              mem_resident_by_category_per_rank): the table shows rank 0 (all ranks are in the raw
 #              files), the model state params+grads+optimizer, and the peak RSS (VmHWM) of every rank
-#              process sampled from /proc every 0.3 s (max over ranks).
-# Before each run the script waits until no other benchmark runs (this machine has 2 cores and is
-# shared: see WAIT_PATTERN), then until the 1-minute load average is at most --max-load (polled
-# every 30 s, at most --load-wait seconds; after that it starts anyway and says so), and records
-# `uptime` next to the run (uptime.txt; the load column of the table).
+#              process sampled from /proc every 0.5 s (max over ranks).
+# Before each run the script waits until no other benchmark runs (WAIT_PATTERN), then until the
+# 1-minute load average is at most --max-load (polled every 30 s, at most --load-wait seconds; after
+# that it starts anyway and says so), and records `uptime` next to the run (uptime.txt; the load
+# column of the table).
 #
 # usage: bench/strategies.sh [--steps N] [--repeats R] [--ranks "2 4"] [--strategies "NO_SHARD ..."]
 #                            [--dtype f32|bf16] [--build DIR] [--data DIR] [--out DIR] [--no-wait]
@@ -30,66 +30,17 @@ DTYPE=f32
 BUILD=$ROOT/build-fsdpbench
 DATA=/tmp/fsdpdata
 OUT=
-WAIT=1
 RESUME=0
-MAX_LOAD=1.5
-LOAD_WAIT=300
-WAIT_PATTERN=${WAIT_PATTERN:-'ddp_overlap|ddp_scaling|train_throughput|pytorch_compare|two_nodes'}
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --ranks) RANKS=$2; shift 2 ;;
-    --strategies) STRATEGIES=$2; shift 2 ;;
-    --dtype) DTYPE=$2; shift 2 ;;
-    --no-wait) WAIT=0; shift ;;
-    --max-load) MAX_LOAD=$2; shift 2 ;;
-    --load-wait) LOAD_WAIT=$2; shift 2 ;;
-    --resume) RESUME=1; shift ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "strategies.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --repeats REPEATS --ranks RANKS --strategies STRATEGIES --dtype DTYPE
+bench_flag --resume RESUME=1
+bench_quiet_options
+bench_parse "$@"
 bench_out strategies
 BENCH_TEXTS="fortunes literature" bench_setup "$BUILD" "$DATA"
 
 ARGS=(--model.preset gpt2-small-cpu --train.micro_batch 4 --data.train "$DATA/train.bin" --data.val ''
   --train.steps "$STEPS" --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000
   --train.threads 1 --train.dtype "$DTYPE")
-
-wait_quiet() {
-  [[ $WAIT == 1 ]] || return 0
-  local waited=0
-  while pgrep -f "$WAIT_PATTERN" >/dev/null; do sleep 10; waited=$((waited + 10)); done
-  ((waited == 0)) || echo "  (waited ${waited}s for other benchmarks to finish)"
-  # then for the load left by the previous run or by anything else on the machine
-  wait_for_load "$MAX_LOAD" "$LOAD_WAIT"
-}
-
-# Peak RSS and CPU ticks (utime+stime) of the rank processes (argv[0] = $MT, argv[1] = train),
-# sampled every 0.5 s until $1 exits: lines "pid VmHWM_kB ticks". Bash builtins only (no process
-# per sample), so that the sampler itself costs little of the two cores.
-sample_hwm() {  # sample_hwm PID FILE
-  local pid=$1 file=$2 d p c k v rest hwm st argv
-  : >"$file"
-  while kill -0 "$pid" 2>/dev/null; do
-    for d in /proc/[0-9]*; do
-      p=${d#/proc/}
-      { read -r c <"$d/comm"; } 2>/dev/null || continue
-      [[ $c == meshtrain ]] || continue
-      { mapfile -d '' -t argv <"$d/cmdline"; } 2>/dev/null || continue
-      [[ ${argv[0]:-} == "$MT" && ${argv[1]:-} == train ]] || continue
-      hwm=
-      { while read -r k v rest; do [[ $k == VmHWM: ]] && { hwm=$v; break; }; done <"$d/status"; } 2>/dev/null
-      { read -r -a st <"$d/stat"; } 2>/dev/null || continue
-      [[ -n $hwm ]] && echo "$p $hwm $((st[13] + st[14]))" >>"$file"
-    done
-    sleep 0.5
-  done
-}
-
-# Busy CPU ticks of the whole machine (all cores, /proc/stat: user nice system irq softirq steal).
-busy_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
 
 runs=()
 for n in $RANKS; do
@@ -128,7 +79,7 @@ for ((r = 1; r <= REPEATS; r++)); do
     fi
     extra=(--parallel.strategy "$s")
     [[ $s == HYBRID_SHARD* ]] && extra+=(--parallel.dp_replicate 2 --parallel.dp_shard 2)
-    wait_quiet
+    bench_wait_quiet
     load=$(cut -d' ' -f1-3 /proc/loadavg | tr ' ' /)
     echo "$tag: $(uptime)" >>"$OUT/uptime.txt"
     t0=$(date +%s)
@@ -136,7 +87,7 @@ for ((r = 1; r <= REPEATS; r++)); do
     "$MT" launch -n "$n" --threads 1 -- train "${ARGS[@]}" "${extra[@]}" \
       --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 &
     pid=$!
-    sample_hwm "$pid" "$OUT/$tag.hwm" &
+    sample_ranks "$pid" "$OUT/$tag.hwm" &
     spid=$!
     rc=0
     wait "$pid" || rc=$?

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What tensor parallelism costs (issue 6, "Performance").
+# What tensor parallelism costs (results in docs/bench-notes/pipeline.md).
 #
 # Part 1, one machine (shared memory): 2 ranks as DDP (NO_SHARD) vs tp=2 vs tp=2 with sequence
 # parallelism, same model and global batch: step time, tokens/s, exposed communication, and the
@@ -25,16 +25,8 @@ MICRO=4
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --rate) RATE=$2; shift 2 ;;
-    --part) PART=$2; shift 2 ;;
-    --micro) MICRO=$2; shift 2 ;;
-    -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "tp_cost.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --rate RATE --part PART --micro MICRO
+bench_parse "$@"
 bench_out tp_cost
 bench_setup "$BUILD" "$DATA"
 
@@ -42,28 +34,22 @@ bench_setup "$BUILD" "$DATA"
 ARGS=(--model.preset gpt2-mini --model.n_layer 6 --model.n_embd 384 --model.n_head 6 --model.seq_len 256
   --data.train "$DATA/train.bin" --data.val '' --train.steps "$STEPS" --train.eval_every 0
   --train.sample_tokens 0 --log.print_every 1000 --train.threads 1)
-run() {  # tag, launcher..., -- train args...
-  local tag=$1; shift
-  echo "$tag: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
-  "$@" --log.metrics_out "$OUT/$tag.jsonl" >"$OUT/$tag.log" 2>&1 ||
-    { echo "run failed, see $OUT/$tag.log" >&2; tail -20 "$OUT/$tag.log" >&2; exit 1; }
-}
 echo "tp_cost: $(nproc) cores, $STEPS steps per run; raw output in $OUT"
 if [[ $PART == 1 || $PART == both ]]; then
   L=(mpirun -np 2 --bind-to none -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" --train.micro_batch 4)
-  run ddp2 "${L[@]}"
-  run tp2 "${L[@]}" --parallel.tp 2 --train.micro_batch 8
-  run tp2_sync "${L[@]}" --parallel.tp 2 --train.micro_batch 8 --parallel.tp_overlap false
-  run tp2sp "${L[@]}" --parallel.tp 2 --parallel.sequence_parallel true --train.micro_batch 8
+  bench_run ddp2 "${L[@]}"
+  bench_run tp2 "${L[@]}" --parallel.tp 2 --train.micro_batch 8
+  bench_run tp2_sync "${L[@]}" --parallel.tp 2 --train.micro_batch 8 --parallel.tp_overlap false
+  bench_run tp2sp "${L[@]}" --parallel.tp 2 --parallel.sequence_parallel true --train.micro_batch 8
 fi
 if [[ $PART == 2 || $PART == both ]]; then
   [[ $EUID -eq 0 ]] || { echo "tp_cost.sh: part 2 needs root (network namespaces)" >&2; exit 1; }
   trap '"$ROOT/bench/two_nodes.sh" --cleanup >/dev/null 2>&1 || true' EXIT
   T=("$ROOT/bench/two_nodes.sh" --rate "$RATE" -p 2)
   TA=("$MT" train "${ARGS[@]}" --parallel.tp 2 --train.micro_batch "$MICRO")
-  OMP_NUM_THREADS=1 run tp_in_node "${T[@]}" -- "${TA[@]}"
-  OMP_NUM_THREADS=1 run tp_across "${T[@]}" -x "--map-by node" -- "${TA[@]}"
-  OMP_NUM_THREADS=1 run tp_across_sync "${T[@]}" -x "--map-by node" -- "${TA[@]}" --parallel.tp_overlap false
+  OMP_NUM_THREADS=1 bench_run tp_in_node "${T[@]}" -- "${TA[@]}"
+  OMP_NUM_THREADS=1 bench_run tp_across "${T[@]}" -x "--map-by node" -- "${TA[@]}"
+  OMP_NUM_THREADS=1 bench_run tp_across_sync "${T[@]}" -x "--map-by node" -- "${TA[@]}" --parallel.tp_overlap false
 fi
 
 MICRO=$MICRO python3 - "$OUT" <<'EOF'

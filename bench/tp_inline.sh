@@ -14,14 +14,8 @@ REPEATS=3
 BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    -h | --help) sed -n '2,8p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "tp_inline.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --repeats REPEATS
+bench_parse "$@"
 bench_out tp_inline
 bench_setup "$BUILD" "$DATA"
 echo "tp_inline: $REPEATS repeats x $STEPS steps; raw output in $OUT; load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training throughput of the benchmark config next to the GEMM ceiling measured in the same run
-# (issue 2, "Performance"; results and discussion in docs/bench-notes/train.md).
+# (results and discussion in docs/bench-notes/train.md and docs/benchmarks.md).
 #
 # Config: --model.preset gpt2-small-cpu (GPT-2: 6 layers, 6 heads, width 384, seq 256, vocab
 # 50257 padded to 50304, tied head) with --train.micro_batch 4 (1024 tokens per step), one process,
@@ -15,10 +15,10 @@
 #      sum(flops) / sum(flops_i / rate_i), each shape weighted by how often a step runs it
 #      (6 layers x qkv/attn_proj/fc/proj, 1 x lm_head). (bench/gemm_libs measures the same
 #      shapes for several libraries; it times a burst of calls, which the load on a shared
-#      2-core machine disturbs more: see docs/bench-notes/train.md.)
-#      This CPU (AMD EPYC Zen 3, AVX2+FMA) has no AVX-512 and no AVX512_BF16: oneDNN 2.6 has no bf16
-#      GEMM for it, so gemm_bf16 widens bf16 blocks to fp32 and calls sgemm; its "ceiling" is that
-#      widening path, and the fp32 sgemm ceiling is also the best any bf16 path can reach here.
+#      machine disturbs more: see docs/bench-notes/train.md.)
+#      gemm_bf16 is the engine's own bf16 path on this CPU: the AMX tile GEMM, oneDNN's bf16 matmul
+#      (AVX512_BF16), or, on a CPU without bf16 arithmetic (AVX2, plain AVX-512), bf16 blocks
+#      widened to fp32 and sgemm - there the fp32 sgemm ceiling is the best any bf16 path reaches.
 #      kernel_bench also measures the cores' fp32 FMA peak (independent vector FMA chains on every
 #      thread): no GEMM, and so no engine that performs the model's flops, can run faster.
 #   2. `meshtrain train` in fp32 1t, fp32 2t, bf16 1t, bf16 2t.
@@ -62,18 +62,8 @@ BUILD=$ROOT/build-bench
 DATA=/tmp/mt_benchdata
 OUT=
 PYTORCH=
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --steps) STEPS=$2; shift 2 ;;
-    --repeats) REPEATS=$2; shift 2 ;;
-    --threads) THREADS=$2; shift 2 ;;
-    --dtypes) DTYPES=$2; shift 2 ;;
-    --kb-time) KB_TIME=$2; shift 2 ;;
-    --pytorch) PYTORCH=$2; shift 2 ;;
-    -h | --help) sed -n '2,51p' "$0"; exit 0 ;;
-    *) bench_option "$@" && shift 2 || { echo "train_throughput.sh: unknown option $1" >&2; exit 2; } ;;
-  esac
-done
+bench_opt --steps STEPS --repeats REPEATS --threads THREADS --dtypes DTYPES --kb-time KB_TIME --pytorch PYTORCH
+bench_parse "$@"
 bench_out train_throughput
 
 bench_setup "$BUILD" "$DATA" bench/kernel_bench

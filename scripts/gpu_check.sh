@@ -2,12 +2,12 @@
 # The GPU check, run from the kit (scripts/gpu_kit.sh) on the GPU machine; results under $OUT when
 # set (else ./gpu_check_out). Single process, no mpirun. Finishes in well under 8 minutes.
 #
-# What it runs today (docs/gpu.md): the machine's identity, then
+# What it runs (docs/gpu.md): the machine's identity, then
 #   (a) every CUDA kernel against the CPU kernel on random inputs, forward and backward, fp32 and
 #       bf16, with the tolerances stated in tests/kernels/cuda_kernels_test.cpp (a failure prints
 #       the worst element and its error), and the CUDA device's allocator and copies;
 #   (b) and (c) - training steps on the GPU against the CPU, and the GPT-2 124M throughput run
-#       against PyTorch - are NOT here yet: training is not wired to the CUDA device.
+#       against PyTorch - are NOT here: training is not wired to the CUDA device.
 set -uo pipefail
 KIT=$(cd "$(dirname "$0")" && pwd)
 OUTDIR=${OUT:-$PWD/gpu_check_out}
@@ -30,6 +30,6 @@ if grep -q "GPU kernel test not run\|no CUDA device" "$log"; then
   say "gpu_check: some GPU tests were SKIPPED (no usable CUDA device): this is not a GPU result"
   rc=1
 fi
-say "== (b) training parity and (c) throughput: not implemented yet (training is not wired to the CUDA device)"
+say "== (b) training parity and (c) throughput: not implemented (training is not wired to the CUDA device)"
 say "gpu_check: $([ $rc -eq 0 ] && echo PASS || echo FAIL) (part (a) only)"
 exit $rc

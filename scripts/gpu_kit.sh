@@ -7,7 +7,7 @@
 #
 #   scripts/gpu_kit.sh [KIT_DIR]      (default: gpu_kit; the kit must stay under 60 MiB)
 #
-# docs/gpu.md says what the check covers today.
+# docs/gpu.md says what the check covers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${1:-gpu_kit}

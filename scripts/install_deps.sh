@@ -4,7 +4,8 @@
 #   --demo  adds `fortunes` (the demo's English text)
 #   --test  adds the oracles of the reference tests: Debian's python3-torch (the Hugging Face
 #           weight-layout check; with libopenblas0-pthread, without which its BLAS is the
-#           unoptimised reference one and the bench scripts' PyTorch peer runs at ~5 GFLOP/s), the `tokenizers` package from PyPI (the tokenizer.json check)
+#           unoptimised reference one and the bench scripts' PyTorch peer runs tens of times slower),
+#           the `tokenizers` package from PyPI (the tokenizer.json check)
 #           and `transformers` from PyPI for Debian's python3 (the export check); none is a
 #           dependency of meshtrain itself.
 set -euo pipefail

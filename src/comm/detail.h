@@ -149,7 +149,7 @@ struct Op {
 // same for every backend. A threaded backend's operations run on the group's communication
 // thread: start() once, then progress() until it returns 2 (collectives; in issue order), or
 // p2p_done() until true (send / recv, concurrently). Other backends complete an operation inside run(), on the
-// calling thread. Backends today: MPI (threaded), threads (threaded), Meta (count-only, see
+// calling thread. Backends: MPI (threaded), threads (threaded), Meta (count-only, see
 // World::init_meta).
 //
 // The desync check (MESHTRAIN_DEBUG=desync) is the front end's: before a collective starts it makes

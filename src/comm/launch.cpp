@@ -80,9 +80,8 @@ LaunchPlan build_launch_plan(const LaunchOptions& o) {
     } else if (o.bind == "cores" && !user_places && int64_t(o.nranks) * threads <= cores) {
       // Each rank on its own `threads` CPUs (logical ones, as counted above): its OpenMP threads
       // and its communication threads share them, and no rank's compute thread is moved onto
-      // another's CPU. Unbound, the scheduler did exactly that on a shared 2-vCPU machine: steps
-      // of gpt2-mini pp 2 took 198-248 ms unbound against 123-136 bound, llama-mini cp 2 53-85 vs
-      // 31-45 ms (docs/comm.md, "Launching").
+      // another's CPU. Unbound, the scheduler does exactly that, and pipeline and context-parallel
+      // steps run markedly slower (docs/comm.md, "Launching").
       p.argv.insert(p.argv.end(), {"--use-hwthread-cpus", "--map-by", "slot:PE=" + std::to_string(threads),
                                    "--bind-to", "hwthread:if-supported"});
     } else if (!user_places) {

@@ -373,12 +373,10 @@ void GroupImpl::run_inline(std::unique_ptr<Op> op) {
     begin(*op);
     start_collective(*op);
     // The caller has nothing else to do until the collective completes, and what it waits for is
-    // mostly its peers arriving (their compute's skew, ~0.1 ms per collective in a tp step): it
-    // polls, yielding, for up to 2 ms before backing off into sleeps like the communication thread
-    // (which must not spin: it shares the cores with compute). Measured on a 2-core Xeon, tp2
-    // gpt2-mini (bench/tp_inline.sh, docs/benchmarks.md): bf16 + SP step 18.3 -> 13.1 ms, exposed
-    // tp time 5.6 -> 2.2 ms (fp32 18.9 -> 16.8, 2.8 -> 2.3), where sleeping made the inline path
-    // slower than the communication thread (16.1 / 3.8).
+    // mostly its peers arriving (their compute's skew): it polls, yielding, for up to 2 ms before
+    // backing off into sleeps like the communication thread (which must not spin: it shares the
+    // cores with compute). Sleeping at once made the inline path slower than the communication
+    // thread; with the polls it is faster (bench/tp_inline.sh, docs/benchmarks.md).
     constexpr int64_t kInlineSpinNs = 2'000'000;
     const int64_t spin_until = now_ns() + kInlineSpinNs;
     unsigned idle = 0;

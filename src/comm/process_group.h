@@ -134,7 +134,7 @@ class ProcessGroup {
   WorkHandle all_to_all_v(const void* send, const size_t* send_counts, void* recv, const size_t* recv_counts,
                           DType dt);
   // Point-to-point; a send matches the recv with the same (source, tag) in posting order.
-  // Tags are 0 .. 2^20-1 (well inside every MPI's limit).
+  // Tags are 0 .. 32767 (the smallest MPI_TAG_UB the MPI standard allows); others are refused.
   WorkHandle send(const void* buf, size_t count, DType dt, int dst, int tag = 0);
   WorkHandle recv(void* buf, size_t count, DType dt, int src, int tag = 0);
   WorkHandle barrier();

@@ -24,7 +24,7 @@ AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_no
   st.seq = opts.seq > 0 ? opts.seq : model.seq_len;
   st.grad_bytes = 4;    // this engine keeps fp32 gradients
   st.reduce_bytes = 4;  // and reduces them in fp32
-  st.attention = AttentionImpl::Flash;  // kernels/attention.h keeps only the log-sum-exp
+  st.attention = AttentionImpl::Flash;  // kernels/cpu/attention.h keeps only the log-sum-exp
   st.dropout = false;
   st.bucket_bytes = 25e6;  // parallel.bucket_mb = 25 (MB of 1e6 bytes)
   st.micro_batch = opts.micro_batch;
@@ -34,7 +34,7 @@ AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_no
 
   PlanOptions po;
   po.top_k = 1;
-  po.tp = 1;  // tensor and pipeline parallelism are not implemented yet
+  po.tp = 1;  // data-parallel layouts only (see auto_layout.h)
   po.pp = 1;
   po.allow_offload = false;
   // One rank has nothing to shard: the planner only knows the single-replica layout then.

@@ -1,6 +1,7 @@
-// `meshtrain train --auto`: the planner's choice of layout for the ranks a job was given, restricted
-// to what the engine implements today (data parallelism: DDP, ZeRO-1/2/3, HSDP; activation
-// checkpointing; gradient accumulation; no tensor or pipeline parallelism, no CPU offload).
+// `meshtrain train --auto`: the planner's choice of layout for the ranks a job was given, among
+// data-parallel layouts only (DDP, ZeRO-1/2/3, HSDP; activation checkpointing; gradient
+// accumulation). It always answers tp = pp = 1: the engine's tensor and pipeline parallelism are set
+// by hand (`meshtrain plan` ranks layouts with them). No CPU offload: the engine has none.
 //
 //   mt::plan::AutoLayout a = mt::plan::auto_layout(model_config, world_size, ranks_per_node,
 //                                                  micro_batch * seq_len * grad_accum * world_size);
@@ -34,7 +35,7 @@ struct AutoLayout {
   int dp_replicate = 1;               // parallel.dp_replicate (> 1 only for HYBRID_SHARD)
   int dp_shard = 1;                   // parallel.dp_shard (the world size for NO_SHARD / ZERO1 / ...; the shard
                                       // group for HYBRID_SHARD); dp_replicate x dp_shard = world_size
-  int tp = 1, pp = 1;                 // always 1 today
+  int tp = 1, pp = 1;                 // always 1: --auto chooses data-parallel layouts only
   std::string activation_checkpointing = "none";  // train.activation_checkpointing: none | selective | full
   int64_t micro_batch = 1;            // train.micro_batch
   int64_t grad_accum = 1;             // train.grad_accum; micro_batch x grad_accum x world = global batch

@@ -64,7 +64,7 @@ Cluster this_cpu() {
   c.device = "rank";
   c.gpus_per_node = 2;
   c.shared_node = true;
-  // Whole-node figures (per_rank() splits them): reference/machine.md.
+  // Whole-node figures (per_rank() splits them), from probes of that machine.
   c.mem_per_gpu = 23 * GiB;
   c.mem_reserved = 2 * GiB;          // OS, MPI, page cache the job needs
   // /proc/cpuinfo shows AVX2 and no AVX-512: 2 FMA units x 8 floats x 2 flops x ~3 GHz per core.
@@ -77,9 +77,9 @@ Cluster this_cpu() {
       "models (attention, softmax and elementwise code dominate at these shapes)";
   c.mem_bw = 46 * GB;                // STREAM triad, 2 threads
   c.mem_bw_efficiency = 1.0;         // already a measured figure
-  c.intra = {5 * GB, 1.0e-6};        // OpenMPI shared memory: 9 GB/s at 4 MiB, 4 GB/s at 256 MiB
-  c.inter = {0.07 * GB, 50e-6};      // network namespaces over a 1 Gbit/s veth (measured 0.06-0.085)
-  c.overlap_efficiency = 0.7;        // no MPI background progress: polling hid at most ~70%
+  c.intra = {5 * GB, 1.0e-6};        // OpenMPI shared memory, between its mid-size and large-message rates
+  c.inter = {0.07 * GB, 50e-6};      // network namespaces over a 1 Gbit/s veth, all-reduce bus bandwidth
+  c.overlap_efficiency = 0.7;        // no MPI background progress: about what polling hides at most
   c.kernel_overhead_s = 5e-6;        // OpenMP fork/join per parallel kernel
   c.host_link_bw = 0;                // host memory *is* device memory: offload frees nothing
   c.host_mem_per_node = 0;

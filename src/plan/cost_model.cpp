@@ -627,8 +627,7 @@ Estimate estimate(const ModelConfig& m, const Cluster& cluster_in, const TrainSe
   // In bf16 the activations and the input gradients' sums travel in bf16 (TpComm's *_activations
   // calls, parallel/tensor_parallel.cpp); under SP the gathered output gradients, which also feed
   // bias and embedding gradients, travel in fp32 (TpContext::gather_grad). Checked against the
-  // engine's bytes by plan --validate and its test, to the byte (until 2026-12-03 the input-gradient
-  // sums were counted in fp32: +50% on tp without SP in bf16, and SP's norm all-reduces were missing).
+  // engine's bytes by plan --validate and its test, to the byte.
   if (t > 1) {
     const double act = tokens * x.h * e, grad = tokens * x.h * 4.0;
     const double fwd_passes = 1.0 + rc_mm;  // recomputed layers re-issue their forward collectives

@@ -161,9 +161,9 @@ bool is_meta_pointer(const void* p) {
 
 namespace dev {
 namespace {
-// Host memset / memcpy of large buffers on every compute thread: one core's stores reach about
-// half the bandwidth two do (measured on a 2-core Xeon: memset of 121 MB 14.0 -> 7.2 ms, memcpy
-// 19.5 -> 10.2 ms; a step zeroes every gradient once). Contiguous, 4 KiB-aligned pieces.
+// Host memset / memcpy of large buffers on every compute thread: one core's stores reach only
+// part of the bandwidth all cores do, and a step zeroes every gradient once (figures:
+// docs/cpu.md, "Large GEMMs: the LM head in bf16"). Contiguous, 4 KiB-aligned pieces.
 constexpr size_t kParallelBytes = size_t(4) << 20;
 template <class F>
 void host_parallel(size_t bytes, F&& piece) {

@@ -6,7 +6,7 @@
 // outside the kernels never touches tensor memory directly: it calls these, or a kernel through
 // the device's kernel table (kernels/backend.h).
 //
-// Devices today:
+// Devices:
 //   CPU  - host memory from the caching allocator (runtime/memory.h); operations run at once on the
 //          calling thread (its stream is synchronous).
 //   Meta - counts bytes by category without allocating. Pointers lie in a reserved, inaccessible

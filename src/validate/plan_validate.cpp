@@ -339,7 +339,7 @@ ComputeCeiling probe_compute(const ValidateOptions& o, const std::string& dir, c
   for (int i = 0; i < e.ranks; ++i) place_like_rank(kids[static_cast<size_t>(i)].pid, i, e.ranks, threads);
   // A step waits for its slowest rank at every collective. With every rank on CPUs of its own
   // (launch binds them) that rank's CPUs stay the slowest, and the job runs at the pace of the
-  // slowest probe (on a 2-vCPU VM one vCPU ran the probe 8-15% slower than the other, alone). Ranks
+  // slowest probe (on a VM one vCPU can run the probe measurably slower than another, alone). Ranks
   // that time-share cores even out over a step: the mean of the probes.
   const bool own_cpus = static_cast<int64_t>(e.ranks) * threads <= cores;
   ComputeCeiling sum;
@@ -391,9 +391,8 @@ CommCeiling probe_comm(const ValidateOptions& o, const std::string& dir, int ran
                                    "--min-bytes", "32K",       "--max-bytes", "4M",
                                    "--factor",    "4",         "--no-mpi",    "--no-check"};
   // Busy: 20 timed iterations per point. Where ranks time-share cores an operation takes whatever
-  // the scheduler gives it (3.5-15 ms each on 4 ranks and 2 cores, whatever the size), and with 5
-  // the fitted latency swung between 0 and 1.2 ms per ring step from run to run (2026-12-03;
-  // with 20: 0.5-0.95 ms over three runs).
+  // the scheduler gives it, whatever its size, and with 5 iterations the fitted latency swung
+  // several-fold from run to run; 20 keep it steady (docs/plan.md).
   if (c.busy) argv.insert(argv.end(), {"--iters", "20", "--warmup", "2"});
   // Idle: the link the blocking collectives see (tensor parallelism's, the context-parallel ring):
   // each is waited for before the next is issued, so the fit is to a dependent chain (--blocking),

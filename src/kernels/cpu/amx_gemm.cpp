@@ -1,6 +1,6 @@
 // bf16 GEMM on AMX tiles (Intel Sapphire Rapids and newer): meshtrain's own, because oneDNN 2.6's
-// matmul ran the model's forward and input-gradient shapes 1.1-2x slower on the Xeons we get
-// (docs/cpu.md and docs/benchmarks.md, "bf16 GEMMs on AMX tiles").
+// matmul runs the model's forward and input-gradient shapes slower on AMX Xeons
+// (docs/cpu.md, "bf16 GEMMs on AMX tiles", and docs/benchmarks.md).
 //
 // C[M,N] = alpha * op(A) @ op(B) + beta * C (+ bias[n] on every row), bf16 inputs, fp32 sums and
 // output, row-major with leading dimensions.

@@ -65,8 +65,8 @@ void check_heads(int64_t nh, int64_t nkv, const char* fn) {
 // (+ beta * C, as one more fma).
 //
 // The baseline (AVX2) variant keeps oneDNN's sgemm: the same loop with 16 ymm registers (4 x 16;
-// GCC spilled 6 x 16) measured 1.3-1.5x slower than oneDNN's AVX2 code on the benchmark shapes
-// (MESHTRAIN_CPU_ISA=avx2 on the AMX Xeon), where the AVX-512 one is faster.
+// GCC spilled 6 x 16) ran slower than oneDNN's AVX2 code on the benchmark shapes, where the
+// AVX-512 one is faster (docs/cpu.md).
 #if defined(MT_CPU_VARIANT_AVX512)
 #define MT_ATTENTION_OWN_GEMM 1
 using vec = __m512;

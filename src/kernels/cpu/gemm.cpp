@@ -68,8 +68,8 @@ void sgemm_raw(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 // ---- bf16 through the oneDNN matmul primitive -------------------------------------------------
 
 // The thread count is part of the key: a oneDNN primitive splits its work for the number of
-// OpenMP threads there were when it was created, and keeps that split (measured: a primitive made
-// at 1 thread and run at 2 used one core, 184 vs 366 GFLOP/s for the LM head on Zen 4).
+// OpenMP threads there were when it was created, and keeps that split (a primitive made at 1
+// thread and run at 2 uses one core).
 // The leading dimensions are part of it too: the split GEMMs below address blocks of larger
 // matrices.
 // `bias`: an fp32 bias row [N] added by the primitive (the linear layer's forward), so that the
@@ -134,8 +134,8 @@ std::shared_ptr<Bf16Entry> bf16_entry(const Bf16Key& k) {
   if (it != c.entries.end()) return it->second;
   auto e = std::make_shared<Bf16Entry>();
   // Without AVX512_BF16 (or AMX) oneDNN can still build a bf16 matmul on AVX-512, emulating the
-  // bf16 products; measured on Zen 4 capped at avx512 it ran at 72-76 GFLOP/s against 140-184 for
-  // widening to fp32 + sgemm (docs/benchmarks.md, "CPU instruction sets"): widen there.
+  // bf16 products; that runs at about half the rate of widening to fp32 + sgemm
+  // (docs/benchmarks.md, "AMD EPYC Zen 4"): widen there.
   if (bf16_native_possible()) {
     using dt = dnnl::memory::data_type;
     using dims = dnnl::memory::dims;
@@ -289,14 +289,13 @@ void run_bf16_native(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
 }
 
 // Splitting large bf16 GEMMs (the LM head: one dimension is the vocabulary). oneDNN 2.6's matmul
-// runs them at half the block layers' rate or less; measured by bench/kernel_bench on a 2-core
-// Xeon with AMX-BF16, 1024 tokens x vocabulary 50304 x width 384, 2 threads, GFLOP/s whole -> split:
-//   dinp (K = vocabulary) 499 -> 1200 in K chunks of 4096 accumulated into C (2048 / 8192: 1182 / 1177);
-//   forward (N = vocabulary) 657 -> 855 in N chunks of 4096 computed into a contiguous block and
-//   copied out (a strided destination ran at 370: writing through it is the slow part; chunks of
-//   2048 / 8192: 758 / 726).
-// dW (M = vocabulary) stays whole: M chunks of 2048-25152 ran at 590-610 against 861.
-// Capped at AVX512_BF16 on the same machine both splits ran as fast as the whole (190-205).
+// runs them at half the block layers' rate or less (bench/kernel_bench; figures in docs/cpu.md,
+// "Large GEMMs: the LM head in bf16"):
+//   dinp (K = vocabulary) in K chunks of 4096 accumulated into C;
+//   forward (N = vocabulary) in N chunks of 4096 computed into a contiguous block and copied out
+//   (writing through a strided destination is the slow part).
+// dW (M = vocabulary) stays whole: chunks of M ran slower than the whole.
+// At AVX512_BF16 without AMX the splits gain nothing and cost nothing.
 // The chunks depend on the shape only, never on the thread count, so results stay bit-identical
 // across thread counts; the K split adds fp32 partial sums to C in chunk order.
 struct SplitLimits {
@@ -379,8 +378,8 @@ void gemm_f32(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, co
   }
   const int64_t lda = ta ? M : K, ldb = tb ? K : N;
   // A vocabulary-sized K (the LM head's input gradient) in chunks accumulated into C, as the bf16
-  // GEMMs do: on a 2-core Xeon (AMX machine) sgemm ran 1024 x 384 x 50304 at 107 / 177 GFLOP/s
-  // whole and 125 / 217 in chunks of 4096 (1 / 2 threads). The chunks depend on the shape only.
+  // GEMMs do: sgemm runs it faster in chunks of 4096 than whole (docs/cpu.md, "The bf16 step
+  // without its extra passes"). The chunks depend on the shape only.
   const SplitLimits& L = g_split;
   if (K >= L.min_dim && K > L.k_chunk) {
     for (int64_t k0 = 0; k0 < K; k0 += L.k_chunk)
