@@ -11,31 +11,15 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "train/data_loader.h"
 #include "train/token_shards.h"
 
 namespace fs = std::filesystem;
+using mt::test::TestDir;
+using mt::test::write_ramp;
 
 namespace {
-
-struct BlendDir {
-  fs::path path;
-  BlendDir() {
-    path = fs::temp_directory_path() / ("mt_blend_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~BlendDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-// Dataset d's token i is d * 10000 + i: a row's first token says which dataset and sample it is.
-void write_ramp(const std::string& path, int first, int count) {
-  std::vector<int32_t> t(static_cast<size_t>(count));
-  for (int i = 0; i < count; ++i) t[static_cast<size_t>(i)] = first + i;
-  mt::write_token_shard(path, t);
-}
 
 struct Rows {
   std::vector<int32_t> x, y;
@@ -47,9 +31,10 @@ Rows take(mt::BlendLoader& l) {
   return r;
 }
 
-// Three datasets: a (two shards), b, c; T = 8.
+// Three datasets: a (two shards), b, c; T = 8. Dataset d's tokens count up from d * 10000 (a's
+// second shard from 1000): a row's first token says which dataset and sample it is.
 struct ThreeSets {
-  BlendDir dir;
+  TestDir dir;
   std::string spec;
   ThreeSets(double wa = 0.5, double wb = 0.3, double wc = 0.2) {
     fs::create_directories(dir.path / "a");
@@ -106,7 +91,7 @@ TEST(BlendLoader, BadBlendsNameTheKeyAndTheEntry) {
   EXPECT_NE(m.find("given twice"), std::string::npos) << m;
 
   // Files: a pattern matching nothing, a missing file, a dataset too short for one sample.
-  BlendDir dir;
+  TestDir dir;
   write_ramp(dir.file("ok.bin"), 0, 100);
   write_ramp(dir.file("short.bin"), 0, 8);
   auto load_error = [&](const std::string& spec) {
