@@ -255,6 +255,8 @@ class MpiBackend final : public CommBackend {
 
   // The steps of progress(), one per phase (and per kind for the first).
   Step step(Op& op);
+  // Waits for the posted requests (`what` names them in errors), then takes step `next`.
+  Step when_done(Op& op, const char* what, Step (MpiBackend::*next)(Op&));
   Step start_barrier(Op& op);
   Step start_broadcast(Op& op);
   Step start_all_to_all(Op& op);

@@ -291,8 +291,7 @@ MpiBackend::Step MpiBackend::step(Op& op) {
       if (kind == OpKind::AllReduce) return start_all_reduce_slice(op);
       return start_reduce_scatter_slice(op);
     case kRsWait:
-      if (!test_all(reqs, "reduce-scatter step", op)) return Step::Waiting;
-      return reduce_own_segment(op);
+      return when_done(op, "reduce-scatter step", &MpiBackend::reduce_own_segment);
     case kAgPost:  // all_reduce: send the reduced segment to every peer
       post_allgather(static_cast<char*>(op.rbuf) + op.pos * dtype_size(op.d.dt), op.len, dtype_size(op.d.dt), size,
                      rank, coll_tag(op, 1), coll);
@@ -306,26 +305,21 @@ MpiBackend::Step MpiBackend::step(Op& op) {
       op.phase = kStart;
       return Step::Advanced;
     case kBcRecvWait:
-      if (!test_all(reqs, "broadcast receive", op)) return Step::Waiting;
-      return forward_broadcast(op);
+      return when_done(op, "broadcast receive", &MpiBackend::forward_broadcast);
     case kBcSendWait:
       return test_all(reqs, "broadcast send", op) ? Step::Done : Step::Waiting;
     case kBarrierWait:
       return test_all(reqs, "barrier", op) ? Step::Done : Step::Waiting;
     case kOneShotWait:
-      if (!test_all(reqs, "all-reduce exchange", op)) return Step::Waiting;
-      return finish_one_shot(op);
+      return when_done(op, "all-reduce exchange", &MpiBackend::finish_one_shot);
     case kHStart:
       return start_two_level_slice(op);
     case kHIntraRsWait:
-      if (!test_all(reqs, "intra-node reduce-scatter step", op)) return Step::Waiting;
-      return reduce_inside_node(op);
+      return when_done(op, "intra-node reduce-scatter step", &MpiBackend::reduce_inside_node);
     case kHInterRsWait:
-      if (!test_all(reqs, "inter-node reduce-scatter step", op)) return Step::Waiting;
-      return reduce_across_nodes(op);
+      return when_done(op, "inter-node reduce-scatter step", &MpiBackend::reduce_across_nodes);
     case kHInterAgWait:
-      if (!test_all(reqs, "inter-node all-gather step", op)) return Step::Waiting;
-      return gather_inside_node(op);
+      return when_done(op, "inter-node all-gather step", &MpiBackend::gather_inside_node);
     case kHIntraAgWait:
       if (!test_all(reqs, "intra-node all-gather step", op)) return Step::Waiting;
       op.pos += op.len;
@@ -334,6 +328,11 @@ MpiBackend::Step MpiBackend::step(Op& op) {
     default:
       throw CommError("group " + name + ": internal error (phase " + std::to_string(op.phase) + ")");
   }
+}
+
+MpiBackend::Step MpiBackend::when_done(Op& op, const char* what, Step (MpiBackend::*next)(Op&)) {
+  if (!test_all(reqs, what, op)) return Step::Waiting;
+  return (this->*next)(op);
 }
 
 MpiBackend::Step MpiBackend::start_barrier(Op& op) {

@@ -30,10 +30,10 @@
 
 #include <immintrin.h>
 
-#include "kernels/cpu/attention_tile.h"
 #include "kernels/cpu/avx512_transpose.h"
 #include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/cpu/softmax_row.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -195,7 +195,7 @@ void softmax_rows(float* S, int64_t bq, int64_t L, int64_t t0, const float* lse_
 #pragma omp simd
       for (int64_t j = 0; j < nv; ++j) row[j] = detail::exp_f(row[j] - l);
     } else {
-      const auto [m, s] = exp_row(row, nv);
+      const auto [m, s] = exp_row(row, row, nv);
       const float inv = 1.0f / s;
 #pragma omp simd
       for (int64_t j = 0; j < nv; ++j) row[j] *= inv;
@@ -214,6 +214,15 @@ struct Dims {
       : T(T_), nh(nh_), nkv(nkv_), hd(hd_), ld((nh_ + 2 * nkv_) * hd_), od(nh_ * hd_), grp(nh_ / nkv_),
         BQ(std::min(kBlockQ, T_)), sc(1.0f / std::sqrt(static_cast<float>(hd_))) {}
 };
+
+// f(t0, bq, L) for each block of query rows [t0, t0 + bq) in order; the block sees L = t0 + bq keys.
+template <class F>
+void for_each_block(const Dims& d, F&& f) {
+  for (int64_t t0 = 0; t0 < d.T; t0 += d.BQ) {
+    const int64_t bq = std::min(d.BQ, d.T - t0);
+    f(t0, bq, t0 + bq);
+  }
+}
 
 // A head's keys K^T packed into `buf` for block_softmax (own GEMMs; null otherwise: the library
 // GEMM reads K in place).
@@ -284,9 +293,7 @@ void backward_head(const Dims& d, float* tile, const float* q, const float* k, c
   pack_cols(vt, v, ld, hd, T);
   pack_rows(kr, k, ld, T, hd);
 #endif
-  for (int64_t t0 = 0; t0 < T; t0 += BQ) {
-    const int64_t bq = std::min(BQ, T - t0);
-    const int64_t L = t0 + bq;
+  for_each_block(d, [&](int64_t t0, int64_t bq, int64_t L) {
     block_softmax(P, d, q, k, kt, t0, bq, l, nullptr);
 #if MT_ATTENTION_OWN_GEMM
     small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
@@ -305,7 +312,7 @@ void backward_head(const Dims& d, float* tile, const float* q, const float* k, c
     sgemm_strided(true, false, L, hd, bq, d.sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
     sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
 #endif
-  }
+  });
 }
 
 // Grouped-query backward: dqkv[b, t, kv head] += the sums of its query heads' dK / dV rows kept in
@@ -365,16 +372,14 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
       float* vp = S + BQ * T + pk;  // V packed after K^T
       pack_rows(vp, v, ld, T, hd);
 #endif
-      for (int64_t t0 = 0; t0 < T; t0 += BQ) {
-        const int64_t bq = std::min(BQ, T - t0);
-        const int64_t L = t0 + bq;
+      for_each_block(d, [&](int64_t t0, int64_t bq, int64_t L) {
         block_softmax(S, d, q, k, kt, t0, bq, nullptr, l);
 #if MT_ATTENTION_OWN_GEMM
         small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);  // V's first L rows
 #else
         sgemm_strided(false, false, bq, hd, L, 1.0f, S, L, v, ld, 0.0f, o + t0 * od, od);
 #endif
-      }
+      });
     }
   }
 }

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/attention_tile.h"
 #include "kernels/cpu/gemm_internal.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/cpu/softmax_row.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -92,7 +92,7 @@ void forward_tile(const Dims& d, const Tile& t, int64_t chunks, int64_t Lt, cons
     off += L;
   }
   for (int64_t r = 0; r < t.bq; ++r) {
-    const RowExp st = exp_row(S + r * Lt, Lt);
+    const RowExp st = exp_row(S + r * Lt, S + r * Lt, Lt);
     rmax[r] = st.max;
     rsum[r] = st.sum;
   }
