@@ -1,5 +1,5 @@
-// Files for the tests that write them: a directory of the running test's own, and token shards
-// whose every token tells where it came from. Included as "../test_files.h" from tests/<folder>/.
+// Files for the tests that write them: a directory of the running test's own, token shards whose
+// every token tells where it came from, and the batches a loader makes of them. Included as "../test_files.h" from tests/<folder>/.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -29,6 +29,20 @@ struct TestDir {
   TestDir& operator=(const TestDir&) = delete;
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
+
+// One batch of a loader: inputs and targets, B x T each.
+struct Batch {
+  std::vector<int32_t> x, y;
+};
+
+// The next batch of a loader (BatchLoader, BlendLoader).
+template <class Loader>
+Batch take(Loader& l) {
+  const size_t n = static_cast<size_t>(l.B() * l.T());
+  Batch b{std::vector<int32_t>(n), std::vector<int32_t>(n)};
+  l.next(b.x.data(), b.y.data());
+  return b;
+}
 
 // A token shard whose token i is first + i.
 inline void write_ramp(const std::string& path, int first, int count) {

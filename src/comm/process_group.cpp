@@ -648,14 +648,7 @@ std::vector<int> ProcessGroup::global_ranks() const { return impl_->granks; }
 namespace {
 // What every rank must agree on for one call (the peer is a root or a point-to-point peer).
 OpDesc op_desc(OpKind kind, DType dt, size_t count, ReduceOp op = ReduceOp::Sum, int peer = -1, int tag = 0) {
-  OpDesc d;
-  d.kind = kind;
-  d.dt = dt;
-  d.op = op;
-  d.count = count;
-  d.peer = peer;
-  d.tag = tag;
-  return d;
+  return OpDesc{.kind = kind, .dt = dt, .op = op, .count = count, .peer = peer, .tag = tag};
 }
 }  // namespace
 

@@ -17,22 +17,9 @@
 
 namespace fs = std::filesystem;
 using mt::test::TestDir;
+using mt::test::Batch;
+using mt::test::take;
 using mt::test::write_ramp;
-
-namespace {
-
-struct Batch {
-  std::vector<int32_t> x, y;
-};
-
-Batch take(mt::BatchLoader& l) {
-  Batch b{std::vector<int32_t>(static_cast<size_t>(l.B() * l.T())), std::vector<int32_t>(static_cast<size_t>(l.B() * l.T()))};
-  l.next(b.x.data(), b.y.data());
-  return b;
-}
-
-
-}  // namespace
 
 TEST(DataLoader, SingleRankReadsContiguousBatchesAndWraps) {
   TestDir dir;
