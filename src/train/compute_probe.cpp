@@ -163,7 +163,7 @@ void Probe::attention() {
 }
 
 void Probe::time_matmuls(double seconds) {
-  // The planner's FLOP count (cost_model.cpp): 2 x weights forward, twice that backward; attention
+  // The planner's FLOP count (plan/estimate.cpp): 2 x weights forward, twice that backward; attention
   // 4 s h per token forward (full, non-causal), twice that backward.
   double gemm_flops_layer = 0;
   for (auto [in, o] : lin) gemm_flops_layer += 6.0 * static_cast<double>(N) * in * o;
