@@ -199,11 +199,179 @@ Sample sample_seconds(F&& f) {
 }
 
 
-}  // namespace
+// The libraries, loaded (OpenBLAS and BLIS through dlopen) or created (oneDNN's primitives).
+struct Libraries {
+  OpenBlas ob;
+  Blis bl;
+  bool have_ob = false, have_bl = false;
+  Matmuls mm;
+};
 
-int main(int argc, char** argv) {
-  std::vector<int> threads = {1, 2};
-  std::vector<std::string> libs = {"openblas", "blis", "sgemm", "split", "matmul", "bf16", "mt", "mtbf16", "peak"};
+// The operands, sized for the largest shape, in fp32 and bf16.
+struct Operands {
+  std::vector<float> A, B, C;
+  std::vector<mt::bf16> A16, B16;
+  explicit Operands(const std::vector<Shape>& shapes) {
+    int64_t maxA = 0, maxB = 0, maxC = 0;
+    for (const Shape& s : shapes) {
+      maxA = std::max(maxA, s.M * s.K);
+      maxB = std::max(maxB, s.K * s.N);
+      maxC = std::max(maxC, s.M * s.N);
+    }
+    A.resize(static_cast<size_t>(maxA)), B.resize(static_cast<size_t>(maxB)), C.assign(static_cast<size_t>(maxC), 0.0f);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (auto& x : A) x = u(rng);
+    for (auto& x : B) x = u(rng);
+    A16.resize(A.size()), B16.resize(B.size());
+    for (size_t i = 0; i < A.size(); ++i) A16[i] = mt::float_to_bf16(A[i]);
+    for (size_t i = 0; i < B.size(); ++i) B16[i] = mt::float_to_bf16(B[i]);
+  }
+};
+
+// dnnl_sgemm once per thread on its half of C (along C's larger side). oneDNN runs a call made
+// inside a parallel region on the calling thread alone, so each half is a single-threaded sgemm.
+void split_sgemm(const Shape& s, Operands& op, int lda, int ldb, int ldc) {
+  const bool by_n = s.N >= s.M;
+  const int64_t len = by_n ? s.N : s.M;
+#pragma omp parallel
+  {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = (len / T + 15) / 16 * 16;
+    const int64_t lo = std::min(len, t * per), hi = t == T - 1 ? len : std::min(len, lo + per);
+    if (hi > lo) {
+      const float* a = op.A.data();
+      const float* b = op.B.data();
+      if (by_n) b += s.tb ? lo * ldb : lo;
+      else a += s.ta ? lo : lo * lda;
+      dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', by_n ? s.M : hi - lo, by_n ? hi - lo : s.N, s.K, 1.0f, a, lda, b,
+                 ldb, 0.0f, op.C.data() + (by_n ? lo : lo * ldc), ldc);
+    }
+  }
+}
+
+// One callable per library for shape `s` (empty when the library is not available); notes[lib]
+// says what ran, or why nothing did.
+std::vector<std::function<void()>> library_calls(const std::vector<std::string>& libs, const Shape& s, Libraries& L,
+                                                 Operands& op, std::map<std::string, std::string>& notes) {
+  const int lda = int(s.ta ? s.M : s.K), ldb = int(s.tb ? s.K : s.N), ldc = int(s.N);
+  std::vector<std::function<void()>> fns(libs.size());
+  for (size_t li = 0; li < libs.size(); ++li) {
+    const std::string& lib = libs[li];
+    if (lib == "openblas" && L.have_ob) {
+      fns[li] = [&, lda, ldb, ldc] {
+        L.ob.sgemm(101, s.ta ? 112 : 111, s.tb ? 112 : 111, int(s.M), int(s.N), int(s.K), 1.0f, op.A.data(), lda,
+                   op.B.data(), ldb, 0.0f, op.C.data(), ldc);
+      };
+    } else if (lib == "blis" && L.have_bl) {
+      fns[li] = [&, lda, ldb, ldc] {
+        const float one = 1.0f, zero = 0.0f;
+        L.bl.sgemm(s.ta ? kBliTrans : kBliNoTrans, s.tb ? kBliTrans : kBliNoTrans, s.M, s.N, s.K, &one, op.A.data(),
+                   lda, 1, op.B.data(), ldb, 1, &zero, op.C.data(), ldc, 1);
+      };
+    } else if (lib == "sgemm") {
+      fns[li] = [&, lda, ldb, ldc] {
+        dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.M, s.N, s.K, 1.0f, op.A.data(), lda, op.B.data(), ldb, 0.0f,
+                   op.C.data(), ldc);
+      };
+    } else if (lib == "split") {
+      fns[li] = [&, lda, ldb, ldc] { split_sgemm(s, op, lda, ldb, ldc); };
+    } else if (lib == "peak") {
+      notes[lib] = "fp32 FMA peak of the threads (not a GEMM), sampled in each round";
+    } else if (lib == "matmul" || lib == "bf16") {
+      Matmuls::Entry* e = L.mm.get(s, lib == "bf16");
+      if (!e) {
+        notes[lib] = "primitive not available on this CPU";
+      } else if (e->impl.rfind("ref", 0) == 0) {
+        notes[lib] = e->impl + " (reference implementation, not timed)";
+      } else {
+        notes[lib] = e->impl;
+        const void* a = lib == "bf16" ? static_cast<const void*>(op.A16.data()) : op.A.data();
+        const void* b = lib == "bf16" ? static_cast<const void*>(op.B16.data()) : op.B.data();
+        Matmuls& mm = L.mm;
+        fns[li] = [&mm, e, a, b, &op] { mm.run(*e, a, b, op.C.data()); };
+      }
+    } else if (lib == "mt") {
+      fns[li] = [&] {
+        mt::kernels::cpu::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, 1.0f, op.A.data(), op.B.data(), 0.0f, op.C.data());
+      };
+    } else if (lib == "mtbf16") {
+      notes[lib] = mt::kernels::cpu::detail::bf16_gemm_is_native(s.ta, s.tb, s.M, s.N, s.K, 1.0f, 0.0f)
+                       ? "oneDNN bf16 matmul"
+                       : "widened to fp32 + sgemm";
+      fns[li] = [&] {
+        mt::kernels::cpu::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, op.A16.data(), op.B16.data(), 0.0f, op.C.data());
+      };
+    }
+  }
+  return fns;
+}
+
+// results[lib][threads][shape] = GFLOP/s (negative: not available)
+using Results = std::map<std::string, std::map<int, std::vector<double>>>;
+
+// Every library at shape `s` on nt threads, side by side over the rounds; appends the medians to
+// res (wall clock) and res_cpu (process CPU time).
+void measure_shape(const std::vector<std::string>& libs, const Shape& s, int nt, Libraries& L, Operands& op,
+                   std::map<std::string, std::string>& notes, Results& res, Results& res_cpu) {
+  const double flop = 2.0 * double(s.M) * double(s.N) * double(s.K);
+  std::vector<std::function<void()>> fns = library_calls(libs, s, L, op, notes);
+  for (auto& f : fns)
+    if (f) f();  // warm-up: page faults, packing buffers, primitive scratch
+  std::vector<std::vector<double>> wall(libs.size()), cpu(libs.size());
+  for (int r = 0; r < g_rounds; ++r)
+    for (size_t li = 0; li < libs.size(); ++li)
+      if (libs[li] == "peak") {
+        // Stored as the time this shape's flops would take at the peak, so that the table's
+        // flop / time gives the peak itself.
+        const double secs = flop / mt::kernels::cpu::fma_peak(nt, g_sample_time, 1);
+        wall[li].push_back(secs);
+        cpu[li].push_back(secs * nt);
+      } else if (fns[li]) {
+        const Sample smp = sample_seconds(fns[li]);
+        wall[li].push_back(smp.wall);
+        cpu[li].push_back(smp.cpu);
+      }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  for (size_t li = 0; li < libs.size(); ++li) {
+    const bool ok = !wall[li].empty();
+    res[libs[li]][nt].push_back(ok ? flop / median(wall[li]) * 1e-9 : -1.0);
+    res_cpu[libs[li]][nt].push_back(ok ? flop / median(cpu[li]) * 1e-9 : -1.0);
+    std::fprintf(stderr, "  %-8s %dt %-28s %8.1f GFLOP/s (%.1f per CPU-second)\n", libs[li].c_str(), nt,
+                 s.name.c_str(), res[libs[li]][nt].back(), res_cpu[libs[li]][nt].back());
+  }
+}
+
+// One row per shape, one column per (library, threads).
+void print_table(const char* title, const std::vector<std::string>& libs, const std::vector<int>& threads,
+                 const std::vector<Shape>& shapes, Results& r) {
+  std::printf("\n%s\n\n", title);
+  std::printf("| %-30s | %-18s |", "shape", "M x N x K");
+  for (const std::string& lib : libs)
+    for (int nt : threads) std::printf(" %s %dt |", lib.c_str(), nt);
+  std::printf("\n|%s|%s|", std::string(32, '-').c_str(), std::string(20, '-').c_str());
+  for (size_t i = 0; i < libs.size() * threads.size(); ++i) std::printf("------:|");
+  std::printf("\n");
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const Shape& s = shapes[si];
+    char dims[64];
+    std::snprintf(dims, sizeof dims, "%ldx%ldx%ld", long(s.M), long(s.N), long(s.K));
+    std::printf("| %-30s | %-18s |", s.name.c_str(), dims);
+    for (const std::string& lib : libs)
+      for (int nt : threads) {
+        const double g = r[lib][nt][si];
+        if (g > 0) std::printf(" %6.1f |", g);
+        else std::printf("    n/a |");
+      }
+    std::printf("\n");
+  }
+}
+
+// The options; false after printing the usage.
+bool parse_args(int argc, char** argv, std::vector<int>& threads, std::vector<std::string>& libs) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--sample-time" && i + 1 < argc) g_sample_time = std::atof(argv[++i]);
@@ -215,182 +383,51 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: %s [--rounds R] [--sample-time S] [--threads 1,2] [--libs %s]\n", argv[0],
                    "openblas,blis,sgemm,split,matmul,bf16,mt,mtbf16,peak");
-      return 2;
+      return false;
     }
   }
+  return true;
+}
+
+void print_environment(Libraries& L) {
   auto env = [](const char* n) { const char* v = std::getenv(n); return std::string(v ? v : "(unset)"); };
   std::printf("environment: OPENBLAS_CORETYPE=%s OPENBLAS_L2_SIZE=%s BLIS_ARCH_TYPE=%s OMP_NUM_THREADS=%s\n",
               env("OPENBLAS_CORETYPE").c_str(), env("OPENBLAS_L2_SIZE").c_str(),
               env("BLIS_ARCH_TYPE").c_str(), env("OMP_NUM_THREADS").c_str());
-
-  OpenBlas ob;
-  Blis bl;
-  const bool have_ob = ob.load(), have_bl = bl.load();
-  std::printf("OpenBLAS: %s\n", have_ob ? ob.info.c_str() : "not loadable");
-  std::printf("BLIS:     %s\n", have_bl ? bl.info.c_str() : "not loadable");
+  std::printf("OpenBLAS: %s\n", L.have_ob ? L.ob.info.c_str() : "not loadable");
+  std::printf("BLIS:     %s\n", L.have_bl ? L.bl.info.c_str() : "not loadable");
   const dnnl_version_t* ver = dnnl_version();
   std::printf("oneDNN:   %d.%d.%d, cpu runtime %s\n", ver->major, ver->minor, ver->patch,
               ver->cpu_runtime == DNNL_RUNTIME_OMP ? "OpenMP" : "other");
-  Matmuls mm;
+}
 
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> threads = {1, 2};
+  std::vector<std::string> libs = {"openblas", "blis", "sgemm", "split", "matmul", "bf16", "mt", "mtbf16", "peak"};
+  if (!parse_args(argc, argv, threads, libs)) return 2;
+  Libraries L;
+  L.have_ob = L.ob.load(), L.have_bl = L.bl.load();
+  print_environment(L);
   const auto shapes = model_shapes();
-  int64_t maxA = 0, maxB = 0, maxC = 0;
-  for (const Shape& s : shapes) {
-    maxA = std::max(maxA, s.M * s.K);
-    maxB = std::max(maxB, s.K * s.N);
-    maxC = std::max(maxC, s.M * s.N);
-  }
-  std::vector<float> A(static_cast<size_t>(maxA)), B(static_cast<size_t>(maxB)),
-      C(static_cast<size_t>(maxC), 0.0f);
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (auto& x : A) x = u(rng);
-  for (auto& x : B) x = u(rng);
-  std::vector<mt::bf16> A16(A.size()), B16(B.size());
-  for (size_t i = 0; i < A.size(); ++i) A16[i] = mt::float_to_bf16(A[i]);
-  for (size_t i = 0; i < B.size(); ++i) B16[i] = mt::float_to_bf16(B[i]);
-
-  // results[lib][threads][shape] = GFLOP/s (negative: not available)
-  std::map<std::string, std::map<int, std::vector<double>>> res, res_cpu;
+  Operands op(shapes);
+  Results res, res_cpu;
   std::map<std::string, std::string> notes;
   for (int nt : threads) {
     omp_set_num_threads(nt);
-    if (have_ob) ob.set_threads(nt);
-    if (have_bl) bl.set_threads(nt);
-    for (const Shape& s : shapes) {
-      const double flop = 2.0 * double(s.M) * double(s.N) * double(s.K);
-      const int lda = int(s.ta ? s.M : s.K), ldb = int(s.tb ? s.K : s.N), ldc = int(s.N);
-      // One callable per library; empty when not available.
-      std::vector<std::function<void()>> fns(libs.size());
-      for (size_t li = 0; li < libs.size(); ++li) {
-        const std::string& lib = libs[li];
-        if (lib == "openblas" && have_ob) {
-          fns[li] = [&, lda, ldb, ldc] {
-            ob.sgemm(101, s.ta ? 112 : 111, s.tb ? 112 : 111, int(s.M), int(s.N), int(s.K), 1.0f,
-                     A.data(), lda, B.data(), ldb, 0.0f, C.data(), ldc);
-          };
-        } else if (lib == "blis" && have_bl) {
-          fns[li] = [&, lda, ldb, ldc] {
-            const float one = 1.0f, zero = 0.0f;
-            bl.sgemm(s.ta ? kBliTrans : kBliNoTrans, s.tb ? kBliTrans : kBliNoTrans, s.M, s.N, s.K,
-                     &one, A.data(), lda, 1, B.data(), ldb, 1, &zero, C.data(), ldc, 1);
-          };
-        } else if (lib == "sgemm") {
-          fns[li] = [&, lda, ldb, ldc] {
-            dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.M, s.N, s.K, 1.0f, A.data(), lda,
-                       B.data(), ldb, 0.0f, C.data(), ldc);
-          };
-        } else if (lib == "split") {
-          fns[li] = [&, lda, ldb, ldc] {
-            // Halves of C along its larger side. oneDNN runs a call made inside a parallel region
-            // on the calling thread alone, so each half is a single-threaded sgemm.
-            const bool by_n = s.N >= s.M;
-            const int64_t len = by_n ? s.N : s.M;
-#pragma omp parallel
-            {
-              const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-              const int64_t per = (len / T + 15) / 16 * 16;
-              const int64_t lo = std::min(len, t * per), hi = t == T - 1 ? len : std::min(len, lo + per);
-              if (hi > lo) {
-                const float* a = A.data();
-                const float* b = B.data();
-                if (by_n) b += s.tb ? lo * ldb : lo;
-                else a += s.ta ? lo : lo * lda;
-                dnnl_sgemm(s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', by_n ? s.M : hi - lo, by_n ? hi - lo : s.N, s.K,
-                           1.0f, a, lda, b, ldb, 0.0f, C.data() + (by_n ? lo : lo * ldc), ldc);
-              }
-            }
-          };
-        } else if (lib == "peak") {
-          notes[lib] = "fp32 FMA peak of the threads (not a GEMM), sampled in each round";
-        } else if (lib == "matmul" || lib == "bf16") {
-          Matmuls::Entry* e = mm.get(s, lib == "bf16");
-          if (!e) {
-            notes[lib] = "primitive not available on this CPU";
-          } else if (e->impl.rfind("ref", 0) == 0) {
-            notes[lib] = e->impl + " (reference implementation, not timed)";
-          } else {
-            notes[lib] = e->impl;
-            const void* a = lib == "bf16" ? static_cast<const void*>(A16.data()) : A.data();
-            const void* b = lib == "bf16" ? static_cast<const void*>(B16.data()) : B.data();
-            fns[li] = [&mm, e, a, b, &C] { mm.run(*e, a, b, C.data()); };
-          }
-        } else if (lib == "mt") {
-          fns[li] = [&] {
-            mt::kernels::cpu::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A.data(), B.data(), 0.0f, C.data());
-          };
-        } else if (lib == "mtbf16") {
-          notes[lib] = mt::kernels::cpu::detail::bf16_gemm_is_native(s.ta, s.tb, s.M, s.N, s.K, 1.0f, 0.0f)
-                           ? "oneDNN bf16 matmul"
-                           : "widened to fp32 + sgemm";
-          fns[li] = [&] {
-            mt::kernels::cpu::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, 1.0f, A16.data(), B16.data(), 0.0f,
-                                   C.data());
-          };
-        }
-      }
-      for (auto& f : fns)
-        if (f) f();  // warm-up: page faults, packing buffers, primitive scratch
-      std::vector<std::vector<double>> wall(libs.size()), cpu(libs.size());
-      for (int r = 0; r < g_rounds; ++r)
-        for (size_t li = 0; li < libs.size(); ++li)
-          if (libs[li] == "peak") {
-            // Stored as the time this shape's flops would take at the peak, so that the table's
-            // flop / time gives the peak itself.
-            const double secs = flop / mt::kernels::cpu::fma_peak(nt, g_sample_time, 1);
-            wall[li].push_back(secs);
-            cpu[li].push_back(secs * nt);
-          } else if (fns[li]) {
-            const Sample smp = sample_seconds(fns[li]);
-            wall[li].push_back(smp.wall);
-            cpu[li].push_back(smp.cpu);
-          }
-      auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-      };
-      for (size_t li = 0; li < libs.size(); ++li) {
-        const bool ok = !wall[li].empty();
-        res[libs[li]][nt].push_back(ok ? flop / median(wall[li]) * 1e-9 : -1.0);
-        res_cpu[libs[li]][nt].push_back(ok ? flop / median(cpu[li]) * 1e-9 : -1.0);
-        std::fprintf(stderr, "  %-8s %dt %-28s %8.1f GFLOP/s (%.1f per CPU-second)\n",
-                     libs[li].c_str(), nt, s.name.c_str(), res[libs[li]][nt].back(),
-                     res_cpu[libs[li]][nt].back());
-      }
-    }
+    if (L.have_ob) L.ob.set_threads(nt);
+    if (L.have_bl) L.bl.set_threads(nt);
+    for (const Shape& s : shapes) measure_shape(libs, s, nt, L, op, notes, res, res_cpu);
   }
-
-  // Tables: one row per shape, one column per (library, threads).
-  auto table = [&](const char* title, std::map<std::string, std::map<int, std::vector<double>>>& r) {
-    std::printf("\n%s\n\n", title);
-    std::printf("| %-30s | %-18s |", "shape", "M x N x K");
-    for (const std::string& lib : libs)
-      for (int nt : threads) std::printf(" %s %dt |", lib.c_str(), nt);
-    std::printf("\n|%s|%s|", std::string(32, '-').c_str(), std::string(20, '-').c_str());
-    for (size_t i = 0; i < libs.size() * threads.size(); ++i) std::printf("------:|");
-    std::printf("\n");
-    for (size_t si = 0; si < shapes.size(); ++si) {
-      const Shape& s = shapes[si];
-      char dims[64];
-      std::snprintf(dims, sizeof dims, "%ldx%ldx%ld", long(s.M), long(s.N), long(s.K));
-      std::printf("| %-30s | %-18s |", s.name.c_str(), dims);
-      for (const std::string& lib : libs)
-        for (int nt : threads) {
-          const double g = r[lib][nt][si];
-          if (g > 0) std::printf(" %6.1f |", g);
-          else std::printf("    n/a |");
-        }
-      std::printf("\n");
-    }
-  };
   char title[256];
   std::snprintf(title, sizeof title,
                 "GFLOP/s, wall clock (2*M*N*K / elapsed; median of %d side-by-side rounds)", g_rounds);
-  table(title, res);
-  table("GFLOP per CPU-second of the process (2*M*N*K / process CPU time; median). On a shared "
-        "machine this is the less load-sensitive figure; with 2 threads it includes time the "
-        "library's threads spin or wait.",
-        res_cpu);
+  print_table(title, libs, threads, shapes, res);
+  print_table("GFLOP per CPU-second of the process (2*M*N*K / process CPU time; median). On a shared "
+              "machine this is the less load-sensitive figure; with 2 threads it includes time the "
+              "library's threads spin or wait.",
+              libs, threads, shapes, res_cpu);
   std::printf("\nlegend: openblas = cblas_sgemm, blis = bli_sgemm, sgemm = dnnl_sgemm, matmul = oneDNN "
               "f32 matmul primitive, bf16 = oneDNN bf16 matmul primitive (bf16 in, f32 out), mt = "
               "mt::kernels::cpu::gemm_f32, mtbf16 = mt::kernels::cpu::gemm_bf16, split = dnnl_sgemm "

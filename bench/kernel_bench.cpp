@@ -143,85 +143,75 @@ int run_amx_probe(const std::vector<int>& threads) {
   return 0;
 }
 
-}  // namespace
+// The benchmark model's shapes: GPT-2 small-cpu, one micro-batch.
+constexpr int64_t B = 4, T = 256, C = 384, NH = 6, HD = 64, L = 6, V = 50257, VP = 50304;
+constexpr int64_t N = B * T;
 
-int main(int argc, char** argv) {
-  std::vector<int> threads = {1, 2};
-  bool probe = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--amx-probe") probe = true;
-    else if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
-    else if (a == "--amx-vs-onednn" && i + 1 < argc) g_amx_pairs = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--threads" && i + 1 < argc) {
-      threads.clear();
-      for (const char* p = argv[++i]; *p;) {
-        threads.push_back(std::atoi(p));
-        while (*p && *p != ',') ++p;
-        if (*p == ',') ++p;
-      }
-    } else {
-      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--amx-vs-onednn PAIRS] [--amx-probe]\n", argv[0]);
-      return 2;
+// One GEMM layer of the model (input width -> output width).
+struct G {
+  const char* name;
+  int64_t Cin, OC;
+};
+const G kLayers[] = {{"qkv 384->1152", C, 3 * C}, {"attn_proj 384->384", C, C},
+                     {"fc 384->1536", C, 4 * C},  {"proj 1536->384", 4 * C, C},
+                     {"lm_head 384->50304", C, VP}};
+
+// A layer's three GEMMs (forward, input gradient, weight gradient) on the shared buffers.
+struct Op {
+  const char* name;
+  bool ta, tb;
+  int64_t M, Nn, K;
+  const float *a, *b;
+  const bf16 *a16, *b16;
+  float* c;
+};
+
+// The GEMM buffers sized for the largest layer, in fp32 and bf16.
+struct GemmBuffers {
+  Buf X, W, Y, dX, dW;
+  std::vector<bf16> X16, W16, Y16;
+  GemmBuffers() {
+    int64_t maxw = 0, maxo = 0, maxi = 0;
+    for (const G& g : kLayers) {
+      maxw = std::max(maxw, g.Cin * g.OC);
+      maxo = std::max(maxo, N * g.OC);
+      maxi = std::max(maxi, N * g.Cin);
     }
+    X = rnd(static_cast<size_t>(maxi), 1), W = rnd(static_cast<size_t>(maxw), 2, 0.02f), Y = rnd(static_cast<size_t>(maxo), 3);
+    dX.assign(static_cast<size_t>(maxi), 0.0f), dW.assign(static_cast<size_t>(maxw), 0.0f);
+    X16.resize(X.size()), W16.resize(W.size()), Y16.resize(Y.size());
+    cast_f32_to_bf16(X16.data(), X.data(), int64_t(X.size()));
+    cast_f32_to_bf16(W16.data(), W.data(), int64_t(W.size()));
+    cast_f32_to_bf16(Y16.data(), Y.data(), int64_t(Y.size()));
   }
-  if (probe) return run_amx_probe(threads);
-  const int64_t B = 4, T = 256, C = 384, NH = 6, HD = 64, L = 6, V = 50257, VP = 50304;
-  const int64_t N = B * T;
-  // The non-GEMM kernels through the dispatched table: the variant the engine runs on this CPU
-  // (MESHTRAIN_CPU_ISA caps it, e.g. avx2 to time the baseline variant on an AVX-512 machine).
-  const kernels::KernelTable& K = kernels::table(Device::CPU);
-  std::printf("%s\n\n", kernels::describe(Device::CPU).c_str());
-
-  // ---- GEMM at the layer shapes -----------------------------------------------------------------
-  struct G {
-    const char* name;
-    int64_t Cin, OC;
-  };
-  const G layers[] = {{"qkv 384->1152", C, 3 * C}, {"attn_proj 384->384", C, C},
-                      {"fc 384->1536", C, 4 * C},  {"proj 1536->384", 4 * C, C},
-                      {"lm_head 384->50304", C, VP}};
-  int64_t maxw = 0, maxo = 0, maxi = 0;
-  for (const G& g : layers) {
-    maxw = std::max(maxw, g.Cin * g.OC);
-    maxo = std::max(maxo, N * g.OC);
-    maxi = std::max(maxi, N * g.Cin);
-  }
-  auto X = rnd(static_cast<size_t>(maxi), 1), W = rnd(static_cast<size_t>(maxw), 2, 0.02f), Y = rnd(static_cast<size_t>(maxo), 3);
-  Buf dX(static_cast<size_t>(maxi), 0.0f), dW(static_cast<size_t>(maxw), 0.0f);
-  std::vector<bf16> X16(X.size()), W16(W.size()), Y16(Y.size());
-  cast_f32_to_bf16(X16.data(), X.data(), int64_t(X.size()));
-  cast_f32_to_bf16(W16.data(), W.data(), int64_t(W.size()));
-  cast_f32_to_bf16(Y16.data(), Y.data(), int64_t(Y.size()));
-
-  std::printf("GEMM GFLOP/s (median), N = %ld rows; fwd = inp @ W^T (NT), dinp = dout @ W (NN), "
-              "dW = dout^T @ inp (TN)\n\n",
-              long(N));
-  std::printf("Each cell: wall-clock GFLOP/s (GFLOP per process CPU-second in brackets)\n\n");
-  std::printf("| layer | op | M x N x K |");
-  for (int nt : threads) std::printf(" f32 %dt | bf16 %dt |", nt, nt);
-  std::printf("\n|---|---|---|");
-  for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|---:|");
-  std::printf("\n");
-  double step_gemm_ms[2][8] = {};  // [f32/bf16][thread idx]: fwd+bwd time of all GEMMs in one step
-  struct Op {
-    const char* name;
-    bool ta, tb;
-    int64_t M, Nn, K;
-    const float *a, *b;
-    const bf16 *a16, *b16;
-    float* c;
-  };
-  auto ops_of = [&](const G& g) {
+  std::array<Op, 3> ops_of(const G& g) {
     return std::array<Op, 3>{
         Op{"fwd", false, true, N, g.OC, g.Cin, X.data(), W.data(), X16.data(), W16.data(), Y.data()},
         Op{"dinp", false, false, N, g.Cin, g.OC, Y.data(), W.data(), Y16.data(), W16.data(), dX.data()},
         Op{"dW", true, false, g.OC, g.Cin, N, Y.data(), X.data(), Y16.data(), X16.data(), dW.data()}};
-  };
-  for (const G& g : layers) {
-    const std::array<Op, 3> ops = ops_of(g);
+  }
+};
+
+void print_table_head(const char* first_columns, const char* first_rule, const std::vector<int>& threads,
+                      const char* cell, const char* rule) {
+  std::printf("%s", first_columns);
+  for (int nt : threads) std::printf(cell, nt, nt);
+  std::printf("\n%s", first_rule);
+  for (size_t i = 0; i < threads.size(); ++i) std::printf("%s", rule);
+  std::printf("\n");
+}
+
+// GFLOP/s of every layer's GEMMs in fp32 and bf16 per thread count; adds one step's GEMM time per
+// thread count to step_ms[f32 / bf16][thread index].
+void gemm_table(GemmBuffers& gb, const std::vector<int>& threads, double step_ms[2][8]) {
+  std::printf("GEMM GFLOP/s (median), N = %ld rows; fwd = inp @ W^T (NT), dinp = dout @ W (NN), "
+              "dW = dout^T @ inp (TN)\n\n",
+              long(N));
+  std::printf("Each cell: wall-clock GFLOP/s (GFLOP per process CPU-second in brackets)\n\n");
+  print_table_head("| layer | op | M x N x K |", "|---|---|---|", threads, " f32 %dt | bf16 %dt |", "---:|---:|");
+  for (const G& g : kLayers) {
     const int per_step = (std::string(g.name).rfind("lm_head", 0) == 0) ? 1 : int(L);
-    for (const Op& o : ops) {
+    for (const Op& o : gb.ops_of(g)) {
       const double flop = 2.0 * double(o.M) * double(o.Nn) * double(o.K);
       std::printf("| %s | %s | %ldx%ldx%ld |", g.name, o.name, long(o.M), long(o.Nn), long(o.K));
       for (size_t ti = 0; ti < threads.size(); ++ti) {
@@ -232,8 +222,8 @@ int main(int argc, char** argv) {
         const Ms t16 = median_ms([&] {
           gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.b16, 0.0f, o.c);
         });
-        step_gemm_ms[0][ti] += per_step * t32.wall;
-        step_gemm_ms[1][ti] += per_step * t16.wall;
+        step_ms[0][ti] += per_step * t32.wall;
+        step_ms[1][ti] += per_step * t16.wall;
         std::printf(" %.1f (%.1f) | %.1f (%.1f) |", flop / t32.wall * 1e-6, flop / t32.cpu * 1e-6,
                     flop / t16.wall * 1e-6, flop / t16.cpu * 1e-6);
       }
@@ -241,116 +231,112 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+}
 
-  // The AMX tile GEMM against oneDNN's matmul at the same shapes, call by call in alternation (on a
-  // shared machine the two must see the same moments): the median over the pairs of oneDNN's time
-  // / the tile GEMM's, with the quartiles. The tile GEMM is called directly, so the LM head's
-  // input and weight gradients (which gemm_bf16 leaves to oneDNN) are shown too. beta = 1 for the
-  // gradients, as the engine accumulates them.
-  if (g_amx_pairs > 0) {
-    if (!detail::amx_gemm_ready()) {
-      std::printf("\n--amx-vs-onednn: the AMX tile GEMM does not run here (%s)\n",
-                  kernels::describe(Device::CPU).c_str());
-    } else {
-      std::printf("\nbf16: oneDNN time / AMX tile GEMM time, median of %d alternating pairs [quartiles]\n\n",
-                  g_amx_pairs);
-      std::printf("| layer | op | M x N x K |");
-      for (int nt : threads) std::printf(" %dt |", nt);
-      std::printf("\n|---|---|---|");
-      for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|");
-      std::printf("\n");
-      for (const G& g : layers)
-        for (const Op& o : ops_of(g)) {
-          const float beta = o.ta || !o.tb ? 1.0f : 0.0f;
-          auto tile = [&] {
-            detail::amx_gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.ta ? o.M : o.K, o.b16, o.tb ? o.K : o.Nn,
-                                  beta, o.c, o.Nn, nullptr);
-          };
-          auto onednn = [&] {
-            detail::set_amx_gemm_enabled(false);
-            gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.b16, beta, o.c);
-            detail::set_amx_gemm_enabled(true);
-          };
-          std::printf("| %s | %s | %ldx%ldx%ld |", g.name, o.name, long(o.M), long(o.Nn), long(o.K));
-          for (int nt : threads) {
-            omp_set_num_threads(nt);
-            tile();
-            onednn();
-            std::vector<double> r;
-            for (int i = 0; i < g_amx_pairs; ++i) {
-              auto t0 = Clock::now();
-              tile();
-              auto t1 = Clock::now();
-              onednn();
-              auto t2 = Clock::now();
-              r.push_back(std::chrono::duration<double>(t2 - t1).count() / std::chrono::duration<double>(t1 - t0).count());
-            }
-            std::sort(r.begin(), r.end());
-            std::printf(" %.2fx [%.2f, %.2f] |", r[r.size() / 2], r[r.size() / 4], r[3 * r.size() / 4]);
-          }
-          std::printf("\n");
-          std::fflush(stdout);
+// The AMX tile GEMM against oneDNN's matmul at the same shapes, call by call in alternation (on a
+// shared machine the two must see the same moments): the median over the pairs of oneDNN's time
+// / the tile GEMM's, with the quartiles. The tile GEMM is called directly, so the LM head's
+// input and weight gradients (which gemm_bf16 leaves to oneDNN) are shown too. beta = 1 for the
+// gradients, as the engine accumulates them.
+void amx_vs_onednn(GemmBuffers& gb, const std::vector<int>& threads) {
+  if (!detail::amx_gemm_ready()) {
+    std::printf("\n--amx-vs-onednn: the AMX tile GEMM does not run here (%s)\n", kernels::describe(Device::CPU).c_str());
+    return;
+  }
+  std::printf("\nbf16: oneDNN time / AMX tile GEMM time, median of %d alternating pairs [quartiles]\n\n", g_amx_pairs);
+  print_table_head("| layer | op | M x N x K |", "|---|---|---|", threads, " %dt |", "---:|");
+  for (const G& g : kLayers)
+    for (const Op& o : gb.ops_of(g)) {
+      const float beta = o.ta || !o.tb ? 1.0f : 0.0f;
+      auto tile = [&] {
+        detail::amx_gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.ta ? o.M : o.K, o.b16, o.tb ? o.K : o.Nn,
+                              beta, o.c, o.Nn, nullptr);
+      };
+      auto onednn = [&] {
+        detail::set_amx_gemm_enabled(false);
+        gemm_bf16(o.ta, o.tb, o.M, o.Nn, o.K, 1.0f, o.a16, o.b16, beta, o.c);
+        detail::set_amx_gemm_enabled(true);
+      };
+      std::printf("| %s | %s | %ldx%ldx%ld |", g.name, o.name, long(o.M), long(o.Nn), long(o.K));
+      for (int nt : threads) {
+        omp_set_num_threads(nt);
+        tile();
+        onednn();
+        std::vector<double> r;
+        for (int i = 0; i < g_amx_pairs; ++i) {
+          auto t0 = Clock::now();
+          tile();
+          auto t1 = Clock::now();
+          onednn();
+          auto t2 = Clock::now();
+          r.push_back(std::chrono::duration<double>(t2 - t1).count() / std::chrono::duration<double>(t1 - t0).count());
         }
+        std::sort(r.begin(), r.end());
+        std::printf(" %.2fx [%.2f, %.2f] |", r[r.size() / 2], r[r.size() / 4], r[3 * r.size() / 4]);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+}
+
+// Thread-count independence of the fp32 GEMM (matters for bitwise parity between runs that use
+// different OMP_NUM_THREADS).
+void gemm_thread_independence(GemmBuffers& gb) {
+  std::printf("\nGEMM result identical on 1 and 2 threads (bitwise):");
+  for (const G& g : kLayers) {
+    Buf c1(static_cast<size_t>(g.Cin * g.OC)), c2(c1.size());
+    omp_set_num_threads(1);
+    gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, gb.Y.data(), gb.X.data(), 0.0f, c1.data());
+    omp_set_num_threads(2);
+    gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, gb.Y.data(), gb.X.data(), 0.0f, c2.data());
+    const bool dw_same = std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0;
+    Buf f1(static_cast<size_t>(N * g.OC)), f2(f1.size());
+    omp_set_num_threads(1);
+    gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, gb.X.data(), gb.W.data(), 0.0f, f1.data());
+    omp_set_num_threads(2);
+    gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, gb.X.data(), gb.W.data(), 0.0f, f2.data());
+    const bool fw_same = std::memcmp(f1.data(), f2.data(), f1.size() * 4) == 0;
+    std::printf(" %s fwd %s dW %s;", g.name, fw_same ? "yes" : "NO", dw_same ? "yes" : "NO");
+  }
+  std::printf("\n");
+}
+
+// One timed op: per thread count, the median call; called per_step times in a training step.
+struct Row {
+  std::string name;
+  std::vector<Ms> ms;
+  int per_step;
+};
+
+// The non-GEMM kernels through the dispatched table `K`, at the model's shapes.
+struct OtherOps {
+  const kernels::KernelTable& K;
+  static constexpr int64_t ld = 3 * C;
+  static constexpr int64_t nparams = 12 * L * C * C + VP * C + T * C;  // ~30M
+  Buf qkv = rnd(static_cast<size_t>(N * ld), 10), att = Buf(static_cast<size_t>(N * C)),
+      lse = Buf(static_cast<size_t>(B * NH * T)), dqkv = Buf(qkv.size(), 0.0f), datt = rnd(static_cast<size_t>(N * C), 11);
+  Buf x = rnd(static_cast<size_t>(N * C), 12), w = rnd(static_cast<size_t>(C), 13), b = rnd(static_cast<size_t>(C), 14);
+  Buf y = Buf(static_cast<size_t>(N * C)), mean = Buf(static_cast<size_t>(N)), rstd = Buf(static_cast<size_t>(N)),
+      dx = Buf(static_cast<size_t>(N * C), 0.0f), dw = Buf(static_cast<size_t>(C), 0.0f), db = Buf(static_cast<size_t>(C), 0.0f);
+  Buf h = rnd(static_cast<size_t>(N * 4 * C), 15), dh = rnd(static_cast<size_t>(N * 4 * C), 16);
+  Buf gh = Buf(h.size()), dgh = Buf(h.size(), 0.0f);
+  Buf logits0 = rnd(static_cast<size_t>(N * VP), 17, 2.0f);
+  Buf logits = Buf(logits0.size()), losses = Buf(static_cast<size_t>(N));
+  std::vector<int32_t> targets = std::vector<int32_t>(static_cast<size_t>(N)), ids = std::vector<int32_t>(static_cast<size_t>(N));
+  Buf p = rnd(static_cast<size_t>(nparams), 18, 0.02f), pg = rnd(static_cast<size_t>(nparams), 19, 0.01f);
+  Buf pm = Buf(static_cast<size_t>(nparams), 0.0f), pv = Buf(static_cast<size_t>(nparams), 0.0f);
+  Buf wte = rnd(static_cast<size_t>(VP * C), 20), dwte = Buf(static_cast<size_t>(VP * C), 0.0f);
+
+  explicit OtherOps(const kernels::KernelTable& table) : K(table) {
+    for (int64_t i = 0; i < N; ++i) {
+      targets[static_cast<size_t>(i)] = int32_t((i * 7919) % V);
+      ids[static_cast<size_t>(i)] = int32_t((i * 104729) % V);
     }
   }
 
-  // Thread-count independence of the fp32 GEMM (matters for bitwise parity between runs that use
-  // different OMP_NUM_THREADS).
-  {
-    std::printf("\nGEMM result identical on 1 and 2 threads (bitwise):");
-    for (const G& g : layers) {
-      Buf c1(static_cast<size_t>(g.Cin * g.OC)), c2(c1.size());
-      omp_set_num_threads(1);
-      gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, Y.data(), X.data(), 0.0f, c1.data());
-      omp_set_num_threads(2);
-      gemm_f32(true, false, g.OC, g.Cin, N, 1.0f, Y.data(), X.data(), 0.0f, c2.data());
-      const bool dw_same = std::memcmp(c1.data(), c2.data(), c1.size() * 4) == 0;
-      Buf f1(static_cast<size_t>(N * g.OC)), f2(f1.size());
-      omp_set_num_threads(1);
-      gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, X.data(), W.data(), 0.0f, f1.data());
-      omp_set_num_threads(2);
-      gemm_f32(false, true, N, g.OC, g.Cin, 1.0f, X.data(), W.data(), 0.0f, f2.data());
-      const bool fw_same = std::memcmp(f1.data(), f2.data(), f1.size() * 4) == 0;
-      std::printf(" %s fwd %s dW %s;", g.name, fw_same ? "yes" : "NO", dw_same ? "yes" : "NO");
-    }
-    std::printf("\n");
-  }
-
-  // ---- other ops ----------------------------------------------------------------------------
-  const int64_t ld = 3 * C;
-  auto qkv = rnd(static_cast<size_t>(N * ld), 10);
-  Buf att(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T)), dqkv(qkv.size(), 0.0f);
-  auto datt = rnd(static_cast<size_t>(N * C), 11);
-  auto x = rnd(static_cast<size_t>(N * C), 12), w = rnd(static_cast<size_t>(C), 13), b = rnd(static_cast<size_t>(C), 14);
-  Buf y(static_cast<size_t>(N * C)), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N)), dx(static_cast<size_t>(N * C), 0.0f),
-      dw(static_cast<size_t>(C), 0.0f), db(static_cast<size_t>(C), 0.0f);
-  auto h = rnd(static_cast<size_t>(N * 4 * C), 15), dh = rnd(static_cast<size_t>(N * 4 * C), 16);
-  Buf gh(h.size()), dgh(h.size(), 0.0f);
-  auto logits0 = rnd(static_cast<size_t>(N * VP), 17, 2.0f);
-  Buf logits(logits0.size()), losses(static_cast<size_t>(N));
-  std::vector<int32_t> targets(static_cast<size_t>(N)), ids(static_cast<size_t>(N));
-  for (int64_t i = 0; i < N; ++i) {
-    targets[static_cast<size_t>(i)] = int32_t((i * 7919) % V);
-    ids[static_cast<size_t>(i)] = int32_t((i * 104729) % V);
-  }
-  const int64_t nparams = 12 * L * C * C + VP * C + T * C;  // ~30M
-  auto p = rnd(static_cast<size_t>(nparams), 18, 0.02f), pg = rnd(static_cast<size_t>(nparams), 19, 0.01f);
-  Buf pm(static_cast<size_t>(nparams), 0.0f), pv(static_cast<size_t>(nparams), 0.0f);
-  Buf wte = rnd(static_cast<size_t>(VP * C), 20), dwte(static_cast<size_t>(VP * C), 0.0f);
-
-  struct Row {
-    std::string name;
-    std::vector<Ms> ms;
-    int per_step;
-  };
-  std::vector<Row> rows;
-  for (size_t ti = 0; ti < threads.size(); ++ti) {
-    omp_set_num_threads(threads[ti]);
-    auto rec = [&](const std::string& name, int per_step, Ms ms) {
-      if (ti == 0) rows.push_back({name, {}, per_step});
-      for (Row& r : rows)
-        if (r.name == name) r.ms.push_back(ms);
-    };
+  // Times every op on the current thread count; rec(name, calls per step, time).
+  template <class Rec>
+  void time_all(Rec&& rec) {
     rec("attention fwd (B4 T256 nh6 hd64)", int(L),
         median_ms([&] { K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, NH, NH, HD); }));
     rec("attention bwd", int(L), median_ms([&] {
@@ -367,6 +353,24 @@ int main(int argc, char** argv) {
     rec("gelu fwd (1024x1536)", int(L), median_ms([&] { K.gelu_forward(gh.data(), h.data(), N * 4 * C); }));
     rec("gelu bwd", int(L), median_ms([&] { K.gelu_backward(dgh.data(), h.data(), dh.data(), N * 4 * C); }));
     rec("residual add (1024x384)", int(2 * L), median_ms([&] { K.accumulate(y.data(), x.data(), N * C); }));
+    time_losses(rec);
+    rec("embedding fwd (1024x384)", 1, median_ms([&] { K.embedding_forward(y.data(), ids.data(), wte.data(), N, C); }));
+    rec("embedding bwd", 1, median_ms([&] { K.embedding_backward(dwte.data(), dx.data(), ids.data(), N, C); }));
+    rec("adamw (30.3M params)", 1, median_ms([&] {
+          K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
+                       0.1f, 10, 1.0f, nullptr);
+        }));
+    rec("adamw + its bf16 copy (bf16 runs)", 0, median_ms([&] {
+          K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
+                       0.1f, 10, 1.0f, reinterpret_cast<bf16*>(dwte.data()));
+        }));
+    rec("cast f32->bf16 (30.3M)", 0, median_ms([&] {
+          K.cast_f32_to_bf16(reinterpret_cast<bf16*>(pm.data()), p.data(), nparams);
+        }));
+  }
+
+  template <class Rec>
+  void time_losses(Rec&& rec) {
     // In place: the first call turns the logits into their gradient, later calls run on that
     // (the work does not depend on the values), so no copy of the logits is timed.
     std::memcpy(logits.data(), logits0.data(), logits.size() * 4);
@@ -384,25 +388,24 @@ int main(int argc, char** argv) {
     rec("cross-entropy forward only", 0, median_ms([&] {
           K.softmax_cross_entropy_forward(logits0.data(), losses.data(), targets.data(), N, V, VP);
         }));
-    rec("embedding fwd (1024x384)", 1, median_ms([&] { K.embedding_forward(y.data(), ids.data(), wte.data(), N, C); }));
-    rec("embedding bwd", 1, median_ms([&] { K.embedding_backward(dwte.data(), dx.data(), ids.data(), N, C); }));
-    rec("adamw (30.3M params)", 1, median_ms([&] {
-          K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
-                       0.1f, 10, 1.0f, nullptr);
-        }));
-    rec("adamw + its bf16 copy (bf16 runs)", 0, median_ms([&] {
-          K.adamw_update(p.data(), pg.data(), pm.data(), pv.data(), nparams, 1e-4f, 0.9f, 0.95f, 1e-8f,
-                       0.1f, 10, 1.0f, reinterpret_cast<bf16*>(dwte.data()));
-        }));
-    rec("cast f32->bf16 (30.3M)", 0, median_ms([&] {
-          K.cast_f32_to_bf16(reinterpret_cast<bf16*>(pm.data()), p.data(), nparams);
-        }));
   }
-  std::printf("\nPer-call time, ms (median): wall clock (process CPU time in brackets)\n\n| op | calls/step |");
-  for (int nt : threads) std::printf(" %dt |", nt);
-  std::printf("\n|---|---:|");
-  for (size_t i = 0; i < threads.size(); ++i) std::printf("---:|");
-  std::printf("\n");
+};
+
+// The non-GEMM ops per thread count; prints their table and returns one step's time of them per
+// thread count.
+std::vector<double> other_ops_table(const kernels::KernelTable& K, const std::vector<int>& threads) {
+  OtherOps ops(K);
+  std::vector<Row> rows;
+  for (size_t ti = 0; ti < threads.size(); ++ti) {
+    omp_set_num_threads(threads[ti]);
+    ops.time_all([&](const std::string& name, int per_step, Ms ms) {
+      if (ti == 0) rows.push_back({name, {}, per_step});
+      for (Row& r : rows)
+        if (r.name == name) r.ms.push_back(ms);
+    });
+  }
+  std::printf("\nPer-call time, ms (median): wall clock (process CPU time in brackets)\n\n");
+  print_table_head("| op | calls/step |", "|---|---:|", threads, " %dt |", "---:|");
   std::vector<double> other(threads.size(), 0.0);
   for (const Row& r : rows) {
     std::printf("| %s | %d |", r.name.c_str(), r.per_step);
@@ -412,6 +415,50 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
+  return other;
+}
+
+// The options; false after printing the usage.
+bool parse_args(int argc, char** argv, std::vector<int>& threads, bool& probe) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--amx-probe") probe = true;
+    else if (a == "--min-time" && i + 1 < argc) g_min_time = std::atof(argv[++i]);
+    else if (a == "--amx-vs-onednn" && i + 1 < argc) g_amx_pairs = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--threads" && i + 1 < argc) {
+      threads.clear();
+      for (const char* p = argv[++i]; *p;) {
+        threads.push_back(std::atoi(p));
+        while (*p && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+    } else {
+      std::fprintf(stderr, "usage: %s [--min-time S] [--threads 1,2] [--amx-vs-onednn PAIRS] [--amx-probe]\n", argv[0]);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> threads = {1, 2};
+  bool probe = false;
+  if (!parse_args(argc, argv, threads, probe)) return 2;
+  if (probe) return run_amx_probe(threads);
+  // The non-GEMM kernels through the dispatched table: the variant the engine runs on this CPU
+  // (MESHTRAIN_CPU_ISA caps it, e.g. avx2 to time the baseline variant on an AVX-512 machine).
+  const kernels::KernelTable& K = kernels::table(Device::CPU);
+  std::printf("%s\n\n", kernels::describe(Device::CPU).c_str());
+  double step_gemm_ms[2][8] = {};  // [f32/bf16][thread idx]: fwd+bwd time of all GEMMs in one step
+  {
+    GemmBuffers gb;
+    gemm_table(gb, threads, step_gemm_ms);
+    if (g_amx_pairs > 0) amx_vs_onednn(gb, threads);
+    gemm_thread_independence(gb);
+  }
+  const std::vector<double> other = other_ops_table(K, threads);
   std::printf("\nfp32 FMA peak (%s, all threads busy; median of 5):", peak_uses_avx512() ? "AVX-512" : "AVX2+FMA");
   for (int nt : threads) std::printf(" %dt %.1f GFLOP/s;", nt, fma_peak_gflops(nt));
   std::printf("\n");

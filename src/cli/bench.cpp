@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "cli/arg_parser.h"
 #include "cli/commands.h"
@@ -243,6 +245,219 @@ int run_overlap(ProcessGroup& g, size_t bytes, DType dt, MPI_Comm mpi_comm, bool
   return 0;
 }
 
+struct Options {
+  size_t min_b = 0, max_b = 0, ov_bytes = 0;
+  double factor = 2;
+  DType dt = DType::F32;
+  ReduceOp rop = ReduceOp::Sum;
+  std::vector<std::string> ops;
+  long iters = 0, warmup = 2;  // iters 0: chosen per size
+  bool no_mpi = false, check = true, blocking = false, overlap = false;
+};
+
+// The options after `bench comm`; throws ArgError for a usage error.
+Options parse_options(const ArgParser& ap) {
+  Options o;
+  if (!ap.positional().empty()) throw ArgError("unexpected argument '" + ap.positional()[0] + "'");
+  o.min_b = parse_size(ap.get("min-bytes", "1K"));
+  o.max_b = parse_size(ap.get("max-bytes", "256M"));
+  o.ov_bytes = parse_size(ap.get("overlap-bytes", "32M"));
+  o.factor = ap.get_double("factor", 2.0);
+  if (o.factor <= 1.0) throw ArgError("--factor must be > 1");
+  if (o.min_b > o.max_b) throw ArgError("--min-bytes is larger than --max-bytes");
+  if (!parse_dtype(ap.get("dtype", "f32"), &o.dt)) throw ArgError("--dtype must be f32 or bf16");
+  const std::string op = ap.get("op", "sum");
+  if (op == "sum") o.rop = ReduceOp::Sum;
+  else if (op == "avg") o.rop = ReduceOp::Avg;
+  else if (op == "max") o.rop = ReduceOp::Max;
+  else throw ArgError("--op must be sum, avg or max");
+  for (const std::string& item : split_list(ap.get("ops", "all_reduce,all_gather,reduce_scatter,broadcast"))) {
+    if (item != "all_reduce" && item != "all_gather" && item != "reduce_scatter" && item != "broadcast")
+      throw ArgError("unknown collective '" + item + "' in --ops");
+    o.ops.push_back(item);
+  }
+  o.iters = ap.get_int("iters", 0);
+  o.warmup = ap.get_int("warmup", 2);
+  o.no_mpi = ap.flag("no-mpi");
+  o.check = !ap.flag("no-check");
+  o.blocking = ap.flag("blocking");
+  o.overlap = ap.flag("overlap");
+  return o;
+}
+
+// One row of the table: a collective at one size, on the world group `g` (MPI communicator mc).
+struct Case {
+  const Options& o;
+  ProcessGroup& g;
+  MPI_Comm mc;
+  Buffers& buf;
+  std::string op;
+  int n, r;
+  size_t es, bytes, count, part;  // count: whole-buffer elements; part: the per-rank count argument
+  long iters;
+  double busf;  // bus bandwidth / algorithm bandwidth
+  bool split;   // all_gather / reduce_scatter: the buffer is n parts
+
+  // Timing of `body(timed)`: warm-up calls, then one timed call of `iters` operations; slowest rank.
+  template <class Body>
+  Row time_it(Body&& body) const {
+    for (long i = 0; i < o.warmup; ++i) body(false);
+    if (mc != MPI_COMM_NULL) MPI_Barrier(mc);
+    double t0 = now_s();
+    body(true);
+    double t = (now_s() - t0) / static_cast<double>(iters);
+    if (mc != MPI_COMM_NULL) MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, mc);
+    Row row;
+    row.valid = true;
+    row.us = t * 1e6;
+    row.algbw = static_cast<double>(bytes) / t / 1e9;
+    row.busbw = row.algbw * busf;
+    return row;
+  }
+};
+
+Case make_case(const Options& o, ProcessGroup& g, MPI_Comm mc, Buffers& buf, const std::string& op, double sz) {
+  const int n = g.size();
+  const size_t es = dtype_size(o.dt);
+  size_t bytes = static_cast<size_t>(sz);
+  const bool split = op == "all_gather" || op == "reduce_scatter";
+  const size_t unit = es * (split ? static_cast<size_t>(n) : 1);
+  bytes = std::max(unit, bytes / unit * unit);
+  const size_t count = bytes / es;
+  const size_t part = split ? count / n : count;
+  long iters = o.iters;
+  if (iters <= 0) iters = std::clamp<long>(static_cast<long>((size_t(256) << 20) / bytes), 3, 50);
+  double busf = 1;
+  if (op == "all_reduce") busf = n > 1 ? 2.0 * (n - 1) / n : 0;
+  else if (split) busf = n > 1 ? static_cast<double>(n - 1) / n : 0;
+  return Case{o, g, mc, buf, op, n, g.rank(), es, bytes, count, part, iters, busf, split};
+}
+
+Row time_meshtrain(const Case& k) {
+  auto issue = [&]() -> WorkHandle {
+    if (k.op == "all_reduce") return k.g.all_reduce(k.buf.a, k.count, k.o.dt, k.o.rop);
+    if (k.op == "all_gather")
+      return k.g.all_gather(static_cast<char*>(k.buf.a) + k.r * k.part * k.es, k.buf.a, k.part, k.o.dt);
+    if (k.op == "reduce_scatter") return k.g.reduce_scatter(k.buf.a, k.buf.b, k.part, k.o.dt, k.o.rop);
+    return k.g.broadcast(k.buf.a, k.count, k.o.dt, 0);
+  };
+  return k.time_it([&](bool timed) {
+    if (!timed) {
+      issue()->wait();
+      return;
+    }
+    WorkHandle last;
+    for (long i = 0; i < k.iters; ++i) {
+      last = issue();  // in order: the last done = all done
+      if (k.o.blocking) last->wait();
+    }
+    last->wait();
+  });
+}
+
+// Correctness: rank q contributes q+1 (sum n(n+1)/2, avg (n+1)/2, max n); broadcast root 0.
+// Returns the wrong elements over all ranks.
+long count_wrong_results(const Case& k) {
+  const int n = k.n, r = k.r;
+  const DType dt = k.o.dt;
+  const ReduceOp rop = k.o.rop;
+  Buffers& buf = k.buf;
+  long wrong = 0;
+  fill_value(buf.a, k.count, dt, static_cast<float>(r + 1));
+  const float red = rop == ReduceOp::Sum   ? n * (n + 1) / 2.0f
+                    : rop == ReduceOp::Avg ? (n * (n + 1) / 2.0f) / n
+                                           : static_cast<float>(n);
+  if (k.op == "all_reduce") {
+    k.g.all_reduce(buf.a, k.count, dt, rop)->wait();
+    wrong = static_cast<long>(count_wrong(buf.a, k.count, dt, round_to_bf16(red)));
+    if (dt == DType::F32) wrong = static_cast<long>(count_wrong(buf.a, k.count, dt, red));
+  } else if (k.op == "reduce_scatter") {
+    k.g.reduce_scatter(buf.a, buf.b, k.part, dt, rop)->wait();
+    wrong = static_cast<long>(count_wrong(buf.b, k.part, dt, dt == DType::F32 ? red : round_to_bf16(red)));
+  } else if (k.op == "all_gather") {
+    k.g.all_gather(static_cast<char*>(buf.a) + r * k.part * k.es, buf.b, k.part, dt)->wait();
+    for (int q = 0; q < n; ++q)
+      wrong += static_cast<long>(
+          count_wrong(static_cast<char*>(buf.b) + q * k.part * k.es, k.part, dt, static_cast<float>(q + 1)));
+  } else {
+    k.g.broadcast(buf.a, k.count, dt, 0)->wait();
+    wrong = static_cast<long>(count_wrong(buf.a, k.count, dt, 1.0f));
+  }
+  if (k.mc != MPI_COMM_NULL) MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_LONG, MPI_SUM, k.mc);
+  return wrong;
+}
+
+// The same operation through plain MPI; not valid without MPI or for a bf16 reduction.
+Row time_mpi(const Case& k) {
+  const bool reduction = k.op == "all_reduce" || k.op == "reduce_scatter";
+  if (k.o.no_mpi || k.mc == MPI_COMM_NULL || (reduction && k.o.dt != DType::F32)) return Row{};
+  const MPI_Op mop = k.o.rop == ReduceOp::Max ? MPI_MAX : MPI_SUM;  // avg: sum (MPI has no avg)
+  const MPI_Comm mc = k.mc;
+  return k.time_it([&](bool timed) {
+    for (long i = 0; i < (timed ? k.iters : 1); ++i) {
+      if (k.op == "all_reduce")
+        MPI_Allreduce(MPI_IN_PLACE, k.buf.a, static_cast<int>(k.count), MPI_FLOAT, mop, mc);
+      else if (k.op == "all_gather")
+        MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, k.buf.a, static_cast<int>(k.part * k.es), MPI_BYTE, mc);
+      else if (k.op == "reduce_scatter")
+        MPI_Reduce_scatter_block(k.buf.a, k.buf.b, static_cast<int>(k.part), MPI_FLOAT, mop, mc);
+      else
+        MPI_Bcast(k.buf.a, static_cast<int>(k.bytes), MPI_BYTE, 0, mc);
+    }
+  });
+}
+
+void print_header(const Options& o, int n, int nodes) {
+  std::printf("# meshtrain bench comm: %d ranks on %d node(s), dtype %s, op %s; time = slowest "
+              "rank, mean of the timed iterations (%s)\n",
+              n, nodes, dtype_name(o.dt), reduce_op_name(o.rop),
+              o.blocking ? "each waited before the next" : "issued back to back, then waited");
+  std::printf("# %-14s %9s %11s | %10s %9s %9s %6s | %10s %9s %9s | %6s\n", "collective", "size", "count",
+              "time(us)", "algbw", "busbw", "#wrong", "mpi(us)", "algbw", "busbw", "ratio");
+  std::printf("# %-14s %9s %11s | %10s %9s %9s %6s | %10s %9s %9s | %6s\n", "", "(B)", "(elements)", "", "(GB/s)",
+              "(GB/s)", "", "", "(GB/s)", "(GB/s)", "mt/mpi");
+}
+
+void print_row(const Case& k, const Row& mine, const Row& mpi, long wrong) {
+  char mcol[64] = "         -         -         - |      -";
+  if (mpi.valid)
+    std::snprintf(mcol, sizeof mcol, "%10.1f %9.3f %9.3f | %6.2f", mpi.us, mpi.algbw, mpi.busbw, mpi.us / mine.us);
+  std::printf("  %-14s %9s %11zu | %10.1f %9.3f %9.3f %6s | %s\n", k.op.c_str(), size_str(k.bytes).c_str(), k.count,
+              mine.us, mine.algbw, mine.busbw, k.o.check ? std::to_string(wrong).c_str() : "-", mcol);
+  std::fflush(stdout);
+}
+
+// The table: every collective of --ops at every size; 1 when a check found wrong elements.
+int run_table(const Options& o, World& world, ProcessGroup& g, MPI_Comm mc) {
+  const int n = g.size();
+  const size_t es = dtype_size(o.dt);
+  if (n == 1 && should_print())
+    std::printf("# note: a world of 1 rank (start it with `meshtrain launch -n N -- bench comm` or "
+                "mpirun); collectives are local copies\n");
+  Buffers buf(std::max(o.max_b, es * static_cast<size_t>(n)));
+  const bool print = should_print();
+  if (print) print_header(o, n, world.num_nodes());
+  int rc = 0;
+  for (const std::string& op : o.ops) {
+    for (double sz = static_cast<double>(o.min_b); sz <= static_cast<double>(o.max_b) * 1.0001; sz *= o.factor) {
+      const Case k = make_case(o, g, mc, buf, op, sz);
+      const Row mine = time_meshtrain(k);
+      const long wrong = o.check ? count_wrong_results(k) : 0;
+      const Row mpi = time_mpi(k);
+      if (print) print_row(k, mine, mpi, wrong);
+      if (wrong) rc = 1;
+    }
+  }
+  if (print) {
+    CommStats s = g.stats();
+    std::printf("# world group totals: %llu calls, %s (algorithm volume per rank), %.1f ms\n",
+                static_cast<unsigned long long>(s.total_calls()),
+                format_bytes(static_cast<int64_t>(s.total_bytes())).c_str(), s.total_ms());
+    std::printf("# ratio = MPI time / meshtrain time (> 1: meshtrain faster)\n");
+  }
+  return rc;
+}
+
 }  // namespace
 
 int run_bench_comm_command(int argc, char** argv) {
@@ -252,188 +467,26 @@ int run_bench_comm_command(int argc, char** argv) {
   ArgParser ap({"ops", "min-bytes", "max-bytes", "factor", "dtype", "op", "iters", "warmup",
                 "overlap-bytes"},
                {"no-mpi", "no-check", "overlap", "blocking", "help", "h"});
-  size_t min_b, max_b, ov_bytes;
-  double factor;
-  DType dt = DType::F32;
-  ReduceOp rop = ReduceOp::Sum;
-  std::vector<std::string> ops;
+  Options o;
   try {
     ap.parse(argc, argv, first);
     if (ap.flag("help") || ap.flag("h")) {
       std::fputs(kHelp, stdout);
       return 0;
     }
-    if (!ap.positional().empty()) throw ArgError("unexpected argument '" + ap.positional()[0] + "'");
-    min_b = parse_size(ap.get("min-bytes", "1K"));
-    max_b = parse_size(ap.get("max-bytes", "256M"));
-    ov_bytes = parse_size(ap.get("overlap-bytes", "32M"));
-    factor = ap.get_double("factor", 2.0);
-    if (factor <= 1.0) throw ArgError("--factor must be > 1");
-    if (min_b > max_b) throw ArgError("--min-bytes is larger than --max-bytes");
-    if (!parse_dtype(ap.get("dtype", "f32"), &dt)) throw ArgError("--dtype must be f32 or bf16");
-    std::string o = ap.get("op", "sum");
-    if (o == "sum") rop = ReduceOp::Sum;
-    else if (o == "avg") rop = ReduceOp::Avg;
-    else if (o == "max") rop = ReduceOp::Max;
-    else throw ArgError("--op must be sum, avg or max");
-    for (const std::string& item : split_list(ap.get("ops", "all_reduce,all_gather,reduce_scatter,broadcast"))) {
-      if (item != "all_reduce" && item != "all_gather" && item != "reduce_scatter" &&
-          item != "broadcast")
-        throw ArgError("unknown collective '" + item + "' in --ops");
-      ops.push_back(item);
-    }
+    o = parse_options(ap);
   } catch (const ArgError& e) {
     std::fprintf(stderr, "meshtrain bench comm: %s\n", e.what());
     return 2;
   }
-  const long iters_opt = ap.get_int("iters", 0);
-  const long warmup = ap.get_int("warmup", 2);
-  const bool no_mpi = ap.flag("no-mpi"), check = !ap.flag("no-check");
-  const bool blocking = ap.flag("blocking");
 
   const bool owned = !World::initialized();  // finalize only a world this command started
   World& world = World::init(&argc, &argv);
   auto g = world.world();
-  const int n = g->size(), r = g->rank();
-  const size_t es = dtype_size(dt);
   MPI_Comm mc = MPI_COMM_NULL;
   if (world.uses_mpi()) MPI_Comm_dup(MPI_COMM_WORLD, &mc);
-
-  int rc = 0;
-  if (ap.flag("overlap")) {
-    rc = run_overlap(*g, std::max(ov_bytes, es * n), dt, mc, no_mpi);
-    if (mc != MPI_COMM_NULL) MPI_Comm_free(&mc);
-    if (owned) world.finalize();
-    return rc;
-  }
-  if (n == 1 && should_print())
-    std::printf("# note: a world of 1 rank (start it with `meshtrain launch -n N -- bench comm` or "
-                "mpirun); collectives are local copies\n");
-
-  Buffers buf(std::max(max_b, es * static_cast<size_t>(n)));
-  const bool print = should_print();
-  if (print) {
-    std::printf("# meshtrain bench comm: %d ranks on %d node(s), dtype %s, op %s; time = slowest "
-                "rank, mean of the timed iterations (%s)\n",
-                n, world.num_nodes(), dtype_name(dt), reduce_op_name(rop),
-                blocking ? "each waited before the next" : "issued back to back, then waited");
-    std::printf("# %-14s %9s %11s | %10s %9s %9s %6s | %10s %9s %9s | %6s\n", "collective",
-                "size", "count", "time(us)", "algbw", "busbw", "#wrong", "mpi(us)", "algbw",
-                "busbw", "ratio");
-    std::printf("# %-14s %9s %11s | %10s %9s %9s %6s | %10s %9s %9s | %6s\n", "", "(B)",
-                "(elements)", "", "(GB/s)", "(GB/s)", "", "", "(GB/s)", "(GB/s)", "mt/mpi");
-  }
-  for (const std::string& opname : ops) {
-    for (double sz = static_cast<double>(min_b); sz <= static_cast<double>(max_b) * 1.0001;
-         sz *= factor) {
-      size_t bytes = static_cast<size_t>(sz);
-      const bool split = opname == "all_gather" || opname == "reduce_scatter";
-      const size_t unit = es * (split ? static_cast<size_t>(n) : 1);
-      bytes = std::max(unit, bytes / unit * unit);
-      const size_t count = bytes / es;            // whole-buffer elements
-      const size_t part = split ? count / n : count;  // per-rank count argument
-      long iters = iters_opt;
-      if (iters <= 0) iters = std::clamp<long>(static_cast<long>((size_t(256) << 20) / bytes), 3, 50);
-      double busf = 1;
-      if (opname == "all_reduce") busf = n > 1 ? 2.0 * (n - 1) / n : 0;
-      else if (split) busf = n > 1 ? static_cast<double>(n - 1) / n : 0;
-      auto issue = [&]() -> WorkHandle {
-        if (opname == "all_reduce") return g->all_reduce(buf.a, count, dt, rop);
-        if (opname == "all_gather")
-          return g->all_gather(static_cast<char*>(buf.a) + r * part * es, buf.a, part, dt);
-        if (opname == "reduce_scatter") return g->reduce_scatter(buf.a, buf.b, part, dt, rop);
-        return g->broadcast(buf.a, count, dt, 0);
-      };
-      auto time_it = [&](auto&& body) {
-        for (long i = 0; i < warmup; ++i) body(false);
-        if (mc != MPI_COMM_NULL) MPI_Barrier(mc);
-        double t0 = now_s();
-        body(true);
-        double t = (now_s() - t0) / static_cast<double>(iters);
-        if (mc != MPI_COMM_NULL) MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, mc);
-        Row row;
-        row.valid = true;
-        row.us = t * 1e6;
-        row.algbw = static_cast<double>(bytes) / t / 1e9;
-        row.busbw = row.algbw * busf;
-        return row;
-      };
-      Row mine = time_it([&](bool timed) {
-        if (!timed) {
-          issue()->wait();
-          return;
-        }
-        WorkHandle last;
-        for (long i = 0; i < iters; ++i) {
-          last = issue();  // in order: the last done = all done
-          if (blocking) last->wait();
-        }
-        last->wait();
-      });
-      // Correctness: rank q contributes q+1 (sum n(n+1)/2, avg (n+1)/2, max n); broadcast root 0.
-      long wrong = 0;
-      if (check) {
-        fill_value(buf.a, count, dt, static_cast<float>(r + 1));
-        const float red = rop == ReduceOp::Sum   ? n * (n + 1) / 2.0f
-                          : rop == ReduceOp::Avg ? (n * (n + 1) / 2.0f) / n
-                                                 : static_cast<float>(n);
-        if (opname == "all_reduce") {
-          g->all_reduce(buf.a, count, dt, rop)->wait();
-          wrong = static_cast<long>(count_wrong(buf.a, count, dt, round_to_bf16(red)));
-          if (dt == DType::F32) wrong = static_cast<long>(count_wrong(buf.a, count, dt, red));
-        } else if (opname == "reduce_scatter") {
-          g->reduce_scatter(buf.a, buf.b, part, dt, rop)->wait();
-          wrong = static_cast<long>(
-              count_wrong(buf.b, part, dt, dt == DType::F32 ? red : round_to_bf16(red)));
-        } else if (opname == "all_gather") {
-          g->all_gather(static_cast<char*>(buf.a) + r * part * es, buf.b, part, dt)->wait();
-          for (int q = 0; q < n; ++q)
-            wrong += static_cast<long>(count_wrong(static_cast<char*>(buf.b) + q * part * es, part,
-                                                   dt, static_cast<float>(q + 1)));
-        } else {
-          g->broadcast(buf.a, count, dt, 0)->wait();
-          wrong = static_cast<long>(count_wrong(buf.a, count, dt, 1.0f));
-        }
-        if (mc != MPI_COMM_NULL) MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_LONG, MPI_SUM, mc);
-      }
-      Row mpi;
-      const bool reduction = opname == "all_reduce" || opname == "reduce_scatter";
-      if (!no_mpi && mc != MPI_COMM_NULL && !(reduction && dt != DType::F32)) {
-        MPI_Op mop = rop == ReduceOp::Max ? MPI_MAX : MPI_SUM;  // avg: sum (MPI has no avg)
-        mpi = time_it([&](bool timed) {
-          for (long i = 0; i < (timed ? iters : 1); ++i) {
-            if (opname == "all_reduce")
-              MPI_Allreduce(MPI_IN_PLACE, buf.a, static_cast<int>(count), MPI_FLOAT, mop, mc);
-            else if (opname == "all_gather")
-              MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf.a,
-                            static_cast<int>(part * es), MPI_BYTE, mc);
-            else if (opname == "reduce_scatter")
-              MPI_Reduce_scatter_block(buf.a, buf.b, static_cast<int>(part), MPI_FLOAT, mop, mc);
-            else
-              MPI_Bcast(buf.a, static_cast<int>(bytes), MPI_BYTE, 0, mc);
-          }
-        });
-      }
-      if (print) {
-        char mcol[64] = "         -         -         - |      -";
-        if (mpi.valid)
-          std::snprintf(mcol, sizeof mcol, "%10.1f %9.3f %9.3f | %6.2f", mpi.us, mpi.algbw,
-                        mpi.busbw, mpi.us / mine.us);
-        std::printf("  %-14s %9s %11zu | %10.1f %9.3f %9.3f %6s | %s\n", opname.c_str(),
-                    size_str(bytes).c_str(), count, mine.us, mine.algbw, mine.busbw,
-                    check ? std::to_string(wrong).c_str() : "-", mcol);
-        std::fflush(stdout);
-      }
-      if (wrong) rc = 1;
-    }
-  }
-  if (print) {
-    CommStats s = g->stats();
-    std::printf("# world group totals: %llu calls, %s (algorithm volume per rank), %.1f ms\n",
-                static_cast<unsigned long long>(s.total_calls()),
-                format_bytes(static_cast<int64_t>(s.total_bytes())).c_str(), s.total_ms());
-    std::printf("# ratio = MPI time / meshtrain time (> 1: meshtrain faster)\n");
-  }
+  const int rc = o.overlap ? run_overlap(*g, std::max(o.ov_bytes, dtype_size(o.dt) * g->size()), o.dt, mc, o.no_mpi)
+                           : run_table(o, world, *g, mc);
   if (mc != MPI_COMM_NULL) MPI_Comm_free(&mc);
   if (owned) world.finalize();
   return rc;

@@ -1,8 +1,9 @@
-// Helpers shared by the subcommands (prepare, tokenize, plot, schedule): error reporting, --help
-// detection and repeated flags.
+// Helpers shared by the subcommands: argument parsing with --help and usage errors, error
+// reporting, repeated flags.
 #pragma once
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -19,6 +20,28 @@ struct CommandError : std::runtime_error {
 inline int fail(const char* cmd, const std::string& msg) {
   std::fprintf(stderr, "meshtrain %s: error: %s\n(run 'meshtrain %s --help' for usage)\n", cmd, msg.c_str(), cmd);
   return 2;
+}
+
+// A usage error: "meshtrain <cmd>: <msg> (see --help)", exit code 2.
+inline int usage_error(const char* cmd, const std::string& msg) {
+  std::fprintf(stderr, "meshtrain %s: %s (see --help)\n", cmd, msg.c_str());
+  return 2;
+}
+
+// Parses the options after the command name into `ap`. Returns the exit code when the command is
+// already done - 0 after `print_help()` for --help, 2 after a usage error - and nothing otherwise.
+template <class PrintHelp>
+std::optional<int> parse_args(const char* cmd, ArgParser& ap, int argc, char** argv, PrintHelp print_help) {
+  try {
+    ap.parse(argc, argv, 1);
+  } catch (const ArgError& e) {
+    return usage_error(cmd, e.what());
+  }
+  if (ap.flag("help")) {
+    print_help();
+    return 0;
+  }
+  return std::nullopt;
 }
 
 inline bool wants_help(int argc, char** argv) {

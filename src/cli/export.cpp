@@ -11,36 +11,40 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/export.h"
 #include "cli/arg_parser.h"
+#include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "train/config.h"
 
 namespace mt::cli {
 
+namespace {
+
+const char* const kExportHelp =
+    "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N]\n\n"
+    "Writes a checkpoint as a Hugging Face model directory that transformers loads\n"
+    "(AutoModelForCausalLM.from_pretrained(DIR)): config.json (GPT2LMHeadModel or LlamaForCausalLM,\n"
+    "with the norm epsilon, rope_theta, rope_scaling, tied head and position-table size of the\n"
+    "model) and the fp32 weights under Hugging Face names, in model.safetensors - or, above\n"
+    "--max-shard-mb, in model-00001-of-0000N.safetensors shards with model.safetensors.index.json.\n\n"
+    "  --checkpoint DIR   a step_* checkpoint, or a checkpoint_dir (its latest)\n"
+    "  --out DIR          output directory (created; existing files of the same names replaced)\n"
+    "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n";
+
+const char* const kModelInfoHelp =
+    "usage: meshtrain model-info (--hf-config config.json | --model PRESET) [--seq-len N] [--json]\n\n"
+    "Prints the model the engine builds from a Hugging Face config.json (as model.hf_config does)\n"
+    "or a preset: architecture, dimensions, norm epsilon, rope_theta and rope scaling with the\n"
+    "resulting rotary inverse frequencies, tied head, position-table rows, parameter count; or\n"
+    "the error that refuses the config.\n";
+
+}  // namespace
+
 int run_export_command(int argc, char** argv) {
   ArgParser ap({"checkpoint", "out", "max-shard-mb"}, {"help"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain export: %s (see --help)\n", e.what());
-    return 2;
-  }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N]\n\n"
-        "Writes a checkpoint as a Hugging Face model directory that transformers loads\n"
-        "(AutoModelForCausalLM.from_pretrained(DIR)): config.json (GPT2LMHeadModel or LlamaForCausalLM,\n"
-        "with the norm epsilon, rope_theta, rope_scaling, tied head and position-table size of the\n"
-        "model) and the fp32 weights under Hugging Face names, in model.safetensors - or, above\n"
-        "--max-shard-mb, in model-00001-of-0000N.safetensors shards with model.safetensors.index.json.\n\n"
-        "  --checkpoint DIR   a step_* checkpoint, or a checkpoint_dir (its latest)\n"
-        "  --out DIR          output directory (created; existing files of the same names replaced)\n"
-        "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n");
-    return 0;
-  }
-  if (!ap.has("checkpoint") || !ap.has("out")) {
-    std::fprintf(stderr, "meshtrain export: --checkpoint DIR and --out DIR are required (see --help)\n");
-    return 2;
-  }
+  if (auto done = cli_support::parse_args("export", ap, argc, argv, [] { std::fputs(kExportHelp, stdout); }))
+    return *done;
+  if (!ap.has("checkpoint") || !ap.has("out"))
+    return cli_support::usage_error("export", "--checkpoint DIR and --out DIR are required");
   try {
     const double mb = ap.get_double("max-shard-mb", 5000);
     const auto max_bytes = static_cast<int64_t>(mb * 1e6);
@@ -62,25 +66,10 @@ int run_export_command(int argc, char** argv) {
 
 int run_model_info_command(int argc, char** argv) {
   ArgParser ap({"hf-config", "model", "seq-len"}, {"help", "json"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain model-info: %s (see --help)\n", e.what());
-    return 2;
-  }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain model-info (--hf-config config.json | --model PRESET) [--seq-len N] [--json]\n\n"
-        "Prints the model the engine builds from a Hugging Face config.json (as model.hf_config does)\n"
-        "or a preset: architecture, dimensions, norm epsilon, rope_theta and rope scaling with the\n"
-        "resulting rotary inverse frequencies, tied head, position-table rows, parameter count; or\n"
-        "the error that refuses the config.\n");
-    return 0;
-  }
-  if (ap.has("hf-config") == ap.has("model")) {
-    std::fprintf(stderr, "meshtrain model-info: give --hf-config FILE or --model PRESET (see --help)\n");
-    return 2;
-  }
+  if (auto done = cli_support::parse_args("model-info", ap, argc, argv, [] { std::fputs(kModelInfoHelp, stdout); }))
+    return *done;
+  if (ap.has("hf-config") == ap.has("model"))
+    return cli_support::usage_error("model-info", "give --hf-config FILE or --model PRESET");
   try {
     std::vector<std::pair<std::string, std::string>> ov;
     if (ap.has("hf-config")) ov.push_back({"model.hf_config", ap.get("hf-config")});

@@ -179,73 +179,42 @@ int run_validate(const ArgParser& a, bool as_json) {
   return r.ok ? 0 : 1;
 }
 
-int run(int argc, char** argv) {
-  ArgParser a({"model", "hf-config", "arch", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "gpus",
-               "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
-               "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
-               "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
-               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
-              {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
-               "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});
-  a.parse(argc, argv, 1);
-  if (!a.positional().empty()) throw Bad("unexpected argument '" + a.positional()[0] + "'");
-  if (a.flag("help")) {
-    std::cout << plan_help();
-    return 0;
-  }
-  const bool as_json = a.flag("json");
-  if (a.flag("probe-compute")) return run_probe(a);
-  if (a.flag("validate")) return run_validate(a, as_json);
+bool fp32_from_args(const ArgParser& a) {
+  const std::string d = a.get("dtype", "bf16");
+  if (d == "bf16") return false;
+  if (d == "fp32") return true;
+  throw Bad("--dtype must be bf16 or fp32, got '" + d + "'");
+}
 
-  // Cluster.
-  Cluster c;
-  try {
-    c = cluster_preset(a.get("cluster", "h100-80g-ib400"));
-  } catch (const std::invalid_argument& e) {
-    throw Bad(std::string("--cluster: ") + e.what());
+// The explicit figures (--mem-per-gpu, --peak-tflops, ...) replace the cluster's.
+void apply_cluster_overrides(const ArgParser& a, bool fp32, Cluster& c) {
+  if (a.has("gpus-per-node")) c.gpus_per_node = static_cast<int>(pos_int(a, "gpus-per-node", 8));
+  if (a.has("mem-per-gpu")) {
+    c.mem_per_gpu = pos_num(a, "mem-per-gpu", 0) * GiB;  // shared CPU nodes: the node's memory
+    if (!c.shared_node) c.mem_reserved = 1.0 * GiB + 0.05 * c.mem_per_gpu;
+    if (c.mem_reserved >= c.mem_per_gpu) c.mem_reserved = 0.1 * c.mem_per_gpu;
   }
-  const bool fp32 = [&] {
-    const std::string d = a.get("dtype", "bf16");
-    if (d == "bf16") return false;
-    if (d == "fp32") return true;
-    throw Bad("--dtype must be bf16 or fp32, got '" + d + "'");
-  }();
-  // The explicit figures (--mem-per-gpu, --peak-tflops, ...) replace the cluster's.
-  auto apply_overrides = [&](Cluster& c) {
-    if (a.has("gpus-per-node")) c.gpus_per_node = static_cast<int>(pos_int(a, "gpus-per-node", 8));
-    if (a.has("mem-per-gpu")) {
-      c.mem_per_gpu = pos_num(a, "mem-per-gpu", 0) * GiB;  // shared CPU nodes: the node's memory
-      if (!c.shared_node) c.mem_reserved = 1.0 * GiB + 0.05 * c.mem_per_gpu;
-      if (c.mem_reserved >= c.mem_per_gpu) c.mem_reserved = 0.1 * c.mem_per_gpu;
-    }
-    if (a.has("peak-tflops")) (fp32 ? c.peak_flops_fp32 : c.peak_flops_bf16) = pos_num(a, "peak-tflops", 0) * 1e12;
-    if (a.has("compute-efficiency")) {
-      c.compute_efficiency = a.get_double("compute-efficiency", 0);
-      if (!(c.compute_efficiency > 0 && c.compute_efficiency <= 1))
-        throw Bad("--compute-efficiency must be in (0, 1], got '" + a.get("compute-efficiency") + "'");
-    }
-    if (a.has("mem-bw")) c.mem_bw = pos_num(a, "mem-bw", 0) * GB;
-    if (a.has("intra-bw")) c.intra.bw = pos_num(a, "intra-bw", 0) * GB;
-    if (a.has("inter-bw")) c.inter.bw = pos_num(a, "inter-bw", 0) * GB;
-    if (a.has("intra-latency-us")) c.intra.latency_s = pos_num(a, "intra-latency-us", 0) * 1e-6;
-    if (a.has("inter-latency-us")) c.inter.latency_s = pos_num(a, "inter-latency-us", 0) * 1e-6;
-    if (a.has("host-bw")) c.host_link_bw = pos_num(a, "host-bw", 0) * GB;
-    if (a.has("host-mem")) c.host_mem_per_node = pos_num(a, "host-mem", 0) * GiB;
-  };
-  apply_overrides(c);
+  if (a.has("peak-tflops")) (fp32 ? c.peak_flops_fp32 : c.peak_flops_bf16) = pos_num(a, "peak-tflops", 0) * 1e12;
+  if (a.has("compute-efficiency")) {
+    c.compute_efficiency = a.get_double("compute-efficiency", 0);
+    if (!(c.compute_efficiency > 0 && c.compute_efficiency <= 1))
+      throw Bad("--compute-efficiency must be in (0, 1], got '" + a.get("compute-efficiency") + "'");
+  }
+  if (a.has("mem-bw")) c.mem_bw = pos_num(a, "mem-bw", 0) * GB;
+  if (a.has("intra-bw")) c.intra.bw = pos_num(a, "intra-bw", 0) * GB;
+  if (a.has("inter-bw")) c.inter.bw = pos_num(a, "inter-bw", 0) * GB;
+  if (a.has("intra-latency-us")) c.intra.latency_s = pos_num(a, "intra-latency-us", 0) * 1e-6;
+  if (a.has("inter-latency-us")) c.inter.latency_s = pos_num(a, "inter-latency-us", 0) * 1e-6;
+  if (a.has("host-bw")) c.host_link_bw = pos_num(a, "host-bw", 0) * GB;
+  if (a.has("host-mem")) c.host_mem_per_node = pos_num(a, "host-mem", 0) * GiB;
+}
 
-  if (a.flag("published")) {
-    std::cout << format_published(as_json);
-    return 0;
-  }
-  if (a.flag("article")) {
-    std::cout << format_article(c, as_json);
-    return 0;
-  }
-
-  // Model.
+// --model, --hf-config and explicit dimensions (which override the first two). *from_hf: the
+// model came from a Hugging Face config.
+ModelConfig model_from_args(const ArgParser& a, bool* from_hf) {
   ModelConfig m;
-  bool have_model = false, from_hf = false;
+  bool have_model = false;
+  *from_hf = false;
   if (a.has("model") && a.has("hf-config")) throw Bad("--model and --hf-config are exclusive");
   try {
     if (a.has("model")) {
@@ -253,7 +222,7 @@ int run(int argc, char** argv) {
       have_model = true;
     } else if (a.has("hf-config")) {
       m = model_from_hf_config(a.get("hf-config"));
-      have_model = from_hf = true;
+      have_model = *from_hf = true;
     }
   } catch (const std::invalid_argument& e) {
     throw Bad((a.has("model") ? "--model: " : "") + std::string(e.what()));
@@ -261,104 +230,106 @@ int run(int argc, char** argv) {
   const bool explicit_dims = a.has("layers") || a.has("hidden") || a.has("heads") || a.has("kv-heads") ||
                              a.has("ffn") || a.has("vocab") || a.has("arch");
   if (!have_model && !explicit_dims) throw Bad("--model, --hf-config or explicit dimensions (--layers ...) are required");
-  if (explicit_dims) {
-    const bool tied = m.tied_embeddings;
-    if (!have_model) {
-      m = ModelConfig();
-      m.name = "custom";
-      m.arch = Arch::Llama;
-      m.tied_embeddings = false;
-      for (const char* k : {"layers", "hidden", "heads", "vocab"})
-        if (!a.has(k)) throw Bad(std::string("--") + k + " is required when no --model or --hf-config is given");
-    }
-    if (a.has("arch") && !parse_arch(a.get("arch"), &m.arch)) throw Bad("--arch must be gpt2 or llama, got '" + a.get("arch") + "'");
-    if (a.has("layers")) m.n_layer = pos_int(a, "layers", 0);
-    if (a.has("hidden")) m.n_embd = pos_int(a, "hidden", 0), m.ffn_hidden = 0;
-    if (a.has("heads")) m.n_head = pos_int(a, "heads", 0), m.n_kv_head = m.n_head;
-    if (a.has("kv-heads")) m.n_kv_head = pos_int(a, "kv-heads", 0);
-    if (a.has("ffn")) m.ffn_hidden = pos_int(a, "ffn", 0);
-    if (a.has("vocab")) m.vocab_size = pos_int(a, "vocab", 0), m.padded_vocab = 0;
-    if (!have_model && a.has("seq")) m.seq_len = pos_int(a, "seq", 0);
-    if (have_model) m.name += "+overrides";
-    try {
-      m.resolve();
-    } catch (const std::invalid_argument& e) {
-      throw Bad(std::string("model dimensions: ") + e.what());
-    }
-    if (m.arch == Arch::Llama && have_model) m.tied_embeddings = tied;
+  if (!explicit_dims) return m;
+  const bool tied = m.tied_embeddings;
+  if (!have_model) {
+    m = ModelConfig();
+    m.name = "custom";
+    m.arch = Arch::Llama;
+    m.tied_embeddings = false;
+    for (const char* k : {"layers", "hidden", "heads", "vocab"})
+      if (!a.has(k)) throw Bad(std::string("--") + k + " is required when no --model or --hf-config is given");
   }
+  if (a.has("arch") && !parse_arch(a.get("arch"), &m.arch)) throw Bad("--arch must be gpt2 or llama, got '" + a.get("arch") + "'");
+  if (a.has("layers")) m.n_layer = pos_int(a, "layers", 0);
+  if (a.has("hidden")) m.n_embd = pos_int(a, "hidden", 0), m.ffn_hidden = 0;
+  if (a.has("heads")) m.n_head = pos_int(a, "heads", 0), m.n_kv_head = m.n_head;
+  if (a.has("kv-heads")) m.n_kv_head = pos_int(a, "kv-heads", 0);
+  if (a.has("ffn")) m.ffn_hidden = pos_int(a, "ffn", 0);
+  if (a.has("vocab")) m.vocab_size = pos_int(a, "vocab", 0), m.padded_vocab = 0;
+  if (!have_model && a.has("seq")) m.seq_len = pos_int(a, "seq", 0);
+  if (have_model) m.name += "+overrides";
+  try {
+    m.resolve();
+  } catch (const std::invalid_argument& e) {
+    throw Bad(std::string("model dimensions: ") + e.what());
+  }
+  if (m.arch == Arch::Llama && have_model) m.tied_embeddings = tied;
+  return m;
+}
 
-  // Setup.
+// The training setup's flags; a note for each default the planner chose.
+TrainSetup setup_from_args(const ArgParser& a, bool fp32, const ModelConfig& m, bool from_hf,
+                           std::vector<std::string>& notes) {
   TrainSetup st;
   st.fp32 = fp32;
   st.global_batch = pos_int(a, "global-batch", 0);
   st.micro_batch = pos_int(a, "micro-batch", 0);
   st.seq = pos_int(a, "seq", 0);
-  std::vector<std::string> notes;
   if (st.seq == 0 && from_hf && m.seq_len > 8192) {
     st.seq = 8192;
     notes.push_back("training sequence capped at 8192 of the config's " + std::to_string(m.seq_len) +
                     " positions; pass --seq to change");
   }
-  {
-    const std::string r = a.get("reduce-dtype", "fp32");
-    if (r == "fp32") st.reduce_bytes = 4;
-    else if (r == "bf16") st.reduce_bytes = fp32 ? 4 : 2;
-    else throw Bad("--reduce-dtype must be fp32 or bf16, got '" + r + "'");
-  }
+  const std::string r = a.get("reduce-dtype", "fp32");
+  if (r == "fp32") st.reduce_bytes = 4;
+  else if (r == "bf16") st.reduce_bytes = fp32 ? 4 : 2;
+  else throw Bad("--reduce-dtype must be fp32 or bf16, got '" + r + "'");
   if (a.has("grad-dtype")) {
     const std::string g = a.get("grad-dtype");
     if (g == "fp32") st.grad_bytes = 4;
     else if (g == "bf16") st.grad_bytes = 2;
     else throw Bad("--grad-dtype must be fp32 or bf16, got '" + g + "'");
   }
-  {
-    const std::string at = a.get("attention", "flash");
-    if (at == "flash") st.attention = AttentionImpl::Flash;
-    else if (at == "unfused") st.attention = AttentionImpl::Unfused;
-    else throw Bad("--attention must be flash or unfused, got '" + at + "'");
-  }
+  const std::string at = a.get("attention", "flash");
+  if (at == "flash") st.attention = AttentionImpl::Flash;
+  else if (at == "unfused") st.attention = AttentionImpl::Unfused;
+  else throw Bad("--attention must be flash or unfused, got '" + at + "'");
   st.dropout = a.flag("dropout");
   st.sequence_parallel = !a.flag("no-sp");
   st.tp_comm_overlap = a.flag("tp-overlap");
   st.overlap_param_gather = a.flag("overlap-param-gather");
   if (a.has("bucket-mb")) st.bucket_bytes = pos_num(a, "bucket-mb", 25) * 1024 * 1024;
+  return st;
+}
 
-  if (!a.has("gpus")) throw Bad("--gpus is required");
-  c.gpus = static_cast<int>(pos_int(a, "gpus", 0));
-  // this-cpu: the machine this runs on, measured (the engine's kernels at the model's shapes, one
-  // rank's threads), unless --no-measure keeps the reference preset or the model is too large to
-  // probe here.
-  if (c.name == "this-cpu" && !a.flag("no-measure")) {
-    const int64_t probe_mb = st.micro_batch > 0 ? st.micro_batch : 1;
-    const int64_t seq = st.seq > 0 ? st.seq : m.seq_len;
-    const double tok = static_cast<double>(probe_mb * seq);
-    const double wide = static_cast<double>(std::max(m.padded_vocab, 4 * m.ffn_hidden));
-    // matmul buffers, and the optimizer-step probe's weights, gradients and moments (16 B/param)
-    const double probe_bytes = 4.0 * (4.0 * tok * wide + 2.0 * m.n_embd * wide) + 16.0 * static_cast<double>(m.num_params());
-    if (probe_bytes > 2.0 * GiB) {
-      notes.push_back("this-cpu: the model is too large to probe on this machine (" +
-                      std::to_string(static_cast<int>(probe_bytes / GiB)) +
-                      " GiB of probe buffers): the reference preset's figures are used");
-    } else {
-      ModelConfig pm = m;
-      pm.seq_len = seq;
-      const int ranks = std::max(1, c.gpus);
-      const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-      const int before = omp_get_max_threads();
-      omp_set_num_threads(std::max(1, cores / ranks));
-      const plan::CpuMeasurement cm = measure_this_cpu(pm, probe_mb, !fp32, std::min(ranks, cores));
-      omp_set_num_threads(before);
-      const int gpus = c.gpus;
-      c = plan::measured_cpu_cluster(cm);
-      c.gpus = gpus;
-      apply_overrides(c);
-      notes.push_back("this-cpu measured here with one rank running (" + c.efficiency_note +
-                      "); ranks that share the machine share its memory bandwidth: `plan --validate` measures "
-                      "them all at once");
-    }
+// this-cpu: the machine this runs on, measured (the engine's kernels at the model's shapes, one
+// rank's threads), unless --no-measure keeps the reference preset or the model is too large to
+// probe here.
+void measure_cpu_cluster(const ArgParser& a, const ModelConfig& m, const TrainSetup& st, Cluster& c,
+                         std::vector<std::string>& notes) {
+  if (c.name != "this-cpu" || a.flag("no-measure")) return;
+  const int64_t probe_mb = st.micro_batch > 0 ? st.micro_batch : 1;
+  const int64_t seq = st.seq > 0 ? st.seq : m.seq_len;
+  const double tok = static_cast<double>(probe_mb * seq);
+  const double wide = static_cast<double>(std::max(m.padded_vocab, 4 * m.ffn_hidden));
+  // matmul buffers, and the optimizer-step probe's weights, gradients and moments (16 B/param)
+  const double probe_bytes = 4.0 * (4.0 * tok * wide + 2.0 * m.n_embd * wide) + 16.0 * static_cast<double>(m.num_params());
+  if (probe_bytes > 2.0 * GiB) {
+    notes.push_back("this-cpu: the model is too large to probe on this machine (" +
+                    std::to_string(static_cast<int>(probe_bytes / GiB)) +
+                    " GiB of probe buffers): the reference preset's figures are used");
+    return;
   }
+  ModelConfig pm = m;
+  pm.seq_len = seq;
+  const int ranks = std::max(1, c.gpus);
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(std::max(1, cores / ranks));
+  const plan::CpuMeasurement cm = measure_this_cpu(pm, probe_mb, !st.fp32, std::min(ranks, cores));
+  omp_set_num_threads(before);
+  const int gpus = c.gpus;
+  c = plan::measured_cpu_cluster(cm);
+  c.gpus = gpus;
+  apply_cluster_overrides(a, st.fp32, c);
+  notes.push_back("this-cpu measured here with one rank running (" + c.efficiency_note +
+                  "); ranks that share the machine share its memory bandwidth: `plan --validate` measures "
+                  "them all at once");
+}
 
+// The search constraints (--strategy, --tp, ...) and --top.
+PlanOptions options_from_args(const ArgParser& a) {
   PlanOptions o;
   o.top_k = static_cast<int>(pos_int(a, "top", 10));
   o.allow_offload = !a.flag("no-offload");
@@ -381,6 +352,52 @@ int run(int argc, char** argv) {
     if (!parse_checkpointing(a.get("ac"), &ck)) throw Bad("--ac must be none, selective or full, got '" + a.get("ac") + "'");
     o.checkpointing = ck;
   }
+  return o;
+}
+
+int run(int argc, char** argv) {
+  ArgParser a({"model", "hf-config", "arch", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "gpus",
+               "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
+               "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
+               "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
+               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
+              {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
+               "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});
+  a.parse(argc, argv, 1);
+  if (!a.positional().empty()) throw Bad("unexpected argument '" + a.positional()[0] + "'");
+  if (a.flag("help")) {
+    std::cout << plan_help();
+    return 0;
+  }
+  const bool as_json = a.flag("json");
+  if (a.flag("probe-compute")) return run_probe(a);
+  if (a.flag("validate")) return run_validate(a, as_json);
+
+  Cluster c;
+  try {
+    c = cluster_preset(a.get("cluster", "h100-80g-ib400"));
+  } catch (const std::invalid_argument& e) {
+    throw Bad(std::string("--cluster: ") + e.what());
+  }
+  const bool fp32 = fp32_from_args(a);
+  apply_cluster_overrides(a, fp32, c);
+  if (a.flag("published")) {
+    std::cout << format_published(as_json);
+    return 0;
+  }
+  if (a.flag("article")) {
+    std::cout << format_article(c, as_json);
+    return 0;
+  }
+
+  bool from_hf = false;
+  const ModelConfig m = model_from_args(a, &from_hf);
+  std::vector<std::string> notes;
+  const TrainSetup st = setup_from_args(a, fp32, m, from_hf, notes);
+  if (!a.has("gpus")) throw Bad("--gpus is required");
+  c.gpus = static_cast<int>(pos_int(a, "gpus", 0));
+  measure_cpu_cluster(a, m, st, c, notes);
+  const PlanOptions o = options_from_args(a);
   if (st.global_batch > 0 && st.micro_batch > 0 && st.global_batch % st.micro_batch)
     throw Bad("--global-batch " + std::to_string(st.global_batch) + " is not divisible by --micro-batch " +
               std::to_string(st.micro_batch));

@@ -68,8 +68,7 @@ int run_plot_command(int argc, char** argv) {
     std::printf("wrote %s\n", out.c_str());
     return 0;
   } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain plot: %s (see --help)\n", e.what());
-    return 2;
+    return cli_support::usage_error("plot", e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtrain plot: %s\n", e.what());
     return 1;

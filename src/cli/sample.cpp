@@ -8,6 +8,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "cli/arg_parser.h"
+#include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "data/tokenizer.h"
 #include "train/config.h"
@@ -15,44 +16,40 @@
 
 namespace mt::cli {
 
+namespace {
+
+const char* const kSampleHelp =
+    "usage: meshtrain sample --checkpoint DIR [--prompt S] [--tokens N] [--temperature T] [--top-k K]\n"
+    "                        [--seed S] [--tokenizer byte|gpt2|hf] [--gpt2-dir DIR] [--tokenizer-file F]\n"
+    "                        [--threads N]\n"
+    "       meshtrain sample --weights FILE.safetensors --model PRESET [same options]\n\n"
+    "Generates text from a checkpoint written by `meshtrain train` (a step_* directory, or the\n"
+    "checkpoint_dir itself, which means its latest checkpoint), or from a safetensors file of weights\n"
+    "with Hugging Face names (a checkpoint's model.safetensors, or e.g. Hugging Face's GPT-2\n"
+    "model.safetensors with --model gpt2-124m --tokenizer gpt2).\n\n"
+    "  --checkpoint DIR   checkpoint to load\n"
+    "  --weights FILE     or: weights to load, for the model --model names (a preset)\n"
+    "  --model PRESET     the model of --weights (see `meshtrain train --help` for the presets)\n"
+    "  --prompt S         text to continue (default: a newline, or <|endoftext|> for gpt2)\n"
+    "  --tokens N         tokens to generate (default 256)\n"
+    "  --temperature T    softmax temperature; 0 = greedy (default 0.8)\n"
+    "  --top-k K          sample among the K most likely tokens; 0 = all (default 40)\n"
+    "  --seed S           sampling seed (default 42)\n"
+    "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2; with --weights the\n"
+    "                     default is gpt2 for a vocabulary of 50257 or more, else byte)\n"
+    "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2; default: the repository's assets/gpt2)\n"
+    "  --tokenizer-file F the tokenizer.json of --tokenizer hf (default: the checkpoint's data.tokenizer_file)\n";
+
+}  // namespace
+
 int run_sample_command(int argc, char** argv) {
   ArgParser ap({"checkpoint", "weights", "model", "prompt", "tokens", "temperature", "top-k", "seed", "tokenizer",
                 "gpt2-dir", "tokenizer-file", "threads"},
                {"help"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain sample: %s (see --help)\n", e.what());
-    return 2;
-  }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain sample --checkpoint DIR [--prompt S] [--tokens N] [--temperature T] [--top-k K]\n"
-        "                        [--seed S] [--tokenizer byte|gpt2|hf] [--gpt2-dir DIR] [--tokenizer-file F]\n"
-        "                        [--threads N]\n"
-        "       meshtrain sample --weights FILE.safetensors --model PRESET [same options]\n\n"
-        "Generates text from a checkpoint written by `meshtrain train` (a step_* directory, or the\n"
-        "checkpoint_dir itself, which means its latest checkpoint), or from a safetensors file of weights\n"
-        "with Hugging Face names (a checkpoint's model.safetensors, or e.g. Hugging Face's GPT-2\n"
-        "model.safetensors with --model gpt2-124m --tokenizer gpt2).\n\n"
-        "  --checkpoint DIR   checkpoint to load\n"
-        "  --weights FILE     or: weights to load, for the model --model names (a preset)\n"
-        "  --model PRESET     the model of --weights (see `meshtrain train --help` for the presets)\n"
-        "  --prompt S         text to continue (default: a newline, or <|endoftext|> for gpt2)\n"
-        "  --tokens N         tokens to generate (default 256)\n"
-        "  --temperature T    softmax temperature; 0 = greedy (default 0.8)\n"
-        "  --top-k K          sample among the K most likely tokens; 0 = all (default 40)\n"
-        "  --seed S           sampling seed (default 42)\n"
-        "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2; with --weights the\n"
-        "                     default is gpt2 for a vocabulary of 50257 or more, else byte)\n"
-        "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2; default: the repository's assets/gpt2)\n"
-        "  --tokenizer-file F the tokenizer.json of --tokenizer hf (default: the checkpoint's data.tokenizer_file)\n");
-    return 0;
-  }
-  if (ap.has("checkpoint") == ap.has("weights") || ap.has("weights") != ap.has("model")) {
-    std::fprintf(stderr, "meshtrain sample: give --checkpoint DIR, or --weights FILE with --model PRESET (see --help)\n");
-    return 2;
-  }
+  if (auto done = cli_support::parse_args("sample", ap, argc, argv, [] { std::fputs(kSampleHelp, stdout); }))
+    return *done;
+  if (ap.has("checkpoint") == ap.has("weights") || ap.has("weights") != ap.has("model"))
+    return cli_support::usage_error("sample", "give --checkpoint DIR, or --weights FILE with --model PRESET");
   try {
     ModelConfig mc;
     std::string tok_default, gdir_default, tfile_default;

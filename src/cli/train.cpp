@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cli/arg_parser.h"
+#include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "comm/world.h"
 #include "model/config/model_config.h"
@@ -12,46 +13,44 @@
 
 namespace mt::cli {
 
+namespace {
 
 // Reports an error. In a multi-rank job the whole job is ended (MPI_Abort via World::abort, which
 // names this rank and dumps its recent collectives) so no rank is left waiting in a collective.
-static int fail(const std::string& msg, int code) {
+int fail(const std::string& msg, int code) {
   if (comm::World::initialized() && comm::World::get().size() > 1 && !comm::World::get().is_meta())
     comm::World::get().abort("meshtrain train: " + msg, code);
   std::fprintf(stderr, "meshtrain train: %s\n", msg.c_str());
   return code;
 }
 
+void print_help() {
+  std::printf(
+      "usage: meshtrain train [--config FILE] [--section.key value ...]\n\n"
+      "Trains a GPT-2 or Llama-style model. Run it directly for one process, or under mpirun\n"
+      "(or `meshtrain launch -n N -- train ...`) where each process is one rank.\n"
+      "The config is TOML with sections [model] [data] [train] [parallel] [log]; any key can be\n"
+      "overridden on the command line as --section.key value or --section.key=value.\n"
+      "--auto lets the planner choose parallel.strategy, dp_replicate / dp_shard, activation\n"
+      "checkpointing and the micro-batch split for the ranks the job was given, keeping the global\n"
+      "batch (micro_batch x grad_accum x ranks sequences).\n"
+      "--dry-run --world N [--rank R] builds rank R (default 0) of an N-rank job on the count-only\n"
+      "Meta backend - no MPI, no data files, no tensor memory - runs one training step, and prints\n"
+      "(and with --log.metrics_out writes) that rank's exact memory by category and bytes by group:\n"
+      "what a real run of the same config on N ranks reports for it. Any model size.\n\n"
+      "keys (default value, meaning):\n%s\n"
+      "model presets: ",
+      RunConfig::keys_help().c_str());
+  for (const auto& n : model_preset_names()) std::printf("%s ", n.c_str());
+  std::printf("\n");
+}
+
+}  // namespace
+
 int run_train_command(int argc, char** argv) {
   ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*", "world", "rank"},
                {"help", "auto", "dry-run"});
-  try {
-    ap.parse(argc, argv, 1);
-  } catch (const ArgError& e) {
-    std::fprintf(stderr, "meshtrain train: %s (see --help)\n", e.what());
-    return 2;
-  }
-  if (ap.flag("help")) {
-    std::printf(
-        "usage: meshtrain train [--config FILE] [--section.key value ...]\n\n"
-        "Trains a GPT-2 or Llama-style model. Run it directly for one process, or under mpirun\n"
-        "(or `meshtrain launch -n N -- train ...`) where each process is one rank.\n"
-        "The config is TOML with sections [model] [data] [train] [parallel] [log]; any key can be\n"
-        "overridden on the command line as --section.key value or --section.key=value.\n"
-        "--auto lets the planner choose parallel.strategy, dp_replicate / dp_shard, activation\n"
-        "checkpointing and the micro-batch split for the ranks the job was given, keeping the global\n"
-        "batch (micro_batch x grad_accum x ranks sequences).\n"
-        "--dry-run --world N [--rank R] builds rank R (default 0) of an N-rank job on the count-only\n"
-        "Meta backend - no MPI, no data files, no tensor memory - runs one training step, and prints\n"
-        "(and with --log.metrics_out writes) that rank's exact memory by category and bytes by group:\n"
-        "what a real run of the same config on N ranks reports for it. Any model size.\n\n"
-        "keys (default value, meaning):\n%s\n"
-        "model presets: ",
-        RunConfig::keys_help().c_str());
-    for (const auto& n : model_preset_names()) std::printf("%s ", n.c_str());
-    std::printf("\n");
-    return 0;
-  }
+  if (auto done = cli_support::parse_args("train", ap, argc, argv, print_help)) return *done;
   try {
     RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
     if (ap.flag("dry-run")) {
@@ -70,6 +69,5 @@ int run_train_command(int argc, char** argv) {
   if (comm::World::initialized()) comm::World::get().finalize();
   return 0;
 }
-
 
 }  // namespace mt::cli

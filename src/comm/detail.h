@@ -214,17 +214,63 @@ class MpiBackend final : public CommBackend {
   int tag_bits = 20;  // collective tags: (seq mod 2^tag_bits) * 4 + phase
 
  private:
+  // What one step of progress() did: posted requests (test them next), finished waiting and
+  // moved on, is still waiting on MPI, or completed the operation.
+  enum class Step { Posted, Advanced, Waiting, Done };
+  struct Block {  // a message's bytes; empty ones are not sent
+    char* p;
+    size_t bytes;
+  };
+
   void setup_hierarchy();
   void post(bool is_send, void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
             std::vector<MPI_Request>& into);
+  // One direct exchange over the `n` peers of `comm` (this rank is `me`): receives
+  // `recv_block(src)` from every peer, then sends `send_block(dst)` to every peer, nearest first.
+  template <class RecvBlock, class SendBlock>
+  void post_exchange(int n, int me, int tag, MPI_Comm comm, RecvBlock recv_block, SendBlock send_block);
   // Direct all-gather step over `n` peers of `comm`: the `len` elements at `base` (`es` bytes
   // each) are cut with segment(); this rank (`me`) sends its segment to every peer and receives
   // every peer's segment in place.
-  void post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
-                      std::vector<MPI_Request>& into);
+  void post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm);
+  // Direct reduce-scatter step: this rank receives every peer's `slot` bytes of its own segment
+  // into the staging buffer (packed in rank order without itself) and sends each peer its
+  // segment of the `len` elements at `base`.
+  void post_reduce_scatter(char* base, size_t len, size_t es, char* stage, size_t slot, int n, int me, int tag,
+                           MPI_Comm comm);
   bool test_all(std::vector<MPI_Request>& r, const char* what, Op& op);
   void* ensure_staging(size_t bytes);
   int coll_tag(const Op& op, int phase) const;
+
+  // The two-level all_reduce's slice at op.pos on this rank: its local segment ls of the slice,
+  // its node's sub-segment ss of ls, and in the staging buffer (after the node peers'
+  // contributions) the fp32 partial sums of ls and the other nodes' fp32 contributions to ss.
+  struct TwoLevelSlice {
+    size_t es;  // element bytes
+    Seg ls, ss;
+    char* part;
+    char* recv32;
+  };
+  TwoLevelSlice two_level_slice(const Op& op) const;
+
+  // The steps of progress(), one per phase (and per kind for the first).
+  Step step(Op& op);
+  // Waits for the posted requests (`what` names them in errors), then takes step `next`.
+  Step when_done(Op& op, const char* what, Step (MpiBackend::*next)(Op&));
+  Step start_barrier(Op& op);
+  Step start_broadcast(Op& op);
+  Step start_all_to_all(Op& op);
+  Step start_all_gather(Op& op);
+  Step start_one_shot(Op& op);
+  Step start_all_reduce_slice(Op& op);
+  Step start_reduce_scatter_slice(Op& op);
+  Step reduce_own_segment(Op& op);
+  Step forward_broadcast(Op& op);
+  Step finish_one_shot(Op& op);
+  Step start_two_level_slice(Op& op);
+  Step reduce_inside_node(Op& op);
+  Step reduce_across_nodes(Op& op);
+  Step gather_inside_node(Op& op);
 
   std::vector<MPI_Request> reqs;
   std::vector<MPI_Status> statuses;

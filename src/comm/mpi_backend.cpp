@@ -169,16 +169,44 @@ void MpiBackend::post(bool is_send, void* buf, size_t bytes, int peer, int tag, 
   } while (bytes > 0);
 }
 
-void MpiBackend::post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm,
-                               std::vector<MPI_Request>& into) {
+namespace {
+// Slot of rank q in a staging buffer packed in rank order without rank `me`.
+char* packed(char* stage, size_t slot, int me, int q) { return stage + (q < me ? q : q - 1) * slot; }
+}  // namespace
+
+template <class RecvBlock, class SendBlock>
+void MpiBackend::post_exchange(int n, int me, int tag, MPI_Comm comm, RecvBlock recv_block, SendBlock send_block) {
   for (int k = 1; k < n; ++k) {
     const int src = (me - k + n) % n;
-    const Seg s = segment(len, n, src);
-    if (s.len) post(false, base + s.off * es, s.len * es, src, tag, comm, into);
+    const Block b = recv_block(src);
+    if (b.bytes) post(false, b.p, b.bytes, src, tag, comm, reqs);
   }
+  for (int k = 1; k < n; ++k) {
+    const int dst = (me + k) % n;
+    const Block b = send_block(dst);
+    if (b.bytes) post(true, b.p, b.bytes, dst, tag, comm, reqs);
+  }
+}
+
+void MpiBackend::post_allgather(char* base, size_t len, size_t es, int n, int me, int tag, MPI_Comm comm) {
   const Seg mine = segment(len, n, me);
-  if (mine.len)
-    for (int k = 1; k < n; ++k) post(true, base + mine.off * es, mine.len * es, (me + k) % n, tag, comm, into);
+  post_exchange(
+      n, me, tag, comm,
+      [&](int src) {
+        const Seg s = segment(len, n, src);
+        return Block{base + s.off * es, s.len * es};
+      },
+      [&](int) { return Block{base + mine.off * es, mine.len * es}; });
+}
+
+void MpiBackend::post_reduce_scatter(char* base, size_t len, size_t es, char* stage, size_t slot, int n, int me,
+                                     int tag, MPI_Comm comm) {
+  post_exchange(
+      n, me, tag, comm, [&](int src) { return Block{packed(stage, slot, me, src), slot}; },
+      [&](int dst) {
+        const Seg s = segment(len, n, dst);
+        return Block{base + s.off * es, s.len * es};
+      });
 }
 
 bool MpiBackend::test_all(std::vector<MPI_Request>& r, const char* what, Op& op) {
@@ -234,319 +262,299 @@ bool MpiBackend::fingerprints_ready(Op& op) {
 
 // Advances `op`; returns 0 when waiting on MPI, 1 when it moved to a later phase, 2 when done.
 int MpiBackend::progress(Op& op) {
-  const int n = size, r = rank;
-  const size_t es = dtype_size(op.d.dt);
-  const OpKind kind = op.d.kind;
   int advanced = 0;
   for (;;) {
-    switch (op.phase) {
-      case kStart: {
-        if (kind == OpKind::Barrier) {
-          MPI_Request req;
-          int rc = MPI_Ibarrier(coll, &req);
-          if (rc != MPI_SUCCESS)
-            throw CommError("group " + name + ": MPI_Ibarrier failed: " + mpi_error_string(rc));
-          reqs.push_back(req);
-          op.phase = kBarrierWait;
-          break;
-        }
-        if (kind == OpKind::Broadcast) {
-          const int vr = (r - static_cast<int>(op.d.peer) + n) % n;
-          if (vr != 0 && op.d.count) {
-            int mask = 1;
-            while (!(vr & mask)) mask <<= 1;
-            const int parent = (vr - mask + static_cast<int>(op.d.peer)) % n;
-            post(false, op.rbuf, op.d.count * es, parent, coll_tag(op, 2), coll, reqs);
-          }
-          op.phase = kBcRecvWait;
-          break;
-        }
-        if (kind == OpKind::AllToAllV) {  // one message per peer with elements, our own part copied
-          const char* send = static_cast<const char*>(op.sbuf);
-          char* recv = static_cast<char*>(op.rbuf);
-          std::vector<size_t> so(static_cast<size_t>(n)), ro(static_cast<size_t>(n));
-          for (int q = 1; q < n; ++q) {
-            so[q] = so[q - 1] + op.scounts[q - 1] * es;
-            ro[q] = ro[q - 1] + op.rcounts[q - 1] * es;
-          }
-          if (op.scounts[r]) std::memcpy(recv + ro[r], send + so[r], op.scounts[r] * es);
-          for (int k = 1; k < n; ++k) {
-            const int src = (r - k + n) % n;
-            if (op.rcounts[src]) post(false, recv + ro[src], op.rcounts[src] * es, src, coll_tag(op, 1), coll, reqs);
-          }
-          for (int k = 1; k < n; ++k) {
-            const int dst = (r + k) % n;
-            if (op.scounts[dst])
-              post(true, const_cast<char*>(send) + so[dst], op.scounts[dst] * es, dst, coll_tag(op, 1), coll, reqs);
-          }
-          op.phase = kAgWait;
-          break;
-        }
-        if (kind == OpKind::AllGather) {
-          char* recv = static_cast<char*>(op.rbuf);
-          const size_t part = op.d.count * es;
-          if (part && op.sbuf != recv + static_cast<size_t>(r) * part)
-            std::memcpy(recv + static_cast<size_t>(r) * part, op.sbuf, part);
-          if (part) {
-            for (int k = 1; k < n; ++k) {
-              const int src = (r - k + n) % n;
-              post(false, recv + static_cast<size_t>(src) * part, part, src, coll_tag(op, 1), coll,
-                   reqs);
-            }
-            for (int k = 1; k < n; ++k) {
-              const int dst = (r + k) % n;
-              post(true, recv + static_cast<size_t>(r) * part, part, dst, coll_tag(op, 1), coll,
-                   reqs);
-            }
-          }
-          op.phase = kAgWait;
-          break;
-        }
-        // all_reduce / reduce_scatter: reduce-scatter step of the slice at op.pos.
-        const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
-        if (kind == OpKind::AllReduce && op.pos == 0 && op.d.count &&
-            op.d.count * es <= config().oneshot_bytes && n <= 16) {
-          // Small: one round. Every rank sends its whole buffer to every peer and reduces all n
-          // in rank order itself (the same inputs in the same order on every rank).
-          const size_t bytes = op.d.count * es;
-          char* stage =
-              static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * bytes));
-          for (int k = 1; k < n; ++k) {
-            const int src = (r - k + n) % n;
-            post(false, stage + (src < r ? src : src - 1) * bytes, bytes, src, coll_tag(op, 3),
-                 coll, reqs);
-          }
-          for (int k = 1; k < n; ++k)
-            post(true, op.rbuf, bytes, (r + k) % n, coll_tag(op, 3), coll, reqs);
-          op.phase = kOneShotWait;
-          break;
-        }
-        if (kind == OpKind::AllReduce && hier) {
-          op.phase = kHStart;
-          break;
-        }
-        if (kind == OpKind::AllReduce) {
-          if (op.pos >= op.d.count) return 2;
-          op.len = std::min(slice_elems, op.d.count - op.pos);
-          const Seg mine = segment(op.len, n, r);
-          char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-          const size_t slot = mine.len * es;
-          char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * slot));
-          if (slot) {
-            for (int k = 1; k < n; ++k) {
-              const int src = (r - k + n) % n;
-              const int idx = src < r ? src : src - 1;
-              post(false, stage + idx * slot, slot, src, coll_tag(op, 0), coll, reqs);
-            }
-          }
-          for (int k = 1; k < n; ++k) {
-            const int dst = (r + k) % n;
-            const Seg s = segment(op.len, n, dst);
-            if (s.len) post(true, base + s.off * es, s.len * es, dst, coll_tag(op, 0), coll, reqs);
-          }
-        } else {  // reduce_scatter: slice [pos, pos+len) of every segment
-          const size_t rc = op.d.count;
-          if (op.pos >= rc) return 2;
-          const size_t seg_slice = std::max<size_t>(slice_elems / n, 1);
-          op.len = std::min(seg_slice, rc - op.pos);
-          const size_t slot = op.len * es;
-          char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * slot));
-          const char* send = static_cast<const char*>(op.sbuf);
-          for (int k = 1; k < n; ++k) {
-            const int src = (r - k + n) % n;
-            const int idx = src < r ? src : src - 1;
-            post(false, stage + idx * slot, slot, src, coll_tag(op, 0), coll, reqs);
-          }
-          for (int k = 1; k < n; ++k) {
-            const int dst = (r + k) % n;
-            post(true, const_cast<char*>(send) + (dst * rc + op.pos) * es, slot, dst,
-                 coll_tag(op, 0), coll, reqs);
-          }
-        }
-        op.phase = kRsWait;
-        break;
-      }
-
-      case kRsWait: {
-        if (!test_all(reqs, "reduce-scatter step", op)) return advanced;
-        SourceList srcs(n);
-        const void** sp = srcs.data;
-        const char* stage = static_cast<const char*>(staging);
-        if (kind == OpKind::AllReduce) {
-          const Seg mine = segment(op.len, n, r);
-          char* own = static_cast<char*>(op.rbuf) + (op.pos + mine.off) * es;
-          const size_t slot = mine.len * es;
-          for (int q = 0; q < n; ++q) sp[q] = q == r ? own : stage + (q < r ? q : q - 1) * slot;
-          reduce_into(op.d.dt, op.d.op, n, sp, own, mine.len);
-          op.phase = kAgPost;
-        } else {
-          const size_t rc = op.d.count, slot = op.len * es;
-          const char* send = static_cast<const char*>(op.sbuf);
-          for (int q = 0; q < n; ++q)
-            sp[q] = q == r ? send + (r * rc + op.pos) * es : stage + (q < r ? q : q - 1) * slot;
-          reduce_into(op.d.dt, op.d.op, n, sp, static_cast<char*>(op.rbuf) + op.pos * es, op.len);
-          op.pos += op.len;
-          if (op.pos >= rc) return 2;
-          op.phase = kStart;
-        }
-        advanced = 1;
-        break;
-      }
-
-      case kAgPost: {  // all_reduce: send the reduced segment to every peer
-        post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, n, r, coll_tag(op, 1), coll, reqs);
-        op.phase = kAgWait;
-        break;
-      }
-
-      case kAgWait:
-        if (!test_all(reqs, "all-gather step", op)) return advanced;
-        if (kind == OpKind::AllGather || kind == OpKind::AllToAllV) return 2;
-        op.pos += op.len;
-        if (op.pos >= op.d.count) return 2;
-        op.phase = kStart;
-        advanced = 1;
-        break;
-
-      case kBcRecvWait: {
-        if (!test_all(reqs, "broadcast receive", op)) return advanced;
-        const int root = op.d.peer;
-        const int vr = (r - root + n) % n;
-        int mask = 1;
-        while (mask < n && !(vr & mask)) mask <<= 1;
-        for (mask >>= 1; mask > 0; mask >>= 1) {
-          if (vr + mask < n && op.d.count)
-            post(true, op.rbuf, op.d.count * es, (vr + mask + root) % n, coll_tag(op, 2), coll,
-                 reqs);
-        }
-        op.phase = kBcSendWait;
-        advanced = 1;
-        break;
-      }
-
-      case kBcSendWait:
-        if (!test_all(reqs, "broadcast send", op)) return advanced;
-        return 2;
-
-      case kBarrierWait:
-        if (!test_all(reqs, "barrier", op)) return advanced;
-        return 2;
-
-      // Two-level all_reduce, per slice [pos, pos+len): (1) reduce-scatter inside the node: local
-      // rank l owns local segment ls; (2) its fp32 partial sums are reduce-scattered and
-      // all-gathered across nodes among the ranks with local index l (sub-segment ss per node),
-      // the final values rounded once; (3) all-gather inside the node.
-      case kHStart: {
-        if (op.pos >= op.d.count) return 2;
-        const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
-        op.len = std::min(slice_elems, op.d.count - op.pos);
-        const int L = local_n, l = local_r;
-        const Seg ls = segment(op.len, L, l);
-        const Seg ss = segment(ls.len, nodes_n, node_r);
-        const size_t a_bytes = static_cast<size_t>(L - 1) * ls.len * es;
-        const size_t p_bytes = ls.len * 4;
-        const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * 4;
-        char* stage = static_cast<char*>(ensure_staging(a_bytes + p_bytes + b_bytes));
-        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        if (ls.len) {
-          for (int k = 1; k < L; ++k) {
-            const int src = (l - k + L) % L;
-            post(false, stage + (src < l ? src : src - 1) * ls.len * es, ls.len * es, src,
-                 coll_tag(op, 0), intra, reqs);
-          }
-        }
-        for (int k = 1; k < L; ++k) {
-          const int dst = (l + k) % L;
-          const Seg s2 = segment(op.len, L, dst);
-          if (s2.len) post(true, base + s2.off * es, s2.len * es, dst, coll_tag(op, 0), intra, reqs);
-        }
-        op.phase = kHIntraRsWait;
-        break;
-      }
-
-      case kHIntraRsWait: {
-        if (!test_all(reqs, "intra-node reduce-scatter step", op)) return advanced;
-        const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
-        const Seg ls = segment(op.len, L, l);
-        const Seg ss = segment(ls.len, N, k0);
-        char* stage = static_cast<char*>(staging);
-        char* part = stage + static_cast<size_t>(L - 1) * ls.len * es;  // fp32 partial sums
-        char* recv32 = part + ls.len * 4;
-        char* base = static_cast<char*>(op.rbuf) + op.pos * es;
-        SourceList srcs(std::max(L, N));
-        const void** sp = srcs.data;
-        for (int q = 0; q < L; ++q)
-          sp[q] = q == l ? base + ls.off * es : stage + (q < l ? q : q - 1) * ls.len * es;
-        const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
-        reduce_mixed(op.d.dt, DType::F32, partial, L, sp, part, ls.len, 1);
-        if (ss.len) {
-          for (int k = 1; k < N; ++k) {
-            const int src = (k0 - k + N) % N;
-            post(false, recv32 + (src < k0 ? src : src - 1) * ss.len * 4, ss.len * 4, src,
-                 coll_tag(op, 1), inter, reqs);
-          }
-        }
-        for (int k = 1; k < N; ++k) {
-          const int dst = (k0 + k) % N;
-          const Seg s2 = segment(ls.len, N, dst);
-          if (s2.len) post(true, part + s2.off * 4, s2.len * 4, dst, coll_tag(op, 1), inter, reqs);
-        }
-        op.phase = kHInterRsWait;
-        advanced = 1;
-        break;
-      }
-
-      case kHInterRsWait: {
-        if (!test_all(reqs, "inter-node reduce-scatter step", op)) return advanced;
-        const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
-        const Seg ls = segment(op.len, L, l);
-        const Seg ss = segment(ls.len, N, k0);
-        char* part = static_cast<char*>(staging) + static_cast<size_t>(L - 1) * ls.len * es;
-        char* recv32 = part + ls.len * 4;
-        char* seg = static_cast<char*>(op.rbuf) + (op.pos + ls.off) * es;
-        SourceList srcs(N);
-        const void** sp = srcs.data;
-        for (int q = 0; q < N; ++q)
-          sp[q] = q == k0 ? part + ss.off * 4 : recv32 + (q < k0 ? q : q - 1) * ss.len * 4;
-        reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
-        post_allgather(seg, ls.len, es, N, k0, coll_tag(op, 2), inter, reqs);
-        op.phase = kHInterAgWait;
-        advanced = 1;
-        break;
-      }
-
-      case kHInterAgWait: {
-        if (!test_all(reqs, "inter-node all-gather step", op)) return advanced;
-        const int L = local_n, l = local_r;
-        post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, L, l, coll_tag(op, 3), intra, reqs);
-        op.phase = kHIntraAgWait;
-        advanced = 1;
-        break;
-      }
-
-      case kHIntraAgWait:
-        if (!test_all(reqs, "intra-node all-gather step", op)) return advanced;
-        op.pos += op.len;
-        op.phase = kHStart;
-        advanced = 1;
-        break;
-
-      case kOneShotWait: {
-        if (!test_all(reqs, "all-reduce exchange", op)) return advanced;
-        SourceList srcs(n);
-        const void** sp = srcs.data;
-        const size_t bytes = op.d.count * es;
-        const char* stage = static_cast<const char*>(staging);
-        for (int q = 0; q < n; ++q) sp[q] = q == r ? op.rbuf : stage + (q < r ? q : q - 1) * bytes;
-        reduce_into(op.d.dt, op.d.op, n, sp, op.rbuf, op.d.count);
-        return 2;
-      }
-
-      default:
-        throw CommError("group " + name + ": internal error (phase " + std::to_string(op.phase) +
-                        ")");
+    switch (step(op)) {
+      case Step::Posted: break;
+      case Step::Advanced: advanced = 1; break;
+      case Step::Waiting: return advanced;
+      case Step::Done: return 2;
     }
   }
+}
+
+MpiBackend::Step MpiBackend::step(Op& op) {
+  const OpKind kind = op.d.kind;
+  switch (op.phase) {
+    case kStart:
+      if (kind == OpKind::Barrier) return start_barrier(op);
+      if (kind == OpKind::Broadcast) return start_broadcast(op);
+      if (kind == OpKind::AllToAllV) return start_all_to_all(op);
+      if (kind == OpKind::AllGather) return start_all_gather(op);
+      if (kind == OpKind::AllReduce && op.pos == 0 && op.d.count &&
+          op.d.count * dtype_size(op.d.dt) <= config().oneshot_bytes && size <= 16)
+        return start_one_shot(op);
+      if (kind == OpKind::AllReduce && hier) {
+        op.phase = kHStart;
+        return Step::Posted;
+      }
+      if (kind == OpKind::AllReduce) return start_all_reduce_slice(op);
+      return start_reduce_scatter_slice(op);
+    case kRsWait:
+      return when_done(op, "reduce-scatter step", &MpiBackend::reduce_own_segment);
+    case kAgPost:  // all_reduce: send the reduced segment to every peer
+      post_allgather(static_cast<char*>(op.rbuf) + op.pos * dtype_size(op.d.dt), op.len, dtype_size(op.d.dt), size,
+                     rank, coll_tag(op, 1), coll);
+      op.phase = kAgWait;
+      return Step::Posted;
+    case kAgWait:
+      if (!test_all(reqs, "all-gather step", op)) return Step::Waiting;
+      if (kind == OpKind::AllGather || kind == OpKind::AllToAllV) return Step::Done;
+      op.pos += op.len;
+      if (op.pos >= op.d.count) return Step::Done;
+      op.phase = kStart;
+      return Step::Advanced;
+    case kBcRecvWait:
+      return when_done(op, "broadcast receive", &MpiBackend::forward_broadcast);
+    case kBcSendWait:
+      return test_all(reqs, "broadcast send", op) ? Step::Done : Step::Waiting;
+    case kBarrierWait:
+      return test_all(reqs, "barrier", op) ? Step::Done : Step::Waiting;
+    case kOneShotWait:
+      return when_done(op, "all-reduce exchange", &MpiBackend::finish_one_shot);
+    case kHStart:
+      return start_two_level_slice(op);
+    case kHIntraRsWait:
+      return when_done(op, "intra-node reduce-scatter step", &MpiBackend::reduce_inside_node);
+    case kHInterRsWait:
+      return when_done(op, "inter-node reduce-scatter step", &MpiBackend::reduce_across_nodes);
+    case kHInterAgWait:
+      return when_done(op, "inter-node all-gather step", &MpiBackend::gather_inside_node);
+    case kHIntraAgWait:
+      if (!test_all(reqs, "intra-node all-gather step", op)) return Step::Waiting;
+      op.pos += op.len;
+      op.phase = kHStart;
+      return Step::Advanced;
+    default:
+      throw CommError("group " + name + ": internal error (phase " + std::to_string(op.phase) + ")");
+  }
+}
+
+MpiBackend::Step MpiBackend::when_done(Op& op, const char* what, Step (MpiBackend::*next)(Op&)) {
+  if (!test_all(reqs, what, op)) return Step::Waiting;
+  return (this->*next)(op);
+}
+
+MpiBackend::Step MpiBackend::start_barrier(Op& op) {
+  MPI_Request req;
+  int rc = MPI_Ibarrier(coll, &req);
+  if (rc != MPI_SUCCESS) throw CommError("group " + name + ": MPI_Ibarrier failed: " + mpi_error_string(rc));
+  reqs.push_back(req);
+  op.phase = kBarrierWait;
+  return Step::Posted;
+}
+
+// Binomial tree from the root: receive from the parent here, forward_broadcast() sends on.
+MpiBackend::Step MpiBackend::start_broadcast(Op& op) {
+  const int n = size;
+  const int vr = (rank - static_cast<int>(op.d.peer) + n) % n;
+  if (vr != 0 && op.d.count) {
+    int mask = 1;
+    while (!(vr & mask)) mask <<= 1;
+    const int parent = (vr - mask + static_cast<int>(op.d.peer)) % n;
+    post(false, op.rbuf, op.d.count * dtype_size(op.d.dt), parent, coll_tag(op, 2), coll, reqs);
+  }
+  op.phase = kBcRecvWait;
+  return Step::Posted;
+}
+
+MpiBackend::Step MpiBackend::forward_broadcast(Op& op) {
+  const int n = size, root = op.d.peer;
+  const int vr = (rank - root + n) % n;
+  int mask = 1;
+  while (mask < n && !(vr & mask)) mask <<= 1;
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (vr + mask < n && op.d.count)
+      post(true, op.rbuf, op.d.count * dtype_size(op.d.dt), (vr + mask + root) % n, coll_tag(op, 2), coll, reqs);
+  }
+  op.phase = kBcSendWait;
+  return Step::Advanced;
+}
+
+// One message per peer with elements, our own part copied.
+MpiBackend::Step MpiBackend::start_all_to_all(Op& op) {
+  const int n = size, r = rank;
+  const size_t es = dtype_size(op.d.dt);
+  char* send = const_cast<char*>(static_cast<const char*>(op.sbuf));
+  char* recv = static_cast<char*>(op.rbuf);
+  std::vector<size_t> so(static_cast<size_t>(n)), ro(static_cast<size_t>(n));
+  for (int q = 1; q < n; ++q) {
+    so[q] = so[q - 1] + op.scounts[q - 1] * es;
+    ro[q] = ro[q - 1] + op.rcounts[q - 1] * es;
+  }
+  if (op.scounts[r]) std::memcpy(recv + ro[r], send + so[r], op.scounts[r] * es);
+  post_exchange(
+      n, r, coll_tag(op, 1), coll, [&](int src) { return Block{recv + ro[src], op.rcounts[src] * es}; },
+      [&](int dst) { return Block{send + so[dst], op.scounts[dst] * es}; });
+  op.phase = kAgWait;
+  return Step::Posted;
+}
+
+MpiBackend::Step MpiBackend::start_all_gather(Op& op) {
+  const int r = rank;
+  char* recv = static_cast<char*>(op.rbuf);
+  const size_t part = op.d.count * dtype_size(op.d.dt);
+  char* own = recv + static_cast<size_t>(r) * part;
+  if (part && op.sbuf != own) std::memcpy(own, op.sbuf, part);
+  post_exchange(
+      size, r, coll_tag(op, 1), coll, [&](int src) { return Block{recv + static_cast<size_t>(src) * part, part}; },
+      [&](int) { return Block{own, part}; });
+  op.phase = kAgWait;
+  return Step::Posted;
+}
+
+// Small all_reduce: one round. Every rank sends its whole buffer to every peer and reduces all n
+// in rank order itself (the same inputs in the same order on every rank).
+MpiBackend::Step MpiBackend::start_one_shot(Op& op) {
+  const int n = size, r = rank;
+  const size_t bytes = op.d.count * dtype_size(op.d.dt);
+  char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * bytes));
+  post_exchange(
+      n, r, coll_tag(op, 3), coll, [&](int src) { return Block{packed(stage, bytes, r, src), bytes}; },
+      [&](int) { return Block{static_cast<char*>(op.rbuf), bytes}; });
+  op.phase = kOneShotWait;
+  return Step::Posted;
+}
+
+MpiBackend::Step MpiBackend::finish_one_shot(Op& op) {
+  const int n = size, r = rank;
+  SourceList srcs(n);
+  const void** sp = srcs.data;
+  const size_t bytes = op.d.count * dtype_size(op.d.dt);
+  char* stage = static_cast<char*>(staging);
+  for (int q = 0; q < n; ++q) sp[q] = q == r ? op.rbuf : packed(stage, bytes, r, q);
+  reduce_into(op.d.dt, op.d.op, n, sp, op.rbuf, op.d.count);
+  return Step::Done;
+}
+
+// all_reduce: the reduce-scatter step of the slice at op.pos.
+MpiBackend::Step MpiBackend::start_all_reduce_slice(Op& op) {
+  const int n = size;
+  const size_t es = dtype_size(op.d.dt);
+  if (op.pos >= op.d.count) return Step::Done;
+  const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
+  op.len = std::min(slice_elems, op.d.count - op.pos);
+  const size_t slot = segment(op.len, n, rank).len * es;
+  char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * slot));
+  post_reduce_scatter(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, stage, slot, n, rank, coll_tag(op, 0),
+                      coll);
+  op.phase = kRsWait;
+  return Step::Posted;
+}
+
+// reduce_scatter: slice [pos, pos+len) of every segment.
+MpiBackend::Step MpiBackend::start_reduce_scatter_slice(Op& op) {
+  const int n = size, r = rank;
+  const size_t es = dtype_size(op.d.dt);
+  const size_t rc = op.d.count;
+  if (op.pos >= rc) return Step::Done;
+  const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
+  const size_t seg_slice = std::max<size_t>(slice_elems / n, 1);
+  op.len = std::min(seg_slice, rc - op.pos);
+  const size_t slot = op.len * es;
+  char* stage = static_cast<char*>(ensure_staging(static_cast<size_t>(n - 1) * slot));
+  char* send = const_cast<char*>(static_cast<const char*>(op.sbuf));
+  post_exchange(
+      n, r, coll_tag(op, 0), coll, [&](int src) { return Block{packed(stage, slot, r, src), slot}; },
+      [&](int dst) { return Block{send + (dst * rc + op.pos) * es, slot}; });
+  op.phase = kRsWait;
+  return Step::Posted;
+}
+
+// The reduce-scatter step's contributions have arrived: reduce them in rank order.
+MpiBackend::Step MpiBackend::reduce_own_segment(Op& op) {
+  const int n = size, r = rank;
+  const size_t es = dtype_size(op.d.dt);
+  SourceList srcs(n);
+  const void** sp = srcs.data;
+  char* stage = static_cast<char*>(staging);
+  if (op.d.kind == OpKind::AllReduce) {
+    const Seg mine = segment(op.len, n, r);
+    char* own = static_cast<char*>(op.rbuf) + (op.pos + mine.off) * es;
+    const size_t slot = mine.len * es;
+    for (int q = 0; q < n; ++q) sp[q] = q == r ? own : packed(stage, slot, r, q);
+    reduce_into(op.d.dt, op.d.op, n, sp, own, mine.len);
+    op.phase = kAgPost;
+  } else {
+    const size_t rc = op.d.count, slot = op.len * es;
+    const char* send = static_cast<const char*>(op.sbuf);
+    for (int q = 0; q < n; ++q) sp[q] = q == r ? send + (r * rc + op.pos) * es : packed(stage, slot, r, q);
+    reduce_into(op.d.dt, op.d.op, n, sp, static_cast<char*>(op.rbuf) + op.pos * es, op.len);
+    op.pos += op.len;
+    if (op.pos >= rc) return Step::Done;
+    op.phase = kStart;
+  }
+  return Step::Advanced;
+}
+
+// Two-level all_reduce, per slice [pos, pos+len): (1) reduce-scatter inside the node: local rank l
+// owns local segment ls; (2) its fp32 partial sums are reduce-scattered and all-gathered across
+// nodes among the ranks with local index l (sub-segment ss per node), the final values rounded
+// once; (3) all-gather inside the node. Staging: the node peers' contributions, then the fp32
+// partial sums of ls, then the other nodes' fp32 contributions to ss.
+MpiBackend::Step MpiBackend::start_two_level_slice(Op& op) {
+  if (op.pos >= op.d.count) return Step::Done;
+  const size_t es = dtype_size(op.d.dt);
+  const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(size));
+  op.len = std::min(slice_elems, op.d.count - op.pos);
+  const int L = local_n, l = local_r;
+  const Seg ls = segment(op.len, L, l);
+  const Seg ss = segment(ls.len, nodes_n, node_r);
+  const size_t a_bytes = static_cast<size_t>(L - 1) * ls.len * es;
+  const size_t p_bytes = ls.len * 4;
+  const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * 4;
+  char* stage = static_cast<char*>(ensure_staging(a_bytes + p_bytes + b_bytes));
+  post_reduce_scatter(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, stage, ls.len * es, L, l,
+                      coll_tag(op, 0), intra);
+  op.phase = kHIntraRsWait;
+  return Step::Posted;
+}
+
+MpiBackend::TwoLevelSlice MpiBackend::two_level_slice(const Op& op) const {
+  TwoLevelSlice t;
+  t.es = dtype_size(op.d.dt);
+  t.ls = segment(op.len, local_n, local_r);
+  t.ss = segment(t.ls.len, nodes_n, node_r);
+  t.part = static_cast<char*>(staging) + static_cast<size_t>(local_n - 1) * t.ls.len * t.es;
+  t.recv32 = t.part + t.ls.len * 4;
+  return t;
+}
+
+MpiBackend::Step MpiBackend::reduce_inside_node(Op& op) {
+  const TwoLevelSlice t = two_level_slice(op);
+  const size_t es = t.es;
+  const int L = local_n, l = local_r, N = nodes_n;
+  char* stage = static_cast<char*>(staging);
+  char* base = static_cast<char*>(op.rbuf) + op.pos * es;
+  SourceList srcs(std::max(L, N));
+  const void** sp = srcs.data;
+  for (int q = 0; q < L; ++q) sp[q] = q == l ? base + t.ls.off * es : packed(stage, t.ls.len * es, l, q);
+  const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
+  reduce_mixed(op.d.dt, DType::F32, partial, L, sp, t.part, t.ls.len, 1);
+  post_reduce_scatter(t.part, t.ls.len, 4, t.recv32, t.ss.len * 4, N, node_r, coll_tag(op, 1), inter);
+  op.phase = kHInterRsWait;
+  return Step::Advanced;
+}
+
+MpiBackend::Step MpiBackend::reduce_across_nodes(Op& op) {
+  const TwoLevelSlice t = two_level_slice(op);
+  const size_t es = t.es;
+  const int N = nodes_n, k0 = node_r;
+  char* seg = static_cast<char*>(op.rbuf) + (op.pos + t.ls.off) * es;
+  SourceList srcs(N);
+  const void** sp = srcs.data;
+  for (int q = 0; q < N; ++q) sp[q] = q == k0 ? t.part + t.ss.off * 4 : packed(t.recv32, t.ss.len * 4, k0, q);
+  reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + t.ss.off * es, t.ss.len, size);
+  post_allgather(seg, t.ls.len, es, N, k0, coll_tag(op, 2), inter);
+  op.phase = kHInterAgWait;
+  return Step::Advanced;
+}
+
+MpiBackend::Step MpiBackend::gather_inside_node(Op& op) {
+  const size_t es = dtype_size(op.d.dt);
+  post_allgather(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, local_n, local_r, coll_tag(op, 3), intra);
+  op.phase = kHIntraAgWait;
+  return Step::Advanced;
 }
 
 size_t MpiBackend::staging_bytes(const OpDesc& d, int n, int r) {

@@ -643,78 +643,48 @@ int ProcessGroup::size() const { return impl_->size; }
 const std::string& ProcessGroup::name() const { return impl_->name; }
 std::vector<int> ProcessGroup::global_ranks() const { return impl_->granks; }
 
+namespace {
+// What every rank must agree on for one call (the peer is a root or a point-to-point peer).
+OpDesc op_desc(OpKind kind, DType dt, size_t count, ReduceOp op = ReduceOp::Sum, int peer = -1, int tag = 0) {
+  return OpDesc{.kind = kind, .dt = dt, .op = op, .count = count, .peer = peer, .tag = tag};
+}
+}  // namespace
+
 WorkHandle ProcessGroup::all_reduce(void* buf, size_t count, DType dt, ReduceOp op) {
-  OpDesc d;
-  d.kind = OpKind::AllReduce;
-  d.dt = dt;
-  d.op = op;
-  d.count = count;
-  return impl_->issue(d, buf, buf);
+  return impl_->issue(op_desc(OpKind::AllReduce, dt, count, op), buf, buf);
 }
 
 WorkHandle ProcessGroup::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dt,
                                         ReduceOp op) {
-  OpDesc d;
-  d.kind = OpKind::ReduceScatter;
-  d.dt = dt;
-  d.op = op;
-  d.count = recv_count;
-  return impl_->issue(d, send, recv);
+  return impl_->issue(op_desc(OpKind::ReduceScatter, dt, recv_count, op), send, recv);
 }
 
 WorkHandle ProcessGroup::all_gather(const void* send, void* recv, size_t send_count, DType dt) {
-  OpDesc d;
-  d.kind = OpKind::AllGather;
-  d.dt = dt;
-  d.count = send_count;
-  return impl_->issue(d, send, recv);
+  return impl_->issue(op_desc(OpKind::AllGather, dt, send_count), send, recv);
 }
 
 WorkHandle ProcessGroup::all_to_all_v(const void* send, const size_t* send_counts, void* recv,
                                       const size_t* recv_counts, DType dt) {
-  OpDesc d;
-  d.kind = OpKind::AllToAllV;
-  d.dt = dt;
-  d.count = 0;  // the sizes differ per rank: not part of what every rank must agree on
+  // The count is 0: the sizes differ per rank, not part of what every rank must agree on.
   const size_t n = static_cast<size_t>(size());
-  return impl_->issue(d, send, recv, std::vector<size_t>(send_counts, send_counts + n),
+  return impl_->issue(op_desc(OpKind::AllToAllV, dt, 0), send, recv,
+                      std::vector<size_t>(send_counts, send_counts + n),
                       std::vector<size_t>(recv_counts, recv_counts + n));
 }
 
 WorkHandle ProcessGroup::broadcast(void* buf, size_t count, DType dt, int root) {
-  OpDesc d;
-  d.kind = OpKind::Broadcast;
-  d.dt = dt;
-  d.count = count;
-  d.peer = root;
-  return impl_->issue(d, buf, buf);
+  return impl_->issue(op_desc(OpKind::Broadcast, dt, count, ReduceOp::Sum, root), buf, buf);
 }
 
 WorkHandle ProcessGroup::send(const void* buf, size_t count, DType dt, int dst, int tag) {
-  OpDesc d;
-  d.kind = OpKind::Send;
-  d.dt = dt;
-  d.count = count;
-  d.peer = dst;
-  d.tag = tag;
-  return impl_->issue(d, buf, nullptr);
+  return impl_->issue(op_desc(OpKind::Send, dt, count, ReduceOp::Sum, dst, tag), buf, nullptr);
 }
 
 WorkHandle ProcessGroup::recv(void* buf, size_t count, DType dt, int src, int tag) {
-  OpDesc d;
-  d.kind = OpKind::Recv;
-  d.dt = dt;
-  d.count = count;
-  d.peer = src;
-  d.tag = tag;
-  return impl_->issue(d, nullptr, buf);
+  return impl_->issue(op_desc(OpKind::Recv, dt, count, ReduceOp::Sum, src, tag), nullptr, buf);
 }
 
-WorkHandle ProcessGroup::barrier() {
-  OpDesc d;
-  d.kind = OpKind::Barrier;
-  return impl_->issue(d, nullptr, nullptr);
-}
+WorkHandle ProcessGroup::barrier() { return impl_->issue(op_desc(OpKind::Barrier, DType::F32, 0), nullptr, nullptr); }
 
 CommStats ProcessGroup::stats() const {
   std::lock_guard<std::mutex> lk(impl_->stats->mu);

@@ -4,10 +4,11 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <queue>
 #include <stdexcept>
 
+#include "data/bpe.h"
 #include "data/hf_tokenizer.h"
+#include "data/unicode_data.h"
 #include "data/unicode_tables.h"
 
 namespace mt {
@@ -39,48 +40,6 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
 
 namespace {
 
-constexpr uint32_t kInvalidCodePoint = 0xFFFFFFFFu;
-
-// Decodes the code point starting at s[i]; returns its length in bytes (1..4). A byte that does not
-// start a well-formed UTF-8 sequence (overlong, surrogate, truncated, > U+10FFFF) yields
-// kInvalidCodePoint with length 1, so arbitrary bytes are still tokenised one "other" byte at a time.
-inline size_t utf8_next(std::string_view s, size_t i, uint32_t& cp) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data()) + i;
-  const size_t left = s.size() - i;
-  const unsigned b0 = p[0];
-  if (b0 < 0x80) {
-    cp = b0;
-    return 1;
-  }
-  auto cont = [&](size_t k) { return k < left && (p[k] & 0xC0u) == 0x80u; };
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    if (cont(1)) {
-      cp = ((b0 & 0x1Fu) << 6) | (p[1] & 0x3Fu);
-      return 2;
-    }
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    if (cont(1) && cont(2)) {
-      const unsigned b1 = p[1];
-      const bool ok = (b0 == 0xE0) ? b1 >= 0xA0 : (b0 == 0xED) ? b1 <= 0x9F : true;
-      if (ok) {
-        cp = ((b0 & 0x0Fu) << 12) | ((b1 & 0x3Fu) << 6) | (p[2] & 0x3Fu);
-        return 3;
-      }
-    }
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    if (cont(1) && cont(2) && cont(3)) {
-      const unsigned b1 = p[1];
-      const bool ok = (b0 == 0xF0) ? b1 >= 0x90 : (b0 == 0xF4) ? b1 <= 0x8F : true;
-      if (ok) {
-        cp = ((b0 & 0x07u) << 18) | ((b1 & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
-        return 4;
-      }
-    }
-  }
-  cp = kInvalidCodePoint;
-  return 1;
-}
-
 struct AsciiClasses {
   CharClass cls[128];
   AsciiClasses() {
@@ -91,7 +50,7 @@ struct AsciiClasses {
 inline CharClass class_of(uint32_t cp) {
   static const AsciiClasses ascii;
   if (cp < 128) return ascii.cls[cp];
-  return unicode::char_class(cp);  // kInvalidCodePoint -> Other
+  return unicode::char_class(cp);  // unicode::kInvalid -> Other
 }
 
 // GPT-2's bytes_to_unicode(): printable bytes map to themselves, the other 68 bytes to U+0100.. in
@@ -116,7 +75,7 @@ bool alphabet_to_bytes(std::string_view s, const std::vector<int>& inv, std::str
   out.clear();
   for (size_t i = 0; i < s.size();) {
     uint32_t cp;
-    i += utf8_next(s, i, cp);
+    i += unicode::utf8_decode(s, i, cp);
     if (cp >= inv.size() || inv[cp] < 0) return false;
     out.push_back(static_cast<char>(inv[cp]));
   }
@@ -210,8 +169,7 @@ Gpt2Tokenizer::Gpt2Tokenizer(const std::string& dir) {
     auto l = bytes_to_id.find(left), r = bytes_to_id.find(right), m = bytes_to_id.find(left + right);
     if (l == bytes_to_id.end() || r == bytes_to_id.end() || m == bytes_to_id.end())
       throw bad("merge whose parts or result are not in encoder.json");
-    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) | static_cast<uint32_t>(r->second);
-    merges_.emplace(key, Merge{rank, m->second});  // a repeated pair keeps its first (best) rank
+    merges_.emplace(bpe_pair(l->second, r->second), BpeMerge{rank, m->second});  // a repeated pair keeps its first (best) rank
     ++rank;
   }
   if (merges_.empty()) throw std::runtime_error("gpt2 tokenizer: " + bpe_path.string() + " holds no merges");
@@ -259,12 +217,12 @@ std::vector<std::string_view> Gpt2Tokenizer::pretokenize(std::string_view s) {
       }
     }
     uint32_t cp;
-    size_t len = utf8_next(s, i, cp);
+    size_t len = unicode::utf8_decode(s, i, cp);
     CharClass cls = class_of(cp);
     size_t j = i;  // where the run of letters / numbers / others starts
     if (s[i] == ' ' && i + 1 < n) {
       uint32_t cp2;
-      const size_t len2 = utf8_next(s, i + 1, cp2);
+      const size_t len2 = unicode::utf8_decode(s, i + 1, cp2);
       const CharClass cls2 = class_of(cp2);
       if (cls2 != CharClass::Space) {  // " ?\p{L}+", " ?\p{N}+", " ?[^\s\p{L}\p{N}]+"
         j = i + 1;
@@ -275,7 +233,7 @@ std::vector<std::string_view> Gpt2Tokenizer::pretokenize(std::string_view s) {
     if (cls != CharClass::Space) {
       size_t e = j + len;
       while (e < n) {
-        const size_t l = utf8_next(s, e, cp);
+        const size_t l = unicode::utf8_decode(s, e, cp);
         if (class_of(cp) != cls) break;
         e += l;
       }
@@ -287,7 +245,7 @@ std::vector<std::string_view> Gpt2Tokenizer::pretokenize(std::string_view s) {
     // character when a non-space follows; a single space before a non-space falls to "\s+".
     size_t e = i, last = i;
     while (e < n) {
-      const size_t l = utf8_next(s, e, cp);
+      const size_t l = unicode::utf8_decode(s, e, cp);
       if (class_of(cp) != CharClass::Space) break;
       last = e;
       e += l;
@@ -303,45 +261,9 @@ std::vector<std::string_view> Gpt2Tokenizer::pretokenize(std::string_view s) {
 // BPE
 
 void Gpt2Tokenizer::bpe_uncached(std::string_view word, std::vector<int32_t>& out) const {
-  const int n = static_cast<int>(word.size());
-  // Symbols form a linked list over byte positions; a merged symbol lives at its first byte.
-  std::vector<int32_t> id(static_cast<size_t>(n));
-  std::vector<int> next(static_cast<size_t>(n)), prev(static_cast<size_t>(n));
-  std::vector<bool> alive(static_cast<size_t>(n), true);
-  for (int k = 0; k < n; ++k) {
-    id[k] = byte_id_[static_cast<unsigned char>(word[k])];
-    next[k] = k + 1 < n ? k + 1 : -1;
-    prev[k] = k - 1;
-  }
-  struct Cand {
-    int32_t rank, left, right, left_id, right_id, merged;
-    bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : left > o.left; }
-  };
-  std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
-  auto push = [&](int l) {
-    if (l < 0 || next[l] < 0) return;
-    const int r = next[l];
-    const uint64_t key = (static_cast<uint64_t>(id[l]) << 32) | static_cast<uint32_t>(id[r]);
-    auto it = merges_.find(key);
-    if (it != merges_.end()) heap.push(Cand{it->second.rank, l, r, id[l], id[r], it->second.id});
-  };
-  for (int k = 0; k + 1 < n; ++k) push(k);
-  // Lowest rank first, leftmost first among equal ranks: the same result as GPT-2's "merge every
-  // occurrence of the best pair, left to right" loop. Stale candidates are skipped.
-  while (!heap.empty()) {
-    const Cand c = heap.top();
-    heap.pop();
-    if (!alive[c.left] || !alive[c.right] || next[c.left] != c.right || id[c.left] != c.left_id ||
-        id[c.right] != c.right_id)
-      continue;
-    id[c.left] = c.merged;
-    alive[c.right] = false;
-    next[c.left] = next[c.right];
-    if (next[c.right] >= 0) prev[next[c.right]] = c.left;
-    push(prev[c.left]);
-    push(c.left);
-  }
-  for (int k = 0; k >= 0; k = next[k]) out.push_back(id[k]);
+  std::vector<int32_t> id(word.size());
+  for (size_t k = 0; k < word.size(); ++k) id[k] = byte_id_[static_cast<unsigned char>(word[k])];
+  bpe_merge(std::move(id), merges_, out);
 }
 
 void Gpt2Tokenizer::bpe(std::string_view word, std::vector<int32_t>& out) const {

@@ -20,6 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "data/bpe.h"
+
 namespace mt {
 
 class Tokenizer {
@@ -69,10 +71,6 @@ class Gpt2Tokenizer final : public Tokenizer {
   static std::vector<std::string_view> pretokenize(std::string_view text);
 
  private:
-  struct Merge {
-    int32_t rank;
-    int32_t id;  // the token the pair merges into
-  };
   void bpe(std::string_view word, std::vector<int32_t>& out) const;
   void bpe_uncached(std::string_view word, std::vector<int32_t>& out) const;
 
@@ -82,7 +80,7 @@ class Gpt2Tokenizer final : public Tokenizer {
   };
   std::vector<std::string> id_to_bytes_;
   int32_t byte_id_[256];
-  std::unordered_map<uint64_t, Merge> merges_;  // (left id << 32 | right id) -> merge
+  BpeMerges merges_;
   int32_t eot_ = -1;
 
   mutable std::mutex cache_mu_;

@@ -68,41 +68,6 @@ bool parse_category(std::string_view name, Category* out) {
   return false;
 }
 
-size_t utf8_decode(std::string_view s, size_t i, uint32_t& cp) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data()) + i;
-  const size_t left = s.size() - i;
-  const unsigned b0 = p[0];
-  if (b0 < 0x80) {
-    cp = b0;
-    return 1;
-  }
-  auto cont = [&](size_t k) { return k < left && (p[k] & 0xC0u) == 0x80u; };
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    if (cont(1)) {
-      cp = ((b0 & 0x1Fu) << 6) | (p[1] & 0x3Fu);
-      return 2;
-    }
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    if (cont(1) && cont(2)) {
-      const unsigned b1 = p[1];
-      if ((b0 == 0xE0) ? b1 >= 0xA0 : (b0 == 0xED) ? b1 <= 0x9F : true) {
-        cp = ((b0 & 0x0Fu) << 12) | ((b1 & 0x3Fu) << 6) | (p[2] & 0x3Fu);
-        return 3;
-      }
-    }
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    if (cont(1) && cont(2) && cont(3)) {
-      const unsigned b1 = p[1];
-      if ((b0 == 0xF0) ? b1 >= 0x90 : (b0 == 0xF4) ? b1 <= 0x8F : true) {
-        cp = ((b0 & 0x07u) << 18) | ((b1 & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
-        return 4;
-      }
-    }
-  }
-  cp = kInvalid;
-  return 1;
-}
-
 void utf8_append(uint32_t cp, std::string& out) {
   if (cp < 0x80) {
     out.push_back(static_cast<char>(cp));

@@ -39,9 +39,44 @@ uint8_t combining_class(uint32_t cp);
 bool parse_category(std::string_view name, Category* out);
 
 // Decodes the code point at s[i]: returns its length (1..4). A byte that does not start a
-// well-formed UTF-8 sequence gives `cp` = kInvalid and length 1.
+// well-formed UTF-8 sequence (overlong, surrogate, truncated, > U+10FFFF) gives `cp` = kInvalid and
+// length 1, so arbitrary bytes still go one at a time. Inline: the tokenizers' inner loops call it.
 inline constexpr uint32_t kInvalid = 0xFFFFFFFFu;
-size_t utf8_decode(std::string_view s, size_t i, uint32_t& cp);
+inline size_t utf8_decode(std::string_view s, size_t i, uint32_t& cp) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data()) + i;
+  const size_t left = s.size() - i;
+  const unsigned b0 = p[0];
+  if (b0 < 0x80) {
+    cp = b0;
+    return 1;
+  }
+  auto cont = [&](size_t k) { return k < left && (p[k] & 0xC0u) == 0x80u; };
+  if (b0 >= 0xC2 && b0 <= 0xDF) {
+    if (cont(1)) {
+      cp = ((b0 & 0x1Fu) << 6) | (p[1] & 0x3Fu);
+      return 2;
+    }
+  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+    if (cont(1) && cont(2)) {
+      const unsigned b1 = p[1];
+      if ((b0 == 0xE0) ? b1 >= 0xA0 : (b0 == 0xED) ? b1 <= 0x9F : true) {
+        cp = ((b0 & 0x0Fu) << 12) | ((b1 & 0x3Fu) << 6) | (p[2] & 0x3Fu);
+        return 3;
+      }
+    }
+  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+    if (cont(1) && cont(2) && cont(3)) {
+      const unsigned b1 = p[1];
+      if ((b0 == 0xF0) ? b1 >= 0x90 : (b0 == 0xF4) ? b1 <= 0x8F : true) {
+        cp = ((b0 & 0x07u) << 18) | ((b1 & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
+        return 4;
+      }
+    }
+  }
+  cp = kInvalid;
+  return 1;
+}
+
 void utf8_append(uint32_t cp, std::string& out);
 // True when `s` is well-formed UTF-8; `bad` gets the offset of the first bad byte otherwise.
 bool utf8_valid(std::string_view s, size_t* bad = nullptr);

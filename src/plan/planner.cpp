@@ -1,6 +1,7 @@
 #include "plan/planner.h"
 
 #include "model/config/hf_config.h"
+#include "plan/text_table.h"
 
 #include <algorithm>
 #include <cctype>
@@ -115,12 +116,6 @@ bool better(const Estimate& a, const Estimate& b) {
   return a.time.total() < b.time.total();
 }
 
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
-
 std::string gib(double b) { return fmt("%.1f GiB", b / GiB); }
 std::string secs(double s) {
   if (s >= 1.0) return fmt("%.2f s", s);
@@ -213,18 +208,8 @@ std::string lost_because(const Estimate& a, const Estimate& b) {
   return s + ".";
 }
 
-}  // namespace
-
-PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSetup& setup_in, const PlanOptions& opts) {
-  cluster.validate();
-  const int N = cluster.gpus;
-  if (N < 1) throw std::invalid_argument("--gpus must be at least 1");
-  const int G = cluster.gpus_per_node;
-  PlanResult R;
-  R.model = model;
-  R.cluster = cluster;
-  R.setup = setup_in;
-  TrainSetup& st = R.setup;
+// The setup's defaults filled in (seq, ~1M tokens per step) and checked against the model.
+TrainSetup resolve_setup(const ModelConfig& model, int N, TrainSetup st) {
   if (st.seq <= 0) st.seq = model.seq_len;
   if (model.arch == Arch::GPT2 && st.seq > model.seq_len)
     throw std::invalid_argument("--seq " + std::to_string(st.seq) + " exceeds the model's " +
@@ -234,8 +219,11 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
     st.global_batch = static_cast<int64_t>(N) * ((seqs + N - 1) / N);
   }
   if (st.micro_batch < 0) throw std::invalid_argument("--micro-batch must be positive");
-  R.model_state_bytes = bytes_per_param(st.fp32, st.grad_bytes).total() * static_cast<double>(model.num_params());
+  return st;
+}
 
+// A pinned tp or pp degree must fit the job and the model.
+void check_pinned_degrees(const ModelConfig& model, int N, int G, const PlanOptions& opts) {
   if (opts.tp) {
     const std::string t = "--tp " + std::to_string(opts.tp);
     if (N % opts.tp) throw std::invalid_argument(t + " does not divide --gpus " + std::to_string(N));
@@ -250,6 +238,109 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
     if (N % opts.pp) throw std::invalid_argument(p + " does not divide --gpus " + std::to_string(N));
     if (opts.pp > model.n_layer) throw std::invalid_argument(p + " exceeds the model's " + std::to_string(model.n_layer) + " layers");
   }
+}
+
+// Micro-batch sizes for `local` sequences per step per replica.
+std::vector<int64_t> micro_batches(int64_t local, const TrainSetup& st, const PlanOptions& opts) {
+  std::vector<int64_t> mbs;
+  if (st.micro_batch > 0) {
+    if (local % st.micro_batch == 0) mbs.push_back(st.micro_batch);
+  } else {
+    for (int d : divisors(local))
+      if (d <= opts.max_micro_batch) mbs.push_back(d);
+  }
+  return mbs;
+}
+
+// (strategy, dp_replicate, dp_shard) over dp ranks for fixed tp, pp, cp; for MoE models each with
+// every expert-parallel degree that divides dp and the expert count.
+std::vector<Layout> data_parallel_layouts(const ModelConfig& model, int tp, int pp, int cp, int dp) {
+  std::vector<Layout> dps;
+  Layout l;
+  l.tp = tp;
+  l.pp = pp;
+  l.cp = cp;
+  if (dp == 1) {
+    dps.push_back(l);
+  } else {
+    l.strategy = Strategy::NoShard, l.dp_replicate = dp, l.dp_shard = 1;
+    dps.push_back(l);
+    for (Strategy s : {Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard}) {
+      l.strategy = s, l.dp_replicate = 1, l.dp_shard = dp;
+      dps.push_back(l);
+    }
+    for (int g : divisors(dp))
+      if (g > 1 && g < dp) {
+        l.strategy = Strategy::HybridShard, l.dp_shard = g, l.dp_replicate = dp / g;
+        dps.push_back(l);
+      }
+  }
+  if (!model.moe()) return dps;
+  std::vector<Layout> with_ep;
+  for (const Layout& b : dps)
+    for (int ep : divisors(dp))
+      if (model.moe_experts % ep == 0) {
+        Layout e = b;
+        e.ep = ep;
+        with_ep.push_back(e);
+      }
+  return with_ep;
+}
+
+// Pipeline schedules with their virtual stages for pp stages.
+std::vector<std::pair<Schedule, int>> schedules(const ModelConfig& model, int pp, const PlanOptions& opts) {
+  std::vector<std::pair<Schedule, int>> scheds;
+  if (pp == 1) {
+    scheds.push_back({Schedule::None, 1});
+  } else {
+    scheds.push_back({Schedule::GPipe, 1});
+    scheds.push_back({Schedule::OneFOneB, 1});
+    for (int v = 2; v <= opts.max_virtual_stages; ++v)
+      if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
+  }
+  return scheds;
+}
+
+// Every valid layout with these tp, pp and cp degrees, estimated, appended to `all`.
+void estimate_degrees(const ModelConfig& model, const Cluster& cluster, const TrainSetup& st, const PlanOptions& opts,
+                      int tp, int pp, int cp, std::vector<Estimate>& all) {
+  const int dp = cluster.gpus / tp / pp / cp;
+  if (st.global_batch % dp) return;
+  const int64_t local = st.global_batch / dp;  // sequences per step per replica
+  const std::vector<int64_t> mbs = micro_batches(local, st, opts);
+  const auto scheds = schedules(model, pp, opts);
+  for (Layout base : data_parallel_layouts(model, tp, pp, cp, dp)) {
+    if (opts.strategy && base.strategy != *opts.strategy) continue;
+    for (auto [sched, v] : scheds) {
+      if (opts.schedule && sched != *opts.schedule) continue;
+      for (int64_t mb : mbs) {
+        const int64_t m = local / mb;
+        if (sched == Schedule::Interleaved && m % pp) continue;
+        for (Checkpointing ac : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full}) {
+          if (opts.checkpointing && ac != *opts.checkpointing) continue;
+          for (bool off : {false, true}) {
+            if (off && (!opts.allow_offload || base.strategy == Strategy::NoShard || cluster.host_link_bw <= 0))
+              continue;
+            Layout l = base;
+            l.schedule = sched;
+            l.virtual_stages = v;
+            l.micro_batch = mb;
+            l.microbatches = m;
+            l.checkpointing = ac;
+            l.cpu_offload = off;
+            if (!check_layout(model, cluster, st, l).empty()) continue;
+            all.push_back(estimate(model, cluster, st, l));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every tp x pp x cp factorisation of the job the model and the options allow.
+std::vector<Estimate> estimate_all(const ModelConfig& model, const Cluster& cluster, const TrainSetup& st,
+                                   const PlanOptions& opts) {
+  const int N = cluster.gpus, G = cluster.gpus_per_node;
   std::vector<Estimate> all;
   all.reserve(4096);
   const int max_tp = opts.tp_within_node ? std::min(G, N) : N;
@@ -260,108 +351,28 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
     for (int pp : divisors(N / tp)) {
       if (opts.pp && pp != opts.pp) continue;
       if (pp > model.n_layer) continue;
-     for (int cp : divisors(N / tp / pp)) {
-      if (opts.cp ? cp != opts.cp : (cp > 1 && st.seq_or(model) < opts.cp_min_seq)) continue;
-      if (cp > 1 && st.seq_or(model) % (2 * cp) != 0) continue;
-      if (cp > 1 && model.moe() && model.moe_capacity_factor > 0) continue;  // the engine refuses it (moe.md)
-      const int dp = N / tp / pp / cp;
-      if (st.global_batch % dp) continue;
-      const int64_t local = st.global_batch / dp;  // sequences per step per replica
-      std::vector<int64_t> mbs;
-      if (st.micro_batch > 0) {
-        if (local % st.micro_batch == 0) mbs.push_back(st.micro_batch);
-      } else {
-        for (int d : divisors(local))
-          if (d <= opts.max_micro_batch) mbs.push_back(d);
+      for (int cp : divisors(N / tp / pp)) {
+        if (opts.cp ? cp != opts.cp : (cp > 1 && st.seq_or(model) < opts.cp_min_seq)) continue;
+        if (cp > 1 && st.seq_or(model) % (2 * cp) != 0) continue;
+        if (cp > 1 && model.moe() && model.moe_capacity_factor > 0) continue;  // the engine refuses it (moe.md)
+        estimate_degrees(model, cluster, st, opts, tp, pp, cp, all);
       }
-      std::vector<Layout> dps;  // (strategy, dp_replicate, dp_shard)
-      {
-        Layout l;
-        l.tp = tp;
-        l.pp = pp;
-        l.cp = cp;
-        if (dp == 1) {
-          dps.push_back(l);
-        } else {
-          l.strategy = Strategy::NoShard, l.dp_replicate = dp, l.dp_shard = 1;
-          dps.push_back(l);
-          for (Strategy s : {Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard}) {
-            l.strategy = s, l.dp_replicate = 1, l.dp_shard = dp;
-            dps.push_back(l);
-          }
-          for (int g : divisors(dp))
-            if (g > 1 && g < dp) {
-              l.strategy = Strategy::HybridShard, l.dp_shard = g, l.dp_replicate = dp / g;
-              dps.push_back(l);
-            }
-        }
-      }
-      std::vector<std::pair<Schedule, int>> scheds;
-      if (pp == 1) {
-        scheds.push_back({Schedule::None, 1});
-      } else {
-        scheds.push_back({Schedule::GPipe, 1});
-        scheds.push_back({Schedule::OneFOneB, 1});
-        for (int v = 2; v <= opts.max_virtual_stages; ++v)
-          if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
-      }
-      // MoE: every expert-parallel degree that divides dp and the expert count.
-      if (model.moe()) {
-        std::vector<Layout> with_ep;
-        for (const Layout& b : dps)
-          for (int ep : divisors(dp))
-            if (model.moe_experts % ep == 0) {
-              Layout l = b;
-              l.ep = ep;
-              with_ep.push_back(l);
-            }
-        dps = with_ep;
-      }
-      for (Layout base : dps) {
-        if (opts.strategy && base.strategy != *opts.strategy) continue;
-        for (auto [sched, v] : scheds) {
-          if (opts.schedule && sched != *opts.schedule) continue;
-          for (int64_t mb : mbs) {
-            const int64_t m = local / mb;
-            if (sched == Schedule::Interleaved && m % pp) continue;
-            for (Checkpointing ac : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full}) {
-              if (opts.checkpointing && ac != *opts.checkpointing) continue;
-              for (bool off : {false, true}) {
-                if (off && (!opts.allow_offload || base.strategy == Strategy::NoShard || cluster.host_link_bw <= 0))
-                  continue;
-                Layout l = base;
-                l.schedule = sched;
-                l.virtual_stages = v;
-                l.micro_batch = mb;
-                l.microbatches = m;
-                l.checkpointing = ac;
-                l.cpu_offload = off;
-                if (!check_layout(model, cluster, st, l).empty()) continue;
-                all.push_back(estimate(model, cluster, st, l));
-              }
-            }
-          }
-        }
-      }
-     }
     }
   }
-  R.evaluated = static_cast<int64_t>(all.size());
-  if (all.empty())
-    throw std::invalid_argument("no valid layout: check that --global-batch (" + std::to_string(st.global_batch) +
-                                ") is divisible by the data-parallel degree and that --gpus (" + std::to_string(N) +
-                                ") factors into tp x pp x dp for this model");
+  return all;
+}
+
+// Ranks `all` into R: best per strategy (before de-duplication: the first of each in rank order),
+// then one micro-batch choice per layout family and the top k.
+void rank_candidates(std::vector<Estimate> all, const PlanOptions& opts, PlanResult& R) {
   for (const auto& e : all) R.fitting += e.fits;
   std::sort(all.begin(), all.end(), better);
-
-  // Best of each strategy (before de-duplication: the first of each in rank order).
   for (Strategy s : {Strategy::NoShard, Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard, Strategy::HybridShard})
     for (const auto& e : all)
       if (e.layout.strategy == s) {
         R.best_per_strategy.push_back(e);
         break;
       }
-
   if (opts.best_per_family) {
     std::map<std::tuple<int, int, int, int, int, int, int, int, bool, int>, bool> seen;
     std::vector<Estimate> kept;
@@ -376,8 +387,10 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
   }
   if (opts.top_k > 0 && static_cast<int>(all.size()) > opts.top_k) all.resize(opts.top_k);
   R.candidates = std::move(all);
+}
 
-  // Explanations.
+// The recommendation, why the runner-up lost, and the notes.
+void explain(PlanResult& R) {
   const Estimate& top = R.candidates[0];
   if (top.fits) {
     R.recommendation = "Run " + layout_words(top.layout) + ". Predicted " + fmt("%.0f", top.tokens_per_s) +
@@ -385,17 +398,40 @@ PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSet
                        " per step, " + gib(top.mem.total()) + " of " + gib(top.mem_usable) + " usable per " + top.device + ". " +
                        top.why;
   } else {
-    R.recommendation = "Nothing fits on " + std::to_string(N) + " " + top.device + "s of " + gib(top.mem_usable) +
-                       " usable memory. The closest layout is " + layout_words(top.layout) + ". " + top.why +
-                       " Add " + top.device + "s, shorten --seq, or use a smaller micro-batch.";
+    R.recommendation = "Nothing fits on " + std::to_string(R.cluster.gpus) + " " + top.device + "s of " +
+                       gib(top.mem_usable) + " usable memory. The closest layout is " + layout_words(top.layout) +
+                       ". " + top.why + " Add " + top.device + "s, shorten --seq, or use a smaller micro-batch.";
   }
   if (R.candidates.size() > 1) {
     const Estimate& ru = R.candidates[1];
     R.runner_up = "Runner-up: " + layout_words(ru.layout) + ". It lost because " + lost_because(top, ru);
   }
-  if (!st.fp32 && st.reduce_bytes == 4)
+  if (!R.setup.fp32 && R.setup.reduce_bytes == 4)
     R.notes.push_back("gradients are reduced in fp32 (this engine's policy); --reduce-dtype bf16 halves that traffic");
   R.notes.push_back("selective checkpointing = every second block recomputed (the engine's policy)");
+}
+
+}  // namespace
+
+PlanResult plan(const ModelConfig& model, const Cluster& cluster, const TrainSetup& setup_in, const PlanOptions& opts) {
+  cluster.validate();
+  const int N = cluster.gpus;
+  if (N < 1) throw std::invalid_argument("--gpus must be at least 1");
+  PlanResult R;
+  R.model = model;
+  R.cluster = cluster;
+  R.setup = resolve_setup(model, N, setup_in);
+  const TrainSetup& st = R.setup;
+  R.model_state_bytes = bytes_per_param(st.fp32, st.grad_bytes).total() * static_cast<double>(model.num_params());
+  check_pinned_degrees(model, N, cluster.gpus_per_node, opts);
+  std::vector<Estimate> all = estimate_all(model, cluster, st, opts);
+  R.evaluated = static_cast<int64_t>(all.size());
+  if (all.empty())
+    throw std::invalid_argument("no valid layout: check that --global-batch (" + std::to_string(st.global_batch) +
+                                ") is divisible by the data-parallel degree and that --gpus (" + std::to_string(N) +
+                                ") factors into tp x pp x dp for this model");
+  rank_candidates(std::move(all), opts, R);
+  explain(R);
   return R;
 }
 

@@ -20,12 +20,6 @@ using json = nlohmann::ordered_json;
 
 int64_t bytes(double b) { return static_cast<int64_t>(std::llround(b)); }
 
-std::string fmt(const char* f, double v) {
-  char buf[128];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
-
 
 std::string human_count(double n) {
   if (n >= 1e9) return fmt("%.2f B", n / 1e9);

@@ -1,8 +1,15 @@
 #include "plan/text_table.h"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace mt::plan {
+
+std::string fmt(const char* f, double v) {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
 
 std::string format_table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows,
                          const std::vector<bool>& right) {

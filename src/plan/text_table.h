@@ -10,6 +10,9 @@ namespace mt::plan {
 std::string format_table(const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows,
                          const std::vector<bool>& right);
 
+// One number through a printf format: fmt("%.1f GiB", x).
+std::string fmt(const char* f, double v);
+
 // The items separated by `sep`: "a, b, c".
 std::string join(const std::vector<std::string>& items, const std::string& sep);
 

@@ -17,7 +17,7 @@ struct ComputeCeiling {
   double mem_bw = 0;        // bytes/s per rank, streaming (triad)
   // The engine's own non-matmul kernels of one micro-batch (norms, activations, residual adds,
   // casts, embedding, loss) and of the optimizer step, timed at the model's shapes: the planner's
-  // byte count for that work (cost_model.cpp) divided by their time, i.e. the bandwidth at which
+  // byte count for that work (plan/estimate.cpp) divided by their time, i.e. the bandwidth at which
   // the planner's elementwise model reproduces what the kernels really take. 0: not measured.
   double elem_bw = 0;
   double elem_s = 0;        // that time, seconds per micro-batch + optimizer step

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
 #include "model/transformer.h"
@@ -23,14 +24,6 @@ namespace {
 
 class CheckpointTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("mt_ckpt_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // Random full state in the model's layout; padded vocabulary rows zero, as training keeps them.
   static std::vector<float> random_state(const Transformer& m, uint32_t seed) {
     std::vector<float> v(static_cast<size_t>(m.flat_size()), 0.0f);
@@ -55,7 +48,8 @@ class CheckpointTest : public ::testing::Test {
       for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << " lacks " << p;
     }
   }
-  fs::path dir_;
+  test::TestDir tmp_;
+  const fs::path& dir_ = tmp_.path;
 };
 
 ModelConfig tiny(const std::string& preset) { return model_preset(preset); }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "run_command.h"
 #include "cli/data_commands.h"
 #include "data/corpus.h"
@@ -21,18 +22,6 @@ namespace fs = std::filesystem;
 namespace {
 
 const std::string kTok = std::string(MT_SOURCE_DIR) + "/tests/data/fixtures/bpe-llama3-style.json";
-
-struct Dir {
-  fs::path path;
-  Dir() {
-    path = fs::temp_directory_path() /
-           ("mt_prepare_" + std::to_string(::getpid()) + "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~Dir() { fs::remove_all(path); }
-  std::string file(const std::string& n) const { return (path / n).string(); }
-};
 
 std::vector<uint32_t> all_tokens(const std::vector<std::string>& files) {
   std::vector<uint32_t> v;
@@ -54,7 +43,7 @@ std::vector<std::string> docs() {
 }  // namespace
 
 TEST(PrepareCorpus, JsonlWithHfTokenizerIsTheDocumentsJoinedByEos) {
-  Dir dir;
+  mt::test::TestDir dir;
   const auto d = docs();
   fs::create_directories(dir.file("in/sub"));
   std::ofstream a(dir.file("in/a.jsonl")), b(dir.file("in/sub/b.jsonl"));
@@ -85,7 +74,7 @@ TEST(PrepareCorpus, JsonlWithHfTokenizerIsTheDocumentsJoinedByEos) {
 }
 
 TEST(PrepareCorpus, ShardsAndThreadsDoNotChangeTheTokens) {
-  Dir dir;
+  mt::test::TestDir dir;
   std::ofstream f(dir.file("c.jsonl"));
   for (const auto& s : docs()) f << nlohmann::json{{"text", s}}.dump() << "\n";
   f.close();
@@ -117,7 +106,7 @@ TEST(PrepareCorpus, ShardsAndThreadsDoNotChangeTheTokens) {
 }
 
 TEST(PrepareCorpus, BadInputNamesFileAndLineOrIsSkipped) {
-  Dir dir;
+  mt::test::TestDir dir;
   std::ofstream f(dir.file("bad.jsonl"), std::ios::binary);
   f << R"({"text": "fine one"})" << "\n"
     << "this is not json\n"
@@ -142,7 +131,7 @@ TEST(PrepareCorpus, BadInputNamesFileAndLineOrIsSkipped) {
 }
 
 TEST(PrepareCorpus, IdsAboveUint16GoToVersion2Shards) {
-  Dir dir;
+  mt::test::TestDir dir;
   std::ifstream in(kTok);
   nlohmann::json j = nlohmann::json::parse(in);
   j["added_tokens"].push_back({{"id", 70000}, {"content", "<big>"}, {"single_word", false}, {"lstrip", false},
@@ -169,7 +158,7 @@ TEST(PrepareCorpus, IdsAboveUint16GoToVersion2Shards) {
 }
 
 TEST(TokenizeCommand, HfTokenizerFileAndJsonlAndDecode) {
-  Dir dir;
+  mt::test::TestDir dir;
   mt::HfTokenizer tok(kTok);
   std::string out, err;
   ASSERT_EQ(run_cmd(mt::run_tokenize_command,

@@ -1,6 +1,8 @@
 // Whole-job tests: each runs mpirun on comm_tool (tests/comm/comm_tool.cpp) and checks the exit
-// code, what the job printed and how long it took. These are the failure paths: a desync, a
-// stalled rank (watchdog), a killed rank; plus tracing and the launcher.
+// code and what the job printed. These are the failure paths: a desync, a stalled rank (watchdog),
+// a killed rank; plus tracing and the launcher. No test times the job: that a stall is named in
+// bounded time is the watchdog's configured timeout (MESHTRAIN_TIMEOUT_S), which its message
+// reports; a job that never ends is killed by the hang guard below, well inside CTest's timeout.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -17,8 +19,7 @@ namespace {
 struct Result {
   int code = -1;  // exit code, or 128 + signal
   std::string out;  // stdout and stderr together
-  double seconds = 0;
-  bool timed_out = false;
+  bool timed_out = false;  // killed by the hang guard
 };
 
 std::vector<std::string> mpirun(int np, std::vector<std::string> args) {
@@ -29,9 +30,11 @@ std::vector<std::string> mpirun(int np, std::vector<std::string> args) {
   return a;
 }
 
-// Runs argv with extra environment, killing its process group after `limit_s`.
-Result run(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-           double limit_s) {
+// A job still running after this long is hung; it is killed and the test fails on `timed_out`.
+constexpr double kHangGuardS = 300;
+
+// Runs argv with extra environment, killing its process group after kHangGuardS.
+Result run(const std::vector<std::string>& argv, const std::vector<std::string>& env = {}) {
   int fds[2];
   if (pipe(fds) != 0) return {};
   auto t0 = std::chrono::steady_clock::now();
@@ -59,7 +62,7 @@ Result run(const std::vector<std::string>& argv, const std::vector<std::string>&
   };
   char buf[4096];
   for (;;) {
-    double left = limit_s - elapsed();
+    double left = kHangGuardS - elapsed();
     if (left <= 0) {
       r.timed_out = true;
       kill(-pid, SIGKILL);
@@ -76,7 +79,6 @@ Result run(const std::vector<std::string>& argv, const std::vector<std::string>&
   close(fds[0]);
   int status = 0;
   waitpid(pid, &status, 0);
-  r.seconds = elapsed();
   kill(-pid, SIGKILL);  // whatever is left of the job
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
@@ -97,10 +99,18 @@ bool line_has(const Result& r, const std::string& a, const std::string& b) {
   return false;
 }
 
+// The watchdog's "has not finished after S s (MESHTRAIN_TIMEOUT_S=...)": S, or -1 without it.
+double watchdog_seconds(const Result& r) {
+  const std::string key = "has not finished after ";
+  const size_t at = r.out.find(key);
+  if (at == std::string::npos || r.out.find("(MESHTRAIN_TIMEOUT_S=", at) == std::string::npos) return -1;
+  return std::stod(r.out.substr(at + key.size()));
+}
+
 }  // namespace
 
 TEST(Job, DesyncIsNamedOnEveryRank) {
-  Result r = run(mpirun(4, {"desync"}), {"MESHTRAIN_DEBUG=desync", "MESHTRAIN_TIMEOUT_S=60"}, 60);
+  Result r = run(mpirun(4, {"desync"}), {"MESHTRAIN_DEBUG=desync", "MESHTRAIN_TIMEOUT_S=60"});
   EXPECT_FALSE(r.timed_out);
   EXPECT_NE(r.code, 0);
   const std::string want =
@@ -108,31 +118,34 @@ TEST(Job, DesyncIsNamedOnEveryRank) {
       "all_reduce(f32, 4096)";
   EXPECT_TRUE(has(r, want)) << r.out;
   EXPECT_TRUE(has(r, "flight recorder")) << r.out;
-  EXPECT_LT(r.seconds, 30) << r.out;
+  // Found by the fingerprint exchange, not left to the watchdog's 60 s.
+  EXPECT_FALSE(has(r, "watchdog:")) << r.out;
 }
 
 TEST(Job, WatchdogNamesTheRankThatDidNotJoin) {
-  Result r = run(mpirun(3, {"stall"}), {"MESHTRAIN_TIMEOUT_S=3"}, 60);
+  Result r = run(mpirun(3, {"stall"}), {"MESHTRAIN_TIMEOUT_S=3"});
   EXPECT_FALSE(r.timed_out);
   EXPECT_NE(r.code, 0);
   EXPECT_TRUE(has(r, "watchdog: collective #4 all_reduce(f32, 4096, sum) of group dp")) << r.out;
   EXPECT_TRUE(has(r, "ranks that have not joined it: 2 (last called #3)")) << r.out;
   EXPECT_TRUE(has(r, "flight recorder")) << r.out;
   EXPECT_TRUE(has(r, "RUNNING")) << r.out;
-  EXPECT_LT(r.seconds, 3 + 15) << r.out;  // the stalled rank would take 60 s
+  // Named by the watchdog at its configured timeout, not when the stalled rank (60 s) returns.
+  const double after = watchdog_seconds(r);
+  EXPECT_GE(after, 3.0) << r.out;
+  EXPECT_LT(after, 60.0) << r.out;
 }
 
 TEST(Job, KilledRankEndsTheJob) {
-  Result r = run(mpirun(3, {"kill"}), {"MESHTRAIN_TIMEOUT_S=10"}, 60);
+  Result r = run(mpirun(3, {"kill"}), {"MESHTRAIN_TIMEOUT_S=10"});
   EXPECT_FALSE(r.timed_out);
   EXPECT_NE(r.code, 0);
   // mpirun notices the dead process; failing that the watchdog names it.
   EXPECT_TRUE(has(r, "signal 9") || has(r, "Killed") || has(r, "did not answer")) << r.out;
-  EXPECT_LT(r.seconds, 10 + 15) << r.out;
 }
 
 TEST(Job, TraceLogsEveryCollective) {
-  Result r = run(mpirun(2, {"ops"}), {"MESHTRAIN_DEBUG=trace"}, 60);
+  Result r = run(mpirun(2, {"ops"}), {"MESHTRAIN_DEBUG=trace"});
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(has(r, "meshtrain[rank 1]: trace group dp #1 all_reduce(f32, 4096, sum): ")) << r.out;
   EXPECT_TRUE(has(r, "meshtrain[rank 0]: trace group dp #4 all_gather(bf16, 1024): ")) << r.out;
@@ -140,13 +153,13 @@ TEST(Job, TraceLogsEveryCollective) {
 }
 
 TEST(Job, TraceAndDesyncCheckPassWhenRanksAgree) {
-  Result r = run(mpirun(3, {"ops"}), {"MESHTRAIN_DEBUG=desync"}, 60);
+  Result r = run(mpirun(3, {"ops"}), {"MESHTRAIN_DEBUG=desync"});
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_FALSE(has(r, "desync")) << r.out;
 }
 
 TEST(Job, LaunchRunsTheSubcommandOnNRanks) {
-  Result r = run({MT_COMM_TOOL, "launch", "-n", "3", "--mpirun", MT_MPIRUN, "--", "hello"}, {}, 60);
+  Result r = run({MT_COMM_TOOL, "launch", "-n", "3", "--mpirun", MT_MPIRUN, "--", "hello"});
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(has(r, "meshtrain launch: ")) << r.out;
   EXPECT_TRUE(has(r, "-np 3")) << r.out;
@@ -157,13 +170,13 @@ TEST(Job, LaunchRunsTheSubcommandOnNRanks) {
   EXPECT_TRUE(has(r, "printer 0")) << r.out;
   EXPECT_FALSE(has(r, "printer 1")) << r.out;
   Result all = run({MT_COMM_TOOL, "launch", "-n", "2", "--mpirun", MT_MPIRUN, "--", "hello"},
-                   {"MESHTRAIN_LOG_RANKS=all"}, 60);
+                   {"MESHTRAIN_LOG_RANKS=all"});
   EXPECT_EQ(all.code, 0) << all.out;
   EXPECT_TRUE(has(all, "[rank 1] printer 1")) << all.out;
 }
 
 TEST(Job, BenchRunsOnTwoRanks) {
-  Result r = run(mpirun(2, {"bench", "comm", "--max-bytes", "64K", "--iters", "3"}), {}, 120);
+  Result r = run(mpirun(2, {"bench", "comm", "--max-bytes", "64K", "--iters", "3"}));
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(has(r, "2 ranks")) << r.out;
   for (const char* op : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"})

@@ -11,45 +11,22 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "data/data_loader.h"
 #include "data/token_shards.h"
 
 namespace fs = std::filesystem;
+using mt::test::TestDir;
+using mt::test::Batch;
+using mt::test::take;
+using mt::test::write_ramp;
 
 namespace {
 
-struct BlendDir {
-  fs::path path;
-  BlendDir() {
-    path = fs::temp_directory_path() / ("mt_blend_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~BlendDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-// Dataset d's token i is d * 10000 + i: a row's first token says which dataset and sample it is.
-void write_ramp(const std::string& path, int first, int count) {
-  std::vector<int32_t> t(static_cast<size_t>(count));
-  for (int i = 0; i < count; ++i) t[static_cast<size_t>(i)] = first + i;
-  mt::write_token_shard(path, t);
-}
-
-struct Rows {
-  std::vector<int32_t> x, y;
-};
-
-Rows take(mt::BlendLoader& l) {
-  Rows r{std::vector<int32_t>(static_cast<size_t>(l.B() * l.T())), std::vector<int32_t>(static_cast<size_t>(l.B() * l.T()))};
-  l.next(r.x.data(), r.y.data());
-  return r;
-}
-
-// Three datasets: a (two shards), b, c; T = 8.
+// Three datasets: a (two shards), b, c; T = 8. Dataset d's tokens count up from d * 10000 (a's
+// second shard from 1000): a row's first token says which dataset and sample it is.
 struct ThreeSets {
-  BlendDir dir;
+  TestDir dir;
   std::string spec;
   ThreeSets(double wa = 0.5, double wb = 0.3, double wc = 0.2) {
     fs::create_directories(dir.path / "a");
@@ -106,7 +83,7 @@ TEST(BlendLoader, BadBlendsNameTheKeyAndTheEntry) {
   EXPECT_NE(m.find("given twice"), std::string::npos) << m;
 
   // Files: a pattern matching nothing, a missing file, a dataset too short for one sample.
-  BlendDir dir;
+  TestDir dir;
   write_ramp(dir.file("ok.bin"), 0, 100);
   write_ramp(dir.file("short.bin"), 0, 8);
   auto load_error = [&](const std::string& spec) {
@@ -134,7 +111,7 @@ TEST(BlendLoader, DeterministicBySeed) {
       c(s.spec, "data.train", 4, 8, 0, 1, 8, false);
   bool differs = false;
   for (int i = 0; i < 50; ++i) {
-    Rows ra = take(a), rb = take(b), rc = take(c);
+    Batch ra = take(a), rb = take(b), rc = take(c);
     EXPECT_EQ(ra.x, rb.x) << "batch " << i;
     EXPECT_EQ(ra.y, rb.y) << "batch " << i;
     differs |= ra.x != rc.x;
@@ -166,7 +143,7 @@ TEST(BlendLoader, WeightsRespectedAndEachDatasetReadInOrder) {
   };
   std::vector<int64_t> seen(3, 0);
   for (int i = 0; i < batches; ++i) {
-    Rows r = take(l);
+    Batch r = take(l);
     for (int b = 0; b < B; ++b) {
       const int32_t t0 = r.x[static_cast<size_t>(b * T)];
       const int d = dataset_of_token(t0);
@@ -197,7 +174,7 @@ TEST(BlendLoader, ShuffledEpochsVisitEverySampleOnce) {
   std::vector<std::vector<int32_t>> order(3);
   bool permuted = false;
   for (int i = 0; i < 400; ++i) {
-    Rows r = take(l), q = take(plain);
+    Batch r = take(l), q = take(plain);
     for (int b = 0; b < B; ++b) {
       const int32_t t0 = r.x[static_cast<size_t>(b * T)];
       order[static_cast<size_t>(dataset_of_token(t0))].push_back(t0);
@@ -232,9 +209,9 @@ TEST(BlendLoader, RanksAreDisjointAndTheirUnionIsTheBigBatch) {
     mt::BlendLoader one(s.spec, "data.train", B * W, T, 0, 1, 11, shuffle);
     std::set<int32_t> seen;
     for (int i = 0; i < 4; ++i) {  // 36 samples: no dataset (21 or more samples, ~12 drawn each) wraps
-      Rows big = take(one);
+      Batch big = take(one);
       for (int r = 0; r < W; ++r) {
-        Rows mine = take(*ranks[static_cast<size_t>(r)]);
+        Batch mine = take(*ranks[static_cast<size_t>(r)]);
         for (int k = 0; k < B * T; ++k) {
           ASSERT_EQ(mine.x[static_cast<size_t>(k)], big.x[static_cast<size_t>(r * B * T + k)]) << shuffle;
           ASSERT_EQ(mine.y[static_cast<size_t>(k)], big.y[static_cast<size_t>(r * B * T + k)]) << shuffle;
@@ -260,7 +237,7 @@ TEST(BlendLoader, RestoredStateContinuesExactly) {
     mt::BlendLoader b(s.spec, "data.train", 4, 8, 1, 2, 5, shuffle);
     EXPECT_TRUE(b.set_state(st));
     for (int i = 0; i < 40; ++i) {
-      Rows ra = take(a), rb = take(b);
+      Batch ra = take(a), rb = take(b);
       ASSERT_EQ(ra.x, rb.x) << "batch " << i << " shuffle " << shuffle;
       ASSERT_EQ(ra.y, rb.y) << "batch " << i << " shuffle " << shuffle;
     }

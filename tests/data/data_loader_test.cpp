@@ -10,48 +10,19 @@
 #include <vector>
 
 #include "../cli/run_command.h"
+#include "../test_files.h"
 #include "cli/data_commands.h"
 #include "data/data_loader.h"
 #include "data/token_shards.h"
 
 namespace fs = std::filesystem;
-
-namespace {
-
-struct LoaderDir {
-  fs::path path;
-  LoaderDir() {
-    path = fs::temp_directory_path() / ("mt_loader_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~LoaderDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-// A shard whose token i is first + i: every token tells where it came from.
-void write_ramp(const std::string& path, int first, int count) {
-  std::vector<int32_t> t(static_cast<size_t>(count));
-  for (int i = 0; i < count; ++i) t[static_cast<size_t>(i)] = first + i;
-  mt::write_token_shard(path, t);
-}
-
-struct Batch {
-  std::vector<int32_t> x, y;
-};
-
-Batch take(mt::BatchLoader& l) {
-  Batch b{std::vector<int32_t>(static_cast<size_t>(l.B() * l.T())), std::vector<int32_t>(static_cast<size_t>(l.B() * l.T()))};
-  l.next(b.x.data(), b.y.data());
-  return b;
-}
-
-
-}  // namespace
+using mt::test::TestDir;
+using mt::test::Batch;
+using mt::test::take;
+using mt::test::write_ramp;
 
 TEST(DataLoader, SingleRankReadsContiguousBatchesAndWraps) {
-  LoaderDir dir;
+  TestDir dir;
   const int B = 2, T = 4;
   write_ramp(dir.file("d.bin"), 0, 3 * B * T + 5);  // 3 batches, 4 tokens left over
   mt::TokenDataset ds(dir.file("d.bin"), 1000);
@@ -87,7 +58,7 @@ TEST(DataLoader, SingleRankReadsContiguousBatchesAndWraps) {
 }
 
 TEST(DataLoader, RanksAreDisjointAndTheirUnionIsTheBigBatch) {
-  LoaderDir dir;
+  TestDir dir;
   const int W = 4, B = 2, T = 8;
   // Three shards of uneven length, written out of name order; the glob sorts them.
   write_ramp(dir.file("shard_002.bin"), 20000, 2 * W * B * T + 30);  // 2 global batches
@@ -130,7 +101,7 @@ TEST(DataLoader, RanksAreDisjointAndTheirUnionIsTheBigBatch) {
 // at multiples of T) in a permuted order; ranks stay disjoint and their union is the big batch;
 // epochs differ; the same seed gives the same order.
 TEST(DataLoader, ShuffledEpochsKeepRanksDisjointAndTheUnionTheBigBatch) {
-  LoaderDir dir;
+  TestDir dir;
   const int W = 2, B = 2, T = 8;
   write_ramp(dir.file("shard_000.bin"), 0, 5 * W * B * T + 1);      // 5 global batches, 20 samples
   write_ramp(dir.file("shard_001.bin"), 10000, 3 * W * B * T + 20);  // 3 global batches, 14 samples
@@ -183,7 +154,7 @@ TEST(DataLoader, ShuffledEpochsKeepRanksDisjointAndTheUnionTheBigBatch) {
 }
 
 TEST(DataLoader, TooShortShardNamesTheFile) {
-  LoaderDir dir;
+  TestDir dir;
   write_ramp(dir.file("long.bin"), 0, 1000);
   write_ramp(dir.file("short.bin"), 0, 64);  // exactly B*T for B=4, T=16: one token short
   mt::TokenDataset ds(dir.file("*.bin"));
@@ -211,7 +182,7 @@ TEST(DataLoader, TooShortShardNamesTheFile) {
 }
 
 TEST(DataLoader, DatasetErrorsNameThePatternOrFile) {
-  LoaderDir dir;
+  TestDir dir;
   const std::string pattern = dir.file("nothing_*.bin");
   try {
     mt::TokenDataset ds(pattern);
@@ -239,7 +210,7 @@ TEST(DataLoader, DatasetErrorsNameThePatternOrFile) {
 }
 
 TEST(PrepareCommand, ByteTokenizerConcatenatesInputsAndSplits) {
-  LoaderDir dir;
+  TestDir dir;
   std::ofstream(dir.file("b.txt")) << "world";
   std::ofstream(dir.file("a.txt")) << "hello ";
   std::ofstream(dir.file("c.txt")) << std::string(88, 'x');
@@ -275,7 +246,7 @@ TEST(PrepareCommand, ByteTokenizerConcatenatesInputsAndSplits) {
 
 TEST(PrepareCommand, Gpt2SeparatesFilesWithEndOfText) {
   const std::string gpt2_dir = std::string(MT_SOURCE_DIR) + "/assets/gpt2";
-  LoaderDir dir;
+  TestDir dir;
   std::ofstream(dir.file("1.txt")) << "Hello world";
   std::ofstream(dir.file("2.txt")) << " Hello World!";
   std::string out, err;
@@ -291,7 +262,7 @@ TEST(PrepareCommand, Gpt2SeparatesFilesWithEndOfText) {
 }
 
 TEST(PrepareCommand, HelpAndErrors) {
-  LoaderDir dir;
+  TestDir dir;
   std::string out, err;
   EXPECT_EQ(run_cmd(mt::run_prepare_command, {"prepare", "--help"}, &out, &err), 0);
   EXPECT_NE(out.find("usage: meshtrain prepare"), std::string::npos);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "../test_files.h"
 #include "data/hf_tokenizer.h"
 #include "data/regex.h"
 #include "data/unicode_data.h"
@@ -28,21 +29,12 @@ json load(const std::string& path) {
   return json::parse(f);
 }
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("mt_hf_tok_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string write(const std::string& name, const json& j) const {
-    const std::string p = (path / name).string();
-    std::ofstream(p) << j.dump();
-    return p;
-  }
-};
+// Writes `j` as file `name` of `dir`; returns its path.
+std::string write_json(const mt::test::TestDir& dir, const std::string& name, const json& j) {
+  const std::string p = dir.file(name);
+  std::ofstream(p) << j.dump();
+  return p;
+}
 
 std::string error_of(const std::string& path) {
   try {
@@ -58,13 +50,13 @@ std::string error_of(const std::string& path) {
 TEST(HfTokenizer, MatchesTheOracleVectors) {
   const json base = load(kData + "/bpe-llama3-style.json");
   const json vectors = load(kData + "/hf_tokenizer_vectors.json");
-  TempDir tmp;
+  mt::test::TestDir tmp;
   int variants = 0, cases = 0;
   for (const auto& v : vectors.at("variants")) {
     json j = base;
     for (auto it = v.at("patch").begin(); it != v.at("patch").end(); ++it) j[it.key()] = it.value();
     const std::string name = v.at("name").get<std::string>();
-    mt::HfTokenizer tok(tmp.write(name + ".json", j));
+    mt::HfTokenizer tok(write_json(tmp, name + ".json", j));
     for (const auto& c : v.at("cases")) {
       const std::string text = c.at("text").get<std::string>();
       const auto ids = c.at("ids").get<std::vector<int32_t>>();
@@ -117,7 +109,7 @@ TEST(HfTokenizer, ThreadsGiveTheSameIds) {
 
 TEST(HfTokenizer, RefusesOtherFamiliesNamingTheComponent) {
   const json base = load(kData + "/bpe-llama3-style.json");
-  TempDir tmp;
+  mt::test::TestDir tmp;
   struct Case {
     std::string name;
     std::function<void(json&)> edit;
@@ -142,7 +134,7 @@ TEST(HfTokenizer, RefusesOtherFamiliesNamingTheComponent) {
   for (const auto& c : cases) {
     json j = base;
     c.edit(j);
-    const std::string path = tmp.write(c.name + ".json", j);
+    const std::string path = write_json(tmp, c.name + ".json", j);
     const std::string msg = error_of(path);
     EXPECT_NE(msg.find(c.needle), std::string::npos) << c.name << ": " << msg;
     EXPECT_NE(msg.find(path), std::string::npos) << c.name << ": " << msg;

@@ -8,23 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "data/token_shards.h"
 
 namespace fs = std::filesystem;
+using mt::test::TestDir;
 
 namespace {
-
-struct ShardDir {
-  fs::path path;
-  ShardDir() {
-    path = fs::temp_directory_path() / ("mt_shards_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ShardDir() { fs::remove_all(path); }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
 
 std::vector<char> slurp(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -52,7 +42,7 @@ void expect_error(const std::string& path, int64_t vocab, const std::vector<std:
 }  // namespace
 
 TEST(TokenShards, RoundTripAndLayout) {
-  ShardDir dir;
+  TestDir dir;
   const std::string path = dir.file("a.bin");
   std::vector<int32_t> tokens;
   for (int i = 0; i < 1000; ++i) tokens.push_back((i * 7919) % 50257);
@@ -93,7 +83,7 @@ TEST(TokenShards, RoundTripAndLayout) {
 }
 
 TEST(TokenShards, EmptyShardIsValid) {
-  ShardDir dir;
+  TestDir dir;
   mt::write_token_shard(dir.file("e.bin"), std::vector<int32_t>{});
   mt::TokenShard s(dir.file("e.bin"), 256);
   EXPECT_EQ(s.size(), 0u);
@@ -101,7 +91,7 @@ TEST(TokenShards, EmptyShardIsValid) {
 }
 
 TEST(TokenShards, WriterRejectsIdsThatDoNotFitUint16) {
-  ShardDir dir;
+  TestDir dir;
   const std::vector<int32_t> bad = {1, 2, 70000};
   try {
     mt::write_token_shard(dir.file("w.bin"), bad);
@@ -114,7 +104,7 @@ TEST(TokenShards, WriterRejectsIdsThatDoNotFitUint16) {
 }
 
 TEST(TokenShards, BadMagicNamesFileAndOffset) {
-  ShardDir dir;
+  TestDir dir;
   const std::string path = dir.file("magic.bin");
   mt::write_token_shard(path, std::vector<int32_t>{1, 2, 3});
   auto bytes = slurp(path);
@@ -124,7 +114,7 @@ TEST(TokenShards, BadMagicNamesFileAndOffset) {
 }
 
 TEST(TokenShards, BadVersionNamesFileAndOffset) {
-  ShardDir dir;
+  TestDir dir;
   const std::string path = dir.file("version.bin");
   mt::write_token_shard(path, std::vector<int32_t>{1, 2, 3});
   auto bytes = slurp(path);
@@ -134,7 +124,7 @@ TEST(TokenShards, BadVersionNamesFileAndOffset) {
 }
 
 TEST(TokenShards, TruncatedFileNamesFileAndOffset) {
-  ShardDir dir;
+  TestDir dir;
   const std::string path = dir.file("trunc.bin");
   mt::write_token_shard(path, std::vector<int32_t>(100, 5));
   auto bytes = slurp(path);
@@ -160,7 +150,7 @@ TEST(TokenShards, TruncatedFileNamesFileAndOffset) {
 }
 
 TEST(TokenShards, IdAtOrAboveVocabNamesFileOffsetAndValue) {
-  ShardDir dir;
+  TestDir dir;
   const std::string path = dir.file("vocab.bin");
   std::vector<int32_t> tokens(20, 7);
   tokens[5] = 300;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../cli/run_command.h"
+#include "../test_files.h"
 #include "cli/data_commands.h"
 #include "data/tokenizer.h"
 #include "data/unicode_tables.h"
@@ -29,18 +30,6 @@ const mt::Gpt2Tokenizer& gpt2() {
   static const mt::Gpt2Tokenizer tok(kGpt2Dir);
   return tok;
 }
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("mt_tokenizer_test_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 
 std::vector<std::string> pieces(std::string_view text) {
@@ -193,7 +182,7 @@ TEST(MakeTokenizer, NamesAndErrors) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/gpt2dir"), std::string::npos) << e.what();
   }
-  TempDir tmp;
+  mt::test::TestDir tmp;
   try {
     mt::make_tokenizer("gpt2", tmp.path.string());
     FAIL() << "expected an error";
@@ -228,7 +217,7 @@ TEST(MakeTokenizer, NamesAndErrors) {
 }
 
 TEST(Gpt2Tokenizer, RejectsMalformedMerges) {
-  TempDir tmp;
+  mt::test::TestDir tmp;
   // A tiny byte-level vocabulary: the 256 single bytes written in GPT-2's alphabet, plus "ab".
   nlohmann::json enc = nlohmann::json::object();
   auto alphabet = [](int b) -> std::string {
@@ -278,7 +267,7 @@ TEST(TokenizeCommand, PrintsIdsOnOneLine) {
               0)
         << err;
     EXPECT_EQ(out, "15496 995\n");
-    TempDir tmp;
+    mt::test::TestDir tmp;
     std::ofstream(tmp.path / "in.txt") << " Hello World!";
     EXPECT_EQ(run_cmd(mt::run_tokenize_command,
                       {"tokenize", "--gpt2-dir=" + kGpt2Dir, "--input", (tmp.path / "in.txt").string()}, &out, &err),

@@ -27,6 +27,9 @@ struct DryCase {
   bool grads_timing = false;  // gradients freed when a reduction is seen to finish
 };
 
+// What a failing case prints for GetParam().
+void PrintTo(const DryCase& k, std::ostream* os) { *os << k.name << " on " << k.np << " ranks: " << k.args; }
+
 class DryRun : public ParityFixture, public ::testing::WithParamInterface<DryCase> {
  protected:
   std::string common() const {

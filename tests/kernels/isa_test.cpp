@@ -125,13 +125,27 @@ TEST(CpuIsa, CapFromTheEnvironmentReachesKernelsAndOneDnn) {
   }
 }
 
-TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
-  if (!have_avx512())
-    GTEST_SKIP() << "this CPU lacks " << cpu::missing_for(CpuIsa::AVX512)
-                 << ": the avx512 variant cannot run here (it is compiled and checked for stray instructions)";
-  const int64_t n = 4099;  // not a multiple of any vector width
-  const auto x = kt::randn(n, 1), y = kt::randn(n, 2), z = kt::randn(n, 3);
+// Every kernel of the AVX-512 variant against the baseline on the same inputs, one test per family.
+class Avx512Variant : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_avx512())
+      GTEST_SKIP() << "this CPU lacks " << cpu::missing_for(CpuIsa::AVX512)
+                   << ": the avx512 variant cannot run here (it is compiled and checked for stray instructions)";
+  }
   using Out = std::vector<std::vector<float>>;
+  static constexpr int64_t n = 4099;  // not a multiple of any vector width
+  const std::vector<float> x = kt::randn(n, 1), y = kt::randn(n, 2), z = kt::randn(n, 3);
+  // Rows for norms, embeddings and losses.
+  static constexpr int64_t N = 33, C = 96;
+  const std::vector<float> inp = kt::randn(N * C, 4), w = kt::randn(C, 5), b = kt::randn(C, 6),
+                           dout = kt::randn(N * C, 7);
+  // Attention, grouped-query (6 query heads on 2 kv heads).
+  static constexpr int64_t B = 2, T = 77, nh = 6, nkv = 2, hd = 16, ld = (nh + 2 * nkv) * hd;
+  const std::vector<float> qkv0 = kt::randn(B * T * ld, 8), datt = kt::randn(B * T * nh * hd, 9);
+};
+
+TEST_F(Avx512Variant, ElementwiseKernelsMatchTheBaseline) {
   check("gelu", [&](const KernelTable& k, Out& o) {
     std::vector<float> f(n), d = z;
     k.gelu_forward(f.data(), x.data(), n);
@@ -163,8 +177,16 @@ TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
   check("sum_squares", [&](const KernelTable& k, Out& o) {
     o = {{static_cast<float>(k.sum_squares(x.data(), n))}};
   }, 1e-12, 0.0);
-  const int64_t N = 33, C = 96;
-  const auto inp = kt::randn(N * C, 4), w = kt::randn(C, 5), b = kt::randn(C, 6), dout = kt::randn(N * C, 7);
+  check("adamw", [&](const KernelTable& k, Out& o) {
+    std::vector<float> p = x, m = y, v(n);
+    for (int64_t i = 0; i < n; ++i) v[i] = std::abs(z[i]);
+    std::vector<bf16> pb(n);
+    k.adamw_update(p.data(), z.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, 0.5f, pb.data());
+    o = {p, m, v, bf_to_f(pb)};
+  });
+}
+
+TEST_F(Avx512Variant, NormsMatchTheBaseline) {
   check("layernorm", [&](const KernelTable& k, Out& o) {
     std::vector<float> out(N * C), mean(N), rstd(N), dinp(N * C), dw(C), db(C);
     k.layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), N, C, 1e-5f);
@@ -178,9 +200,9 @@ TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
     k.rmsnorm_backward(dinp.data(), dw.data(), dout.data(), inp.data(), w.data(), rstd.data(), N, C);
     o = {out, rstd, dinp, dw};
   }, 1e-5, 1e-6);
-  // Attention, grouped-query (6 query heads on 2 kv heads), with rotary embedding.
-  const int64_t B = 2, T = 77, nh = 6, nkv = 2, hd = 16, ld = (nh + 2 * nkv) * hd;
-  const auto qkv0 = kt::randn(B * T * ld, 8), datt = kt::randn(B * T * nh * hd, 9);
+}
+
+TEST_F(Avx512Variant, AttentionAndRotaryEmbeddingMatchTheBaseline) {
   check("rope + attention", [&](const KernelTable& k, Out& o) {
     std::vector<float> qkv = qkv0, att(B * T * nh * hd), lse(B * nh * T), dqkv(B * T * ld, 0.0f);
     k.rope_forward(qkv.data(), B, T, nh, nkv, hd, 10000.0f);
@@ -218,6 +240,9 @@ TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
     k.rope_backward_freq(qkv.data(), B, T, nh, nkv, hd, freq.data());
     o = {qkv};
   });
+}
+
+TEST_F(Avx512Variant, EmbeddingsAndLossesMatchTheBaseline) {
   const int64_t V = 1000, Vt = 512, Vp = 1024;
   std::vector<int32_t> ids(N), tg(N);
   for (int64_t i = 0; i < N; ++i) {
@@ -252,13 +277,6 @@ TEST(CpuIsa, Avx512VariantMatchesTheBaseline) {
     std::memcpy(g.data(), lg.data(), g.size() * sizeof(bf16));
     o = {l, bf_to_f(g)};
   }, 1e-5, 1e-7);
-  check("adamw", [&](const KernelTable& k, Out& o) {
-    std::vector<float> p = x, m = y, v(n);
-    for (int64_t i = 0; i < n; ++i) v[i] = std::abs(z[i]);
-    std::vector<bf16> pb(n);
-    k.adamw_update(p.data(), z.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7, 0.5f, pb.data());
-    o = {p, m, v, bf_to_f(pb)};
-  });
 }
 
 // Every function of this test program and of the meshtrain binary that uses an AVX-512-only

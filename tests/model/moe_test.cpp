@@ -31,6 +31,12 @@ struct Case {
   float capacity;
 };
 
+// What a failing case prints for GetParam().
+void PrintTo(const Case& k, std::ostream* os) {
+  *os << arch_name(k.arch) << (k.sigmoid ? " sigmoid" : " softmax") << " router, " << k.shared
+      << " shared, capacity factor " << k.capacity;
+}
+
 ModelConfig moe_config(const Case& k) {
   ModelConfig c = model_preset(k.arch == Arch::GPT2 ? "gpt2-tiny" : "llama-tiny");
   c.n_layer = 1;

@@ -11,6 +11,10 @@
 #include "runtime/memory.h"
 
 namespace mt {
+
+// What a failing ModelGrad case prints for GetParam() (found by argument-dependent lookup in mt).
+static void PrintTo(Arch a, std::ostream* os) { *os << arch_name(a); }
+
 namespace {
 
 std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {

@@ -111,7 +111,8 @@ TEST_P(InProcessDataParallel, TwoThreadRanksEqualOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, InProcessDataParallel,
-                         ::testing::Values("NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD"));
+                         ::testing::Values("NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD"),
+                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
 
 // ProcessGroupTpComm: fp32 calls are exact sums; in bf16 mode activations travel in bf16 (the sum
 // of the bf16-rounded inputs, accumulated in fp32, rounded once, widened back), and the async

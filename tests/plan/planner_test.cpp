@@ -1,7 +1,6 @@
 // The planner: enumeration, ranking, explanations and Hugging Face configs (the command: tests/cli).
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -93,14 +92,18 @@ TEST(Planner, HonoursConstraints) {
   EXPECT_THROW(plan(model_preset("gpt2-124m"), cluster("h100-80g-ib400", 16), odd), std::invalid_argument);
 }
 
-TEST(Planner, FastForLargeClusters) {
-  const auto t0 = std::chrono::steady_clock::now();
+// Each candidate costs one closed-form estimate, so the plan's time is proportional to the number
+// of layouts it evaluates (a count, not a stopwatch): a large cluster must stay a search of
+// thousands of candidates, not one that a new dimension multiplies out of bounds. Llama 3 405B on
+// 256 GPUs evaluates about 12.7k layouts.
+constexpr int64_t kMaxEvaluated = 20000;
+
+TEST(Planner, SearchStaysBoundedForLargeClusters) {
   PlanOptions o;
   o.top_k = 10;
   const PlanResult r = plan(model_preset("llama3-405b"), cluster("h100-80g-ib400", 256), TrainSetup{}, o);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(s, 1.0);
   EXPECT_GT(r.evaluated, 1000);
+  EXPECT_LT(r.evaluated, kMaxEvaluated);
   EXPECT_TRUE(r.candidates[0].fits);
 }
 

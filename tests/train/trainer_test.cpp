@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/export.h"
 #include "checkpoint/safetensors.h"
@@ -31,10 +32,6 @@ ExportResult export_run(const std::string& checkpoint, const std::string& out, i
 class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("mt_trainer_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
     std::string text;
     for (int i = 0; i < 400; ++i)
       text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
@@ -43,8 +40,6 @@ class TrainerTest : public ::testing::Test {
     std::vector<int32_t> val(toks.begin(), toks.begin() + 2000);
     write_token_shard((dir_ / "val.bin").string(), val);
   }
-  void TearDown() override { fs::remove_all(dir_); }
-
   RunConfig config(std::vector<std::pair<std::string, std::string>> extra = {}) {
     std::vector<std::pair<std::string, std::string>> ov = {
         {"model.preset", "gpt2-tiny"},  {"data.train", (dir_ / "train.bin").string()},
@@ -54,7 +49,8 @@ class TrainerTest : public ::testing::Test {
     for (auto& e : extra) ov.push_back(e);
     return RunConfig::load("", ov);
   }
-  fs::path dir_;
+  test::TestDir tmp_;
+  const fs::path& dir_ = tmp_.path;
 };
 
 TEST_F(TrainerTest, LossFallsAndRunIsDeterministic) {

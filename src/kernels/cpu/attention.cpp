@@ -32,6 +32,8 @@
 
 #include "kernels/cpu/avx512_transpose.h"
 #include "kernels/cpu/gemm_internal.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/softmax_row.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -193,16 +195,7 @@ void softmax_rows(float* S, int64_t bq, int64_t L, int64_t t0, const float* lse_
 #pragma omp simd
       for (int64_t j = 0; j < nv; ++j) row[j] = detail::exp_f(row[j] - l);
     } else {
-      float m = row[0];
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < nv; ++j) m = row[j] > m ? row[j] : m;  // (std::max here stays scalar)
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < nv; ++j) {
-        const float e = detail::exp_f(row[j] - m);
-        row[j] = e;
-        s += e;
-      }
+      const auto [m, s] = exp_row(row, row, nv);
       const float inv = 1.0f / s;
 #pragma omp simd
       for (int64_t j = 0; j < nv; ++j) row[j] *= inv;
@@ -212,17 +205,149 @@ void softmax_rows(float* S, int64_t bq, int64_t L, int64_t t0, const float* lse_
   }
 }
 
+// One attention call's dimensions: rows of qkv are ld floats, rows of out od; query head h reads
+// key / value head h / grp; queries go in blocks of BQ rows; scores are scaled by sc.
+struct Dims {
+  int64_t T, nh, nkv, hd, ld, od, grp, BQ;
+  float sc;
+  Dims(int64_t T_, int64_t nh_, int64_t nkv_, int64_t hd_)
+      : T(T_), nh(nh_), nkv(nkv_), hd(hd_), ld((nh_ + 2 * nkv_) * hd_), od(nh_ * hd_), grp(nh_ / nkv_),
+        BQ(std::min(kBlockQ, T_)), sc(1.0f / std::sqrt(static_cast<float>(hd_))) {}
+};
+
+// f(t0, bq, L) for each block of query rows [t0, t0 + bq) in order; the block sees L = t0 + bq keys.
+template <class F>
+void for_each_block(const Dims& d, F&& f) {
+  for (int64_t t0 = 0; t0 < d.T; t0 += d.BQ) {
+    const int64_t bq = std::min(d.BQ, d.T - t0);
+    f(t0, bq, t0 + bq);
+  }
+}
+
+// A head's keys K^T packed into `buf` for block_softmax (own GEMMs; null otherwise: the library
+// GEMM reads K in place).
+const float* packed_keys(float* buf, const float* k, const Dims& d) {
+#if MT_ATTENTION_OWN_GEMM
+  pack_cols(buf, k, d.ld, d.hd, d.T);
+  return buf;
+#else
+  return nullptr;
+#endif
+}
+
+// P = softmax(sc Q K^T) of the query rows [t0, t0 + bq) over the keys they see (L = t0 + bq
+// columns): forward writes each row's log-sum-exp to lse_out, backward recomputes P from lse_in.
+// q and k are a head's rows in qkv; kt is K^T packed (own GEMMs only).
+void block_softmax(float* P, const Dims& d, const float* q, const float* k, const float* kt, int64_t t0, int64_t bq,
+                   const float* lse_in, float* lse_out) {
+  const int64_t L = t0 + bq;
+#if MT_ATTENTION_OWN_GEMM
+  small_gemm(false, bq, L, d.hd, d.sc, q + t0 * d.ld, d.ld, kt, d.hd * kNr, 0.0f, P, L, Causal::kScores, t0);
+#else
+  sgemm_strided(false, true, bq, L, d.hd, d.sc, q + t0 * d.ld, d.ld, k, d.ld, 0.0f, P, L);
+#endif
+  softmax_rows(P, bq, L, t0, lse_in, lse_out);
+}
+
+// dS = P * (dP - D) in place of dP for the query rows [t0, t0 + bq), D[r] = dO_r . O_r; 0 where
+// P is masked (dP was not computed there). dO and o point at the head's first row.
+void block_dscores(float* dP, const float* P, float* D, const float* dO, const float* o, const Dims& d, int64_t t0,
+                   int64_t bq) {
+  const int64_t L = t0 + bq;
+  for (int64_t r = 0; r < bq; ++r) {
+    const float* a = dO + (t0 + r) * d.od;
+    const float* c = o + (t0 + r) * d.od;
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d.hd; ++i) s += a[i] * c[i];
+    D[r] = s;
+  }
+  for (int64_t r = 0; r < bq; ++r) {
+    float* dpr = dP + r * L;
+    const float* pr = P + r * L;
+    const float dr = D[r];
+    const int64_t nv = t0 + r + 1;
+#pragma omp simd
+    for (int64_t j = 0; j < nv; ++j) dpr[j] = pr[j] * (dpr[j] - dr);
+    for (int64_t j = nv; j < L; ++j) dpr[j] = 0.0f;
+  }
+}
+
+// One (sequence, query head) task of the backward: per query block, P and dP, dS, then dq, dk and
+// dv accumulate (+=). q, k, v, dq point at the head's rows in qkv / dqkv (row stride d.ld); o, dO
+// at its rows in out / dout; dk, dv (row stride ldkv) are where its key / value gradients go.
+// `tile` is the thread's scratch (P, dP and D tiles, then the packed operands).
+void backward_head(const Dims& d, float* tile, const float* q, const float* k, const float* v, const float* o,
+                   const float* dO, const float* l, float* dq, float* dk, float* dv, int64_t ldkv) {
+  const int64_t T = d.T, hd = d.hd, ld = d.ld, od = d.od, BQ = d.BQ;
+  float* P = tile;
+  float* dP = P + BQ * T;
+  float* D = dP + BQ * T;
+  const float* kt = packed_keys(D + BQ, k, d);  // packed right-hand sides: K^T, V^T, K, a block's Q and dO
+#if MT_ATTENTION_OWN_GEMM
+  const int64_t pkt = packed_size(hd, T), pkr = packed_size(T, hd), pq = packed_size(BQ, hd);
+  float* vt = D + BQ + pkt;
+  float* kr = vt + pkt;
+  float* qp = kr + pkr;
+  float* dop = qp + pq;
+  pack_cols(vt, v, ld, hd, T);
+  pack_rows(kr, k, ld, T, hd);
+#endif
+  for_each_block(d, [&](int64_t t0, int64_t bq, int64_t L) {
+    block_softmax(P, d, q, k, kt, t0, bq, l, nullptr);
+#if MT_ATTENTION_OWN_GEMM
+    small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
+#else
+    sgemm_strided(false, true, bq, L, hd, 1.0f, dO + t0 * od, od, v, ld, 0.0f, dP, L);
+#endif
+    block_dscores(dP, P, D, dO, o, d, t0, bq);
+#if MT_ATTENTION_OWN_GEMM
+    pack_rows(qp, q + t0 * ld, ld, bq, hd);
+    pack_rows(dop, dO + t0 * od, od, bq, hd);
+    small_gemm(false, bq, hd, L, d.sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
+    small_gemm(true, L, hd, bq, d.sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
+    small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
+#else
+    sgemm_strided(false, false, bq, hd, L, d.sc, dP, L, k, ld, 1.0f, dq + t0 * ld, ld);
+    sgemm_strided(true, false, L, hd, bq, d.sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
+    sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
+#endif
+  });
+}
+
+// Grouped-query backward: dqkv[b, t, kv head] += the sums of its query heads' dK / dV rows kept in
+// kvbuf (per_bh floats per (batch of the chunk, head)), in head order.
+void add_group_kv_grads(float* dqkv, const float* kvbuf, const Dims& d, int64_t b0, int64_t nb, int64_t per_bh) {
+  const int64_t T = d.T, nh = d.nh, nkv = d.nkv, hd = d.hd, ld = d.ld, grp = d.grp;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t bi = 0; bi < nb; ++bi) {
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = dqkv + ((b0 + bi) * T + t) * ld;
+      for (int64_t kvh = 0; kvh < nkv; ++kvh) {
+        float* dk = row + (nh + kvh) * hd;
+        float* dv = row + (nh + nkv + kvh) * hd;
+        for (int64_t g = 0; g < grp; ++g) {
+          const float* sk = kvbuf + (bi * nh + kvh * grp + g) * per_bh + t * hd;
+          const float* sv = sk + T * hd;
+#pragma omp simd
+          for (int64_t i = 0; i < hd; ++i) {
+            dk[i] += sk[i];
+            dv[i] += sv[i];
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh,
                        int64_t nkv, int64_t hd) {
   check_heads(nh, nkv, "attention_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const int64_t ld = (nh + 2 * nkv) * hd;
-  const int64_t od = nh * hd;
-  const int64_t grp = nh / nkv;
-  const float sc = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t BQ = std::min(kBlockQ, T);
+  const Dims d(T, nh, nkv, hd);
+  const int64_t ld = d.ld, od = d.od, grp = d.grp, BQ = d.BQ;
   const int nthr = omp_get_max_threads();
   thread_local Scratch scratch;
 #if MT_ATTENTION_OWN_GEMM
@@ -237,32 +362,24 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       float* S = tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr;
-#if MT_ATTENTION_OWN_GEMM
-      float* kt = S + BQ * T;  // packed K^T and V
-      float* vp = kt + pk;
-#endif
       const float* q = qkv + b * T * ld + h * hd;
       const float* k = qkv + b * T * ld + (nh + h / grp) * hd;
       const float* v = qkv + b * T * ld + (nh + nkv + h / grp) * hd;
       float* o = out + b * T * od + h * hd;
       float* l = lse + (b * nh + h) * T;
+      const float* kt = packed_keys(S + BQ * T, k, d);
 #if MT_ATTENTION_OWN_GEMM
-      pack_cols(kt, k, ld, hd, T);
+      float* vp = S + BQ * T + pk;  // V packed after K^T
       pack_rows(vp, v, ld, T, hd);
 #endif
-      for (int64_t t0 = 0; t0 < T; t0 += BQ) {
-        const int64_t bq = std::min(BQ, T - t0);
-        const int64_t L = t0 + bq;
+      for_each_block(d, [&](int64_t t0, int64_t bq, int64_t L) {
+        block_softmax(S, d, q, k, kt, t0, bq, nullptr, l);
 #if MT_ATTENTION_OWN_GEMM
-        small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, S, L, Causal::kScores, t0);
-        softmax_rows(S, bq, L, t0, nullptr, l);
         small_gemm(false, bq, hd, L, 1.0f, S, L, vp, T * kNr, 0.0f, o + t0 * od, od, Causal::kKeysK, t0);  // V's first L rows
 #else
-        sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, S, L);
-        softmax_rows(S, bq, L, t0, nullptr, l);
         sgemm_strided(false, false, bq, hd, L, 1.0f, S, L, v, ld, 0.0f, o + t0 * od, od);
 #endif
-      }
+      });
     }
   }
 }
@@ -271,11 +388,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                         const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
   check_heads(nh, nkv, "attention_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const int64_t ld = (nh + 2 * nkv) * hd;
-  const int64_t od = nh * hd;
-  const int64_t grp = nh / nkv;
-  const float sc = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t BQ = std::min(kBlockQ, T);
+  const Dims d(T, nh, nkv, hd);
+  const int64_t ld = d.ld, od = d.od, grp = d.grp, BQ = d.BQ;
   const int nthr = omp_get_max_threads();
   thread_local Scratch tile_scratch, kv_scratch;
   // Per thread: P tile, dP tile, D [BQ], then packed: K^T and V^T, K, and a block's Q and dO.
@@ -301,30 +415,14 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t bi = 0; bi < nb; ++bi) {
       for (int64_t h = 0; h < nh; ++h) {
-        const int64_t b = b0 + bi;
-        float* P = tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr;
-        float* dP = P + BQ * T;
-        float* D = dP + BQ * T;
-#if MT_ATTENTION_OWN_GEMM
-        float* kt = D + BQ;  // packed right-hand sides
-        float* vt = kt + pkt;
-        float* kr = vt + pkt;
-        float* qp = kr + pkr;
-        float* dop = qp + pq;
-#endif
-        const int64_t kvh = h / grp;
-        const float* q = qkv + b * T * ld + h * hd;
-        const float* k = qkv + b * T * ld + (nh + kvh) * hd;
-        const float* v = qkv + b * T * ld + (nh + nkv + kvh) * hd;
-        const float* o = out + b * T * od + h * hd;
-        const float* dO = dout + b * T * od + h * hd;
-        const float* l = lse + (b * nh + h) * T;
-        float* dq = dqkv + b * T * ld + h * hd;
+        const int64_t b = b0 + bi, kvh = h / grp;
+        const float* row0 = qkv + b * T * ld;
+        float* drow0 = dqkv + b * T * ld;
         float *dk, *dv;
         int64_t ldkv;
-        if (grp == 1) {
-          dk = dqkv + b * T * ld + (nh + kvh) * hd;
-          dv = dqkv + b * T * ld + (nh + nkv + kvh) * hd;
+        if (grp == 1) {  // the task owns its key / value head
+          dk = drow0 + (nh + kvh) * hd;
+          dv = drow0 + (nh + nkv + kvh) * hd;
           ldkv = ld;
         } else {
           dk = kvbuf + (bi * nh + h) * per_bh;
@@ -332,137 +430,32 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           ldkv = hd;
           std::fill(dk, dk + per_bh, 0.0f);
         }
-#if MT_ATTENTION_OWN_GEMM
-        pack_cols(kt, k, ld, hd, T);
-        pack_cols(vt, v, ld, hd, T);
-        pack_rows(kr, k, ld, T, hd);
-#endif
-        for (int64_t t0 = 0; t0 < T; t0 += BQ) {
-          const int64_t bq = std::min(BQ, T - t0);
-          const int64_t L = t0 + bq;
-#if MT_ATTENTION_OWN_GEMM
-          small_gemm(false, bq, L, hd, sc, q + t0 * ld, ld, kt, hd * kNr, 0.0f, P, L, Causal::kScores, t0);
-          softmax_rows(P, bq, L, t0, l, nullptr);
-          small_gemm(false, bq, L, hd, 1.0f, dO + t0 * od, od, vt, hd * kNr, 0.0f, dP, L, Causal::kScores, t0);
-#else
-          sgemm_strided(false, true, bq, L, hd, sc, q + t0 * ld, ld, k, ld, 0.0f, P, L);
-          softmax_rows(P, bq, L, t0, l, nullptr);
-          sgemm_strided(false, true, bq, L, hd, 1.0f, dO + t0 * od, od, v, ld, 0.0f, dP, L);
-#endif
-          for (int64_t r = 0; r < bq; ++r) {
-            const float* a = dO + (t0 + r) * od;
-            const float* c = o + (t0 + r) * od;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < hd; ++d) s += a[d] * c[d];
-            D[r] = s;
-          }
-          // dS = P * (dP - D), in place of dP; 0 where P is masked (dP was not computed there).
-          for (int64_t r = 0; r < bq; ++r) {
-            float* dpr = dP + r * L;
-            const float* pr = P + r * L;
-            const float dr = D[r];
-            const int64_t nv = t0 + r + 1;
-#pragma omp simd
-            for (int64_t j = 0; j < nv; ++j) dpr[j] = pr[j] * (dpr[j] - dr);
-            for (int64_t j = nv; j < L; ++j) dpr[j] = 0.0f;
-          }
-#if MT_ATTENTION_OWN_GEMM
-          pack_rows(qp, q + t0 * ld, ld, bq, hd);
-          pack_rows(dop, dO + t0 * od, od, bq, hd);
-          small_gemm(false, bq, hd, L, sc, dP, L, kr, T * kNr, 1.0f, dq + t0 * ld, ld, Causal::kKeysK, t0);  // K's first L rows
-          small_gemm(true, L, hd, bq, sc, dP, L, qp, bq * kNr, 1.0f, dk, ldkv, Causal::kQueriesK, t0);
-          small_gemm(true, L, hd, bq, 1.0f, P, L, dop, bq * kNr, 1.0f, dv, ldkv, Causal::kQueriesK, t0);
-#else
-          sgemm_strided(false, false, bq, hd, L, sc, dP, L, k, ld, 1.0f, dq + t0 * ld, ld);
-          sgemm_strided(true, false, L, hd, bq, sc, dP, L, q + t0 * ld, ld, 1.0f, dk, ldkv);
-          sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO + t0 * od, od, 1.0f, dv, ldkv);
-#endif
-        }
+        backward_head(d, tiles + static_cast<int64_t>(omp_get_thread_num()) * per_thr, row0 + h * hd,
+                      row0 + (nh + kvh) * hd, row0 + (nh + nkv + kvh) * hd, out + b * T * od + h * hd,
+                      dout + b * T * od + h * hd, lse + (b * nh + h) * T, drow0 + h * hd, dk, dv, ldkv);
       }
     }
-    if (grp > 1) {
-      // dqkv[b, t, kv head] += sum over the group's query heads, in head order.
-#pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t bi = 0; bi < nb; ++bi) {
-        for (int64_t t = 0; t < T; ++t) {
-          float* row = dqkv + ((b0 + bi) * T + t) * ld;
-          for (int64_t kvh = 0; kvh < nkv; ++kvh) {
-            float* dk = row + (nh + kvh) * hd;
-            float* dv = row + (nh + nkv + kvh) * hd;
-            for (int64_t g = 0; g < grp; ++g) {
-              const float* sk = kvbuf + (bi * nh + kvh * grp + g) * per_bh + t * hd;
-              const float* sv = sk + T * hd;
-#pragma omp simd
-              for (int64_t d = 0; d < hd; ++d) {
-                dk[d] += sk[d];
-                dv[d] += sv[d];
-              }
-            }
-          }
-        }
-      }
-    }
+    if (grp > 1) add_group_kv_grads(dqkv, kvbuf, d, b0, nb, per_bh);
   }
 }
 
 // ---- RoPE ---------------------------------------------------------------------------------------
 
-namespace {
-
-struct RopeTable {
-  int64_t T = 0, hd = 0;
-  float theta = 0.0f;
-  std::vector<float> freq;  // explicit inverse frequencies (empty: from theta)
-  Scratch buf;  // cos [T, hd/2] then sin [T, hd/2]
-};
-
-// cos/sin of t * theta^(-2i/hd), computed in double and rounded once; cached per thread. Returns
-// the cos table [Tc, hd/2] (Tc >= T); the sin table follows it, at *sin_out.
-// inv_freq null: theta^(-2i/hd); otherwise the given frequencies (cached by value).
-const float* rope_table(int64_t T, int64_t hd, float theta, const float** sin_out, const float* inv_freq = nullptr) {
-  thread_local RopeTable tab;
-  const int64_t half = hd / 2;
-  const bool same_freq = inv_freq ? tab.freq.size() == static_cast<size_t>(half) &&
-                                        std::equal(tab.freq.begin(), tab.freq.end(), inv_freq)
-                                  : tab.freq.empty() && tab.theta == theta;
-  if (tab.T < T || tab.hd != hd || !same_freq) {
-    float* c = tab.buf.as<float>(static_cast<size_t>(2 * T * half));
-    float* s = c + T * half;
-#pragma omp parallel for schedule(static) if (T * half > 4096)
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t i = 0; i < half; ++i) {
-        const double inv = inv_freq ? static_cast<double>(inv_freq[i])
-                                    : std::pow(static_cast<double>(theta),
-                                               -2.0 * static_cast<double>(i) / static_cast<double>(hd));
-        const double a = static_cast<double>(t) * inv;
-        c[t * half + i] = static_cast<float>(std::cos(a));
-        s[t * half + i] = static_cast<float>(std::sin(a));
-      }
-    }
-    tab.T = T;
-    tab.hd = hd;
-    tab.theta = theta;
-    if (inv_freq) tab.freq.assign(inv_freq, inv_freq + half);
-    else tab.freq.clear();
-  }
-  const float* c = static_cast<const float*>(tab.buf.get(0));
-  *sin_out = c + tab.T * half;
-  return c;
+void rope_check_head_dim(int64_t hd, const char* fn) {
+  if (hd % 2 != 0)
+    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": head_dim (" + std::to_string(hd) +
+                                ") must be even for rotary embedding");
 }
 
-void rope_apply(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
-                float sign, const char* fn, const float* inv_freq = nullptr) {
-  check_heads(nh, nkv, fn);
-  if (hd % 2 != 0) {
-    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": head_dim (" +
-                                std::to_string(hd) + ") must be even for rotary embedding");
-  }
-  if (B <= 0 || T <= 0 || hd <= 0) return;
+double rope_rate(int64_t i, int64_t hd, float theta, const float* inv_freq) {
+  return inv_freq ? static_cast<double>(inv_freq[i])
+                  : std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(hd));
+}
+
+void rope_rotate(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* cs,
+                 const float* sn, float sign) {
   const int64_t half = hd / 2;
   const int64_t ld = (nh + 2 * nkv) * hd;
-  const float* sn = nullptr;
-  const float* cs = rope_table(T, hd, theta, &sn, inv_freq);
 #pragma omp parallel for collapse(2) schedule(static) if (B * T * ld > detail::kParallelMin)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -481,6 +474,56 @@ void rope_apply(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64
       }
     }
   }
+}
+
+namespace {
+
+struct RopeTable {
+  int64_t T = 0, hd = 0;
+  float theta = 0.0f;
+  std::vector<float> freq;  // explicit inverse frequencies (empty: from theta)
+  Scratch buf;  // cos [T, hd/2] then sin [T, hd/2]
+};
+
+// cos/sin of t * rope_rate(i), computed in double and rounded once; cached per thread. Returns
+// the cos table [Tc, hd/2] (Tc >= T); the sin table follows it, at *sin_out.
+// inv_freq null: theta^(-2i/hd); otherwise the given frequencies (cached by value).
+const float* rope_table(int64_t T, int64_t hd, float theta, const float** sin_out, const float* inv_freq = nullptr) {
+  thread_local RopeTable tab;
+  const int64_t half = hd / 2;
+  const bool same_freq = inv_freq ? tab.freq.size() == static_cast<size_t>(half) &&
+                                        std::equal(tab.freq.begin(), tab.freq.end(), inv_freq)
+                                  : tab.freq.empty() && tab.theta == theta;
+  if (tab.T < T || tab.hd != hd || !same_freq) {
+    float* c = tab.buf.as<float>(static_cast<size_t>(2 * T * half));
+    float* s = c + T * half;
+#pragma omp parallel for schedule(static) if (T * half > 4096)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double a = static_cast<double>(t) * rope_rate(i, hd, theta, inv_freq);
+        c[t * half + i] = static_cast<float>(std::cos(a));
+        s[t * half + i] = static_cast<float>(std::sin(a));
+      }
+    }
+    tab.T = T;
+    tab.hd = hd;
+    tab.theta = theta;
+    if (inv_freq) tab.freq.assign(inv_freq, inv_freq + half);
+    else tab.freq.clear();
+  }
+  const float* c = static_cast<const float*>(tab.buf.get(0));
+  *sin_out = c + tab.T * half;
+  return c;
+}
+
+void rope_apply(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                float sign, const char* fn, const float* inv_freq = nullptr) {
+  check_heads(nh, nkv, fn);
+  rope_check_head_dim(hd, fn);
+  if (B <= 0 || T <= 0 || hd <= 0) return;
+  const float* sn = nullptr;
+  const float* cs = rope_table(T, hd, theta, &sn, inv_freq);
+  rope_rotate(qkv, B, T, nh, nkv, hd, cs, sn, sign);
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "kernels/cpu/gemm_internal.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/softmax_row.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -18,13 +20,26 @@ MT_CPU_VARIANT_BEGIN
 
 namespace {
 
-void check(int64_t T, int64_t nh, int64_t nkv, int64_t chunks, const char* fn) {
+// One call's dimensions: chunks of c tokens; rows of qkv are ldq floats, of kv ldkv, of out ldo;
+// query head h reads key / value head h / g; queries go in tiles of BQ rows; scores are scaled.
+// Checks the heads and the chunking (std::invalid_argument naming `fn`).
+struct Dims {
+  int64_t c, ldq, ldkv, ldo, g, BQ;
+  float scale;
+};
+
+constexpr int64_t kBlockQ = 64;  // query rows per tile
+
+Dims dims(int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const char* fn) {
   if (nh <= 0 || nkv <= 0 || nh % nkv != 0)
     throw std::invalid_argument(std::string("meshtrain: ") + fn + ": n_head (" + std::to_string(nh) +
                                 ") must be a positive multiple of n_kv_head (" + std::to_string(nkv) + ")");
   if (chunks <= 0 || T % chunks != 0)
     throw std::invalid_argument(std::string("meshtrain: ") + fn + ": " + std::to_string(T) +
                                 " tokens do not split into " + std::to_string(chunks) + " equal chunks");
+  const int64_t c = T / chunks;
+  return {c, (nh + 2 * nkv) * hd, 2 * nkv * hd, nh * hd, nh / nkv, std::min(kBlockQ, c),
+          1.0f / std::sqrt(static_cast<float>(hd))};
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -33,11 +48,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-
-}  // namespace
-
-namespace {
-constexpr int64_t kBlockQ = 64;  // query rows per tile
 
 // Key chunk bk's visible columns for the query tile starting at row t0 (within its chunk) of bq
 // rows: all c for a full pair, t0 + bq for the causal diagonal (rows mask their later keys).
@@ -51,17 +61,114 @@ inline void mask_causal(float* S, int64_t lds, int64_t bq, int64_t L, int64_t t0
 }
 }  // namespace
 
+namespace {
+
+// A tile of query rows [t0, t0 + bq) of chunk a of head h of sequence b; its first row is row0 of
+// the [B T] rows. The key chunks it sees: mode modes[bk] (0 none, 1 all, 2 the causal diagonal).
+struct Tile {
+  int64_t b, h, a, t0, bq, row0;
+  const int8_t* modes;  // the tile's row of the chunk pair modes
+};
+
+// Columns the tile's scores have: every visible key chunk's, side by side.
+int64_t tile_columns(const Dims& d, const Tile& t, int64_t chunks) {
+  int64_t Lt = 0;
+  for (int64_t bk = 0; bk < chunks; ++bk)
+    if (t.modes[bk]) Lt += visible(t.modes[bk], d.c, t.t0, t.bq);
+  return Lt;
+}
+
+// Forward of one tile: S = scale Q K^T against the visible chunks into S [bq, Lt] (the diagonal
+// chunk masked), each row exponentiated (rmax, rsum: its max and sum), O = P V into O [bq, hd].
+void forward_tile(const Dims& d, const Tile& t, int64_t chunks, int64_t Lt, const float* q, const float* kb,
+                  const float* vb, int64_t hd, float* S, float* O, float* rmax, float* rsum) {
+  int64_t off = 0;
+  for (int64_t bk = 0; bk < chunks; ++bk) {
+    const int8_t m = t.modes[bk];
+    if (!m) continue;
+    const int64_t L = visible(m, d.c, t.t0, t.bq);
+    detail::sgemm_strided(false, true, t.bq, L, hd, d.scale, q, d.ldq, kb + bk * d.c * d.ldkv, d.ldkv, 0.0f, S + off, Lt);
+    if (m == 2) mask_causal(S + off, Lt, t.bq, L, t.t0);
+    off += L;
+  }
+  for (int64_t r = 0; r < t.bq; ++r) {
+    const RowExp st = exp_row(S + r * Lt, S + r * Lt, Lt);
+    rmax[r] = st.max;
+    rsum[r] = st.sum;
+  }
+  off = 0;
+  bool beta0 = true;
+  for (int64_t bk = 0; bk < chunks; ++bk) {
+    const int8_t m = t.modes[bk];
+    if (!m) continue;
+    const int64_t L = visible(m, d.c, t.t0, t.bq);
+    detail::sgemm_strided(false, false, t.bq, hd, L, 1.0f, S + off, Lt, vb + bk * d.c * d.ldkv, d.ldkv,
+                          beta0 ? 0.0f : 1.0f, O, hd);
+    beta0 = false;
+    off += L;
+  }
+}
+
+// The tile's block result (O, rmax, rsum) merged into its rows of out (o) and lse (l): taken as
+// it is on the first block (or where nothing was seen yet), else combined by log-sum-exp.
+void merge_tile(const Dims& d, int64_t bq, int64_t hd, const float* O, const float* rmax, const float* rsum,
+                bool first, float* o, float* l) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < bq; ++r) {
+    const float lb = rmax[r] + std::log(rsum[r]);
+    float* orow = o + r * d.ldo;
+    const float* ob = O + r * hd;
+    if (first || l[r] == ninf) {
+      const float inv = 1.0f / rsum[r];
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) orow[i] = ob[i] * inv;
+      l[r] = lb;
+    } else {
+      const float m2 = std::max(l[r], lb);
+      const float ln = m2 + std::log(std::exp(l[r] - m2) + std::exp(lb - m2));
+      const float wa = std::exp(l[r] - ln), wb = std::exp(lb - ln) / rsum[r];
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) orow[i] = orow[i] * wa + ob[i] * wb;
+      l[r] = ln;
+    }
+  }
+}
+
+// Backward of one tile against one visible key chunk (k, v; dk, dv its gradient rows): P from the
+// scores and lse, dP = dO V^T, dS = P (dP - D) in place, then dq, dk and dv accumulate.
+void backward_chunk(const Dims& d, const Tile& t, int8_t mode, int64_t hd, const float* q, const float* dO,
+                    const float* l, const float* D, const float* k, const float* v, float* dq, float* dk, float* dv,
+                    float* P, float* dP) {
+  const int64_t bq = t.bq, L = visible(mode, d.c, t.t0, bq);
+  detail::sgemm_strided(false, true, bq, L, hd, d.scale, q, d.ldq, k, d.ldkv, 0.0f, P, L);
+  if (mode == 2) mask_causal(P, L, bq, L, t.t0);
+  detail::sgemm_strided(false, true, bq, L, hd, 1.0f, dO, d.ldo, v, d.ldkv, 0.0f, dP, L);
+  for (int64_t r = 0; r < bq; ++r) {
+    float* pr = P + r * L;
+    float* dpr = dP + r * L;
+    const float lr = l[r], dr = D[r];
+#pragma omp simd
+    for (int64_t j = 0; j < L; ++j) {
+      const float p = detail::exp_f(pr[j] - lr);
+      pr[j] = p;
+      dpr[j] = p * (dpr[j] - dr);
+    }
+  }
+  detail::sgemm_strided(false, false, bq, hd, L, d.scale, dP, L, k, d.ldkv, 1.0f, dq, d.ldq);
+  detail::sgemm_strided(true, false, L, hd, bq, d.scale, dP, L, q, d.ldq, 1.0f, dk, d.ldkv);
+  detail::sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO, d.ldo, 1.0f, dv, d.ldkv);
+}
+
+}  // namespace
+
 // Tiles of up to 64 query rows of one head and query chunk: the scores against every visible key
 // chunk side by side in one per-thread tile (two GEMMs), the softmax of the block per row, the
 // block's output (two GEMMs), merged into out / lse.
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
                              int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first) {
-  check(T, nh, nkv, chunks, "attention_block_forward");
+  const Dims d = dims(T, nh, nkv, hd, chunks, "attention_block_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const int64_t c = T / chunks, ldq = (nh + 2 * nkv) * hd, ldkv = 2 * nkv * hd, ldo = nh * hd, g = nh / nkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t BQ = std::min(kBlockQ, c);
+  const int64_t c = d.c, BQ = d.BQ;
 #pragma omp parallel
   {
     thread_local detail::Scratch buf;
@@ -73,77 +180,23 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t a = 0; a < chunks; ++a) {
-          const float* kb = kv + b * T * ldkv + (h / g) * hd;
+          const float* kb = kv + b * T * d.ldkv + (h / d.g) * hd;
           const float* vb = kb + nkv * hd;
           for (int64_t t0 = 0; t0 < c; t0 += BQ) {
-            const int64_t bq = std::min(BQ, c - t0), row0 = b * T + a * c + t0;
-            const float* q = qkv + row0 * ldq + h * hd;
-            float* o = out + row0 * ldo + h * hd;
+            const Tile t{b, h, a, t0, std::min(BQ, c - t0), b * T + a * c + t0, modes + a * chunks};
+            float* o = out + t.row0 * d.ldo + h * hd;
             float* l = lse + (b * nh + h) * T + a * c + t0;
-            int64_t Lt = 0;  // visible columns of the tile
-            for (int64_t bk = 0; bk < chunks; ++bk)
-              if (modes[a * chunks + bk]) Lt += visible(modes[a * chunks + bk], c, t0, bq);
+            const int64_t Lt = tile_columns(d, t, chunks);
             if (Lt == 0) {  // entirely masked: nothing seen yet from this block
               if (first)
-                for (int64_t r = 0; r < bq; ++r) {
-                  for (int64_t i = 0; i < hd; ++i) o[r * ldo + i] = 0.0f;
-                  l[r] = ninf;
+                for (int64_t r = 0; r < t.bq; ++r) {
+                  for (int64_t i = 0; i < hd; ++i) o[r * d.ldo + i] = 0.0f;
+                  l[r] = -std::numeric_limits<float>::infinity();
                 }
               continue;
             }
-            int64_t off = 0;
-            for (int64_t bk = 0; bk < chunks; ++bk) {
-              const int8_t m = modes[a * chunks + bk];
-              if (!m) continue;
-              const int64_t L = visible(m, c, t0, bq);
-              detail::sgemm_strided(false, true, bq, L, hd, scale, q, ldq, kb + bk * c * ldkv, ldkv, 0.0f, S + off, Lt);
-              if (m == 2) mask_causal(S + off, Lt, bq, L, t0);
-              off += L;
-            }
-            for (int64_t r = 0; r < bq; ++r) {
-              float* row = S + r * Lt;
-              float mx = row[0];
-#pragma omp simd reduction(max : mx)
-              for (int64_t j = 0; j < Lt; ++j) mx = row[j] > mx ? row[j] : mx;  // (std::max here stays scalar)
-              float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-              for (int64_t j = 0; j < Lt; ++j) {
-                const float e = detail::exp_f(row[j] - mx);
-                row[j] = e;
-                sum += e;
-              }
-              rmax[r] = mx;
-              rsum[r] = sum;
-            }
-            off = 0;
-            bool beta0 = true;
-            for (int64_t bk = 0; bk < chunks; ++bk) {
-              const int8_t m = modes[a * chunks + bk];
-              if (!m) continue;
-              const int64_t L = visible(m, c, t0, bq);
-              detail::sgemm_strided(false, false, bq, hd, L, 1.0f, S + off, Lt, vb + bk * c * ldkv, ldkv,
-                                    beta0 ? 0.0f : 1.0f, O, hd);
-              beta0 = false;
-              off += L;
-            }
-            for (int64_t r = 0; r < bq; ++r) {
-              const float lb = rmax[r] + std::log(rsum[r]);
-              float* orow = o + r * ldo;
-              const float* ob = O + r * hd;
-              if (first || l[r] == ninf) {
-                const float inv = 1.0f / rsum[r];
-#pragma omp simd
-                for (int64_t i = 0; i < hd; ++i) orow[i] = ob[i] * inv;
-                l[r] = lb;
-              } else {
-                const float m2 = std::max(l[r], lb);
-                const float ln = m2 + std::log(std::exp(l[r] - m2) + std::exp(lb - m2));
-                const float wa = std::exp(l[r] - ln), wb = std::exp(lb - ln) / rsum[r];
-#pragma omp simd
-                for (int64_t i = 0; i < hd; ++i) orow[i] = orow[i] * wa + ob[i] * wb;
-                l[r] = ln;
-              }
-            }
+            forward_tile(d, t, chunks, Lt, qkv + t.row0 * d.ldq + h * hd, kb, vb, hd, S, O, rmax, rsum);
+            merge_tile(d, t.bq, hd, O, rmax, rsum, first, o, l);
           }
         }
   }
@@ -155,12 +208,9 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
 void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                               const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                               int64_t hd, int64_t chunks, const int8_t* modes) {
-  check(T, nh, nkv, chunks, "attention_block_backward");
+  const Dims d = dims(T, nh, nkv, hd, chunks, "attention_block_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const int64_t c = T / chunks, ldq = (nh + 2 * nkv) * hd, ldkv = 2 * nkv * hd, ldo = nh * hd, g = nh / nkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t BQ = std::min(kBlockQ, c);
+  const int64_t c = d.c, ldq = d.ldq, ldkv = d.ldkv, ldo = d.ldo, BQ = d.BQ;
 #pragma omp parallel
   {
     thread_local detail::Scratch buf;
@@ -174,43 +224,21 @@ void attention_block_backward(float* dqkv, float* dkv, const float* dout, const 
         const float* vb = kb + nkv * hd;
         float* dkb = dkv + b * T * ldkv + kvh * hd;
         float* dvb = dkb + nkv * hd;
-        for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
+        for (int64_t h = kvh * d.g; h < (kvh + 1) * d.g; ++h)
           for (int64_t a = 0; a < chunks; ++a)
             for (int64_t t0 = 0; t0 < c; t0 += BQ) {
-              const int64_t bq = std::min(BQ, c - t0), row0 = b * T + a * c + t0;
-              const float* q = qkv + row0 * ldq + h * hd;
-              float* dq = dqkv + row0 * ldq + h * hd;
-              const float* dO = dout + row0 * ldo + h * hd;
-              const float* o = out + row0 * ldo + h * hd;
+              const Tile t{b, h, a, t0, std::min(BQ, c - t0), b * T + a * c + t0, modes + a * chunks};
+              if (tile_columns(d, t, chunks) == 0) continue;
+              const float* q = qkv + t.row0 * ldq + h * hd;
+              const float* dO = dout + t.row0 * ldo + h * hd;
+              const float* o = out + t.row0 * ldo + h * hd;
               const float* l = lse + (b * nh + h) * T + a * c + t0;
-              bool any = false;
-              for (int64_t bk = 0; bk < chunks; ++bk) any |= modes[a * chunks + bk] != 0;
-              if (!any) continue;
-              for (int64_t r = 0; r < bq; ++r) D[r] = l[r] == ninf ? 0.0f : dot(dO + r * ldo, o + r * ldo, hd);
-              for (int64_t bk = 0; bk < chunks; ++bk) {
-                const int8_t m = modes[a * chunks + bk];
-                if (!m) continue;
-                const int64_t L = visible(m, c, t0, bq);
-                const float* k = kb + bk * c * ldkv;
-                const float* v = vb + bk * c * ldkv;
-                detail::sgemm_strided(false, true, bq, L, hd, scale, q, ldq, k, ldkv, 0.0f, P, L);
-                if (m == 2) mask_causal(P, L, bq, L, t0);
-                detail::sgemm_strided(false, true, bq, L, hd, 1.0f, dO, ldo, v, ldkv, 0.0f, dP, L);
-                for (int64_t r = 0; r < bq; ++r) {
-                  float* pr = P + r * L;
-                  float* dpr = dP + r * L;
-                  const float lr = l[r], dr = D[r];
-#pragma omp simd
-                  for (int64_t j = 0; j < L; ++j) {
-                    const float p = detail::exp_f(pr[j] - lr);
-                    pr[j] = p;
-                    dpr[j] = p * (dpr[j] - dr);
-                  }
-                }
-                detail::sgemm_strided(false, false, bq, hd, L, scale, dP, L, k, ldkv, 1.0f, dq, ldq);
-                detail::sgemm_strided(true, false, L, hd, bq, scale, dP, L, q, ldq, 1.0f, dkb + bk * c * ldkv, ldkv);
-                detail::sgemm_strided(true, false, L, hd, bq, 1.0f, P, L, dO, ldo, 1.0f, dvb + bk * c * ldkv, ldkv);
-              }
+              for (int64_t r = 0; r < t.bq; ++r)
+                D[r] = l[r] == -std::numeric_limits<float>::infinity() ? 0.0f : dot(dO + r * ldo, o + r * ldo, hd);
+              for (int64_t bk = 0; bk < chunks; ++bk)
+                if (t.modes[bk])
+                  backward_chunk(d, t, t.modes[bk], hd, q, dO, l, D, kb + bk * c * ldkv, vb + bk * c * ldkv,
+                                 dqkv + t.row0 * ldq + h * hd, dkb + bk * c * ldkv, dvb + bk * c * ldkv, P, dP);
             }
       }
   }
@@ -219,40 +247,19 @@ void attention_block_backward(float* dqkv, float* dkv, const float* dout, const 
 namespace {
 void rope_pos(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
               const float* inv_freq, const int32_t* pos, float sign, const char* fn) {
-  if (hd % 2 != 0)
-    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": head_dim (" + std::to_string(hd) +
-                                ") must be even for rotary embedding");
+  rope_check_head_dim(hd, fn);
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const int64_t half = hd / 2, ld = (nh + 2 * nkv) * hd;
-  // cos / sin of pos * theta^(-2i/hd), in double and rounded once (as rope_forward's table).
+  const int64_t half = hd / 2;
+  // cos / sin of pos * rope_rate(i), in double and rounded once (as rope_forward's table).
   std::vector<float> cs(static_cast<size_t>(2 * T * half));
   float* sn = cs.data() + T * half;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < half; ++i) {
-      const double inv = inv_freq ? static_cast<double>(inv_freq[i])
-                                  : std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) /
-                                                                             static_cast<double>(hd));
-      const double a = static_cast<double>(pos[t]) * inv;
+      const double a = static_cast<double>(pos[t]) * rope_rate(i, hd, theta, inv_freq);
       cs[static_cast<size_t>(t * half + i)] = static_cast<float>(std::cos(a));
       sn[t * half + i] = static_cast<float>(std::sin(a));
     }
-#pragma omp parallel for collapse(2) schedule(static) if (B * T * ld > detail::kParallelMin)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      float* row = qkv + (b * T + t) * ld;
-      const float* cc = cs.data() + t * half;
-      const float* s = sn + t * half;
-      for (int64_t hh = 0; hh < nh + nkv; ++hh) {
-        float* x = row + hh * hd;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[i], x2 = x[i + half];
-          const float si = sign * s[i];
-          x[i] = x1 * cc[i] - x2 * si;
-          x[i + half] = x2 * cc[i] + x1 * si;
-        }
-      }
-    }
+  rope_rotate(qkv, B, T, nh, nkv, hd, cs.data(), sn, sign);
 }
 }  // namespace
 

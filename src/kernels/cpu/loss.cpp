@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cpu/softmax_row.h"
 #include "kernels/cpu/vecmath.h"
 #include "kernels/cpu/workspace.h"
 
@@ -32,27 +33,13 @@ void check_targets(const int32_t* targets, int64_t N, int64_t V, int64_t Vp, con
   }
 }
 
-float row_max(const float* x, int64_t V) {
-  float m = x[0];
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < V; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-
 // One row's max, exponentials (into e, which may be x itself) and loss; returns dloss / (sum of
 // the exponentials).
 float ce_row_exp(const float* x, float* e, float* loss, int32_t tgt, int64_t V, float dloss) {
-  const float m = row_max(x, V);
-  const float xt = x[tgt];
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < V; ++j) {
-    const float v = detail::exp_f(x[j] - m);
-    e[j] = v;
-    s += v;
-  }
-  *loss = std::log(s) + m - xt;
-  return dloss / s;
+  const float xt = x[tgt];  // before e (which may be x) is written
+  const RowExp r = exp_row(x, e, V);
+  *loss = std::log(r.sum) + r.max - xt;
+  return dloss / r.sum;
 }
 }  // namespace
 

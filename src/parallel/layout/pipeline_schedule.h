@@ -45,6 +45,10 @@ struct PipeAction {
 bool is_compute(PipeAction::Kind k);
 bool is_send(PipeAction::Kind k);
 bool is_recv(PipeAction::Kind k);
+bool valid_kind(PipeAction::Kind k);  // one of the six kinds (a list built elsewhere may hold anything)
+// Largest pp * v * m a builder accepts and the checker takes (the lists and the checker's tables
+// grow with it).
+inline constexpr long long kMaxScheduleSize = 1 << 20;
 const char* kind_name(PipeAction::Kind k);  // "Forward", "SendAct", ...
 // Short form used in tables: F3.1, B3.1, sA3.1>2 (send activation to rank 2), rA3.1<1,
 // sG3.1>0, rG3.2<2.

@@ -1,0 +1,54 @@
+// Files for the tests that write them: a directory of the running test's own, token shards whose
+// every token tells where it came from, and the batches a loader makes of them. Included as "../test_files.h" from tests/<folder>/.
+#pragma once
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "data/token_shards.h"
+
+namespace mt::test {
+
+// An empty directory named after the process and the running test (created here, removed with
+// everything in it at the end of the scope).
+struct TestDir {
+  std::filesystem::path path;
+  TestDir() {
+    const ::testing::TestInfo* t = ::testing::UnitTest::GetInstance()->current_test_info();
+    path = std::filesystem::temp_directory_path() /
+           ("mt_" + std::string(t->test_suite_name()) + "_" + t->name() + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TestDir() { std::filesystem::remove_all(path); }
+  TestDir(const TestDir&) = delete;
+  TestDir& operator=(const TestDir&) = delete;
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+// One batch of a loader: inputs and targets, B x T each.
+struct Batch {
+  std::vector<int32_t> x, y;
+};
+
+// The next batch of a loader (BatchLoader, BlendLoader).
+template <class Loader>
+Batch take(Loader& l) {
+  const size_t n = static_cast<size_t>(l.B() * l.T());
+  Batch b{std::vector<int32_t>(n), std::vector<int32_t>(n)};
+  l.next(b.x.data(), b.y.data());
+  return b;
+}
+
+// A token shard whose token i is first + i.
+inline void write_ramp(const std::string& path, int first, int count) {
+  std::vector<int32_t> t(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) t[static_cast<size_t>(i)] = first + i;
+  write_token_shard(path, t);
+}
+
+}  // namespace mt::test
