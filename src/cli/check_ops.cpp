@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "kernels/backend.h"
 #include "kernels/conformance/check.h"
@@ -50,11 +51,6 @@ const char* kCheckOpsHelp =
     "\n"
     "exit status: 0 every supported case passed, 1 a case failed, 2 bad options or a device\n"
     "that cannot run here\n";
-
-int usage_error(const std::string& msg) {
-  std::fprintf(stderr, "meshtrain check-ops: %s (see meshtrain check-ops --help)\n", msg.c_str());
-  return 2;
-}
 
 std::string need_names(uint32_t needs) {
   static const std::pair<uint32_t, const char*> kNames[] = {
@@ -107,7 +103,7 @@ int run_check_ops_command(int argc, char** argv) {
   try {
     ap.parse(argc, argv, 1);
   } catch (const ArgError& e) {
-    return usage_error(e.what());
+    return cli_support::fail("check-ops", e.what());
   }
   if (ap.flag("help")) {
     std::fputs(kCheckOpsHelp, stdout);
@@ -116,15 +112,15 @@ int run_check_ops_command(int argc, char** argv) {
   conf::Options o;
   Device d = Device::CPU;
   if (!parse_device(ap.get("device", "cpu"), &d) || d == Device::Meta)
-    return usage_error("--device must be cpu or cuda, got '" + ap.get("device") + "'");
+    return cli_support::fail("check-ops", "--device must be cpu or cuda, got '" + ap.get("device") + "'");
   if (ap.has("op")) {
     o.op = kernels::find_op(ap.get("op"));
-    if (!o.op) return usage_error("unknown op '" + ap.get("op") + "' (--list names them)");
+    if (!o.op) return cli_support::fail("check-ops", "unknown op '" + ap.get("op") + "' (--list names them)");
   }
   if (ap.has("dtype")) {
     DType dt;
     if (!parse_dtype(ap.get("dtype"), &dt))
-      return usage_error("--dtype must be f32 or bf16, got '" + ap.get("dtype") + "'");
+      return cli_support::fail("check-ops", "--dtype must be f32 or bf16, got '" + ap.get("dtype") + "'");
     o.dtype = dt;
   }
   std::vector<conf::Target> ts;
@@ -132,14 +128,14 @@ int run_check_ops_command(int argc, char** argv) {
     o.shapes = conf::parse_shapes(ap.get("shapes", "small"));
     ts = conf::targets(d);
   } catch (const std::exception& e) {
-    return usage_error(e.what());
+    return cli_support::fail("check-ops", e.what());
   }
   if (ap.flag("list")) {
     print_list(ts);
     return 0;
   }
   if (std::string why; !device_available(d, &why))
-    return usage_error(std::string("device ") + device_name(d) + " cannot run here: " + why);
+    return cli_support::fail("check-ops", std::string("device ") + device_name(d) + " cannot run here: " + why);
   std::printf("device %s; reference: the baseline (avx2) CPU kernels on one thread; %d threads\n",
               kernels::describe(d).c_str(), omp_get_max_threads());
   std::printf("%-11s %-30s %-5s %-44s %11s %11s %-17s %s\n", "target", "op", "dtype", "shape", "max abs err",

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/conformance/check.h"
@@ -121,6 +123,8 @@ std::vector<int32_t> uniform_ids(size_t n, uint64_t seed, int32_t lo, int32_t hi
 std::vector<bf16> to_bf16(const std::vector<float>& v);
 // The reference table (cpu::base), for inputs that a forward computes (norm statistics, lse).
 const KernelTable& reference();
+// A case's shape label: "gpt2 N=333 C=768".
+std::string label(const char* tag, std::initializer_list<std::pair<const char*, int64_t>> dims);
 // Appends a spec; `model` marks a model-shape case.
 void add_case(std::vector<CaseSpec>& out, Op op, DType dt, bool model, std::function<Case()> make);
 

@@ -59,10 +59,13 @@ void add_case(std::vector<CaseSpec>& out, Op op, DType dt, bool model, std::func
   out.push_back(CaseSpec{op, dt, model, std::move(make)});
 }
 
-std::string AttnShape::str() const {
-  return std::string(tag) + " B=" + std::to_string(B) + " T=" + std::to_string(T) + " nh=" + std::to_string(nh) +
-         " nkv=" + std::to_string(nkv) + " hd=" + std::to_string(hd);
+std::string label(const char* tag, std::initializer_list<std::pair<const char*, int64_t>> dims) {
+  std::string s = tag;
+  for (const auto& [name, v] : dims) s += std::string(" ") + name + "=" + std::to_string(v);
+  return s;
 }
+
+std::string AttnShape::str() const { return label(tag, {{"B", B}, {"T", T}, {"nh", nh}, {"nkv", nkv}, {"hd", hd}}); }
 
 const std::vector<AttnShape>& attention_shapes() {
   // Head dims 16 and 32 at small shapes (grouped and not), 64 (GPT-2, T = 1000) and 128 (the

@@ -115,10 +115,7 @@ void positions(std::vector<CaseSpec>& out) {
     const char* tag;
     int64_t B, T, C;
     bool sp, model;
-    std::string str() const {
-      return std::string(tag) + " B=" + std::to_string(B) + " T=" + std::to_string(T) + " C=" + std::to_string(C) +
-             (sp ? " sp" : "");
-    }
+    std::string str() const { return label(tag, {{"B", B}, {"T", T}, {"C", C}}) + (sp ? " sp" : ""); }
   };
   for (const P& s : {P{"small", 2, 76, 96, false, false}, P{"small", 3, 34, 40, true, false},
                      P{"gpt2", 1, 500, kGpt2C, false, true}}) {

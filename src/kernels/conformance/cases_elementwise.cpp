@@ -13,7 +13,7 @@ struct Len {
   const char* tag;
   int64_t n;
   bool model;
-  std::string str() const { return std::string(tag) + " n=" + std::to_string(n); }
+  std::string str() const { return label(tag, {{"n", n}}); }
 };
 
 // Small: not a multiple of any vector width. Model: an MLP activation of GPT-2 (333 rows x F) and
@@ -124,10 +124,7 @@ void matrix_ops(std::vector<CaseSpec>& out) {
     const char* tag;
     int64_t N, ld, c0, cols;
     bool model;
-    std::string str() const {
-      return std::string(tag) + " N=" + std::to_string(N) + " ld=" + std::to_string(ld) + " c0=" + std::to_string(c0) +
-             " cols=" + std::to_string(cols);
-    }
+    std::string str() const { return label(tag, {{"N", N}, {"ld", ld}, {"c0", c0}, {"cols", cols}}); }
   };
   for (const M& m : {M{"small", 37, 300, 71, 129, false}, M{"gpt2", 1000, 3 * kGpt2C, kGpt2C, 2 * kGpt2C, true}}) {
     add_case(out, Op::add_bias, DType::F32, m.model, [m] {

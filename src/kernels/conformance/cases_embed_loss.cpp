@@ -14,10 +14,7 @@ struct Emb {
   const char* tag;
   int64_t V, C, B, T;
   bool model;
-  std::string str() const {
-    return std::string(tag) + " V=" + std::to_string(V) + " C=" + std::to_string(C) + " B=" + std::to_string(B) +
-           " T=" + std::to_string(T);
-  }
+  std::string str() const { return label(tag, {{"V", V}, {"C", C}, {"B", B}, {"T", T}}); }
 };
 
 // Small: ids that repeat (the backward adds them in token order). Model: GPT-2's padded
@@ -93,9 +90,7 @@ struct Loss {
   const char* tag;
   int64_t N, V, Vp;
   bool model;
-  std::string str() const {
-    return std::string(tag) + " N=" + std::to_string(N) + " V=" + std::to_string(V) + " Vp=" + std::to_string(Vp);
-  }
+  std::string str() const { return label(tag, {{"N", N}, {"V", V}, {"Vp", Vp}}); }
 };
 
 const Loss kLosses[] = {{"small", 29, 1000, 1024, false},

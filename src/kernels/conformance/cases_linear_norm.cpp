@@ -14,8 +14,7 @@ struct Lin {
   int64_t N, C, OC;
   bool bias, dinp, model;  // dinp false: the backward gets a null dinp (skipped)
   std::string str() const {
-    return std::string(tag) + " N=" + std::to_string(N) + " C=" + std::to_string(C) + " OC=" + std::to_string(OC) +
-           (bias ? " bias" : "") + (dinp ? "" : " no-dinp");
+    return label(tag, {{"N", N}, {"C", C}, {"OC", OC}}) + (bias ? " bias" : "") + (dinp ? "" : " no-dinp");
   }
 };
 
@@ -104,7 +103,7 @@ struct Rows {
   const char* tag;
   int64_t N, C;
   bool model;
-  std::string str() const { return std::string(tag) + " N=" + std::to_string(N) + " C=" + std::to_string(C); }
+  std::string str() const { return label(tag, {{"N", N}, {"C", C}}); }
 };
 
 // Inputs with a nonzero mean and a spread unlike 1, so that the statistics matter.

@@ -19,8 +19,7 @@ struct Moe {
   int sigmoid;
   bool model;
   std::string str() const {
-    return std::string(tag) + " N=" + std::to_string(N) + " E=" + std::to_string(E) + " k=" + std::to_string(k) +
-           " C=" + std::to_string(C) + (sigmoid ? " sigmoid" : " softmax");
+    return label(tag, {{"N", N}, {"E", E}, {"k", k}, {"C", C}}) + (sigmoid ? " sigmoid" : " softmax");
   }
 };
 

@@ -162,7 +162,7 @@ Tolerance output_tolerance(const Buffer& b, Tolerance op_tol) {
 
 std::string fmt(double v) {
   char s[32];
-  std::snprintf(s, sizeof s, "%.6g", v);
+  std::snprintf(s, sizeof s, "%.9g", v);
   return s;
 }
 
