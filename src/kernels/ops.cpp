@@ -77,10 +77,4 @@ void require_ops(const std::string& device, const RunFeatures& f) {
   if (!why.empty()) throw std::runtime_error(why);
 }
 
-void throw_unsupported(Op op, Device d) {
-  throw std::runtime_error(std::string("meshtrain: device ") + device_name(d) + " has no kernel for " + op_name(op) +
-                           " (check KernelTable::supports before calling it; `meshtrain check-ops --device " +
-                           device_name(d) + " --list` lists what the device supports)");
-}
-
 }  // namespace mt::kernels

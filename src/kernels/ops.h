@@ -40,13 +40,14 @@ inline constexpr int kNumOps = 0
 #undef MT_OP
     ;
 
-// The function-pointer type of an op's table entry.
+// The function-pointer type of an op's table entry, and its name.
 template <Op O>
 struct OpSignature;
 #define MT_OP(name, flags, dtypes, needs, ret, params) \
   template <>                                          \
   struct OpSignature<Op::name> {                       \
     using Fn = ret(*) params;                          \
+    static constexpr const char* kName = #name;        \
   };
 #include "kernels/ops.def"
 #undef MT_OP
@@ -84,8 +85,5 @@ std::string unsupported_need(const KernelTable& t, const RunFeatures& f);
 // Throws std::runtime_error with unsupported_need's line when device `device` (a train.device name)
 // cannot serve the run. Devices whose kernels are not in this build are left to the device check.
 void require_ops(const std::string& device, const RunFeatures& f);
-
-// The error an unsupported entry throws when called anyway (kernels/table_builder.h).
-[[noreturn]] void throw_unsupported(Op op, Device d);
 
 }  // namespace mt::kernels

@@ -15,6 +15,9 @@
 // does not compile; a placeholder next to a real kernel of the same name is ambiguous and does
 // not compile either.
 #pragma once
+#include <stdexcept>
+#include <string>
+
 #include "kernels/backend.h"
 #include "kernels/ops.h"
 
@@ -22,11 +25,19 @@ namespace mt::kernels::table_builder {
 
 struct Unsupported {};
 
+// The error of an unsupported entry called anyway. Inline: a backend's table needs nothing of the
+// kernels library but this header (the CUDA table is a library of its own).
+[[noreturn]] inline void throw_unsupported(const char* op, Device d) {
+  throw std::runtime_error(std::string("meshtrain: device ") + device_name(d) + " has no kernel for " + op +
+                           " (check KernelTable::supports before calling it; `meshtrain check-ops --device " +
+                           device_name(d) + " --list` lists what the device supports)");
+}
+
 template <Op O, Device D, class Fn>
 struct Thunk;
 template <Op O, Device D, class R, class... A>
 struct Thunk<O, D, R (*)(A...)> {
-  static R call(A...) { throw_unsupported(O, D); }
+  static R call(A...) { throw_unsupported(OpSignature<O>::kName, D); }
 };
 
 // The kernel itself (an overloaded name resolves to the op's signature), or the throwing entry.

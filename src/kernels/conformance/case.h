@@ -59,6 +59,10 @@ struct Case {
   // is compared like an output).
   std::function<void(const KernelTable& k, const Args& a)> call;
   std::function<double(const KernelTable& k, const Args& a)> reduce;
+  // The reference computed exactly (in double, on host buffers) instead of by the CPU baseline's
+  // kernel: for ops whose CPU kernel every variant shares and whose arithmetic depends on the ISA
+  // level (oneDNN's and the AMX GEMMs).
+  std::function<void(const Args& a)> exact;
 
   Case(Op o, DType d, std::string s) : op(o), dtype(d), shape(std::move(s)) {}
   int in(const char* name, const std::vector<float>& v) { return add(name, Role::In, v); }

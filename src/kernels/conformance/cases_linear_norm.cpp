@@ -1,6 +1,8 @@
 // Conformance cases: linear layers (fp32 and bf16 GEMMs) and the norms.
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/conformance/case.h"
@@ -42,6 +44,64 @@ struct LinData {
                    1.0f / std::sqrt(static_cast<float>(l.OC)))) {}
 };
 
+// The linear layer computed exactly: every sum in double, one rounding to float at the end, the
+// operands as the kernel sees them (bf16 widened). The GEMMs are oneDNN's (or the AMX GEMM's) in
+// every CPU variant and depend on the ISA level, so they are checked against this instead of the
+// baseline. Gradients are added to the outputs' contents.
+double wide(float v) { return v; }
+double wide(bf16 v) { return bf16_to_float(v); }
+
+template <class T>
+void exact_forward(float* out, const T* x, const T* W, const float* bias, const Lin& l) {
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < l.OC; ++o)
+    for (int64_t n = 0; n < l.N; ++n) {
+      double s = bias ? bias[o] : 0.0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < l.C; ++c) s += wide(x[n * l.C + c]) * wide(W[o * l.C + c]);
+      out[n * l.OC + o] = static_cast<float>(s);
+    }
+}
+
+// dy: the output gradient the GEMMs use (bf16 values where the kernel rounds it).
+template <class T, class D>
+void exact_backward(float* dinp, float* dW, const D* dy, const T* x, const T* W, const Lin& l) {
+  constexpr int64_t kCols = 64;  // dinp: each task a block of columns, every row of W read once
+  if (dinp) {
+#pragma omp parallel for schedule(static)
+    for (int64_t c0 = 0; c0 < l.C; c0 += kCols) {
+      const int64_t c1 = std::min(l.C, c0 + kCols);
+      std::vector<double> acc(static_cast<size_t>(l.N * kCols), 0.0);
+      for (int64_t o = 0; o < l.OC; ++o)
+        for (int64_t n = 0; n < l.N; ++n) {
+          const double d = wide(dy[n * l.OC + o]);
+          for (int64_t c = c0; c < c1; ++c) acc[n * kCols + c - c0] += d * wide(W[o * l.C + c]);
+        }
+      for (int64_t n = 0; n < l.N; ++n)
+        for (int64_t c = c0; c < c1; ++c)
+          dinp[n * l.C + c] = static_cast<float>(dinp[n * l.C + c] + acc[n * kCols + c - c0]);
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < l.OC; ++o) {
+    std::vector<double> acc(static_cast<size_t>(l.C), 0.0);
+    for (int64_t n = 0; n < l.N; ++n) {
+      const double d = wide(dy[n * l.OC + o]);
+      for (int64_t c = 0; c < l.C; ++c) acc[c] += d * wide(x[n * l.C + c]);
+    }
+    for (int64_t c = 0; c < l.C; ++c) dW[o * l.C + c] = static_cast<float>(dW[o * l.C + c] + acc[c]);
+  }
+}
+
+void exact_bias_backward(float* dbias, const float* dy, const Lin& l) {
+  if (!dbias) return;
+  for (int64_t o = 0; o < l.OC; ++o) {
+    double s = dbias[o];
+    for (int64_t n = 0; n < l.N; ++n) s += dy[n * l.OC + o];
+    dbias[o] = static_cast<float>(s);
+  }
+}
+
 void forward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
   const Op op = dt == DType::BF16 ? Op::linear_forward_bf16 : Op::linear_forward;
   add_case(out, op, dt, l.model, [l, dt, op] {
@@ -54,11 +114,13 @@ void forward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
       c.call = [=](const KernelTable& k, const Args& a) {
         k.linear_forward_bf16(a.f(o), a.bf(x), a.bf(W), a.f(b), l.N, l.C, l.OC);
       };
+      c.exact = [=](const Args& a) { exact_forward(a.f(o), a.bf(x), a.bf(W), a.f(b), l); };
     } else {
       const int x = c.in("inp", d.x), W = c.in("W", d.W);
       c.call = [=](const KernelTable& k, const Args& a) {
         k.linear_forward(a.f(o), a.f(x), a.f(W), a.f(b), l.N, l.C, l.OC);
       };
+      c.exact = [=](const Args& a) { exact_forward(a.f(o), a.f(x), a.f(W), a.f(b), l); };
     }
     return c;
   });
@@ -77,10 +139,19 @@ void backward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
       c.call = [=](const KernelTable& k, const Args& a) {
         k.linear_backward_bf16(a.f(gx), a.f(gW), a.f(gb), a.f(dy), a.bf(x), a.bf(W), l.N, l.C, l.OC);
       };
+      c.exact = [=](const Args& a) {  // the kernel rounds dout to bf16 for its GEMMs, not for the bias
+        const std::vector<bf16> d16 = to_bf16(std::vector<float>(a.f(dy), a.f(dy) + l.N * l.OC));
+        exact_backward(a.f(gx), a.f(gW), d16.data(), a.bf(x), a.bf(W), l);
+        exact_bias_backward(a.f(gb), a.f(dy), l);
+      };
     } else {
       const int x = c.in("inp", d.x), W = c.in("W", d.W);
       c.call = [=](const KernelTable& k, const Args& a) {
         k.linear_backward(a.f(gx), a.f(gW), a.f(gb), a.f(dy), a.f(x), a.f(W), l.N, l.C, l.OC);
+      };
+      c.exact = [=](const Args& a) {
+        exact_backward(a.f(gx), a.f(gW), a.f(dy), a.f(x), a.f(W), l);
+        exact_bias_backward(a.f(gb), a.f(dy), l);
       };
     }
     return c;
@@ -95,6 +166,7 @@ void backward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
     c.call = [=](const KernelTable& k, const Args& a) {
       k.linear_backward_bf16_dy(a.f(gx), a.f(gW), a.bf(dy), a.bf(x), a.bf(W), l.N, l.C, l.OC);
     };
+    c.exact = [=](const Args& a) { exact_backward(a.f(gx), a.f(gW), a.bf(dy), a.bf(x), a.bf(W), l); };
     return c;
   });
 }
