@@ -26,7 +26,8 @@ const char* kCheckOpsHelp =
     "\n"
     "Runs every op of the kernel registry that the device supports, forward and backward, on\n"
     "random inputs uploaded to the device, and compares the results copied back with the CPU\n"
-    "baseline kernels (the AVX2 variant, on one thread): each output element within the op's\n"
+    "baseline kernels (the AVX2 variant, on one thread; the GEMMs and attention with an exact\n"
+    "double-precision computation): each output element within the op's\n"
     "stated tolerance (|got - want| <= atol + rtol |want|; 0 / 0 = bitwise), gradients starting\n"
     "nonzero (a backward must add into them), inputs left unchanged, and two runs on the device\n"
     "bitwise equal. Prints one row per case and exits non-zero if any fails.\n"
@@ -136,8 +137,9 @@ int run_check_ops_command(int argc, char** argv) {
   }
   if (std::string why; !device_available(d, &why))
     return cli_support::fail("check-ops", std::string("device ") + device_name(d) + " cannot run here: " + why);
-  std::printf("device %s; reference: the baseline (avx2) CPU kernels on one thread; %d threads\n",
-              kernels::describe(d).c_str(), omp_get_max_threads());
+  std::printf(
+      "device %s; reference: the baseline (avx2) CPU kernels on one thread, GEMMs and attention exact; %d threads\n",
+      kernels::describe(d).c_str(), omp_get_max_threads());
   std::printf("%-11s %-30s %-5s %-44s %11s %11s %-17s %s\n", "target", "op", "dtype", "shape", "max abs err",
               "max rel err", "tolerance", "result");
   int passed = 0, failed = 0, unsupported = 0;

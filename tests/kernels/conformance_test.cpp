@@ -1,8 +1,8 @@
 // The conformance suite (kernels/conformance/check.h) itself: it covers every op of the registry,
 // passes on the CPU tables, and fails - naming the reason - on a table with a broken kernel: one
-// that overwrites a gradient it should add to, one off by more than the op's tolerance, one that
-// writes an input, one that is not deterministic. (`meshtrain check-ops` runs the whole suite in
-// CTest; these tests check the checker.)
+// that overwrites a gradient it should add to, one off by more than the op's tolerance, a GEMM
+// one element off the exact result, one that writes an input, one that is not deterministic.
+// (`meshtrain check-ops` runs the whole suite in CTest; these tests check the checker.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include "kernels/conformance/check.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/norm.h"
 
 namespace mt::kernels::conformance {
@@ -90,6 +91,26 @@ TEST(Conformance, AnErrorBeyondTheOpsToleranceFailsAndOneWithinPasses) {
   const std::vector<Result> good = check(t, Op::gelu_forward);
   EXPECT_TRUE(all_pass(good));
   for (const Result& r : good) EXPECT_GT(r.max_abs, 0.0) << "the perturbation is visible but tolerated";
+}
+
+// A GEMM one element off (the GEMMs and attention are checked against an exact computation, not
+// against the baseline's shared oneDNN kernels).
+void linear_forward_bf16_one_off(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                                 int64_t OC) {
+  cpu::linear_forward_bf16(out, inp, W, bias, N, C, OC);
+  out[N * OC - 1] += 1e-2f;
+}
+
+TEST(Conformance, AGemmOffTheExactResultFails) {
+  KernelTable t = base();
+  ASSERT_TRUE(all_pass(check(t, Op::linear_forward_bf16)));
+  t.linear_forward_bf16 = linear_forward_bf16_one_off;
+  const std::vector<Result> rs = check(t, Op::linear_forward_bf16);
+  ASSERT_FALSE(rs.empty());
+  for (const Result& r : rs) {
+    EXPECT_FALSE(r.pass) << r.shape;
+    EXPECT_NE(r.detail.find("out: 1 of "), std::string::npos) << r.detail;
+  }
 }
 
 void accumulate_writes_input(float* y, const float* x, int64_t n) {

@@ -1,7 +1,9 @@
 // The conformance suite of the kernel tables (ggml's test-backend-ops): every op of the registry
 // (kernels/ops.def), forward and backward, at small shapes and at model shapes (GPT-2 124M and a
 // Llama-style grouped-query config), in each dtype it has, run on a table's device against the CPU
-// baseline table (cpu::base) and compared element by element within the op's stated tolerance;
+// baseline table (cpu::base; the GEMMs and attention, whose CPU arithmetic depends on the ISA
+// level, against an exact double-precision computation) and compared element by element within
+// the op's stated tolerance;
 // each op runs twice on the device and must give bitwise equal results. Inputs are uploaded to the
 // device under test and results copied back through the runtime's dev:: copies, so the same cases
 // run against the CPU variants, CUDA and the CUDA emulator. `meshtrain check-ops` prints the
