@@ -2,10 +2,10 @@
 // table per device (ggml's backend interface, llm.c's kernel signatures). Callers pick the table of
 // the device their tensors live on (`kernels::table(d)`) and never include a backend's headers.
 //
-// The ops are declared once, in kernels/ops.def (signature, dtypes, whether a backward accumulates,
-// which runs need it, the contract); the table's members and every backend's table are generated
-// from that list (kernels/table_builder.h). A backend without a kernel for an op says so through
-// supports(op); its entry is then a function that throws the registry's error, never null.
+// The ops are declared once, in kernels/ops.def (signature, dtypes, whether it adds into its
+// outputs, which runs need it, the contract); the table's members and every backend's table are
+// generated from that list (kernels/table_builder.h). A backend without a kernel for an op says so
+// through supports(op); its entry is then a function that throws the registry's error, never null.
 // tests/kernels/backend_test.cpp checks every table against the registry, and `meshtrain
 // check-ops` (kernels/conformance/) runs every supported op of a device against the CPU baseline.
 #pragma once
