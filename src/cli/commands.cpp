@@ -26,7 +26,8 @@ static void print_usage(FILE* f) {
                "  bench     benchmarks (`meshtrain bench comm`; `meshtrain bench --cpu-isa`: the CPU's\n"
                "            instruction-set level the kernels run at, capped by MESHTRAIN_CPU_ISA)\n"
                "  schedule  print and check a pipeline schedule\n"
-               "  plan      rank parallel layouts for a model and cluster\n\n"
+               "  plan      rank parallel layouts for a model and cluster\n"
+               "  check-ops  check every kernel of a device (cpu, cuda) against the CPU baseline\n\n"
                "`meshtrain <command> --help` describes each command.\n");
 }
 
@@ -49,6 +50,7 @@ int dispatch(int argc, char** argv) {
   if (cmd == "plan") return run_plan_command(sub_argc, sub_argv);
   if (cmd == "schedule") return run_schedule_command(sub_argc, sub_argv);
   if (cmd == "launch") return run_launch_command(sub_argc, sub_argv);
+  if (cmd == "check-ops") return run_check_ops_command(sub_argc, sub_argv);
   if (cmd == "bench" && argc == 3 && !std::strcmp(argv[2], "--cpu-isa")) {
     try {
       std::printf("%s\n", kernels::describe(Device::CPU).c_str());

@@ -31,6 +31,9 @@ int run_sample_command(int argc, char** argv);
 int run_export_command(int argc, char** argv);
 // `meshtrain model-info (--hf-config FILE | --model PRESET)`: the model the engine builds.
 int run_model_info_command(int argc, char** argv);
+// `meshtrain check-ops`: the kernel registry's ops on a device against the CPU baseline
+// (kernels/conformance/check.h). 0 all pass, 1 a case failed, 2 bad options or device.
+int run_check_ops_command(int argc, char** argv);
 // `meshtrain train`: 0 ok, 2 config error, 1 any other failure (a multi-rank job is ended).
 int run_train_command(int argc, char** argv);
 

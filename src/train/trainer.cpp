@@ -195,6 +195,10 @@ void Trainer::build() {
   groups_ = ParallelGroups::build(*W_, dims_);
   if (!parse_dtype(tc_.dtype, &dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
   check_train_device(tc_.device, dry_);
+  kernels::require_ops(tc_.device, {.llama = mc_.arch == Arch::Llama, .rope_scaled = mc_.rope_scaled(),
+                                    .bf16 = dt_ == DType::BF16, .tensor_parallel = tp > 1,
+                                    .sequence_parallel = dims_.sequence_parallel, .context_parallel = dims_.cp > 1,
+                                    .moe = mc_.moe()});
   try {
     rc_ = parse_recompute(tc_.activation_checkpointing, "train.activation_checkpointing");
   } catch (const std::invalid_argument& e) {

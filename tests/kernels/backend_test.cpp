@@ -1,5 +1,6 @@
-// The kernel tables: complete for every device, the CPU table is the CPU kernels, the Meta table
-// touches no memory, and the kernels added for the seam match the code they replaced.
+// The kernel tables: complete for every device by the op registry (each op supported, or not and
+// then throwing the registry's error), the CPU table is the CPU kernels, the Meta table touches no
+// memory, and the kernels added for the seam match the code they replaced.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -7,28 +8,54 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/ops.h"
 
 namespace mt::kernels {
 namespace {
 
-// Every entry after `device` is a function pointer; a backend must set them all.
+// Calls an entry with value-initialised arguments (null pointers, zero sizes): only for entries
+// that must throw before they touch anything.
+template <Op O>
+void call_with_nothing(OpFn<O> fn) {
+  [&]<class R, class... A>(R (*f)(A...)) { f(A{}...); }(fn);
+}
+
+// Every entry of a table is set, and an op the table does not support is explicitly so: its entry
+// throws the registry's error naming the op and the device (it never runs a kernel).
 void expect_complete(const KernelTable& t) {
-  const size_t first = offsetof(KernelTable, gelu_forward);
-  const size_t n = (sizeof(KernelTable) - first) / sizeof(void (*)());
-  ASSERT_GT(n, 30u);
-  for (size_t i = 0; i < n; ++i) {
-    uintptr_t p = 0;
-    std::memcpy(&p, reinterpret_cast<const char*>(&t) + first + i * sizeof(void (*)()), sizeof p);
-    EXPECT_NE(p, 0u) << device_name(t.device) << " table entry " << i << " is not set";
+  int unsupported = 0;
+  auto check = [&]<Op O>(OpFn<O> fn) {
+    const char* name = op_name(O);
+    ASSERT_NE(fn, nullptr) << device_name(t.device) << " table entry " << name << " is not set";
+    if (t.supports(O)) return;
+    ++unsupported;
+    try {
+      call_with_nothing<O>(fn);
+      ADD_FAILURE() << device_name(t.device) << ": unsupported " << name << " did not throw";
+    } catch (const std::runtime_error& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find(std::string("device ") + device_name(t.device) + " has no kernel for " + name),
+                std::string::npos)
+          << w;
+    }
+  };
+#define MT_OP(name, flags, dtypes, needs, ret, params) check.template operator()<Op::name>(t.name);
+#include "kernels/ops.def"
+#undef MT_OP
+  if (t.device != Device::CUDA) {
+    EXPECT_EQ(unsupported, 0) << device_name(t.device) << " must support every op";
   }
 }
 
-TEST(KernelTable, EveryBackendIsComplete) {
+TEST(KernelTable, EveryBackendIsCompleteByTheRegistry) {
   expect_complete(table(Device::CPU));
   expect_complete(table(Device::Meta));
   EXPECT_EQ(table(Device::CPU).device, Device::CPU);
@@ -37,7 +64,20 @@ TEST(KernelTable, EveryBackendIsComplete) {
   expect_complete(cpu::base::isa_table());
   expect_complete(cpu::avx512::isa_table());
   EXPECT_EQ(cpu::base::isa_table().accumulate, &cpu::accumulate);
+  // An op served by an overload of another op's kernel: the same function as before the registry.
+  EXPECT_EQ(cpu::base::isa_table().rope_forward_freq,
+            static_cast<OpFn<Op::rope_forward_freq>>(&cpu::base::rope_forward));
   EXPECT_EQ(&table(Device::CPU), &cpu::table_for(cpu::active_isa()));
+  if (cuda_built()) {
+    const KernelTable& g = table(Device::CUDA);
+    EXPECT_EQ(g.device, Device::CUDA);
+    expect_complete(g);
+    // A dense GPT-2 or Llama run, fp32 or bf16, tensor- and sequence-parallel: every op on CUDA.
+    for (bool llama : {false, true})
+      EXPECT_EQ(unsupported_need(g, {.llama = llama, .rope_scaled = llama, .bf16 = true, .tensor_parallel = true,
+                                     .sequence_parallel = true}),
+                "");
+  }
 }
 
 TEST(KernelTable, MetaKernelsTouchNothing) {

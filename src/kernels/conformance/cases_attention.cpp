@@ -1,0 +1,174 @@
+// Conformance cases: causal attention (grouped-query) and rotary embedding.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/conformance/case.h"
+
+namespace mt::kernels::conformance {
+
+namespace {
+
+int64_t qkv_width(const AttnShape& s) { return (s.nh + 2 * s.nkv) * s.hd; }
+
+// q and k of magnitude ~2 per element: scores of a few units after the 1/sqrt(hd) scale, so that
+// the softmax is neither flat nor one-hot.
+std::vector<float> qkv_input(const AttnShape& s, uint64_t seed) {
+  return uniform(s.B * s.T * qkv_width(s), seed, -2.0f, 2.0f);
+}
+
+// Causal attention computed exactly (scores, softmax and sums in double, one rounding at the end).
+// The CPU kernels' inner products are oneDNN GEMMs, shared by every variant and dependent on the
+// ISA level, so attention is checked against this instead of the baseline. One task per sequence
+// and kv head: it owns that head's key / value gradients and its query heads' rows.
+struct ExactAttention {
+  const AttnShape& s;
+  int64_t W = (s.nh + 2 * s.nkv) * s.hd;
+  double scale = 1.0 / std::sqrt(static_cast<double>(s.hd));
+  const float* q(const float* qkv, int64_t b, int64_t t, int64_t h) const { return qkv + (b * s.T + t) * W + h * s.hd; }
+  const float* k(const float* qkv, int64_t b, int64_t t, int64_t g) const { return q(qkv, b, t, s.nh + g); }
+  const float* v(const float* qkv, int64_t b, int64_t t, int64_t g) const { return q(qkv, b, t, s.nh + s.nkv + g); }
+  double dot(const float* x, const float* y) const {
+    double d = 0;
+#pragma omp simd reduction(+ : d)
+    for (int64_t i = 0; i < s.hd; ++i) d += static_cast<double>(x[i]) * y[i];
+    return d;
+  }
+
+  void forward(float* out, float* lse, const float* qkv) const {
+    const int64_t group = s.nh / s.nkv;
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < s.B * s.nh; ++bh) {
+      const int64_t b = bh / s.nh, h = bh % s.nh;
+      std::vector<double> p(s.T), o(s.hd);
+      for (int64_t t = 0; t < s.T; ++t) {
+        double m = -INFINITY, z = 0;
+        for (int64_t u = 0; u <= t; ++u) {
+          p[u] = scale * dot(q(qkv, b, t, h), k(qkv, b, u, h / group));
+          m = std::max(m, p[u]);
+        }
+        std::fill(o.begin(), o.end(), 0.0);
+        for (int64_t u = 0; u <= t; ++u) {
+          const double e = std::exp(p[u] - m);
+          z += e;
+          const float* vu = v(qkv, b, u, h / group);
+          for (int64_t i = 0; i < s.hd; ++i) o[i] += e * vu[i];
+        }
+        float* y = out + (b * s.T + t) * s.nh * s.hd + h * s.hd;
+        for (int64_t i = 0; i < s.hd; ++i) y[i] = static_cast<float>(o[i] / z);
+        lse[(b * s.nh + h) * s.T + t] = static_cast<float>(m + std::log(z));
+      }
+    }
+  }
+
+  // dqkv += the gradient, the probabilities recomputed from the given lse (as the kernels do).
+  void backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse) const {
+    const int64_t group = s.nh / s.nkv, od = s.nh * s.hd;
+#pragma omp parallel for schedule(static)
+    for (int64_t bg = 0; bg < s.B * s.nkv; ++bg) {
+      const int64_t b = bg / s.nkv, g = bg % s.nkv;
+      std::vector<double> dk(s.T * s.hd, 0.0), dv(s.T * s.hd, 0.0), dq(s.hd);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        for (int64_t t = 0; t < s.T; ++t) {
+          const float* dy = dout + (b * s.T + t) * od + h * s.hd;
+          const double D = dot(dy, out + (b * s.T + t) * od + h * s.hd), L = lse[(b * s.nh + h) * s.T + t];
+          std::fill(dq.begin(), dq.end(), 0.0);
+          for (int64_t u = 0; u <= t; ++u) {
+            const double p = std::exp(scale * dot(q(qkv, b, t, h), k(qkv, b, u, g)) - L);
+            const double ds = p * (dot(dy, v(qkv, b, u, g)) - D) * scale;
+            const float *ku = k(qkv, b, u, g), *qt = q(qkv, b, t, h);
+            for (int64_t i = 0; i < s.hd; ++i) {
+              dq[i] += ds * ku[i];
+              dk[u * s.hd + i] += ds * qt[i];
+              dv[u * s.hd + i] += p * dy[i];
+            }
+          }
+          float* gq = dqkv + (b * s.T + t) * W + h * s.hd;
+          for (int64_t i = 0; i < s.hd; ++i) gq[i] = static_cast<float>(gq[i] + dq[i]);
+        }
+      for (int64_t u = 0; u < s.T; ++u) {
+        float* gk = dqkv + (b * s.T + u) * W + (s.nh + g) * s.hd;
+        float* gv = dqkv + (b * s.T + u) * W + (s.nh + s.nkv + g) * s.hd;
+        for (int64_t i = 0; i < s.hd; ++i) {
+          gk[i] = static_cast<float>(gk[i] + dk[u * s.hd + i]);
+          gv[i] = static_cast<float>(gv[i] + dv[u * s.hd + i]);
+        }
+      }
+    }
+  }
+};
+
+void attention(std::vector<CaseSpec>& out, const AttnShape& s) {
+  add_case(out, Op::attention_forward, DType::F32, s.model, [s] {
+    Case c(Op::attention_forward, DType::F32, s.str());
+    const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
+              lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", qkv_input(s, 202));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.attention_forward(a.f(o), a.f(lse), a.f(q), s.B, s.T, s.nh, s.nkv, s.hd);
+    };
+    c.exact = [=](const Args& a) { ExactAttention{s}.forward(a.f(o), a.f(lse), a.f(q)); };
+    return c;
+  });
+  add_case(out, Op::attention_backward, DType::F32, s.model, [s] {
+    Case c(Op::attention_backward, DType::F32, s.str());
+    const std::vector<float> qkv = qkv_input(s, 202);
+    std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
+    reference().attention_forward(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd);
+    const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
+              q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse);
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.attention_backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd);
+    };
+    c.exact = [=](const Args& a) { ExactAttention{s}.backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l)); };
+    return c;
+  });
+}
+
+// Llama 3.1's scaled frequencies in shape: theta 500000, the low-frequency half divided by 8.
+std::vector<float> scaled_inv_freq(int64_t hd) {
+  std::vector<float> f(hd / 2);
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    const double base = std::pow(500000.0, -2.0 * static_cast<double>(i) / static_cast<double>(hd));
+    f[i] = static_cast<float>(i < hd / 4 ? base : base / 8.0);
+  }
+  return f;
+}
+
+void rope(std::vector<CaseSpec>& out, const AttnShape& s) {
+  const float theta = s.hd == 128 ? 500000.0f : 10000.0f;
+  for (Op op : {Op::rope_forward, Op::rope_backward}) {
+    add_case(out, op, DType::F32, s.model, [s, op, theta] {
+      Case c(op, DType::F32, s.str());
+      const int q = c.out(op == Op::rope_forward ? "qkv" : "dqkv", qkv_input(s, 210));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        (op == Op::rope_forward ? k.rope_forward : k.rope_backward)(a.f(q), s.B, s.T, s.nh, s.nkv, s.hd, theta);
+      };
+      return c;
+    });
+  }
+  for (Op op : {Op::rope_forward_freq, Op::rope_backward_freq}) {
+    add_case(out, op, DType::F32, s.model, [s, op] {
+      Case c(op, DType::F32, s.str());
+      const int q = c.out(op == Op::rope_forward_freq ? "qkv" : "dqkv", qkv_input(s, 211)),
+                f = c.host("inv_freq", scaled_inv_freq(s.hd));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        (op == Op::rope_forward_freq ? k.rope_forward_freq : k.rope_backward_freq)(a.f(q), s.B, s.T, s.nh, s.nkv, s.hd,
+                                                                                   a.f(f));
+      };
+      return c;
+    });
+  }
+}
+
+}  // namespace
+
+void attention_cases(std::vector<CaseSpec>& out) {
+  for (const AttnShape& s : attention_shapes()) {
+    attention(out, s);
+    rope(out, s);
+  }
+}
+
+}  // namespace mt::kernels::conformance
