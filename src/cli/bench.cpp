@@ -270,7 +270,7 @@ int run_bench_comm_command(int argc, char** argv) {
     factor = ap.get_double("factor", 2.0);
     if (factor <= 1.0) throw ArgError("--factor must be > 1");
     if (min_b > max_b) throw ArgError("--min-bytes is larger than --max-bytes");
-    if (!parse_dtype(ap.get("dtype", "f32"), &dt)) throw ArgError("--dtype must be f32 or bf16");
+    if (!parse_dtype(ap.get("dtype", "f32"), &dt) || is_integer(dt)) throw ArgError("--dtype must be f32 or bf16");
     std::string o = ap.get("op", "sum");
     if (o == "sum") rop = ReduceOp::Sum;
     else if (o == "avg") rop = ReduceOp::Avg;

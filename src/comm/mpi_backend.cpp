@@ -433,9 +433,10 @@ int MpiBackend::progress(Op& op) {
         return 2;
 
       // Two-level all_reduce, per slice [pos, pos+len): (1) reduce-scatter inside the node: local
-      // rank l owns local segment ls; (2) its fp32 partial sums are reduce-scattered and
-      // all-gathered across nodes among the ranks with local index l (sub-segment ss per node),
-      // the final values rounded once; (3) all-gather inside the node.
+      // rank l owns local segment ls; (2) its partial sums (fp32 for floating types, ps bytes
+      // each: partial_dtype) are reduce-scattered and all-gathered across nodes among the ranks
+      // with local index l (sub-segment ss per node), the final values rounded once; (3) all-gather
+      // inside the node.
       case kHStart: {
         if (op.pos >= op.d.count) return 2;
         const size_t slice_elems = std::max<size_t>(config().slice_bytes / es, size_t(n));
@@ -443,9 +444,10 @@ int MpiBackend::progress(Op& op) {
         const int L = local_n, l = local_r;
         const Seg ls = segment(op.len, L, l);
         const Seg ss = segment(ls.len, nodes_n, node_r);
+        const size_t ps = dtype_size(partial_dtype(op.d.dt));
         const size_t a_bytes = static_cast<size_t>(L - 1) * ls.len * es;
-        const size_t p_bytes = ls.len * 4;
-        const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * 4;
+        const size_t p_bytes = ls.len * ps;
+        const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * ps;
         char* stage = static_cast<char*>(ensure_staging(a_bytes + p_bytes + b_bytes));
         char* base = static_cast<char*>(op.rbuf) + op.pos * es;
         if (ls.len) {
@@ -469,27 +471,29 @@ int MpiBackend::progress(Op& op) {
         const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
         const Seg ls = segment(op.len, L, l);
         const Seg ss = segment(ls.len, N, k0);
+        const DType pdt = partial_dtype(op.d.dt);
+        const size_t ps = dtype_size(pdt);
         char* stage = static_cast<char*>(staging);
-        char* part = stage + static_cast<size_t>(L - 1) * ls.len * es;  // fp32 partial sums
-        char* recv32 = part + ls.len * 4;
+        char* part = stage + static_cast<size_t>(L - 1) * ls.len * es;  // partial sums
+        char* recv_part = part + ls.len * ps;
         char* base = static_cast<char*>(op.rbuf) + op.pos * es;
         SourceList srcs(std::max(L, N));
         const void** sp = srcs.data;
         for (int q = 0; q < L; ++q)
           sp[q] = q == l ? base + ls.off * es : stage + (q < l ? q : q - 1) * ls.len * es;
         const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
-        reduce_mixed(op.d.dt, DType::F32, partial, L, sp, part, ls.len, 1);
+        reduce_mixed(op.d.dt, pdt, partial, L, sp, part, ls.len, 1);
         if (ss.len) {
           for (int k = 1; k < N; ++k) {
             const int src = (k0 - k + N) % N;
-            post(false, recv32 + (src < k0 ? src : src - 1) * ss.len * 4, ss.len * 4, src,
+            post(false, recv_part + (src < k0 ? src : src - 1) * ss.len * ps, ss.len * ps, src,
                  coll_tag(op, 1), inter, reqs);
           }
         }
         for (int k = 1; k < N; ++k) {
           const int dst = (k0 + k) % N;
           const Seg s2 = segment(ls.len, N, dst);
-          if (s2.len) post(true, part + s2.off * 4, s2.len * 4, dst, coll_tag(op, 1), inter, reqs);
+          if (s2.len) post(true, part + s2.off * ps, s2.len * ps, dst, coll_tag(op, 1), inter, reqs);
         }
         op.phase = kHInterRsWait;
         advanced = 1;
@@ -501,14 +505,16 @@ int MpiBackend::progress(Op& op) {
         const int L = local_n, l = local_r, N = nodes_n, k0 = node_r;
         const Seg ls = segment(op.len, L, l);
         const Seg ss = segment(ls.len, N, k0);
+        const DType pdt = partial_dtype(op.d.dt);
+        const size_t ps = dtype_size(pdt);
         char* part = static_cast<char*>(staging) + static_cast<size_t>(L - 1) * ls.len * es;
-        char* recv32 = part + ls.len * 4;
+        char* recv_part = part + ls.len * ps;
         char* seg = static_cast<char*>(op.rbuf) + (op.pos + ls.off) * es;
         SourceList srcs(N);
         const void** sp = srcs.data;
         for (int q = 0; q < N; ++q)
-          sp[q] = q == k0 ? part + ss.off * 4 : recv32 + (q < k0 ? q : q - 1) * ss.len * 4;
-        reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
+          sp[q] = q == k0 ? part + ss.off * ps : recv_part + (q < k0 ? q : q - 1) * ss.len * ps;
+        reduce_mixed(pdt, op.d.dt, op.d.op, N, sp, seg + ss.off * es, ss.len, n);
         post_allgather(seg, ls.len, es, N, k0, coll_tag(op, 2), inter, reqs);
         op.phase = kHInterAgWait;
         advanced = 1;
