@@ -219,17 +219,17 @@ RankFileResult RankFileWriter::finish() {
 std::vector<std::string> all_gather_strings(comm::ProcessGroup& g, const std::string& mine) {
   const int n = g.size();
   if (n == 1) return {mine};
-  // Lengths, then the strings padded to the longest (raw bytes carried in f32 slots: all_gather copies).
+  // Lengths, then the strings padded to the longest, as 32-bit words (all_gather only copies).
   std::vector<int64_t> len(static_cast<size_t>(n));
   int64_t my = static_cast<int64_t>(mine.size());
-  g.all_gather(&my, len.data(), 2, DType::F32)->wait();
+  g.all_gather(&my, len.data(), 1, DType::I64)->wait();
   int64_t mx = 0;
   for (int64_t l : len) mx = std::max(mx, l);
   const size_t slots = static_cast<size_t>((mx + 3) / 4);
   if (slots == 0) return std::vector<std::string>(static_cast<size_t>(n));
   std::vector<char> send(slots * 4, 0), recv(slots * 4 * static_cast<size_t>(n));
   std::memcpy(send.data(), mine.data(), mine.size());  // host bytes, not tensor memory
-  g.all_gather(send.data(), recv.data(), slots, DType::F32)->wait();
+  g.all_gather(send.data(), recv.data(), slots, DType::I32)->wait();
   std::vector<std::string> out;
   for (int r = 0; r < n; ++r)
     out.emplace_back(recv.data() + static_cast<size_t>(r) * slots * 4, static_cast<size_t>(len[static_cast<size_t>(r)]));

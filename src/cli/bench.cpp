@@ -265,7 +265,7 @@ Options parse_options(const ArgParser& ap) {
   o.factor = ap.get_double("factor", 2.0);
   if (o.factor <= 1.0) throw ArgError("--factor must be > 1");
   if (o.min_b > o.max_b) throw ArgError("--min-bytes is larger than --max-bytes");
-  if (!parse_dtype(ap.get("dtype", "f32"), &o.dt)) throw ArgError("--dtype must be f32 or bf16");
+  if (!parse_dtype(ap.get("dtype", "f32"), &o.dt) || is_integer(o.dt)) throw ArgError("--dtype must be f32 or bf16");
   const std::string op = ap.get("op", "sum");
   if (op == "sum") o.rop = ReduceOp::Sum;
   else if (op == "avg") o.rop = ReduceOp::Avg;

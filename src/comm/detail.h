@@ -82,14 +82,18 @@ inline Seg segment(size_t count, int n, int i) {
   return {ui * base + (ui < rem ? ui : rem), base + (ui < rem ? 1 : 0)};
 }
 
-// out[i] = op over q = 0..n-1 (in that order) of srcs[q][i], accumulated in fp32 for both dtypes
-// (bf16 inputs widened, result rounded to nearest even once). Avg divides the sum by n.
-// `out` may alias srcs[q] exactly.
+// out[i] = op over q = 0..n-1 (in that order) of srcs[q][i], accumulated in fp32 for f32 and bf16
+// (bf16 inputs widened, result rounded to nearest even once), in their own type for i32 and i64
+// (exact; sums wrap around on overflow, Avg is refused). Avg divides the sum by n. `out` may
+// alias srcs[q] exactly.
 void reduce_into(DType dt, ReduceOp op, int n, const void* const* srcs, void* out, size_t len);
-// The same with sources of `in_dt` and output of `out_dt`; Avg divides by `divisor` (Sum and Max
-// ignore it). Used for the fp32 partial sums of the two-level all_reduce.
+// The same with sources of `in_dt` and output of `out_dt` (equal for integers); Avg divides by
+// `divisor` (Sum and Max ignore it). Used for the partial sums of the two-level all_reduce.
 void reduce_mixed(DType in_dt, DType out_dt, ReduceOp op, int n, const void* const* srcs,
                   void* out, size_t len, int divisor);
+// The type of the two-level all_reduce's partial sums of `dt`: fp32 for the floating types (bf16
+// rounded once, at the end), the type itself for integers.
+inline DType partial_dtype(DType dt) { return is_integer(dt) ? dt : DType::F32; }
 
 struct Fingerprint {
   uint64_t seq, count;
@@ -244,12 +248,15 @@ class MpiBackend final : public CommBackend {
 
   // The two-level all_reduce's slice at op.pos on this rank: its local segment ls of the slice,
   // its node's sub-segment ss of ls, and in the staging buffer (after the node peers'
-  // contributions) the fp32 partial sums of ls and the other nodes' fp32 contributions to ss.
+  // contributions) the partial sums of ls (in partial_dtype: fp32, or the integer type) and the
+  // other nodes' contributions to ss.
   struct TwoLevelSlice {
     size_t es;  // element bytes
     Seg ls, ss;
+    DType pdt;  // partial sums' type
+    size_t ps;  // and bytes
     char* part;
-    char* recv32;
+    char* recv_part;
   };
   TwoLevelSlice two_level_slice(const Op& op) const;
 

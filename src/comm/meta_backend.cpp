@@ -21,9 +21,17 @@ void MetaBackend::run(Op& op_) {
   const size_t es = dtype_size(op->d.dt), part = op->d.count * es;
   const bool host_recv = op->rbuf && !is_meta_pointer(op->rbuf);
   auto times_n = [&](void* buf, size_t count) {
-    if (op->d.op != ReduceOp::Sum || op->d.dt != DType::F32) return;
-    float* f = static_cast<float*>(buf);
-    for (size_t i = 0; i < count; ++i) f[i] *= static_cast<float>(size);
+    if (op->d.op != ReduceOp::Sum) return;
+    if (op->d.dt == DType::F32) {
+      float* f = static_cast<float*>(buf);
+      for (size_t i = 0; i < count; ++i) f[i] *= static_cast<float>(size);
+    } else if (op->d.dt == DType::I32) {
+      int32_t* v = static_cast<int32_t*>(buf);
+      for (size_t i = 0; i < count; ++i) v[i] = static_cast<int32_t>(static_cast<uint32_t>(v[i]) * static_cast<uint32_t>(size));
+    } else if (op->d.dt == DType::I64) {
+      int64_t* v = static_cast<int64_t*>(buf);
+      for (size_t i = 0; i < count; ++i) v[i] = static_cast<int64_t>(static_cast<uint64_t>(v[i]) * static_cast<uint64_t>(size));
+    }
   };
   if (host_recv && part) {
     switch (op->d.kind) {

@@ -488,10 +488,11 @@ MpiBackend::Step MpiBackend::reduce_own_segment(Op& op) {
 }
 
 // Two-level all_reduce, per slice [pos, pos+len): (1) reduce-scatter inside the node: local rank l
-// owns local segment ls; (2) its fp32 partial sums are reduce-scattered and all-gathered across
-// nodes among the ranks with local index l (sub-segment ss per node), the final values rounded
-// once; (3) all-gather inside the node. Staging: the node peers' contributions, then the fp32
-// partial sums of ls, then the other nodes' fp32 contributions to ss.
+// owns local segment ls; (2) its partial sums (fp32 for floating types, the integer type itself
+// for integers: partial_dtype) are reduce-scattered and all-gathered across nodes among the ranks
+// with local index l (sub-segment ss per node), the final values rounded once; (3) all-gather
+// inside the node. Staging: the node peers' contributions, then the partial sums of ls, then the
+// other nodes' contributions to ss.
 MpiBackend::Step MpiBackend::start_two_level_slice(Op& op) {
   if (op.pos >= op.d.count) return Step::Done;
   const size_t es = dtype_size(op.d.dt);
@@ -500,9 +501,10 @@ MpiBackend::Step MpiBackend::start_two_level_slice(Op& op) {
   const int L = local_n, l = local_r;
   const Seg ls = segment(op.len, L, l);
   const Seg ss = segment(ls.len, nodes_n, node_r);
+  const size_t ps = dtype_size(partial_dtype(op.d.dt));
   const size_t a_bytes = static_cast<size_t>(L - 1) * ls.len * es;
-  const size_t p_bytes = ls.len * 4;
-  const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * 4;
+  const size_t p_bytes = ls.len * ps;
+  const size_t b_bytes = static_cast<size_t>(nodes_n - 1) * ss.len * ps;
   char* stage = static_cast<char*>(ensure_staging(a_bytes + p_bytes + b_bytes));
   post_reduce_scatter(static_cast<char*>(op.rbuf) + op.pos * es, op.len, es, stage, ls.len * es, L, l,
                       coll_tag(op, 0), intra);
@@ -516,7 +518,9 @@ MpiBackend::TwoLevelSlice MpiBackend::two_level_slice(const Op& op) const {
   t.ls = segment(op.len, local_n, local_r);
   t.ss = segment(t.ls.len, nodes_n, node_r);
   t.part = static_cast<char*>(staging) + static_cast<size_t>(local_n - 1) * t.ls.len * t.es;
-  t.recv32 = t.part + t.ls.len * 4;
+  t.pdt = partial_dtype(op.d.dt);
+  t.ps = dtype_size(t.pdt);
+  t.recv_part = t.part + t.ls.len * t.ps;
   return t;
 }
 
@@ -530,8 +534,8 @@ MpiBackend::Step MpiBackend::reduce_inside_node(Op& op) {
   const void** sp = srcs.data;
   for (int q = 0; q < L; ++q) sp[q] = q == l ? base + t.ls.off * es : packed(stage, t.ls.len * es, l, q);
   const ReduceOp partial = op.d.op == ReduceOp::Max ? ReduceOp::Max : ReduceOp::Sum;
-  reduce_mixed(op.d.dt, DType::F32, partial, L, sp, t.part, t.ls.len, 1);
-  post_reduce_scatter(t.part, t.ls.len, 4, t.recv32, t.ss.len * 4, N, node_r, coll_tag(op, 1), inter);
+  reduce_mixed(op.d.dt, t.pdt, partial, L, sp, t.part, t.ls.len, 1);
+  post_reduce_scatter(t.part, t.ls.len, t.ps, t.recv_part, t.ss.len * t.ps, N, node_r, coll_tag(op, 1), inter);
   op.phase = kHInterRsWait;
   return Step::Advanced;
 }
@@ -543,8 +547,9 @@ MpiBackend::Step MpiBackend::reduce_across_nodes(Op& op) {
   char* seg = static_cast<char*>(op.rbuf) + (op.pos + t.ls.off) * es;
   SourceList srcs(N);
   const void** sp = srcs.data;
-  for (int q = 0; q < N; ++q) sp[q] = q == k0 ? t.part + t.ss.off * 4 : packed(t.recv32, t.ss.len * 4, k0, q);
-  reduce_mixed(DType::F32, op.d.dt, op.d.op, N, sp, seg + t.ss.off * es, t.ss.len, size);
+  for (int q = 0; q < N; ++q)
+    sp[q] = q == k0 ? t.part + t.ss.off * t.ps : packed(t.recv_part, t.ss.len * t.ps, k0, q);
+  reduce_mixed(t.pdt, op.d.dt, op.d.op, N, sp, seg + t.ss.off * es, t.ss.len, size);
   post_allgather(seg, t.ls.len, es, N, k0, coll_tag(op, 2), inter);
   op.phase = kHInterAgWait;
   return Step::Advanced;

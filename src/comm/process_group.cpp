@@ -258,6 +258,9 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
   if (is_p2p(d.kind) && (d.tag < 0 || d.tag > 32767))
     throw CommError("group " + name + ": tag " + std::to_string(d.tag) + " outside 0..32767");
   if (d.count && !rbuf && !sbuf) throw CommError("group " + name + ": null buffer");
+  if ((d.kind == OpKind::AllReduce || d.kind == OpKind::ReduceScatter) && d.op == ReduceOp::Avg && is_integer(d.dt))
+    throw CommError("group " + name + ": " + op_kind_name(d.kind) + " cannot average " + dtype_name(d.dt) +
+                    " values: integers reduce with sum or max (divide the sum where it is read)");
 
   auto op = std::make_unique<Op>();
   op->t_issue = now_ns();

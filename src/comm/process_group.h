@@ -116,7 +116,9 @@ class ProcessGroup {
   // World rank of each group rank, in group-rank order.
   std::vector<int> global_ranks() const;
 
-  // In place over `count` elements. Avg divides the sum by size(). bf16 sums accumulate in fp32.
+  // In place over `count` elements. Avg divides the sum by size(). bf16 sums accumulate in fp32;
+  // i32 and i64 reduce exactly in their own type with Sum or Max (Avg throws CommError), and so
+  // does reduce_scatter. Every collective carries every dtype.
   WorkHandle all_reduce(void* buf, size_t count, DType dt, ReduceOp op = ReduceOp::Sum);
   // `send` holds size() x recv_count elements; group rank r receives the reduction of segment r.
   // `recv` may be send + rank() x recv_count (in place).

@@ -1,8 +1,11 @@
 // Element-wise reduction of the contributions of all ranks to one segment. Sources are combined in
 // rank order with an fp32 accumulator, so results do not depend on message arrival order and equal
-// a sequential loop over ranks (bit for bit).
+// a sequential loop over ranks (bit for bit). Integers are combined in their own type: exact.
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "comm/detail.h"
 
@@ -58,11 +61,43 @@ void reduce_typed(ReduceOp op, int n, const TIn* const* srcs, TOut* out, size_t 
   }
 }
 
+// Integer sums wrap around (two's complement, through the unsigned type) instead of overflowing.
+template <typename T>
+void reduce_integer(ReduceOp op, int n, const T* const* srcs, T* out, size_t len) {
+  using U = std::make_unsigned_t<T>;
+  U acc[kBlock];
+  for (size_t b = 0; b < len; b += kBlock) {
+    const size_t m = std::min(kBlock, len - b);
+    const T* s0 = srcs[0] + b;
+    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<U>(s0[i]);
+    for (int q = 1; q < n; ++q) {
+      const T* s = srcs[q] + b;
+      if (op == ReduceOp::Max) {
+        for (size_t i = 0; i < m; ++i) acc[i] = static_cast<U>(std::max(static_cast<T>(acc[i]), s[i]));
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] += static_cast<U>(s[i]);
+      }
+    }
+    T* o = out + b;
+    for (size_t i = 0; i < m; ++i) o[i] = static_cast<T>(acc[i]);
+  }
+}
+
 }  // namespace
 
 void reduce_mixed(DType in_dt, DType out_dt, ReduceOp op, int n, const void* const* srcs,
                   void* out, size_t len, int divisor) {
   if (len == 0) return;
+  if (is_integer(in_dt) || is_integer(out_dt)) {
+    if (in_dt != out_dt || op == ReduceOp::Avg)
+      throw std::logic_error(std::string("reduce: ") + reduce_op_name(op) + " of " + dtype_name(in_dt) + " into " +
+                             dtype_name(out_dt) + " (integers sum and max in their own type)");
+    if (in_dt == DType::I32)
+      reduce_integer<int32_t>(op, n, reinterpret_cast<const int32_t* const*>(srcs), static_cast<int32_t*>(out), len);
+    else
+      reduce_integer<int64_t>(op, n, reinterpret_cast<const int64_t* const*>(srcs), static_cast<int64_t*>(out), len);
+    return;
+  }
   const float div = static_cast<float>(divisor);
   if (in_dt == DType::F32) {
     auto sp = reinterpret_cast<const float* const*>(srcs);

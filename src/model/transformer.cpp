@@ -470,10 +470,10 @@ static void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, 
   if (!a.r_logits.defined()) {
     a.r_logits = Tensor::empty({BT, E}, DType::F32, A);
     a.r_scores = Tensor::empty({BT, E}, DType::F32, A);
-    a.r_idx = Tensor::empty({BT, k}, DType::F32, A);  // int32 storage (same size)
+    a.r_idx = Tensor::empty({BT, k}, DType::I32, A);
     a.r_w = Tensor::empty({BT, k}, DType::F32, A);
     a.r_lse = Tensor::empty({BT}, DType::F32, A);
-    a.r_pos = Tensor::empty({BT, k}, DType::F32, A);  // int32 storage
+    a.r_pos = Tensor::empty({BT, k}, DType::I32, A);
   }
   if (a.xs.defined() && a.xs.numel() >= M * C) return;
   M = std::max<int64_t>(M, 1);
@@ -482,7 +482,7 @@ static void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, 
   if (c.arch == Arch::Llama) a.h3 = Tensor::empty({M, Fe}, DType::F32, A);
   a.xact = Tensor::empty({M, Fe}, cd, A);
   a.y = Tensor::empty({M, C}, DType::F32, A);
-  a.order = Tensor::empty({M}, DType::F32, A);  // int32 storage
+  a.order = Tensor::empty({M}, DType::I32, A);
 }
 
 void Transformer::select_slot(int slot) {
@@ -534,7 +534,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   auto A = MemCategory::Activations;
   for (int u = first; u <= last; ++u) {
     if (u == 0) {
-      if (!s.ids.defined()) s.ids = Tensor::empty({BT}, DType::F32, A);  // int32 storage (same size)
+      if (!s.ids.defined()) s.ids = Tensor::empty({BT}, DType::I32, A);
       out_buf(0);
     } else if (u <= L) {
       const int64_t l = u - 1;
@@ -547,7 +547,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       }
     } else if (!s.losses.defined()) {
       out_buf(L);
-      s.targets = Tensor::empty({BT}, DType::F32, A);
+      s.targets = Tensor::empty({BT}, DType::I32, A);
       s.head_in = Tensor::empty({BT, C}, DType::F32, A);
       if (compute_ == DType::BF16) s.head_in_bf = Tensor::empty({BT, C}, DType::BF16, A);
       s.head_rstd = Tensor::empty({R}, DType::F32, A);
@@ -732,7 +732,7 @@ void Transformer::chunked_head_forward(const float* hin, bool train, float dloss
     s.head_dx.zero_();
   }
   float* lg = chunk_logits_.f32();
-  const int32_t* tg = s.targets.data<int32_t>();
+  const int32_t* tg = s.targets.i32();
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t nr = std::min(rows, N - r0);
     if (bf)
@@ -914,7 +914,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
         throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
                                 " is outside the vocabulary of " + std::to_string(V));
     dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
-    const int32_t* ids_saved = s.ids.data<int32_t>();
+    const int32_t* ids_saved = s.ids.i32();
     if (hooks_) hooks_->pre_forward(0);
     float* x = s.block_out[0].f32();
     const int emb = unit_params_[0][0];
@@ -978,10 +978,10 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     if (s.chunked)
       chunked_head_forward(hin, train, dloss_scale);
     else if (s.grad_bf16)
-      kt_->softmax_cross_entropy_bf16(s.logits.f32(), s.losses.f32(), s.targets.data<int32_t>(), N, V, Vp, dloss_scale);
+      kt_->softmax_cross_entropy_bf16(s.logits.f32(), s.losses.f32(), s.targets.i32(), N, V, Vp, dloss_scale);
     else
       VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp)
-          .forward(s.logits.f32(), s.targets.data<int32_t>(), s.losses.f32(), N, train, dloss_scale);
+          .forward(s.logits.f32(), s.targets.i32(), s.losses.f32(), N, train, dloss_scale);
     loss = kt_->sum(s.losses.f32(), N) / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
@@ -1106,13 +1106,13 @@ void Transformer::backward_units(int first, int last, const float* dout) {
     if (defer_emb_) {  // tp = 1: kept for the caller (see set_defer_embedding_grad)
       if (!deferred_rows_.defined() || deferred_rows_.numel() != N * C) {
         deferred_rows_ = Tensor::empty({N, C}, DType::F32, MemCategory::Workspace);
-        deferred_ids_ = Tensor::empty({N}, DType::F32, MemCategory::Workspace);  // int32 storage
+        deferred_ids_ = Tensor::empty({N}, DType::I32, MemCategory::Workspace);
       }
       dev::copy(dev_, deferred_rows_.f32(), dall, static_cast<size_t>(N * C) * sizeof(float));
       dev::copy(dev_, deferred_ids_.raw(), s.ids.raw(), static_cast<size_t>(N) * sizeof(int32_t));
       deferred_n_ = N;
     } else {
-      embedding.backward(gp(emb), dall, s.ids.data<int32_t>());
+      embedding.backward(gp(emb), dall, s.ids.i32());
     }
     if (extra_emb_grad_) {  // the pipeline's head contribution to a tied embedding
       kt_->accumulate(gp(emb), extra_emb_grad_, Vp * C);
@@ -1289,11 +1289,11 @@ int64_t Transformer::activation_bytes() const {
 
 namespace mt {
 
-Tensor& Transformer::moe_ws(size_t i, int64_t n) {
+Tensor& Transformer::moe_ws(size_t i, int64_t n, DType dt) {
   if (moe_ws_.size() <= i) moe_ws_.resize(i + 1);
   Tensor& t = moe_ws_[i];
   n = std::max<int64_t>(n, 1);
-  if (!t.defined() || t.numel() < n) t = Tensor::empty({n}, DType::F32, MemCategory::Workspace);
+  if (!t.defined() || t.numel() < n || t.dtype() != dt) t = Tensor::empty({n}, dt, MemCategory::Workspace);
   return t;
 }
 
@@ -1381,7 +1381,7 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     xin = x.f32();
   }
   kt_->linear_forward(a.r_logits.f32(), xin, wf(p.router), nullptr, N, C, E);
-  kt_->moe_router_forward(a.r_scores.f32(), a.r_idx.data<int32_t>(), a.r_w.f32(), a.r_lse.f32(), a.r_logits.f32(), N, E,
+  kt_->moe_router_forward(a.r_scores.f32(), a.r_idx.i32(), a.r_w.f32(), a.r_lse.f32(), a.r_logits.f32(), N, E,
                           k, sig);
   // Dispatch plan on the host: every choice's row, expert by expert.
   std::vector<int32_t> idx(static_cast<size_t>(N * k));
@@ -1425,7 +1425,7 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     a.M = Ms;
     alloc_moe_acts(a, cfg_, compute_, N, Ms, Fe);
     dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
-    kt_->moe_gather_rows(a.xs.raw(), x.raw(), a.order.data<int32_t>(), Ms, C * esz);
+    kt_->moe_gather_rows(a.xs.raw(), x.raw(), a.order.i32(), Ms, C * esz);
   } else {
     // Counts first: every ep rank's rows per expert; then the rows themselves.
     const int R = ep_comm_->size();
@@ -1458,18 +1458,18 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
     a.M = Mr;
     alloc_moe_acts(a, cfg_, compute_, N, Mr, Fe);
     if (!a.inv.defined() || a.inv.numel() < std::max<int64_t>(Mr, 1))
-      a.inv = Tensor::empty({std::max<int64_t>(Mr, 1)}, DType::F32, MemCategory::Activations);
+      a.inv = Tensor::empty({std::max<int64_t>(Mr, 1)}, DType::I32, MemCategory::Activations);
     if (!a.ysend.defined() || a.ysend.numel() < std::max<int64_t>(Ms, 1) * C)
       a.ysend = Tensor::empty({std::max<int64_t>(Ms, 1), C}, DType::F32, MemCategory::Activations);
     dev::copy_from_host(dev_, a.order.raw(), perm.data(), static_cast<size_t>(Mr) * sizeof(int32_t));
     dev::copy_from_host(dev_, a.inv.raw(), inv.data(), static_cast<size_t>(Mr) * sizeof(int32_t));
-    Tensor& tok = moe_ws(15, Ms);
+    Tensor& tok = moe_ws(15, Ms, DType::I32);
     dev::copy_from_host(dev_, tok.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
-    void* xsend = moe_ws(16, (Ms * C * esz + 3) / 4).raw();
-    void* xrecv = moe_ws(17, (Mr * C * esz + 3) / 4).raw();
-    kt_->moe_gather_rows(xsend, x.raw(), tok.data<int32_t>(), Ms, C * esz);
+    void* xsend = moe_ws(16, Ms * C, compute_).raw();
+    void* xrecv = moe_ws(17, Mr * C, compute_).raw();
+    kt_->moe_gather_rows(xsend, x.raw(), tok.i32(), Ms, C * esz);
     ep_comm_->all_to_all_v(xsend, a.send_rows.data(), xrecv, a.recv_rows.data(), C, compute_);
-    kt_->moe_gather_rows(a.xs.raw(), xrecv, a.order.data<int32_t>(), Mr, C * esz);
+    kt_->moe_gather_rows(a.xs.raw(), xrecv, a.order.i32(), Mr, C * esz);
   }
   const int64_t M = a.M;
   // Experts: each one's rows are contiguous.
@@ -1512,13 +1512,13 @@ void Transformer::moe_forward(int layer, const BlockParams& p, BlockActivations&
   const float* yback = a.y.f32();
   if (ep) {  // back to the ranks the rows came from, in the order they were sent
     float* yrecv = moe_ws(18, M * C).f32();
-    kt_->moe_gather_rows(yrecv, a.y.raw(), a.inv.data<int32_t>(), M, C * 4);
+    kt_->moe_gather_rows(yrecv, a.y.raw(), a.inv.i32(), M, C * 4);
     ep_comm_->all_to_all_v(yrecv, a.recv_rows.data(), a.ysend.f32(), a.send_rows.data(), C, DType::F32);
     yback = a.ysend.f32();
   }
   float* y = tpc_.partial_buffer(out);  // every token's output (this tp rank's partial sums)
   dev::zero(dev_, y, static_cast<size_t>(N * C) * sizeof(float));
-  kt_->moe_combine(y, yback, a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+  kt_->moe_combine(y, yback, a.r_pos.i32(), a.r_w.f32(), N, k, C);
   // Shared experts: a dense MLP of width Fs on every token.
   const int64_t Fs = Fs_l_;
   if (Fs > 0) {
@@ -1635,18 +1635,18 @@ const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockAct
   const bool pad = cfg_.moe_pad_to_capacity;  // padding rows get no gradient: zero, not left unwritten
   if (!ep) {
     if (pad) dev::zero(dev_, dy, static_cast<size_t>(M * C) * sizeof(float));
-    kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    kt_->moe_combine_backward(dy, dw, dout, a.y.f32(), a.r_pos.i32(), a.r_w.f32(), N, k, C);
     if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);  // <dout, y> over the tp ranks' partial outputs
   } else {
     float* dysend = moe_ws(19, Ms * C).f32();
     float* dyrecv = moe_ws(18, M * C).f32();
     if (pad) dev::zero(dev_, dysend, static_cast<size_t>(Ms * C) * sizeof(float));
-    kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.data<int32_t>(), a.r_w.f32(), N, k, C);
+    kt_->moe_combine_backward(dysend, dw, dout, a.ysend.f32(), a.r_pos.i32(), a.r_w.f32(), N, k, C);
     // With tp the returned outputs are this tp rank's partial sums (its slice of every expert, as
     // the ep peers sharing its tp rank computed them): <dout, y> is summed over the tp ranks.
     if (tpc_.tp()) tpc_.comm->all_reduce_sum(dw, N * k);
     ep_comm_->all_to_all_v(dysend, a.send_rows.data(), dyrecv, a.recv_rows.data(), C, DType::F32);
-    kt_->moe_gather_rows(dy, dyrecv, a.order.data<int32_t>(), M, C * 4);
+    kt_->moe_gather_rows(dy, dyrecv, a.order.i32(), M, C * 4);
   }
   // Experts, in the forward's row order.
   float* dact = moe_ws(4, M * Fe).f32();
@@ -1689,11 +1689,11 @@ const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockAct
   if (ep) {
     float* dxrecv = moe_ws(18, M * C).f32();
     float* dxsend = moe_ws(19, Ms * C).f32();
-    kt_->moe_gather_rows(dxrecv, dxs, a.inv.data<int32_t>(), M, C * 4);
+    kt_->moe_gather_rows(dxrecv, dxs, a.inv.i32(), M, C * 4);
     ep_comm_->all_to_all_v(dxrecv, a.recv_rows.data(), dxsend, a.send_rows.data(), C, DType::F32);
     dxback = dxsend;
   }
-  kt_->moe_combine(dln2, dxback, a.r_pos.data<int32_t>(), nullptr, N, k, C);
+  kt_->moe_combine(dln2, dxback, a.r_pos.i32(), nullptr, N, k, C);
   // Router: the weights' gradient, the load-balancing loss (d/dP_e = coef E f_e per unit of the
   // micro-batch's mean loss, whose weight is dloss x N) and the z-loss. With cp (N local tokens of
   // N cp in the micro-batch, gradients averaged over the cp ranks) each rank differentiates cp
@@ -1710,7 +1710,7 @@ const float* Transformer::moe_backward(int layer, const BlockParams& p, BlockAct
   }
   const float z_scale = a.dloss * cfg_.moe_z_loss_coef;  // weight dloss x N on the mean over N tokens
   float* dlogits = moe_ws(9, N * E).f32();
-  kt_->moe_router_backward(dlogits, dw, a.r_scores.f32(), a.r_idx.data<int32_t>(), a.r_w.f32(), a.r_lse.f32(),
+  kt_->moe_router_backward(dlogits, dw, a.r_scores.f32(), a.r_idx.i32(), a.r_w.f32(), a.r_lse.f32(),
                            a.r_logits.f32(), aux, z_scale, N, E, k, sig);
   const float* xin = nullptr;
   if (bf) {

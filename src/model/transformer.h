@@ -171,7 +171,7 @@ class Transformer {
   void set_defer_embedding_grad(bool on) { defer_emb_ = on && can_defer_embedding_grad(); }
   bool defers_embedding_grad() const { return defer_emb_; }
   int64_t deferred_embedding_count() const { return deferred_n_; }  // rows (B*T of the last backward)
-  const int32_t* deferred_embedding_ids() const { return deferred_ids_.data<int32_t>(); }
+  const int32_t* deferred_embedding_ids() const { return deferred_ids_.i32(); }
   const float* deferred_embedding_rows() const { return deferred_rows_.f32(); }
   // While the embedding gradient is deferred, the head computes its (tied) weight gradient in
   // chunks of `rows` vocabulary rows and calls `done(first_row, end_row)` after each, so the caller
@@ -335,7 +335,7 @@ class Transformer {
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
   MoeStats moe_stats_;
   std::deque<Tensor> moe_ws_;  // MoE forward and backward workspace (references stay valid as it grows)
-  Tensor& moe_ws(size_t i, int64_t n);
+  Tensor& moe_ws(size_t i, int64_t n, DType dt = DType::F32);
   void moe_forward(int layer, const BlockParams& p, BlockActivations& a, const Tensor& x, float* out);
   const float* moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout_rows, float* dln2);
   void moe_counts_over_cp(BlockActivations& a);

@@ -88,13 +88,13 @@ void DataParallel::post_backward(int unit) {
   if (!sync_) return;
   unit_done_[unit] = 1;
   Bucket& b = buckets_[bucket_of_unit_[unit]];
-  if (tied_ && unit == 0) {  // the lookup's rows of every rank (ids as raw 32-bit words)
+  if (tied_ && unit == 0) {  // the lookup's rows and token ids of every rank
     const int64_t n = model_.deferred_embedding_count(), C = model_.config().n_embd, W = dp_->size();
     if (!gathered_rows_.defined() || gathered_rows_.numel() != W * n * C) {
       gathered_rows_ = Tensor::empty({W * n, C}, DType::F32, MemCategory::Comm);
-      gathered_ids_ = Tensor::empty({W * n}, DType::F32, MemCategory::Comm);
+      gathered_ids_ = Tensor::empty({W * n}, DType::I32, MemCategory::Comm);
     }
-    ids_work_ = dp_->all_gather(model_.deferred_embedding_ids(), gathered_ids_.raw(), static_cast<size_t>(n), DType::F32);
+    ids_work_ = dp_->all_gather(model_.deferred_embedding_ids(), gathered_ids_.i32(), static_cast<size_t>(n), DType::I32);
     rows_work_ = dp_->all_gather(model_.deferred_embedding_rows(), gathered_rows_.f32(), static_cast<size_t>(n * C),
                                  DType::F32);
   }
@@ -133,7 +133,7 @@ DdpStepStats DataParallel::finish() {
     model_.kernels().scale(gathered_rows_.f32(), 1.0f / static_cast<float>(W), W * n * C);
     float* g = model_.grads().f32() + tied_offset_;
     for (int64_t r = 0; r < W; ++r)
-      model_.kernels().embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.data<int32_t>() + r * n, n, C);
+      model_.kernels().embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.i32() + r * n, n, C);
   }
   st.exposed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   for (auto& b : buckets_)

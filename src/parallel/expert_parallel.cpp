@@ -14,8 +14,8 @@ void ProcessGroupExpertComm::all_gather_counts(const int64_t* mine, int64_t* all
   const auto t0 = Clock::now();
   if (g_->size() == 1) {
     for (int64_t i = 0; i < n; ++i) all[i] = mine[i];
-  } else {  // raw int64 bytes carried as pairs of f32 slots (all_gather only copies)
-    g_->all_gather(mine, all, static_cast<size_t>(2 * n), DType::F32)->wait();
+  } else {
+    g_->all_gather(mine, all, static_cast<size_t>(n), DType::I64)->wait();
   }
   ms_ += ms_since(t0);
 }

@@ -172,30 +172,25 @@ int64_t zero_paper_bytes(ShardingStrategy strategy, int64_t P, int shard_size) {
 
 void verify_same_model(const Transformer& model, comm::ProcessGroup& group) {
   if (group.size() == 1) return;
-  // Fingerprint: parameter count, unit count and unit sizes, each in 16-bit pieces (exact as f32).
-  std::vector<float> mine;
-  auto push = [&](int64_t v) {
-    for (int s = 0; s < 48; s += 16) mine.push_back(static_cast<float>((v >> s) & 0xffff));
-  };
-  push(model.num_params());
-  push(model.num_units());
-  for (int u = 0; u < model.num_units(); ++u) push(model.unit(u).numel);
+  // Fingerprint: parameter count, unit count and unit sizes.
+  std::vector<int64_t> mine = {model.num_params(), model.num_units()};
+  for (int u = 0; u < model.num_units(); ++u) mine.push_back(model.unit(u).numel);
   // Ranks with different unit counts would disagree on the size of the gather: lengths first.
-  std::vector<float> lens(group.size());
-  float len = static_cast<float>(mine.size());
-  group.all_gather(&len, lens.data(), 1, DType::F32)->wait();
+  std::vector<int64_t> lens(group.size());
+  const int64_t len = static_cast<int64_t>(mine.size());
+  group.all_gather(&len, lens.data(), 1, DType::I64)->wait();
   for (int r = 0; r < group.size(); ++r)
     if (lens[r] != len)
       throw std::runtime_error("data-parallel rank " + std::to_string(r) + " built a model with " +
-                               std::to_string(static_cast<int>(lens[r] / 3) - 2) + " units, rank " +
+                               std::to_string(lens[r] - 2) + " units, rank " +
                                std::to_string(group.rank()) + " has " + std::to_string(model.num_units()) +
                                ": every rank must use the same model config");
-  std::vector<float> all(mine.size() * group.size());
-  group.all_gather(mine.data(), all.data(), mine.size(), DType::F32)->wait();
+  std::vector<int64_t> all(mine.size() * group.size());
+  group.all_gather(mine.data(), all.data(), mine.size(), DType::I64)->wait();
   for (int r = 0; r < group.size(); ++r)
     for (size_t i = 0; i < mine.size(); ++i)
       if (all[r * mine.size() + i] != mine[i]) {
-        std::string what = i < 3 ? "parameter count" : i < 6 ? "unit count" : "size of unit " + model.unit(int((i - 6) / 3)).name;
+        std::string what = i == 0 ? "parameter count" : i == 1 ? "unit count" : "size of unit " + model.unit(int(i - 2)).name;
         throw std::runtime_error("data-parallel rank " + std::to_string(r) + " and rank " + std::to_string(group.rank()) +
                                  " built different models (" + what + " differs): every rank must use the same model config");
       }

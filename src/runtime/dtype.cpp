@@ -11,6 +11,14 @@ bool parse_dtype(std::string_view s, DType* out) {
     *out = DType::BF16;
     return true;
   }
+  if (s == "i32" || s == "int32") {
+    *out = DType::I32;
+    return true;
+  }
+  if (s == "i64" || s == "int64") {
+    *out = DType::I64;
+    return true;
+  }
   return false;
 }
 

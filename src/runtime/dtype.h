@@ -1,4 +1,6 @@
-// Element types and the bf16 storage format used across the engine.
+// Element types: the floating-point types of weights, activations and gradients (f32, bf16) and
+// the integer types of token ids, counts and byte sizes (i32, i64), which tensors hold and the
+// collectives carry; the bf16 storage format used across the engine.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -7,11 +9,29 @@
 
 namespace mt {
 
-enum class DType : uint8_t { F32 = 0, BF16 = 1 };
+enum class DType : uint8_t { F32 = 0, BF16 = 1, I32 = 2, I64 = 3 };
 
-inline size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
-inline const char* dtype_name(DType t) { return t == DType::F32 ? "f32" : "bf16"; }
-// Parses "fp32"/"f32"/"float32" and "bf16"/"bfloat16"; returns false for anything else.
+inline size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::BF16: return 2;
+    case DType::I64: return 8;
+    case DType::F32:
+    case DType::I32: break;
+  }
+  return 4;
+}
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::BF16: return "bf16";
+    case DType::I32: return "i32";
+    case DType::I64: return "i64";
+    case DType::F32: break;
+  }
+  return "f32";
+}
+inline bool is_integer(DType t) { return t == DType::I32 || t == DType::I64; }
+// Parses "fp32"/"f32"/"float32", "bf16"/"bfloat16", "i32"/"int32" and "i64"/"int64"; returns
+// false for anything else.
 bool parse_dtype(std::string_view s, DType* out);
 
 // bfloat16 as raw bits. Conversion from float rounds to nearest even; NaN stays NaN.

@@ -37,14 +37,8 @@ Tensor Tensor::zeros(std::vector<int64_t> shape, DType dt, MemCategory c) {
 
 int64_t Tensor::numel() const { return shape_numel(shape_); }
 
-float* Tensor::f32() const {
-  if (dtype_ != DType::F32) throw std::logic_error("tensor is " + std::string(dtype_name(dtype_)) + ", not f32");
-  return data<float>();
-}
-
-bf16* Tensor::bf() const {
-  if (dtype_ != DType::BF16) throw std::logic_error("tensor is " + std::string(dtype_name(dtype_)) + ", not bf16");
-  return data<bf16>();
+void Tensor::wrong_dtype(DType want) const {
+  throw std::logic_error("tensor is " + std::string(dtype_name(dtype_)) + ", not " + dtype_name(want));
 }
 
 Tensor Tensor::view(int64_t start, std::vector<int64_t> shape) const {

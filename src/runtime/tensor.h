@@ -60,8 +60,11 @@ class Tensor {
   T* data() const {
     return static_cast<T*>(raw());
   }
-  float* f32() const;
-  bf16* bf() const;
+  // The elements as their type; throws std::logic_error when the tensor has another dtype.
+  float* f32() const { return as<float>(DType::F32); }
+  bf16* bf() const { return as<bf16>(DType::BF16); }
+  int32_t* i32() const { return as<int32_t>(DType::I32); }
+  int64_t* i64() const { return as<int64_t>(DType::I64); }
 
   // A view of `count` elements starting at element `start`, reshaped to `shape`.
   Tensor view(int64_t start, std::vector<int64_t> shape) const;
@@ -70,6 +73,12 @@ class Tensor {
   std::string shape_str() const;
 
  private:
+  [[noreturn]] void wrong_dtype(DType want) const;  // throws std::logic_error naming both dtypes
+  template <typename T>
+  T* as(DType want) const {
+    if (dtype_ != want) wrong_dtype(want);
+    return data<T>();
+  }
   std::shared_ptr<Storage> storage_;
   size_t offset_ = 0;  // bytes
   std::vector<int64_t> shape_;

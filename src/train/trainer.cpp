@@ -193,7 +193,7 @@ void Trainer::build() {
   if (tp > 1) mc_.padded_vocab = padded_vocab_for_tp(mc_.vocab_size, tp);
   dims_ = ParallelDims::from_config(cfg_, mc_, world_);
   groups_ = ParallelGroups::build(*W_, dims_);
-  if (!parse_dtype(tc_.dtype, &dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
+  if (!parse_dtype(tc_.dtype, &dt_) || is_integer(dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
   check_train_device(tc_.device, dry_);
   kernels::require_ops(tc_.device, {.llama = mc_.arch == Arch::Llama, .rope_scaled = mc_.rope_scaled(),
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = tp > 1,
@@ -709,15 +709,14 @@ TrainResult Trainer::run() {
 
 void Trainer::report() {
   MemStats ms = MemoryTracker::instance().stats();
-  // Every rank's peak and resident bytes per category, gathered to all (raw int64 bytes carried
-  // as pairs of f32 slots: all_gather only copies).
+  // Every rank's peak and resident bytes per category, gathered to all.
   std::vector<int64_t> mine(2 * kNumMemCategories), every(2 * kNumMemCategories * world_);
   for (int i = 0; i < kNumMemCategories; ++i) {
     mine[i] = ms.peak[i];
     mine[kNumMemCategories + i] = resident_[i];
   }
   if (world_ > 1)
-    groups_.metrics->all_gather(mine.data(), every.data(), mine.size() * 2, DType::F32)->wait();
+    groups_.metrics->all_gather(mine.data(), every.data(), mine.size(), DType::I64)->wait();
   else
     every = mine;
   const bool pp = dims_.pp > 1;

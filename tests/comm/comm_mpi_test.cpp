@@ -1,9 +1,10 @@
 // Multi-rank tests of the process groups and the device mesh, run under mpirun with 2, 3 and 4
 // ranks. Every result is compared with a sequentially computed reference (bit for bit: reductions
-// run in rank order with an fp32 accumulator, like the reference loops here).
+// run in rank order with an fp32 accumulator, like the reference loops here; integers exactly).
 #include <gtest/gtest.h>
 #include "comm/mpi_include.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -207,6 +208,85 @@ TEST(ProcessGroup, Bf16SumAccumulatesInFp32) {
   w->all_reduce(v.data(), v.size(), DType::BF16, ReduceOp::Sum)->wait();
   float want = round_to_bf16(256.0f + static_cast<float>(n - 1));
   for (auto x : v) EXPECT_EQ(bf16_to_float(x), want);
+}
+
+// i32 and i64: sums and maxima are exact in their own type on every algorithm (one-shot,
+// pipelined slices, the two-level all_reduce on pretend nodes of 2 ranks, reduce_scatter), gathers
+// and broadcasts deliver every rank's values, and an average of integers is refused.
+TEST(ProcessGroup, IntegerDtypesEveryCollectiveExactly) {
+  auto w = g_world->world();
+  const int n = w->size(), r = w->rank();
+  // Above 2^53 for i64 (a float or double accumulator loses the low bits), signed.
+  auto value = [](int rank, size_t i, DType dt) -> int64_t {
+    const int64_t h = static_cast<int64_t>((i * 2654435761u + static_cast<size_t>(rank) * 40503u) % 200001u) - 100000;
+    return dt == DType::I64 ? (int64_t{1} << 58) + h * 1000003 + rank : h;
+  };
+  auto put = [](void* buf, size_t i, DType dt, int64_t v) {
+    if (dt == DType::I64)
+      static_cast<int64_t*>(buf)[i] = v;
+    else
+      static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v);
+  };
+  auto at = [](const void* buf, size_t i, DType dt) -> int64_t {
+    return dt == DType::I64 ? static_cast<const int64_t*>(buf)[i] : static_cast<const int32_t*>(buf)[i];
+  };
+  auto want = [&](ReduceOp op, int ranks, size_t i, DType dt) {
+    int64_t acc = value(0, i, dt);
+    for (int q = 1; q < ranks; ++q) acc = op == ReduceOp::Max ? std::max(acc, value(q, i, dt)) : acc + value(q, i, dt);
+    return acc;
+  };
+  auto all_reduce_matches = [&](ProcessGroup& g, const char* how) {
+    for (DType dt : {DType::I32, DType::I64})
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max})
+        for (size_t count : kCounts) {
+          Buf b(count, dt);
+          for (size_t i = 0; i < count; ++i) put(b.p(), i, dt, value(g.rank(), i, dt));
+          g.all_reduce(b.p(), count, dt, op)->wait();
+          for (size_t i = 0; i < count; ++i)
+            ASSERT_EQ(at(b.p(), i, dt), want(op, g.size(), i, dt))
+                << how << " " << dtype_name(dt) << " " << reduce_op_name(op) << " count " << count << " [" << i << "]";
+        }
+  };
+  all_reduce_matches(*w, "one-shot and ring");
+  setenv("MESHTRAIN_COMM_SLICE_KB", "4", 1);
+  setenv("MESHTRAIN_COMM_ONESHOT_KB", "0", 1);
+  detail::reload_config();
+  all_reduce_matches(*w, "4 KB slices");
+  if (n == 4) {
+    setenv("MESHTRAIN_COMM_FAKE_NODE_SIZE", "2", 1);
+    detail::reload_config();
+    auto g = g_world->split(0, r, "two_level_int");
+    ASSERT_TRUE(dynamic_cast<detail::MpiBackend*>(g->impl().backend.get())->hier);
+    all_reduce_matches(*g, "two-level");
+    unsetenv("MESHTRAIN_COMM_FAKE_NODE_SIZE");
+  }
+  unsetenv("MESHTRAIN_COMM_SLICE_KB");
+  unsetenv("MESHTRAIN_COMM_ONESHOT_KB");
+  detail::reload_config();
+
+  for (DType dt : {DType::I32, DType::I64}) {
+    for (size_t c : {size_t(0), size_t(1), size_t(5), size_t(1000), size_t(33333)}) {
+      Buf s(c * n, dt), out(c, dt), all(c * n, dt);
+      for (size_t i = 0; i < c * n; ++i) put(s.p(), i, dt, value(r, i, dt));
+      w->reduce_scatter(s.p(), out.p(), c, dt, ReduceOp::Sum)->wait();
+      for (size_t i = 0; i < c; ++i) ASSERT_EQ(at(out.p(), i, dt), want(ReduceOp::Sum, n, r * c + i, dt)) << c;
+      w->all_gather(out.p(), all.p(), c, dt)->wait();
+      for (int q = 0; q < n; ++q)
+        for (size_t i = 0; i < c; ++i) ASSERT_EQ(at(all.p(), q * c + i, dt), want(ReduceOp::Sum, n, q * c + i, dt));
+    }
+    for (int root = 0; root < n; ++root) {
+      Buf b(777, dt);
+      for (size_t i = 0; i < 777; ++i) put(b.p(), i, dt, value(r, i, dt));
+      w->broadcast(b.p(), 777, dt, root)->wait();
+      for (size_t i = 0; i < 777; ++i) ASSERT_EQ(at(b.p(), i, dt), value(root, i, dt)) << "root " << root;
+    }
+    Buf b(3, dt);
+    EXPECT_THROW(w->all_reduce(b.p(), 3, dt, ReduceOp::Avg), CommError);
+  }
+  // The sum of 2^60 + 1 and n - 1 ones is 2^60 + n: every bit of an i64 survives.
+  int64_t x = r == 0 ? (int64_t{1} << 60) + 1 : 1;
+  w->all_reduce(&x, 1, DType::I64)->wait();
+  EXPECT_EQ(x, (int64_t{1} << 60) + n);
 }
 
 TEST(ProcessGroup, ReduceScatter) {

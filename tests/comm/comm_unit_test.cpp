@@ -1,11 +1,15 @@
 // Single-process tests of the comm layer (run without mpirun; MESHTRAIN_MPI=0): helpers, the
-// reduction kernel, a world of one rank, mesh validation, printing and the launcher's command.
+// reduction kernel (every dtype), the Meta backend's host values, a world of one rank, mesh
+// validation, printing and the launcher's command.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <vector>
 
 #include "cli/commands.h"
 #include "comm/comm.h"
@@ -84,6 +88,68 @@ TEST(Reduce, F32InRankOrderAvgMaxAndAliasing) {
   std::vector<float> out(len);
   detail::reduce_into(DType::F32, ReduceOp::Avg, 2, two, out.data(), len);
   EXPECT_EQ(out[10], (keep[10] + 2.0f) / 2.0f);
+}
+
+// Integers reduce in their own type: exact where an fp32 (or fp64) accumulator rounds, wrapping
+// around on overflow; they do not average, and do not mix with another type.
+TEST(Reduce, IntegersAreExactInTheirOwnType) {
+  const int64_t big = (int64_t{1} << 60) + 1;  // above 2^53: a double keeps it only to 256
+  std::vector<int64_t> a = {big, -5, 7, INT64_MAX}, b = {1, -3, 9, 1}, c = {1, -4, 8, 0};
+  const void* srcs[3] = {a.data(), b.data(), c.data()};
+  std::vector<int64_t> out(4);
+  detail::reduce_into(DType::I64, ReduceOp::Sum, 3, srcs, out.data(), 4);
+  EXPECT_EQ(out[0], big + 2);
+  EXPECT_EQ(out[1], -12);
+  EXPECT_EQ(out[2], 24);
+  EXPECT_EQ(out[3], INT64_MIN);  // wraps around
+  detail::reduce_into(DType::I64, ReduceOp::Max, 3, srcs, a.data(), 4);  // out aliases src 0
+  EXPECT_EQ(a, (std::vector<int64_t>{big, -3, 9, INT64_MAX}));
+  // i32, several blocks, in rank order.
+  const size_t len = 3000;
+  std::vector<int32_t> x(len), y(len), z(len);
+  for (size_t i = 0; i < len; ++i) {
+    x[i] = (1 << 24) + 1 + static_cast<int32_t>(i);  // fp32 rounds these sums
+    y[i] = -static_cast<int32_t>(i % 17);
+    z[i] = 3;
+  }
+  const void* s32[3] = {x.data(), y.data(), z.data()};
+  std::vector<int32_t> o32(len);
+  detail::reduce_into(DType::I32, ReduceOp::Sum, 3, s32, o32.data(), len);
+  for (size_t i = 0; i < len; ++i) ASSERT_EQ(o32[i], x[i] + y[i] + 3) << i;
+  detail::reduce_into(DType::I32, ReduceOp::Max, 3, s32, o32.data(), len);
+  for (size_t i = 0; i < len; ++i) ASSERT_EQ(o32[i], x[i]) << i;
+  EXPECT_THROW(detail::reduce_into(DType::I32, ReduceOp::Avg, 3, s32, o32.data(), len), std::logic_error);
+  EXPECT_THROW(detail::reduce_mixed(DType::I32, DType::F32, ReduceOp::Sum, 3, s32, o32.data(), len, 1),
+               std::logic_error);
+  EXPECT_EQ(detail::partial_dtype(DType::BF16), DType::F32);
+  EXPECT_EQ(detail::partial_dtype(DType::I64), DType::I64);
+}
+
+// The Meta backend (the dry run) leaves host buffers as if every rank had passed this rank's
+// values: a sum multiplies by the group size, in the buffer's own type.
+TEST(MetaBackend, HostSumsScaleByTheGroupSizeInTheirType) {
+  detail::MetaBackend meta(1, 4);
+  auto run = [&](DType dt, ReduceOp op, void* buf, size_t count) {
+    detail::Op o;
+    o.d.kind = OpKind::AllReduce;
+    o.d.dt = dt;
+    o.d.op = op;
+    o.d.count = count;
+    o.rbuf = buf;
+    meta.run(o);
+  };
+  std::vector<int64_t> l = {(int64_t{1} << 53) + 1, -3};
+  run(DType::I64, ReduceOp::Sum, l.data(), l.size());
+  EXPECT_EQ(l, (std::vector<int64_t>{(int64_t{1} << 55) + 4, -12}));
+  std::vector<int32_t> i = {7, -1};
+  run(DType::I32, ReduceOp::Sum, i.data(), i.size());
+  EXPECT_EQ(i, (std::vector<int32_t>{28, -4}));
+  run(DType::I32, ReduceOp::Max, i.data(), i.size());
+  EXPECT_EQ(i, (std::vector<int32_t>{28, -4}));
+  std::vector<float> f = {0.5f};
+  run(DType::F32, ReduceOp::Sum, f.data(), f.size());
+  EXPECT_EQ(f[0], 2.0f);
+  meta.shutdown();
 }
 
 TEST(Describe, Formats) {

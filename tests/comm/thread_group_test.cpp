@@ -80,6 +80,50 @@ TEST(ThreadGroup, CollectivesMatchASequentialReference) {
   }
 }
 
+// i32 and i64 through every collective of thread groups of 1..4 ranks: sums and maxima exact in
+// their own type (an i64 above 2^53 keeps every bit), gathers and broadcasts copy, and averaging
+// integers is refused with an error that names the type.
+TEST(ThreadGroup, IntegerCollectivesAreExact) {
+  const int64_t big = (int64_t{1} << 60) + 1;
+  for (int n : {1, 2, 3, 4}) {
+    auto g = make_thread_group("i" + std::to_string(n), n);
+    on_ranks(n, [&](int r) {
+      // all_reduce: rank 0 contributes 2^60 + 1, every other rank 1 and its rank.
+      std::vector<int64_t> l = {r == 0 ? big : 1, -r, 1000 * r};
+      g[r]->all_reduce(l.data(), l.size(), DType::I64)->wait();
+      EXPECT_EQ(l[0], big + (n - 1)) << "n " << n;
+      EXPECT_EQ(l[1], -n * (n - 1) / 2);
+      std::vector<int32_t> m = {r, -r, (1 << 24) + 1 + r};
+      g[r]->all_reduce(m.data(), m.size(), DType::I32, ReduceOp::Max)->wait();
+      EXPECT_EQ(m, (std::vector<int32_t>{n - 1, 0, (1 << 24) + n}));
+      // reduce_scatter: segment r of every rank's [q * 10 + i] summed.
+      std::vector<int64_t> full(2 * static_cast<size_t>(n)), seg(2);
+      for (size_t i = 0; i < full.size(); ++i) full[i] = big * (r == 0) + static_cast<int64_t>(i);
+      g[r]->reduce_scatter(full.data(), seg.data(), 2, DType::I64)->wait();
+      EXPECT_EQ(seg[0], big + n * (2 * r));
+      EXPECT_EQ(seg[1], big + n * (2 * r + 1));
+      // all_gather in place and broadcast from the last rank.
+      std::vector<int32_t> all(2 * static_cast<size_t>(n), -1);
+      all[2 * static_cast<size_t>(r)] = 7 * r;
+      all[2 * static_cast<size_t>(r) + 1] = -7 * r;
+      g[r]->all_gather(all.data() + 2 * r, all.data(), 2, DType::I32)->wait();
+      for (int q = 0; q < n; ++q) EXPECT_EQ(all[2 * static_cast<size_t>(q) + 1], -7 * q);
+      std::vector<int64_t> b = {big + r, r};
+      g[r]->broadcast(b.data(), b.size(), DType::I64, n - 1)->wait();
+      EXPECT_EQ(b, (std::vector<int64_t>{big + n - 1, n - 1}));
+      try {
+        g[r]->all_reduce(l.data(), l.size(), DType::I64, ReduceOp::Avg);
+        ADD_FAILURE() << "an average of i64 values";
+      } catch (const CommError& e) {
+        EXPECT_NE(std::string(e.what()).find("cannot average i64"), std::string::npos) << e.what();
+      }
+      // accounting by element size: 8 bytes an i64
+      const CommStats s = g[r]->stats();
+      EXPECT_EQ(s[OpKind::Broadcast].bytes, n > 1 ? 2u * 8 : 0u);
+    });
+  }
+}
+
 TEST(ThreadGroup, Bf16SumsAccumulateInFp32AndRoundOnce) {
   auto g = make_thread_group("bf", 3);
   on_ranks(3, [&](int r) {

@@ -8,6 +8,9 @@
 
 #include <cmath>
 #include <functional>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -113,6 +116,39 @@ TEST_P(InProcessDataParallel, TwoThreadRanksEqualOneRank) {
 INSTANTIATE_TEST_SUITE_P(Strategies, InProcessDataParallel,
                          ::testing::Values("NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD"),
                          [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
+
+// The data-parallel ranks' check that they built the same model exchanges int64 values: their
+// count, then the parameter count, the unit count and every unit's size (8 bytes a value; before
+// the engine had integer dtypes each value travelled as three 16-bit pieces in f32 slots, 12
+// bytes, and the count as one f32). A difference is named.
+TEST(SameModelCheck, ExchangesInt64ValuesAndNamesTheDifference) {
+  const ModelConfig c = tiny();
+  ModelConfig deeper = c, wider = c;
+  deeper.n_layer += 1;
+  wider.ffn_hidden *= 2;
+  const ModelStorage none{false, false, false, 1};
+  for (int n : {2, 3}) {
+    auto g = comm::make_thread_group("same" + std::to_string(n), n);
+    on_ranks(n, [&](int r) {
+      const Transformer m(c, DType::F32, Recompute::None, none);
+      parallel::verify_same_model(m, *g[r]);
+      const uint64_t values = 2 + static_cast<uint64_t>(m.num_units());
+      EXPECT_EQ(g[r]->stats()[comm::OpKind::AllGather].bytes, static_cast<uint64_t>(n - 1) * 8 * (1 + values));
+    });
+  }
+  auto g = comm::make_thread_group("differ", 2);
+  for (const auto& [other, what] : {std::pair{deeper, "units"}, std::pair{wider, "differs"}}) {
+    on_ranks(2, [&, &other = other, what = what](int r) {
+      const Transformer m(r == 1 ? other : c, DType::F32, Recompute::None, none);
+      try {
+        parallel::verify_same_model(m, *g[r]);
+        ADD_FAILURE() << "different models passed the check";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      }
+    });
+  }
+}
 
 // ProcessGroupTpComm: fp32 calls are exact sums; in bf16 mode activations travel in bf16 (the sum
 // of the bf16-rounded inputs, accumulated in fp32, rounded once, widened back), and the async

@@ -397,6 +397,7 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   };
   expect_error({{"model.n_head", "3"}}, "n_head");
   expect_error({{"train.dtype", "fp8"}}, "train.dtype");
+  expect_error({{"train.dtype", "i32"}}, "train.dtype must be fp32 or bf16");  // a dtype, not a compute type
   expect_error({{"train.device", "tpu"}}, "train.device must be cpu or cuda");
   // cuda: why it cannot be used here (no CUDA build, no GPU), or, with a GPU, that training on it
   // is not wired yet.
