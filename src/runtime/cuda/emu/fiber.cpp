@@ -1,5 +1,6 @@
 #include "fiber.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -16,9 +17,11 @@
 #error "the CUDA emulator's context switch (runtime/cuda/emu/fiber.cpp) is written for x86-64"
 #endif
 
-// mt_emu_switch(save, to): saves the callee-saved registers, the SSE and x87 control words and the
-// stack pointer (into *save), then continues on the stack `to` saved by an earlier switch (or made
-// by fiber_init). mt_emu_start: where a new fiber's first switch returns to; calls r13(r12).
+// mt_emu_switch(save, to): saves the callee-saved registers and the stack pointer (into *save),
+// then continues on the stack `to` saved by an earlier switch (or made by fiber_init). The SSE and
+// x87 control words are not switched: every fiber runs in the launching thread's floating-point
+// environment and kernels do not change it. mt_emu_start: where a new fiber's first switch returns
+// to; calls r13(r12).
 asm(R"(
   .text
   .p2align 4
@@ -32,14 +35,8 @@ mt_emu_switch:
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -105,51 +102,59 @@ size_t g_scheduler_stack_bytes = 0;
 void fiber_init(Fiber& f, int index, void (*entry)(void*), void* arg) {
   f.stack = pool().get(index);
   f.stack_bytes = kStackBytes;
-  // The first switch to f pops the frame mt_emu_switch pushes (control words, r15..r12, rbx, rbp)
-  // and returns into mt_emu_start with a 16-byte aligned stack.
+  // The first switch to f pops the frame mt_emu_switch pushes (r15..r12, rbx, rbp) and returns
+  // into mt_emu_start with a 16-byte aligned stack.
   auto* top = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(f.stack + f.stack_bytes) & ~uintptr_t(15));
-  uint64_t* sp = top - 10;
-  uint32_t ctl[2];
-  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(ctl[0]), "=m"(ctl[1]));
-  sp[0] = static_cast<uint64_t>(ctl[0]) | (static_cast<uint64_t>(ctl[1] & 0xffff) << 32);
-  sp[1] = 0;                                          // r15
-  sp[2] = 0;                                          // r14
-  sp[3] = reinterpret_cast<uint64_t>(entry);          // r13
-  sp[4] = reinterpret_cast<uint64_t>(arg);            // r12
-  sp[5] = 0;                                          // rbx
-  sp[6] = 0;                                          // rbp
-  sp[7] = reinterpret_cast<uint64_t>(&mt_emu_start);  // return address
+  uint64_t* sp = top - 9;
+  sp[0] = 0;                                          // r15
+  sp[1] = 0;                                          // r14
+  sp[2] = reinterpret_cast<uint64_t>(entry);          // r13
+  sp[3] = reinterpret_cast<uint64_t>(arg);            // r12
+  sp[4] = 0;                                          // rbx
+  sp[5] = 0;                                          // rbp
+  sp[6] = reinterpret_cast<uint64_t>(&mt_emu_start);  // return address
+  sp[7] = 0;
   sp[8] = 0;
-  sp[9] = 0;
   f.sp = sp;
 }
 
-void fiber_resume(Fiber& f) {
+void fiber_run(Fiber& first) {
 #if defined(__SANITIZE_ADDRESS__)
+  if (!g_scheduler_stack) {  // the launching thread's stack, where fibers switch back to
+    pthread_attr_t attr;
+    void* addr = nullptr;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+      pthread_attr_getstack(&attr, &addr, &g_scheduler_stack_bytes);
+      pthread_attr_destroy(&attr);
+    }
+    g_scheduler_stack = addr;
+  }
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, f.stack, f.stack_bytes);
-  mt_emu_switch(&g_scheduler_sp, f.sp);
+  __sanitizer_start_switch_fiber(&fake, first.stack, first.stack_bytes);
+  mt_emu_switch(&g_scheduler_sp, first.sp);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
-  mt_emu_switch(&g_scheduler_sp, f.sp);
+  mt_emu_switch(&g_scheduler_sp, first.sp);
 #endif
 }
 
 void fiber_started() {
 #if defined(__SANITIZE_ADDRESS__)
-  __sanitizer_finish_switch_fiber(nullptr, &g_scheduler_stack, &g_scheduler_stack_bytes);
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
 }
 
-void fiber_yield(Fiber& f, bool finished) {
+void fiber_switch(Fiber& from, Fiber* to, bool finished) {
+  void* const target = to ? to->sp : g_scheduler_sp;
 #if defined(__SANITIZE_ADDRESS__)
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(finished ? nullptr : &fake, g_scheduler_stack, g_scheduler_stack_bytes);
-  mt_emu_switch(&f.sp, g_scheduler_sp);
+  if (to) __sanitizer_start_switch_fiber(finished ? nullptr : &fake, to->stack, to->stack_bytes);
+  else __sanitizer_start_switch_fiber(finished ? nullptr : &fake, g_scheduler_stack, g_scheduler_stack_bytes);
+  mt_emu_switch(&from.sp, target);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
   (void)finished;
-  mt_emu_switch(&f.sp, g_scheduler_sp);
+  mt_emu_switch(&from.sp, target);
 #endif
 }
 

@@ -184,6 +184,17 @@ int take_runnable(Block& b) {
 }
 
 // --- running one block ---
+// A switch point: the next runnable thread of the schedule runs (the scheduler when none is left).
+void yield(Thread& t, bool finished) {
+  Block& b = blk();
+  const int next = take_runnable(b);
+  if (next == t.tid) return;  // t itself is next
+  Thread* u = next < 0 ? nullptr : &b.threads[static_cast<size_t>(next)];
+  b.cur = u;
+  if (u) g_thread_idx = u->idx;
+  fiber_switch(t.fiber, u ? &u->fiber : nullptr, finished);
+}
+
 void thread_main(void* arg) {
   fiber_started();
   Thread& t = *static_cast<Thread*>(arg);
@@ -192,7 +203,7 @@ void thread_main(void* arg) {
   t.wait = Wait::Exited;
   ++b.exited;
   b.warps[t.warp].exited |= 1u << t.lane;
-  fiber_yield(t.fiber, true);
+  yield(t, true);
   std::abort();  // never resumed
 }
 
@@ -276,12 +287,10 @@ void run_block(Block& b, uint3 bidx) {
   b.dynamic = ::operator new(std::max<size_t>(b.spec->smem, 1), std::align_val_t(16));
   std::memset(b.dynamic, 0xFF, b.spec->smem);
   b.shared_bytes = b.spec->smem;
-  for (int tid; (tid = take_runnable(b)) >= 0;) {
-    Thread& t = b.threads[static_cast<size_t>(tid)];
-    b.cur = &t;
-    g_thread_idx = t.idx;
-    fiber_resume(t.fiber);
-  }
+  Thread& first = b.threads[static_cast<size_t>(take_runnable(b))];
+  b.cur = &first;
+  g_thread_idx = first.idx;
+  fiber_run(first.fiber);  // returns when no thread can run
   b.cur = nullptr;
   if (b.exited != b.n) stall(b);
   for (const SharedSlot& s : b.shared) ::operator delete(s.p, std::align_val_t(s.align));
@@ -424,7 +433,7 @@ int barrier(Site s, BarrierKind k, int pred) {
       set_runnable(b, i);
     }
   }
-  fiber_yield(t.fiber, false);
+  yield(t, false);
   return static_cast<int>(t.result);
 }
 
@@ -505,15 +514,17 @@ uint64_t warp_op(Site s, WarpOp op, const char* what, unsigned mask, uint64_t va
   Thread& t = *b.cur;
   WarpState& ws = b.warps[t.warp];
   const unsigned me = 1u << t.lane;
-  const std::string at = std::string(what) + " at " + where(s) + " (warp " + std::to_string(t.warp) + ", lane " +
-                         std::to_string(t.lane) + ", mask " + hex(mask) + "): ";
-  if (!(mask & me)) fail(at + "the mask does not name the calling lane");
+  const auto at = [&] {
+    return std::string(what) + " at " + where(s) + " (warp " + std::to_string(t.warp) + ", lane " +
+           std::to_string(t.lane) + ", mask " + hex(mask) + "): ";
+  };
+  if (!(mask & me)) fail(at() + "the mask does not name the calling lane");
   if (mask & ~ws.present)
-    fail(at + "the mask names " + lanes(mask & ~ws.present) + ", which do not exist (the block has " +
+    fail(at() + "the mask names " + lanes(mask & ~ws.present) + ", which do not exist (the block has " +
          std::to_string(b.n) + " threads, so its last warp is partial)");
-  if (mask & ws.exited) fail(at + "the mask names " + lanes(mask & ws.exited) + ", which exited");
+  if (mask & ws.exited) fail(at() + "the mask names " + lanes(mask & ws.exited) + ", which exited");
   if (width < 1 || width > kWarp || (width & (width - 1)) != 0)
-    fail(at + "width " + std::to_string(width) + " is not a power of two up to 32");
+    fail(at() + "width " + std::to_string(width) + " is not a power of two up to 32");
   t.wait = Wait::Warp;
   t.site = s;
   t.op = op;
@@ -524,7 +535,7 @@ uint64_t warp_op(Site s, WarpOp op, const char* what, unsigned mask, uint64_t va
   t.width = width;
   ws.arrived |= me;
   if ((ws.arrived & mask) == mask) complete_warp_op(b, t.warp, mask, t);
-  fiber_yield(t.fiber, false);
+  yield(t, false);
   return t.result;
 }
 
