@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -215,22 +216,58 @@ TEST(Emulator, DeviceMemoryIsNaNFilledAndCopiesAreChecked) {
   EXPECT_NE(std::string(prop.name).find("emulator"), std::string::npos) << prop.name;
 }
 
-// --- a missing barrier: each thread publishes a value and reads its neighbour's ---
+// --- the order in which threads and blocks run (no switch point: each thread runs to its end) ---
+__global__ void order_k(unsigned* counter, unsigned* out) {
+  out[blockIdx.x * blockDim.x + threadIdx.x] = atomicAdd(counter, 1u);
+}
+std::vector<unsigned> run_order(Schedule s, uint64_t seed) {
+  std::vector<unsigned> o;
+  with_schedule(s, seed, [&] {
+    Dev<unsigned> counter(std::vector<unsigned>{0}), out(256);
+    MT_LAUNCH(order_k, 4, 64, 0, nullptr)(counter.p, out.p);
+    o = out.get();
+  });
+  return o;
+}
+
+TEST(Emulator, SchedulesOrderThreadsAndBlocks) {
+  const auto fwd = run_order(Schedule::Forward, 1), rev = run_order(Schedule::Reverse, 1);
+  const auto r5 = run_order(Schedule::Random, 5), r5b = run_order(Schedule::Random, 5), r6 = run_order(Schedule::Random, 6);
+  for (unsigned i = 0; i < 256; ++i) {
+    EXPECT_EQ(fwd[i], i);
+    EXPECT_EQ(rev[i], 255 - i);
+  }
+  EXPECT_EQ(r5, r5b) << "the same seed gives the same order";
+  EXPECT_NE(r5, r6) << "another seed gives another order";
+  EXPECT_NE(r5, fwd);
+  EXPECT_NE(r5, rev);
+  for (unsigned b = 0; b < 4; ++b) {  // blocks run one at a time: each takes 64 consecutive turns
+    const auto lo = std::min_element(r5.begin() + 64 * b, r5.begin() + 64 * (b + 1));
+    const auto hi = std::max_element(r5.begin() + 64 * b, r5.begin() + 64 * (b + 1));
+    EXPECT_EQ(*hi - *lo, 63u) << "block " << b;
+    EXPECT_EQ(*lo % 64, 0u) << "block " << b;
+    EXPECT_FALSE(std::is_sorted(r5.begin() + 64 * b, r5.begin() + 64 * (b + 1))) << "threads in index order, block " << b;
+  }
+}
+
+// --- a missing barrier: each thread publishes a value and reads its neighbour's (its own at the ends) ---
 template <bool kBarrier, int kNeighbour>
 __global__ void neighbour_k(int* out) {
   MT_SHARED(v, int[64]);
-  const int t = static_cast<int>(threadIdx.x);
+  const int t = static_cast<int>(threadIdx.x), u = t + kNeighbour;
   v[t] = t + 1;
   if (kBarrier) __syncthreads();
-  out[t] = v[(t + kNeighbour + 64) % 64];
+  out[t] = v[u >= 0 && u < 64 ? u : t];
 }
 template <bool kBarrier, int kNeighbour>
 bool neighbour_right() {
   Dev<int> out(64);
   MT_LAUNCH((neighbour_k<kBarrier, kNeighbour>), 1, 64, 0, nullptr)(out.p);
   const auto o = out.get();
-  for (int t = 0; t < 64; ++t)
-    if (o[t] != (t + kNeighbour + 64) % 64 + 1) return false;
+  for (int t = 0; t < 64; ++t) {
+    const int u = t + kNeighbour;
+    if (o[t] != (u >= 0 && u < 64 ? u : t) + 1) return false;
+  }
   return true;
 }
 
@@ -244,11 +281,11 @@ TEST(Emulator, SchedulesExposeAMissingBarrier) {
       next_wrong |= n;
       prev_wrong |= p;
       if (s == Schedule::Random) random_wrong = n || p;
-      if (s == Schedule::Forward) {
-        EXPECT_TRUE(n) << "forward runs thread t before t + 1 has written";
+      if (s == Schedule::Forward) {  // thread t runs after t - 1 and before t + 1
+        EXPECT_TRUE(n && !p) << "forward";
       }
-      if (s == Schedule::Reverse) {
-        EXPECT_TRUE(p) << "reverse runs thread t before t - 1 has written";
+      if (s == Schedule::Reverse) {  // thread t runs after t + 1 and before t - 1
+        EXPECT_TRUE(p && !n) << "reverse";
       }
     });
   EXPECT_TRUE(next_wrong && prev_wrong && random_wrong);
