@@ -135,7 +135,8 @@ TEST(EmulatedCublasLt, MatchesAReferenceForEveryTransposeAndType) {
             for (uint64_t j = 0; j < n; ++j)
               for (uint64_t i = 0; i < m; ++i) {
                 double want = 0.0;
-                for (uint64_t p = 0; p < k; ++p) want += (ta ? A.at(p, i) : A.at(i, p)) * (tb ? B.at(j, p) : B.at(p, j));
+                for (uint64_t p = 0; p < k; ++p)
+                  want += (ta ? A.at(p, i) : A.at(i, p)) * (tb ? B.at(j, p) : B.at(p, j));
                 want = 1.5 * want + (beta != 0.0f ? beta * c0[i + j * (m + 2)] : 0.0);
                 const double g = got[i + j * (m + 2)];
                 ASSERT_LE(std::abs(g - want), tol * (std::abs(want) + 1.0))
@@ -173,8 +174,9 @@ TEST(EmulatedCublasLt, RefusesWhatCublasLtRefuses) {
   EXPECT_EQ(found, 0);
   // An algorithm chosen for 256-byte aligned pointers, called with a 4-byte aligned one.
   const uint32_t full = 256;
-  ASSERT_EQ(cublasLtMatmulPreferenceSetAttribute(lt.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &full, sizeof full),
-            CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(
+      cublasLtMatmulPreferenceSetAttribute(lt.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &full, sizeof full),
+      CUBLAS_STATUS_SUCCESS);
   const uint64_t wsb = 4096;
   ASSERT_EQ(cublasLtMatmulPreferenceSetAttribute(lt.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb),
             CUBLAS_STATUS_SUCCESS);
@@ -197,8 +199,8 @@ TEST(EmulatedCublasLt, RefusesWhatCublasLtRefuses) {
   EXPECT_EQ(lt.matmul(1.0f, A, B, 0.0f, C, r, ws, 4096), CUBLAS_STATUS_SUCCESS);
   // A host operand: the GPU would fault; the emulator stops with the operand's name.
   alignas(256) float host[64] = {};
-  EXPECT_DEATH(cublasLtMatmul(lt.h, lt.op, &alpha, host, lt.a, B.d, lt.b, &beta, C.d, lt.c, C.d, lt.c, &r.algo,
-                              ws, 4096, nullptr),
+  EXPECT_DEATH(cublasLtMatmul(lt.h, lt.op, &alpha, host, lt.a, B.d, lt.b, &beta, C.d, lt.c, C.d, lt.c, &r.algo, ws,
+                              4096, nullptr),
                "cublasLtMatmul: operand A .* is not inside one device allocation");
   cublasLtMatrixLayoutDestroy(c16);
   cudaFree(ws);

@@ -28,7 +28,9 @@ struct Dev {
   explicit Dev(size_t count) : n(count) { EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess); }
   explicit Dev(const std::vector<T>& h) : Dev(h.size()) { set(h); }
   ~Dev() { cudaFree(p); }
-  void set(const std::vector<T>& h) { EXPECT_EQ(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
+  void set(const std::vector<T>& h) {
+    EXPECT_EQ(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
   std::vector<T> get() const {
     std::vector<T> h(n);
     EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -104,10 +106,10 @@ TEST(Emulator, BuiltinVariablesAndPerBlockSharedMemory) {
 __global__ void warp_k(int* out) {
   const int t = static_cast<int>(threadIdx.x), lane = t & 31;
   int* o = out + 16 * t;
-  o[0] = __shfl_sync(0xffffffffu, t * 10, 3);            // lane 3 of the warp
-  o[1] = __shfl_up_sync(0xffffffffu, t, 2, 8);            // lane - 2 inside groups of 8, else own
-  o[2] = __shfl_down_sync(0xffffffffu, t, 3);             // lane + 3, else own
-  o[3] = __shfl_xor_sync(0xffffffffu, t, 5);              // lane ^ 5
+  o[0] = __shfl_sync(0xffffffffu, t * 10, 3);   // lane 3 of the warp
+  o[1] = __shfl_up_sync(0xffffffffu, t, 2, 8);  // lane - 2 inside groups of 8, else own
+  o[2] = __shfl_down_sync(0xffffffffu, t, 3);   // lane + 3, else own
+  o[3] = __shfl_xor_sync(0xffffffffu, t, 5);    // lane ^ 5
   o[4] = static_cast<int>(__ballot_sync(0xffffffffu, lane % 3 == 0));
   o[5] = __all_sync(0xffffffffu, t >= 0);
   o[6] = __any_sync(0xffffffffu, lane == 31 && t > 32);
@@ -216,6 +218,34 @@ TEST(Emulator, DeviceMemoryIsNaNFilledAndCopiesAreChecked) {
   EXPECT_NE(std::string(prop.name).find("emulator"), std::string::npos) << prop.name;
 }
 
+TEST(Emulator, StreamsAndEventsAreCheckedHandles) {
+  cudaStream_t st = nullptr;
+  cudaEvent_t a = nullptr, b = nullptr, untimed = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&a), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&b), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&untimed, cudaEventDisableTiming), cudaSuccess);
+  float ms = -1.0f;
+  EXPECT_EQ(cudaEventElapsedTime(&ms, a, b), cudaErrorNotReady) << "before either was recorded";
+  Dev<unsigned> out(64);
+  EXPECT_EQ(cudaEventRecord(a, st), cudaSuccess);
+  MT_LAUNCH(builtins_k, 1, 16, 0, st)(out.p);
+  EXPECT_EQ(cudaEventRecord(b, st), cudaSuccess);
+  EXPECT_EQ(cudaStreamWaitEvent(st, b), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  EXPECT_EQ(cudaEventElapsedTime(&ms, a, b), cudaSuccess);
+  EXPECT_GE(ms, 0.0f);
+  EXPECT_EQ(cudaEventRecord(untimed, st), cudaSuccess);
+  EXPECT_EQ(cudaEventElapsedTime(&ms, a, untimed), cudaErrorInvalidResourceHandle) << "timing disabled";
+  EXPECT_EQ(cudaStreamDestroy(st), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(st), cudaErrorInvalidResourceHandle) << "destroyed twice";
+  EXPECT_EQ(cudaStreamSynchronize(st), cudaErrorInvalidResourceHandle);
+  MT_LAUNCH(builtins_k, 1, 16, 0, st)(out.p);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle) << "a launch on a destroyed stream";
+  for (cudaEvent_t e : {a, b, untimed}) EXPECT_EQ(cudaEventDestroy(e), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(a), cudaErrorInvalidResourceHandle);
+}
+
 // --- the order in which threads and blocks run (no switch point: each thread runs to its end) ---
 __global__ void order_k(unsigned* counter, unsigned* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = atomicAdd(counter, 1u);
@@ -232,7 +262,8 @@ std::vector<unsigned> run_order(Schedule s, uint64_t seed) {
 
 TEST(Emulator, SchedulesOrderThreadsAndBlocks) {
   const auto fwd = run_order(Schedule::Forward, 1), rev = run_order(Schedule::Reverse, 1);
-  const auto r5 = run_order(Schedule::Random, 5), r5b = run_order(Schedule::Random, 5), r6 = run_order(Schedule::Random, 6);
+  const auto r5 = run_order(Schedule::Random, 5), r5b = run_order(Schedule::Random, 5),
+             r6 = run_order(Schedule::Random, 6);
   for (unsigned i = 0; i < 256; ++i) {
     EXPECT_EQ(fwd[i], i);
     EXPECT_EQ(rev[i], 255 - i);
@@ -246,7 +277,8 @@ TEST(Emulator, SchedulesOrderThreadsAndBlocks) {
     const auto hi = std::max_element(r5.begin() + 64 * b, r5.begin() + 64 * (b + 1));
     EXPECT_EQ(*hi - *lo, 63u) << "block " << b;
     EXPECT_EQ(*lo % 64, 0u) << "block " << b;
-    EXPECT_FALSE(std::is_sorted(r5.begin() + 64 * b, r5.begin() + 64 * (b + 1))) << "threads in index order, block " << b;
+    EXPECT_FALSE(std::is_sorted(r5.begin() + 64 * b, r5.begin() + 64 * (b + 1)))
+        << "threads in index order, block " << b;
   }
 }
 
@@ -306,6 +338,18 @@ __global__ void missing_lane_k(int* out) {
   if (threadIdx.x != 5) v = __shfl_xor_sync(0xffffffffu, v, 1);
   out[threadIdx.x] = v;
 }
+__global__ void two_shuffles_k(int* out) {
+  int v = static_cast<int>(threadIdx.x);
+  if (threadIdx.x < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  else v = __shfl_xor_sync(0xffffffffu, v, 2);
+  out[threadIdx.x] = v;
+}
+__global__ void lane_at_barrier_k(int* out) {
+  int v = static_cast<int>(threadIdx.x);
+  if (threadIdx.x == 5) __syncthreads();
+  else v = __shfl_xor_sync(0xffffffffu, v, 1);
+  out[threadIdx.x] = v;
+}
 __global__ void full_mask_partial_warp_k(float* out) {
   float v = 1.0f;
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -315,11 +359,16 @@ __global__ void full_mask_partial_warp_k(float* out) {
 TEST(EmulatorDeathTest, ReportsMisuseWithTheKernelAndLine) {
   Dev<int> out(64);
   Dev<float> fout(64);
-  EXPECT_DEATH(MT_LAUNCH(divergent_barrier_k, 1, 64, 0, nullptr)(out.p),
-               "kernel divergent_barrier_k.*__syncthreads at .*emulator_test.cpp:[0-9]+ reached by 16 of 64 threads.*exited");
+  EXPECT_DEATH(
+      MT_LAUNCH(divergent_barrier_k, 1, 64, 0, nullptr)(out.p),
+      "kernel divergent_barrier_k.*__syncthreads at .*emulator_test.cpp:[0-9]+ reached by 16 of 64 threads.*exited");
   EXPECT_DEATH(MT_LAUNCH(two_barriers_k, 1, 64, 0, nullptr)(out.p), "kernel two_barriers_k.*different barriers");
   EXPECT_DEATH(MT_LAUNCH(missing_lane_k, 1, 32, 0, nullptr)(out.p),
                "kernel missing_lane_k.*__shfl_xor_sync at .*emulator_test.cpp:[0-9]+.*lane(s)? 5.*exited");
+  EXPECT_DEATH(MT_LAUNCH(two_shuffles_k, 1, 32, 0, nullptr)(out.p),
+               "lanes of warp 0 meet at different warp operations");
+  EXPECT_DEATH(MT_LAUNCH(lane_at_barrier_k, 1, 32, 0, nullptr)(out.p),
+               "reached by 1 of 32 threads; 31 wait at __shfl_xor_sync at .*emulator_test.cpp:[0-9]+");
   EXPECT_DEATH(MT_LAUNCH(full_mask_partial_warp_k, 1, 40, 0, nullptr)(fout.p),
                "kernel full_mask_partial_warp_k.*names lanes 8-31, which do not exist");
   std::vector<float> host(64);
@@ -344,7 +393,8 @@ TEST(EmulatorDeathTest, AddressSanitizerReportsOutOfBoundsAccessesWithTheLine) {
   EXPECT_DEATH(MT_LAUNCH(off_by_one_k, 1, 64, 0, nullptr)(out.p, 100),
                "heap-buffer-overflow.*emulator_test.cpp:[0-9]+");
   Dev<float> out33(33);
-  EXPECT_DEATH(MT_LAUNCH(shared_overrun_k, 1, 33, 0, nullptr)(out33.p), "heap-buffer-overflow.*emulator_test.cpp:[0-9]+");
+  EXPECT_DEATH(MT_LAUNCH(shared_overrun_k, 1, 33, 0, nullptr)(out33.p),
+               "heap-buffer-overflow.*emulator_test.cpp:[0-9]+");
   // A block of the caching allocator lent for fewer bytes than it holds: the rest is out of bounds.
   float* p = nullptr;
   ASSERT_EQ(cudaMalloc(&p, 512), cudaSuccess);

@@ -1,6 +1,8 @@
 // The emulator's cuBLASLt (cublasLt.h): descriptors with cuBLASLt's checks, a heuristic that
 // returns one algorithm carrying the alignments and workspace it was chosen for, and a host matmul
 // with fp32 accumulation in index order (the GPU's order differs; tolerances in the tests).
+#include "cublasLt.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -11,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "cublasLt.h"
 #include "internal.h"
 
 struct cublasLtContext {
@@ -121,8 +122,7 @@ std::vector<float> pack(const void* x, const cublasLtMatrixLayoutOpaque_t* l, bo
   std::vector<float> out(rows * k);
   const uint64_t ld = static_cast<uint64_t>(l->ld);
   for (uint64_t r = 0; r < rows; ++r)
-    for (uint64_t p = 0; p < k; ++p)
-      out[r * k + p] = load(x, l->type, trans ? p + r * ld : r + p * ld, tf32);
+    for (uint64_t p = 0; p < k; ++p) out[r * k + p] = load(x, l->type, trans ? p + r * ld : r + p * ld, tf32);
   return out;
 }
 
@@ -241,7 +241,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
     if (workspace_bytes < ws) return CUBLAS_STATUS_INVALID_VALUE;
     if (ws) {
       if (!workspace || !mt::emu::is_device_range(workspace, ws)) {
-        std::fprintf(stderr, "meshtrain cuda emulator: cublasLtMatmul: the workspace (%p, %llu bytes) is not device memory\n",
+        std::fprintf(stderr,
+                     "meshtrain cuda emulator: cublasLtMatmul: the workspace (%p, %llu bytes) is not device memory\n",
                      workspace, static_cast<unsigned long long>(ws));
         std::abort();
       }

@@ -60,8 +60,7 @@ T reduce(Site s, WarpOp op, const char* what, unsigned mask, T v) {
 }
 }  // namespace mt::emu
 
-#define __shfl_sync(mask, ...) \
-  ::mt::emu::shuffle(MT_EMU_SITE, ::mt::emu::WarpOp::Idx, "__shfl_sync", mask, __VA_ARGS__)
+#define __shfl_sync(mask, ...) ::mt::emu::shuffle(MT_EMU_SITE, ::mt::emu::WarpOp::Idx, "__shfl_sync", mask, __VA_ARGS__)
 #define __shfl_up_sync(mask, ...) \
   ::mt::emu::shuffle(MT_EMU_SITE, ::mt::emu::WarpOp::Up, "__shfl_up_sync", mask, __VA_ARGS__)
 #define __shfl_down_sync(mask, ...) \
@@ -69,7 +68,8 @@ T reduce(Site s, WarpOp op, const char* what, unsigned mask, T v) {
 #define __shfl_xor_sync(mask, ...) \
   ::mt::emu::shuffle(MT_EMU_SITE, ::mt::emu::WarpOp::Xor, "__shfl_xor_sync", mask, __VA_ARGS__)
 #define __syncwarp(...) ::mt::emu::syncwarp(MT_EMU_SITE __VA_OPT__(, ) __VA_ARGS__)
-#define __ballot_sync(mask, p) ::mt::emu::vote(MT_EMU_SITE, ::mt::emu::WarpOp::Ballot, "__ballot_sync", mask, (p) ? 1 : 0)
+#define __ballot_sync(mask, p) \
+  ::mt::emu::vote(MT_EMU_SITE, ::mt::emu::WarpOp::Ballot, "__ballot_sync", mask, (p) ? 1 : 0)
 #define __all_sync(mask, p) \
   static_cast<int>(::mt::emu::vote(MT_EMU_SITE, ::mt::emu::WarpOp::All, "__all_sync", mask, (p) ? 1 : 0))
 #define __any_sync(mask, p) \
@@ -86,73 +86,58 @@ T reduce(Site s, WarpOp op, const char* what, unsigned mask, T v) {
 // --- atomics: indivisible by construction (one block at a time; no switch point inside) ---
 template <class T>
 concept EmuAtomicValue = std::is_same_v<T, int> || std::is_same_v<T, unsigned> ||
-                         std::is_same_v<T, unsigned long long> || std::is_same_v<T, float> ||
-                         std::is_same_v<T, double>;
+    std::is_same_v<T, unsigned long long> || std::is_same_v<T, float> || std::is_same_v<T, double>;
 template <class T>
 concept EmuAtomicInt = std::is_same_v<T, int> || std::is_same_v<T, unsigned> || std::is_same_v<T, unsigned long long>;
-template <EmuAtomicValue T>
-T atomicAdd(T* p, std::type_identity_t<T> v) {
+namespace mt::emu {
+template <class T, class F>
+T read_modify_write(T* p, F f) {
   const T old = *p;
-  *p = old + v;
+  *p = f(old);
   return old;
 }
-template <EmuAtomicInt T>
-T atomicSub(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old - v;
-  return old;
+}  // namespace mt::emu
+template <EmuAtomicValue T>
+T atomicAdd(T* p, std::type_identity_t<T> v) {
+  return ::mt::emu::read_modify_write(p, [v](T o) { return static_cast<T>(o + v); });
 }
 template <EmuAtomicValue T>
 T atomicExch(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = v;
-  return old;
+  return ::mt::emu::read_modify_write(p, [v](T) { return v; });
+}
+template <EmuAtomicInt T>
+T atomicSub(T* p, std::type_identity_t<T> v) {
+  return ::mt::emu::read_modify_write(p, [v](T o) { return static_cast<T>(o - v); });
 }
 template <EmuAtomicInt T>
 T atomicMax(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old < v ? v : old;
-  return old;
+  return ::mt::emu::read_modify_write(p, [v](T o) { return o < v ? v : o; });
 }
 template <EmuAtomicInt T>
 T atomicMin(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = v < old ? v : old;
-  return old;
+  return ::mt::emu::read_modify_write(p, [v](T o) { return v < o ? v : o; });
 }
 template <EmuAtomicInt T>
 T atomicCAS(T* p, std::type_identity_t<T> compare, std::type_identity_t<T> v) {
-  const T old = *p;
-  if (old == compare) *p = v;
-  return old;
+  return ::mt::emu::read_modify_write(p, [compare, v](T o) { return o == compare ? v : o; });
 }
 template <EmuAtomicInt T>
 T atomicAnd(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old & v;
-  return old;
+  return ::mt::emu::read_modify_write(p, [v](T o) { return static_cast<T>(o & v); });
 }
 template <EmuAtomicInt T>
 T atomicOr(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old | v;
-  return old;
+  return ::mt::emu::read_modify_write(p, [v](T o) { return static_cast<T>(o | v); });
 }
 template <EmuAtomicInt T>
 T atomicXor(T* p, std::type_identity_t<T> v) {
-  const T old = *p;
-  *p = old ^ v;
-  return old;
+  return ::mt::emu::read_modify_write(p, [v](T o) { return static_cast<T>(o ^ v); });
 }
 inline unsigned atomicInc(unsigned* p, unsigned limit) {
-  const unsigned old = *p;
-  *p = old >= limit ? 0u : old + 1u;
-  return old;
+  return ::mt::emu::read_modify_write(p, [limit](unsigned o) { return o >= limit ? 0u : o + 1u; });
 }
 inline unsigned atomicDec(unsigned* p, unsigned limit) {
-  const unsigned old = *p;
-  *p = (old == 0u || old > limit) ? limit : old - 1u;
-  return old;
+  return ::mt::emu::read_modify_write(p, [limit](unsigned o) { return (o == 0u || o > limit) ? limit : o - 1u; });
 }
 
 // --- bit reinterpretation and integer intrinsics ---

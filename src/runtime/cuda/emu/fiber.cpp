@@ -75,8 +75,8 @@ struct Pool {
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   char* get(int index) {
     while (stacks.size() <= static_cast<size_t>(index)) {
-      void* m = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+      void* m =
+          mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (m == MAP_FAILED || mprotect(m, page, PROT_NONE) != 0) {
         std::fprintf(stderr, "meshtrain cuda emulator: could not map a %zu KiB fiber stack\n", kStackBytes >> 10);
         std::abort();

@@ -297,20 +297,33 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
-  if (!s) return err(cudaErrorInvalidValue);
-  *s = new CUstream_st{flags};
+namespace {
+// A new stream or event handle, counted as live until destroyed.
+template <class H>
+cudaError_t create_handle(std::set<H*>& live, H** out, H* made) {
+  if (!out) {
+    delete made;
+    return err(cudaErrorInvalidValue);
+  }
   std::lock_guard<std::mutex> lk(rt().mu);
-  rt().streams.insert(*s);
+  live.insert(made);
+  *out = made;
   return ok();
+}
+template <class H>
+cudaError_t destroy_handle(std::set<H*>& live, H* h) {
+  std::lock_guard<std::mutex> lk(rt().mu);
+  if (!live.erase(h)) return err(cudaErrorInvalidResourceHandle);
+  delete h;
+  return ok();
+}
+}  // namespace
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
+  return create_handle(rt().streams, s, new CUstream_st{flags});
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
-cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  std::lock_guard<std::mutex> lk(rt().mu);
-  if (!rt().streams.erase(s)) return err(cudaErrorInvalidResourceHandle);
-  delete s;
-  return ok();
-}
+cudaError_t cudaStreamDestroy(cudaStream_t s) { return destroy_handle(rt().streams, s); }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return mt::emu::valid_stream(s) ? ok() : err(cudaErrorInvalidResourceHandle);
 }
@@ -326,19 +339,10 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   return mt::emu::valid_stream(s) && valid_event(e) ? ok() : err(cudaErrorInvalidResourceHandle);
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
-  if (!e) return err(cudaErrorInvalidValue);
-  *e = new CUevent_st{flags, false, {}};
-  std::lock_guard<std::mutex> lk(rt().mu);
-  rt().events.insert(*e);
-  return ok();
+  return create_handle(rt().events, e, new CUevent_st{flags, false, {}});
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
-cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  std::lock_guard<std::mutex> lk(rt().mu);
-  if (!rt().events.erase(e)) return err(cudaErrorInvalidResourceHandle);
-  delete e;
-  return ok();
-}
+cudaError_t cudaEventDestroy(cudaEvent_t e) { return destroy_handle(rt().events, e); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (!valid_event(e) || !mt::emu::valid_stream(s)) return err(cudaErrorInvalidResourceHandle);
   e->recorded = true;

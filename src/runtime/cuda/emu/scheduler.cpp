@@ -21,7 +21,7 @@ namespace {
 constexpr int kMaxThreads = 1024;
 constexpr int kWarp = 32;
 constexpr size_t kSharedDefault = size_t(48) << 10;  // per block without an opt-in
-constexpr size_t kSharedOptin = size_t(227) << 10;    // an H100's per-block maximum
+constexpr size_t kSharedOptin = size_t(227) << 10;   // an H100's per-block maximum
 
 enum class Wait : uint8_t { None, Barrier, Warp, Exited };
 
@@ -83,7 +83,8 @@ Schedule schedule_from_env(uint64_t* seed) {
     else if (x == "reverse") s = Schedule::Reverse;
     else if (x == "random") s = Schedule::Random;
     else {
-      std::fprintf(stderr, "meshtrain cuda emulator: MT_EMU_SCHEDULE must be forward, reverse or random (got '%s')\n", v);
+      std::fprintf(stderr, "meshtrain cuda emulator: MT_EMU_SCHEDULE must be forward, reverse or random (got '%s')\n",
+                   v);
       std::exit(2);
     }
   }
@@ -141,7 +142,8 @@ std::string lanes(unsigned m) {
 
 [[noreturn]] void fail(const std::string& msg) {
   const Block& b = blk();
-  std::fprintf(stderr, "meshtrain cuda emulator: kernel %s, block (%u,%u,%u) of (%u,%u,%u) [schedule %s, seed %llu]: %s\n",
+  std::fprintf(stderr,
+               "meshtrain cuda emulator: kernel %s, block (%u,%u,%u) of (%u,%u,%u) [schedule %s, seed %llu]: %s\n",
                b.spec ? b.spec->name : "?", g_block_idx.x, g_block_idx.y, g_block_idx.z, g_grid_dim.x, g_grid_dim.y,
                g_grid_dim.z, schedule_name(emu().schedule), static_cast<unsigned long long>(emu().seed), msg.c_str());
   std::fflush(stderr);
@@ -154,13 +156,15 @@ void assign_ranks(Block& b) {
   if (s == Schedule::Random) {
     std::vector<int> warp_order(static_cast<size_t>(b.nwarps));
     for (int w = 0; w < b.nwarps; ++w) warp_order[static_cast<size_t>(w)] = w;
-    for (int i = b.nwarps - 1; i > 0; --i) std::swap(warp_order[static_cast<size_t>(i)], warp_order[random_below(static_cast<uint64_t>(i) + 1)]);
+    for (int i = b.nwarps - 1; i > 0; --i)
+      std::swap(warp_order[static_cast<size_t>(i)], warp_order[random_below(static_cast<uint64_t>(i) + 1)]);
     int r = 0;
     for (int w : warp_order) {
       const int lo = w * kWarp, cnt = std::min(kWarp, b.n - lo);
       int lane_order[kWarp];
       for (int l = 0; l < cnt; ++l) lane_order[l] = l;
-      for (int i = cnt - 1; i > 0; --i) std::swap(lane_order[i], lane_order[random_below(static_cast<uint64_t>(i) + 1)]);
+      for (int i = cnt - 1; i > 0; --i)
+        std::swap(lane_order[i], lane_order[random_below(static_cast<uint64_t>(i) + 1)]);
       for (int l = 0; l < cnt; ++l) b.by_rank[r++] = lo + lane_order[l];
     }
   } else {
@@ -206,14 +210,15 @@ void thread_main(void* arg) {
   std::abort();  // never resumed
 }
 
+// What a thread does, after "N threads" or "lanes ...".
 std::string describe_wait(const Thread& t) {
   switch (t.wait) {
     case Wait::Exited: return "exited";
-    case Wait::Barrier: return "waits at __syncthreads at " + where(t.site);
-    case Wait::Warp: return std::string("waits at ") + t.what + " at " + where(t.site) + " (mask " + hex(t.mask) + ")";
+    case Wait::Barrier: return "wait at __syncthreads at " + where(t.site);
+    case Wait::Warp: return std::string("wait at ") + t.what + " at " + where(t.site) + " (mask " + hex(t.mask) + ")";
     case Wait::None: break;
   }
-  return "is runnable";
+  return "can run";
 }
 
 // Nothing can run but not every thread has exited: say who waits where, then abort.
@@ -238,8 +243,9 @@ std::string describe_wait(const Thread& t) {
     std::string msg = "__syncthreads at " + where(first_barrier->site) + " reached by " + std::to_string(here) +
                       " of " + std::to_string(b.n) + " threads;";
     for (const auto& [what, who] : others)
-      msg += " " + std::to_string(who.size()) + (who.size() == 1 ? " thread " : " threads ") + what + " (thread " +
-             std::to_string(who.front()) + (who.size() > 1 ? " to " + std::to_string(who.back()) : "") + ");";
+      msg += " " + std::to_string(who.size()) + " " + what +
+             (who.size() > 1 ? " (threads " + std::to_string(who.front()) + " to " + std::to_string(who.back()) + ");"
+                             : " (thread " + std::to_string(who.front()) + ");");
     fail(msg + " a barrier must be reached by every thread of the block");
   }
   for (int i = 0; i < b.n; ++i) {
@@ -256,7 +262,7 @@ std::string describe_wait(const Thread& t) {
       if (it == missing.end()) it = missing.insert(missing.end(), {d, 0u});
       it->second |= 1u << l;
     }
-    for (const auto& [what, m] : missing) msg += " " + lanes(m) + " " + what + ";";
+    for (const auto& [what, m] : missing) msg += " " + lanes(m) + ": " + what + ";";
     fail(msg + " every lane named in the mask must call the same warp operation");
   }
   fail("no thread can run (internal error)");
@@ -303,7 +309,8 @@ cudaError_t check_config(const LaunchSpec& s) {
   const dim3 g = s.grid, k = s.block;
   if (!valid_stream(s.stream)) return cudaErrorInvalidResourceHandle;
   const uint64_t threads = uint64_t(k.x) * k.y * k.z;
-  if (threads == 0 || threads > kMaxThreads || k.x > 1024 || k.y > 1024 || k.z > 64) return cudaErrorInvalidConfiguration;
+  if (threads == 0 || threads > kMaxThreads || k.x > 1024 || k.y > 1024 || k.z > 64)
+    return cudaErrorInvalidConfiguration;
   if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535)
     return cudaErrorInvalidConfiguration;
   if (s.smem > std::max(kSharedDefault, dynamic_shared_limit(reinterpret_cast<const void*>(s.fn))))
@@ -420,8 +427,8 @@ int barrier(Site s, BarrierKind k, int pred) {
     for (int i = 0; i < b.n; ++i) {
       const Thread& u = b.threads[static_cast<size_t>(i)];
       if (!same_site(u.site, s) || u.bkind != k)
-        fail("threads meet at different barriers: thread " + std::to_string(i) + " at " + where(u.site) +
-             ", thread " + std::to_string(t.tid) + " at " + where(s) +
+        fail("threads meet at different barriers: thread " + std::to_string(i) + " at " + where(u.site) + ", thread " +
+             std::to_string(t.tid) + " at " + where(s) +
              " (every thread of the block must reach the same __syncthreads)");
       count += u.value ? 1 : 0;
     }
