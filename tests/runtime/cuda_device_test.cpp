@@ -1,6 +1,6 @@
 // The CUDA device as the host sees it: its name, the errors when it cannot be used (no CUDA build,
 // no driver, no GPU), the caching block allocator's bookkeeping (run on host memory here), and,
-// only where a GPU is present, the device allocator and copies themselves.
+// where a GPU or the emulator (-DMESHTRAIN_CUDA=EMU) is present, the device allocator and copies.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -11,6 +11,10 @@
 
 #include "runtime/block_cache.h"
 #include "runtime/device.h"
+
+#ifdef MT_CUDA_EMU
+#include "runtime/cuda/cuda_device.h"
+#endif
 
 namespace mt {
 namespace {
@@ -184,6 +188,33 @@ TEST(CudaDevice, AllocatorCountsByCategoryAndReusesBlocks) {
   device_free(Device::CUDA, p2, 3 << 20, MemCategory::Activations);
   synchronize(default_stream(Device::CUDA));
 }
+
+#ifdef MT_CUDA_EMU
+// The emulated device: every allocation reads as NaN until written (also when the cache hands a
+// block out again), copies with a host pointer on the device side fail, and it says what it is.
+TEST(CudaDevice, EmulatedMemoryIsNaNUntilWrittenAndCopiesAreChecked) {
+  std::string why;
+  if (!device_available(Device::CUDA, &why)) GTEST_SKIP() << "the emulated device is hidden: " << why;
+  EXPECT_NE(cuda::describe().find("emulator"), std::string::npos) << cuda::describe();
+  const size_t n = 1000;
+  std::vector<unsigned char> h(n, 0), back(n, 0);
+  for (int round = 0; round < 2; ++round) {  // the second allocation is the cached block again
+    void* p = device_alloc(Device::CUDA, n, MemCategory::Activations);
+    dev::copy_to_host(Device::CUDA, back.data(), p, n);
+    EXPECT_EQ(back, std::vector<unsigned char>(n, 0xFF)) << "round " << round;
+    dev::copy_from_host(Device::CUDA, p, h.data(), n);
+    dev::copy_to_host(Device::CUDA, back.data(), p, n);
+    EXPECT_EQ(back, h);
+    device_free(Device::CUDA, p, n, MemCategory::Activations);
+  }
+  try {
+    dev::copy_from_host(Device::CUDA, back.data(), h.data(), n);  // a host destination
+    ADD_FAILURE() << "copy_from_host into host memory did not throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("H2D: invalid argument"), std::string::npos) << e.what();
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace mt

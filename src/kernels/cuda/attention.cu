@@ -230,7 +230,8 @@ void rope(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                                 ") must be even for rotary embedding");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const float* cs = rope_table(T, hd, theta, host_freq);  // host_freq: the contract's host array
-  rope_k<<<grid_for(B * T * (nh + nkv) * (hd / 2), 256), 256, 0, stream()>>>(qkv, g, cs, cs + T * (hd / 2), sign);
+  MT_LAUNCH(rope_k, grid_for(B * T * (nh + nkv) * (hd / 2), 256), 256, 0, stream())(qkv, g, cs, cs + T * (hd / 2),
+                                                                                   sign);
   check_launch(fn);
 }
 }  // namespace
@@ -239,7 +240,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
                        int64_t hd) {
   const Geo g = geo(B, T, nh, nkv, hd, "attention_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  attn_fwd_k<<<warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream()>>>(out, lse, qkv, g);
+  MT_LAUNCH(attn_fwd_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(out, lse, qkv, g);
   check_launch("attention_forward");
 }
 
@@ -248,11 +249,11 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const Geo g = geo(B, T, nh, nkv, hd, "attention_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   float* Dd = static_cast<float*>(scratch(kScratchTmp, static_cast<size_t>(B * nh * T) * sizeof(float)));
-  attn_bwd_delta_k<<<warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream()>>>(Dd, dout, out, g);
+  MT_LAUNCH(attn_bwd_delta_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(Dd, dout, out, g);
   check_launch("attention_backward (delta)");
-  attn_bwd_dq_k<<<warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream()>>>(dqkv, dout, qkv, lse, Dd, g);
+  MT_LAUNCH(attn_bwd_dq_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, g);
   check_launch("attention_backward (dq)");
-  attn_bwd_dkv_k<<<warp_blocks(B * nkv * T), 32 * kWarpsPerBlock, 0, stream()>>>(dqkv, dout, qkv, lse, Dd, g);
+  MT_LAUNCH(attn_bwd_dkv_k, warp_blocks(B * nkv * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, g);
   check_launch("attention_backward (dk, dv)");
 }
 

@@ -1,4 +1,6 @@
 // Shared pieces of the CUDA kernels: the compute stream, error checks, launch shapes, bf16 bits.
+// Kernels are launched with MT_LAUNCH and declare shared memory with MT_SHARED (launch.cuh), so that
+// every .cu also compiles for the CPU emulator.
 // Every kernel of the CUDA table runs on the device's one compute stream (runtime/cuda/cuda_device.h).
 #pragma once
 #include <cuda_runtime.h>
@@ -7,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cuda/launch.cuh"
 #include "runtime/cuda/cuda_device.h"
 #include "runtime/dtype.h"
 

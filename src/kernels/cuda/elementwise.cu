@@ -72,7 +72,7 @@ __global__ void copy_columns_k(float* out, const float* in, int64_t N, int64_t l
 constexpr int kRedBlocks = 264;
 template <bool kSquares>
 __global__ void reduce_partials_k(double* partial, const float* x, int64_t n) {
-  __shared__ double shm[32];
+  MT_SHARED(shm, double[32]);
   double acc = 0.0;
   MT_GRID_STRIDE(i, n) {
     const double v = x[i];
@@ -100,9 +100,9 @@ template <bool kSquares>
 double reduce(const float* x, int64_t n) {
   if (n <= 0) return 0.0;
   double* part = static_cast<double*>(scratch(kScratchReduce, (kRedBlocks + 1) * sizeof(double)));
-  reduce_partials_k<kSquares><<<kRedBlocks, kThreads, 0, stream()>>>(part, x, n);
+  MT_LAUNCH(reduce_partials_k<kSquares>, kRedBlocks, kThreads, 0, stream())(part, x, n);
   check_launch(kSquares ? "sum_squares" : "sum");
-  reduce_final_k<<<1, 32, 0, stream()>>>(part + kRedBlocks, part, kRedBlocks);
+  MT_LAUNCH(reduce_final_k, 1, 32, 0, stream())(part + kRedBlocks, part, kRedBlocks);
   check_launch("sum (final)");
   double r = 0.0;
   mt::cuda::copy_to_host(&r, part + kRedBlocks, sizeof r);
@@ -112,54 +112,54 @@ double reduce(const float* x, int64_t n) {
 
 void gelu_forward(float* out, const float* inp, int64_t n) {
   if (n <= 0) return;
-  gelu_fwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(out, inp, n);
+  MT_LAUNCH(gelu_fwd_k, grid_for(n, kThreads), kThreads, 0, stream())(out, inp, n);
   check_launch("gelu_forward");
 }
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
   if (n <= 0) return;
-  gelu_bwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(dinp, inp, dout, n);
+  MT_LAUNCH(gelu_bwd_k, grid_for(n, kThreads), kThreads, 0, stream())(dinp, inp, dout, n);
   check_launch("gelu_backward");
 }
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
   if (n <= 0) return;
-  swiglu_fwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(out, gate, up, n);
+  MT_LAUNCH(swiglu_fwd_k, grid_for(n, kThreads), kThreads, 0, stream())(out, gate, up, n);
   check_launch("swiglu_forward");
 }
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
   if (n <= 0) return;
-  swiglu_bwd_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(dgate, dup, dout, gate, up, n);
+  MT_LAUNCH(swiglu_bwd_k, grid_for(n, kThreads), kThreads, 0, stream())(dgate, dup, dout, gate, up, n);
   check_launch("swiglu_backward");
 }
 void accumulate(float* y, const float* x, int64_t n) {
   if (n <= 0) return;
-  accumulate_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(y, x, n);
+  MT_LAUNCH(accumulate_k, grid_for(n, kThreads), kThreads, 0, stream())(y, x, n);
   check_launch("accumulate");
 }
 void scale(float* x, float s, int64_t n) {
   if (n <= 0) return;
-  scale_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(x, s, n);
+  MT_LAUNCH(scale_k, grid_for(n, kThreads), kThreads, 0, stream())(x, s, n);
   check_launch("scale");
 }
 double sum_squares(const float* x, int64_t n) { return reduce<true>(x, n); }
 double sum(const float* x, int64_t n) { return reduce<false>(x, n); }
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n) {
   if (n <= 0) return;
-  f32_to_bf16_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(reinterpret_cast<uint16_t*>(out), in, n);
+  MT_LAUNCH(f32_to_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(reinterpret_cast<uint16_t*>(out), in, n);
   check_launch("cast_f32_to_bf16");
 }
 void cast_bf16_to_f32(float* out, const bf16* in, int64_t n) {
   if (n <= 0) return;
-  bf16_to_f32_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(out, reinterpret_cast<const uint16_t*>(in), n);
+  MT_LAUNCH(bf16_to_f32_k, grid_for(n, kThreads), kThreads, 0, stream())(out, reinterpret_cast<const uint16_t*>(in), n);
   check_launch("cast_bf16_to_f32");
 }
 void add_bias(float* x, const float* b, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
-  add_bias_k<<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(x, b, N, C);
+  MT_LAUNCH(add_bias_k, grid_for(N * C, kThreads), kThreads, 0, stream())(x, b, N, C);
   check_launch("add_bias");
 }
 void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols) {
   if (N <= 0 || cols <= 0) return;
-  copy_columns_k<<<grid_for(N * cols, kThreads), kThreads, 0, stream()>>>(out, in, N, ld, c0, cols);
+  MT_LAUNCH(copy_columns_k, grid_for(N * cols, kThreads), kThreads, 0, stream())(out, in, N, ld, c0, cols);
   check_launch("copy_columns");
 }
 

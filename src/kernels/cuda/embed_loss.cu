@@ -63,7 +63,7 @@ __global__ void pos_bwd_k(float* dpos, const float* dout, int64_t B, int64_t T, 
 // One block per row. grad: overwrite the row with (softmax - onehot) * dloss (0 in padding).
 template <bool kGrad>
 __global__ void ce_k(float* logits, float* losses, const int32_t* targets, int64_t V, int64_t Vp, float dloss) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   float* x = logits + n * Vp;
   const int32_t tgt = targets[n];
@@ -108,7 +108,7 @@ __global__ void grad_rows_to_bf16_k(float* logits, int64_t Vp, int64_t row0) {
 }
 
 __global__ void vp_rowmax_k(float* rowmax, const float* lg, int64_t Vl, int64_t valid) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   float m = -INFINITY;
   for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, lg[n * Vl + j]);
@@ -117,7 +117,7 @@ __global__ void vp_rowmax_k(float* rowmax, const float* lg, int64_t Vl, int64_t 
 }
 __global__ void vp_stats_k(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N,
                            int64_t Vl, int64_t valid, int64_t lo) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float m = rowmax[n];
   float s = 0.0f;
@@ -170,12 +170,12 @@ void check_vocab(int64_t V, int64_t Vp, const char* fn) {
 
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
-  embed_fwd_k<false><<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(out, ids, table, 0, INT64_MAX, N, C);
+  MT_LAUNCH(embed_fwd_k<false>, grid_for(N * C, kThreads), kThreads, 0, stream())(out, ids, table, 0, INT64_MAX, N, C);
   check_launch("embedding_forward");
 }
 void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
-  embed_bwd_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dtable, dout, ids, 0, INT64_MAX, N, C);
+  MT_LAUNCH(embed_bwd_k, grid_for(C, kThreads), kThreads, 0, stream())(dtable, dout, ids, 0, INT64_MAX, N, C);
   check_launch("embedding_backward");
 }
 void position_add_forward(float* x, const float* pos, int64_t B, int64_t T, int64_t C) {
@@ -183,27 +183,27 @@ void position_add_forward(float* x, const float* pos, int64_t B, int64_t T, int6
 }
 void position_add_backward(float* dpos, const float* dout, int64_t B, int64_t T, int64_t C) {
   if (B <= 0 || T <= 0 || C <= 0) return;
-  pos_bwd_k<<<grid_for(T * C, kThreads), kThreads, 0, stream()>>>(dpos, dout, B, T, C);
+  MT_LAUNCH(pos_bwd_k, grid_for(T * C, kThreads), kThreads, 0, stream())(dpos, dout, B, T, C);
   check_launch("position_add_backward");
 }
 void vocab_embedding_forward(float* out, const int32_t* ids, const void* table, DType dt, int64_t lo, int64_t rows,
                              int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
   if (dt == DType::BF16)
-    embed_fwd_k<true><<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(out, ids, table, lo, rows, N, C);
+    MT_LAUNCH(embed_fwd_k<true>, grid_for(N * C, kThreads), kThreads, 0, stream())(out, ids, table, lo, rows, N, C);
   else
-    embed_fwd_k<false><<<grid_for(N * C, kThreads), kThreads, 0, stream()>>>(out, ids, table, lo, rows, N, C);
+    MT_LAUNCH(embed_fwd_k<false>, grid_for(N * C, kThreads), kThreads, 0, stream())(out, ids, table, lo, rows, N, C);
   check_launch("vocab_embedding_forward");
 }
 void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
                               int64_t C) {
   if (N <= 0 || C <= 0) return;
-  embed_bwd_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dtable, dout, ids, lo, rows, N, C);
+  MT_LAUNCH(embed_bwd_k, grid_for(C, kThreads), kThreads, 0, stream())(dtable, dout, ids, lo, rows, N, C);
   check_launch("vocab_embedding_backward");
 }
 void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C) {
   if (R <= 0 || C <= 0) return;
-  pos_add_rows_k<<<grid_for(R * C, kThreads), kThreads, 0, stream()>>>(x, pos, R, T, row0, C);
+  MT_LAUNCH(pos_add_rows_k, grid_for(R * C, kThreads), kThreads, 0, stream())(x, pos, R, T, row0, C);
   check_launch("position_add_rows");
 }
 
@@ -211,42 +211,43 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
                            float dloss) {
   check_vocab(V, Vp, "softmax_cross_entropy");
   if (N <= 0) return;
-  ce_k<true><<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(logits, losses, targets, V, Vp, dloss);
+  MT_LAUNCH(ce_k<true>, static_cast<unsigned>(N), kThreads, 0, stream())(logits, losses, targets, V, Vp, dloss);
   check_launch("softmax_cross_entropy");
 }
 void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
                                 float dloss) {
   softmax_cross_entropy(logits, losses, targets, N, V, Vp, dloss);
   if (N <= 0) return;
-  grad_rows_to_bf16_k<<<1, kThreads, 0, stream()>>>(logits, Vp, 0);
+  MT_LAUNCH(grad_rows_to_bf16_k, 1, kThreads, 0, stream())(logits, Vp, 0);
   for (int64_t lo = 1; lo < N; lo *= 2)
-    grad_rows_to_bf16_k<<<static_cast<unsigned>(std::min(2 * lo, N) - lo), kThreads, 0, stream()>>>(logits, Vp, lo);
+    MT_LAUNCH(grad_rows_to_bf16_k, static_cast<unsigned>(std::min(2 * lo, N) - lo), kThreads, 0, stream())(logits, Vp,
+                                                                                                         lo);
   check_launch("softmax_cross_entropy_bf16");
 }
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                    int64_t Vp) {
   check_vocab(V, Vp, "softmax_cross_entropy_forward");
   if (N <= 0) return;
-  ce_k<false><<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(const_cast<float*>(logits), losses, targets, V, Vp,
-                                                                    0.0f);
+  MT_LAUNCH(ce_k<false>, static_cast<unsigned>(N), kThreads, 0, stream())(const_cast<float*>(logits), losses, targets,
+                                                                           V, Vp, 0.0f);
   check_launch("softmax_cross_entropy_forward");
 }
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid) {
   if (N <= 0) return;
-  vp_rowmax_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(rowmax, lg, Vl, valid);
+  MT_LAUNCH(vp_rowmax_k, static_cast<unsigned>(N), kThreads, 0, stream())(rowmax, lg, Vl, valid);
   check_launch("vp_ce_rowmax");
 }
 void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
                  int64_t valid, int64_t lo) {
   if (N <= 0) return;
-  vp_stats_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(stats, lg, rowmax, targets, N, Vl, valid, lo);
+  MT_LAUNCH(vp_stats_k, static_cast<unsigned>(N), kThreads, 0, stream())(stats, lg, rowmax, targets, N, Vl, valid, lo);
   check_launch("vp_ce_stats");
 }
 void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* stats, const int32_t* targets, int64_t N,
                   int64_t Vl, int64_t valid, int64_t lo, bool train, float dloss) {
   if (N <= 0) return;
-  vp_finish_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(lg, losses, rowmax, stats, targets, N, Vl, valid, lo,
-                                                                   train, dloss);
+  MT_LAUNCH(vp_finish_k, static_cast<unsigned>(N), kThreads, 0, stream())(lg, losses, rowmax, stats, targets, N, Vl,
+                                                                          valid, lo, train, dloss);
   check_launch("vp_ce_finish");
 }
 
@@ -257,10 +258,10 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   // Bias corrections as the CPU computes them (double, then float).
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  adamw_k<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(param, grad, m, v, n, lr, beta1, beta2, eps,
-                                                            lr * weight_decay, static_cast<float>(1.0 / bc1),
-                                                            static_cast<float>(1.0 / bc2), grad_scale,
-                                                            reinterpret_cast<uint16_t*>(param_bf16));
+  MT_LAUNCH(adamw_k, grid_for(n, kThreads), kThreads, 0, stream())(param, grad, m, v, n, lr, beta1, beta2, eps,
+                                                                   lr * weight_decay, static_cast<float>(1.0 / bc1),
+                                                                   static_cast<float>(1.0 / bc2), grad_scale,
+                                                                   reinterpret_cast<uint16_t*>(param_bf16));
   check_launch("adamw_update");
 }
 

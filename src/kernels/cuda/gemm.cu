@@ -137,7 +137,7 @@ __global__ void bias_grad_k(float* dbias, const float* dout, int64_t N, int64_t 
   dbias[o] += s;
 }
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
-  bias_grad_k<<<grid_for(OC, 256), 256, 0, stream()>>>(dbias, dout, N, OC);
+  MT_LAUNCH(bias_grad_k, grid_for(OC, 256), 256, 0, stream())(dbias, dout, N, OC);
   check_launch("linear_backward (bias)");
 }
 }  // namespace

@@ -11,7 +11,7 @@ constexpr int kThreads = 256;
 
 __global__ void layernorm_fwd_k(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
                                 int64_t C, float eps) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float s = 0.0f;
@@ -33,7 +33,7 @@ __global__ void layernorm_fwd_k(float* out, float* mean, float* rstd, const floa
 
 __global__ void layernorm_bwd_dinp_k(float* dinp, const float* dout, const float* inp, const float* w, const float* mean,
                                      const float* rstd, int64_t C) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const float* dy = dout + n * C;
@@ -71,7 +71,7 @@ __global__ void norm_bwd_params_k(float* dw, float* db, const float* dout, const
 }
 
 __global__ void rmsnorm_fwd_k(float* out, float* rstd, const float* inp, const float* w, int64_t C, float eps) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float s = 0.0f;
@@ -84,7 +84,7 @@ __global__ void rmsnorm_fwd_k(float* out, float* rstd, const float* inp, const f
 
 __global__ void rmsnorm_bwd_dinp_k(float* dinp, const float* dout, const float* inp, const float* w, const float* rstd,
                                    int64_t C) {
-  __shared__ float shm[32];
+  MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   const float* dy = dout + n * C;
@@ -100,35 +100,36 @@ __global__ void rmsnorm_bwd_dinp_k(float* dinp, const float* dout, const float* 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
                        int64_t N, int64_t C, float eps) {
   if (N <= 0 || C <= 0) return;
-  layernorm_fwd_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(out, mean, rstd, inp, w, b, C, eps);
+  MT_LAUNCH(layernorm_fwd_k, static_cast<unsigned>(N), kThreads, 0, stream())(out, mean, rstd, inp, w, b, C, eps);
   check_launch("layernorm_forward");
 }
 void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
                         const float* mean, const float* rstd, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
   if (dinp) {
-    layernorm_bwd_dinp_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(dinp, dout, inp, w, mean, rstd, C);
+    MT_LAUNCH(layernorm_bwd_dinp_k, static_cast<unsigned>(N), kThreads, 0, stream())(dinp, dout, inp, w, mean, rstd, C);
     check_launch("layernorm_backward");
   }
   if (dw || db) {
-    norm_bwd_params_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dw, db, dout, inp, mean, rstd, N, C);
+    MT_LAUNCH(norm_bwd_params_k, grid_for(C, kThreads), kThreads, 0, stream())(dw, db, dout, inp, mean, rstd, N, C);
     check_launch("layernorm_backward (params)");
   }
 }
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps) {
   if (N <= 0 || C <= 0) return;
-  rmsnorm_fwd_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(out, rstd, inp, w, C, eps);
+  MT_LAUNCH(rmsnorm_fwd_k, static_cast<unsigned>(N), kThreads, 0, stream())(out, rstd, inp, w, C, eps);
   check_launch("rmsnorm_forward");
 }
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w, const float* rstd,
                       int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
   if (dinp) {
-    rmsnorm_bwd_dinp_k<<<static_cast<unsigned>(N), kThreads, 0, stream()>>>(dinp, dout, inp, w, rstd, C);
+    MT_LAUNCH(rmsnorm_bwd_dinp_k, static_cast<unsigned>(N), kThreads, 0, stream())(dinp, dout, inp, w, rstd, C);
     check_launch("rmsnorm_backward");
   }
   if (dw) {
-    norm_bwd_params_k<<<grid_for(C, kThreads), kThreads, 0, stream()>>>(dw, nullptr, dout, inp, nullptr, rstd, N, C);
+    MT_LAUNCH(norm_bwd_params_k, grid_for(C, kThreads), kThreads, 0, stream())(dw, nullptr, dout, inp, nullptr, rstd, N,
+                                                                               C);
     check_launch("rmsnorm_backward (params)");
   }
 }

@@ -8,6 +8,10 @@
 
 #include "runtime/block_cache.h"
 
+#ifdef MT_CUDA_EMU
+#include "emu.h"  // runtime/cuda/emu: exact-size, NaN-filled views of the cached blocks
+#endif
+
 namespace mt::cuda {
 
 void check(int err, const char* what) {
@@ -71,6 +75,9 @@ void* alloc(size_t bytes, MemCategory c) {
     p = s.cache.take(bytes);
     s.tracker.set_pool(s.cache.cached_bytes(), s.cache.reserved_bytes());
   }
+#ifdef MT_CUDA_EMU
+  mt::emu::device_lend(p, bytes, BlockCache::size_class(bytes));
+#endif
   s.tracker.on_alloc(c, static_cast<int64_t>(bytes));
   return p;
 }
@@ -81,6 +88,9 @@ void free(void* p, size_t bytes, MemCategory c) {
   {
     std::lock_guard<std::mutex> lk(s.mu);
     s.cache.give(p, bytes);
+#ifdef MT_CUDA_EMU
+    mt::emu::device_return(p, BlockCache::size_class(bytes));
+#endif
     s.tracker.set_pool(s.cache.cached_bytes(), s.cache.reserved_bytes());
   }
   s.tracker.on_free(c, static_cast<int64_t>(bytes));
