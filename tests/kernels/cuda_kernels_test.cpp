@@ -52,6 +52,8 @@ TEST(CudaTable, CompleteInCudaBuildsAndAClearErrorElsewhere) {
     std::memcpy(&b, reinterpret_cast<const char*>(&c) + first + i * sizeof(void (*)()), sizeof b);
     EXPECT_NE(a, b) << "cuda table entry " << i << " is the CPU kernel";
   }
+  // Every op of the registry has a CUDA kernel.
+  for (int i = 0; i < kNumOps; ++i) EXPECT_TRUE(t.supports(op_at(i))) << op_name(op_at(i)) << " has no CUDA kernel";
 }
 
 #define REQUIRE_GPU()                                                                                   \

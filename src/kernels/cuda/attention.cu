@@ -12,109 +12,66 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
 namespace mt::kernels::cuda {
 
 namespace {
-constexpr int kMaxPerLane = 8;  // head_dim <= 32 * 8
-constexpr int kWarpsPerBlock = 4;
-
-struct Geo {
-  int64_t B, T, nh, nkv, hd, ld;
-  float scale;
-};
-
-__device__ __forceinline__ float warp_dot(const float* a, const float* b, int64_t hd, int lane) {
-  float s = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
-    const int64_t d = lane + 32 * k;
-    if (d < hd) s += a[d] * b[d];
-  }
-  return warp_sum(s);
-}
+using attn::Geo;
+using attn::kWarpsPerBlock;
+using attn::warp_dot;
+using attn::warp_blocks;
 
 // One warp per (b, h, t).
 __global__ void attn_fwd_k(float* out, float* lse, const float* qkv, Geo g) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + (threadIdx.x >> 5);
+  const int64_t row = attn::warp_row();
   if (row >= g.B * g.nh * g.T) return;
   const int64_t t = row % g.T, h = (row / g.T) % g.nh, b = row / (g.T * g.nh);
   const int64_t kvh = h / (g.nh / g.nkv);
   const float* q = qkv + (b * g.T + t) * g.ld + h * g.hd;
-  float acc[kMaxPerLane];
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) acc[k] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
+  attn::Online on;
   for (int64_t s = 0; s <= t; ++s) {
     const float* kr = qkv + (b * g.T + s) * g.ld + (g.nh + kvh) * g.hd;
     const float* vr = qkv + (b * g.T + s) * g.ld + (g.nh + g.nkv + kvh) * g.hd;
-    const float sc = warp_dot(q, kr, g.hd, lane) * g.scale;
-    const float mn = fmaxf(m, sc);
-    const float corr = expf(m - mn);  // 0 on the first key (m = -inf)
-    const float p = expf(sc - mn);
-    l = l * corr + p;
-#pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) {
-      const int64_t d = lane + 32 * k;
-      if (d < g.hd) acc[k] = acc[k] * corr + p * vr[d];
-    }
-    m = mn;
+    on.add(warp_dot(q, kr, g.hd, lane) * g.scale, vr, g.hd, lane);
   }
-  float* o = out + (b * g.T + t) * (g.nh * g.hd) + h * g.hd;
-  const float inv = 1.0f / l;
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
-    const int64_t d = lane + 32 * k;
-    if (d < g.hd) o[d] = acc[k] * inv;
-  }
-  if (lane == 0) lse[(b * g.nh + h) * g.T + t] = m + logf(l);
+  attn::store(out + (b * g.T + t) * (g.nh * g.hd) + h * g.hd, on.acc, 1.0f / on.l, g.hd, lane);
+  if (lane == 0) lse[(b * g.nh + h) * g.T + t] = on.m + logf(on.l);
 }
 
-// Dd[b, h, t] = dout_row . out_row.
-__global__ void attn_bwd_delta_k(float* Dd, const float* dout, const float* out, Geo g) {
+// Dd[b, h, t] = dout_row . out_row (0 where lse is -inf).
+__global__ void attn_bwd_delta_k(float* Dd, const float* dout, const float* out, const float* lse, Geo g) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + (threadIdx.x >> 5);
+  const int64_t row = attn::warp_row();
   if (row >= g.B * g.nh * g.T) return;
   const int64_t t = row % g.T, h = (row / g.T) % g.nh, b = row / (g.T * g.nh);
   const int64_t off = (b * g.T + t) * (g.nh * g.hd) + h * g.hd;
   const float s = warp_dot(dout + off, out + off, g.hd, lane);
-  if (lane == 0) Dd[row] = s;
+  if (lane == 0) Dd[row] = lse[row] == -INFINITY ? 0.0f : s;
 }
 
 // dq[i] += scale * sum_{j<=i} p_ij (dout_i . v_j - D_i) k_j; one warp per (b, h, i).
 __global__ void attn_bwd_dq_k(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* Dd,
                               Geo g) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + (threadIdx.x >> 5);
+  const int64_t row = attn::warp_row();
   if (row >= g.B * g.nh * g.T) return;
   const int64_t t = row % g.T, h = (row / g.T) % g.nh, b = row / (g.T * g.nh);
   const int64_t kvh = h / (g.nh / g.nkv);
   const float* q = qkv + (b * g.T + t) * g.ld + h * g.hd;
   const float* dy = dout + (b * g.T + t) * (g.nh * g.hd) + h * g.hd;
   const float L = lse[row], D = Dd[row];
-  float acc[kMaxPerLane];
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) acc[k] = 0.0f;
+  attn::Row acc = attn::zero_row();
   for (int64_t s = 0; s <= t; ++s) {
     const float* kr = qkv + (b * g.T + s) * g.ld + (g.nh + kvh) * g.hd;
     const float* vr = qkv + (b * g.T + s) * g.ld + (g.nh + g.nkv + kvh) * g.hd;
     const float p = expf(warp_dot(q, kr, g.hd, lane) * g.scale - L);
-    const float ds = p * (warp_dot(dy, vr, g.hd, lane) - D);
-#pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) {
-      const int64_t d = lane + 32 * k;
-      if (d < g.hd) acc[k] += ds * kr[d];
-    }
+    attn::add_scaled(acc, p * (warp_dot(dy, vr, g.hd, lane) - D), kr, g.hd, lane);
   }
-  float* dq = dqkv + (b * g.T + t) * g.ld + h * g.hd;
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
-    const int64_t d = lane + 32 * k;
-    if (d < g.hd) dq[d] += acc[k] * g.scale;
-  }
+  attn::store_add(dqkv + (b * g.T + t) * g.ld + h * g.hd, acc, g.scale, g.hd, lane);
 }
 
 // dk[j] += scale * sum_{h in group} sum_{i>=j} ds_ij q_i; dv[j] += sum p_ij dout_i; one warp per
@@ -122,42 +79,25 @@ __global__ void attn_bwd_dq_k(float* dqkv, const float* dout, const float* qkv, 
 __global__ void attn_bwd_dkv_k(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* Dd,
                                Geo g) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + (threadIdx.x >> 5);
+  const int64_t row = attn::warp_row();
   if (row >= g.B * g.nkv * g.T) return;
   const int64_t j = row % g.T, kvh = (row / g.T) % g.nkv, b = row / (g.T * g.nkv);
   const int64_t group = g.nh / g.nkv;
   const float* kr = qkv + (b * g.T + j) * g.ld + (g.nh + kvh) * g.hd;
   const float* vr = qkv + (b * g.T + j) * g.ld + (g.nh + g.nkv + kvh) * g.hd;
-  float ak[kMaxPerLane], av[kMaxPerLane];
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) ak[k] = av[k] = 0.0f;
+  attn::Row ak = attn::zero_row(), av = attn::zero_row();
   for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
     for (int64_t i = j; i < g.T; ++i) {
       const float* q = qkv + (b * g.T + i) * g.ld + h * g.hd;
       const float* dy = dout + (b * g.T + i) * (g.nh * g.hd) + h * g.hd;
       const int64_t r = (b * g.nh + h) * g.T + i;
       const float p = expf(warp_dot(q, kr, g.hd, lane) * g.scale - lse[r]);
-      const float ds = p * (warp_dot(dy, vr, g.hd, lane) - Dd[r]);
-#pragma unroll
-      for (int k = 0; k < kMaxPerLane; ++k) {
-        const int64_t d = lane + 32 * k;
-        if (d < g.hd) {
-          ak[k] += ds * q[d];
-          av[k] += p * dy[d];
-        }
-      }
+      attn::add_scaled(ak, p * (warp_dot(dy, vr, g.hd, lane) - Dd[r]), q, g.hd, lane);
+      attn::add_scaled(av, p, dy, g.hd, lane);
     }
   }
-  float* dk = dqkv + (b * g.T + j) * g.ld + (g.nh + kvh) * g.hd;
-  float* dv = dqkv + (b * g.T + j) * g.ld + (g.nh + g.nkv + kvh) * g.hd;
-#pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
-    const int64_t d = lane + 32 * k;
-    if (d < g.hd) {
-      dk[d] += ak[k] * g.scale;
-      dv[d] += av[k];
-    }
-  }
+  attn::store_add(dqkv + (b * g.T + j) * g.ld + (g.nh + kvh) * g.hd, ak, g.scale, g.hd, lane);
+  attn::store_add(dqkv + (b * g.T + j) * g.ld + (g.nh + g.nkv + kvh) * g.hd, av, 1.0f, g.hd, lane);
 }
 
 // Rotation of the q and k heads: one thread per (b, t, head, i < hd/2), with the cos/sin table
@@ -177,17 +117,21 @@ __global__ void rope_k(float* qkv, Geo g, const float* cs, const float* sn, floa
   }
 }
 
-// The device copy of the rotary table for (T, hd, theta or inv_freq), rebuilt when they change.
-const float* rope_table(int64_t T, int64_t hd, float theta, const float* inv_freq) {
+// The device copy of the rotary table for (T, hd, theta or inv_freq, positions: pos[T] on the
+// host, null for 0..T-1), rebuilt when any of them changes.
+const float* rope_table(int64_t T, int64_t hd, float theta, const float* inv_freq, const int32_t* pos) {
   static std::mutex mu;
   static int64_t cT = -1, chd = -1;
   static float ctheta = 0.0f;
   static std::vector<float> cfreq, host;
+  static std::vector<int32_t> cpos;
   std::lock_guard<std::mutex> lk(mu);
   const int64_t half = hd / 2;
   const bool same = T == cT && hd == chd &&
                     (inv_freq ? cfreq.size() == static_cast<size_t>(half) && std::equal(cfreq.begin(), cfreq.end(), inv_freq)
-                              : cfreq.empty() && ctheta == theta);
+                              : cfreq.empty() && ctheta == theta) &&
+                    (pos ? cpos.size() == static_cast<size_t>(T) && std::equal(cpos.begin(), cpos.end(), pos)
+                         : cpos.empty());
   float* dev = static_cast<float*>(scratch(kScratchRope, static_cast<size_t>(2 * T * half) * sizeof(float)));
   if (!same) {
     host.assign(static_cast<size_t>(2 * T * half), 0.0f);
@@ -196,7 +140,7 @@ const float* rope_table(int64_t T, int64_t hd, float theta, const float* inv_fre
         const double inv = inv_freq ? static_cast<double>(inv_freq[i])
                                     : std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) /
                                                                                static_cast<double>(hd));
-        const double a = static_cast<double>(t) * inv;
+        const double a = static_cast<double>(pos ? pos[t] : t) * inv;
         host[t * half + i] = static_cast<float>(std::cos(a));
         host[T * half + t * half + i] = static_cast<float>(std::sin(a));
       }
@@ -206,39 +150,36 @@ const float* rope_table(int64_t T, int64_t hd, float theta, const float* inv_fre
     ctheta = theta;
     if (inv_freq) cfreq.assign(inv_freq, inv_freq + half);
     else cfreq.clear();
+    if (pos) cpos.assign(pos, pos + T);
+    else cpos.clear();
   }
   return dev;
 }
 
-Geo geo(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const char* fn) {
-  if (nh <= 0 || nkv <= 0 || nh % nkv != 0)
-    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": n_head (" + std::to_string(nh) +
-                                ") must be a positive multiple of n_kv_head (" + std::to_string(nkv) + ")");
-  if (hd > 32 * kMaxPerLane)
-    throw std::invalid_argument(std::string("meshtrain: ") + fn + ": head_dim " + std::to_string(hd) +
-                                " > 256 is not implemented on CUDA yet");
-  return Geo{B, T, nh, nkv, hd, (nh + 2 * nkv) * hd, static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
-}
-
-unsigned warp_blocks(int64_t rows) { return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock); }
-
+// host_freq and pos: the contracts' host arrays (null: theta, positions 0..T-1).
 void rope(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta, const float* host_freq,
-          float sign, const char* fn) {
-  const Geo g = geo(B, T, nh, nkv, hd, fn);
+          const int32_t* pos, float sign, const char* fn) {
+  const Geo g = attn::geo(B, T, nh, nkv, hd, fn);
   if (hd % 2 != 0)
     throw std::invalid_argument(std::string("meshtrain: ") + fn + ": head_dim (" + std::to_string(hd) +
                                 ") must be even for rotary embedding");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const float* cs = rope_table(T, hd, theta, host_freq);  // host_freq: the contract's host array
+  const float* cs = rope_table(T, hd, theta, host_freq, pos);
   MT_LAUNCH(rope_k, grid_for(B * T * (nh + nkv) * (hd / 2), 256), 256, 0, stream())(qkv, g, cs, cs + T * (hd / 2),
                                                                                    sign);
   check_launch(fn);
 }
 }  // namespace
 
+void attn::launch_delta(float* Dd, const float* dout, const float* out, const float* lse, const Geo& g,
+                        const char* fn) {
+  MT_LAUNCH(attn_bwd_delta_k, warp_blocks(g.B * g.nh * g.T), 32 * kWarpsPerBlock, 0, stream())(Dd, dout, out, lse, g);
+  check_launch(fn);
+}
+
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                        int64_t hd) {
-  const Geo g = geo(B, T, nh, nkv, hd, "attention_forward");
+  const Geo g = attn::geo(B, T, nh, nkv, hd, "attention_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   MT_LAUNCH(attn_fwd_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(out, lse, qkv, g);
   check_launch("attention_forward");
@@ -246,11 +187,10 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
                         int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
-  const Geo g = geo(B, T, nh, nkv, hd, "attention_backward");
+  const Geo g = attn::geo(B, T, nh, nkv, hd, "attention_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   float* Dd = static_cast<float*>(scratch(kScratchTmp, static_cast<size_t>(B * nh * T) * sizeof(float)));
-  MT_LAUNCH(attn_bwd_delta_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(Dd, dout, out, g);
-  check_launch("attention_backward (delta)");
+  attn::launch_delta(Dd, dout, out, lse, g, "attention_backward (delta)");
   MT_LAUNCH(attn_bwd_dq_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, g);
   check_launch("attention_backward (dq)");
   MT_LAUNCH(attn_bwd_dkv_k, warp_blocks(B * nkv * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, g);
@@ -258,16 +198,25 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 }
 
 void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta) {
-  rope(qkv, B, T, nh, nkv, hd, theta, nullptr, 1.0f, "rope_forward");
+  rope(qkv, B, T, nh, nkv, hd, theta, nullptr, nullptr, 1.0f, "rope_forward");
 }
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta) {
-  rope(dqkv, B, T, nh, nkv, hd, theta, nullptr, -1.0f, "rope_backward");
+  rope(dqkv, B, T, nh, nkv, hd, theta, nullptr, nullptr, -1.0f, "rope_backward");
 }
 void rope_forward_freq(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq) {
-  rope(qkv, B, T, nh, nkv, hd, 0.0f, inv_freq, 1.0f, "rope_forward");
+  rope(qkv, B, T, nh, nkv, hd, 0.0f, inv_freq, nullptr, 1.0f, "rope_forward");
 }
 void rope_backward_freq(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq) {
-  rope(dqkv, B, T, nh, nkv, hd, 0.0f, inv_freq, -1.0f, "rope_backward");
+  rope(dqkv, B, T, nh, nkv, hd, 0.0f, inv_freq, nullptr, -1.0f, "rope_backward");
+}
+
+void rope_forward_pos(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                      const float* inv_freq, const int32_t* pos) {
+  rope(qkv, B, T, nh, nkv, hd, theta, inv_freq, pos, 1.0f, "rope_forward_pos");
+}
+void rope_backward_pos(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                       const float* inv_freq, const int32_t* pos) {
+  rope(dqkv, B, T, nh, nkv, hd, theta, inv_freq, pos, -1.0f, "rope_backward_pos");
 }
 
 }  // namespace mt::kernels::cuda

@@ -21,6 +21,12 @@ inline cudaStream_t stream() { return static_cast<cudaStream_t>(mt::cuda::stream
 // synchronising call, which checks too).
 inline void check_launch(const char* kernel) { mt::cuda::check(static_cast<int>(cudaGetLastError()), kernel); }
 
+// for (i = this thread's first index; i < n; i += every thread of the grid): one element per
+// thread and step.
+#define MT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
 inline unsigned grid_for(int64_t n, int threads, int64_t max_blocks = 65535LL * 16) {
   int64_t b = (n + threads - 1) / threads;
   if (b < 1) b = 1;
@@ -75,5 +81,15 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // Scratch device memory a kernel keeps between calls (grows, never shrinks; category Scratch).
 void* scratch(int slot, size_t bytes);
+
+// A device copy of a kernel's small host-memory argument (n elements of T) in scratch slot
+// `slot`: the copy is queued on the compute stream, so work queued before it still sees the old
+// contents, and the host array may be reused when this returns.
+template <class T>
+const T* upload(int slot, const T* host, int64_t n) {
+  void* d = scratch(slot, static_cast<size_t>(n > 0 ? n : 1) * sizeof(T));
+  if (n > 0) mt::cuda::copy_from_host(d, host, static_cast<size_t>(n) * sizeof(T));
+  return static_cast<const T*>(d);
+}
 
 }  // namespace mt::kernels::cuda

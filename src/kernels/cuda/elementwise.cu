@@ -8,9 +8,6 @@ namespace mt::kernels::cuda {
 namespace {
 constexpr int kThreads = 256;
 
-#define MT_GRID_STRIDE(i, n) \
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-
 __global__ void gelu_fwd_k(float* out, const float* inp, int64_t n) {
   const float s = 0.7978845608028654f;  // sqrt(2/pi)
   MT_GRID_STRIDE(i, n) {

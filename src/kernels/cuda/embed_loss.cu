@@ -19,9 +19,6 @@ namespace mt::kernels::cuda {
 namespace {
 constexpr int kThreads = 256;
 
-#define MT_GRID_STRIDE(i, n) \
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-
 // out[n, :] = table[ids[n] - lo, :] when lo <= ids[n] < lo + rows, else 0; table f32 or bf16.
 template <bool kBf16>
 __global__ void embed_fwd_k(float* out, const int32_t* ids, const void* table, int64_t lo, int64_t rows, int64_t N,

@@ -9,7 +9,15 @@
 namespace mt::kernels::cuda {
 
 // Scratch slots (common.cuh scratch()).
-enum ScratchSlot : int { kScratchReduce = 0, kScratchGemm, kScratchRope, kScratchTmp, kNumScratch };
+// kScratchHostArgs: a kernel's copy of its small host-memory arguments (positions, chunk modes).
+enum ScratchSlot : int {
+  kScratchReduce = 0,
+  kScratchGemm,
+  kScratchRope,
+  kScratchTmp,
+  kScratchHostArgs,
+  kNumScratch
+};
 
 // elementwise.cu
 void gelu_forward(float* out, const float* inp, int64_t n);
@@ -78,5 +86,34 @@ void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
 void rope_forward_freq(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
 void rope_backward_freq(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);
+void rope_forward_pos(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                      const float* inv_freq, const int32_t* pos);
+void rope_backward_pos(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
+                       const float* inv_freq, const int32_t* pos);
+
+// block_attention.cu (context parallelism: cpu/attention_block.h)
+void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
+                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first);
+void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
+                              const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                              int64_t hd, int64_t chunks, const int8_t* modes);
+
+// positions.cu (cpu/attention_block.h): learned positions at explicit positions, column adds
+void position_add_pos(float* x, const float* table, const int32_t* pos, int64_t R, int64_t T, int64_t row0,
+                      int64_t C);
+void position_backward_pos(float* dtable, const float* dout, const int32_t* pos, int64_t B, int64_t T, int64_t C);
+void add_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
+
+// moe.cu (cpu/moe.h)
+void moe_router_forward(float* scores, int32_t* idx, float* w, float* lse, const float* logits, int64_t N, int64_t E,
+                        int64_t k, int sigmoid);
+void moe_router_backward(float* dlogits, const float* dw, const float* scores, const int32_t* idx, const float* w,
+                         const float* lse, const float* logits, const float* aux, float z_scale, int64_t N, int64_t E,
+                         int64_t k, int sigmoid);
+void moe_balance_probs(float* P, const float* scores, int64_t N, int64_t E, int sigmoid);
+void moe_gather_rows(void* out, const void* in, const int32_t* rows, int64_t n, int64_t row_bytes);
+void moe_combine(float* out, const float* y, const int32_t* pos, const float* w, int64_t N, int64_t k, int64_t C);
+void moe_combine_backward(float* dy, float* dw, const float* dout, const float* y, const int32_t* pos, const float* w,
+                          int64_t N, int64_t k, int64_t C);
 
 }  // namespace mt::kernels::cuda

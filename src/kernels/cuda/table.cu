@@ -1,5 +1,5 @@
-// The CUDA backend's kernel table (generated from the op registry, kernels/ops.def) and its
-// scratch buffers.
+// The CUDA backend's kernel table (generated from the op registry, kernels/ops.def: every op has
+// its kernel, declared in kernels/cuda/kernels.h) and its scratch buffers.
 #include <mutex>
 
 #include "kernels/backend.h"
@@ -27,15 +27,6 @@ void* scratch(int slot, size_t bytes) {
   }
   return s.p;
 }
-
-namespace {
-// Ops without a CUDA kernel yet (context parallelism and mixtures of experts run on the CPU only):
-// cuda_table().supports(op) is false for them, so a run that needs one is refused before it starts
-// (kernels::require_ops), and a call anyway throws the registry's error.
-constexpr table_builder::Unsupported attention_block_forward{}, attention_block_backward{}, rope_forward_pos{},
-    rope_backward_pos{}, position_add_pos{}, position_backward_pos{}, add_columns{}, moe_router_forward{},
-    moe_router_backward{}, moe_balance_probs{}, moe_gather_rows{}, moe_combine{}, moe_combine_backward{};
-}  // namespace
 
 const KernelTable& cuda_table() {
 #define MT_TABLE_DEVICE_ Device::CUDA
