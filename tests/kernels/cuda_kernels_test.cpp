@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/conformance/check.h"
 #include "runtime/device.h"
 #include "test_util.h"
 
@@ -474,6 +475,20 @@ TEST(CudaKernels, AttentionAndRope) {
     G().rope_backward_freq(df.p, k.B, k.T, k.nh, k.nkv, k.hd, freq.data());
     EXPECT_TRUE(near(df.host(), f1, 1e-6, 1e-6)) << "rope freq fwd+bwd " << tag;
   }
+}
+
+// Every op's CUDA kernel against the CPU baseline at small shapes: the conformance suite of
+// `meshtrain check-ops --device cuda` (docs/kernels.md), here under each emulator schedule and
+// AddressSanitizer too.
+TEST(CudaKernels, EveryOpConformsAtSmallShapes) {
+  REQUIRE_GPU();
+  const std::vector<conformance::Target> ts = conformance::targets(Device::CUDA);
+  ASSERT_EQ(ts.size(), 1u);
+  const std::vector<conformance::Result> rs = conformance::run(ts[0], conformance::Options{});
+  EXPECT_GT(rs.size(), static_cast<size_t>(kNumOps) / 2);
+  for (const conformance::Result& r : rs)
+    EXPECT_TRUE(r.supported && r.pass) << op_name(r.op) << " " << r.shape << ": "
+                                       << (r.supported ? r.detail : "not supported");
 }
 
 }  // namespace
