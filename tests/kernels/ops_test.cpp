@@ -5,10 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
-#include <fstream>
-#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
