@@ -148,7 +148,10 @@ fi
 if run 150 check-ops env CUDA_LAUNCH_BLOCKING=1 "$BIN" check-ops --device cuda --shapes all; then
   row check-ops ok "$(tail -1 "$TMP/out")"
 else
-  row check-ops FAIL "status $? ($(grep -c FAIL "$TMP/out") failing lines): $(grep -m1 FAIL "$TMP/out" || tail -1 "$TMP/out")"
+  rc=$?
+  why="status $rc"
+  [ $rc = 124 ] && why="did not finish in 150 s"
+  row check-ops FAIL "$why, $(grep -c FAIL "$TMP/out") failing cases: $(grep -m1 -A1 FAIL "$TMP/out" | tr '\n' ' ' || tail -1 "$TMP/out")"
 fi
 
 # 5. compute-sanitizer.
