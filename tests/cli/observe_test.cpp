@@ -69,11 +69,17 @@ class Observe : public ::testing::Test {
 fs::path Observe::dir;
 
 TEST_F(Observe, SingleRankIsComputeBound) {
-  const std::string m = train("single", 1, "");
+  const std::string tb = (dir / "tb").string();
+  const std::string m = train("single", 1, "--log.tensorboard_dir " + tb);
   const Result r = sh(kBin + " diagnose " + m);
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("verdict: compute-bound"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("data_wait_ms not recorded"), std::string::npos) << r.out;
+  // The trainer's TensorBoard events hold the same numbers as its JSON lines (TensorBoard's reader).
+  const Result o = sh("python3 " MT_SOURCE_DIR "/tests/train/tensorboard_oracle.py " + tb + " " + m +
+                      " tensorboard_dir");
+  if (o.rc == 3) GTEST_SKIP() << "python3 cannot import tensorboard (pip install tensorboard)";
+  EXPECT_EQ(o.rc, 0) << o.out;
 }
 
 TEST_F(Observe, TinyFullShardOnTwoRanksIsCommunicationBound) {
