@@ -50,6 +50,14 @@ std::string event(int64_t step, const std::string* file_version, const std::stri
   return e;
 }
 
+// Summary.Value { tag = 1; simple_value = 2 (float) }.
+std::string scalar_value(const std::string& tag, double value) {
+  std::string v;
+  put_bytes(v, 1, tag);
+  put_fixed(v, 2, static_cast<float>(value));
+  return v;
+}
+
 void flatten(const nlohmann::json& j, const std::string& prefix, std::vector<std::pair<std::string, double>>& out) {
   for (const auto& [k, v] : j.items()) {
     if (k == "step" || v.is_boolean()) continue;
@@ -99,20 +107,18 @@ void TensorBoardWriter::write_event(int64_t step, const std::string& summary_val
   std::string summary;  // Summary { repeated Value value = 1 }
   put_bytes(summary, 1, summary_value);
   out_ << tfrecord(event(step, nullptr, &summary));
-  out_.flush();
 }
 
 void TensorBoardWriter::scalar(const std::string& tag, int64_t step, double value) {
-  std::string v;  // Value { tag = 1; simple_value = 2 (float) }
-  put_bytes(v, 1, tag);
-  put_fixed(v, 2, static_cast<float>(value));
-  write_event(step, v);
+  write_event(step, scalar_value(tag, value));
+  out_.flush();
 }
 
 void TensorBoardWriter::scalars(int64_t step, const nlohmann::json& record, const std::string& prefix) {
   std::vector<std::pair<std::string, double>> values;
   flatten(record, prefix, values);
-  for (const auto& [tag, value] : values) scalar(tag, step, value);
+  for (const auto& [tag, value] : values) write_event(step, scalar_value(tag, value));
+  out_.flush();  // once per record: TensorBoard sees whole steps
 }
 
 void TensorBoardWriter::text(const std::string& tag, const std::string& body, int64_t step) {
@@ -135,6 +141,7 @@ void TensorBoardWriter::text(const std::string& tag, const std::string& body, in
   put_bytes(v, 8, tensor);
   put_bytes(v, 9, meta);
   write_event(step, v);
+  out_.flush();
 }
 
 }  // namespace mt
