@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -15,6 +16,8 @@
 #include "cli/arg_parser.h"
 #include "cli/cli_support.h"
 #include "cli/commands.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/export.h"
 #include "train/config.h"
 #include "train/report_compare.h"
 
@@ -29,10 +32,13 @@ const char* kCompareHelp =
     "                         [--dir DIR]\n\n"
     "Trains the config twice, once with each set of overrides (\"--parallel.strategy FULL_SHARD\" or\n"
     "\"parallel.strategy=FULL_SHARD\", several separated by spaces), on the same ranks, and compares\n"
-    "the loss and the gradient norm of every step. The tolerance follows train.dtype: fp32 runs may\n"
+    "the loss and the gradient norm of every step, then the final weights (each run saves a checkpoint\n"
+    "in DIR, exported to safetensors). The tolerance follows train.dtype: fp32 runs may\n"
     "differ only by the order of sums (relative 1e-4 + absolute 1e-6), bf16 runs by bf16 rounding\n"
-    "(relative 2e-2 + absolute 1e-3). Exit 0 when every step agrees, 1 when not (the first diverging\n"
-    "step is named), 2 on bad options or a run that fails.\n\n"
+    "(relative 2e-2 + absolute 1e-3); the final weights ten times the relative part, against each\n"
+    "tensor's largest value (Adam turns a rounding difference in a near-zero gradient into a step of\n"
+    "up to the learning rate). Exit 0 when every step and the weights agree, 1 when not (the first\n"
+    "diverging step is named), 2 on bad options or a run that fails.\n\n"
     "  --config FILE  the run's TOML config (docs/training.md)\n"
     "  --a, --b       overrides of run A and run B\n"
     "  --ranks N      ranks of each run (default 1; > 1 runs through `meshtrain launch`)\n"
@@ -122,7 +128,10 @@ int compare_body(int argc, char** argv) {
     if (ranks > 1) cmd.insert(cmd.end(), {"launch", "-n", std::to_string(ranks), "--"});
     cmd.insert(cmd.end(), {"train", "--config", ap.get("config")});
     cmd.insert(cmd.end(), ov[i].begin(), ov[i].end());
-    cmd.insert(cmd.end(), {"--log.metrics_out", metrics, "--train.checkpoint_dir", "", "--train.sample_tokens", "0"});
+    const std::string ckpt = dir + "/" + name + ".ckpt";
+    std::filesystem::remove_all(ckpt);  // never resume from an earlier comparison's checkpoint
+    cmd.insert(cmd.end(), {"--log.metrics_out", metrics, "--train.checkpoint_dir", ckpt, "--train.checkpoint_every", "0",
+                           "--train.sample_tokens", "0"});
     std::fprintf(stderr, "run %s: %s (output in %s)\n", name.c_str(), ap.get(name.c_str()).c_str(), log.c_str());
     const int rc = spawn(cmd, log);
     if (rc != 0) {
@@ -131,8 +140,13 @@ int compare_body(int argc, char** argv) {
       return 2;
     }
     runs[i] = read_run_metrics(metrics, name);
+    const std::string step_dir = resolve_checkpoint(ckpt);
+    export_checkpoint(step_dir, load_checkpoint_config(step_dir).model_config(), dir + "/" + name + ".hf",
+                      std::numeric_limits<int64_t>::max());
   }
-  const Comparison c = compare_runs(runs[0], runs[1], tol);
+  Comparison c = compare_runs(runs[0], runs[1], tol);
+  c.weight_tol = weight_tolerance(tol);
+  c.weights = compare_weights(dir + "/a.hf/model.safetensors", dir + "/b.hf/model.safetensors", c.weight_tol);
   std::fputs(c.text(tol, ap.get("a"), ap.get("b")).c_str(), stdout);
   return c.equal() ? 0 : 1;
 }

@@ -6,6 +6,8 @@
 #include <map>
 #include <stdexcept>
 
+#include "checkpoint/safetensors.h"
+
 namespace mt {
 
 namespace {
@@ -32,6 +34,41 @@ Tolerance tolerance_for(const std::string& dtype) {
   if (dtype == "bf16") return {2e-2, 1e-3};
   throw std::invalid_argument("no comparison tolerance for train.dtype '" + dtype + "' (fp32 or bf16)");
 }
+
+WeightDiff compare_weights(const std::string& a_path, const std::string& b_path, const Tolerance& tol) {
+  const auto a = read_safetensors(a_path), b = read_safetensors(b_path);
+  WeightDiff w;
+  for (const auto& [name, ta] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || it->second.shape != ta.shape || ta.dtype != "F32" || it->second.dtype != "F32") {
+      w.mismatch = "tensor " + name + (it == b.end() ? " only in run A" : " differs in shape or is not F32");
+      w.within = false;
+      continue;
+    }
+    const size_t n = ta.bytes.size() / sizeof(float);
+    const float* x = reinterpret_cast<const float*>(ta.bytes.data());
+    const float* y = reinterpret_cast<const float*>(it->second.bytes.data());
+    double diff = 0, mag = 0;
+    for (size_t i = 0; i < n; ++i) {
+      diff = std::max(diff, static_cast<double>(std::abs(x[i] - y[i])));
+      mag = std::max(mag, static_cast<double>(std::abs(x[i])));
+    }
+    ++w.tensors;
+    const double rel = mag > 0 ? diff / mag : diff;
+    if (rel >= w.max_rel) {
+      w.max_rel = rel;
+      w.worst_tensor = name;
+    }
+    if (diff > tol.rel * mag + tol.abs) w.within = false;
+  }
+  if (b.size() > a.size() && w.mismatch.empty()) {
+    w.mismatch = "run B has " + std::to_string(b.size() - a.size()) + " tensors more";
+    w.within = false;
+  }
+  return w;
+}
+
+Tolerance weight_tolerance(const Tolerance& t) { return {t.rel * 10, t.abs}; }
 
 Comparison compare_runs(const RunMetrics& a, const RunMetrics& b, const Tolerance& tol) {
   Comparison c;
@@ -66,12 +103,25 @@ std::string Comparison::text(const Tolerance& tol, const std::string& label_a, c
                   rel_diff(d.norm_a, d.norm_b), d.within ? "" : "  <- outside the tolerance");
     s += line;
   }
-  s += "tolerance: " + tol.describe() + "\n";
+  s += "tolerance per step: " + tol.describe() + "\n";
+  if (weights) {
+    char w[256];
+    std::snprintf(w, sizeof w,
+                  "final weights: %lld tensors, largest difference %.1e of the tensor's largest value (%s; "
+                  "tolerance %s)%s\n",
+                  static_cast<long long>(weights->tensors), weights->max_rel, weights->worst_tensor.c_str(),
+                  weight_tol.describe().c_str(), weights->within ? "" : "  <- outside the tolerance");
+    s += w;
+    if (!weights->mismatch.empty()) s += "final weights: " + weights->mismatch + "\n";
+  }
   if (!mismatch.empty()) s += "verdict: DIFFERENT (" + mismatch + ")\n";
   if (first_diverging)
     s += "verdict: DIFFERENT, first diverging at step " + std::to_string(*first_diverging) + "\n";
+  else if (mismatch.empty() && weights && !weights->within)
+    s += "verdict: DIFFERENT final weights, every step's loss and gradient norm within the tolerance\n";
   else if (mismatch.empty())
-    s += "verdict: EQUAL within the tolerance over " + std::to_string(steps.size()) + " steps\n";
+    s += "verdict: EQUAL within the tolerance over " + std::to_string(steps.size()) + " steps" +
+         (weights ? " and the final weights\n" : "\n");
   return s;
 }
 

@@ -128,10 +128,12 @@ TEST_F(Observe, CompareNoShardAndFullShardAreEqualAnotherLrIsNot) {
   const Result same = sh(base + "--a 'parallel.strategy=NO_SHARD' --b '--parallel.strategy FULL_SHARD' --dir " +
                          (dir / "cmp_same").string());
   EXPECT_EQ(same.rc, 0) << same.out;
-  EXPECT_NE(same.out.find("verdict: EQUAL"), std::string::npos) << same.out;
+  EXPECT_NE(same.out.find("verdict: EQUAL within the tolerance over 4 steps and the final weights"), std::string::npos)
+      << same.out;
   const Result lr = sh(base + "--a 'train.lr=3e-3' --b 'train.lr=1e-3' --dir " + (dir / "cmp_lr").string());
   EXPECT_EQ(lr.rc, 1) << lr.out;
   EXPECT_NE(lr.out.find("first diverging at step 2"), std::string::npos) << lr.out;
+  EXPECT_NE(lr.out.find("<- outside the tolerance\nverdict"), std::string::npos) << "the final weights: " << lr.out;
   const Result bad = sh(base + "--a 'train.lr' --b ''");
   EXPECT_EQ(bad.rc, 2) << bad.out;
 }

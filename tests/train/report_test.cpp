@@ -4,9 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
+#include <vector>
 #include <string>
 
 #include "../test_files.h"
+#include "checkpoint/safetensors.h"
 #include "train/report_compare.h"
 #include "train/report_diagnose.h"
 
@@ -67,6 +70,34 @@ TEST(Compare, ToleranceFollowsThePrecisionAndNamesTheFirstDivergingStep) {
   EXPECT_EQ(*diff.first_diverging, 2);
   EXPECT_TRUE(mt::compare_runs(a, c, mt::tolerance_for("bf16")).equal());  // 1.1% apart at most
   EXPECT_THROW(mt::tolerance_for("fp16"), std::invalid_argument);
+}
+
+}  // namespace
+
+namespace {
+
+void write_weights(const std::string& path, float bias_shift) {
+  std::map<std::string, mt::SafeTensor> t;
+  const std::vector<float> w = {1.0f, -2.0f, 0.5f, 4.0f}, b = {0.001f + bias_shift, -0.002f};
+  t["w"].shape = {2, 2};
+  t["w"].bytes.assign(reinterpret_cast<const char*>(w.data()), reinterpret_cast<const char*>(w.data() + w.size()));
+  t["b"].shape = {2};
+  t["b"].bytes.assign(reinterpret_cast<const char*>(b.data()), reinterpret_cast<const char*>(b.data() + b.size()));
+  mt::write_safetensors(path, t);
+}
+
+TEST(Compare, FinalWeightsAgainstEachTensorsLargestValue) {
+  mt::test::TestDir d;
+  write_weights(d.file("a.safetensors"), 0.0f);
+  write_weights(d.file("b.safetensors"), 1e-6f);  // 5e-4 of the bias tensor's largest value
+  write_weights(d.file("c.safetensors"), 1e-4f);  // 5e-2 of it
+  const mt::Tolerance wt = mt::weight_tolerance(mt::tolerance_for("fp32"));
+  const mt::WeightDiff same = mt::compare_weights(d.file("a.safetensors"), d.file("b.safetensors"), wt);
+  EXPECT_TRUE(same.within);
+  EXPECT_EQ(same.tensors, 2);
+  EXPECT_EQ(same.worst_tensor, "b");
+  EXPECT_NEAR(same.max_rel, 5e-4, 1e-5);
+  EXPECT_FALSE(mt::compare_weights(d.file("a.safetensors"), d.file("c.safetensors"), wt).within);
 }
 
 }  // namespace
