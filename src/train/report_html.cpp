@@ -87,7 +87,7 @@ function lineChart(title, key, scale, dots) {
   if (!svg) return;
   const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
   let ylo = Math.min(...ys), yhi = Math.max(...ys);
-  if (ylo > 0 && ylo < 0.5 * yhi) ylo = 0;
+  if (ylo > 0 && key !== "loss") ylo = 0;  // amounts from zero; the loss on its own range
   const [sx, sy] = axes(svg, Math.min(...xs), Math.max(...xs), ylo, yhi);
   series.forEach((s, i) => {
     if (s.length) el("polyline", {points: s.map(p => sx(p[0]) + "," + sy(p[1])).join(" "), fill: "none",
@@ -98,7 +98,7 @@ function lineChart(title, key, scale, dots) {
 // Grouped bars of an object of the final summary (category -> bytes), one colour per run.
 function barChart(title, key) {
   const objs = DATA.runs.map(r => (r.final && r.final[key]) || {});
-  const cats = [...new Set(objs.flatMap(o => Object.keys(o)))];
+  const cats = [...new Set(objs.flatMap(o => Object.keys(o).filter(k => o[k] > 0)))];  // groups never used left out
   const svg = panel(title, cats.length ? "" : key + " not recorded");
   if (!svg) return;
   const max = Math.max(1, ...objs.flatMap(o => Object.values(o)));
