@@ -22,6 +22,9 @@ static void print_usage(FILE* f) {
                "  export    write a checkpoint as a Hugging Face model directory (config.json, safetensors)\n"
                "  model-info  the model the engine builds from a Hugging Face config.json or a preset\n"
                "  plot      draw loss, throughput and exposed communication from metrics files (SVG)\n"
+               "  report    one self-contained HTML page of one or more runs' metrics\n"
+               "  diagnose  what limits a run (communication, memory, compute, data, a straggler) and what helps\n"
+               "  compare   run a config under two settings and compare losses and gradient norms per step\n"
                "  launch    run a subcommand on N ranks of this machine through mpirun\n"
                "  bench     benchmarks (`meshtrain bench comm`; `meshtrain bench --cpu-isa`: the CPU's\n"
                "            instruction-set level the kernels run at, capped by MESHTRAIN_CPU_ISA)\n"
@@ -47,6 +50,9 @@ int dispatch(int argc, char** argv) {
   if (cmd == "prepare") return run_prepare_command(sub_argc, sub_argv);
   if (cmd == "tokenize") return run_tokenize_command(sub_argc, sub_argv);
   if (cmd == "plot") return run_plot_command(sub_argc, sub_argv);
+  if (cmd == "report") return run_report_command(sub_argc, sub_argv);
+  if (cmd == "diagnose") return run_diagnose_command(sub_argc, sub_argv);
+  if (cmd == "compare") return run_compare_command(sub_argc, sub_argv);
   if (cmd == "plan") return run_plan_command(sub_argc, sub_argv);
   if (cmd == "schedule") return run_schedule_command(sub_argc, sub_argv);
   if (cmd == "launch") return run_launch_command(sub_argc, sub_argv);

@@ -34,6 +34,13 @@ int run_model_info_command(int argc, char** argv);
 // `meshtrain check-ops`: the kernel registry's ops on a device against the CPU baseline
 // (kernels/conformance/check.h). 0 all pass, 1 a case failed, 2 bad options or device.
 int run_check_ops_command(int argc, char** argv);
+// `meshtrain diagnose METRICS.jsonl...`: what limits each run and the change most likely to help.
+int run_diagnose_command(int argc, char** argv);
+// `meshtrain report METRICS.jsonl... --out report.html`: one self-contained HTML page of the runs.
+int run_report_command(int argc, char** argv);
+// `meshtrain compare --config FILE --a "OVERRIDES" --b "OVERRIDES"`: runs both, compares losses and
+// gradient norms step by step. 0 equal within the precision's tolerance, 1 different, 2 bad options.
+int run_compare_command(int argc, char** argv);
 // `meshtrain train`: 0 ok, 2 config error, 1 any other failure (a multi-rank job is ended).
 int run_train_command(int argc, char** argv);
 

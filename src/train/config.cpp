@@ -142,6 +142,7 @@ std::vector<Field> fields(RunConfig& c) {
        "sharded grads: reduce-scatter every micro-batch (less memory) or only the last (less comm)"},
       {"log.metrics_out", Kind::String, &c.log.metrics_out, "JSON-lines metrics file (rank 0)"},
       {"log.trace_out", Kind::String, &c.log.trace_out, "Chrome trace file per rank"},
+      {"log.tensorboard_dir", Kind::String, &c.log.tensorboard_dir, "TensorBoard event files directory (rank 0)"},
       {"log.peak_flops", Kind::Float, &c.log.peak_flops, "peak FLOP/s per rank for MFU (0 = MFU omitted)"},
       {"log.print_every", Kind::Int, &c.log.print_every, "steps between progress lines"},
   };

@@ -86,6 +86,7 @@ struct RunConfig {
   } parallel;
   struct Log {
     std::string metrics_out, trace_out;
+    std::string tensorboard_dir;  // TensorBoard event files (rank 0)
     double peak_flops = 0.0;
     int64_t print_every = 1;
   } log;

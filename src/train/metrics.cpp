@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "train/tensorboard.h"
+
 namespace mt {
 
 MetricsWriter::MetricsWriter(const std::string& path) {
@@ -11,8 +13,16 @@ MetricsWriter::MetricsWriter(const std::string& path) {
   if (!out_) throw std::runtime_error("log.metrics_out: cannot open " + path + " for writing");
 }
 
+MetricsWriter::~MetricsWriter() = default;
+
+void MetricsWriter::attach_tensorboard(const std::string& dir, const std::string& config_text) {
+  if (dir.empty()) return;
+  tb_ = std::make_unique<TensorBoardWriter>(dir);
+  tb_->text("config", config_text);
+}
+
 void MetricsWriter::step(const StepMetrics& m) {
-  if (!out_.is_open()) return;
+  if (!out_.is_open() && !tb_) return;
   nlohmann::json j = {{"step", m.step},
                       {"loss", m.loss},
                       {"lr", m.lr},
@@ -30,11 +40,15 @@ void MetricsWriter::step(const StepMetrics& m) {
   if (!m.data_tokens_by_dataset.is_null()) j["data_tokens_by_dataset"] = m.data_tokens_by_dataset;
   if (m.moe.is_object())
     for (const auto& [k, v] : m.moe.items()) j[k] = v;
+  last_step_ = m.step;
+  if (tb_) tb_->scalars(m.step, j);
+  if (!out_.is_open()) return;
   out_ << j.dump() << "\n";
   out_.flush();
 }
 
 void MetricsWriter::final(const nlohmann::json& obj) {
+  if (tb_) tb_->scalars(last_step_, obj, "final/");
   if (!out_.is_open()) return;
   out_ << obj.dump() << "\n";
   out_.flush();

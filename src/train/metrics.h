@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -28,16 +29,25 @@ struct StepMetrics {
   nlohmann::json moe;
 };
 
+class TensorBoardWriter;  // train/tensorboard.h
+
 class MetricsWriter {
  public:
   // Empty path: nothing written.
   explicit MetricsWriter(const std::string& path);
+  ~MetricsWriter();
+  // log.tensorboard_dir: every step record also goes to TensorBoard event files in `dir` as scalars
+  // named by their JSON keys (the final object's under "final/"), and `config_text` as the text
+  // "config". Empty dir: nothing.
+  void attach_tensorboard(const std::string& dir, const std::string& config_text);
   void step(const StepMetrics& m);
   void final(const nlohmann::json& obj);
   bool enabled() const { return out_.is_open(); }
 
  private:
   std::ofstream out_;
+  std::unique_ptr<TensorBoardWriter> tb_;
+  int64_t last_step_ = 0;
 };
 
 std::string progress_line(const StepMetrics& m, int64_t total_steps);

@@ -689,6 +689,7 @@ TrainResult Trainer::run() {
     std::fflush(stdout);
   }
   metrics_ = std::make_unique<MetricsWriter>(rank_ == 0 || dry_ ? cfg_.log.metrics_out : "");
+  if (rank_ == 0 && !dry_) metrics_->attach_tensorboard(cfg_.log.tensorboard_dir, cfg_.to_toml());
   first_step_ = st_.step;
   if (val_loader_ && tc_.eval_at_start) {
     val_start_ = evaluate();
