@@ -141,6 +141,10 @@ int run_launch_command(int argc, char** argv) {
     std::stringstream ss(ap.get("mpirun-args"));
     std::string w;
     while (ss >> w) o.extra_mpirun_args.push_back(w);
+    // Ctrl-C: mpirun sends every rank SIGTERM, then SIGKILL after this many seconds; the ranks
+    // use them to finish the step and write the final checkpoint.
+    if (ap.get("mpirun-args").find("odls_base_sigkill_timeout") == std::string::npos)
+      o.extra_mpirun_args.insert(o.extra_mpirun_args.end(), {"--mca", "odls_base_sigkill_timeout", "60"});
   } catch (const ArgError& e) {
     std::fprintf(stderr, "meshtrain launch: %s\n(see meshtrain launch --help)\n", e.what());
     return 2;
@@ -155,6 +159,11 @@ int run_launch_command(int argc, char** argv) {
     }
   }
   const LaunchPlan p = comm::build_launch_plan(o);
+  if (o.hostfile.empty() && o.nranks > comm::detect_cores())
+    std::fprintf(stderr,
+                 "meshtrain launch: note: %d ranks on %d cores: they take turns on the cores, so every step is slower "
+                 "than with -n %d\n",
+                 o.nranks, comm::detect_cores(), comm::detect_cores());
   std::string line;
   for (const auto& [k, v] : p.env) line += k + "=" + v + " ";
   std::fprintf(stderr, "meshtrain launch: %s%s\n", line.c_str(), comm::shell_join(p.argv).c_str());

@@ -1,12 +1,15 @@
 // `meshtrain train`: parses the config and overrides, sets up a dry run or --auto, and runs the
 // Trainer (train/trainer.h); errors end the whole job with a message naming the rank.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "cli/arg_parser.h"
 #include "cli/cli_support.h"
 #include "cli/commands.h"
 #include "comm/world.h"
+#include "data/data_loader.h"
+#include "data/token_shards.h"
 #include "model/config/model_config.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -45,6 +48,45 @@ void print_help() {
   std::printf("\n");
 }
 
+// The config file: a readable regular file.
+void check_config_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw ConfigError("the config file " + path + " does not exist (configs/ holds examples: configs/quickstart.toml)");
+  if (fs::is_directory(path, ec))
+    throw ConfigError(path + " is a directory; --config takes a TOML file such as configs/quickstart.toml");
+}
+
+// data.train / data.val before any rank loads them: each file there (not a blend, not a glob: the
+// loader names those) is a file, and a shard prepared for a larger vocabulary than the model's is
+// refused by name. The ids themselves are checked when the data is loaded.
+void check_data_path(const std::string& spec, const char* key, int64_t vocab_size) {
+  namespace fs = std::filesystem;
+  if (spec.empty() || is_blend_spec(spec) || is_glob_pattern(spec)) return;
+  std::error_code ec;
+  if (!fs::exists(spec, ec))
+    throw ConfigError(std::string(key) + ": " + spec +
+                      " does not exist; make token shards with `meshtrain prepare --input TEXT --out DIR --tokenizer "
+                      "gpt2` and set " + key + " to DIR/" + (std::string(key) == "data.val" ? "val" : "train") + ".bin");
+  if (fs::is_directory(spec, ec))
+    throw ConfigError(std::string(key) + ": " + spec + " is a directory; give a shard file (" + spec + "/" +
+                      (std::string(key) == "data.val" ? "val" : "train") + ".bin) or a quoted glob ('" + spec +
+                      "/train_*.bin')");
+  TokenShardInfo info;
+  try {
+    info = read_token_shard_info(spec);
+  } catch (const std::runtime_error& e) {
+    throw ConfigError(std::string(key) + ": " + e.what());
+  }
+  if (info.vocab_size > vocab_size)
+    throw ConfigError(std::string(key) + ": " + spec + " was prepared with a tokenizer of " +
+                      std::to_string(info.vocab_size) + " tokens, more than the model's vocab_size " +
+                      std::to_string(vocab_size) + ": set [model] vocab_size = " + std::to_string(info.vocab_size) +
+                      " and [data] tokenizer to the one it was prepared with, or prepare it again");
+}
+
 }  // namespace
 
 int run_train_command(int argc, char** argv) {
@@ -52,12 +94,18 @@ int run_train_command(int argc, char** argv) {
                {"help", "auto", "dry-run"});
   if (auto done = cli_support::parse_args("train", ap, argc, argv, print_help)) return *done;
   try {
+    check_config_path(ap.get("config"));
     RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
     if (ap.flag("dry-run")) {
       if (!ap.has("world")) throw ConfigError("--dry-run needs --world N (the job's number of ranks)");
       prepare_dry_run(cfg, static_cast<int>(ap.get_int("world", 0)), static_cast<int>(ap.get_int("rank", 0)));
     } else if (ap.has("world") || ap.has("rank")) {
       throw ConfigError("--world and --rank go with --dry-run (a real job's ranks come from mpirun)");
+    }
+    if (!ap.flag("dry-run")) {
+      const int64_t vocab = cfg.model_config().vocab_size;
+      check_data_path(cfg.data.train, "data.train", vocab);
+      if (cfg.train.eval_every > 0) check_data_path(cfg.data.val, "data.val", vocab);
     }
     if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);

@@ -38,6 +38,15 @@ TokenDataset::TokenDataset(const std::string& pattern, int64_t vocab_size) : pat
   }
 }
 
+double TokenDataset::bytes_per_token() const {
+  int64_t bytes = 0;
+  for (const TokenShard& s : shards_) {
+    if (s.size() > 0 && s.text_bytes() <= 0) return 0.0;
+    bytes += s.text_bytes();
+  }
+  return total_tokens_ > 0 ? static_cast<double>(bytes) / static_cast<double>(total_tokens_) : 0.0;
+}
+
 // Both loaders' arguments: a positive B x T and a rank of the data-parallel world.
 static void check_batch_shape(int B, int T, int dp_rank, int dp_world) {
   if (B <= 0 || T <= 0)

@@ -42,6 +42,9 @@ class TokenDataset {
   size_t num_shards() const { return shards_.size(); }
   const TokenShard& shard(size_t i) const { return shards_.at(i); }
   int64_t total_tokens() const { return total_tokens_; }
+  // Bytes of text per token over all shards (bits per byte = nats per token / ln 2 / this), or 0
+  // when a shard does not record its text's bytes (see token_shards.h).
+  double bytes_per_token() const;
 
  private:
   std::string pattern_;
