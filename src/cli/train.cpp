@@ -7,6 +7,7 @@
 #include "cli/arg_parser.h"
 #include "cli/cli_support.h"
 #include "cli/commands.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/world.h"
 #include "data/data_loader.h"
 #include "data/token_shards.h"
@@ -87,6 +88,37 @@ void check_data_path(const std::string& spec, const char* key, int64_t vocab_siz
                       " and [data] tokenizer to the one it was prepared with, or prepare it again");
 }
 
+std::string describe_model(const ModelConfig& m) {
+  return std::string(arch_name(m.arch)) + ", " + std::to_string(m.n_layer) + " layers, " + std::to_string(m.n_head) +
+         " heads, width " + std::to_string(m.n_embd) + ", vocab " + std::to_string(m.vocab_size);
+}
+
+// train.resume / train.init_from naming a checkpoint of another model: refused by what differs
+// before anything is loaded (weights files and other problems are left to the loader).
+void check_checkpoint_model(std::string path, const char* key, const RunConfig& cfg) {
+  if (path.empty()) return;
+  if (path == "latest") {
+    if (cfg.train.checkpoint_dir.empty() ||
+        !std::filesystem::exists(std::filesystem::path(cfg.train.checkpoint_dir) / "latest"))
+      return;
+    path = cfg.train.checkpoint_dir;
+  }
+  ModelConfig have;
+  try {
+    have = load_checkpoint_config(resolve_checkpoint(path)).model_config();
+  } catch (const std::exception&) {
+    return;
+  }
+  const ModelConfig want = cfg.model_config();
+  if (have.arch == want.arch && have.n_layer == want.n_layer && have.n_head == want.n_head &&
+      have.n_kv_head == want.n_kv_head && have.n_embd == want.n_embd && have.vocab_size == want.vocab_size &&
+      have.ffn_hidden == want.ffn_hidden)
+    return;
+  throw ConfigError(std::string(key) + ": " + path + " holds another model (" + describe_model(have) +
+                    ") than this config builds (" + describe_model(want) +
+                    "): use the checkpoint's [model] settings (its trainer.json lists them) or another checkpoint");
+}
+
 }  // namespace
 
 int run_train_command(int argc, char** argv) {
@@ -106,6 +138,8 @@ int run_train_command(int argc, char** argv) {
       const int64_t vocab = cfg.model_config().vocab_size;
       check_data_path(cfg.data.train, "data.train", vocab);
       if (cfg.train.eval_every > 0) check_data_path(cfg.data.val, "data.val", vocab);
+      check_checkpoint_model(cfg.train.resume, "train.resume", cfg);
+      check_checkpoint_model(cfg.train.init_from, "train.init_from", cfg);
     }
     if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);

@@ -320,7 +320,12 @@ std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
 // ---------------------------------------------------------------------------------------------
 
 size_t Tokenizer::token_text_bytes(int32_t id) const {
-  return id == eot_token() ? 0 : decode(std::span<const int32_t>(&id, 1)).size();
+  if (id == eot_token()) return 0;
+  try {
+    return decode(std::span<const int32_t>(&id, 1)).size();
+  } catch (const std::out_of_range&) {
+    return 0;
+  }
 }
 
 void Tokenizer::encode_document(std::string_view text, std::vector<int32_t>& out) const {

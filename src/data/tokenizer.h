@@ -42,7 +42,7 @@ class Tokenizer {
   // with it; -1 for none.
   virtual int32_t document_separator() const { return eot_token(); }
   // The bytes of text one id stands for: its decoded length, 0 for the end-of-text and other
-  // special tokens (what bits per byte divides by).
+  // special tokens and ids outside the vocabulary (what bits per byte divides by).
   virtual size_t token_text_bytes(int32_t id) const;
 };
 

@@ -22,7 +22,7 @@ void on_signal(int sig) {
 }  // namespace
 
 struct StopOnSignal::Saved {
-  struct sigaction int_action {}, term_action{};
+  struct sigaction int_action {}, term_action{}, usr1_action{};
 };
 
 StopOnSignal::StopOnSignal() : saved_(std::make_unique<Saved>()) {
@@ -33,11 +33,13 @@ StopOnSignal::StopOnSignal() : saved_(std::make_unique<Saved>()) {
   sa.sa_flags = SA_RESTART;
   sigaction(SIGINT, &sa, &saved_->int_action);
   sigaction(SIGTERM, &sa, &saved_->term_action);
+  sigaction(SIGUSR1, &sa, &saved_->usr1_action);
 }
 
 StopOnSignal::~StopOnSignal() {
   sigaction(SIGINT, &saved_->int_action, nullptr);
   sigaction(SIGTERM, &saved_->term_action, nullptr);
+  sigaction(SIGUSR1, &saved_->usr1_action, nullptr);
 }
 
 bool StopOnSignal::requested(comm::ProcessGroup* world) const {
@@ -46,6 +48,8 @@ bool StopOnSignal::requested(comm::ProcessGroup* world) const {
   return f > 0.0f;
 }
 
-const char* StopOnSignal::signal_name() { return g_signal == SIGTERM ? "SIGTERM" : "SIGINT"; }
+const char* StopOnSignal::signal_name() {
+  return g_signal == SIGTERM ? "SIGTERM" : g_signal == SIGUSR1 ? "SIGUSR1" : "SIGINT";
+}
 
 }  // namespace mt

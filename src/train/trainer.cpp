@@ -712,10 +712,10 @@ TrainResult Trainer::run() {
     stopped = !dry_ && stop.requested(world_ > 1 ? groups_.metrics.get() : nullptr);
   }
   if (stopped && log_)
-    std::printf("%s: stopped after step %lld of %lld%s\n", StopOnSignal::signal_name(), static_cast<long long>(st_.step),
-                static_cast<long long>(tc_.steps),
-                tc_.checkpoint_dir.empty() ? " (no checkpoint: train.checkpoint_dir is not set)"
-                                           : "; writing the checkpoint (train.resume continues from it)");
+    std::printf("stop requested (%s): stopped after step %lld of %lld%s\n", StopOnSignal::signal_name(),
+                static_cast<long long>(st_.step), static_cast<long long>(tc_.steps),
+                tc_.checkpoint_dir.empty() ? "; no checkpoint (train.checkpoint_dir is not set)"
+                                           : "; writing the checkpoint (--train.resume latest continues from it)");
   if (!tc_.checkpoint_dir.empty() && (tc_.checkpoint_every <= 0 || st_.step % tc_.checkpoint_every != 0)) save();
   if (saver_) saver_->finish(true);  // the job waits for the save in flight
   res_.tokens_per_s = tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0;
