@@ -34,7 +34,7 @@ cat <<'EOF'
 What to try next:
   ./build/meshtrain sample --checkpoint data/kjv/checkpoint --prompt "And Jesus said" --tokens 200
   ./build/meshtrain plot --metrics data/kjv/metrics.jsonl --out data/kjv/plot.svg   # the run's curves
-  ./build/meshtrain launch -n 2 -- train --config configs/quickstart.toml --train.steps 1000   # longer: lower loss
+  ./build/meshtrain launch -n 2 -- train --config configs/quickstart.toml --train.steps 3000   # 4x longer: lower loss
   ./build/meshtrain plan --model llama3-8b --gpus 16 --cluster h100-80g-ib400   # lay out a cluster run
   ./build/meshtrain --help                                                        # every command
 README.md has the tour: your own text, a Hugging Face model, several machines.
