@@ -131,7 +131,7 @@ TEST(Newcomer, CheckpointOfAnotherModelAndCtrlC) {
                      {"train.resume: ", "holds another model", "2 layers", "3 layers", "trainer.json"});
 
   // Ctrl-C: SIGINT once the first step is printed.
-  const std::string cmd = std::string(MT_BINARY) + " " + base + " --train.steps 1000000 --log.print_every 1 " +
+  const std::string cmd = std::string(MT_BINARY) + " " + base + " --train.steps 20000 --log.print_every 1 " +
                           "--train.checkpoint_dir " + dir.file("ck2") + " 2>&1";
   int fds[2];
   ASSERT_EQ(::pipe(fds), 0);
