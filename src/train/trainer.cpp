@@ -709,7 +709,7 @@ TrainResult Trainer::run() {
   bool stopped = false;
   for (int64_t step = st_.step; step < tc_.steps && !stopped; ++step) {
     train_step(step);
-    stopped = !dry_ && stop.requested(world_ > 1 ? groups_.metrics.get() : nullptr);
+    stopped = stop.requested(world_ > 1 ? groups_.metrics.get() : nullptr);  // also counted in a dry run
   }
   if (stopped && log_)
     std::printf("stop requested (%s): stopped after step %lld of %lld%s\n", StopOnSignal::signal_name(),
