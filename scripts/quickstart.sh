@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first thing to run: installs what is missing, builds, prepares a default corpus (the King
 # James Bible from Debian's `bible-kjv` package, one verse per line, GPT-2's BPE cut to its 2,048
-# most frequent tokens) and trains a small GPT on it for about three minutes on 2 ranks
+# most frequent tokens) and trains a small GPT on it for 1 to 3 minutes on 2 ranks
 # (SHARD_GRAD_OP; bf16 mixed precision where the CPU has native bf16, fp32 elsewhere), printing
 # the validation loss (nats per token and bits per byte of text) before and after, the loss as it
 # falls, the memory per rank, a generated sample and what to try next. Extra arguments are config
@@ -26,7 +26,7 @@ dtype=fp32
 grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && dtype=bf16  # emulated bf16 is slower than fp32
 steps=$(sed -n 's/^steps *= *\([0-9]*\).*/\1/p' configs/quickstart.toml)
 echo "precision: $dtype ($( [[ $dtype == bf16 ]] && echo "native bf16 on this CPU" || echo "this CPU has no native bf16"))"
-echo "training $steps steps on 2 ranks: about 3 minutes on 2 idle cores (longer when the machine is busy);"
+echo "training $steps steps on 2 ranks: 1 to 3 minutes on 2 idle cores (longer when the machine is busy);"
 echo "Ctrl-C stops cleanly after the current step and keeps a checkpoint"
 ./build/meshtrain launch -n 2 -- train --config configs/quickstart.toml --train.dtype "$dtype" "$@"
 cat <<'EOF'
