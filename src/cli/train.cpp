@@ -9,8 +9,6 @@
 #include "cli/commands.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/world.h"
-#include "data/data_loader.h"
-#include "data/token_shards.h"
 #include "model/config/model_config.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -60,34 +58,6 @@ void check_config_path(const std::string& path) {
     throw ConfigError(path + " is a directory; --config takes a TOML file such as configs/quickstart.toml");
 }
 
-// data.train / data.val before any rank loads them: each file there (not a blend, not a glob: the
-// loader names those) is a file, and a shard prepared for a larger vocabulary than the model's is
-// refused by name. The ids themselves are checked when the data is loaded.
-void check_data_path(const std::string& spec, const char* key, int64_t vocab_size) {
-  namespace fs = std::filesystem;
-  if (spec.empty() || is_blend_spec(spec) || is_glob_pattern(spec)) return;
-  std::error_code ec;
-  if (!fs::exists(spec, ec))
-    throw ConfigError(std::string(key) + ": " + spec +
-                      " does not exist; make token shards with `meshtrain prepare --input TEXT --out DIR --tokenizer "
-                      "gpt2` and set " + key + " to DIR/" + (std::string(key) == "data.val" ? "val" : "train") + ".bin");
-  if (fs::is_directory(spec, ec))
-    throw ConfigError(std::string(key) + ": " + spec + " is a directory; give a shard file (" + spec + "/" +
-                      (std::string(key) == "data.val" ? "val" : "train") + ".bin) or a quoted glob ('" + spec +
-                      "/train_*.bin')");
-  TokenShardInfo info;
-  try {
-    info = read_token_shard_info(spec);
-  } catch (const std::runtime_error& e) {
-    throw ConfigError(std::string(key) + ": " + e.what());
-  }
-  if (info.vocab_size > vocab_size)
-    throw ConfigError(std::string(key) + ": " + spec + " was prepared with a tokenizer of " +
-                      std::to_string(info.vocab_size) + " tokens, more than the model's vocab_size " +
-                      std::to_string(vocab_size) + ": set [model] vocab_size = " + std::to_string(info.vocab_size) +
-                      " and [data] tokenizer to the one it was prepared with, or prepare it again");
-}
-
 std::string describe_model(const ModelConfig& m) {
   return std::string(arch_name(m.arch)) + ", " + std::to_string(m.n_layer) + " layers, " + std::to_string(m.n_head) +
          " heads, width " + std::to_string(m.n_embd) + ", vocab " + std::to_string(m.vocab_size);
@@ -135,9 +105,6 @@ int run_train_command(int argc, char** argv) {
       throw ConfigError("--world and --rank go with --dry-run (a real job's ranks come from mpirun)");
     }
     if (!ap.flag("dry-run")) {
-      const int64_t vocab = cfg.model_config().vocab_size;
-      check_data_path(cfg.data.train, "data.train", vocab);
-      if (cfg.train.eval_every > 0) check_data_path(cfg.data.val, "data.val", vocab);
       check_checkpoint_model(cfg.train.resume, "train.resume", cfg);
       check_checkpoint_model(cfg.train.init_from, "train.init_from", cfg);
     }

@@ -69,6 +69,11 @@ struct AnyLoader {
 std::unique_ptr<AnyLoader> make_loader(const std::string& spec, const char* key, int B, int T, int dp_rank,
                                        int dp_world, uint64_t seed, bool shuffle, int64_t vocab) {
   auto l = std::make_unique<AnyLoader>();
+  try {
+    check_data_spec(spec, key, vocab);  // a missing file, a directory, shards of a larger vocabulary
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
   if (is_blend_spec(spec)) {
     try {
       l->blend = std::make_unique<BlendLoader>(spec, key, B, T, dp_rank, dp_world, seed, shuffle, vocab);
