@@ -58,37 +58,6 @@ void check_config_path(const std::string& path) {
     throw ConfigError(path + " is a directory; --config takes a TOML file such as configs/quickstart.toml");
 }
 
-std::string describe_model(const ModelConfig& m) {
-  return std::string(arch_name(m.arch)) + ", " + std::to_string(m.n_layer) + " layers, " + std::to_string(m.n_head) +
-         " heads, width " + std::to_string(m.n_embd) + ", vocab " + std::to_string(m.vocab_size);
-}
-
-// train.resume / train.init_from naming a checkpoint of another model: refused by what differs
-// before anything is loaded (weights files and other problems are left to the loader).
-void check_checkpoint_model(std::string path, const char* key, const RunConfig& cfg) {
-  if (path.empty()) return;
-  if (path == "latest") {
-    if (cfg.train.checkpoint_dir.empty() ||
-        !std::filesystem::exists(std::filesystem::path(cfg.train.checkpoint_dir) / "latest"))
-      return;
-    path = cfg.train.checkpoint_dir;
-  }
-  ModelConfig have;
-  try {
-    have = load_checkpoint_config(resolve_checkpoint(path)).model_config();
-  } catch (const std::exception&) {
-    return;
-  }
-  const ModelConfig want = cfg.model_config();
-  if (have.arch == want.arch && have.n_layer == want.n_layer && have.n_head == want.n_head &&
-      have.n_kv_head == want.n_kv_head && have.n_embd == want.n_embd && have.vocab_size == want.vocab_size &&
-      have.ffn_hidden == want.ffn_hidden)
-    return;
-  throw ConfigError(std::string(key) + ": " + path + " holds another model (" + describe_model(have) +
-                    ") than this config builds (" + describe_model(want) +
-                    "): use the checkpoint's [model] settings (its trainer.json lists them) or another checkpoint");
-}
-
 }  // namespace
 
 int run_train_command(int argc, char** argv) {
@@ -104,13 +73,11 @@ int run_train_command(int argc, char** argv) {
     } else if (ap.has("world") || ap.has("rank")) {
       throw ConfigError("--world and --rank go with --dry-run (a real job's ranks come from mpirun)");
     }
-    if (!ap.flag("dry-run")) {
-      check_checkpoint_model(cfg.train.resume, "train.resume", cfg);
-      check_checkpoint_model(cfg.train.init_from, "train.init_from", cfg);
-    }
     if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);
   } catch (const ConfigError& e) {
+    return fail(std::string("config error: ") + e.what(), 2);
+  } catch (const CheckpointModelMismatch& e) {
     return fail(std::string("config error: ") + e.what(), 2);
   } catch (const std::exception& e) {
     return fail(e.what(), 1);
