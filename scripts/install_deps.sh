@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages meshtrain needs to build, test and run its demo (only the
 # missing ones; uses sudo when not root). Usage: scripts/install_deps.sh [--demo | --test]
-#   --demo  adds `fortunes` (the demo's English text)
+#   --demo  adds `bible-kjv` (the quickstart's English text) and `fortunes` (configs/default.toml's)
 #   --test  adds the oracles of the reference tests: Debian's python3-torch (the Hugging Face
 #           weight-layout check; with libopenblas0-pthread, without which its BLAS is the
 #           unoptimised reference one and the bench scripts' PyTorch peer runs tens of times slower),
@@ -11,7 +11,7 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libgtest-dev libopenmpi-dev openmpi-bin libdnnl-dev
       libtomlplusplus-dev nlohmann-json3-dev python3)
-[[ "${1:-}" == "--demo" ]] && pkgs+=(fortunes)
+[[ "${1:-}" == "--demo" ]] && pkgs+=(fortunes bible-kjv)
 [[ "${1:-}" == "--test" ]] && pkgs+=(python3-torch libopenblas0-pthread python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do

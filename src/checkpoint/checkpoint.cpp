@@ -315,8 +315,8 @@ CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& mo
     return;
   }
   if (j.value("num_params", int64_t{-1}) != model.num_params())
-    throw std::runtime_error(dir + ": checkpoint has " + std::to_string(j.value("num_params", int64_t{-1})) +
-                             " parameters, the configured model has " + std::to_string(model.num_params()));
+    throw CheckpointModelMismatch(dir + ": checkpoint has " + std::to_string(j.value("num_params", int64_t{-1})) +
+                                  " parameters, the configured model has " + std::to_string(model.num_params()));
   open_weights((d / "model.safetensors").string());
   if (with_optimizer) {
     moments_ = std::make_unique<SafetensorsReader>((d / "optimizer.safetensors").string());

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,14 @@
 #include "model/transformer.h"
 
 namespace mt {
+
+// A checkpoint whose tensors do not fit the configured model (another model's); the message ends
+// with what to do. `meshtrain train` reports it as a configuration error.
+struct CheckpointModelMismatch : std::runtime_error {
+  explicit CheckpointModelMismatch(const std::string& what)
+      : std::runtime_error(what + ": train with the checkpoint's [model] settings (its trainer.json lists them) "
+                                  "or another checkpoint") {}
+};
 
 struct TrainerState {
   int64_t step = 0;            // optimizer steps completed

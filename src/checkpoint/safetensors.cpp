@@ -149,11 +149,21 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
     } catch (const std::exception& e) {
       throw std::runtime_error(path_ + ": bad safetensors header: " + e.what());
     }
+    if (!h.is_object())
+      throw std::runtime_error(path_ + ": bad safetensors header: expected a JSON object of tensors, found a " +
+                               std::string(h.type_name()));
     data_start_ = 8 + n;
     const uint64_t data_size = size - data_start_;
     for (auto it = h.begin(); it != h.end(); ++it) {
       if (it.key() == "__metadata__") {
-        for (auto m = it->begin(); m != it->end(); ++m) metadata_[m.key()] = m->get<std::string>();
+        if (!it->is_object())
+          throw std::runtime_error(path_ + ": bad safetensors header: __metadata__ must be an object of strings");
+        for (auto m = it->begin(); m != it->end(); ++m) {
+          if (!m->is_string())
+            throw std::runtime_error(path_ + ": bad safetensors header: __metadata__ value of " + m.key() +
+                                     " must be a string");
+          metadata_[m.key()] = m->get<std::string>();
+        }
         continue;
       }
       SafeTensorInfo t;

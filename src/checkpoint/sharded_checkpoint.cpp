@@ -354,11 +354,12 @@ void ShardedCheckpoint::check_model(const Transformer& ref, bool moments) const 
       const std::string n = logical_name(p, k);
       auto it = tensors_.find(n);
       if (it == tensors_.end())
-        throw std::runtime_error(mpath + ": no tensor " + n + " (a checkpoint of another model?)");
+        throw CheckpointModelMismatch(mpath + ": no tensor " + n + " (a checkpoint of another model?)");
       const std::vector<int64_t> want = logical_shape(p, ref.config());
       if (it->second.shape != want)
-        throw std::runtime_error(mpath + ": tensor " + n + " has shape " + shape_str(it->second.shape) +
-                                 ", the configured model expects " + shape_str(want) + " (a checkpoint of another model?)");
+        throw CheckpointModelMismatch(mpath + ": tensor " + n + " has shape " + shape_str(it->second.shape) +
+                                      ", the configured model expects " + shape_str(want) +
+                                      " (a checkpoint of another model?)");
       int64_t covered = 0;
       for (const Piece& pc : it->second.pieces) covered += pc.box.numel();
       int64_t numel = 1;
@@ -369,8 +370,8 @@ void ShardedCheckpoint::check_model(const Transformer& ref, bool moments) const 
     }
   const int64_t np = meta_.value("num_params", int64_t{-1});
   if (np != ref.num_params())
-    throw std::runtime_error(mpath + ": checkpoint has " + std::to_string(np) + " parameters, the configured model has " +
-                             std::to_string(ref.num_params()));
+    throw CheckpointModelMismatch(mpath + ": checkpoint has " + std::to_string(np) +
+                                  " parameters, the configured model has " + std::to_string(ref.num_params()));
 }
 
 int ShardedCheckpoint::fd(int file) const {

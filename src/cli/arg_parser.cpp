@@ -37,7 +37,14 @@ void ArgParser::parse(int argc, char** argv, int first) {
       values_[name] = "1";
       continue;
     }
-    if (!dotted && !contains(value_flags_, name)) throw ArgError("unknown option --" + name);
+    if (!dotted && !contains(value_flags_, name)) {
+      std::vector<std::string> known;
+      for (const auto& f : value_flags_)
+        if (f.size() < 2 || f.compare(f.size() - 2, 2, ".*") != 0) known.push_back(f);
+      known.insert(known.end(), bool_flags_.begin(), bool_flags_.end());
+      const std::string near = closest_name(name, known);
+      throw ArgError("unknown option --" + name + (near.empty() ? "" : " (did you mean --" + near + "?)"));
+    }
     if (!has_value) {
       if (i + 1 >= argc) throw ArgError("option --" + name + " needs a value");
       value = argv[++i];

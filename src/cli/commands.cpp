@@ -7,6 +7,7 @@
 
 #include "cli/data_commands.h"
 #include "kernels/backend.h"
+#include "runtime/strings.h"
 #include "train/trainer.h"
 
 namespace mt::cli {
@@ -37,6 +38,7 @@ static void print_usage(FILE* f) {
 int dispatch(int argc, char** argv) {
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     print_usage(argc < 2 ? stderr : stdout);
+    if (argc < 2) std::fprintf(stderr, "\nmeshtrain: no command given; to start, run: bash scripts/quickstart.sh\n");
     return argc < 2 ? 2 : 0;
   }
   std::string cmd = argv[1];
@@ -67,8 +69,12 @@ int dispatch(int argc, char** argv) {
     }
   }
   if (cmd == "bench") return run_bench_comm_command(sub_argc, sub_argv);
-  std::fprintf(stderr, "meshtrain: unknown command '%s'\n", cmd.c_str());
-  print_usage(stderr);
+  const std::string near = closest_name(cmd, {"train", "prepare", "tokenize", "sample", "export", "model-info", "plot",
+                                               "launch", "bench", "schedule", "plan", "check-ops"});
+  if (!near.empty())
+    std::fprintf(stderr, "meshtrain: unknown command '%s' (did you mean '%s'?)\n", cmd.c_str(), near.c_str());
+  else
+    std::fprintf(stderr, "meshtrain: unknown command '%s' (run 'meshtrain --help' for the commands)\n", cmd.c_str());
   return 2;
 }
 

@@ -1,5 +1,6 @@
 // `meshtrain launch`: runs a subcommand of this binary on N ranks through mpirun
 // (comm::build_launch_plan makes the command line).
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -51,16 +52,36 @@ const char* kHelp =
     "                      last run's. Ctrl-C / SIGTERM stop the job without a restart.\n"
     "  --dry-run           print the command and exit\n"
     "  --help              this text\n\n"
+    "Ctrl-C (or SIGTERM) stops a `train` job cleanly: mpirun passes SIGUSR1 to every rank, the ranks\n"
+    "finish the step, write the final checkpoint when train.checkpoint_dir is set and exit 0. A second\n"
+    "Ctrl-C aborts the job. (Under a plain mpirun, `kill -USR1 <mpirun pid>` does the same.)\n\n"
     "examples:\n"
     "  meshtrain launch -n 4 -- train --config run.toml --parallel.dp_shard=4\n"
     "  meshtrain launch -n 2 -- bench comm --max-bytes 64M\n"
     "  meshtrain launch -n 4 --max-restarts 3 -- train --config run.toml --train.checkpoint_every 100\n";
 
+// Ctrl-C (SIGINT) or SIGTERM: the first asks the job to stop cleanly - mpirun passes SIGUSR1 on to
+// every rank, and training stops after the step, writing its final checkpoint - the second aborts
+// it (SIGTERM to mpirun), the third kills mpirun's process group.
 volatile sig_atomic_t g_stop = 0;
+volatile sig_atomic_t g_signals = 0;
 volatile pid_t g_child = 0;
 void forward_signal(int sig) {
   g_stop = sig;
-  if (g_child > 0) ::kill(g_child, sig);
+  const int n = g_signals + 1;
+  g_signals = n;
+  const pid_t child = g_child;
+  if (child <= 0) return;
+  if (n == 1) {
+    static const char msg[] =
+        "\nmeshtrain launch: stopping after the current step (Ctrl-C again to abort)\n";
+    (void)!::write(2, msg, sizeof msg - 1);
+    ::kill(child, SIGUSR1);
+  } else if (n == 2) {
+    ::kill(child, SIGTERM);
+  } else {
+    ::kill(-child, SIGKILL);
+  }
 }
 
 // Why a run ended, in words.
@@ -86,10 +107,16 @@ int run_and_wait(const std::vector<std::string>& argv) {
   const pid_t pid = ::fork();
   if (pid < 0) return -1;
   if (pid == 0) {
+    // Its own process group, so a Ctrl-C at the terminal reaches only this process, which turns it
+    // into a clean stop; no terminal input (a background group that reads it would be stopped).
+    ::setpgid(0, 0);
+    const int null_fd = ::open("/dev/null", O_RDONLY);
+    if (null_fd >= 0) ::dup2(null_fd, 0);
     execvp(xargv[0], xargv.data());
     std::fprintf(stderr, "meshtrain launch: cannot run '%s': %s\n", xargv[0], std::strerror(errno));
     _exit(127);
   }
+  ::setpgid(pid, pid);
   g_child = pid;
   int st = 0;
   while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
@@ -155,6 +182,11 @@ int run_launch_command(int argc, char** argv) {
     }
   }
   const LaunchPlan p = comm::build_launch_plan(o);
+  if (o.hostfile.empty() && o.nranks > comm::detect_cores())
+    std::fprintf(stderr,
+                 "meshtrain launch: note: %d ranks on %d cores: they take turns on the cores, so every step is slower "
+                 "than with -n %d\n",
+                 o.nranks, comm::detect_cores(), comm::detect_cores());
   std::string line;
   for (const auto& [k, v] : p.env) line += k + "=" + v + " ";
   std::fprintf(stderr, "meshtrain launch: %s%s\n", line.c_str(), comm::shell_join(p.argv).c_str());
@@ -162,21 +194,20 @@ int run_launch_command(int argc, char** argv) {
   if (ap.flag("dry-run")) return 0;
   for (const auto& [k, v] : p.env) setenv(k.c_str(), v.c_str(), 1);
   const int64_t max_restarts = ap.get_int("max-restarts", 0);
-  if (!ap.has("max-restarts")) {  // no supervision: mpirun replaces this process
-    std::vector<std::string> args_copy = p.argv;
-    std::vector<char*> xargv;
-    for (auto& a : args_copy) xargv.push_back(a.data());
-    xargv.push_back(nullptr);
-    execvp(xargv[0], xargv.data());
-    std::fprintf(stderr, "meshtrain launch: cannot run '%s': %s\n", xargv[0], std::strerror(errno));
-    return 127;
-  }
-  // Supervised: run, and after a failure run again from the newest complete checkpoint.
   struct sigaction sa {};
   sa.sa_handler = forward_signal;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  if (!ap.has("max-restarts")) {  // no supervision: one run
+    const int st = run_and_wait(p.argv);
+    if (st == -1) {
+      std::fprintf(stderr, "meshtrain launch: cannot start '%s': %s\n", p.argv[0].c_str(), std::strerror(errno));
+      return 127;
+    }
+    return exit_code(st);
+  }
+  // Supervised: run, and after a failure run again from the newest complete checkpoint.
   const bool is_train = !o.command.empty() && o.command[0] == "train";
   bool sets_resume = false;
   for (const auto& a : o.command) sets_resume = sets_resume || a.rfind("--train.resume", 0) == 0;

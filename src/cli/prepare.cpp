@@ -19,7 +19,7 @@ using namespace cli_support;
 
 const char kPrepareHelp[] =
     "usage: meshtrain prepare --input FILE|DIR|GLOB [--input ...] --out DIR --tokenizer byte|gpt2|hf\n"
-    "                         [--tokenizer-file tokenizer.json] [--gpt2-dir DIR] [--jsonl-field F]\n"
+    "                         [--vocab-size N] [--tokenizer-file tokenizer.json] [--gpt2-dir DIR] [--jsonl-field F]\n"
     "                         [--format auto|text|jsonl] [--val-fraction F] [--shard-tokens N]\n"
     "                         [--skip-bad] [--threads N]\n"
     "\n"
@@ -46,10 +46,15 @@ const char kPrepareHelp[] =
     "                      removed. Required.\n"
     "  --tokenizer NAME    byte: ids 0..255 are the bytes of the text (vocabulary 256).\n"
     "                      gpt2: OpenAI GPT-2 byte-level BPE (vocabulary 50257, <|endoftext|> = 50256;\n"
-    "                      its files ship in the repository's assets/gpt2).\n"
+    "                      its files ship in the repository's assets/gpt2). gpt2:N is the same cut to N\n"
+    "                      tokens (as --vocab-size N).\n"
     "                      hf: a Hugging Face tokenizer.json of the byte-level BPE family (GPT-2,\n"
     "                      Llama 3, Qwen 2, Mistral Tekken, ...), given by --tokenizer-file. Required.\n"
     "  --tokenizer-file F  the tokenizer.json for --tokenizer hf.\n"
+    "  --vocab-size N      gpt2 only: keep GPT-2's 256 byte tokens, its N - 257 most frequent merges and\n"
+    "                      <|endoftext|> as id N - 1 (tokenizer gpt2:N; a small model trains faster on a\n"
+    "                      small vocabulary). Set the training config's [data] tokenizer = \"gpt2:N\"\n"
+    "                      and [model] vocab_size = N.\n"
     "  --gpt2-dir DIR      directory holding encoder.json and vocab.bpe (default: $MESHTRAIN_GPT2_DIR,\n"
     "                      else the repository's assets/gpt2).\n"
     "  --val-fraction F    fraction of the tokens, taken from the end, written to val (default 0.1;\n"
@@ -64,9 +69,10 @@ const char kPrepareHelp[] =
     "document, and its end-of-text token (<|endoftext|>, <|end_of_text|>, </s>, ...) separates them;\n"
     "the byte tokenizer joins documents with a newline.\n"
     "\n"
-    "Shard layout: a header of 256 little-endian int32 (20240520, version, token count, zeros), then\n"
-    "the tokens: uint16 (version 1, llm.c's), or uint32 (version 2) when an id exceeds 65535. The\n"
-    "model's vocab_size must be at least the tokenizer's vocabulary.\n"
+    "Shard layout: a header of 256 little-endian int32 (20240520, version, token count, the\n"
+    "tokenizer's vocabulary, the bytes of text as two words, zeros), then the tokens: uint16 (version 1,\n"
+    "llm.c's), or uint32 (version 2) when an id exceeds 65535. The model's vocab_size must be at least\n"
+    "the tokenizer's vocabulary. Training reports validation in bits per byte from the bytes recorded.\n"
     "\n"
     "examples:\n"
     "  meshtrain prepare --input input.txt --out data/shakespeare --tokenizer gpt2\n"
@@ -74,11 +80,13 @@ const char kPrepareHelp[] =
     "      --tokenizer hf --tokenizer-file tokenizer.json --shard-tokens 100000000\n";
 
 int prepare(int argc, char** argv) {
-  const std::vector<std::string> value_flags = {"out",         "tokenizer",    "gpt2-dir", "tokenizer-file", "val-fraction",
-                                                "shard-tokens", "jsonl-field", "format",   "threads"};
+  const std::vector<std::string> value_flags = {"out",          "tokenizer",   "gpt2-dir", "tokenizer-file", "val-fraction",
+                                                "shard-tokens", "jsonl-field", "format",   "threads",        "vocab-size"};
   std::vector<char*> rest;
   std::vector<std::string> patterns = take_repeated(argc, argv, "input", value_flags, rest);
-  ArgParser args(value_flags, {"help", "skip-bad"});
+  std::vector<std::string> known = value_flags;
+  known.push_back("input");  // taken out above; named here so a misspelling finds it
+  ArgParser args(known, {"help", "skip-bad"});
   args.parse(static_cast<int>(rest.size()), rest.data());
   if (!args.rest().empty()) throw ArgError("unexpected arguments after '--'");
   for (const auto& p : args.positional()) {
@@ -108,8 +116,13 @@ int prepare(int argc, char** argv) {
     throw CommandError(std::string("--input: ") + e.what());
   }
   o.out_dir = args.get("out");
-  const std::unique_ptr<Tokenizer> tok =
-      make_tokenizer(args.get("tokenizer"), args.get("gpt2-dir"), args.get("tokenizer-file"));
+  std::string tok_name = args.get("tokenizer");
+  if (args.has("vocab-size")) {
+    if (tok_name != "gpt2")
+      throw ArgError("--vocab-size cuts GPT-2's vocabulary: use it with --tokenizer gpt2, not " + tok_name);
+    tok_name += ":" + std::to_string(args.get_int("vocab-size", 0));
+  }
+  const std::unique_ptr<Tokenizer> tok = make_tokenizer(tok_name, args.get("gpt2-dir"), args.get("tokenizer-file"));
 
   const bool tty = ::isatty(2);
   auto progress = [&](const PrepareProgress& p) {
@@ -130,9 +143,11 @@ int prepare(int argc, char** argv) {
     std::fprintf(stderr, "meshtrain prepare: warning: %s bad document%s skipped (--skip-bad)%s\n",
                  count_str(r.bad).c_str(), r.bad == 1 ? "" : "s",
                  r.bad > static_cast<int64_t>(r.warnings.size()) ? "; the first ones are listed above" : "");
-  std::printf("tokenizer %s (vocab %d): %zu input file%s, %s documents, %s bytes -> %s tokens in %.1f s (%.1f MB/s)\n",
+  std::printf("tokenizer %s (vocab %d): %zu input file%s, %s documents, %s bytes -> %s tokens (%.2f bytes/token) in "
+              "%.1f s (%.1f MB/s)\n",
               tok->name().c_str(), tok->vocab_size(), o.inputs.size(), o.inputs.size() == 1 ? "" : "s",
-              count_str(r.documents).c_str(), count_str(r.bytes).c_str(), count_str(r.tokens).c_str(), r.seconds,
+              count_str(r.documents).c_str(), count_str(r.bytes).c_str(), count_str(r.tokens).c_str(),
+              r.tokens > 0 ? static_cast<double>(r.bytes) / static_cast<double>(r.tokens) : 0.0, r.seconds,
               r.seconds > 0 ? static_cast<double>(r.bytes) / 1e6 / r.seconds : 0.0);
   auto report = [&](const std::vector<std::string>& files, int64_t n) {
     if (files.size() == 1)

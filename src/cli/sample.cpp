@@ -1,6 +1,7 @@
 // `meshtrain sample`: loads a checkpoint or safetensors weights and prints generated text
 // (train/sampler.h generates).
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <stdexcept>
@@ -35,7 +36,7 @@ const char* const kSampleHelp =
     "  --temperature T    softmax temperature; 0 = greedy (default 0.8)\n"
     "  --top-k K          sample among the K most likely tokens; 0 = all (default 40)\n"
     "  --seed S           sampling seed (default 42)\n"
-    "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2; with --weights the\n"
+    "  --tokenizer NAME   override the checkpoint's tokenizer (byte | gpt2 | gpt2:N | hf; with --weights the\n"
     "                     default is gpt2 for a vocabulary of 50257 or more, else byte)\n"
     "  --gpt2-dir DIR     where encoder.json and vocab.bpe are (gpt2; default: the repository's assets/gpt2)\n"
     "  --tokenizer-file F the tokenizer.json of --tokenizer hf (default: the checkpoint's data.tokenizer_file)\n";
@@ -55,7 +56,17 @@ int run_sample_command(int argc, char** argv) {
     std::string tok_default, gdir_default, tfile_default;
     std::unique_ptr<Transformer> model;
     if (ap.has("checkpoint")) {
-      const std::string dir = resolve_checkpoint(ap.get("checkpoint"));
+      std::string dir;
+      try {
+        if (!std::filesystem::exists(ap.get("checkpoint")))
+          throw std::runtime_error("--checkpoint " + ap.get("checkpoint") +
+                                   " does not exist (training writes one when train.checkpoint_dir is set; "
+                                   "scripts/quickstart.sh writes data/kjv/checkpoint)");
+        dir = resolve_checkpoint(ap.get("checkpoint"));
+      } catch (const std::runtime_error& e) {
+        std::fprintf(stderr, "meshtrain sample: %s\n", e.what());
+        return 2;
+      }
       const RunConfig rc = load_checkpoint_config(dir);
       mc = rc.model_config();
       model = std::make_unique<Transformer>(mc, DType::F32);

@@ -1,11 +1,13 @@
 // `meshtrain train`: parses the config and overrides, sets up a dry run or --auto, and runs the
 // Trainer (train/trainer.h); errors end the whole job with a message naming the rank.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "cli/arg_parser.h"
 #include "cli/cli_support.h"
 #include "cli/commands.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/world.h"
 #include "model/config/model_config.h"
 #include "train/config.h"
@@ -45,6 +47,17 @@ void print_help() {
   std::printf("\n");
 }
 
+// The config file: a readable regular file.
+void check_config_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw ConfigError("the config file " + path + " does not exist (configs/ holds examples: configs/quickstart.toml)");
+  if (fs::is_directory(path, ec))
+    throw ConfigError(path + " is a directory; --config takes a TOML file such as configs/quickstart.toml");
+}
+
 }  // namespace
 
 int run_train_command(int argc, char** argv) {
@@ -52,6 +65,7 @@ int run_train_command(int argc, char** argv) {
                {"help", "auto", "dry-run"});
   if (auto done = cli_support::parse_args("train", ap, argc, argv, print_help)) return *done;
   try {
+    check_config_path(ap.get("config"));
     RunConfig cfg = RunConfig::load(ap.get("config"), ap.dotted());
     if (ap.flag("dry-run")) {
       if (!ap.has("world")) throw ConfigError("--dry-run needs --world N (the job's number of ranks)");
@@ -62,6 +76,8 @@ int run_train_command(int argc, char** argv) {
     if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);
   } catch (const ConfigError& e) {
+    return fail(std::string("config error: ") + e.what(), 2);
+  } catch (const CheckpointModelMismatch& e) {
     return fail(std::string("config error: ") + e.what(), 2);
   } catch (const std::exception& e) {
     return fail(e.what(), 1);

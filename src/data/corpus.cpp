@@ -277,6 +277,11 @@ PrepareResult prepare_corpus(const PrepareOptions& o, const Tokenizer& tok,
     throw std::runtime_error("the input holds " + std::to_string(n) + " tokens, leaving none for the training shards");
   r.token_bytes = max_id > 65535 ? 4 : 2;
 
+  // Bytes of text per id, recorded with the shards' token counts (bits per byte).
+  std::vector<uint16_t> text_bytes_of_id(static_cast<size_t>(std::max(tok.vocab_size(), 0)));
+  for (size_t id = 0; id < text_bytes_of_id.size(); ++id)
+    text_bytes_of_id[id] = static_cast<uint16_t>(std::min<size_t>(tok.token_text_bytes(static_cast<int32_t>(id)), 65535));
+
   // Cut the token stream into shards.
   remove_old_shards(o.out_dir);
   if (std::fseek(tmp, 0, SEEK_SET) != 0) throw std::runtime_error("cannot rewind " + tmp_path.string());
@@ -293,6 +298,7 @@ PrepareResult prepare_corpus(const PrepareOptions& o, const Tokenizer& tok,
         std::snprintf(name, sizeof name, "%s.bin", stem.c_str());
       const std::string path = (fs::path(o.out_dir) / name).string();
       TokenShardWriter w(path, this_count, r.token_bytes);
+      w.describe_text(tok.vocab_size(), text_bytes_of_id);
       std::vector<uint32_t> chunk;
       for (int64_t done = 0; done < this_count;) {
         const size_t m = static_cast<size_t>(std::min<int64_t>(this_count - done, int64_t{1} << 20));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <numeric>
 #include <stdexcept>
 
@@ -36,6 +37,41 @@ TokenDataset::TokenDataset(const std::string& pattern, int64_t vocab_size) : pat
     shards_.emplace_back(f, vocab_size);
     total_tokens_ += static_cast<int64_t>(shards_.back().size());
   }
+}
+
+void check_data_spec(const std::string& spec, const std::string& key, int64_t vocab_size) {
+  namespace fs = std::filesystem;
+  if (spec.empty() || is_blend_spec(spec) || is_glob_pattern(spec)) return;
+  const std::string stem = key == "data.val" ? "val" : "train";
+  std::error_code ec;
+  if (!fs::exists(spec, ec))
+    throw std::invalid_argument(key + ": " + spec +
+                                " does not exist; make token shards with `meshtrain prepare --input TEXT --out DIR "
+                                "--tokenizer gpt2` and set " + key + " to DIR/" + stem + ".bin");
+  if (fs::is_directory(spec, ec))
+    throw std::invalid_argument(key + ": " + spec + " is a directory; give a shard file (" + spec + "/" + stem +
+                                ".bin) or a quoted glob ('" + spec + "/" + stem + "_*.bin')");
+  TokenShardInfo info;
+  try {
+    info = read_token_shard_info(spec);
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(key + ": " + e.what());
+  }
+  if (vocab_size > 0 && info.vocab_size > vocab_size)
+    throw std::invalid_argument(key + ": " + spec + " was prepared with a tokenizer of " +
+                                std::to_string(info.vocab_size) + " tokens, more than the model's vocab_size " +
+                                std::to_string(vocab_size) + ": set [model] vocab_size = " +
+                                std::to_string(info.vocab_size) +
+                                " and [data] tokenizer to the one it was prepared with, or prepare it again");
+}
+
+double TokenDataset::bytes_per_token() const {
+  int64_t bytes = 0;
+  for (const TokenShard& s : shards_) {
+    if (s.size() > 0 && s.text_bytes() <= 0) return 0.0;
+    bytes += s.text_bytes();
+  }
+  return total_tokens_ > 0 ? static_cast<double>(bytes) / static_cast<double>(total_tokens_) : 0.0;
 }
 
 // Both loaders' arguments: a positive B x T and a rank of the data-parallel world.

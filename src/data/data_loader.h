@@ -31,6 +31,12 @@ bool is_glob_pattern(const std::string& pattern);
 // matches. Throws std::runtime_error naming the pattern when a glob matches nothing.
 std::vector<std::string> expand_file_pattern(const std::string& pattern);
 
+// A data.train / data.val value (`key`) before it is loaded: when it names one file (not a glob,
+// not a blend) the file exists and is not a directory, and a shard whose header records a larger
+// tokenizer vocabulary than `vocab_size` is refused. Throws std::invalid_argument: one line
+// naming the key and the path, and what to do.
+void check_data_spec(const std::string& spec, const std::string& key, int64_t vocab_size);
+
 class TokenDataset {
  public:
   // `pattern`: one shard file or a glob of shards (sorted by name). Every shard is validated (header,
@@ -42,6 +48,9 @@ class TokenDataset {
   size_t num_shards() const { return shards_.size(); }
   const TokenShard& shard(size_t i) const { return shards_.at(i); }
   int64_t total_tokens() const { return total_tokens_; }
+  // Bytes of text per token over all shards (bits per byte = nats per token / ln 2 / this), or 0
+  // when a shard does not record its text's bytes (see token_shards.h).
+  double bytes_per_token() const;
 
  private:
   std::string pattern_;

@@ -400,4 +400,12 @@ std::string HfTokenizer::decode(std::span<const int32_t> ids, bool skip_special_
   return utf8_lossy(bytes);
 }
 
+size_t HfTokenizer::token_text_bytes(int32_t id) const {
+  try {
+    return decode(std::span<const int32_t>(&id, 1), true).size();
+  } catch (const std::exception&) {
+    return 0;  // an id outside the vocabulary (a gap in its ids) stands for no text
+  }
+}
+
 }  // namespace mt

@@ -58,6 +58,7 @@ class HfTokenizer final : public Tokenizer {
   int32_t document_separator() const override {
     return !suffix_.empty() && suffix_.back() == eos_ ? -1 : eos_;
   }
+  size_t token_text_bytes(int32_t id) const override;
   // What the post-processor puts before a sequence (Llama 3: <|begin_of_text|>); empty when nothing.
   const std::vector<int32_t>& prefix_tokens() const { return prefix_; }
   const std::vector<int32_t>& suffix_tokens() const { return suffix_; }

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
@@ -50,8 +51,9 @@ struct Fd {
 };
 
 // Opens `path`, checks the header and the file size; returns the token count and sets the token
-// width (2 for version 1, 4 for version 2).
-int64_t check_header(const std::string& path, Fd& fd, size_t& file_bytes, int& token_bytes) {
+// width (2 for version 1, 4 for version 2) and the header's record of the text.
+int64_t check_header(const std::string& path, Fd& fd, size_t& file_bytes, int& token_bytes,
+                     TokenShardInfo* info = nullptr) {
   fd.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd.fd < 0) throw shard_error(path, "cannot open: " + sys_error());
   struct stat st{};
@@ -79,6 +81,12 @@ int64_t check_header(const std::string& path, Fd& fd, size_t& file_bytes, int& t
                                 ", expected " + std::to_string(kShardVersion) + " (uint16 tokens) or " +
                                 std::to_string(kShardVersion32) + " (uint32 tokens)");
   token_bytes = header[1] == kShardVersion ? 2 : 4;
+  if (info) {
+    info->vocab_size = std::max(header[3], 0);
+    info->text_bytes = static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(header[5])) << 32) |
+                                            static_cast<uint32_t>(header[4]));
+    if (info->text_bytes < 0) info->text_bytes = 0;
+  }
   if (header[2] < 0)
     throw shard_error(path, "bad token count at byte offset 8: found " + std::to_string(header[2]));
   const int64_t count = header[2];
@@ -120,6 +128,15 @@ int64_t read_token_shard_header(const std::string& path) {
   return check_header(path, fd, bytes, width);
 }
 
+TokenShardInfo read_token_shard_info(const std::string& path) {
+  Fd fd;
+  size_t bytes = 0;
+  int width = 2;
+  TokenShardInfo info;
+  info.tokens = check_header(path, fd, bytes, width, &info);
+  return info;
+}
+
 TokenShardWriter::TokenShardWriter(const std::string& path, int64_t count, int token_bytes)
     : path_(path), count_(count), token_bytes_(token_bytes) {
   if (token_bytes != 2 && token_bytes != 4) throw std::invalid_argument("token shard: token_bytes must be 2 or 4");
@@ -153,15 +170,29 @@ void TokenShardWriter::write(std::span<const uint32_t> tokens) {
   } else {
     std::memcpy(buf_.data(), tokens.data(), buf_.size());
   }
+  for (uint32_t t : tokens)
+    if (t < text_bytes_of_id_.size()) text_bytes_ += text_bytes_of_id_[t];
   if (!buf_.empty() && std::fwrite(buf_.data(), 1, buf_.size(), static_cast<std::FILE*>(f_)) != buf_.size())
     throw shard_error(path_, "write failed (disk full?)");
   written_ += static_cast<int64_t>(tokens.size());
+}
+
+void TokenShardWriter::describe_text(int32_t vocab_size, std::span<const uint16_t> text_bytes_of_id) {
+  vocab_size_ = vocab_size;
+  text_bytes_of_id_ = text_bytes_of_id;
 }
 
 void TokenShardWriter::close() {
   if (!f_) return;
   if (written_ != count_)
     throw shard_error(path_, std::to_string(written_) + " tokens written, the header says " + std::to_string(count_));
+  if (vocab_size_ > 0) {
+    auto* f = static_cast<std::FILE*>(f_);
+    const int32_t words[3] = {vocab_size_, static_cast<int32_t>(static_cast<uint32_t>(text_bytes_)),
+                              static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(text_bytes_) >> 32))};
+    if (std::fseek(f, 3 * sizeof(int32_t), SEEK_SET) != 0 || std::fwrite(words, sizeof words, 1, f) != 1)
+      throw shard_error(path_, "write failed (disk full?)");
+  }
   const int rc = std::fclose(static_cast<std::FILE*>(f_));
   f_ = nullptr;
   if (rc != 0) throw shard_error(path_, "write failed (disk full?)");
@@ -170,7 +201,15 @@ void TokenShardWriter::close() {
 TokenShard::TokenShard(const std::string& path, int64_t vocab_size) : path_(path) {
   Fd fd;
   size_t bytes = 0;
-  count_ = static_cast<size_t>(check_header(path, fd, bytes, token_bytes_));
+  TokenShardInfo info;
+  count_ = static_cast<size_t>(check_header(path, fd, bytes, token_bytes_, &info));
+  vocab_size_ = info.vocab_size;
+  text_bytes_ = info.text_bytes;
+  if (vocab_size > 0 && vocab_size_ > vocab_size)
+    throw shard_error(path, "prepared with a tokenizer of " + std::to_string(vocab_size_) +
+                                " tokens, more than the model's vocab_size " + std::to_string(vocab_size) +
+                                ": set [model] vocab_size = " + std::to_string(vocab_size_) +
+                                " or prepare the data with the model's tokenizer");
   if (count_ == 0) return;
   map_ = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd.fd, 0);
   if (map_ == MAP_FAILED) {
@@ -238,7 +277,7 @@ TokenShard::~TokenShard() { release(); }
 
 TokenShard::TokenShard(TokenShard&& o) noexcept
     : path_(std::move(o.path_)), map_(o.map_), map_bytes_(o.map_bytes_), tokens_(o.tokens_), count_(o.count_),
-      token_bytes_(o.token_bytes_) {
+      token_bytes_(o.token_bytes_), vocab_size_(o.vocab_size_), text_bytes_(o.text_bytes_) {
   o.map_ = nullptr;
   o.map_bytes_ = 0;
   o.tokens_ = nullptr;
@@ -254,6 +293,8 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
     tokens_ = o.tokens_;
     count_ = o.count_;
     token_bytes_ = o.token_bytes_;
+    vocab_size_ = o.vocab_size_;
+    text_bytes_ = o.text_bytes_;
     o.map_ = nullptr;
     o.map_bytes_ = 0;
     o.tokens_ = nullptr;

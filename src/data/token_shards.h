@@ -3,6 +3,11 @@
 // A shard is exactly 1024 + 2 * count bytes. Vocabularies above 65536 tokens (Llama 3, Qwen 2) use
 // version 2 of this project: the same header with version 2, then the tokens as uint32 (exactly
 // 1024 + 4 * count bytes).
+//
+// Shards written by `meshtrain prepare` also describe their text in header words llm.c leaves at
+// zero: header[3] = the tokenizer's vocabulary size, header[4] and header[5] = the low and high
+// 32 bits of the number of bytes of text the tokens stand for (special tokens count 0), which is
+// what bits per byte divides by. Zero means unknown (shards from llm.c or older versions).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +35,9 @@ class TokenShardWriter {
   ~TokenShardWriter();
   // Appends tokens; throws naming the file and the token for an id that does not fit.
   void write(std::span<const uint32_t> tokens);
+  // Records the tokenizer's vocabulary size and, per token id, the bytes of text it stands for:
+  // close() writes the vocabulary and the sum over the written tokens into the header.
+  void describe_text(int32_t vocab_size, std::span<const uint16_t> text_bytes_of_id);
   // Checks that `count` tokens were written and flushes; throws on a short or failed write.
   void close();
 
@@ -37,6 +45,9 @@ class TokenShardWriter {
   std::string path_;
   int64_t count_, written_ = 0;
   int token_bytes_;
+  int32_t vocab_size_ = 0;
+  std::span<const uint16_t> text_bytes_of_id_;
+  int64_t text_bytes_ = 0;
   void* f_ = nullptr;
   std::vector<char> buf_;
 };
@@ -44,11 +55,19 @@ class TokenShardWriter {
 // Reads and checks the header only; returns the token count. Throws like TokenShard.
 int64_t read_token_shard_header(const std::string& path);
 
+// What a checked header says.
+struct TokenShardInfo {
+  int64_t tokens = 0;
+  int32_t vocab_size = 0;   // the tokenizer's vocabulary; 0 = not recorded
+  int64_t text_bytes = 0;   // bytes of text the tokens stand for; 0 = not recorded
+};
+TokenShardInfo read_token_shard_info(const std::string& path);
+
 // A validated, read-only, memory-mapped shard. The constructor throws std::runtime_error naming the
 // file, the byte offset and the value found for: a file shorter than the header, a wrong magic
 // (offset 0), a wrong version (offset 4), a negative count (offset 8), a size other than
 // 1024 + 2 * count (truncated or trailing bytes), and - when vocab_size > 0 - the first token id
-// >= vocab_size (offset 1024 + 2 * index).
+// >= vocab_size (offset 1024 + 2 * index), or a recorded tokenizer vocabulary larger than vocab_size.
 class TokenShard {
  public:
   explicit TokenShard(const std::string& path, int64_t vocab_size = 0);
@@ -62,6 +81,9 @@ class TokenShard {
   size_t size() const { return count_; }
   // 2 (version 1, uint16) or 4 (version 2, uint32).
   int token_bytes() const { return token_bytes_; }
+  // The header's record of the text (0 = not recorded; see the top of this file).
+  int32_t tokenizer_vocab_size() const { return vocab_size_; }
+  int64_t text_bytes() const { return text_bytes_; }
   // The uint16 tokens of a version-1 shard (std::logic_error for a version-2 shard).
   const uint16_t* data() const;
   std::span<const uint16_t> tokens() const { return {data(), count_}; }
@@ -79,6 +101,8 @@ class TokenShard {
   const uint16_t* tokens_ = nullptr;
   size_t count_ = 0;
   int token_bytes_ = 2;
+  int32_t vocab_size_ = 0;
+  int64_t text_bytes_ = 0;
 };
 
 // Convenience: the validated tokens of one version-1 shard, copied into a vector.

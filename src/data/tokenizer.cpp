@@ -89,7 +89,7 @@ constexpr size_t kMaxCacheEntries = size_t{1} << 20;
 // ---------------------------------------------------------------------------------------------
 // Gpt2Tokenizer: loading
 
-Gpt2Tokenizer::Gpt2Tokenizer(const std::string& dir) {
+Gpt2Tokenizer::Gpt2Tokenizer(const std::string& dir, int32_t vocab_size) {
   namespace fs = std::filesystem;
   const fs::path enc_path = fs::path(dir) / "encoder.json";
   const fs::path bpe_path = fs::path(dir) / "vocab.bpe";
@@ -173,6 +173,33 @@ Gpt2Tokenizer::Gpt2Tokenizer(const std::string& dir) {
     ++rank;
   }
   if (merges_.empty()) throw std::runtime_error("gpt2 tokenizer: " + bpe_path.string() + " holds no merges");
+  if (vocab_size > 0) cut_vocabulary(vocab_size);
+}
+
+// Keeps the byte tokens and the merges whose parts and result have ids below vocab_size - 1 (in
+// GPT-2's files the ids follow the merge ranks, so these are the vocab_size - 257 most frequent
+// merges); <|endoftext|> becomes the last id.
+void Gpt2Tokenizer::cut_vocabulary(int32_t vocab_size) {
+  const auto full = static_cast<int32_t>(id_to_bytes_.size());
+  if (vocab_size >= full) {
+    if (vocab_size == full) return;
+    throw std::runtime_error("gpt2 tokenizer: --vocab-size " + std::to_string(vocab_size) + " exceeds GPT-2's " +
+                             std::to_string(full) + " tokens (choose 257.." + std::to_string(full) + ")");
+  }
+  const int32_t limit = vocab_size - 1;  // ids kept as they are; the last one is <|endoftext|>
+  for (int b = 0; b < 256; ++b)
+    if (byte_id_[b] >= limit || vocab_size < 257)
+      throw std::runtime_error("gpt2 tokenizer: --vocab-size " + std::to_string(vocab_size) +
+                               " is too small: the 256 byte tokens and <|endoftext|> need at least 257");
+  for (auto it = merges_.begin(); it != merges_.end();) {
+    const auto l = static_cast<int32_t>(it->first >> 32), r = static_cast<int32_t>(it->first & 0xffffffffu);
+    it = it->second.id >= limit || l >= limit || r >= limit ? merges_.erase(it) : std::next(it);
+  }
+  std::string eot = eot_ >= 0 ? id_to_bytes_[static_cast<size_t>(eot_)] : std::string("<|endoftext|>");
+  id_to_bytes_.resize(static_cast<size_t>(vocab_size));
+  id_to_bytes_.back() = std::move(eot);
+  eot_ = limit;
+  cut_ = true;
 }
 
 const std::string& Gpt2Tokenizer::token_bytes(int32_t id) const {
@@ -292,6 +319,15 @@ std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
 
 // ---------------------------------------------------------------------------------------------
 
+size_t Tokenizer::token_text_bytes(int32_t id) const {
+  if (id == eot_token()) return 0;
+  try {
+    return decode(std::span<const int32_t>(&id, 1)).size();
+  } catch (const std::out_of_range&) {
+    return 0;
+  }
+}
+
 void Tokenizer::encode_document(std::string_view text, std::vector<int32_t>& out) const {
   const std::vector<int32_t> ids = encode(text);
   out.insert(out.end(), ids.begin(), ids.end());
@@ -318,20 +354,28 @@ std::string default_gpt2_dir() {
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name, const std::string& gpt2_dir,
                                           const std::string& tokenizer_file) {
   if (name == "byte") return std::make_unique<ByteTokenizer>();
-  if (name == "gpt2") {
+  int32_t gpt2_vocab = 0;
+  if (name.rfind("gpt2:", 0) == 0) {  // gpt2:N, GPT-2's BPE cut to N tokens
+    char* end = nullptr;
+    const long n = std::strtol(name.c_str() + 5, &end, 10);
+    if (end == name.c_str() + 5 || *end != '\0' || n < 257 || n > 50257)
+      throw std::runtime_error("tokenizer '" + name + "': write gpt2:N with N in 257..50257 (GPT-2's BPE cut to N tokens)");
+    gpt2_vocab = static_cast<int32_t>(n);
+  }
+  if (name == "gpt2" || gpt2_vocab > 0) {
     const std::string dir = gpt2_dir.empty() ? default_gpt2_dir() : gpt2_dir;
     if (dir.empty() || !std::filesystem::is_directory(dir))
       throw std::runtime_error("gpt2 tokenizer: directory '" + dir +
                                "' does not exist (pass --gpt2-dir DIR holding encoder.json and vocab.bpe, or set "
                                "MESHTRAIN_GPT2_DIR; the repository ships them in assets/gpt2)");
-    return std::make_unique<Gpt2Tokenizer>(dir);
+    return std::make_unique<Gpt2Tokenizer>(dir, gpt2_vocab);
   }
   if (name == "hf") {
     if (tokenizer_file.empty())
       throw std::runtime_error("the hf tokenizer needs --tokenizer-file PATH (a Hugging Face tokenizer.json)");
     return std::make_unique<HfTokenizer>(tokenizer_file);
   }
-  throw std::runtime_error("unknown tokenizer '" + name + "' (choose byte, gpt2 or hf)");
+  throw std::runtime_error("unknown tokenizer '" + name + "' (choose byte, gpt2, gpt2:N or hf)");
 }
 
 }  // namespace mt

@@ -5,6 +5,7 @@
 #include "checkpoint/checkpoint.h"
 #include "model/config/hf_config.h"
 #include "parallel/layout/parallel_config.h"
+#include "runtime/strings.h"
 
 #include <functional>
 #include <sstream>
@@ -154,6 +155,22 @@ Field* find(std::vector<Field>& fs, const std::string& key) {
   return nullptr;
 }
 
+// What to do about an unknown "section.name": the section it belongs in when another section has
+// the name, else the nearest key.
+std::string unknown_key_hint(const std::vector<Field>& fs, const std::string& key) {
+  const size_t dot = key.find('.');
+  const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
+  std::vector<std::string> keys;
+  for (const auto& f : fs) {
+    if (f.key.substr(f.key.find('.') + 1) == name)
+      return " (" + name + " belongs in [" + f.key.substr(0, f.key.find('.')) + "]: write it there as " + name +
+             " = ..., or on the command line as --" + f.key + ")";
+    keys.push_back(f.key);
+  }
+  const std::string near = closest_name(key, keys);
+  return near.empty() ? " (docs/training.md lists the keys)" : " (did you mean " + near + "?)";
+}
+
 void set_from_string(Field& f, const std::string& v, const std::string& where) {
   auto bad = [&](const char* what) {
     return ConfigError(where + ": " + f.key + " expects " + what + ", got '" + v + "'");
@@ -254,14 +271,14 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::pair<s
       for (auto&& [key, val] : *st) {
         std::string full = std::string(sec.str()) + "." + std::string(key.str());
         Field* f = find(fs, full);
-        if (!f) throw ConfigError(path + ": unknown key " + full);
+        if (!f) throw ConfigError(path + ": unknown key " + full + unknown_key_hint(fs, full));
         set_from_node(*f, val, path);
       }
     }
   }
   for (const auto& [k, v] : overrides) {
     Field* f = find(fs, k);
-    if (!f) throw ConfigError("command line: unknown key --" + k);
+    if (!f) throw ConfigError("command line: unknown key --" + k + unknown_key_hint(fs, k));
     set_from_string(*f, v, "command line");
   }
   return c;

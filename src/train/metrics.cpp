@@ -1,5 +1,6 @@
 #include "train/metrics.h"
 
+#include <cmath>
 #include <cstdio>
 #include <stdexcept>
 
@@ -35,6 +36,7 @@ void MetricsWriter::step(const StepMetrics& m) {
                       {"exposed_comm_ms", m.exposed_comm_ms},
                       {"grad_norm", m.grad_norm}};
   if (m.val_loss) j["val_loss"] = *m.val_loss;
+  if (m.val_bits_per_byte) j["val_bits_per_byte"] = *m.val_bits_per_byte;
   if (m.pp_bubble) j["pp_bubble"] = *m.pp_bubble;
   if (m.pp_bubble_formula) j["pp_bubble_formula"] = *m.pp_bubble_formula;
   if (!m.data_tokens_by_dataset.is_null()) j["data_tokens_by_dataset"] = m.data_tokens_by_dataset;
@@ -58,8 +60,8 @@ std::string progress_line(const StepMetrics& m, int64_t total_steps) {
   char buf[512];
   char mfu[32] = "";
   if (m.mfu) std::snprintf(mfu, sizeof mfu, " | mfu %.1f%%", *m.mfu * 100.0);
-  char val[48] = "";
-  if (m.val_loss) std::snprintf(val, sizeof val, " | val %.4f", *m.val_loss);
+  char val[64] = "";
+  if (m.val_loss) std::snprintf(val, sizeof val, " | val %.4f%s", *m.val_loss, bits_per_byte_note(m.val_bits_per_byte).c_str());
   char bubble[48] = "";
   if (m.pp_bubble) std::snprintf(bubble, sizeof bubble, " | bubble %.0f%%", *m.pp_bubble * 100.0);
   char moe[64] = "";
@@ -73,6 +75,24 @@ std::string progress_line(const StepMetrics& m, int64_t total_steps) {
                 m.tokens_per_s, m.step_ms, mfu, m.comm_ms, m.exposed_comm_ms, bubble, moe,
                 format_bytes(m.mem_peak_bytes).c_str());
   return buf;
+}
+
+std::optional<double> bits_per_byte(double nats_per_token, double bytes_per_token) {
+  if (!(bytes_per_token > 0)) return std::nullopt;
+  return nats_per_token / std::log(2.0) / bytes_per_token;
+}
+
+std::string bits_per_byte_note(const std::optional<double>& bpb) {
+  if (!bpb) return "";
+  char buf[48];
+  std::snprintf(buf, sizeof buf, " (%.3f bits/byte)", *bpb);
+  return buf;
+}
+
+std::string no_bits_per_byte_note(const std::string& val_spec) {
+  return "note: validation in nats per token only, not bits per byte: " + val_spec +
+         " does not record how many bytes of text its tokens stand for (shards from llm.c, an older meshtrain or a "
+         "blend); run `meshtrain prepare` on the text again to get bits per byte";
 }
 
 nlohmann::json category_json(const std::array<int64_t, kNumMemCategories>& v) {

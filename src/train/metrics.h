@@ -18,6 +18,8 @@ struct StepMetrics {
   double loss = 0, lr = 0, tokens_per_s = 0, step_ms = 0, compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
   double grad_norm = 0;
   std::optional<double> mfu, val_loss;
+  // The validation loss in bits per byte of text (when the val shards record their bytes).
+  std::optional<double> val_bits_per_byte;
   // Pipeline parallelism: idle share of the schedule (mean over the pipeline ranks) and the
   // formula's value for the same schedule.
   std::optional<double> pp_bubble, pp_bubble_formula;
@@ -51,6 +53,13 @@ class MetricsWriter {
 };
 
 std::string progress_line(const StepMetrics& m, int64_t total_steps);
+// Cross-entropy in nats per token as bits per byte of text; nothing when bytes_per_token <= 0
+// (shards without a record of their text).
+std::optional<double> bits_per_byte(double nats_per_token, double bytes_per_token);
+// " (1.234 bits/byte)" or "" when the value is missing.
+std::string bits_per_byte_note(const std::optional<double>& bpb);
+// The note printed once when the val shards (`val_spec`) do not record their text's bytes.
+std::string no_bits_per_byte_note(const std::string& val_spec);
 // {"params": ..., "grads": ..., ...} from per-category byte counts.
 nlohmann::json category_json(const std::array<int64_t, kNumMemCategories>& v);
 

@@ -35,6 +35,7 @@
 #include "checkpoint/model_state.h"
 #include "train/parallel_dims.h"
 #include "train/sampler.h"
+#include "train/stop_signal.h"
 #include "data/tokenizer.h"
 
 namespace mt {
@@ -56,6 +57,7 @@ struct AnyLoader {
     else plain->reset();
   }
   int64_t total_tokens() const { return blend ? blend->total_tokens() : ds->total_tokens(); }
+  double bytes_per_token() const { return ds ? ds->bytes_per_token() : 0.0; }  // 0: unknown
   // {pattern: input tokens seen so far by all data-parallel ranks together}.
   nlohmann::json tokens_by_dataset() const {
     nlohmann::json j = nlohmann::json::object();
@@ -67,6 +69,11 @@ struct AnyLoader {
 std::unique_ptr<AnyLoader> make_loader(const std::string& spec, const char* key, int B, int T, int dp_rank,
                                        int dp_world, uint64_t seed, bool shuffle, int64_t vocab) {
   auto l = std::make_unique<AnyLoader>();
+  try {
+    check_data_spec(spec, key, vocab);  // a missing file, a directory, shards of a larger vocabulary
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
   if (is_blend_spec(spec)) {
     try {
       l->blend = std::make_unique<BlendLoader>(spec, key, B, T, dp_rank, dp_world, seed, shuffle, vocab);
@@ -163,6 +170,7 @@ class Trainer {
   // This step's expert statistics over every rank (collective over the world).
   nlohmann::json moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes);
   std::optional<double> val_start_;  // train.eval_at_start
+  double val_bytes_per_token_ = 0;   // 0: the val shards do not record their text (no bits per byte)
   nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
   double full_save_ms_ = 0;          // train.checkpoint_format = full
   int64_t full_saves_ = 0;
@@ -624,6 +632,7 @@ void Trainer::train_step(int64_t step) {
   }
   if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
+    sm.val_bits_per_byte = bits_per_byte(*sm.val_loss, val_bytes_per_token_);
     res_.val_losses.push_back(*sm.val_loss);
     res_.final_val_loss = *sm.val_loss;
   }
@@ -691,20 +700,33 @@ TrainResult Trainer::run() {
   metrics_ = std::make_unique<MetricsWriter>(rank_ == 0 || dry_ ? cfg_.log.metrics_out : "");
   if (rank_ == 0 && !dry_) metrics_->attach_tensorboard(cfg_.log.tensorboard_dir, cfg_.to_toml());
   first_step_ = st_.step;
+  if (val_loader_) val_bytes_per_token_ = val_loader_->bytes_per_token();
+  if (val_loader_ && log_ && val_bytes_per_token_ <= 0) std::printf("%s\n", no_bits_per_byte_note(cfg_.data.val).c_str());
   if (val_loader_ && tc_.eval_at_start) {
     val_start_ = evaluate();
     if (log_) {
-      std::printf("step %5lld/%lld | val %.4f (before training)\n", static_cast<long long>(first_step_),
-                  static_cast<long long>(tc_.steps), *val_start_);
+      std::printf("step %5lld/%lld | val %.4f%s (before training)\n", static_cast<long long>(first_step_),
+                  static_cast<long long>(tc_.steps), *val_start_,
+                  bits_per_byte_note(bits_per_byte(*val_start_, val_bytes_per_token_)).c_str());
       std::fflush(stdout);
     }
   }
-  for (int64_t step = st_.step; step < tc_.steps; ++step) train_step(step);
+  const StopOnSignal stop;  // Ctrl-C: stop after this step (all ranks agree), checkpoint, report
+  bool stopped = false;
+  for (int64_t step = st_.step; step < tc_.steps && !stopped; ++step) {
+    train_step(step);
+    stopped = stop.requested(world_ > 1 ? groups_.metrics.get() : nullptr);  // also counted in a dry run
+  }
+  if (stopped && log_)
+    std::printf("stop requested (%s): stopped after step %lld of %lld%s\n", StopOnSignal::signal_name(),
+                static_cast<long long>(st_.step), static_cast<long long>(tc_.steps),
+                tc_.checkpoint_dir.empty() ? "; no checkpoint (train.checkpoint_dir is not set)"
+                                           : "; writing the checkpoint (--train.resume latest continues from it)");
   if (!tc_.checkpoint_dir.empty() && (tc_.checkpoint_every <= 0 || st_.step % tc_.checkpoint_every != 0)) save();
   if (saver_) saver_->finish(true);  // the job waits for the save in flight
   res_.tokens_per_s = tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0;
   report();
-  if (tc_.sample_tokens > 0) sample();
+  if (tc_.sample_tokens > 0 && !stopped) sample();
   return res_;
 }
 
@@ -885,10 +907,12 @@ void Trainer::report() {
   }
   if (!load_info_.is_null()) fin["checkpoint_load"] = load_info_;
   if (!res_.val_losses.empty()) fin["val_loss"] = res_.final_val_loss;
+  const auto final_bpb = res_.val_losses.empty() ? std::nullopt : bits_per_byte(res_.final_val_loss, val_bytes_per_token_);
+  if (final_bpb) fin["val_bits_per_byte"] = *final_bpb;
   if (val_start_) fin["val_loss_start"] = *val_start_;
   if (log_ && val_start_ && !res_.val_losses.empty())
-    std::printf("validation loss: %.4f before training -> %.4f after %lld steps\n", *val_start_, res_.final_val_loss,
-                static_cast<long long>(st_.step));
+    std::printf("validation loss: %.4f before training -> %.4f%s after %lld steps\n", *val_start_, res_.final_val_loss,
+                bits_per_byte_note(final_bpb).c_str(), static_cast<long long>(st_.step));
   if (loader_ && loader_->blend) {
     fin["data_tokens_by_dataset"] = loader_->tokens_by_dataset();
     if (log_) {

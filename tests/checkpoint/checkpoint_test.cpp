@@ -108,6 +108,22 @@ TEST_F(CheckpointTest, ReaderNamesFileAndTensorOnDamage) {
   expect_error([&] { SafetensorsReader r(p.string()); }, {p.string(), "big", "outside the file"});
   std::ofstream(p, std::ios::binary | std::ios::trunc) << "abc";
   expect_error([&] { SafetensorsReader r(p.string()); }, {p.string(), "truncated"});
+  // Hostile headers: 100,000 nested arrays, a scalar, metadata that is not strings - each one line
+  // naming the file, never a bare JSON-library message.
+  auto with_header = [&](const std::string& h) {
+    std::ofstream f(p, std::ios::binary | std::ios::trunc);
+    const uint64_t n = h.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << h;
+  };
+  with_header(std::string(100000, '[') + std::string(100000, ']'));
+  expect_error([&] { SafetensorsReader r(p.string()); }, {p.string(), "bad safetensors header", "found a array"});
+  with_header("42");
+  expect_error([&] { SafetensorsReader r(p.string()); }, {p.string(), "expected a JSON object"});
+  with_header(R"({"__metadata__": {"format": 7}})");
+  expect_error([&] { SafetensorsReader r(p.string()); }, {p.string(), "__metadata__ value of format must be a string"});
+  with_header(R"({"__metadata__": [1]})");
+  expect_error([&] { SafetensorsReader r(p.string()); }, {p.string(), "__metadata__ must be an object"});
 }
 
 // Units written in reverse order give the same files as the whole-model helper; reading unit by

@@ -185,3 +185,27 @@ TEST(TokenizeCommand, HfTokenizerFileAndJsonlAndDecode) {
       << err;
   EXPECT_EQ(out, "It's 2024, friends\n");
 }
+
+// The shards record the text's bytes (special tokens count 0), so the datasets know bytes per token.
+TEST(PrepareCorpus, ShardsRecordTheBytesOfText) {
+  mt::test::TestDir dir;
+  std::ofstream f(dir.file("c.jsonl"));
+  size_t text_bytes = 0;
+  for (const auto& s : docs()) {
+    f << nlohmann::json{{"text", s}}.dump() << "\n";
+    text_bytes += s.size();
+  }
+  f.close();
+  mt::HfTokenizer tok(kTok);
+  mt::PrepareOptions o;
+  o.inputs = {dir.file("c.jsonl")};
+  o.out_dir = dir.file("o");
+  o.val_fraction = 0.25;
+  const auto r = mt::prepare_corpus(o, tok);
+  const auto train = mt::read_token_shard_info(r.train_files[0]), val = mt::read_token_shard_info(r.val_files[0]);
+  EXPECT_EQ(train.vocab_size, tok.vocab_size());
+  EXPECT_EQ(static_cast<size_t>(train.text_bytes + val.text_bytes), text_bytes);
+  EXPECT_GT(val.text_bytes, 0);
+  const mt::TokenDataset ds(r.train_files[0]);
+  EXPECT_DOUBLE_EQ(ds.bytes_per_token(), static_cast<double>(train.text_bytes) / static_cast<double>(train.tokens));
+}

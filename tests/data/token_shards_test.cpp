@@ -163,3 +163,38 @@ TEST(TokenShards, IdAtOrAboveVocabNamesFileOffsetAndValue) {
   expect_error(path, 300, {path, "token id 300", "byte offset 1034"});
   expect_error(path, 301, {path, "token id 400", "byte offset 1042"});
 }
+
+// prepare's shards record the tokenizer's vocabulary and the bytes of text behind their tokens;
+// shards without the record (llm.c's) still load and report 0 (unknown).
+TEST(TokenShards, RecordTheTextTheyCameFrom) {
+  TestDir dir;
+  const std::string path = dir.file("t.bin");
+  const std::vector<uint16_t> bytes_of_id = {1, 3, 0, 7};
+  {
+    mt::TokenShardWriter w(path, 5, 2);
+    w.describe_text(4, bytes_of_id);
+    const std::vector<uint32_t> t = {0, 1, 1, 2, 3};
+    w.write(t);
+    w.close();
+  }
+  const mt::TokenShardInfo info = mt::read_token_shard_info(path);
+  EXPECT_EQ(info.tokens, 5);
+  EXPECT_EQ(info.vocab_size, 4);
+  EXPECT_EQ(info.text_bytes, 1 + 3 + 3 + 0 + 7);
+  mt::TokenShard s(path, 4);
+  EXPECT_EQ(s.text_bytes(), 14);
+  EXPECT_EQ(s.tokenizer_vocab_size(), 4);
+  // More than 2^32 bytes: the high word holds the rest.
+  auto raw = slurp(path);
+  put_i32(raw, 16, 5);
+  put_i32(raw, 20, 2);
+  dump(path, raw);
+  EXPECT_EQ(mt::read_token_shard_info(path).text_bytes, (int64_t{2} << 32) + 5);
+  // A model whose vocabulary is smaller than the shard's tokenizer's is refused, naming both.
+  expect_error(path, 3, {path, "prepared with a tokenizer of 4 tokens", "vocab_size 3"});
+  // llm.c's shards: nothing recorded.
+  mt::write_token_shard(dir.file("old.bin"), std::vector<int32_t>{1, 2, 3});
+  const mt::TokenShard old(dir.file("old.bin"), 4);
+  EXPECT_EQ(old.text_bytes(), 0);
+  EXPECT_EQ(old.tokenizer_vocab_size(), 0);
+}

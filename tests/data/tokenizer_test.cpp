@@ -174,7 +174,7 @@ TEST(MakeTokenizer, NamesAndErrors) {
     FAIL() << "expected an error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("sentencepiece"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("byte, gpt2 or hf"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("byte, gpt2, gpt2:N or hf"), std::string::npos) << e.what();
   }
   try {
     mt::make_tokenizer("gpt2", "/nonexistent/gpt2dir");
@@ -303,4 +303,33 @@ TEST(TokenizeCommand, HelpAndErrors) {
                     &out, &err),
             2);
   EXPECT_NE(err.find("/nonexistent/dir"), std::string::npos) << err;
+}
+
+// gpt2:N keeps the byte tokens and the first N - 257 merges: its ids are GPT-2's where GPT-2's are
+// below N - 1, every id stays below N, and text still round-trips.
+TEST(Gpt2Tokenizer, CutVocabularyKeepsTheMostFrequentMerges) {
+  const auto cut = mt::make_tokenizer("gpt2:2048", kGpt2Dir);
+  EXPECT_EQ(cut->vocab_size(), 2048);
+  EXPECT_EQ(cut->eot_token(), 2047);
+  EXPECT_EQ(cut->name(), "gpt2:2048");
+  const std::vector<int32_t> eot = {2047};
+  EXPECT_EQ(cut->decode(eot), "<|endoftext|>");
+  EXPECT_EQ(cut->token_text_bytes(2047), 0u);
+  const std::string text = "In the beginning God created the heaven and the earth. Zebras quixotically jumped.";
+  const auto ids = cut->encode(text);
+  const auto full = gpt2().encode(text);
+  EXPECT_GT(ids.size(), full.size());  // fewer merges: more tokens for the rare words
+  for (int32_t id : ids) EXPECT_LT(id, 2047);
+  EXPECT_EQ(cut->decode(ids), text);
+  // " the" (262) and " and" (290) are among the first merges: the same ids as GPT-2's.
+  EXPECT_EQ(cut->encode(" the and"), (std::vector<int32_t>{262, 290}));
+  for (const char* bad : {"gpt2:256", "gpt2:50258", "gpt2:x", "gpt2:"}) {
+    try {
+      mt::make_tokenizer(bad, kGpt2Dir);
+      FAIL() << "expected an error for " << bad;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("gpt2:N"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(mt::make_tokenizer("gpt2:50257", kGpt2Dir)->encode(text), full);
 }
