@@ -18,22 +18,22 @@
 #include "kernels/backend.h"
 #include "model/transformer.h"
 #include "parallel/expert_parallel.h"
+#include "parallel/mesh.h"
 #include "parallel/context_parallel.h"
 #include "parallel/optimizer.h"
 #include "parallel/pipeline_executor.h"
 #include "parallel/strategy.h"
 #include "parallel/tensor_parallel.h"
-#include "plan/auto_layout.h"
 #include "runtime/clock.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/checkpoint_saver.h"
+#include "train/auto_plan.h"
 #include "train/chrome_trace.h"
 #include "train/compute_probe.h"
 #include "data/data_loader.h"
 #include "train/job_agreement.h"
 #include "train/metrics.h"
 #include "checkpoint/model_state.h"
-#include "train/parallel_dims.h"
 #include "train/sampler.h"
 #include "data/tokenizer.h"
 
@@ -81,11 +81,6 @@ std::unique_ptr<AnyLoader> make_loader(const std::string& spec, const char* key,
   return l;
 }
 
-int auto_threads() {
-  unsigned hc = std::thread::hardware_concurrency();
-  return hc == 0 ? 1 : static_cast<int>(hc);
-}
-
 // One training job on this rank (torchtitan's Trainer): build() makes the groups, data, model,
 // strategy and step executor; load_state() the initial or resumed state; train_step() one
 // optimizer step - for every layout the step runs through the pipeline executor (pp = 1 is a
@@ -121,7 +116,7 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   bool dry_ = false, log_ = false;
   ModelConfig mc_;
-  ParallelDims dims_;
+  ParallelPlan plan_;
   ParallelGroups groups_;
   DType dt_ = DType::F32;
   Recompute rc_ = Recompute::None;
@@ -191,33 +186,28 @@ void Trainer::build() {
   mc_ = cfg_.model_config();
   const int tp = cfg_.parallel.tp > 0 ? static_cast<int>(cfg_.parallel.tp) : 1;
   if (tp > 1) mc_.padded_vocab = padded_vocab_for_tp(mc_.vocab_size, tp);
-  dims_ = ParallelDims::from_config(cfg_, mc_, world_);
-  groups_ = ParallelGroups::build(*W_, dims_);
+  plan_ = cfg_.parallel_plan(mc_, world_);
+  groups_ = ParallelGroups::build(*W_, plan_);
   if (!parse_dtype(tc_.dtype, &dt_) || is_integer(dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
   check_train_device(tc_.device, dry_);
   kernels::require_ops(tc_.device, {.llama = mc_.arch == Arch::Llama, .rope_scaled = mc_.rope_scaled(),
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = tp > 1,
-                                    .sequence_parallel = dims_.sequence_parallel, .context_parallel = dims_.cp > 1,
+                                    .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
                                     .moe = mc_.moe()});
-  try {
-    rc_ = parse_recompute(tc_.activation_checkpointing, "train.activation_checkpointing");
-  } catch (const std::invalid_argument& e) {
-    throw ConfigError(e.what());
-  }
+  rc_ = plan_.checkpointing;
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");
   if (tc_.loss_chunk_tokens < 0) throw ConfigError("train.loss_chunk_tokens must be >= 0 (0 = off)");
   (void)lr_at(0, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);  // validates the schedule name
-  threads_ = tc_.threads > 0 ? static_cast<int>(tc_.threads) : std::max(1, auto_threads() / W_->local_size());
+  threads_ = tc_.threads > 0 ? static_cast<int>(tc_.threads) : std::max(1, hardware_threads() / W_->local_size());
   omp_set_num_threads(threads_);
 
-  // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
-  const int pp = dims_.pp;
+  const int pp = plan_.pp;
   B_ = tc_.micro_batch;
   T_full_ = mc_.seq_len;
-  T_ = T_full_ / dims_.cp;  // context parallelism: this rank's two chunks of every sequence
-  accum_ = pp > 1 && cfg_.parallel.pp_microbatches > 0 ? cfg_.parallel.pp_microbatches : tc_.grad_accum;
+  T_ = T_full_ / plan_.cp;  // context parallelism: this rank's two chunks of every sequence
+  accum_ = plan_.microbatches;
   // The cp ranks of one data-parallel rank read the same sequences (and keep their own chunks).
   const int dp_rank = groups_.data_rank, dp_world = groups_.data_world;
   // Every rank runs the same job (config, build, data), checked before anything is loaded.
@@ -230,12 +220,12 @@ void Trainer::build() {
       val_loader_ = make_loader(cfg_.data.val, "data.val", static_cast<int>(B_), static_cast<int>(T_full_), dp_rank,
                                 dp_world, seed, false, mc_.vocab_size);
   }
-  if (dims_.cp > 1) {
+  if (plan_.cp > 1) {
     full_x_.resize(static_cast<size_t>(B_ * T_full_));
     full_y_.resize(full_x_.size());
   }
 
-  spec_.strategy = dims_.strategy;
+  spec_.strategy = plan_.strategy;
   spec_.bucket_mb = cfg_.parallel.bucket_mb;
   spec_.reshard_after_forward = cfg_.parallel.reshard_after_forward;
   spec_.prefetch = static_cast<int>(cfg_.parallel.prefetch);
@@ -246,10 +236,9 @@ void Trainer::build() {
 
   // The step's schedule, checked before it runs, and the stages' units (one stage without a pipeline).
   try {
-    const PipelineSchedule kind =
-        pp > 1 ? parse_pipeline_schedule(cfg_.parallel.pp_schedule, "parallel.pp_schedule") : PipelineSchedule::OneFOneB;
+    const PipelineSchedule kind = pp > 1 ? plan_.schedule : PipelineSchedule::OneFOneB;
     schedule_ = std::make_unique<parallel::PipeSchedule>(
-        parallel::make_schedule(kind, pp, static_cast<int>(accum_), dims_.pp_virtual_stages));
+        parallel::make_schedule(kind, pp, static_cast<int>(accum_), plan_.virtual_stages));
     partition_ = parallel::partition_stages(mc_, schedule_->num_stages(), pp > 1 ? cfg_.parallel.pp_partition : "");
   } catch (const std::invalid_argument& e) {
     throw ConfigError(std::string("pipeline: ") + e.what());
@@ -257,24 +246,24 @@ void Trainer::build() {
   std::vector<char> owned;
   if (pp > 1) owned = parallel::stage_units_of_rank(partition_, pp, groups_.pp_rank, static_cast<int>(mc_.n_layer) + 2);
   ModelStorage storage = parallel::model_storage(spec_, dt_, groups_.shard->size());
-  if (dims_.ep_enabled()) {
-    storage.ep = dims_.ep;
+  if (plan_.ep_enabled()) {
+    storage.ep = plan_.ep;
     storage.ep_rank = groups_.ep->rank();
   }
   model_ = std::make_unique<Transformer>(mc_, dt_, rc_, storage, tp > 1 ? tp_comm_.get() : nullptr, owned);
-  if (dims_.ep_enabled()) {
+  if (plan_.ep_enabled()) {
     ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
     model_->set_expert_comm(ep_comm_.get());
     // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
     ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, groups_.tp_aux,
-                                                     dims_.dp() * dims_.cp, spec_.adam);
+                                                     plan_.dp() * plan_.cp, spec_.adam);
   }
   model_->set_tp_overlap(cfg_.parallel.tp_overlap);
   model_->set_loss_chunk(tc_.loss_chunk_tokens);
-  if (dims_.sequence_parallel) model_->set_sequence_parallel(true);
-  if (dims_.cp > 1) {
+  if (plan_.sequence_parallel) model_->set_sequence_parallel(true);
+  if (plan_.cp > 1) {
     cp_comm_ = std::make_unique<parallel::ProcessGroupCpComm>(groups_.cp);
-    model_->set_context_parallel(cp_comm_.get(), dims_.cp_mode == "allgather");
+    model_->set_context_parallel(cp_comm_.get(), plan_.cp_mode == "allgather");
   }
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
   ref_ = std::make_unique<Transformer>(mc_, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
@@ -299,12 +288,12 @@ void Trainer::build() {
   if (!tc_.checkpoint_dir.empty() && ckpt_format == "sharded") {
     const nlohmann::json layout = {{"world", world_},
                                    {"strategy", strategy_->name()},
-                                   {"dp_replicate", dims_.dp_replicate},
-                                   {"dp_shard", dims_.dp_shard},
-                                   {"cp", dims_.cp},
-                                   {"tp", dims_.tp},
-                                   {"pp", dims_.pp},
-                                   {"ep", dims_.ep},
+                                   {"dp_replicate", plan_.dp_replicate},
+                                   {"dp_shard", plan_.dp_shard},
+                                   {"cp", plan_.cp},
+                                   {"tp", plan_.tp},
+                                   {"pp", plan_.pp},
+                                   {"ep", plan_.ep},
                                    {"dtype", dtype_name(dt_)}};
     const std::map<std::string, std::string> coords = {{"rank", std::to_string(rank_)},
                                                        {"world", std::to_string(world_)},
@@ -341,7 +330,7 @@ nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
   v[nl * E + 3] = static_cast<float>(*a2a_bytes);
   if (world_ > 1) groups_.metrics->all_reduce(v.data(), v.size(), DType::F32, comm::ReduceOp::Sum)->wait();
   // Every tensor-parallel rank routes the same tokens: counted once.
-  const double dp = dims_.dp(), tpn = dims_.tp;
+  const double dp = plan_.dp(), tpn = plan_.tp;
   for (size_t i = 0; i < nl * E + 3; ++i) v[i] = static_cast<float>(v[i] / tpn);
 
   nlohmann::json tokens = nlohmann::json::array(), imb = nlohmann::json::array();
@@ -377,7 +366,7 @@ void Trainer::next_batch(int32_t* x, int32_t* y) {
   if (!loader_) {
     std::fill(x, x + B_ * T_, 0);
     std::fill(y, y + B_ * T_, 0);
-  } else if (dims_.cp > 1) {
+  } else if (plan_.cp > 1) {
     loader_->next(full_x_.data(), full_y_.data());
     local_tokens(x, y);
   } else {
@@ -387,8 +376,8 @@ void Trainer::next_batch(int32_t* x, int32_t* y) {
 
 void Trainer::local_tokens(int32_t* x, int32_t* y) {
   const int r = groups_.cp->rank();
-  cp_take_local(full_x_.data(), x, B_, T_full_, r, dims_.cp);
-  cp_take_local(full_y_.data(), y, B_, T_full_, r, dims_.cp);
+  cp_take_local(full_x_.data(), x, B_, T_full_, r, plan_.cp);
+  cp_take_local(full_y_.data(), y, B_, T_full_, r, plan_.cp);
 }
 
 double Trainer::pp_sum(double v) {
@@ -507,7 +496,7 @@ double Trainer::evaluate() {
   std::vector<int32_t>& y = ys_[0];
   double s = 0;
   for (int64_t i = 0; i < tc_.eval_batches; ++i) {
-    if (dims_.cp > 1) {
+    if (plan_.cp > 1) {
       val_loader_->next(full_x_.data(), full_y_.data());
       local_tokens(x.data(), y.data());
     } else {
@@ -521,7 +510,7 @@ double Trainer::evaluate() {
 }
 
 void Trainer::train_step(int64_t step) {
-  const int pp = dims_.pp;
+  const int pp = plan_.pp;
   const int64_t dp_world = groups_.dp->size();
   const double tokens_per_step = static_cast<double>(B_ * T_ * accum_ * dp_world);
   const float dloss = static_cast<float>(1.0 / static_cast<double>(B_ * T_ * accum_));
@@ -548,7 +537,7 @@ void Trainer::train_step(int64_t step) {
   double norm_sq = strategy_->grad_norm_sq(norm_weight_);
   if (ep_) norm_sq += ep_->grad_norm_sq();
   norm_sq = pp_sum(norm_sq);
-  if (dims_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
+  if (plan_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
     float f = static_cast<float>(norm_sq);
     groups_.tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
     norm_sq = f;
@@ -671,20 +660,20 @@ TrainResult Trainer::run() {
     std::printf("data %s: %lld tokens | batch %lld x %lld x %lld micro-batches x %d ranks = %lld tokens/step | %s | "
                 "recompute %s | %d threads\n",
                 cfg_.data.train.c_str(), static_cast<long long>(loader_ ? loader_->total_tokens() : 0),
-                static_cast<long long>(B_), static_cast<long long>(T_full_), static_cast<long long>(accum_), dims_.dp(),
-                static_cast<long long>(B_ * T_full_ * accum_ * dims_.dp()), dtype_name(dt_), to_string(rc_), threads_);
-    if (dims_.cp > 1)
+                static_cast<long long>(B_), static_cast<long long>(T_full_), static_cast<long long>(accum_), plan_.dp(),
+                static_cast<long long>(B_ * T_full_ * accum_ * plan_.dp()), dtype_name(dt_), to_string(rc_), threads_);
+    if (plan_.cp > 1)
       std::printf("context parallel: cp %d (%s), each sequence in %d chunks of %lld tokens, %lld tokens per rank\n",
-                  dims_.cp, dims_.cp_mode.c_str(), 2 * dims_.cp, static_cast<long long>(T_full_ / (2 * dims_.cp)),
+                  plan_.cp, plan_.cp_mode.c_str(), 2 * plan_.cp, static_cast<long long>(T_full_ / (2 * plan_.cp)),
                   static_cast<long long>(T_));
     std::printf("device %s\n", kernels::describe(current_device()).c_str());
     if (world_ > 1)
       std::printf("parallel: %s over %s (shard group %d, replicas %d); %lld parameters per tp rank before sharding\n",
                   strategy_->name(), groups_.mesh->describe().c_str(), groups_.shard->size(), groups_.replicate->size(),
                   static_cast<long long>(model_->num_params()));
-    if (dims_.pp > 1)
+    if (plan_.pp > 1)
       std::printf("pipeline: %s, %d ranks x %d virtual stages, %lld micro-batches; stages %s%s\n",
-                  schedule_->name.c_str(), dims_.pp, schedule_->virtual_stages, static_cast<long long>(accum_),
+                  schedule_->name.c_str(), plan_.pp, schedule_->virtual_stages, static_cast<long long>(accum_),
                   partition_.describe().c_str(), pipe_->tied_split() ? "; tied embedding replicated on the last stage" : "");
     std::fflush(stdout);
   }
@@ -719,7 +708,7 @@ void Trainer::report() {
     groups_.metrics->all_gather(mine.data(), every.data(), mine.size(), DType::I64)->wait();
   else
     every = mine;
-  const bool pp = dims_.pp > 1;
+  const bool pp = plan_.pp > 1;
   const double bubble_formula = parallel::bubble_formula(*schedule_).fraction;
   if (rank_ == 0 || dry_) {
     std::printf("\nmemory per rank (rank %d)      peak          resident after step\n", rank_);
@@ -759,7 +748,7 @@ void Trainer::report() {
                   static_cast<long long>(mc_.moe_layers()), moe_imb_sum_ / tps_n_, moe_aux_last_,
                   static_cast<long long>(moe_dropped_));
       if (ep_)
-        std::printf("; ep %d: all-to-all %s per step sent by rank %d, %.2f ms exposed", dims_.ep,
+        std::printf("; ep %d: all-to-all %s per step sent by rank %d, %.2f ms exposed", plan_.ep,
                     format_bytes(a2a_bytes_sum_ / tps_n_).c_str(), rank_, a2a_ms_sum_ / tps_n_);
       std::printf("\n");
     }
@@ -781,7 +770,7 @@ void Trainer::report() {
       if (cp_comm_)
         std::printf("context parallel (%s): %.1f ms of cp transfers per step, %.1f ms exposed -> %.0f%% hidden behind "
                     "attention\n",
-                    dims_.cp_mode.c_str(), tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0,
+                    plan_.cp_mode.c_str(), tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0,
                     tps_n_ ? cp_exposed_ms_total_ / tps_n_ : 0.0,
                     cp_comm_ms_total_ > 0
                         ? std::clamp(100.0 * (1.0 - cp_exposed_ms_total_ / cp_comm_ms_total_), 0.0, 100.0)
@@ -813,7 +802,7 @@ void Trainer::report() {
     fin["expert_imbalance_mean"] = tps_n_ ? moe_imb_sum_ / tps_n_ : 0.0;
     fin["moe_dropped_tokens"] = moe_dropped_;
     fin["moe_active_params"] = mc_.active_params();
-    fin["ep"] = dims_.ep;
+    fin["ep"] = plan_.ep;
     if (ep_) {
       fin["ep_all_to_all_bytes_per_step"] = tps_n_ ? a2a_bytes_sum_ / tps_n_ : 0;
       fin["ep_all_to_all_ms_per_step"] = tps_n_ ? a2a_ms_sum_ / tps_n_ : 0.0;
@@ -822,8 +811,8 @@ void Trainer::report() {
     }
   }
   if (cp_comm_) {
-    fin["cp"] = dims_.cp;
-    fin["cp_mode"] = dims_.cp_mode;
+    fin["cp"] = plan_.cp;
+    fin["cp_mode"] = plan_.cp_mode;
     fin["cp_comm_ms_per_step"] = tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0;
     fin["cp_exposed_ms_per_step"] = tps_n_ ? cp_exposed_ms_total_ / tps_n_ : 0.0;
   }
@@ -950,56 +939,6 @@ void prepare_dry_run(RunConfig& cfg, int world, int rank) {
   cfg.train.init_from.clear();
   cfg.train.sample_tokens = 0;
   cfg.log.trace_out.clear();
-}
-
-// The planner picks the data-parallel layout for this job's ranks (same global batch).
-void choose_layout(RunConfig& cfg) {
-  comm::World& W = comm::World::init(nullptr, nullptr);
-  const ModelConfig mc = cfg.model_config();
-  plan::AutoLayoutOptions o;
-  o.fp32 = cfg.train.dtype != "bf16";
-  const int64_t tokens = cfg.train.micro_batch * cfg.train.grad_accum * mc.seq_len * W.size();
-  // The planner's picture of this machine comes from this machine: every rank measures the
-  // engine's kernels at the model's shapes on the threads it will train with, all at once (they
-  // share the cores and the memory bandwidth), and the ranks agree on one set of figures (below).
-  {
-    const int threads = cfg.train.threads > 0 ? static_cast<int>(cfg.train.threads)
-                                              : std::max(1, auto_threads() / W.local_size());
-    const int before = omp_get_max_threads();
-    omp_set_num_threads(threads);
-    plan::CpuMeasurement cm = measure_this_cpu(mc, std::max<int64_t>(1, cfg.train.micro_batch), !o.fp32, W.local_size());
-    omp_set_num_threads(before);
-    if (W.size() > 1) {
-      // The same figures on every rank, so all choose the same layout. With each rank on CPUs of
-      // its own, the slowest rank's (the largest reciprocal): every collective waits for it, so
-      // the job runs at its pace. Ranks that time-share cores even out: the mean.
-      const bool own_cpus = static_cast<int64_t>(W.local_size()) * threads <= auto_threads();
-      float f[4] = {static_cast<float>(cm.model_flops), static_cast<float>(cm.mem_bw),
-                    static_cast<float>(cm.peak_flops_fp32), static_cast<float>(cm.peak_flops_bf16)};
-      if (own_cpus)
-        for (float& v : f) v = 1.0f / v;
-      W.world()->all_reduce(f, 4, DType::F32, own_cpus ? comm::ReduceOp::Max : comm::ReduceOp::Avg)->wait();
-      if (own_cpus)
-        for (float& v : f) v = 1.0f / v;
-      cm.model_flops = f[0], cm.mem_bw = f[1], cm.peak_flops_fp32 = f[2], cm.peak_flops_bf16 = f[3];
-    }
-    o.cluster_model = plan::measured_cpu_cluster(cm);
-  }
-  plan::AutoLayout a = plan::auto_layout(mc, W.size(), W.local_size(), tokens, o);
-  cfg.parallel.strategy = a.strategy;
-  cfg.parallel.dp_replicate = a.dp_replicate;
-  cfg.parallel.dp_shard = a.dp_shard;
-  cfg.parallel.tp = a.tp;
-  cfg.parallel.pp = a.pp;
-  cfg.train.activation_checkpointing = a.activation_checkpointing;
-  cfg.train.micro_batch = a.micro_batch;
-  cfg.train.grad_accum = a.grad_accum;
-  if (comm::should_print(W.rank()))
-    std::printf("--auto: %s dp_replicate %d x dp_shard %d, activation checkpointing %s, micro-batch %lld x %lld%s\n"
-                "        %s\n",
-                a.strategy.c_str(), a.dp_replicate, a.dp_shard, a.activation_checkpointing.c_str(),
-                static_cast<long long>(a.micro_batch), static_cast<long long>(a.grad_accum),
-                a.fits ? "" : " (nothing fits: the closest layout)", a.why.c_str());
 }
 
 }  // namespace mt
