@@ -21,9 +21,7 @@
 #include "parallel/mesh.h"
 #include "parallel/context_parallel.h"
 #include "parallel/optimizer.h"
-#include "parallel/pipeline_executor.h"
-#include "parallel/strategy.h"
-#include "parallel/tensor_parallel.h"
+#include "parallel/parallelize.h"
 #include "runtime/clock.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/checkpoint_saver.h"
@@ -81,6 +79,7 @@ std::unique_ptr<AnyLoader> make_loader(const std::string& spec, const char* key,
   return l;
 }
 
+
 // One training job on this rank (torchtitan's Trainer): build() makes the groups, data, model,
 // strategy and step executor; load_state() the initial or resumed state; train_step() one
 // optimizer step - for every layout the step runs through the pipeline executor (pp = 1 is a
@@ -105,11 +104,6 @@ class Trainer {
   void next_batch(int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
   void local_tokens(int32_t* x, int32_t* y);
-  // Sum of a per-rank value over the pipeline ranks (each stage holds its own part).
-  double pp_sum(double v);
-  // Mean of a per-rank value over the data-parallel ranks (losses are per rank).
-  double dp_mean(double v);
-
   const RunConfig& cfg_;
   const RunConfig::Train& tc_;
   comm::World* W_ = nullptr;
@@ -123,19 +117,15 @@ class Trainer {
   int threads_ = 1;
   int64_t B_ = 0, T_ = 0, accum_ = 1;
   std::unique_ptr<AnyLoader> loader_, val_loader_;
-  parallel::StrategySpec spec_;
-  std::unique_ptr<parallel::ProcessGroupTpComm> tp_comm_;
-  std::unique_ptr<parallel::ProcessGroupCpComm> cp_comm_;  // context parallelism (null when cp = 1)
   int64_t T_full_ = 0;                                     // tokens per sequence (T_ = T_full_ / cp per rank)
   std::vector<int32_t> full_x_, full_y_;                   // cp > 1: the loader's whole sequences
-  std::unique_ptr<parallel::PipeSchedule> schedule_;
-  parallel::StagePartition partition_;
-  std::unique_ptr<Transformer> model_, ref_;
-  std::vector<double> norm_weight_;
-  std::unique_ptr<parallel::Strategy> strategy_;
-  std::unique_ptr<parallel::ProcessGroupExpertComm> ep_comm_;  // expert parallelism (null when ep = 1)
-  std::unique_ptr<parallel::ExpertParallel> ep_;
-  std::unique_ptr<parallel::PipelineExecutor> pipe_;
+  std::unique_ptr<parallel::ParallelModel> pm_;            // the plan applied to the model
+  Transformer* model_ = nullptr;
+  parallel::Strategy* strategy_ = nullptr;
+  parallel::PipelineExecutor* pipe_ = nullptr;
+  const parallel::PipeSchedule* schedule_ = nullptr;
+  parallel::ExpertParallel* ep_ = nullptr;  // expert parallelism (null when ep = 1)
+  std::unique_ptr<Transformer> ref_;
   std::unique_ptr<ModelState> state_;
   std::unique_ptr<CheckpointSaver> saver_;  // sharded checkpoints
   std::unique_ptr<ChromeTrace> trace_;
@@ -203,7 +193,6 @@ void Trainer::build() {
   threads_ = tc_.threads > 0 ? static_cast<int>(tc_.threads) : std::max(1, hardware_threads() / W_->local_size());
   omp_set_num_threads(threads_);
 
-  const int pp = plan_.pp;
   B_ = tc_.micro_batch;
   T_full_ = mc_.seq_len;
   T_ = T_full_ / plan_.cp;  // context parallelism: this rank's two chunks of every sequence
@@ -225,59 +214,33 @@ void Trainer::build() {
     full_y_.resize(full_x_.size());
   }
 
-  spec_.strategy = plan_.strategy;
-  spec_.bucket_mb = cfg_.parallel.bucket_mb;
-  spec_.reshard_after_forward = cfg_.parallel.reshard_after_forward;
-  spec_.prefetch = static_cast<int>(cfg_.parallel.prefetch);
-  spec_.reduce_every_microbatch = cfg_.parallel.reduce_every_microbatch;
-  spec_.adam = AdamWConfig{tc_.lr, tc_.beta1, tc_.beta2, tc_.eps, tc_.weight_decay};
-  tp_comm_ = std::make_unique<parallel::ProcessGroupTpComm>(groups_.tp);
-  tp_comm_->set_activation_dtype(dt_);  // bf16 runs move activations in bf16 (Megatron)
-
-  // The step's schedule, checked before it runs, and the stages' units (one stage without a pipeline).
+  parallel::ParallelizeOptions po;
+  po.dtype = dt_;
+  po.spec.bucket_mb = cfg_.parallel.bucket_mb;
+  po.spec.reshard_after_forward = cfg_.parallel.reshard_after_forward;
+  po.spec.prefetch = static_cast<int>(cfg_.parallel.prefetch);
+  po.spec.reduce_every_microbatch = cfg_.parallel.reduce_every_microbatch;
+  po.spec.adam = AdamWConfig{tc_.lr, tc_.beta1, tc_.beta2, tc_.eps, tc_.weight_decay};
+  po.tp_overlap = cfg_.parallel.tp_overlap;
+  po.loss_chunk_tokens = tc_.loss_chunk_tokens;
+  po.pp_partition = cfg_.parallel.pp_partition;
   try {
-    const PipelineSchedule kind = pp > 1 ? plan_.schedule : PipelineSchedule::OneFOneB;
-    schedule_ = std::make_unique<parallel::PipeSchedule>(
-        parallel::make_schedule(kind, pp, static_cast<int>(accum_), plan_.virtual_stages));
-    partition_ = parallel::partition_stages(mc_, schedule_->num_stages(), pp > 1 ? cfg_.parallel.pp_partition : "");
-  } catch (const std::invalid_argument& e) {
-    throw ConfigError(std::string("pipeline: ") + e.what());
+    pm_ = parallel::parallelize(mc_, plan_, groups_, po);
+  } catch (const PlanError& e) {
+    throw ConfigError(e.what());
   }
-  std::vector<char> owned;
-  if (pp > 1) owned = parallel::stage_units_of_rank(partition_, pp, groups_.pp_rank, static_cast<int>(mc_.n_layer) + 2);
-  ModelStorage storage = parallel::model_storage(spec_, dt_, groups_.shard->size());
-  if (plan_.ep_enabled()) {
-    storage.ep = plan_.ep;
-    storage.ep_rank = groups_.ep->rank();
-  }
-  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, storage, tp > 1 ? tp_comm_.get() : nullptr, owned);
-  if (plan_.ep_enabled()) {
-    ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
-    model_->set_expert_comm(ep_comm_.get());
-    // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
-    ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, groups_.tp_aux,
-                                                     plan_.dp() * plan_.cp, spec_.adam);
-  }
-  model_->set_tp_overlap(cfg_.parallel.tp_overlap);
-  model_->set_loss_chunk(tc_.loss_chunk_tokens);
-  if (plan_.sequence_parallel) model_->set_sequence_parallel(true);
-  if (plan_.cp > 1) {
-    cp_comm_ = std::make_unique<parallel::ProcessGroupCpComm>(groups_.cp);
-    model_->set_context_parallel(cp_comm_.get(), plan_.cp_mode == "allgather");
-  }
+  model_ = &pm_->model();
+  strategy_ = &pm_->strategy();
+  pipe_ = &pm_->pipeline();
+  schedule_ = &pm_->schedule();
+  ep_ = pm_->experts();
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
   ref_ = std::make_unique<Transformer>(mc_, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
-  norm_weight_.assign(model_->params().size(), 1.0);
-  for (size_t i = 0; i < model_->params().size(); ++i)
-    if (model_->params()[i].tp_split == TpSplit::None) norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank
-  parallel::verify_same_model(*model_, *groups_.dp);
-  strategy_ = parallel::make_strategy(spec_, *model_, groups_.dp, groups_.shard, groups_.replicate, groups_.grad_norm);
-  pipe_ = std::make_unique<parallel::PipelineExecutor>(*model_, *schedule_, partition_, groups_.pp, strategy_.get());
   trace_ = std::make_unique<ChromeTrace>(cfg_.log.trace_out, rank_);
-  tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_.get());
-  model_->set_hooks(trace_->enabled() ? static_cast<UnitHooks*>(tracing_.get()) : strategy_->hooks());
+  tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_);
+  if (trace_->enabled()) model_->set_hooks(tracing_.get());
   state_ = std::make_unique<ModelState>(*model_, *ref_, *strategy_, *groups_.tp_aux, groups_.pp_aux.get());
-  state_->set_expert_parallel(ep_.get());
+  state_->set_expert_parallel(ep_);
   // The sharded format writes what the strategy owns and, with expert parallelism, each ep rank's
   // local experts (ModelState::owned_pieces).
   const std::string& ckpt_format = tc_.checkpoint_format;
@@ -311,7 +274,7 @@ void Trainer::build() {
 
 nlohmann::json Trainer::moe_step_metrics(double* a2a_ms, int64_t* a2a_bytes) {
   Transformer::MoeStats st = model_->take_moe_stats();
-  if (ep_comm_) ep_comm_->take(a2a_ms, a2a_bytes);
+  pm_->take_expert_comm(a2a_ms, a2a_bytes);
   // Every MoE layer's token counts, this rank's layers filled in, summed over the world (each
   // layer's counts come from its stage's data-parallel ranks), then aux, z and dropped.
   const int64_t E = mc_.moe_experts;
@@ -378,20 +341,6 @@ void Trainer::local_tokens(int32_t* x, int32_t* y) {
   const int r = groups_.cp->rank();
   cp_take_local(full_x_.data(), x, B_, T_full_, r, plan_.cp);
   cp_take_local(full_y_.data(), y, B_, T_full_, r, plan_.cp);
-}
-
-double Trainer::pp_sum(double v) {
-  if (!groups_.pp_aux) return v;
-  float f = static_cast<float>(v);
-  groups_.pp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
-  return static_cast<double>(f);
-}
-
-double Trainer::dp_mean(double v) {
-  if (groups_.dp->size() == 1) return v;
-  float f = static_cast<float>(v);
-  groups_.metrics->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Avg)->wait();
-  return static_cast<double>(f);
 }
 
 void Trainer::load_state() {
@@ -502,21 +451,18 @@ double Trainer::evaluate() {
     } else {
       val_loader_->next(x.data(), y.data());
     }
-    s += pipe_->eval_forward(x.data(), y.data(), B_, T_);
+    s += pm_->eval_forward(x.data(), y.data(), B_, T_);
   }
   strategy_->after_eval();
   trace_->end();
-  return dp_mean(pp_sum(s) / static_cast<double>(std::max<int64_t>(1, tc_.eval_batches)));
+  return pm_->reduce_loss(s, std::max<int64_t>(1, tc_.eval_batches));
 }
 
 void Trainer::train_step(int64_t step) {
-  const int pp = plan_.pp;
   const int64_t dp_world = groups_.dp->size();
   const double tokens_per_step = static_cast<double>(B_ * T_ * accum_ * dp_world);
-  const float dloss = static_cast<float>(1.0 / static_cast<double>(B_ * T_ * accum_));
   auto t0 = Clock::now();
   trace_->begin("step " + std::to_string(step + 1), "step");
-  model_->zero_grads();
   parallel::StepComm cs;
   std::vector<const int32_t*> xp, yp;
   for (int64_t m = 0; m < accum_; ++m) {
@@ -525,24 +471,13 @@ void Trainer::train_step(int64_t step) {
     yp.push_back(ys_[m].data());
   }
   st_.micro_batches += accum_;
-  parallel::PipelineStepStats ps = pipe_->train_step(xp, yp, B_, T_, dloss, &cs);
+  const parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
   std::optional<double> bubble;
-  if (pp > 1) {
-    bubble = pp_sum(ps.idle_fraction()) / pp;
-    peak_slots_ = std::max(peak_slots_, ps.peak_slots);
+  if (plan_.pp > 1) {
+    bubble = r.bubble;
+    peak_slots_ = std::max(peak_slots_, r.stats.peak_slots);
   }
-  // The last stage's loss, summed over the pipeline.
-  const double loss = dp_mean(pp_sum(ps.loss_sum) / static_cast<double>(accum_));
-  if (ep_) ep_->reduce_grads(&cs);
-  double norm_sq = strategy_->grad_norm_sq(norm_weight_);
-  if (ep_) norm_sq += ep_->grad_norm_sq();
-  norm_sq = pp_sum(norm_sq);
-  if (plan_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
-    float f = static_cast<float>(norm_sq);
-    groups_.tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
-    norm_sq = f;
-  }
-  const double norm = std::sqrt(norm_sq);
+  const double loss = r.loss, norm = r.grad_norm;
   if (!std::isfinite(norm) || !std::isfinite(loss))
     throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
                              std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
@@ -550,9 +485,7 @@ void Trainer::train_step(int64_t step) {
   if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   trace_->begin("optimizer + parameter sync", "optimizer");
-  if (ep_) ep_->optimizer_step(lr, scale);  // first: a strategy's step may zero every gradient the model holds
-  strategy_->optimizer_step(lr, scale, &cs);
-  pipe_->tied_weights_sync();
+  pm_->optimizer_step(lr, scale, &cs);
   trace_->end();
   trace_->end();  // step
   st_.step = step + 1;
@@ -561,21 +494,13 @@ void Trainer::train_step(int64_t step) {
   int64_t a2a_bytes = 0;
   nlohmann::json moe = mc_.moe() ? moe_step_metrics(&a2a_ms, &a2a_bytes) : nlohmann::json();
   const double step_ms = ms_since(t0);
-  double tp_comm_ms = 0, tp_exposed_ms = 0;  // tensor-parallel collectives (mostly on the critical path)
-  tp_comm_->take_times(&tp_comm_ms, &tp_exposed_ms);
-  cs.comm_ms += tp_comm_ms;
-  cs.exposed_ms += tp_exposed_ms;
+  double cp_ms = 0, cp_exposed = 0;
+  pm_->take_model_comm(&cs, &cp_ms, &cp_exposed);
   cs.comm_ms += a2a_ms;  // the token exchanges: synchronous, so all of it exposed
   cs.exposed_ms += a2a_ms;
-  if (cp_comm_) {  // ring attention's transfers (mostly hidden behind the attention of the block in hand)
-    double cp_ms = 0, cp_exposed = 0;
-    cp_comm_->take_times(&cp_ms, &cp_exposed);
-    cs.comm_ms += cp_ms;
-    cs.exposed_ms += cp_exposed;
-    if (step > first_step_) {
-      cp_comm_ms_total_ += cp_ms;
-      cp_exposed_ms_total_ += cp_exposed;
-    }
+  if (step > first_step_) {
+    cp_comm_ms_total_ += cp_ms;
+    cp_exposed_ms_total_ += cp_exposed;
   }
   resident_ = MemoryTracker::instance().stats().current;
 
@@ -674,7 +599,7 @@ TrainResult Trainer::run() {
     if (plan_.pp > 1)
       std::printf("pipeline: %s, %d ranks x %d virtual stages, %lld micro-batches; stages %s%s\n",
                   schedule_->name.c_str(), plan_.pp, schedule_->virtual_stages, static_cast<long long>(accum_),
-                  partition_.describe().c_str(), pipe_->tied_split() ? "; tied embedding replicated on the last stage" : "");
+                  pm_->partition().describe().c_str(), pipe_->tied_split() ? "; tied embedding replicated on the last stage" : "");
     std::fflush(stdout);
   }
   metrics_ = std::make_unique<MetricsWriter>(rank_ == 0 || dry_ ? cfg_.log.metrics_out : "");
@@ -720,7 +645,7 @@ void Trainer::report() {
       std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", to_string(rc_),
                   format_bytes(model_->activation_bytes_saved()).c_str(), format_bytes(model_->activation_bytes()).c_str());
     const int64_t F = model_->flat_size();
-    parallel::StateBytes want = parallel::expected_state_bytes(spec_.strategy, dt_, F, groups_.shard->size());
+    parallel::StateBytes want = parallel::expected_state_bytes(plan_.strategy, dt_, F, groups_.shard->size());
     if (model_->has_tied_replica()) {  // the last pipeline stage's copy of a tied embedding
       want.params += static_cast<int64_t>(model_->tied_replica().nbytes());
       want.grads += static_cast<int64_t>(model_->tied_replica_grad().nbytes());
@@ -739,7 +664,7 @@ void Trainer::report() {
                 format_bytes(want.grads).c_str(), format_bytes(want.optimizer).c_str());
     if (dt_ == DType::BF16)
       std::printf("  ZeRO paper's mixed-precision figure: %s (it assumes bf16 gradients; this engine keeps them fp32)\n",
-                  format_bytes(parallel::zero_paper_bytes(spec_.strategy, F, groups_.shard->size())).c_str());
+                  format_bytes(parallel::zero_paper_bytes(plan_.strategy, F, groups_.shard->size())).c_str());
     if (tps_n_) std::printf("throughput: %.0f tokens/s (mean over steps after the first)\n", res_.tokens_per_s);
     if (mc_.moe() && tps_n_) {
       std::printf("mixture of experts: %lld experts, top-%lld, %lld MoE layers; expert load max/mean %.2f (mean over steps "
@@ -767,7 +692,7 @@ void Trainer::report() {
                   hidden < 0 ? " (the waits, which include queueing behind other collectives, exceeded the "
                                "communication time)"
                              : "");
-      if (cp_comm_)
+      if (pm_->context_parallel())
         std::printf("context parallel (%s): %.1f ms of cp transfers per step, %.1f ms exposed -> %.0f%% hidden behind "
                     "attention\n",
                     plan_.cp_mode.c_str(), tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0,
@@ -810,7 +735,7 @@ void Trainer::report() {
       fin["expert_state_bytes"] = {{"params", e.params}, {"grads", e.grads}, {"optimizer", e.optimizer}};
     }
   }
-  if (cp_comm_) {
+  if (pm_->context_parallel()) {
     fin["cp"] = plan_.cp;
     fin["cp_mode"] = plan_.cp_mode;
     fin["cp_comm_ms_per_step"] = tps_n_ ? cp_comm_ms_total_ / tps_n_ : 0.0;
@@ -823,7 +748,7 @@ void Trainer::report() {
     fin["pp_bubble"] = tps_n_ ? bubble_sum_ / tps_n_ : 0.0;
     fin["pp_bubble_formula"] = bubble_formula;
     fin["pp_peak_activation_slots"] = peak_slots_;
-    fin["pp_stages"] = partition_.describe();
+    fin["pp_stages"] = pm_->partition().describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
   if (dry_) {
