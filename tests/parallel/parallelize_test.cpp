@@ -19,18 +19,12 @@
 #include "parallel/parallelize.h"
 #include "train/config.h"
 #include "train/trainer.h"
+#include "thread_ranks.h"
 
 namespace mt {
 namespace {
 
-void on_ranks(int n, const std::function<void(int)>& f) {
-  std::vector<std::thread> ts;
-  for (int r = 0; r < n; ++r) ts.emplace_back([&f, r] {
-    omp_set_num_threads(1);
-    f(r);
-  });
-  for (auto& t : ts) t.join();
-}
+using test::on_ranks;
 
 // The groups of `n` data-parallel ranks with no tensor, pipeline, context or expert parallelism.
 std::vector<ParallelGroups> dp_groups(const ParallelPlan& plan, int n) {
