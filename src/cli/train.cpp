@@ -11,6 +11,7 @@
 #include "comm/world.h"
 #include "model/config/model_config.h"
 #include "train/config.h"
+#include "train/auto_plan.h"
 #include "train/trainer.h"
 
 namespace mt::cli {

@@ -55,19 +55,12 @@ AutoLayout auto_layout(const ModelConfig& model, int world_size, int gpus_per_no
   a.fits = best.fits;
   a.why = r.recommendation;
   a.global_batch = r.setup.global_batch;
-  a.micro_batch = l.micro_batch;
-  a.grad_accum = l.microbatches;
-  a.tp = l.tp;
-  a.pp = l.pp;
-  a.activation_checkpointing = to_string(l.checkpointing);
-  a.strategy = to_string(world_size == 1 && opts.strategy ? *opts.strategy : l.strategy);
-  if (l.strategy == Strategy::HybridShard) {
-    a.dp_replicate = l.dp_replicate;
-    a.dp_shard = l.dp_shard;
-  } else {
+  a.plan = l;
+  if (world_size == 1 && opts.strategy) a.plan.strategy = *opts.strategy;
+  if (l.strategy != Strategy::HybridShard) {
     // The engine's mesh replicates only for HYBRID_*: DDP and ZeRO run over dp_shard = every rank.
-    a.dp_replicate = 1;
-    a.dp_shard = l.dp();
+    a.plan.dp_replicate = 1;
+    a.plan.dp_shard = l.dp();
   }
   return a;
 }

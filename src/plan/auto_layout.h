@@ -6,9 +6,7 @@
 //   mt::plan::AutoLayout a = mt::plan::auto_layout(model_config, world_size, ranks_per_node,
 //                                                  micro_batch * seq_len * grad_accum * world_size);
 //   if (!a.fits) ...;  // a.why says by how much it does not
-//   --parallel.strategy a.strategy --parallel.dp_replicate a.dp_replicate --parallel.dp_shard a.dp_shard
-//   --train.activation_checkpointing a.activation_checkpointing
-//   --train.micro_batch a.micro_batch --train.grad_accum a.grad_accum
+//   cfg.set_parallel_plan(a.plan);  // the trainer's RunConfig (train/config.h)
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -29,16 +27,12 @@ struct AutoLayoutOptions {
   std::optional<Checkpointing> checkpointing;  // pinned by the user (else free)
 };
 
-// Everything is in the engine's config spellings: pass them straight to the trainer's config.
 struct AutoLayout {
-  std::string strategy = "NO_SHARD";  // parallel.strategy: NO_SHARD | ZERO1 | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD
-  int dp_replicate = 1;               // parallel.dp_replicate (> 1 only for HYBRID_SHARD)
-  int dp_shard = 1;                   // parallel.dp_shard (the world size for NO_SHARD / ZERO1 / ...; the shard
-                                      // group for HYBRID_SHARD); dp_replicate x dp_shard = world_size
-  int tp = 1, pp = 1;                 // always 1: --auto chooses data-parallel layouts only
-  std::string activation_checkpointing = "none";  // train.activation_checkpointing: none | selective | full
-  int64_t micro_batch = 1;            // train.micro_batch
-  int64_t grad_accum = 1;             // train.grad_accum; micro_batch x grad_accum x world = global batch
+  // The engine's plan (parallel/layout/parallel_plan.h): strategy, dp_replicate x dp_shard = world
+  // (dp_replicate > 1 only for HYBRID_SHARD; DDP and ZeRO run over dp_shard = every rank),
+  // tp = pp = 1 (--auto chooses data-parallel layouts only), checkpointing, micro_batch and
+  // microbatches (train.grad_accum; micro_batch x microbatches x world = global batch).
+  ParallelPlan plan;
   int64_t global_batch = 0;           // sequences per step (global_batch_tokens / seq, rounded up)
   bool fits = false;                  // false: nothing fits; this is the layout that misses by the least
   std::string why;                    // the recommendation in plain words (the planner's)

@@ -12,18 +12,6 @@ namespace mt::plan {
 
 // ---- names ----------------------------------------------------------------------------------------
 
-const char* strategy_label(Strategy s) {
-  switch (s) {
-    case Strategy::NoShard: return "DDP";
-    case Strategy::Zero1: return "ZeRO-1";
-    case Strategy::ShardGradOp: return "ZeRO-2";
-    case Strategy::FullShard: return "ZeRO-3";
-    case Strategy::HybridShard: return "HSDP";
-    case Strategy::HybridShardZero2: return "HSDP-ZeRO-2";
-  }
-  return "?";
-}
-
 bool parse_strategy(const std::string& s, Strategy* out) {
   for (Strategy v : {Strategy::NoShard, Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard, Strategy::HybridShard})
     if (s == strategy_label(v) || s == to_string(v)) {
@@ -61,21 +49,6 @@ bool parse_checkpointing(const std::string& s, Checkpointing* out) {
     return true;
   }
   return false;
-}
-
-std::string Layout::describe() const {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "%s dp_replicate=%d dp_shard=%d%s tp=%d pp=%d%s%s mb=%lldx%lld ac=%s%s",
-                strategy_label(strategy), dp_replicate, dp_shard, cp > 1 ? (" cp=" + std::to_string(cp)).c_str() : "",
-                tp, pp, pp > 1 ? " " : "",
-                pp > 1 ? (std::string(to_string(schedule)) +
-                          (schedule == Schedule::Interleaved ? "(v=" + std::to_string(virtual_stages) + ")" : ""))
-                             .c_str()
-                       : "",
-                static_cast<long long>(micro_batch), static_cast<long long>(microbatches),
-                to_string(checkpointing), cpu_offload ? " offload" : "");
-  if (ep > 1) return std::string(buf) + " ep=" + std::to_string(ep);
-  return buf;
 }
 
 // ---- model-state formulas -------------------------------------------------------------------------
@@ -307,7 +280,7 @@ std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetu
   } else if (l.virtual_stages != 1) {
     return "virtual_stages > 1 only with interleaved_1f1b";
   }
-  if (l.cpu_offload) {
+  if (l.offload_optimizer()) {
     if (l.strategy == Strategy::NoShard) return "CPU offload of optimizer state needs a sharded strategy";
     if (c.host_link_bw <= 0 || c.host_mem_bw_per_node <= 0) return "cluster has no separate host memory to offload to";
   }

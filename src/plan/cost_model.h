@@ -15,6 +15,7 @@
 
 #include "model/config/model_config.h"
 #include "parallel/layout/parallel_config.h"
+#include "parallel/layout/parallel_plan.h"
 #include "plan/cluster.h"
 
 namespace mt::plan {
@@ -29,7 +30,7 @@ using Checkpointing = Recompute;
 enum class AttentionImpl { Flash, Unfused };
 
 // Human labels: DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP (HSDP-ZeRO-2 for HYBRID_SHARD_ZERO2).
-const char* strategy_label(Strategy s);
+using mt::strategy_label;
 // A modelled strategy from its label, its config spelling or a lower-case alias (ddp, zero1, zero-1,
 // zero2, zero3, fsdp, hsdp); false for anything else, HYBRID_SHARD_ZERO2 included.
 bool parse_strategy(const std::string& s, Strategy* out);
@@ -62,28 +63,8 @@ struct TrainSetup {
   int act_bytes() const { return fp32 ? 4 : 2; }  // activation / param / grad element size
 };
 
-struct Layout {
-  Strategy strategy = Strategy::NoShard;
-  int dp_replicate = 1;   // replicas (DDP, and HSDP's outer dimension)
-  int dp_shard = 1;       // shard group size (ZeRO-1/2/3, HSDP's inner dimension)
-  int tp = 1;
-  int pp = 1;
-  int cp = 1;             // context parallelism: each sequence's tokens over cp ranks (ring attention)
-  Schedule schedule = Schedule::None;
-  int virtual_stages = 1;    // interleaved 1F1B: model chunks per pipeline rank
-  int64_t micro_batch = 1;   // sequences per micro-batch
-  int64_t microbatches = 1;  // micro-batches per step per replica (gradient accumulation / pipeline)
-  Checkpointing checkpointing = Checkpointing::None;
-  bool cpu_offload = false;  // optimizer state (fp32 master + moments) in host memory, Adam on the CPU
-  // Expert parallelism (MoE models): routed experts split over blocks of `ep` data-parallel ranks
-  // (ep divides dp and the expert count); tokens move by all-to-all inside a block.
-  int ep = 1;
-
-  int dp() const { return dp_replicate * dp_shard; }
-  int world() const { return dp() * cp * tp * pp; }
-  int64_t global_batch() const { return static_cast<int64_t>(dp()) * microbatches * micro_batch; }
-  std::string describe() const;  // "ZeRO-3 dp_shard=8 tp=1 pp=1 mb=2x4 ac=full"
-};
+// The planner's layout is the engine's plan (parallel/layout/parallel_plan.h): one type.
+using Layout = ParallelPlan;
 
 // ---- Model-state formulas (ZeRO paper, arXiv 1910.02054 §5) ----------------------------------
 struct ModelStateBytes {

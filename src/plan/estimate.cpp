@@ -92,7 +92,7 @@ std::string why_sentence(const Estimate& e) {
   if (e.pp_comm_s > 0) losses.push_back({e.pp_comm_s, "pipeline sends between stages"});
   if (e.offload_s > 0) losses.push_back({e.offload_s, "PCIe copies of the offloaded optimizer shard"});
   if (e.recompute_s > 0) losses.push_back({e.recompute_s, "recomputing checkpointed activations"});
-  if (l.cpu_offload && e.optimizer_s > 0) losses.push_back({e.optimizer_s, "the CPU Adam step"});
+  if (l.offload_optimizer() && e.optimizer_s > 0) losses.push_back({e.optimizer_s, "the CPU Adam step"});
   std::sort(losses.begin(), losses.end(), [](const Loss& a, const Loss& b) { return a.s > b.s; });
   std::string head = "Fits with " + gib(e.mem_usable - e.mem.total()) + " to spare";
   std::vector<std::string> named;
@@ -191,7 +191,7 @@ Ctx::Ctx(const ModelConfig& m_, const Cluster& cluster, const TrainSetup& st_, c
 void model_state_memory(const Ctx& cx, Estimate& E) {
   const Layout& l = cx.l;
   ModelStateBytes ms = zero_model_state(cx.ep > 1 ? cx.psi_dense : cx.psi, l.strategy, cx.shard, cx.st.fp32,
-                                        l.cpu_offload, cx.st.grad_bytes);
+                                        l.offload_optimizer(), cx.st.grad_bytes);
   if (cx.ep > 1) {
     const ModelStateBytes me = zero_model_state(cx.psi_e, Strategy::NoShard, 1, cx.st.fp32, false, cx.st.grad_bytes);
     ms.params += me.params;
@@ -257,7 +257,7 @@ void memory(const Ctx& cx, Estimate& E) {
   E.mem.comm = comm_buffer_memory(cx);
   E.mem_usable = cx.c.usable_mem();
   E.fits = E.mem.total() <= E.mem_usable;
-  if (cx.l.cpu_offload) {
+  if (cx.l.offload_optimizer()) {
     E.host_bytes_per_node = (cx.kpp.optimizer + cx.gb) * cx.psi_opt * cx.ranks_per_node;
     E.host_usable = 0.8 * cx.c.host_mem_per_node;  // the OS, data loaders and page cache keep the rest
     E.host_fits = E.host_bytes_per_node <= E.host_usable;
@@ -595,7 +595,7 @@ void expert_dp_comm(const Ctx& cx, Comm& cm, Estimate& E) {
 void optimizer_time(const Ctx& cx, Estimate& E) {
   const double adam_bytes = 28.0;  // read+write fp32 master, m, v (24) + read grad + write param
   double opt_s = adam_bytes * cx.psi_opt / cx.bw_rate;
-  if (cx.l.cpu_offload) {  // CPU Adam bound by host memory bandwidth shared by the node's GPUs
+  if (cx.l.offload_optimizer()) {  // CPU Adam bound by host memory bandwidth shared by the node's GPUs
     opt_s = adam_bytes * cx.psi_opt * cx.ranks_per_node / cx.c.host_mem_bw_per_node;
     E.offload_s = (cx.gb + cx.pb) * cx.psi_opt / cx.c.host_link_bw;  // gradient shard down, parameter shard up
   }

@@ -84,7 +84,7 @@ double layout_complexity(const Layout& l) {
   if (l.schedule == Schedule::GPipe) c += 0.5;  // same speed as 1F1B, more memory
   if (l.checkpointing == Checkpointing::Selective) c += 0.5;
   if (l.checkpointing == Checkpointing::Full) c += 1;
-  if (l.cpu_offload) c += 3;
+  if (l.offload_optimizer()) c += 3;
   return c;
 }
 
@@ -157,7 +157,7 @@ std::string layout_words(const Layout& l) {
     case Checkpointing::Selective: s += ", selective activation checkpointing (every second block recomputed)"; break;
     case Checkpointing::Full: s += ", full activation checkpointing"; break;
   }
-  if (l.cpu_offload) s += ", optimizer state offloaded to CPU";
+  if (l.offload_optimizer()) s += ", optimizer state offloaded to CPU";
   s += ", micro-batch " + std::to_string(l.micro_batch) + " x " + std::to_string(l.microbatches) + " per step";
   return s;
 }
@@ -194,7 +194,7 @@ std::string lost_because(const Estimate& a, const Estimate& b) {
   const double dopt = b.optimizer_s - a.optimizer_s;
   ds.push_back({b.time.compute - a.time.compute - dre - dopt, "more compute per GPU"});
   if (dre > 0) ds.push_back({dre, "activation recomputation (" + std::string(to_string(b.layout.checkpointing)) + " checkpointing)"});
-  if (dopt > 0) ds.push_back({dopt, b.layout.cpu_offload ? "the CPU Adam step" : "a larger optimizer step"});
+  if (dopt > 0) ds.push_back({dopt, b.layout.offload_optimizer() ? "the CPU Adam step" : "a larger optimizer step"});
   ds.push_back({b.dp_exposed_s - a.dp_exposed_s, std::string("exposed data-parallel communication") +
                                                        (b.dp_inter_node ? " across nodes" : "")});
   ds.push_back({b.tp_exposed_s - a.tp_exposed_s, "exposed tensor-parallel collectives"});
@@ -327,7 +327,7 @@ void estimate_degrees(const ModelConfig& model, const Cluster& cluster, const Tr
             l.micro_batch = mb;
             l.microbatches = m;
             l.checkpointing = ac;
-            l.cpu_offload = off;
+            l.offload = off ? Offload::Optimizer : Offload::None;
             if (!check_layout(model, cluster, st, l).empty()) continue;
             all.push_back(estimate(model, cluster, st, l));
           }
@@ -380,7 +380,7 @@ void rank_candidates(std::vector<Estimate> all, const PlanOptions& opts, PlanRes
       const Layout& l = e.layout;
       auto key = std::make_tuple(static_cast<int>(l.strategy), l.dp_replicate, l.dp_shard, l.tp, l.pp,
                                  static_cast<int>(l.schedule), l.virtual_stages, static_cast<int>(l.checkpointing),
-                                 l.cpu_offload, l.cp);
+                                 l.offload_optimizer(), l.cp);
       if (seen.emplace(key, true).second) kept.push_back(std::move(e));
     }
     all = std::move(kept);

@@ -81,7 +81,7 @@ json estimate_json(const Estimate& e) {
           {"micro_batch", l.micro_batch},
           {"microbatches", l.microbatches},
           {"activation_checkpointing", to_string(l.checkpointing)},
-          {"cpu_offload", l.cpu_offload},
+          {"cpu_offload", l.offload_optimizer()},
           {"mem_per_gpu_bytes",
            {{"params", bytes(e.mem.params)},
             {"grads", bytes(e.mem.grads)},
@@ -134,7 +134,7 @@ std::string format_plan(const PlanResult& r) {
     const MemoryBytes& mb = e.mem;
     rows.push_back({std::to_string(++i), dp_cell(l), std::to_string(l.tp), std::to_string(l.pp), sched_cell(l),
                     std::to_string(l.micro_batch) + "x" + std::to_string(l.microbatches), to_string(l.checkpointing),
-                    l.cpu_offload ? "yes" : "-", fmt("%.1f", mb.total() / GiB),
+                    l.offload_optimizer() ? "yes" : "-", fmt("%.1f", mb.total() / GiB),
                     fmt("%.1f", mb.params / GiB) + "/" + fmt("%.1f", mb.grads / GiB) + "/" + fmt("%.1f", mb.optimizer / GiB) +
                         "/" + fmt("%.1f", mb.activations / GiB) + "/" + fmt("%.1f", mb.comm / GiB),
                     e.fits ? "yes" : "NO", fmt("%.1f", e.comm.intra_node / 1e9), fmt("%.1f", e.comm.inter_node / 1e9),
@@ -157,7 +157,7 @@ std::string format_plan(const PlanResult& r) {
       if (b.layout.strategy == top.layout.strategy) continue;
       std::string s = std::string("  best ") + strategy_label(b.layout.strategy) + " (" + dp_cell(b.layout) + ", tp " +
                       std::to_string(b.layout.tp) + ", pp " + std::to_string(b.layout.pp) + ", ac " +
-                      to_string(b.layout.checkpointing) + (b.layout.cpu_offload ? ", offload" : "") + "): ";
+                      to_string(b.layout.checkpointing) + (b.layout.offload_optimizer() ? ", offload" : "") + "): ";
       if (!b.fits)
         s += "does not fit (" + fmt("%.1f GiB", b.mem.total() / GiB) + " needed)";
       else if (top.fits) {
@@ -279,7 +279,7 @@ std::string format_article(const Cluster& bands_cluster, bool as_json) {
     if (l.tp > 1) cell += " tp" + std::to_string(l.tp);
     if (l.pp > 1) cell += " pp" + std::to_string(l.pp) + "(" + sched_cell(l) + ")";
     cell += std::string(" ac:") + to_string(l.checkpointing);
-    if (l.cpu_offload) cell += " offload";
+    if (l.offload_optimizer()) cell += " offload";
     rows.push_back({b.model, human_count(b.params), std::to_string(b.gpus), article_band(b.params),
                     b.any_fits ? cell : "nothing fits", b.any_fits ? fmt("%.1f%%", 100 * b.top.mfu) : "-",
                     b.any_fits ? fmt("%.1f", b.top.mem.total() / GiB) : fmt("(%.0f)", b.top.mem.total() / GiB)});

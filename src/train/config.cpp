@@ -5,8 +5,10 @@
 #include "checkpoint/checkpoint.h"
 #include "model/config/hf_config.h"
 #include "parallel/layout/parallel_config.h"
+#include "parallel/mesh.h"
 #include "runtime/strings.h"
 
+#include <algorithm>
 #include <functional>
 #include <sstream>
 
@@ -386,6 +388,64 @@ std::string RunConfig::keys_help() {
     out += line + " " + f.help + "\n";
   }
   return out;
+}
+
+ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
+  const auto& p = parallel;
+  ParallelPlan d;
+  try {
+    d.strategy = parse_sharding_strategy(p.strategy, "parallel.strategy");
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"parallel.dp_replicate", p.dp_replicate},
+                         {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.cp", p.cp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
+    if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
+  if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
+  if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
+  if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
+  d.dp_replicate = static_cast<int>(p.dp_replicate);
+  d.dp_shard = static_cast<int>(p.dp_shard);
+  d.tp = static_cast<int>(p.tp);
+  d.pp = static_cast<int>(p.pp);
+  d.cp = static_cast<int>(p.cp);
+  d.ep = static_cast<int>(p.ep);
+  d.virtual_stages = static_cast<int>(p.pp_virtual_stages);
+  d.cp_mode = p.cp_mode;
+  d.sequence_parallel = p.sequence_parallel;
+  d.micro_batch = train.micro_batch;
+  // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
+  d.microbatches = d.pp > 1 && p.pp_microbatches > 0 ? p.pp_microbatches : train.grad_accum;
+  try {
+    check_plan(d, mc, world);
+  } catch (const PlanError& e) {
+    throw ConfigError(e.what());
+  }
+  if (d.cp > 1 && train.sample_tokens > 0)
+    throw ConfigError("train.sample_tokens: sampling at the end of training is not supported with parallel.cp > 1 "
+                      "(generation runs on whole sequences; sample from the checkpoint with `meshtrain sample`)");
+  try {
+    d.checkpointing = parse_recompute(train.activation_checkpointing, "train.activation_checkpointing");
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  try {
+    if (d.pp > 1) d.schedule = parse_pipeline_schedule(p.pp_schedule, "parallel.pp_schedule");
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(std::string("pipeline: ") + e.what());
+  }
+  return d;
+}
+
+void RunConfig::set_parallel_plan(const ParallelPlan& p) {
+  parallel.strategy = to_string(p.strategy);
+  parallel.dp_replicate = p.dp_replicate;
+  parallel.dp_shard = p.dp_shard;
+  parallel.tp = p.tp;
+  parallel.pp = p.pp;
+  train.activation_checkpointing = to_string(p.checkpointing);
+  train.micro_batch = p.micro_batch;
+  train.grad_accum = p.microbatches;
 }
 
 }  // namespace mt

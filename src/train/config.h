@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/config/model_config.h"
+#include "parallel/layout/parallel_plan.h"
 
 namespace mt {
 
@@ -95,6 +96,13 @@ struct RunConfig {
   static RunConfig load(const std::string& path, const std::vector<std::pair<std::string, std::string>>& overrides);
   // The model dimensions after preset + explicit keys (resolved and validated).
   ModelConfig model_config() const;
+  // The job's parallel plan from [parallel] (and what it needs of [train]) for a world of `world`
+  // ranks, checked against `model` (the resolved model, its padded vocabulary a multiple of 64 x
+  // tp); throws ConfigError with one message naming the key and the degree at fault.
+  ParallelPlan parallel_plan(const ModelConfig& model, int world) const;
+  // Writes a plan's degrees, strategy, recompute and batch split into [parallel] and [train] (what
+  // `train --auto` does with the planner's plan); parallel_plan() reads them back.
+  void set_parallel_plan(const ParallelPlan& plan);
   // Every key as `section.key = value` lines (for --help and for checkpoints).
   std::string to_toml() const;
   // What a checkpoint of this run records: this configuration, the model.hf_config file and

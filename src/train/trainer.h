@@ -22,7 +22,5 @@ TrainResult train(const RunConfig& cfg);
 // seen from R (before anything else initialises the world), and trims `cfg` to one step with
 // nothing read or written but the metrics. Throws ConfigError for a bad world or rank.
 void prepare_dry_run(RunConfig& cfg, int world, int rank);
-// `train --auto`: the planner picks the data-parallel layout for this job's ranks (same global batch).
-void choose_layout(RunConfig& cfg);
 
 }  // namespace mt

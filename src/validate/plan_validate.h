@@ -26,6 +26,7 @@
 
 #include "model/config/model_config.h"
 #include "parallel/layout/parallel_config.h"
+#include "parallel/layout/parallel_plan.h"
 #include "plan/cluster.h"
 #include "plan/cost_model.h"
 #include "train/compute_probe.h"
@@ -74,6 +75,9 @@ struct EngineLayout {
   std::string label() const;         // "ZeRO-3 x2 fp32 gpt2-mini", "DDP x1 pp2 1f1b fp32 accum4 gpt2-mini", ...
   // The engine's command line after `train` (without data / metrics paths).
   std::vector<std::string> train_args() const;
+  // The engine's parallel plan for the job (what `train` builds from train_args()), dp_shard not
+  // yet resolved (-1: check_plan resolves it).
+  ParallelPlan plan() const;
 };
 
 // The planner's layout and setup for an engine job (DDP = dp_replicate x ranks for the planner,

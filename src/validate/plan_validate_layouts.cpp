@@ -10,6 +10,7 @@
 #include "validate/plan_validate.h"
 #include "plan/planner.h"
 #include "plan/text_table.h"
+#include "parallel/mesh.h"
 
 namespace mt::validate {
 
@@ -99,56 +100,52 @@ std::vector<std::string> EngineLayout::train_args() const {
   return a;
 }
 
+ParallelPlan EngineLayout::plan() const {
+  ParallelPlan p;
+  p.strategy = strategy;
+  p.dp_replicate = dp_replicate;
+  p.dp_shard = -1;  // the ranks left over, as the engine resolves it (check_plan)
+  p.tp = tp;
+  p.pp = pp;
+  p.cp = cp;
+  p.ep = ep;
+  p.schedule = pp > 1 ? pp_schedule : PipelineSchedule::None;
+  p.virtual_stages = virtual_stages();
+  p.micro_batch = micro_batch;
+  p.microbatches = grad_accum;
+  p.checkpointing = checkpointing;
+  p.sequence_parallel = sequence_parallel;
+  return p;
+}
+
 void check_engine_layout(const EngineLayout& e) {
   if (e.ranks < 1) throw std::invalid_argument("ranks must be >= 1");
-  if (e.tp < 1 || e.ranks % e.tp != 0)
-    throw std::invalid_argument("tp " + std::to_string(e.tp) + " does not divide " + std::to_string(e.ranks) + " ranks");
-  if (e.pp < 1 || e.ranks % (e.tp * e.pp) != 0)
-    throw std::invalid_argument("tp " + std::to_string(e.tp) + " x pp " + std::to_string(e.pp) + " does not divide " +
-                                std::to_string(e.ranks) + " ranks");
-  if (e.cp < 1 || e.ranks % (e.tp * e.pp * e.cp) != 0)
-    throw std::invalid_argument("tp x pp x cp " + std::to_string(e.tp * e.pp * e.cp) + " does not divide " +
-                                std::to_string(e.ranks) + " ranks");
+  if (e.micro_batch < 1 || e.grad_accum < 1) throw std::invalid_argument("micro_batch and grad_accum must be >= 1");
+  ModelConfig m = engine_model(e);
+  m.resolve();
+  // The engine's own checks of the plan against the world and the model (a PlanError is an
+  // invalid_argument): the mesh, tp against the heads and widths, cp, sequence and expert parallelism.
+  ParallelPlan p = e.plan();
+  check_plan(p, m, e.ranks);
   if (e.pp > 1 && e.pp_schedule == PipelineSchedule::None)
     throw std::invalid_argument("pipeline schedule 'none': the validation predicts gpipe, 1f1b and interleaved_1f1b");
   if (e.pp > 1 && e.pp_schedule == PipelineSchedule::Interleaved && (e.pp_virtual_stages < 2 || e.grad_accum % e.pp != 0))
     throw std::invalid_argument("interleaved_1f1b needs pp_virtual_stages >= 2 and micro-batches a multiple of pp");
-  if (e.sequence_parallel && e.tp < 2) throw std::invalid_argument("sequence parallelism needs tp > 1");
-  if (e.hybrid() && (e.dp_replicate < 1 || e.dp_ranks() % e.dp_replicate != 0))
-    throw std::invalid_argument("dp_replicate " + std::to_string(e.dp_replicate) + " does not divide " +
-                                std::to_string(e.dp_ranks()) + " data-parallel ranks");
-  if (!e.hybrid() && e.dp_replicate != 1) throw std::invalid_argument("dp_replicate > 1 needs a HYBRID_* strategy");
-  if (e.micro_batch < 1 || e.grad_accum < 1) throw std::invalid_argument("micro_batch and grad_accum must be >= 1");
-  if (e.ep < 1 || (e.ep > 1 && (e.moe_experts < 1 || e.dp_ranks() % e.ep != 0 || e.moe_experts % e.ep != 0)))
-    throw std::invalid_argument("ep " + std::to_string(e.ep) + " needs MoE experts and must divide them and the " +
-                                std::to_string(e.dp_ranks()) + " data-parallel ranks");
   if (e.moe_pad_to_capacity && (e.moe_experts < 1 || e.moe_capacity_factor <= 0))
     throw std::invalid_argument("padding to capacity needs MoE experts and a capacity factor > 0");
-  const ModelConfig m = engine_model(e);
-  for (auto [v, what] : {std::pair<int64_t, const char*>{m.n_head, "n_head"}, {m.n_kv_head, "n_kv_head"},
-                         {m.ffn_hidden, "ffn_hidden"}})
-    if (v % e.tp != 0)
-      throw std::invalid_argument(e.model + ": " + what + " (" + std::to_string(v) + ") is not divisible by tp " +
-                                  std::to_string(e.tp));
-  if (e.cp > 1 && m.seq_len % (2 * e.cp) != 0)
-    throw std::invalid_argument("cp " + std::to_string(e.cp) + " needs seq_len divisible by 2 x cp");
-  if (e.sequence_parallel && (e.micro_batch * m.seq_len / e.cp) % e.tp != 0)
-    throw std::invalid_argument("sequence parallelism needs micro_batch x seq_len divisible by tp");
   if (e.pp > 1) {
     if (e.pp > m.n_layer + 2) throw std::invalid_argument("pp " + std::to_string(e.pp) + " exceeds the model's units");
-    ModelConfig r = m;
-    r.resolve();
-    if (r.tied_embeddings && shards_parameters(e.strategy))
+    if (m.tied_embeddings && shards_parameters(e.strategy))
       throw std::invalid_argument("pp > 1 with " + std::string(to_string(e.strategy)) +
                                   " on a tied-embedding model: the engine refuses it");
   }
 }
 
 Layout planner_layout(const EngineLayout& e) {
-  Layout l;
+  // The engine's plan under the planner's conventions: DDP as dp_replicate replicas, a hybrid
+  // over one replica as plain sharding, no schedule without a pipeline.
+  Layout l = e.plan();
   l.strategy = planner_strategy(e.strategy);
-  l.tp = e.tp;
-  l.cp = e.cp;
   if (l.strategy == Strategy::NoShard) {
     l.dp_replicate = e.dp_ranks();
     l.dp_shard = 1;
@@ -160,17 +157,12 @@ Layout planner_layout(const EngineLayout& e) {
     l.dp_replicate = 1;
     l.dp_shard = e.dp_ranks();
   }
-  l.micro_batch = e.micro_batch;
-  l.microbatches = e.grad_accum;
-  l.checkpointing = e.checkpointing;
+  l.sequence_parallel = false;  // the planner's is TrainSetup::sequence_parallel (planner_setup)
   if (e.pp > 1) {
-    l.pp = e.pp;
     l.schedule = e.pp_schedule == PipelineSchedule::GPipe ? Schedule::GPipe
                  : e.virtual_stages() > 1   ? Schedule::Interleaved
                                             : Schedule::OneFOneB;
-    l.virtual_stages = e.virtual_stages();
   }
-  l.ep = e.ep;
   return l;
 }
 

@@ -19,18 +19,12 @@
 #include "model/transformer.h"
 #include "parallel/strategy.h"
 #include "parallel/tensor_parallel.h"
+#include "thread_ranks.h"
 
 namespace mt {
 namespace {
 
-void on_ranks(int n, const std::function<void(int)>& f) {
-  std::vector<std::thread> ts;
-  for (int r = 0; r < n; ++r) ts.emplace_back([&f, r] {
-    omp_set_num_threads(1);
-    f(r);
-  });
-  for (auto& t : ts) t.join();
-}
+using test::on_ranks;
 
 ModelConfig tiny() {
   ModelConfig c = model_preset("gpt2-tiny");

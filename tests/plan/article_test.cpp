@@ -140,7 +140,7 @@ TEST_F(Bands, SeventyBillionNeedsShardingPlusTensorParallelOrCheckpointing) {
     EXPECT_TRUE(l.tp > 1 || l.checkpointing != Checkpointing::None) << l.describe();
     EXPECT_LE(l.tp, 8);
     if (c->gpus >= 64) {
-      EXPECT_FALSE(l.cpu_offload) << l.describe();
+      EXPECT_FALSE(l.offload_optimizer()) << l.describe();
     }
   }
 }

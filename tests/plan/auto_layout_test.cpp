@@ -14,21 +14,21 @@ namespace {
 const std::set<std::string> kEngineStrategies = {"NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
 
 void expect_consistent(const AutoLayout& a, int world) {
-  EXPECT_TRUE(kEngineStrategies.count(a.strategy)) << a.strategy;
-  EXPECT_EQ(a.tp, 1);
-  EXPECT_EQ(a.pp, 1);
-  EXPECT_EQ(a.dp_replicate * a.dp_shard, world);
-  if (a.strategy != "HYBRID_SHARD") {
-    EXPECT_EQ(a.dp_replicate, 1) << "the engine replicates only for HYBRID_*";
+  EXPECT_TRUE(kEngineStrategies.count(std::string(to_string(a.plan.strategy)))) << std::string(to_string(a.plan.strategy));
+  EXPECT_EQ(a.plan.tp, 1);
+  EXPECT_EQ(a.plan.pp, 1);
+  EXPECT_EQ(a.plan.dp_replicate * a.plan.dp_shard, world);
+  if (std::string(to_string(a.plan.strategy)) != "HYBRID_SHARD") {
+    EXPECT_EQ(a.plan.dp_replicate, 1) << "the engine replicates only for HYBRID_*";
   } else {
-    EXPECT_GE(a.dp_replicate, 2);
+    EXPECT_GE(a.plan.dp_replicate, 2);
   }
-  EXPECT_GE(a.micro_batch, 1);
-  EXPECT_GE(a.grad_accum, 1);
-  EXPECT_EQ(a.micro_batch * a.grad_accum * world, a.global_batch);
-  EXPECT_TRUE(a.activation_checkpointing == "none" || a.activation_checkpointing == "selective" ||
-              a.activation_checkpointing == "full");
-  EXPECT_FALSE(a.estimate.layout.cpu_offload);
+  EXPECT_GE(a.plan.micro_batch, 1);
+  EXPECT_GE(a.plan.microbatches, 1);
+  EXPECT_EQ(a.plan.micro_batch * a.plan.microbatches * world, a.global_batch);
+  EXPECT_TRUE(std::string(to_string(a.plan.checkpointing)) == "none" || std::string(to_string(a.plan.checkpointing)) == "selective" ||
+              std::string(to_string(a.plan.checkpointing)) == "full");
+  EXPECT_FALSE(a.estimate.layout.offload_optimizer());
   EXPECT_FALSE(a.why.empty());
 }
 
@@ -48,8 +48,8 @@ TEST(AutoLayout, GlobalBatchRoundsUpToWholeSequencesPerRank) {
   o.micro_batch = 3;
   const AutoLayout a = auto_layout(m, 2, 2, 7 * 128, o);        // 7 -> multiple of 2 x 3
   EXPECT_EQ(a.global_batch, 12);
-  EXPECT_EQ(a.micro_batch, 3);
-  EXPECT_EQ(a.grad_accum, 2);
+  EXPECT_EQ(a.plan.micro_batch, 3);
+  EXPECT_EQ(a.plan.microbatches, 2);
   expect_consistent(a, 2);
 }
 
@@ -58,28 +58,28 @@ TEST(AutoLayout, PinnedStrategyAndCheckpointingAreKept) {
   AutoLayoutOptions o;
   o.strategy = Strategy::NoShard;
   AutoLayout a = auto_layout(m, 2, 2, 1024, o);
-  EXPECT_EQ(a.strategy, "NO_SHARD");
-  EXPECT_EQ(a.dp_replicate, 1);  // DDP over every rank: dp_shard = world in the engine's mesh
-  EXPECT_EQ(a.dp_shard, 2);
+  EXPECT_EQ(std::string(to_string(a.plan.strategy)), "NO_SHARD");
+  EXPECT_EQ(a.plan.dp_replicate, 1);  // DDP over every rank: dp_shard = world in the engine's mesh
+  EXPECT_EQ(a.plan.dp_shard, 2);
   o.strategy = Strategy::FullShard;
   o.checkpointing = Checkpointing::Full;
   a = auto_layout(m, 4, 4, 2048, o);
-  EXPECT_EQ(a.strategy, "FULL_SHARD");
-  EXPECT_EQ(a.activation_checkpointing, "full");
-  EXPECT_EQ(a.dp_shard, 4);
+  EXPECT_EQ(std::string(to_string(a.plan.strategy)), "FULL_SHARD");
+  EXPECT_EQ(std::string(to_string(a.plan.checkpointing)), "full");
+  EXPECT_EQ(a.plan.dp_shard, 4);
   expect_consistent(a, 4);
 }
 
 TEST(AutoLayout, OneRank) {
   const ModelConfig m = model_preset("gpt2-mini");
   AutoLayout a = auto_layout(m, 1, 1, 512);
-  EXPECT_EQ(a.strategy, "NO_SHARD");
+  EXPECT_EQ(std::string(to_string(a.plan.strategy)), "NO_SHARD");
   expect_consistent(a, 1);
   AutoLayoutOptions o;
   o.strategy = Strategy::FullShard;  // kept: the engine runs a shard group of one
   a = auto_layout(m, 1, 1, 512, o);
-  EXPECT_EQ(a.strategy, "FULL_SHARD");
-  EXPECT_EQ(a.dp_shard, 1);
+  EXPECT_EQ(std::string(to_string(a.plan.strategy)), "FULL_SHARD");
+  EXPECT_EQ(a.plan.dp_shard, 1);
 }
 
 TEST(AutoLayout, NeverUsesTensorOrPipelineParallelism) {
@@ -99,7 +99,7 @@ TEST(AutoLayout, NeverUsesTensorOrPipelineParallelism) {
   const AutoLayout a = auto_layout(m, 64, 8, 512 * 8192, o);
   expect_consistent(a, 64);
   EXPECT_TRUE(a.fits);
-  EXPECT_TRUE(a.strategy == "FULL_SHARD" || a.strategy == "HYBRID_SHARD") << a.strategy;
+  EXPECT_TRUE(std::string(to_string(a.plan.strategy)) == "FULL_SHARD" || std::string(to_string(a.plan.strategy)) == "HYBRID_SHARD") << std::string(to_string(a.plan.strategy));
 }
 
 TEST(AutoLayout, HybridMapsToReplicateTimesShard) {
@@ -108,8 +108,8 @@ TEST(AutoLayout, HybridMapsToReplicateTimesShard) {
   o.fp32 = false;
   o.strategy = Strategy::HybridShard;
   const AutoLayout a = auto_layout(model_preset("llama3-8b"), 16, 8, 1 << 21, o);
-  EXPECT_EQ(a.strategy, "HYBRID_SHARD");
-  EXPECT_GE(a.dp_shard, 2);
+  EXPECT_EQ(std::string(to_string(a.plan.strategy)), "HYBRID_SHARD");
+  EXPECT_GE(a.plan.dp_shard, 2);
   expect_consistent(a, 16);
 }
 

@@ -221,7 +221,7 @@ TEST(Estimate, OffloadMovesOptimizerToHost) {
   TrainSetup st;
   Layout l = dp_layout(Strategy::FullShard, 8);
   const Estimate on = estimate(m, c, st, l);
-  l.cpu_offload = true;
+  l.offload = Offload::Optimizer;
   const Estimate off = estimate(m, c, st, l);
   EXPECT_EQ(off.mem.optimizer, 0.0);
   EXPECT_NEAR(off.host_bytes_per_node, 14.0 * static_cast<double>(m.num_params()), 1e3);  // 12 opt + 2 grad
@@ -229,10 +229,10 @@ TEST(Estimate, OffloadMovesOptimizerToHost) {
   EXPECT_GT(off.time.total(), on.time.total());
   // DDP cannot offload; the CPU cluster has nowhere to offload to.
   Layout d = dp_layout(Strategy::NoShard, 8);
-  d.cpu_offload = true;
+  d.offload = Offload::Optimizer;
   EXPECT_FALSE(check_layout(m, c, st, d).empty());
   Layout z = dp_layout(Strategy::ShardGradOp, 2);
-  z.cpu_offload = true;
+  z.offload = Offload::Optimizer;
   EXPECT_FALSE(check_layout(model_preset("gpt2-124m"), cluster("this-cpu", 2), st, z).empty());
 }
 

@@ -112,7 +112,7 @@ TEST(Planner, CpuClusterPlansForThisMachine) {
   st.global_batch = 8;
   const PlanResult r = plan(model_preset("gpt2-small-cpu"), cluster("this-cpu", 2), st);
   EXPECT_TRUE(r.candidates[0].fits);
-  for (const auto& e : r.candidates) EXPECT_FALSE(e.layout.cpu_offload);  // host memory is device memory
+  for (const auto& e : r.candidates) EXPECT_FALSE(e.layout.offload_optimizer());  // host memory is device memory
   EXPECT_GT(r.candidates[0].tokens_per_s, 0.0);
   EXPECT_LT(r.candidates[0].mfu, 0.6);
 }

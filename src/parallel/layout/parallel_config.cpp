@@ -35,6 +35,20 @@ const char* to_string(Recompute r) {
   return "?";
 }
 
+const char* to_string(Offload o) { return o == Offload::Optimizer ? "optimizer" : "none"; }
+
+const char* strategy_label(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::NoShard: return "DDP";
+    case ShardingStrategy::Zero1: return "ZeRO-1";
+    case ShardingStrategy::ShardGradOp: return "ZeRO-2";
+    case ShardingStrategy::FullShard: return "ZeRO-3";
+    case ShardingStrategy::HybridShard: return "HSDP";
+    case ShardingStrategy::HybridShardZero2: return "HSDP-ZeRO-2";
+  }
+  return "?";
+}
+
 const std::vector<ShardingStrategy>& all_sharding_strategies() {
   static const std::vector<ShardingStrategy> v = {ShardingStrategy::NoShard,     ShardingStrategy::Zero1,
                                                   ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard,

@@ -30,11 +30,18 @@ enum class PipelineSchedule { None, GPipe, OneFOneB, Interleaved };
 // train.activation_checkpointing.
 enum class Recompute { None, Full, Selective };
 
+// Where the optimizer state lives: "none" (with the parameters) or "optimizer" (fp32 master and
+// moments in host memory, Adam on the CPU). The planner models it; the engine records it only.
+enum class Offload { None, Optimizer };
+
 // The config spellings: "NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
 // "HYBRID_SHARD_ZERO2"; "none", "gpipe", "1f1b", "interleaved_1f1b"; "none", "full", "selective".
 const char* to_string(ShardingStrategy s);
 const char* to_string(PipelineSchedule s);
 const char* to_string(Recompute r);
+const char* to_string(Offload o);  // "none", "optimizer"
+// Human labels: DDP, ZeRO-1, ZeRO-2, ZeRO-3, HSDP, HSDP-ZeRO-2.
+const char* strategy_label(ShardingStrategy s);
 
 // Every value a config key accepts, in the order above (PipelineSchedule without None).
 const std::vector<ShardingStrategy>& all_sharding_strategies();

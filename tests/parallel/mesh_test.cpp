@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "train/parallel_dims.h"
+#include "parallel/mesh.h"
 
 namespace mt {
 namespace {
@@ -29,14 +29,13 @@ TEST(ExpertGroups, EpAndEdpGroupsFollowTheMeshWithTensorContextAndPipelineParall
                                                  {1, 1, 6, 1, 4, 3}, {1, 1, 2, 2, 1, 2}, {2, 1, 4, 2, 2, 2},
                                                  {1, 2, 2, 3, 2, 4}};
   for (const auto& cs : cases) {
-    ParallelDims d;
+    ParallelPlan d;
     d.pp = cs[0];
     d.dp_replicate = cs[1];
     d.dp_shard = cs[2];
     d.cp = cs[3];
     d.tp = cs[4];
     d.ep = cs[5];
-    d.world = d.pp * d.dp() * d.cp * d.tp;
     const std::string what = "pp " + std::to_string(d.pp) + " dp " + std::to_string(d.dp_replicate) + "x" +
                              std::to_string(d.dp_shard) + " cp " + std::to_string(d.cp) + " tp " +
                              std::to_string(d.tp) + " ep " + std::to_string(d.ep);
@@ -49,7 +48,7 @@ TEST(ExpertGroups, EpAndEdpGroupsFollowTheMeshWithTensorContextAndPipelineParall
               const int r = (((s * d.dp_replicate + rep) * d.dp_shard + sh) * d.cp + c) * d.tp + t;
               at[r] = Coord{s, rep * d.dp_shard + sh, c, t};  // dp rank as ParallelGroups::data_rank
             }
-    ASSERT_EQ(static_cast<int>(at.size()), d.world) << what;
+    ASSERT_EQ(static_cast<int>(at.size()), d.world()) << what;
     std::map<int, std::map<int, int>> ep, edp;  // colour -> key -> world rank
     for (const auto& [r, c] : at) {
       const auto [ec, ek] = ep_color_key(d, r);
@@ -57,8 +56,8 @@ TEST(ExpertGroups, EpAndEdpGroupsFollowTheMeshWithTensorContextAndPipelineParall
       EXPECT_TRUE(ep[ec].emplace(ek, r).second) << what << ": two ranks with one key in an ep group";
       EXPECT_TRUE(edp[dc].emplace(dk, r).second) << what << ": two ranks with one key in an edp group";
     }
-    EXPECT_EQ(static_cast<int>(ep.size()), d.world / d.ep) << what;
-    EXPECT_EQ(static_cast<int>(edp.size()), d.world / (d.dp() / d.ep * d.cp)) << what;
+    EXPECT_EQ(static_cast<int>(ep.size()), d.world() / d.ep) << what;
+    EXPECT_EQ(static_cast<int>(edp.size()), d.world() / (d.dp() / d.ep * d.cp)) << what;
     for (const auto& group : ep) {
       const std::map<int, int>& members = group.second;
       ASSERT_EQ(static_cast<int>(members.size()), d.ep) << what;

@@ -1,41 +1,30 @@
-// The job's parallel layout (torchtitan's ParallelDims): the degrees of the mesh
-// pp x dp_replicate x dp_shard x cp x tp (torchtitan's order; cp joins the mesh only when > 1), validated once against the world and the model, and every
-// process group a rank uses, built once in one order (group creation is collective).
+// A parallel plan on the world: its check against the world and the model (the degrees resolved),
+// and every process group a rank uses, built once in one order (group creation is collective).
+// The mesh is pp x dp_replicate x dp_shard x cp x tp (torchtitan's order; cp joins the mesh only
+// when > 1).
 #pragma once
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
 #include "comm/world.h"
 #include "model/config/model_config.h"
-#include "parallel/layout/parallel_config.h"
-#include "train/config.h"
+#include "parallel/layout/parallel_plan.h"
 
 namespace mt {
 
-struct ParallelDims {
-  int world = 1;
-  int pp = 1, dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1;  // dp_shard resolved (never -1)
-  std::string cp_mode = "ring";  // ring | allgather
-  int pp_virtual_stages = 1;
-  int ep = 1;  // expert parallelism: blocks of ep consecutive data-parallel ranks share out the routed experts
-  ShardingStrategy strategy = ShardingStrategy::NoShard;
-  bool sequence_parallel = false;
-
-  // Checks the [parallel] section (and what it needs of [model] and [train]) for a world of
-  // `world` ranks; throws ConfigError with one message naming the key and the degree at fault.
-  // `model`: the resolved model (its padded vocabulary already a multiple of 64 x tp).
-  static ParallelDims from_config(const RunConfig& cfg, const ModelConfig& model, int world);
-
-  // Data-parallel ranks (different data). Gradients are reduced, and FSDP / ZeRO shard, over these
-  // times the cp ranks (which hold the same weights and see different tokens of the same sequences).
-  int dp() const { return dp_replicate * dp_shard; }
-  bool cp_enabled() const { return cp > 1; }
-  bool hybrid() const { return is_hybrid(strategy); }
-  bool tp_enabled() const { return tp > 1; }
-  bool pp_enabled() const { return pp > 1; }
-  bool ep_enabled() const { return ep > 1; }
+// A parallel plan the world, the model or the pipeline refuses (the config layer reports it as a
+// ConfigError).
+class PlanError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
 };
+
+// Checks `plan` for a world of `world` ranks and the resolved model (its padded vocabulary already a
+// multiple of 64 x tp) and resolves dp_shard = -1 (the ranks left over). Throws
+// PlanError with one message naming the config key and the degree at fault.
+void check_plan(ParallelPlan& plan, const ModelConfig& model, int world);
 
 // The vocabulary padded so every tensor-parallel rank holds whole 64-row blocks (64 x tp).
 int64_t padded_vocab_for_tp(int64_t vocab, int tp);
@@ -44,8 +33,8 @@ int64_t padded_vocab_for_tp(int64_t vocab, int tp);
 // data-parallel ranks of one stage, cp rank and tp rank; key = place in the block) and in the edp
 // group (the data-parallel ranks of one stage and tp rank at the same place in their blocks, with
 // every cp rank; key = block x cp + cp rank).
-std::pair<int, int> ep_color_key(const ParallelDims& d, int world_rank);
-std::pair<int, int> edp_color_key(const ParallelDims& d, int world_rank);
+std::pair<int, int> ep_color_key(const ParallelPlan& d, int world_rank);
+std::pair<int, int> edp_color_key(const ParallelPlan& d, int world_rank);
 
 // Every group of this rank. Collective over the world: all ranks build it at the same point.
 struct ParallelGroups {
@@ -67,7 +56,7 @@ struct ParallelGroups {
   int pp_rank = 0;
   int data_rank = 0, data_world = 1;  // this rank's batch: its place among dp_replicate x dp_shard
 
-  static ParallelGroups build(comm::World& w, const ParallelDims& d);
+  static ParallelGroups build(comm::World& w, const ParallelPlan& d);
 };
 
 }  // namespace mt

@@ -1,0 +1,144 @@
+#include "parallel/parallelize.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <utility>
+
+namespace mt::parallel {
+
+namespace {
+
+// The model's settings that depend on the plan: the one place the parallel code configures a
+// built model.
+void configure_model(Transformer& m, const ParallelPlan& plan, const ParallelizeOptions& o, ExpertComm* ep,
+                     ProcessGroupCpComm* cp) {
+  if (ep) m.set_expert_comm(ep);
+  m.set_tp_overlap(o.tp_overlap);
+  m.set_loss_chunk(o.loss_chunk_tokens);
+  if (plan.sequence_parallel) m.set_sequence_parallel(true);
+  if (cp) m.set_context_parallel(cp, plan.cp_mode == "allgather");
+}
+
+}  // namespace
+
+std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const ParallelPlan& plan, const ParallelGroups& g,
+                                           const ParallelizeOptions& o) {
+  auto pm = std::make_unique<ParallelModel>(plan, g);
+  ParallelModel& p = *pm;
+  p.spec_ = o.spec;
+  p.spec_.strategy = plan.strategy;
+  const int pp = plan.pp, tp = plan.tp;
+  p.tp_comm_ = std::make_unique<ProcessGroupTpComm>(g.tp);
+  p.tp_comm_->set_activation_dtype(o.dtype);  // bf16 runs move activations in bf16 (Megatron)
+
+  // The step's schedule, checked before it runs, and the stages' units (one stage without a pipeline).
+  PipeSchedule schedule;
+  StagePartition partition;
+  try {
+    const PipelineSchedule kind = pp > 1 ? plan.schedule : PipelineSchedule::OneFOneB;
+    schedule = make_schedule(kind, pp, static_cast<int>(plan.microbatches), plan.virtual_stages);
+    partition = partition_stages(mc, schedule.num_stages(), pp > 1 ? o.pp_partition : "");
+  } catch (const std::invalid_argument& e) {
+    throw PlanError(std::string("pipeline: ") + e.what());
+  }
+  std::vector<char> owned;
+  if (pp > 1) owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2);
+  ModelStorage storage = model_storage(p.spec_, o.dtype, g.shard->size());
+  if (plan.ep_enabled()) {
+    storage.ep = plan.ep;
+    storage.ep_rank = g.ep->rank();
+  }
+  p.model_ = std::make_unique<Transformer>(mc, o.dtype, plan.checkpointing, storage, tp > 1 ? p.tp_comm_.get() : nullptr,
+                                           owned);
+  if (plan.ep_enabled()) {
+    p.ep_comm_ = std::make_unique<ProcessGroupExpertComm>(g.ep);
+    // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
+    p.ep_ = std::make_unique<ExpertParallel>(*p.model_, g.edp, g.ep_aux, g.tp_aux, plan.dp() * plan.cp, p.spec_.adam);
+  }
+  if (plan.cp > 1) p.cp_comm_ = std::make_unique<ProcessGroupCpComm>(g.cp);
+  configure_model(*p.model_, plan, o, p.ep_comm_.get(), p.cp_comm_.get());
+  const auto& params = p.model_->params();
+  p.norm_weight_.assign(params.size(), 1.0);
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].tp_split == TpSplit::None) p.norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank
+  verify_same_model(*p.model_, *g.dp);
+  p.strategy_ = make_strategy(p.spec_, *p.model_, g.dp, g.shard, g.replicate, g.grad_norm);
+  p.pipe_ = std::make_unique<PipelineExecutor>(*p.model_, std::move(schedule), std::move(partition), g.pp,
+                                               p.strategy_.get());
+  p.model_->set_hooks(p.strategy_->hooks());
+  return pm;
+}
+
+StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& ids,
+                                           const std::vector<const int32_t*>& targets, int64_t B, int64_t T,
+                                           StepComm* comm) {
+  const auto n = static_cast<int64_t>(ids.size());
+  const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * n));
+  StepResult r;
+  model_->zero_grads();
+  r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm);
+  if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
+  r.loss = reduce_loss(r.stats.loss_sum, n);
+  if (ep_) ep_->reduce_grads(comm);
+  r.grad_norm = global_grad_norm();
+  return r;
+}
+
+double ParallelModel::eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T) {
+  return pipe_->eval_forward(ids, targets, B, T);
+}
+
+double ParallelModel::reduce_loss(double loss_sum, int64_t n) {
+  return dp_mean(pp_sum(loss_sum) / static_cast<double>(n));
+}
+
+double ParallelModel::global_grad_norm() {
+  double norm_sq = strategy_->grad_norm_sq(norm_weight_);
+  if (ep_) norm_sq += ep_->grad_norm_sq();
+  norm_sq = pp_sum(norm_sq);
+  if (plan_.tp > 1) {  // tp-split parameters are summed across tp ranks, replicated ones weighted 1/tp
+    float f = static_cast<float>(norm_sq);
+    groups_.tp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+    norm_sq = f;
+  }
+  return std::sqrt(norm_sq);
+}
+
+void ParallelModel::optimizer_step(double lr, float grad_scale, StepComm* comm) {
+  if (ep_) ep_->optimizer_step(lr, grad_scale);  // first: a strategy's step may zero every gradient the model holds
+  strategy_->optimizer_step(lr, grad_scale, comm);
+  pipe_->tied_weights_sync();
+}
+
+void ParallelModel::take_model_comm(StepComm* comm, double* cp_ms, double* cp_exposed_ms) {
+  double tp_ms = 0, tp_exposed = 0;  // tensor-parallel collectives (mostly on the critical path)
+  tp_comm_->take_times(&tp_ms, &tp_exposed);
+  comm->comm_ms += tp_ms;
+  comm->exposed_ms += tp_exposed;
+  *cp_ms = *cp_exposed_ms = 0;
+  if (!cp_comm_) return;
+  // Ring attention's transfers (mostly hidden behind the attention of the block in hand).
+  cp_comm_->take_times(cp_ms, cp_exposed_ms);
+  comm->comm_ms += *cp_ms;
+  comm->exposed_ms += *cp_exposed_ms;
+}
+
+void ParallelModel::take_expert_comm(double* ms, int64_t* bytes) {
+  if (ep_comm_) ep_comm_->take(ms, bytes);
+}
+
+double ParallelModel::pp_sum(double v) {
+  if (!groups_.pp_aux) return v;
+  float f = static_cast<float>(v);
+  groups_.pp_aux->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+  return static_cast<double>(f);
+}
+
+double ParallelModel::dp_mean(double v) {
+  if (groups_.dp->size() == 1) return v;
+  float f = static_cast<float>(v);
+  groups_.metrics->all_reduce(&f, 1, DType::F32, comm::ReduceOp::Avg)->wait();
+  return static_cast<double>(f);
+}
+
+}  // namespace mt::parallel
