@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -29,8 +30,12 @@ using Overrides = std::vector<std::pair<std::string, std::string>>;
 // Per-step losses of two runs agree within `rel` relative error.
 void expect_close(const std::vector<double>& want, const std::vector<double>& got, double rel, const char* what) {
   ASSERT_EQ(want.size(), got.size()) << what;
-  for (size_t i = 0; i < want.size(); ++i)
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_NEAR(got[i], want[i], rel * std::abs(want[i])) << what << ", step " << i + 1;
+    worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
+  }
+  std::printf("%s: largest relative difference %.2e over %zu values (tolerance %.0e)\n", what, worst, want.size(), rel);
 }
 
 class GpuTrain : public ::testing::Test {
