@@ -21,7 +21,7 @@ emu_tree() {  # DIR [cmake options]: configures DIR as an emulator build
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMESHTRAIN_WERROR=ON -DMESHTRAIN_CUDA=EMU "$@" >/dev/null
 }
 emu_tree build-emu
-ninja -C build-emu meshtrain test_kernels test_runtime test_cuda_emu
+ninja -C build-emu meshtrain test_kernels test_runtime test_cuda_emu test_train
 emu_tree build-emu-asan -DMESHTRAIN_EMU_ASAN=ON
 ninja -C build-emu-asan test_kernels test_cuda_emu
 ctest --test-dir build-emu -L emu --output-on-failure --timeout 900

@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "checkpoint/host_staging.h"
+
 namespace mt {
 
 namespace {
@@ -20,7 +22,11 @@ void ModelState::load(CheckpointReader* reader, uint64_t seed) {
   Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
   if (!reader) {
     init = workspace(ref_.flat_size());
-    if (init.device() != Device::Meta) ref_.init_weights_into(seed, init.f32());
+    if (init.device() != Device::Meta) {  // computed on the host
+      HostStaging host(init.device());
+      ref_.init_weights_into(seed, host.in(init.f32(), ref_.flat_size()));
+      host.upload();
+    }
   }
   const bool moments = reader && reader->has_moments();
   strategy_.begin_load();
@@ -36,7 +42,10 @@ void ModelState::load(CheckpointReader* reader, uint64_t seed) {
         fm = workspace(rn);
         fv = workspace(rn);
       }
-      reader->read_unit(u, fw.f32(), moments ? fm.f32() : nullptr, moments ? fv.f32() : nullptr);
+      HostStaging host(fw.device());  // the file is read into host memory
+      reader->read_unit(u, host.in(fw.f32(), rn), moments ? host.in(fm.f32(), rn) : nullptr,
+                        moments ? host.in(fv.f32(), rn) : nullptr);
+      host.upload();
       w = fw.f32();
     }
     if (replica) model_.load_tied_replica(ref_, w);  // unit 0's range starts with the token embedding
@@ -83,7 +92,10 @@ void ModelState::save(CheckpointWriter* writer) {
   for (int u = 0; u < model_.num_units(); ++u) {
     Tensor full[3];
     gather_full_unit(u, true, full);
-    if (writer) writer->write_unit(u, full[0].f32(), full[1].f32(), full[2].f32());
+    if (!writer) continue;
+    HostStaging host(full[0].device());  // the file is written from host memory
+    const int64_t n = ref_.unit(u).numel;
+    writer->write_unit(u, host.out(full[0].f32(), n), host.out(full[1].f32(), n), host.out(full[2].f32(), n));
   }
 }
 

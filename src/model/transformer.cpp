@@ -909,11 +909,15 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   s.have_backward = false;
 
   if (first == 0) {  // unit 0: embedding
-    for (int64_t i = 0; i < N; ++i)
-      if (ids[i] < 0 || ids[i] >= V)
-        throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
-                                " is outside the vocabulary of " + std::to_string(V));
-    dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
+    if (device_inputs_) {
+      dev::copy(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
+    } else {
+      for (int64_t i = 0; i < N; ++i)
+        if (ids[i] < 0 || ids[i] >= V)
+          throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                                  " is outside the vocabulary of " + std::to_string(V));
+      dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
+    }
     const int32_t* ids_saved = s.ids.i32();
     if (hooks_) hooks_->pre_forward(0);
     float* x = s.block_out[0].f32();
@@ -968,10 +972,14 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   }
   double loss = 0.0;
   if (targets) {
-    for (int64_t i = 0; i < N; ++i)
-      if (targets[i] >= V)
-        throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
-    dev::copy_from_host(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
+    if (device_inputs_) {
+      dev::copy(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
+    } else {
+      for (int64_t i = 0; i < N; ++i)
+        if (targets[i] >= V)
+          throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
+      dev::copy_from_host(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
+    }
     // In bf16 the head's backward multiplies the logits' gradient in bf16: with the whole vocabulary
     // here (tp = 1) the loss rounds it as it writes it, saving the fp32 gradient and a cast pass.
     s.grad_bf16 = train && bf && !s.chunked && !tpc_.tp() && !(defer_emb_ && head_chunk_done_);
@@ -982,7 +990,8 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     else
       VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp)
           .forward(s.logits.f32(), s.targets.i32(), s.losses.f32(), N, train, dloss_scale);
-    loss = kt_->sum(s.losses.f32(), N) / static_cast<double>(N);
+    if (loss_sink_ && train) kt_->accumulate(loss_sink_, s.losses.f32(), N);
+    else loss = kt_->sum(s.losses.f32(), N) / static_cast<double>(N);
   }
   if (hooks_) hooks_->post_forward(hu);
   s.have_backward = train && targets;

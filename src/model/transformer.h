@@ -223,6 +223,12 @@ class Transformer {
   // the ring (default), or all-gathered (`allgather`). Set before the first forward.
   void set_context_parallel(CpComm* comm, bool allgather = false);
   int cp_size() const { return cp_ ? cp_->size() : 1; }
+  // On a GPU (train/device_batches.h): the ids and targets forwards receive are already on this
+  // model's device, checked and uploaded by the caller; and, with a loss sink (N = B*T floats on
+  // the device, or nullptr for none), training forwards add their per-token losses into it and
+  // return 0 instead of reading the loss back, so a step waits for the device once.
+  void set_device_inputs(bool on) { device_inputs_ = on; }
+  void set_loss_sink(float* acc) { loss_sink_ = acc; }
   int64_t loss_chunk() const { return loss_chunk_; }
   bool sequence_parallel() const { return tpc_.sp; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
@@ -333,6 +339,8 @@ class Transformer {
   int64_t mlp_width(int64_t l) const { return cfg_.is_moe_layer(l) ? Fs_l_ : F_l_; }
   bool recomputing_ = false;  // a backward re-running a block's forward (no statistics counted)
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
+  bool device_inputs_ = false;  // set_device_inputs
+  float* loss_sink_ = nullptr;  // set_loss_sink
   MoeStats moe_stats_;
   std::deque<Tensor> moe_ws_;  // MoE forward and backward workspace (references stay valid as it grows)
   Tensor& moe_ws(size_t i, int64_t n, DType dt = DType::F32);

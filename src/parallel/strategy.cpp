@@ -1,5 +1,6 @@
 #include "parallel/strategy.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -55,6 +56,10 @@ class DdpStrategy final : public Strategy {
     c->exposed_ms += s.exposed_ms;
   }
   double grad_norm_sq(const std::vector<double>& weight) override {
+    // On a GPU, with every parameter weighted alike, one reduction over the whole gradient buffer
+    // (padding holds zeros): one read from the device instead of one per parameter.
+    if (model_.device() == Device::CUDA && std::all_of(weight.begin(), weight.end(), [](double w) { return w == 1.0; }))
+      return model_.kernels().sum_squares(model_.grads().f32(), model_.flat_size());
     double s = 0;
     for (size_t i = 0; i < model_.params().size(); ++i) {
       const ParamInfo& p = model_.params()[i];

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -159,6 +160,21 @@ bool is_meta_pointer(const void* p) {
   return a.base && c >= a.base && c < a.base + a.size;
 }
 
+void* host_alloc_pinned(Device d, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::host_alloc_pinned(bytes));
+  }
+  void* p = std::malloc(std::max<size_t>(bytes, 1));
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+void host_free_pinned(Device d, void* p) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::host_free_pinned(p));
+  }
+  std::free(p);
+}
+
 namespace dev {
 namespace {
 // Host memset / memcpy of large buffers on every compute thread: one core's stores reach only
@@ -214,6 +230,19 @@ void copy_to_host(Device d, void* host_dst, const void* src, size_t bytes) {
   } else {
     std::memset(host_dst, 0, bytes);
   }
+}
+void copy_from_host_async(Device d, void* dst, const void* host_src, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::copy_from_host_async(dst, host_src, bytes));
+  }
+  copy_from_host(d, dst, host_src, bytes);
+}
+uint64_t host_syncs(Device d) {
+#ifdef MT_HAVE_CUDA
+  if (d == Device::CUDA) return cuda::host_syncs();
+#endif
+  (void)d;
+  return 0;
 }
 }  // namespace dev
 

@@ -61,6 +61,11 @@ MemoryTracker& memory_tracker(Device d);
 // True for an address handed out by the Meta allocator.
 bool is_meta_pointer(const void* p);
 
+// Page-locked host memory for asynchronous uploads to device d (cudaMallocHost on CUDA, ordinary
+// host memory on CPU and Meta). Not counted in any tracker; free with host_free_pinned(d, ...).
+void* host_alloc_pinned(Device d, size_t bytes);
+void host_free_pinned(Device d, void* p);
+
 namespace dev {
 // Memory operations on device memory of `d` (byte counts; no-ops on Meta).
 void zero(Device d, void* p, size_t bytes);
@@ -68,6 +73,13 @@ void copy(Device d, void* dst, const void* src, size_t bytes);  // within device
 void copy_from_host(Device d, void* dst, const void* host_src, size_t bytes);
 // Host destination: on Meta it is zero-filled (the values a count-only device "holds").
 void copy_to_host(Device d, void* host_dst, const void* src, size_t bytes);
+// Queued on d's stream without waiting: host_src (memory from host_alloc_pinned) must stay
+// unchanged until the stream has passed the copy, which any later synchronising call guarantees.
+// CPU: copies at once.
+void copy_from_host_async(Device d, void* dst, const void* host_src, size_t bytes);
+// How often the host has waited for device d so far (stream synchronisations and synchronous
+// copies, the kernels' host results included); 0 for CPU and Meta, whose work never runs behind.
+uint64_t host_syncs(Device d);
 }  // namespace dev
 
 }  // namespace mt

@@ -265,6 +265,7 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
                         {"comm_ms_per_step", tps_n_ ? comm_ms_total_ / tps_n_ : 0.0},
                         {"exposed_comm_ms_per_step", tps_n_ ? exposed_ms_total_ / tps_n_ : 0.0},
                         {"world_size", world_},
+                        {"device", device_name(current_device())},
                         {"strategy", pm_.strategy().name()},
                         {"shard_group_size", groups_.shard->size()},
                         {"flat_size", pm_.model().flat_size()},

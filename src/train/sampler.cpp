@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "model/rng.h"
+#include "runtime/device.h"
 
 namespace mt {
 
@@ -13,11 +14,15 @@ std::vector<int32_t> generate(Transformer& model, std::vector<int32_t> seq, cons
   const ModelConfig& c = model.config();
   Rng rng(opts.seed);
   std::vector<std::pair<float, int32_t>> cand;
+  std::vector<float> last(static_cast<size_t>(c.vocab_size));
   for (int64_t i = 0; i < opts.tokens; ++i) {
     int64_t T = std::min<int64_t>(static_cast<int64_t>(seq.size()), c.seq_len);
     const int32_t* ctx = seq.data() + (seq.size() - T);
     model.forward(ctx, nullptr, 1, T, false);
-    const float* row = model.logits() + (T - 1) * c.padded_vocab;
+    // The last position's logits, read into host memory (the model may live on a GPU).
+    dev::copy_to_host(model.device(), last.data(), model.logits() + (T - 1) * c.padded_vocab,
+                      last.size() * sizeof(float));
+    const float* row = last.data();
     int32_t next = 0;
     if (opts.temperature <= 0.0f) {
       next = static_cast<int32_t>(std::max_element(row, row + c.vocab_size) - row);

@@ -22,6 +22,7 @@
 #include "checkpoint/checkpoint_saver.h"
 #include "train/auto_plan.h"
 #include "train/chrome_trace.h"
+#include "train/device_batches.h"
 #include "data/data_loader.h"
 #include "train/job_agreement.h"
 #include "train/metrics_processor.h"
@@ -125,6 +126,7 @@ class Trainer {
   std::unique_ptr<ChromeTrace> trace_;
   std::unique_ptr<TracingHooks> tracing_;
   std::unique_ptr<MetricsProcessor> metrics_;
+  std::unique_ptr<DeviceBatches> dbatch_;  // train.device = cuda: the step's inputs and loss on the GPU
   TrainerState st_;
 
   std::vector<std::vector<int32_t>> xs_, ys_;  // the step's micro-batches
@@ -137,16 +139,20 @@ class Trainer {
 };
 
 namespace {
-// train.device: cpu, or cuda with the reason it cannot be used. The dry run (Meta) models either.
-void check_train_device(const std::string& name, bool dry) {
+// train.device: cpu, or cuda with the reason it cannot be used. True when this job trains on the
+// GPU (one process; the dry run, on Meta, models either device).
+bool check_train_device(const std::string& name, bool dry, int world) {
   Device d = Device::CPU;
   if (!parse_device(name, &d) || d == Device::Meta)
     throw ConfigError("train.device must be cpu or cuda, got '" + name + "'");
-  if (d != Device::CUDA || dry) return;
+  if (d != Device::CUDA || dry) return false;
   std::string why;
   if (!device_available(Device::CUDA, &why)) throw ConfigError("train.device = cuda: " + why);
-  throw ConfigError("train.device = cuda: this build has the CUDA device and kernels, but training on it is not wired "
-                    "into the model and strategies yet (docs/gpu.md, 'What remains')");
+  if (world > 1)
+    throw ConfigError("train.device = cuda trains in one process on one GPU, but this job has " + std::to_string(world) +
+                      " ranks: run it without mpirun, or use train.device = cpu (several GPUs need NCCL, not built "
+                      "yet; docs/gpu.md)");
+  return true;
 }
 parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt) {
   const RunConfig::Train& tc = cfg.train;
@@ -202,11 +208,14 @@ void Trainer::build() {
   make_checkpointing();
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
+  if (current_device() == Device::CUDA) dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
 }
 
 void Trainer::check_train_config() {
   if (!parse_dtype(tc_.dtype, &dt_) || is_integer(dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
-  check_train_device(tc_.device, dry_);
+  // The job's device, before anything allocates (a dry run keeps Meta).
+  const bool on_gpu = check_train_device(tc_.device, dry_, world_);
+  if (!dry_) set_current_device(on_gpu ? Device::CUDA : Device::CPU);
   kernels::require_ops(tc_.device, {.llama = mc_.arch == Arch::Llama, .rope_scaled = mc_.rope_scaled(),
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = plan_.tp > 1,
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
@@ -391,7 +400,9 @@ double Trainer::evaluate() {
     } else {
       val_loader_->next(x.data(), y.data());
     }
-    s += pm_->eval_forward(x.data(), y.data(), B_, T_);
+    if (dbatch_) dbatch_->upload(0, x.data(), y.data());
+    s += dbatch_ ? pm_->eval_forward(dbatch_->ids(0), dbatch_->targets(0), B_, T_)
+                 : pm_->eval_forward(x.data(), y.data(), B_, T_);
   }
   strategy_->after_eval();
   trace_->end();
@@ -405,11 +416,14 @@ void Trainer::train_step(int64_t step) {
   std::vector<const int32_t*> xp, yp;
   for (int64_t m = 0; m < accum_; ++m) {
     next_batch(xs_[m].data(), ys_[m].data());
-    xp.push_back(xs_[m].data());
-    yp.push_back(ys_[m].data());
+    if (dbatch_) dbatch_->upload(m, xs_[m].data(), ys_[m].data());
+    xp.push_back(dbatch_ ? dbatch_->ids(m) : xs_[m].data());
+    yp.push_back(dbatch_ ? dbatch_->targets(m) : ys_[m].data());
   }
   st_.micro_batches += accum_;
-  const parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
+  if (dbatch_) dbatch_->begin_step();
+  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
+  if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
   const double loss = r.loss, norm = r.grad_norm;
   if (!std::isfinite(norm) || !std::isfinite(loss))
     throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -60,6 +62,7 @@ struct State {
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   }
 };
+std::atomic<uint64_t> g_host_syncs{0};
 State& state() {
   static State* s = new State();  // never destroyed: tensors may outlive static teardown
   return *s;
@@ -100,6 +103,7 @@ MemoryTracker& tracker() { return state().tracker; }
 
 void release_cache() {
   State& s = state();
+  ++g_host_syncs;
   check(cudaStreamSynchronize(s.stream), "cudaStreamSynchronize");
   std::lock_guard<std::mutex> lk(s.mu);
   s.cache.release();
@@ -107,7 +111,11 @@ void release_cache() {
 }
 
 void* stream() { return st(); }
-void synchronize() { check(cudaStreamSynchronize(st()), "cudaStreamSynchronize"); }
+void synchronize() {
+  ++g_host_syncs;
+  check(cudaStreamSynchronize(st()), "cudaStreamSynchronize");
+}
+uint64_t host_syncs() { return g_host_syncs.load(std::memory_order_relaxed); }
 
 void zero(void* p, size_t bytes) {
   if (bytes) check(cudaMemsetAsync(p, 0, bytes, st()), "cudaMemsetAsync");
@@ -124,6 +132,19 @@ void copy_to_host(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, st()), "cudaMemcpyAsync D2H");
   synchronize();
+}
+
+void copy_from_host_async(void* dst, const void* host_src, size_t bytes) {
+  if (bytes) check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st()), "cudaMemcpyAsync H2D");
+}
+void* host_alloc_pinned(size_t bytes) {
+  require();
+  void* p = nullptr;
+  check(cudaMallocHost(&p, bytes), "cudaMallocHost");
+  return p;
+}
+void host_free_pinned(void* p) {
+  if (p) check(cudaFreeHost(p), "cudaFreeHost");
 }
 
 std::string describe() {

@@ -35,6 +35,13 @@ void zero(void* p, size_t bytes);
 void copy(void* dst, const void* src, size_t bytes);
 void copy_from_host(void* dst, const void* host_src, size_t bytes);
 void copy_to_host(void* host_dst, const void* src, size_t bytes);
+// Queued on the stream; host_src (page-locked, from host_alloc_pinned) must stay unchanged until
+// the stream has passed the copy.
+void copy_from_host_async(void* dst, const void* host_src, size_t bytes);
+void* host_alloc_pinned(size_t bytes);
+void host_free_pinned(void* p);
+// Host waits so far: synchronize(), release_cache() and the synchronous copies each count one.
+uint64_t host_syncs();
 
 // "cuda NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB), driver 13.0, runtime 13.0".
 std::string describe();

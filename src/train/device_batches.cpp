@@ -1,0 +1,56 @@
+#include "train/device_batches.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/backend.h"
+
+namespace mt {
+
+DeviceBatches::DeviceBatches(Transformer& model, int64_t micro_batches, int64_t tokens)
+    : model_(model), dev_(model.device()), mb_(micro_batches), tokens_(tokens) {
+  const size_t n = static_cast<size_t>(2 * mb_ * tokens_);
+  pinned_ = static_cast<int32_t*>(host_alloc_pinned(dev_, n * sizeof(int32_t)));
+  inputs_ = Tensor::empty_on(dev_, {2 * mb_ * tokens_}, DType::I32, MemCategory::Activations);
+  loss_acc_ = Tensor::empty_on(dev_, {tokens_}, DType::F32, MemCategory::Activations);
+  model_.set_device_inputs(true);
+}
+
+DeviceBatches::~DeviceBatches() {
+  model_.set_device_inputs(false);
+  model_.set_loss_sink(nullptr);
+  host_free_pinned(dev_, pinned_);
+}
+
+void DeviceBatches::upload(int64_t m, const int32_t* ids, const int32_t* targets) {
+  if (m < 0 || m >= mb_) throw std::out_of_range("DeviceBatches::upload: micro-batch " + std::to_string(m));
+  const int64_t V = model_.config().vocab_size;
+  for (int64_t i = 0; i < tokens_; ++i)
+    if (ids[i] < 0 || ids[i] >= V)
+      throw std::out_of_range("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                              " is outside the vocabulary of " + std::to_string(V));
+  for (int64_t i = 0; i < tokens_; ++i)
+    if (targets[i] >= V)
+      throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
+  const size_t bytes = static_cast<size_t>(tokens_) * sizeof(int32_t);
+  int32_t* h = pinned_ + 2 * m * tokens_;
+  std::memcpy(h, ids, bytes);
+  std::memcpy(h + tokens_, targets, bytes);
+  dev::copy_from_host_async(dev_, inputs_.i32() + 2 * m * tokens_, h, 2 * bytes);
+}
+
+const int32_t* DeviceBatches::ids(int64_t m) const { return inputs_.i32() + 2 * m * tokens_; }
+const int32_t* DeviceBatches::targets(int64_t m) const { return inputs_.i32() + (2 * m + 1) * tokens_; }
+
+void DeviceBatches::begin_step() {
+  dev::zero(dev_, loss_acc_.raw(), loss_acc_.nbytes());
+  model_.set_loss_sink(loss_acc_.f32());
+}
+
+double DeviceBatches::end_step() {
+  model_.set_loss_sink(nullptr);
+  return model_.kernels().sum(loss_acc_.f32(), tokens_) / static_cast<double>(tokens_);
+}
+
+}  // namespace mt

@@ -1,0 +1,168 @@
+// Training on the CUDA device (train.device = cuda) against the same runs on the CPU: GPT-2 and
+// Llama, fp32 and bf16, recompute, gradient accumulation, chunked loss, eval; checkpoints saved on
+// one device and resumed on the other; Hugging Face weights; the host waits per step. They run
+// where a GPU is usable: on a GPU and in the emulator build (-DMESHTRAIN_CUDA=EMU, CTest label
+// `emu`); elsewhere they skip with the reason, and GpuTrainRefusal checks the error instead.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "../test_files.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/export.h"
+#include "data/token_shards.h"
+#include "runtime/device.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+using Overrides = std::vector<std::pair<std::string, std::string>>;
+
+// Per-step losses of two runs agree within `rel` relative error.
+void expect_close(const std::vector<double>& want, const std::vector<double>& got, double rel, const char* what) {
+  ASSERT_EQ(want.size(), got.size()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], rel * std::abs(want[i])) << what << ", step " << i + 1;
+    worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
+  }
+  std::printf("%s: largest relative difference %.2e over %zu values (tolerance %.0e)\n", what, worst, want.size(), rel);
+}
+
+class GpuTrain : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!device_available(Device::CUDA, &why)) GTEST_SKIP() << "GPU training test not run: " << why;
+    std::string text;
+    for (int i = 0; i < 300; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 7) + "\n";
+    std::vector<int32_t> toks(text.begin(), text.end());
+    write_token_shard(tmp_.file("train.bin"), toks);
+    write_token_shard(tmp_.file("val.bin"), std::vector<int32_t>(toks.begin(), toks.begin() + 1000));
+  }
+  RunConfig config(const std::string& device, const Overrides& extra = {}) {
+    Overrides ov = {{"model.preset", "gpt2-tiny"},   {"data.train", tmp_.file("train.bin")},
+                    {"data.val", tmp_.file("val.bin")}, {"train.steps", "20"},
+                    {"train.micro_batch", "2"},        {"train.warmup_steps", "2"},
+                    {"train.lr", "3e-3"},              {"train.eval_every", "10"},
+                    {"train.eval_batches", "1"},       {"train.threads", "1"},
+                    {"log.print_every", "100"},        {"train.device", device}};
+    ov.insert(ov.end(), extra.begin(), extra.end());
+    return RunConfig::load("", ov);
+  }
+  // The same run on the CPU and on the GPU.
+  void expect_parity(const Overrides& extra, double rel) {
+    const TrainResult cpu = train(config("cpu", extra)), gpu = train(config("cuda", extra));
+    ASSERT_EQ(cpu.losses.size(), 20u);
+    EXPECT_LT(cpu.losses.back(), cpu.losses.front() - 0.5);  // it trains
+    expect_close(cpu.losses, gpu.losses, rel, "training loss");
+    expect_close(cpu.val_losses, gpu.val_losses, rel, "validation loss");
+  }
+  test::TestDir tmp_;
+};
+
+// fp32: the kernels differ from the CPU's by rounding only (reduction order, fused multiply-adds,
+// libm), a few ulps per operation. In the emulator 20 steps differ by at most 5e-8 relative; the
+// margin is for a GPU, whose compiler fuses other products and whose math library differs more.
+constexpr double kFp32Rel = 1e-5;
+// bf16: activations and weights are rounded to bf16 (8 significant bits) before every GEMM, so a
+// difference of one fp32 ulp before the rounding moves some bf16 values by one bf16 ulp (2^-8
+// relative), and training carries that on. In the emulator the losses differ by at most 4e-5
+// relative; the tolerance leaves the same factor of about 50 for a GPU.
+constexpr double kBf16Rel = 2e-3;
+
+TEST_F(GpuTrain, Gpt2Fp32MatchesCpu) {
+  expect_parity({{"train.grad_accum", "2"}}, kFp32Rel);
+}
+
+TEST_F(GpuTrain, LlamaFp32RecomputeChunkedLossMatchesCpu) {
+  expect_parity({{"model.preset", "llama-tiny"},
+                 {"train.activation_checkpointing", "full"},
+                 {"train.loss_chunk_tokens", "24"}},
+                kFp32Rel);
+}
+
+TEST_F(GpuTrain, Gpt2Bf16MatchesCpu) {
+  expect_parity({{"train.dtype", "bf16"}, {"train.grad_accum", "2"}}, kBf16Rel);
+}
+
+TEST_F(GpuTrain, LlamaBf16SelectiveRecomputeMatchesCpu) {
+  expect_parity({{"model.preset", "llama-tiny"},
+                 {"train.dtype", "bf16"},
+                 {"train.activation_checkpointing", "selective"}},
+                kBf16Rel);
+}
+
+// A checkpoint saved on one device, resumed on the other, continues as the run that saved it did
+// without stopping (within the fp32 tolerance: the devices round differently), in both formats.
+TEST_F(GpuTrain, CheckpointsMoveBetweenDevices) {
+  for (const std::string fmt : {"sharded", "full"}) {
+    for (const auto& [from, to] : {std::pair<std::string, std::string>{"cuda", "cpu"}, {"cpu", "cuda"}}) {
+      SCOPED_TRACE(fmt + " checkpoint saved on " + from + ", resumed on " + to);
+      const std::string ck = tmp_.file("ck_" + fmt + "_" + from);
+      const Overrides common = {{"train.steps", "8"}, {"train.checkpoint_format", fmt}, {"train.eval_every", "0"}};
+      Overrides save = common;
+      save.insert(save.end(), {{"train.checkpoint_dir", ck}, {"train.checkpoint_every", "4"}});
+      const TrainResult whole = train(config(from, save));
+      Overrides resume = common;
+      resume.emplace_back("train.resume", ck + "/step_00000004");
+      const TrainResult resumed = train(config(to, resume));
+      expect_close(std::vector<double>(whole.losses.begin() + 4, whole.losses.end()), resumed.losses, kFp32Rel,
+                   "resumed loss");
+    }
+  }
+}
+
+// Hugging Face weights (train.init_from) load onto the GPU as onto the CPU, and a run that samples
+// at the end (the logits read back from the device) completes.
+TEST_F(GpuTrain, InitFromHuggingFaceWeightsAndSample) {
+  train(config("cpu", {{"train.steps", "3"}, {"train.checkpoint_dir", tmp_.file("ck")}, {"train.eval_every", "0"}}));
+  const std::string dir = resolve_checkpoint(tmp_.file("ck"));
+  export_checkpoint(dir, load_checkpoint_config(dir).model_config(), tmp_.file("hf"), int64_t{1} << 40);
+  const Overrides ft = {{"train.steps", "4"},
+                        {"train.init_from", tmp_.file("hf/model.safetensors")},
+                        {"train.eval_every", "0"},
+                        {"train.sample_tokens", "8"}};
+  const TrainResult cpu = train(config("cpu", ft)), gpu = train(config("cuda", ft));
+  expect_close(cpu.losses, gpu.losses, kFp32Rel, "fine-tuning loss");
+  // Starting from trained weights: below a fresh run's first loss.
+  EXPECT_LT(gpu.losses.front(), train(config("cuda", {{"train.steps", "1"}, {"train.eval_every", "0"}})).losses.front());
+}
+
+// The host waits for the GPU twice per step: one read of the loss (whatever the gradient
+// accumulation) and one of the gradient norm. Measured as the difference between a run of 6 steps
+// and one of 2, which share every wait before and after the steps.
+TEST_F(GpuTrain, HostWaitsTwicePerStep) {
+  auto waits = [&](int steps) {
+    const uint64_t before = dev::host_syncs(Device::CUDA);
+    train(config("cuda", {{"train.steps", std::to_string(steps)}, {"train.eval_every", "0"}, {"train.grad_accum", "3"}}));
+    return dev::host_syncs(Device::CUDA) - before;
+  };
+  const uint64_t two = waits(2), six = waits(6);
+  EXPECT_EQ(six - two, 4u * 2u) << "host waits: " << two << " in a run of 2 steps, " << six << " in one of 6";
+}
+
+// Where no GPU can be used (no CUDA backend in the build, or no device), train.device = cuda fails
+// before anything is built, with the reason.
+TEST(GpuTrainRefusal, UnusableDeviceIsRefusedWithTheReason) {
+  std::string why;
+  if (device_available(Device::CUDA, &why)) GTEST_SKIP() << "a CUDA device is usable here";
+  try {
+    train(RunConfig::load("", {{"model.preset", "gpt2-tiny"}, {"train.device", "cuda"}, {"data.train", "/nonexistent"}}));
+    ADD_FAILURE() << "train.device = cuda was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), "train.device = cuda: " + why);
+  }
+}
+
+}  // namespace
+}  // namespace mt
