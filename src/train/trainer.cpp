@@ -256,28 +256,29 @@ void Trainer::build() {
   }
   std::vector<char> owned;
   if (pp > 1) owned = parallel::stage_units_of_rank(partition_, pp, groups_.pp_rank, static_cast<int>(mc_.n_layer) + 2);
-  ModelStorage storage = parallel::model_storage(spec_, dt_, groups_.shard->size());
-  if (dims_.ep_enabled()) {
-    storage.ep = dims_.ep;
-    storage.ep_rank = groups_.ep->rank();
-  }
-  model_ = std::make_unique<Transformer>(mc_, dt_, rc_, storage, tp > 1 ? tp_comm_.get() : nullptr, owned);
-  if (dims_.ep_enabled()) {
-    ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
-    model_->set_expert_comm(ep_comm_.get());
-    // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
+  if (dims_.ep_enabled()) ep_comm_ = std::make_unique<parallel::ProcessGroupExpertComm>(groups_.ep);
+  if (dims_.cp > 1) cp_comm_ = std::make_unique<parallel::ProcessGroupCpComm>(groups_.cp);
+  model_ = std::make_unique<Transformer>(
+      mc_, ModelOptions{.compute = dt_,
+                        .recompute = rc_,
+                        .storage = parallel::model_storage(spec_, dt_, groups_.shard->size()),
+                        .tp = tp > 1 ? tp_comm_.get() : nullptr,
+                        .sequence_parallel = dims_.sequence_parallel,
+                        .tp_overlap = cfg_.parallel.tp_overlap,
+                        .loss_chunk = tc_.loss_chunk_tokens,
+                        .cp = cp_comm_.get(),
+                        .cp_allgather = dims_.cp_mode == "allgather",
+                        .ep = dims_.ep_enabled() ? dims_.ep : 1,
+                        .ep_rank = dims_.ep_enabled() ? groups_.ep->rank() : 0,
+                        .ep_comm = ep_comm_.get(),
+                        .owned_units = owned});
+  // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
+  if (dims_.ep_enabled())
     ep_ = std::make_unique<parallel::ExpertParallel>(*model_, groups_.edp, groups_.ep_aux, groups_.tp_aux,
                                                      dims_.dp() * dims_.cp, spec_.adam);
-  }
-  model_->set_tp_overlap(cfg_.parallel.tp_overlap);
-  model_->set_loss_chunk(tc_.loss_chunk_tokens);
-  if (dims_.sequence_parallel) model_->set_sequence_parallel(true);
-  if (dims_.cp > 1) {
-    cp_comm_ = std::make_unique<parallel::ProcessGroupCpComm>(groups_.cp);
-    model_->set_context_parallel(cp_comm_.get(), dims_.cp_mode == "allgather");
-  }
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
-  ref_ = std::make_unique<Transformer>(mc_, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  ref_ = std::make_unique<Transformer>(
+      mc_, ModelOptions{.storage = {.weights = false, .master = false, .grads = false}});
   norm_weight_.assign(model_->params().size(), 1.0);
   for (size_t i = 0; i < model_->params().size(); ++i)
     if (model_->params()[i].tp_split == TpSplit::None) norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank

@@ -179,7 +179,7 @@ TEST(Model, RecomputeGivesIdenticalGradients) {
   }
 }
 
-// The chunked LM head (set_loss_chunk) computes the same losses and gradients as the whole-logits
+// The chunked LM head (ModelOptions::loss_chunk) computes the same losses and gradients as the whole-logits
 // head - only the weight gradient's summation order differs - and holds no [tokens, vocab] logits:
 // GPT-2 (tied) and Llama, fp32 and bf16, a chunk that does not divide the tokens, two accumulated
 // micro-batches whose head gradients are added by the backward that follows each forward, and an
@@ -195,8 +195,7 @@ TEST(Model, ChunkedHeadMatchesWholeLogits) {
       std::vector<double> losses, evals;
       std::vector<int64_t> act;
       for (int64_t chunk : {int64_t{0}, int64_t{7}}) {
-        Transformer m(c, dt);
-        m.set_loss_chunk(chunk);
+        Transformer m(c, ModelOptions{.compute = dt, .loss_chunk = chunk});
         m.init_weights(5);
         m.zero_grads();
         losses.push_back(m.forward(x1.data(), y1.data(), B, T, true, 1.0f / (2 * N)));
