@@ -75,7 +75,8 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   build_params();
   if (cfg_.moe())
     moe_ = std::make_unique<MoeLayer>(cfg_, compute_, dev_, kt_, tpc_, moe_shape_, ep_comm_, cp_);
-  if (cfg_.rope_scaled()) rope_inv_freq_ = cfg_.rope_inv_freq();  // Llama 3.1 scaled frequencies
+  attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_);
+  mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)
     weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
@@ -398,7 +399,6 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   B_ = B;
   T_ = T;
   const int64_t BT = B * T, C = cfg_.n_embd, V = Vp_l_, F = F_l_;
-  const int64_t QKV = (nh_l_ + 2 * nkv_l_) * cfg_.head_dim();
   if (tpc_.sp && BT % tpc_.size != 0)
     throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
                                 " tokens) divisible by parallel.tp (" + std::to_string(tpc_.size) + ")");
@@ -441,7 +441,10 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   // Workspace shared by every slot (one backward or recompute runs at a time).
   ws_bt_ = BT;
   scratch_acts_.reset();
-  bwd_ws_.clear();
+  attn_->release();
+  mlp_->release();
+  dnorm_ = Tensor();
+  stage_ = Tensor();
   scratch_moe_acts_.reset();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
@@ -454,131 +457,13 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   }
   auto W = MemCategory::Workspace;
   dres_ = Tensor::empty({BT, C}, DType::F32, W);
-  // backward workspace: [0] d(normed) [N,C], [1] dqkv [N,QKV], [2] datty [N,C], [3] dfc [N,F],
-  // [4] dup / dact [N,F], [5] d act [N,F], [6] scratch f32 [N, max(C,F)]
-  bwd_ws_.push_back(Tensor::empty({BT, C}, DType::F32, W));
-  bwd_ws_.push_back(Tensor::empty({BT, QKV}, DType::F32, W));
-  bwd_ws_.push_back(Tensor::empty({BT, C}, DType::F32, W));
-  bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
-  bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
-  bwd_ws_.push_back(Tensor::empty({BT, F}, DType::F32, W));
-  bwd_ws_.push_back(Tensor::empty({BT, std::max(C, F)}, DType::F32, W));
-  tpc_.stage = bwd_ws_[6].f32();
+  dnorm_ = Tensor::empty({BT, C}, DType::F32, W);
+  attn_->allocate(BT);
+  mlp_->allocate(BT);
+  stage_ = Tensor::empty({BT, std::max(C, F)}, DType::F32, W);
+  tpc_.stage = stage_.f32();
   tpc_.allocate(BT, C);
-  if (cp_) {  // the travelling key / value blocks and their gradients
-    const int64_t KVW = 2 * nkv_l_ * cfg_.head_dim(), n = cp_->size();
-    for (Tensor& t : cp_kv_) t = Tensor();
-    for (Tensor& t : cp_dkv_) t = Tensor();
-    if (cp_allgather_) {  // every rank's blocks at once
-      cp_kv_[0] = Tensor::empty({n * BT, KVW}, DType::F32, W);
-      cp_dkv_[0] = Tensor::empty({n * BT, KVW}, DType::F32, W);
-      cp_dkv_[1] = Tensor::empty({BT, KVW}, DType::F32, W);
-    } else {
-      for (Tensor& t : cp_kv_) t = Tensor::empty({BT, KVW}, DType::F32, W);
-      for (Tensor& t : cp_dkv_) t = Tensor::empty({BT, KVW}, DType::F32, W);
-    }
-  }
-}
-
-namespace {
-constexpr int kTagKv = 1, kTagKvBackward = 2, kTagDkv = 3;  // ring transfers of one block's K/V and dK/dV
-}
-
-// Ring attention (forward): step s computes this rank's queries against the key / value block of
-// cp rank (rank - s) mod cp while that block travels on to the next rank; the partial results are
-// merged by log-sum-exp inside the kernel. Entirely masked chunk pairs are skipped (modes).
-void Transformer::cp_attention_forward(BlockActivations& a) {
-  const int64_t B = B_, T = T_, N = B * T, hd = cfg_.head_dim(), nh = nh_l_, nkv = nkv_l_;
-  const int64_t QKV = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd;
-  const int n = cp_->size(), r = cp_->rank();
-  int8_t modes[4];
-  if (cp_allgather_) {
-    float* all = cp_kv_[0].f32();
-    kt_->copy_columns(all + r * N * KVW, a.qkv.f32(), N, QKV, nh * hd, KVW);
-    cp_->all_gather(all + r * N * KVW, all, N * KVW);
-    for (int s = 0; s < n; ++s) {
-      const int src = (r - s + n) % n;
-      cp_block_modes(r, src, modes);
-      kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), all + src * N * KVW, B, T, nh, nkv, hd, 2,
-                                   modes, s == 0);
-    }
-    return;
-  }
-  float* cur = cp_kv_[0].f32();
-  float* nxt = cp_kv_[1].f32();
-  kt_->copy_columns(cur, a.qkv.f32(), N, QKV, nh * hd, KVW);
-  for (int s = 0; s < n; ++s) {
-    const int h = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKv) : -1;
-    const int src = (r - s + n) % n;
-    cp_block_modes(r, src, modes);
-    kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), cur, B, T, nh, nkv, hd, 2, modes, s == 0);
-    if (h >= 0) {
-      cp_->wait(h);
-      std::swap(cur, nxt);
-    }
-  }
-}
-
-// Ring attention (backward): the key / value blocks go around the ring again, each with the
-// gradient of its keys and values accumulated by the ranks it has visited. The owner's own
-// contribution (step 0) stays home; the accumulation starts at the next rank (step 1) and after
-// the last step travels one more hop, home: cp - 1 transfers of each block's gradient, as a
-// reduce-scatter would move. Each step's contribution is computed into a fresh buffer while the
-// block's accumulated gradient is still on its way, then added to it.
-void Transformer::cp_attention_backward(BlockActivations& a, const float* datty, float* dqkv) {
-  const int64_t B = B_, T = T_, N = B * T, hd = cfg_.head_dim(), nh = nh_l_, nkv = nkv_l_;
-  const int64_t QKV = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd;
-  const size_t block_bytes = static_cast<size_t>(N * KVW) * sizeof(float);
-  const int n = cp_->size(), r = cp_->rank();
-  int8_t modes[4];
-  if (cp_allgather_) {
-    float* all = cp_kv_[0].f32();  // shared by the layers: gathered again
-    float* dall = cp_dkv_[0].f32();
-    kt_->copy_columns(all + r * N * KVW, a.qkv.f32(), N, QKV, nh * hd, KVW);
-    cp_->all_gather(all + r * N * KVW, all, N * KVW);
-    dev::zero(dev_, dall, static_cast<size_t>(n) * block_bytes);
-    for (int s = 0; s < n; ++s) {
-      const int src = (r - s + n) % n;
-      cp_block_modes(r, src, modes);
-      kt_->attention_block_backward(dqkv, dall + src * N * KVW, datty, a.qkv.f32(), all + src * N * KVW, a.atty.f32(),
-                                    a.lse.f32(), B, T, nh, nkv, hd, 2, modes);
-    }
-    cp_->reduce_scatter_sum(dall, cp_dkv_[1].f32(), N * KVW);
-    kt_->add_columns(dqkv, cp_dkv_[1].f32(), N, QKV, nh * hd, KVW);
-    return;
-  }
-  float* cur = cp_kv_[0].f32();
-  float* nxt = cp_kv_[1].f32();
-  float* dacc = cp_dkv_[0].f32();  // gradient of the block held now, accumulated along the ring
-  float* dinc = cp_dkv_[1].f32();  // the next block's accumulated gradient, arriving
-  float* dloc = cp_dkv_[2].f32();  // this step's contribution
-  kt_->copy_columns(cur, a.qkv.f32(), N, QKV, nh * hd, KVW);
-  int hkv = -1, hd_in = -1;
-  for (int s = 0; s < n; ++s) {
-    if (hkv >= 0) {
-      cp_->wait(hkv);
-      std::swap(cur, nxt);
-    }
-    hkv = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKvBackward) : -1;
-    const int src = (r - s + n) % n;
-    cp_block_modes(r, src, modes);
-    float* into = s == 1 ? dacc : dloc;
-    dev::zero(dev_, into, block_bytes);
-    kt_->attention_block_backward(dqkv, into, datty, a.qkv.f32(), cur, a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd, 2,
-                                  modes);
-    if (s == 0) {  // this rank's own block: its own queries' part stays here
-      kt_->add_columns(dqkv, dloc, N, QKV, nh * hd, KVW);
-      continue;
-    }
-    if (s > 1) {
-      cp_->wait(hd_in);  // the block's gradient so far (and the previous send) are through
-      kt_->accumulate(dinc, dloc, N * KVW);
-      std::swap(dacc, dinc);
-    }
-    hd_in = cp_->start_ring_exchange(dacc, dinc, N * KVW, kTagDkv);
-  }
-  cp_->wait(hd_in);  // dinc: this rank's own block's gradient from every other rank
-  kt_->add_columns(dqkv, dinc, N, QKV, nh * hd, KVW);
+  attn_->allocate_cp(BT);
 }
 
 // The head of a forward with targets, `loss_chunk_` tokens at a time: logits of the chunk, its
@@ -646,106 +531,42 @@ Norm Transformer::norm(int w, int b, bool grads) {
               grads && b >= 0 ? param_grad(b) : nullptr, cfg_.arch == Arch::GPT2);
 }
 
-// Under sequence parallelism x, out, the norms and the residual hold this rank's R rows; the
-// parallel layers gather and reduce-scatter around the matmuls.
-void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
-  const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
-  const int64_t R = residual_rows(N);
+// The block's parameter indices (this rank's experts: from the expert buffers when apart).
+BlockParams Transformer::block_params_of(int layer) const {
   BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], experts_apart() ? 0 : moe_shape_.local_experts);
   if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
-  const bool gpt = cfg_.arch == Arch::GPT2;
-  const bool bf = compute_ == DType::BF16;
-  float* tmp = bwd_ws_[6].f32();  // fp32 staging for values stored as bf16
-  // Attention: res2 = x + proj(attn(qkv(ln1(x)))).
+  return p;
+}
+
+// x + attention(ln1(x)), then + mlp(ln2(.)) (or the MoE layer). Under sequence parallelism x,
+// out, the norms and the residual hold this rank's R rows; the parallel layers gather and
+// reduce-scatter around the matmuls.
+void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
+  const int64_t N = B_ * T_, C = cfg_.n_embd, R = residual_rows(N);
+  const BlockParams p = block_params_of(layer);
+  const TokenShape ts{B_, T_, cp_ ? cp_pos_.data() : nullptr};
   const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
-  ColumnParallelLinear(tpc_, C).forward(a.ln1, ln1, {{a.qkv.f32(), qkv_weight(p, QKV, false)}});
-  if (!gpt && cp_)
-    kt_->rope_forward_pos(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta,
-                          rope_inv_freq_.empty() ? nullptr : rope_inv_freq_.data(), cp_pos_.data());
-  else if (!gpt && rope_inv_freq_.empty())
-    kt_->rope_forward(a.qkv.f32(), B, T, nh, nkv, hd, cfg_.rope_theta);
-  else if (!gpt)
-    kt_->rope_forward_freq(a.qkv.f32(), B, T, nh, nkv, hd, rope_inv_freq_.data());
-  if (cp_)
-    cp_attention_forward(a);
-  else
-    kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), B, T, nh, nkv, hd);
-  if (bf) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
-  RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, false)).forward(a.res2.f32(), bf ? a.atty_bf : a.atty);
+  attn_->forward(*this, p, a, ln1, ts);
   kt_->accumulate(a.res2.f32(), x, R * C);
-  // MLP: out = res2 + down(act(ln2(res2))).
   const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
-  if (p.moe) {  // under SP on every row, gathered as the dense MLP's column-parallel layer does
+  if (p.moe)  // under SP on every row, gathered as the dense MLP's column-parallel layer does
     moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out, N, cur_dloss_, !recomputing_);
-    kt_->accumulate(out, a.res2.f32(), R * C);
-    return;
-  }
-  float* act_out = bf ? tmp : a.act.f32();
-  if (gpt) {
-    ColumnParallelLinear(tpc_, C).forward(a.ln2, ln2, {{a.fc.f32(), weight(p.fc_w, p.fc_b, F, false)}});
-    kt_->gelu_forward(act_out, a.fc.f32(), N * F);
-  } else {
-    ColumnParallelLinear(tpc_, C).forward(
-        a.ln2, ln2, {{a.fc.f32(), weight(p.fc_w, -1, F, false)}, {a.up.f32(), weight(p.up_w, -1, F, false)}});
-    kt_->swiglu_forward(act_out, a.fc.f32(), a.up.f32(), N * F);
-  }
-  if (bf) store_compute(kt_, a.act, act_out, N * F);
-  RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, false)).forward(out, a.act);
+  else
+    mlp_->forward(*this, p, a, ln2, out, N, stage_.f32());
   kt_->accumulate(out, a.res2.f32(), R * C);
 }
 
 // dx holds d(block output) on entry and d(block input) on exit (this rank's R rows under sequence
-// parallelism).
+// parallelism); it already carries the residual paths' gradient.
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, F = F_l_, hd = cfg_.head_dim();
-  const int64_t nh = nh_l_, nkv = nkv_l_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
-  const int64_t R = residual_rows(N);
-  BlockParams p = block_params(cfg_, layer, unit_params_[layer + 1][0], experts_apart() ? 0 : moe_shape_.local_experts);
-  if (experts_apart() && p.moe) p.expert0 = expert_base_[layer];
-  const bool gpt = cfg_.arch == Arch::GPT2;
-  const bool bf = compute_ == DType::BF16;
+  const int64_t N = B_ * T_, R = residual_rows(N);
+  const BlockParams p = block_params_of(layer);
+  const TokenShape ts{B_, T_, cp_ ? cp_pos_.data() : nullptr};
   if (tpc_.sp) tpc_.defer_norm_grads();  // the block's two norm-gradient sums in one all-reduce (below)
-  float* dnorm = bwd_ws_[0].f32();
-  float* dqkv = bwd_ws_[1].f32();
-  float* datty = bwd_ws_[2].f32();
-  float* dfc = bwd_ws_[3].f32();
-  float* dup = bwd_ws_[4].f32();
-  float* dact = bwd_ws_[5].f32();
-  // MLP. dx already carries the residual path's gradient.
-  if (p.moe) {
-    const float* dln2 = moe_->backward(*this, p, a, dx, dnorm, N);
-    norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
-  } else {
-    RowParallelLinear(tpc_, F, weight(p.down_w, p.down_b, C, true)).backward(dact, dx, a.act);
-    dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
-    const float* dln2 = nullptr;
-    if (gpt) {
-      kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
-      dln2 = ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
-    } else {
-      dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
-      kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
-      dln2 = ColumnParallelLinear(tpc_, C).backward(
-          a.ln2, {{dfc, weight(p.fc_w, -1, F, true)}, {dup, weight(p.up_w, -1, F, true)}}, dnorm);
-    }
-    norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
-  }
-  // Attention.
-  RowParallelLinear(tpc_, nh * hd, weight(p.proj_w, p.proj_b, C, true)).backward(datty, dx, bf ? a.atty_bf : a.atty);
-  dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
-  if (cp_)
-    cp_attention_backward(a, datty, dqkv);
-  else
-    kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd);
-  if (!gpt && cp_)
-    kt_->rope_backward_pos(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta,
-                           rope_inv_freq_.empty() ? nullptr : rope_inv_freq_.data(), cp_pos_.data());
-  else if (!gpt && rope_inv_freq_.empty())
-    kt_->rope_backward(dqkv, B, T, nh, nkv, hd, cfg_.rope_theta);
-  else if (!gpt)
-    kt_->rope_backward_freq(dqkv, B, T, nh, nkv, hd, rope_inv_freq_.data());
-  const float* dln1 = ColumnParallelLinear(tpc_, C).backward(a.ln1, {{dqkv, qkv_weight(p, QKV, true)}}, dnorm);
+  float* dnorm = dnorm_.f32();
+  const float* dln2 = p.moe ? moe_->backward(*this, p, a, dx, dnorm, N) : mlp_->backward(*this, p, a, dx, dnorm, N);
+  norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+  const float* dln1 = attn_->backward(*this, p, a, dx, dnorm, ts);
   norm(p.ln1_w, p.ln1_b, true).backward(dx, dln1, x, a.ln1_mean, a.ln1_rstd, R);
   if (tpc_.sp) tpc_.flush_norm_grads();  // before the unit's gradients are handed to data parallelism
 }
@@ -811,7 +632,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const float* xl = s.block_out[cfg_.n_layer].f32();
   // Sequence parallelism: the final norm on this rank's rows, gathered for the (vocab-parallel)
   // output projection, which needs every row; head_in keeps the gathered rows for its backward.
-  float* hin = tpc_.sp ? bwd_ws_[6].f32() : s.head_in.f32();
+  float* hin = tpc_.sp ? stage_.f32() : s.head_in.f32();
   norm(hb, gpt ? hb + 1 : -1, false).forward(hin, s.head_mean, s.head_rstd, xl, R);
   if (tpc_.sp) {
     tpc_.gather_into(hin, s.head_in.f32());
@@ -880,7 +701,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
     if (hooks_) hooks_->pre_backward(hu);
     // The head input's gradient (with a vocab-parallel head: this rank's partial sums): computed by
     // the forward when the head is chunked, else here.
-    float* dhin = s.chunked ? s.head_dx.f32() : bwd_ws_[0].f32();
+    float* dhin = s.chunked ? s.head_dx.f32() : dnorm_.f32();
     if (s.chunked) {
       // The weight gradient the forwards accumulated is added while the input gradient's sum over
       // the tp ranks runs (in vocabulary-row chunks, each handed to the hooks, when they take the
@@ -952,7 +773,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
     if (!a) {  // recompute this block's forward from its saved input
       a = &scratch_for(static_cast<int>(l));
       recomputing_ = true;
-      block_forward(static_cast<int>(l), s.block_out[l].f32(), *a, bwd_ws_[6].f32() /*discarded output*/);
+      block_forward(static_cast<int>(l), s.block_out[l].f32(), *a, stage_.f32() /*discarded output*/);
       recomputing_ = false;
     }
     block_backward(static_cast<int>(l), s.block_out[l].f32(), *a, dx);

@@ -16,6 +16,8 @@
 #include "model/context_parallel.h"
 #include "model/config/model_config.h"
 #include "model/layers/block.h"
+#include "model/layers/attention.h"
+#include "model/layers/mlp.h"
 #include "model/layers/moe.h"
 #include "parallel/layout/parallel_config.h"  // Recompute
 #include "model/parameters.h"
@@ -262,8 +264,7 @@ class Transformer : private LayerParams {
   Tensor& out_buf(int64_t l);
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
-  void cp_attention_forward(BlockActivations& a);
-  void cp_attention_backward(BlockActivations& a, const float* datty, float* dqkv);
+  BlockParams block_params_of(int layer) const;
   bool recomputes(int layer) const;
   // Parameter idx (an index into params_) as the layers read it: fp32 (in bf16 mode converted
   // from the bf16 weights), bf16, and its gradient.
@@ -276,7 +277,7 @@ class Transformer : private LayerParams {
   Norm norm(int w, int b, bool grads) override;
   const float* f32(int idx) override { return param_f32(idx); }
   float* grad(int idx) override { return param_grad(idx); }
-  Weight qkv_weight(const BlockParams& p, int64_t out, bool grads);
+  Weight qkv_weight(const BlockParams& p, int64_t out, bool grads) override;
   const float* head_wf();
   const bf16* head_wb() const;
   float* head_gp() const;
@@ -311,7 +312,6 @@ class Transformer : private LayerParams {
 
   std::vector<char> owned_;
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
-  std::vector<float> rope_inv_freq_;  // scaled rotary frequencies (Llama 3.1, host); empty = from rope_theta
   Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
   const float* qkv_bias_f32(int first);
   // The hooks take the token embedding's lookup rows over (with can_hand_sparse_grad), and the
@@ -338,16 +338,19 @@ class Transformer : private LayerParams {
   int64_t mlp_width(int64_t l) const { return cfg_.is_moe_layer(l) ? moe_shape_.shared_width : F_l_; }
   bool recomputing_ = false;  // a backward re-running a block's forward (no statistics counted)
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
-  std::unique_ptr<MoeLayer> moe_;  // the MoE blocks' layer (null without MoE)
-  int64_t ws_bt_ = 0;                                     // size of the shared workspace
-  // context parallelism: the communicator, mode, positions of the local tokens and the buffers the
-  // key / value blocks and their gradients travel in (workspace)
+  // The blocks' layers (each holds the workspace the blocks share): attention, the dense MLP and
+  // the MoE layer (null without MoE).
+  std::unique_ptr<Attention> attn_;
+  std::unique_ptr<Mlp> mlp_;
+  std::unique_ptr<MoeLayer> moe_;
+  int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for
+  // context parallelism: the communicator, mode and the original positions of the local tokens
   CpComm* cp_ = nullptr;
   bool cp_allgather_ = false;
   std::vector<int32_t> cp_pos_;
-  Tensor cp_kv_[2], cp_dkv_[3];
-  Tensor dres_;                                           // backward workspace
-  std::vector<Tensor> bwd_ws_;
+  // Workspace: the residual stream's gradient [R, C], a norm's input gradient [N, C] and fp32
+  // staging [N, max(C, F)] (values stored as bf16, gathered rows, a recompute's discarded output).
+  Tensor dres_, dnorm_, stage_;
 };
 
 }  // namespace mt

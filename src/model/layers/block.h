@@ -85,6 +85,9 @@ class LayerParams {
   // The same for a routed expert's parameter (indices into the expert parameters when they are
   // kept apart, expert parallelism).
   virtual Weight expert_weight(int w, int b, int64_t out, bool grads) = 0;
+  // The block's q|k|v projection: GPT-2's fused weight and bias, or Llama's q, k, v weights (one
+  // contiguous matrix) with Qwen 2's three biases joined into one.
+  virtual Weight qkv_weight(const BlockParams& p, int64_t out, bool grads) = 0;
   // The norm with weight w and bias b (and their gradients with `grads`).
   virtual Norm norm(int w, int b, bool grads) = 0;
   // fp32 values of a parameter (converted from the bf16 weights in bf16 mode) and its gradient.
