@@ -16,12 +16,8 @@ struct Transformer::Slot {
   bool have_backward = false;
   std::vector<std::unique_ptr<BlockActivations>> acts;  // per block (null: not owned or recomputed)
   std::vector<Tensor> block_out;                         // output of unit u (0..L), [B*T, C]
-  Tensor ids, targets, head_in, head_in_bf, head_mean, head_rstd, logits, losses;
-  Tensor head_dx;          // chunked head: the head input's gradient, computed by the forward
-  bool chunked = false;    // the last forward of this slot used the chunked head
-  // The training forward left the logits' gradient in bf16, a dense [N, Vp] matrix over the first
-  // half of the logits' storage: bf16 compute, whole head, tp = 1, no chunked head-weight gradient.
-  bool grad_bf16 = false;
+  Tensor ids;
+  HeadActivations head;
 };
 
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute)
@@ -35,7 +31,6 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   if (o.loss_chunk < 0) throw std::invalid_argument("loss chunk rows must be >= 0");
   tpc_.sp = o.sequence_parallel && tpc_.tp();
   tpc_.overlap = o.tp_overlap;
-  loss_chunk_ = o.loss_chunk;
   cp_ = o.cp && o.cp->size() > 1 ? o.cp : nullptr;
   cp_allgather_ = o.cp_allgather;
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
@@ -77,6 +72,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
     moe_ = std::make_unique<MoeLayer>(cfg_, compute_, dev_, kt_, tpc_, moe_shape_, ep_comm_, cp_);
   attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_);
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
+  head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)
     weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
@@ -398,7 +394,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   }
   B_ = B;
   T_ = T;
-  const int64_t BT = B * T, C = cfg_.n_embd, V = Vp_l_, F = F_l_;
+  const int64_t BT = B * T, C = cfg_.n_embd, F = F_l_;
   if (tpc_.sp && BT % tpc_.size != 0)
     throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
                                 " tokens) divisible by parallel.tp (" + std::to_string(tpc_.size) + ")");
@@ -423,18 +419,9 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l));
         if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
       }
-    } else if (!s.losses.defined()) {
+    } else if (!s.head.losses.defined()) {
       out_buf(L);
-      s.targets = Tensor::empty({BT}, DType::I32, A);
-      s.head_in = Tensor::empty({BT, C}, DType::F32, A);
-      if (compute_ == DType::BF16) s.head_in_bf = Tensor::empty({BT, C}, DType::BF16, A);
-      s.head_rstd = Tensor::empty({R}, DType::F32, A);
-      s.head_mean = Tensor::empty({R}, DType::F32, A);
-      if (loss_chunk_ > 0)  // the logits only exist a chunk at a time (and whole for sampling, on demand)
-        s.head_dx = Tensor::empty({BT, C}, DType::F32, A);
-      else
-        s.logits = Tensor::empty({BT, V}, DType::F32, A);
-      s.losses = Tensor::empty({BT}, DType::F32, A);
+      head_->allocate(s.head, BT, R);
     }
   }
   if (ws_bt_ == BT) return;
@@ -464,42 +451,6 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   tpc_.stage = stage_.f32();
   tpc_.allocate(BT, C);
   attn_->allocate_cp(BT);
-}
-
-// The head of a forward with targets, `loss_chunk_` tokens at a time: logits of the chunk, its
-// softmax cross-entropy (with train: turned into the logits' gradient in place), then right away
-// the chunk's rows of the head input's gradient (s.head_dx) and its contribution to the pending
-// head weight gradient (head_dw_). The per-token losses go to s.losses.
-void Transformer::chunked_head_forward(const float* hin, bool train, float dloss_scale) {
-  Slot& s = *s_;
-  const int64_t N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_;
-  const int64_t rows = std::min(loss_chunk_, N);
-  const bool bf = compute_ == DType::BF16;
-  if (chunk_logits_.numel() < rows * Vp) chunk_logits_ = Tensor::empty({rows, Vp}, DType::F32, MemCategory::Workspace);
-  if (train) {
-    if (!head_dw_.defined()) head_dw_ = Tensor::empty({Vp, C}, DType::F32, MemCategory::Workspace);
-    if (!head_dw_pending_) head_dw_.zero_();
-    head_dw_pending_ = true;
-    s.head_dx.zero_();
-  }
-  float* lg = chunk_logits_.f32();
-  const int32_t* tg = s.targets.i32();
-  for (int64_t r0 = 0; r0 < N; r0 += rows) {
-    const int64_t nr = std::min(rows, N - r0);
-    if (bf)
-      kt_->linear_forward_bf16(lg, s.head_in_bf.bf() + r0 * C, head_wb(), nullptr, nr, C, Vp);
-    else
-      kt_->linear_forward(lg, hin + r0 * C, head_wf(), nullptr, nr, C, Vp);
-    // vocab-parallel: this rank's columns, row statistics reduced over the tp ranks
-    VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp).forward(lg, tg + r0, s.losses.f32() + r0, nr, train, dloss_scale);
-    if (!train) continue;
-    // With tp these input-gradient rows are this rank's partial sums; the backward reduces them.
-    if (bf)
-      kt_->linear_backward_bf16(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, s.head_in_bf.bf() + r0 * C,
-                              head_wb(), nr, C, Vp);
-    else
-      kt_->linear_backward(s.head_dx.f32() + r0 * C, head_dw_.f32(), nullptr, lg, hin + r0 * C, head_wf(), nr, C, Vp);
-  }
 }
 
 Weight Transformer::weight(int w, int b, int64_t out, bool grads) {
@@ -585,7 +536,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   ensure_buffers(B, T, first, last);
   cur_dloss_ = dloss_scale;
   Slot& s = *s_;
-  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, Vp = Vp_l_, R = residual_rows(N);
+  const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   s.have_backward = false;
@@ -626,65 +577,44 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     s.have_backward = train;
     return 0.0;
   }
-  // head
+  // head: the final norm on this rank's rows (under sequence parallelism gathered for the
+  // vocab-parallel projection, which needs every row), then the projection and the loss
   if (hooks_) hooks_->pre_forward(hu);
   const int hb = unit_params_[hu][0];
-  const float* xl = s.block_out[cfg_.n_layer].f32();
-  // Sequence parallelism: the final norm on this rank's rows, gathered for the (vocab-parallel)
-  // output projection, which needs every row; head_in keeps the gathered rows for its backward.
-  float* hin = tpc_.sp ? stage_.f32() : s.head_in.f32();
-  norm(hb, gpt ? hb + 1 : -1, false).forward(hin, s.head_mean, s.head_rstd, xl, R);
-  if (tpc_.sp) {
-    tpc_.gather_into(hin, s.head_in.f32());
-    hin = s.head_in.f32();
-  }
-  if (bf) kt_->cast_f32_to_bf16(s.head_in_bf.bf(), hin, N * C);
-  s.chunked = loss_chunk_ > 0 && targets;
-  if (!s.chunked) {
-    if (!s.logits.defined())  // chunked-head model asked for whole logits (sampling)
-      s.logits = Tensor::empty({N, Vp}, DType::F32, MemCategory::Activations);
-    if (bf)
-      kt_->linear_forward_bf16(s.logits.f32(), s.head_in_bf.bf(), head_wb(), nullptr, N, C, Vp);
-    else
-      kt_->linear_forward(s.logits.f32(), hin, head_wf(), nullptr, N, C, Vp);
-  }
-  double loss = 0.0;
-  if (targets) {
-    for (int64_t i = 0; i < N; ++i)
-      if (targets[i] >= V)
-        throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
-    dev::copy_from_host(dev_, s.targets.raw(), targets, static_cast<size_t>(N) * sizeof(int32_t));
-    // In bf16 the head's backward multiplies the logits' gradient in bf16: with the whole vocabulary
-    // here (tp = 1) the loss rounds it as it writes it, saving the fp32 gradient and a cast pass.
-    s.grad_bf16 = train && bf && !s.chunked && !tpc_.tp() && head_grad_rows() == 0;
-    if (s.chunked)
-      chunked_head_forward(hin, train, dloss_scale);
-    else if (s.grad_bf16)
-      kt_->softmax_cross_entropy_bf16(s.logits.f32(), s.losses.f32(), s.targets.i32(), N, V, Vp, dloss_scale);
-    else
-      VocabParallelCrossEntropy(tpc_, V, vocab_lo_, Vp)
-          .forward(s.logits.f32(), s.targets.i32(), s.losses.f32(), N, train, dloss_scale);
-    loss = kt_->sum(s.losses.f32(), N) / static_cast<double>(N);
-  }
+  HeadActivations& h = s.head;
+  float* hin = tpc_.sp ? stage_.f32() : h.in.f32();
+  norm(hb, gpt ? hb + 1 : -1, false).forward(hin, h.mean, h.rstd, s.block_out[cfg_.n_layer].f32(), R);
+  if (tpc_.sp) tpc_.gather_into(hin, h.in.f32());
+  if (bf) kt_->cast_f32_to_bf16(h.in_bf.bf(), h.in.f32(), N * C);
+  const double loss = head_->forward(head_weight(false), h, targets, N, train, dloss_scale, head_grad_ready());
   if (hooks_) hooks_->post_forward(hu);
   s.have_backward = train && targets;
   return loss;
 }
 
-// The head's output weight: the token embedding (tied; the replica when a pipeline cut them
-// apart) or lm_head.
-const float* Transformer::head_wf() {
-  if (tied_w_.defined()) return tied_w_.f32();
-  return param_f32(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
+HeadWeight Transformer::head_weight(bool grads) {
+  HeadWeight w;
+  if (tied_w_.defined()) {  // the replica of a tied embedding cut off by a pipeline
+    if (compute_ == DType::F32)
+      w.wf = tied_w_.f32();
+    else
+      w.wb = tied_w_.bf();
+    if (grads) w.grad = tied_g_.f32();
+    return w;
+  }
+  const int idx = cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1];
+  if (compute_ == DType::F32)
+    w.wf = param_f32(idx);
+  else
+    w.wb = param_bf16(idx);
+  if (grads) w.grad = param_grad(idx);
+  return w;
 }
-const bf16* Transformer::head_wb() const {
-  if (tied_w_.defined()) return tied_w_.bf();
-  return param_bf16(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
-}
-const bf16* Transformer::head_grad_bf16() const { return reinterpret_cast<const bf16*>(s_->logits.f32()); }
-float* Transformer::head_gp() const {
-  if (tied_g_.defined()) return tied_g_.f32();
-  return param_grad(cfg_.tied_embeddings ? unit_params_[0][0] : unit_params_.back()[1]);
+
+HeadGradReady Transformer::head_grad_ready() {
+  if (!sparse_embedding_grad()) return {};
+  const int64_t r = hooks_->grad_ready_rows(unit_params_[0][0]);
+  return {hooks_, unit_params_[0][0], r > 0 ? std::min(r, Vp_l_) : 0};
 }
 
 void Transformer::backward_units(int first, int last, const float* dout, const float* tied_grad) {
@@ -694,73 +624,13 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
-  const bool bf = compute_ == DType::BF16;
   float* dx = dres_.f32();  // R rows
   if (last == hu) {
     const int hb = unit_params_[hu][0];
     if (hooks_) hooks_->pre_backward(hu);
-    // The head input's gradient (with a vocab-parallel head: this rank's partial sums): computed by
-    // the forward when the head is chunked, else here.
-    float* dhin = s.chunked ? s.head_dx.f32() : dnorm_.f32();
-    if (s.chunked) {
-      // The weight gradient the forwards accumulated is added while the input gradient's sum over
-      // the tp ranks runs (in vocabulary-row chunks, each handed to the hooks, when they take the
-      // embedding lookup's gradient over).
-      const int h = tpc_.start_input_grad_sum(dhin);
-      const int64_t hr = head_grad_rows(), rows = hr > 0 ? hr : Vp;
-      for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
-        const int64_t cv = std::min(rows, Vp - r0);
-        if (head_dw_pending_) kt_->accumulate(head_gp() + r0 * C, head_dw_.f32() + r0 * C, cv * C);
-        if (hr > 0) hooks_->grad_ready(unit_params_[0][0], r0, r0 + cv);
-      }
-      head_dw_pending_ = false;
-      dhin = tpc_.input_grad_sum(dhin, h);
-    } else if (const int64_t rows = head_grad_rows(); rows > 0) {  // tp = 1
-      // In vocabulary-row chunks, each chunk's weight-gradient rows handed to the hooks when complete.
-      const int emb = unit_params_[0][0];
-      dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
-      if (rows < Vp && head_chunk_buf_.numel() != N * rows)
-        head_chunk_buf_ = Tensor::empty({N, rows}, DType::F32, MemCategory::Workspace);
-      for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
-        const int64_t cv = std::min(rows, Vp - r0);
-        const float* dl = s.logits.f32();
-        if (s.grad_bf16 && cv == Vp) {
-          kt_->linear_backward_bf16_dy(dhin, head_gp(), head_grad_bf16(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
-          hooks_->grad_ready(emb, r0, r0 + cv);
-          continue;
-        }
-        if (s.grad_bf16) {
-          // The forward chose the bf16 gradient before the deferral was switched on (a schedule that
-          // interleaves micro-batches): the chunk's columns, widened exactly (cast back unchanged).
-          const bf16* g = head_grad_bf16();
-          for (int64_t n = 0; n < N; ++n) kt_->cast_bf16_to_f32(head_chunk_buf_.f32() + n * cv, g + n * Vp + r0, cv);
-          dl = head_chunk_buf_.f32();
-        } else if (cv < Vp) {  // the chunk's columns of the logits' gradient, contiguous
-          kt_->copy_columns(head_chunk_buf_.f32(), dl, N, Vp, r0, cv);
-          dl = head_chunk_buf_.f32();
-        }
-        if (bf)
-          kt_->linear_backward_bf16(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in_bf.bf(), head_wb() + r0 * C, N, C, cv);
-        else
-          kt_->linear_backward(dhin, head_gp() + r0 * C, nullptr, dl, s.head_in.f32(), head_wf() + r0 * C, N, C, cv);
-        hooks_->grad_ready(emb, r0, r0 + cv);
-      }
-    } else if (s.grad_bf16) {
-      dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
-      kt_->linear_backward_bf16_dy(dhin, head_gp(), head_grad_bf16(), s.head_in_bf.bf(), head_wb(), N, C, Vp);
-    } else {
-      // The head is column-parallel over the vocabulary; its input was kept with every row.
-      Weight w;
-      if (bf)
-        w.wb = head_wb();
-      else
-        w.wf = head_wf();
-      w.dw = head_gp();
-      w.out = Vp;
-      dhin = ColumnParallelLinear(tpc_, C).backward(bf ? s.head_in_bf : s.head_in, {{s.logits.f32(), w}}, dhin, false);
-    }
+    const float* dhin = head_->backward(head_weight(true), s.head, N, dnorm_.f32(), head_grad_ready());
     dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
-    norm(hb, gpt ? hb + 1 : -1, true).backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head_mean, s.head_rstd, R);
+    norm(hb, gpt ? hb + 1 : -1, true).backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head.mean, s.head.rstd, R);
     if (hooks_) hooks_->post_backward(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
@@ -815,11 +685,6 @@ bool Transformer::sparse_embedding_grad() {
   return hooks_ && can_hand_sparse_grad() && hooks_->takes_sparse_grad(unit_params_[0][0]);
 }
 
-int64_t Transformer::head_grad_rows() {
-  if (!sparse_embedding_grad()) return 0;
-  const int64_t r = hooks_->grad_ready_rows(unit_params_[0][0]);
-  return r > 0 ? std::min(r, Vp_l_) : 0;
-}
 
 const float* Transformer::unit_output(int u) const {
   if (u < 0 || u > cfg_.n_layer || !s_->block_out[u].defined())
@@ -950,7 +815,7 @@ void Transformer::assemble_unit_full(const Transformer& full_layout, int u, cons
   }
 }
 
-const float* Transformer::logits() const { return s_->logits.f32(); }
+const float* Transformer::logits() const { return s_->head.logits.f32(); }
 
 int64_t Transformer::activation_bytes_saved() const {
   if (!scratch_acts_) return 0;
@@ -966,9 +831,8 @@ int64_t Transformer::activation_bytes() const {
       if (a) b += a->bytes();
     for (const auto& t : sp->block_out)
       if (t.defined()) b += static_cast<int64_t>(t.nbytes());
-    for (const Tensor* t : {&sp->ids, &sp->targets, &sp->head_in, &sp->head_in_bf, &sp->head_mean, &sp->head_rstd,
-                            &sp->logits, &sp->losses, &sp->head_dx})
-      if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+    if (sp->ids.defined()) b += static_cast<int64_t>(sp->ids.nbytes());
+    b += sp->head.bytes();
   }
   if (scratch_acts_) b += scratch_acts_->bytes();
   if (scratch_moe_acts_) b += scratch_moe_acts_->bytes();

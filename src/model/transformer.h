@@ -17,11 +17,13 @@
 #include "model/config/model_config.h"
 #include "model/layers/block.h"
 #include "model/layers/attention.h"
+#include "model/layers/head.h"
 #include "model/layers/mlp.h"
 #include "model/layers/moe.h"
 #include "parallel/layout/parallel_config.h"  // Recompute
 #include "model/parameters.h"
 #include "model/tp_layers.h"
+#include "model/unit_hooks.h"
 #include "runtime/tensor.h"
 
 namespace mt {
@@ -29,31 +31,6 @@ namespace mt {
 namespace kernels {
 struct KernelTable;
 }
-
-// How parallel strategies attach to the model: called around every unit, and as parts of a
-// unit's gradient become ready. Default implementations do nothing (and take nothing over).
-class UnitHooks {
- public:
-  virtual ~UnitHooks() = default;
-  virtual void pre_forward(int unit) {}
-  virtual void post_forward(int unit) {}
-  virtual void pre_backward(int unit) {}
-  virtual void post_backward(int unit) {}
-  // Parameter `param` (an index into params()) whose gradient is a lookup's - token rows added at
-  // token ids (the token embedding): returning true takes those rows over. The backward then does
-  // not add them into the gradient but hands them to sparse_grad (n token ids, [n, width] rows,
-  // valid until the next backward) right before its unit's post_backward; the hook adds them.
-  // Asked at every forward and backward of the unit (the model offers it only where the
-  // parameter's dense gradient from elsewhere is complete before that: can_hand_sparse_grad).
-  virtual bool takes_sparse_grad(int param) { return false; }
-  virtual void sparse_grad(int param, const int32_t* ids, const float* rows, int64_t n) {}
-  // Rows of parameter `param`'s gradient per grad_ready call (0: none). A unit that computes a
-  // parameter's gradient by rows (the head's tied weight gradient, while the lookup's part is
-  // taken over) calls grad_ready(param, first_row, end_row) as each run of rows is final, so the
-  // hook can reduce them while the rest of backward runs.
-  virtual int64_t grad_ready_rows(int param) { return 0; }
-  virtual void grad_ready(int param, int64_t first_row, int64_t end_row) {}
-};
 
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
 // at their own buffers instead (set_unit_weights / set_unit_grads). A layout-only model (parameter
@@ -229,7 +206,7 @@ class Transformer : private LayerParams {
   int tp_size() const { return tpc_.size; }
   int tp_rank() const { return tpc_.rank; }
   int cp_size() const { return cp_ ? cp_->size() : 1; }
-  int64_t loss_chunk() const { return loss_chunk_; }
+  int64_t loss_chunk() const { return head_->loss_chunk(); }
   bool sequence_parallel() const { return tpc_.sp; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
   int64_t residual_rows(int64_t N) const { return tpc_.rows(N); }
@@ -278,10 +255,9 @@ class Transformer : private LayerParams {
   const float* f32(int idx) override { return param_f32(idx); }
   float* grad(int idx) override { return param_grad(idx); }
   Weight qkv_weight(const BlockParams& p, int64_t out, bool grads) override;
-  const float* head_wf();
-  const bf16* head_wb() const;
-  float* head_gp() const;
-  const bf16* head_grad_bf16() const;  // the loss's bf16 gradient over the logits (Slot::grad_bf16)
+  // The head's output weight (the token embedding when tied; the replica when a pipeline cut them
+  // apart) in the compute dtype, with `grads` its gradient too.
+  HeadWeight head_weight(bool grads);
 
   ModelConfig cfg_;
   DType compute_;
@@ -317,15 +293,8 @@ class Transformer : private LayerParams {
   // The hooks take the token embedding's lookup rows over (with can_hand_sparse_grad), and the
   // head's weight-gradient rows per grad_ready call (0: the whole gradient at once).
   bool sparse_embedding_grad();
-  int64_t head_grad_rows();
   Tensor sparse_ids_, sparse_rows_;  // [N] int32, [N, C]: the lookup's gradient handed to the hooks
-  Tensor head_chunk_buf_;  // [N, rows] slice of the logits' gradient
-  // Chunked head (ModelOptions::loss_chunk): the logits of one chunk, and the weight gradient forwards have
-  // accumulated that no backward has added to the head's gradient yet.
-  int64_t loss_chunk_ = 0;
-  Tensor chunk_logits_, head_dw_;
-  bool head_dw_pending_ = false;
-  void chunked_head_forward(const float* hin, bool train, float dloss_scale);
+  HeadGradReady head_grad_ready();
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;
@@ -343,6 +312,7 @@ class Transformer : private LayerParams {
   std::unique_ptr<Attention> attn_;
   std::unique_ptr<Mlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
+  std::unique_ptr<LmHead> head_;  // the LM head's projection and loss
   int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for
   // context parallelism: the communicator, mode and the original positions of the local tokens
   CpComm* cp_ = nullptr;
