@@ -72,6 +72,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
     moe_ = std::make_unique<MoeLayer>(cfg_, compute_, dev_, kt_, tpc_, moe_shape_, ep_comm_, cp_);
   attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_);
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
+  embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
   head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)
@@ -495,7 +496,7 @@ BlockParams Transformer::block_params_of(int layer) const {
 void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
   const int64_t N = B_ * T_, C = cfg_.n_embd, R = residual_rows(N);
   const BlockParams p = block_params_of(layer);
-  const TokenShape ts{B_, T_, cp_ ? cp_pos_.data() : nullptr};
+  const TokenShape ts = tokens();
   const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
   attn_->forward(*this, p, a, ln1, ts);
   kt_->accumulate(a.res2.f32(), x, R * C);
@@ -512,7 +513,7 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
 void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
   const int64_t N = B_ * T_, R = residual_rows(N);
   const BlockParams p = block_params_of(layer);
-  const TokenShape ts{B_, T_, cp_ ? cp_pos_.data() : nullptr};
+  const TokenShape ts = tokens();
   if (tpc_.sp) tpc_.defer_norm_grads();  // the block's two norm-gradient sums in one all-reduce (below)
   float* dnorm = dnorm_.f32();
   const float* dln2 = p.moe ? moe_->backward(*this, p, a, dx, dnorm, N) : mlp_->backward(*this, p, a, dx, dnorm, N);
@@ -549,17 +550,10 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
     const int32_t* ids_saved = s.ids.i32();
     if (hooks_) hooks_->pre_forward(0);
-    float* x = s.block_out[0].f32();
     const int emb = unit_params_[0][0];
-    VocabParallelEmbedding(tpc_, C, vocab_lo_, Vp_l_)
-        .forward(x, ids_saved, bf ? static_cast<const void*>(param_bf16(emb)) : param_f32(emb));
-    if (gpt && cp_) {  // original positions of this cp rank's tokens (and SP: rows r*R ..)
-      kt_->position_add_pos(x, param_f32(emb + 1), cp_pos_.data(), R, T, tpc_.sp ? tpc_.rank * R : 0, C);
-    } else if (gpt && tpc_.sp) {  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
-      kt_->position_add_rows(x, param_f32(emb + 1), R, T, tpc_.rank * R, C);
-    } else if (gpt) {
-      kt_->position_add_forward(x, param_f32(emb + 1), B, T, C);
-    }
+    embedding_->forward(s.block_out[0].f32(), ids_saved,
+                        bf ? static_cast<const void*>(param_bf16(emb)) : param_f32(emb),
+                        gpt ? param_f32(emb + 1) : nullptr, tokens());
     if (hooks_) hooks_->post_forward(0);
   } else {
     if (!input) throw std::invalid_argument("forward_units: a stage that starts after the embedding needs its input");
@@ -622,7 +616,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   if (!s.have_backward) throw std::logic_error("backward without a training forward (with targets at the head)");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
-  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, Vp = Vp_l_, R = residual_rows(N);
+  const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   float* dx = dres_.f32();  // R rows
   if (last == hu) {
@@ -652,26 +646,10 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   if (first == 0) {
     const int emb = unit_params_[0][0];
     if (hooks_) hooks_->pre_backward(0);
-    // Every token's gradient (any may index this rank's vocabulary rows).
-    VocabParallelEmbedding embedding(tpc_, C, vocab_lo_, Vp_l_);
-    const float* dall = embedding.grad_rows(dx);
-    const bool sparse = sparse_embedding_grad();
-    if (sparse) {  // tp = 1: the rows are the hooks' (handed over below)
-      if (!sparse_rows_.defined() || sparse_rows_.numel() != N * C) {
-        sparse_rows_ = Tensor::empty({N, C}, DType::F32, MemCategory::Workspace);
-        sparse_ids_ = Tensor::empty({N}, DType::I32, MemCategory::Workspace);
-      }
-      dev::copy(dev_, sparse_rows_.f32(), dall, static_cast<size_t>(N * C) * sizeof(float));
-      dev::copy(dev_, sparse_ids_.raw(), s.ids.raw(), static_cast<size_t>(N) * sizeof(int32_t));
-    } else {
-      embedding.backward(param_grad(emb), dall, s.ids.i32());
-    }
-    if (tied_grad) kt_->accumulate(param_grad(emb), tied_grad, Vp * C);  // a pipeline's head contribution
-    if (gpt && cp_)
-      kt_->position_backward_pos(param_grad(emb + 1), dall, cp_pos_.data(), B, T, C);
-    else if (gpt)
-      kt_->position_add_backward(param_grad(emb + 1), dall, B, T, C);
-    if (sparse) hooks_->sparse_grad(emb, sparse_ids_.i32(), sparse_rows_.f32(), N);
+    const bool sparse = sparse_embedding_grad();  // tp = 1: the lookup's rows are the hooks'
+    embedding_->backward(dx, s.ids.i32(), param_grad(emb), gpt ? param_grad(emb + 1) : nullptr, tied_grad, sparse,
+                         tokens());
+    if (sparse) hooks_->sparse_grad(emb, embedding_->sparse_ids(), embedding_->sparse_rows(), N);
     if (hooks_) hooks_->post_backward(0);
   }
   s.have_backward = false;

@@ -17,6 +17,7 @@
 #include "model/config/model_config.h"
 #include "model/layers/block.h"
 #include "model/layers/attention.h"
+#include "model/layers/embedding.h"
 #include "model/layers/head.h"
 #include "model/layers/mlp.h"
 #include "model/layers/moe.h"
@@ -242,6 +243,8 @@ class Transformer : private LayerParams {
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
   BlockParams block_params_of(int layer) const;
+  // The current micro-batch's shape (and its tokens' positions under context parallelism).
+  TokenShape tokens() const { return {B_, T_, cp_ ? cp_pos_.data() : nullptr}; }
   bool recomputes(int layer) const;
   // Parameter idx (an index into params_) as the layers read it: fp32 (in bf16 mode converted
   // from the bf16 weights), bf16, and its gradient.
@@ -293,7 +296,6 @@ class Transformer : private LayerParams {
   // The hooks take the token embedding's lookup rows over (with can_hand_sparse_grad), and the
   // head's weight-gradient rows per grad_ready call (0: the whole gradient at once).
   bool sparse_embedding_grad();
-  Tensor sparse_ids_, sparse_rows_;  // [N] int32, [N, C]: the lookup's gradient handed to the hooks
   HeadGradReady head_grad_ready();
 
   // activations: per slot; B_, T_ mirror the current slot's shape
@@ -309,6 +311,7 @@ class Transformer : private LayerParams {
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
   // The blocks' layers (each holds the workspace the blocks share): attention, the dense MLP and
   // the MoE layer (null without MoE).
+  std::unique_ptr<Embedding> embedding_;
   std::unique_ptr<Attention> attn_;
   std::unique_ptr<Mlp> mlp_;
   std::unique_ptr<MoeLayer> moe_;
