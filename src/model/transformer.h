@@ -238,6 +238,8 @@ class Transformer : private LayerParams {
   struct UnitParams;
   struct Slot;
   void build_params();
+  void add_param(const std::string& name, std::vector<int64_t> shape, bool decay, bool hf_transposed, TpSplit split,
+                 int unit, bool apart, int64_t* pos);
   void ensure_buffers(int64_t B, int64_t T, int first, int last);
   Tensor& out_buf(int64_t l);
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
