@@ -24,7 +24,7 @@ ExportResult export_checkpoint(const std::string& checkpoint, const ModelConfig&
   const std::string dir = resolve_checkpoint(checkpoint);
   // A layout without storage: only names and shapes. The reader checks the checkpoint against it
   // (a sharded checkpoint also every file's CRC32C) and assembles each tensor from its pieces.
-  const Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  const Transformer ref(mc, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
   const CheckpointReader in(dir, ref, false);
   // The model's tensors in its own order, cut into shards of at most max_shard_bytes (one tensor
   // larger than that gets a shard of its own).

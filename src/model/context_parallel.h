@@ -6,6 +6,7 @@
 // the same attention work). Everything outside attention is per token and runs on the local tokens
 // unchanged; positions (GPT-2's learned table, Llama's rotary angles) are the original indices.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

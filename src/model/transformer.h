@@ -7,8 +7,6 @@
 // which is how sharded data parallel substitutes gathered parameters.
 #pragma once
 #include <cstdint>
-#include <deque>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -17,9 +15,16 @@
 #include "model/expert_comm.h"
 #include "model/context_parallel.h"
 #include "model/config/model_config.h"
+#include "model/layers/block.h"
+#include "model/layers/attention.h"
+#include "model/layers/embedding.h"
+#include "model/layers/head.h"
+#include "model/layers/mlp.h"
+#include "model/layers/moe.h"
 #include "parallel/layout/parallel_config.h"  // Recompute
 #include "model/parameters.h"
 #include "model/tp_layers.h"
+#include "model/unit_hooks.h"
 #include "runtime/tensor.h"
 
 namespace mt {
@@ -28,44 +33,67 @@ namespace kernels {
 struct KernelTable;
 }
 
-// Called around every unit. Default implementations do nothing.
-class UnitHooks {
- public:
-  virtual ~UnitHooks() = default;
-  virtual void pre_forward(int unit) {}
-  virtual void post_forward(int unit) {}
-  virtual void pre_backward(int unit) {}
-  virtual void post_backward(int unit) {}
-};
-
-struct BlockActivations;  // defined in transformer.cpp
-struct BlockParams;       // defined in transformer.cpp
-
 // Which flat buffers the model allocates itself. Sharded strategies allocate less and point units
-// at their own buffers instead (set_unit_weights / set_unit_grads).
+// at their own buffers instead (set_unit_weights / set_unit_grads). A layout-only model (parameter
+// names, shapes and offsets, no buffers) is {.weights = false, .master = false, .grads = false}.
 struct ModelStorage {
   bool weights = true;   // full weights in the compute dtype (fp32, or the bf16 compute copy)
   bool master = true;    // bf16 mode only: full fp32 master weights (weights())
   bool grads = true;     // full fp32 gradients
   int64_t unit_align = 1;  // each unit's range is padded to a multiple of this (for even shards)
-  // Expert parallelism (MoE): this rank holds routed experts [ep_rank * E / ep, (ep_rank + 1) * E / ep)
-  // of every MoE layer (with tp, its tp slice of each) and exchanges tokens with the other ep ranks
-  // (those of its tp rank) through `ep_comm`.
-  int ep = 1, ep_rank = 0;
 };
 
-class Transformer {
+// Everything a model is built with besides its architecture: it is complete after construction.
+struct ModelOptions {
+  // F32, or BF16 (bf16 weights and matmul inputs, fp32 accumulation, fp32 master weights).
+  DType compute = DType::F32;
+  Recompute recompute = Recompute::None;
+  ModelStorage storage{};
+  // Tensor parallelism (null: tp = 1): the model holds this rank's Megatron shard of every split
+  // parameter: heads, MLP hidden and vocabulary divided by t (cfg.padded_vocab a multiple of t).
+  TpComm* tp = nullptr;
+  // Sequence parallelism (Megatron, with tp > 1): between the tensor-parallel regions (norms,
+  // residual adds, the pipeline's stage boundaries) each tp rank holds only its 1/t of the B*T
+  // rows; all-gathers before the column-parallel matmuls and reduce-scatters after the row-parallel
+  // ones replace the all-reduces. Needs B*T divisible by t.
+  bool sequence_parallel = false;
+  // The column-parallel layers' (and the head's) input-gradient reductions run while the weight
+  // gradients are computed (off: each one completes first).
+  bool tp_overlap = true;
+  // Chunked LM head and loss (0 = off): a forward with targets computes the logits, the loss and -
+  // when training - the head's input and weight gradients `loss_chunk` tokens at a time, so the
+  // [tokens, vocab] logits are never held: the head keeps its input gradient per micro-batch
+  // ([tokens, width]) and one pending weight gradient ([vocab, width], shared, added to the real
+  // gradient by the head's next backward). Forwards without targets (sampling) still produce the
+  // whole logits. With tensor parallelism each chunk's row statistics are reduced over the tp ranks
+  // (two small all-reduces per chunk) and the input gradient is reduced by the backward.
+  int64_t loss_chunk = 0;
+  // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
+  // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
+  // rank); positions follow the original indices and attention runs over every cp rank's keys and
+  // values - passed around the ring, or all-gathered (cp_allgather).
+  CpComm* cp = nullptr;
+  bool cp_allgather = false;
+  // Expert parallelism (MoE, ep > 1): this rank holds routed experts [ep_rank * E / ep,
+  // (ep_rank + 1) * E / ep) of every MoE layer (with tp, its tp slice of each) and exchanges tokens
+  // with the other ep ranks (those of its tp rank) through `ep_comm`.
+  int ep = 1, ep_rank = 0;
+  ExpertComm* ep_comm = nullptr;
+  // Pipeline parallelism: one flag per unit (empty = all). Units the model does not own hold no
+  // parameters (numel 0) and are never run. A part that owns the head of a tied-embedding model
+  // but not the embedding keeps a replica of the token embedding outside the flat buffers (see
+  // tied_replica()).
+  std::vector<char> owned_units{};
+};
+
+class Transformer : private LayerParams {
  public:
-  // compute: F32, or BF16 (bf16 weights and matmul inputs, fp32 accumulation, fp32 master weights).
-  // With `tp` (size t > 1) the model holds this rank's Megatron shard of every split parameter:
-  // heads, MLP hidden and vocabulary divided by t (cfg.padded_vocab must be a multiple of t).
-  // With `owned_units` (one flag per unit; empty = all) the model is one pipeline rank's part:
-  // units it does not own hold no parameters (numel 0) and are never run. A part that owns the
-  // head of a tied-embedding model but not the embedding keeps a replica of the token embedding
-  // outside the flat buffers (see tied_replica()).
-  Transformer(const ModelConfig& cfg, DType compute, Recompute recompute = Recompute::None,
-              ModelStorage storage = {}, TpComm* tp = nullptr, std::vector<char> owned_units = {});
+  Transformer(const ModelConfig& cfg, ModelOptions options);
+  // A whole model in one process (no parallelism).
+  explicit Transformer(const ModelConfig& cfg, DType compute = DType::F32, Recompute recompute = Recompute::None);
   ~Transformer();
+  Transformer(const Transformer&) = delete;  // its layers refer to its configuration and tp context
+  Transformer& operator=(const Transformer&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   DType compute_dtype() const { return compute_; }
@@ -106,20 +134,19 @@ class Transformer {
   void set_unit_grads(int u, float* g);
   void set_hooks(UnitHooks* h) { hooks_ = h; }
 
-  // ---- expert parallelism (ModelStorage::ep > 1) ----
+  // ---- expert parallelism (ModelOptions::ep > 1) ----
   // The local routed experts then live outside the flat buffers, in expert buffers of their own
   // (their gradients are reduced over other ranks than the rest: parallel/expert_parallel.h):
   // expert_params() are their ranges there (names as in the unsplit model, e.g.
   // model.layers.0.block_sparse_moe.experts.5.w1.weight), unit = the block they belong to.
-  bool experts_apart() const { return storage_.ep > 1; }
-  int ep_size() const { return storage_.ep; }
-  int ep_rank() const { return storage_.ep_rank; }
+  bool experts_apart() const { return ep_ > 1; }
+  int ep_size() const { return ep_; }
+  int ep_rank() const { return ep_rank_; }
   const std::vector<ParamInfo>& expert_params() const { return expert_params_; }
   int64_t expert_size() const { return expert_size_; }
   Tensor& expert_weights() { return ew_; }         // fp32 (master in bf16 mode)
   Tensor& expert_grads() { return eg_; }           // fp32
   Tensor& expert_compute_weights() { return compute_ == DType::F32 ? ew_ : ewb_; }
-  void set_expert_comm(ExpertComm* c) { ep_comm_ = c; }
 
   // One micro-batch of B sequences of T tokens (T <= seq_len). With targets, returns the mean
   // cross-entropy over the B*T positions; with train=true it also keeps what backward needs and
@@ -148,8 +175,10 @@ class Transformer {
   const float* unit_output(int u) const;
   // Backward of the current slot's units last..first. `dout` is the gradient of unit last's
   // output (null when last is the head). Afterwards input_grad() holds the gradient of unit first's
-  // input (when first > 0) until the next backward.
-  void backward_units(int first, int last, const float* dout);
+  // input (when first > 0) until the next backward. `tied_grad` (a tied model cut by a pipeline,
+  // the embedding's part): the head's contribution to the token embedding's gradient ([Vp/t, C]
+  // fp32), added by this backward's embedding unit.
+  void backward_units(int first, int last, const float* dout, const float* tied_grad = nullptr);
   const float* input_grad() const;
   // Tied embeddings cut by a pipeline: the head's copy of the token embedding (this tp rank's rows,
   // compute dtype, [Vp/t, C]) and the fp32 gradient the head accumulates into it over a step.
@@ -159,37 +188,14 @@ class Transformer {
   // Fills the replica from a full fp32 buffer laid out like `full_layout` (unsplit model); unit 0's
   // range alone is enough (the token embedding is the first parameter of unit 0, at offset 0).
   void load_tied_replica(const Transformer& full_layout, const float* full);
-  // The embedding's own part of a tied model cut by a pipeline: `g` ([Vp/t, C] fp32) is added to the
-  // token embedding's gradient by the next embedding backward (the head's contribution), then
-  // forgotten.
-  void set_extra_embedding_grad(const float* g) { extra_emb_grad_ = g; }
-  // Data parallelism with a tied embedding in one model (tp = 1): while on, the embedding lookup's
-  // gradient is not added to the token embedding's gradient; the next backward keeps it as token
-  // ids and gradient rows (deferred_embedding_*) for the caller to reduce and add, so the head's
-  // dense part of that gradient is complete - and can be reduced - right after the head's backward.
-  bool can_defer_embedding_grad() const;
-  void set_defer_embedding_grad(bool on) { defer_emb_ = on && can_defer_embedding_grad(); }
-  bool defers_embedding_grad() const { return defer_emb_; }
-  int64_t deferred_embedding_count() const { return deferred_n_; }  // rows (B*T of the last backward)
-  const int32_t* deferred_embedding_ids() const { return deferred_ids_.i32(); }
-  const float* deferred_embedding_rows() const { return deferred_rows_.f32(); }
-  // While the embedding gradient is deferred, the head computes its (tied) weight gradient in
-  // chunks of `rows` vocabulary rows and calls `done(first_row, end_row)` after each, so the caller
-  // can start reducing those rows while the rest of backward runs.
-  void set_head_grad_chunks(int64_t rows, std::function<void(int64_t, int64_t)> done) {
-    head_chunk_rows_ = rows;
-    head_chunk_done_ = std::move(done);
-  }
+  // Data parallelism with a tied embedding in one model (tp = 1): the token embedding's gradient
+  // has a dense part (the head's) complete right after the head's backward and the lookup's rows,
+  // which the hooks may take over (UnitHooks::takes_sparse_grad) to reduce apart.
+  bool can_hand_sparse_grad() const;
 
   // Mixture of experts: what the training forwards routed since the last take_moe_stats(), over
   // this rank's tokens (forwards re-run by activation checkpointing are not counted again).
-  struct MoeStats {
-    std::vector<int> layers;                   // the MoE layers this rank runs, in order
-    std::vector<std::vector<int64_t>> tokens;  // per MoE layer: token choices per expert
-    int64_t dropped = 0;                       // choices dropped by the capacity factor
-    double aux_loss = 0, z_loss = 0;           // summed over layers, averaged over micro-batches
-    int64_t microbatches = 0;                  // forwards of the first MoE layer counted
-  };
+  using MoeStats = mt::MoeStats;
   MoeStats take_moe_stats();
 
   // Bytes of activations currently held for backward (for reporting).
@@ -200,28 +206,6 @@ class Transformer {
 
   int tp_size() const { return tpc_.size; }
   int tp_rank() const { return tpc_.rank; }
-  // Sequence parallelism (Megatron, with tp > 1): between the tensor-parallel regions (norms,
-  // residual adds, the pipeline's stage boundaries) each tp rank holds only its 1/t of the B*T
-  // rows; all-gathers before the column-parallel matmuls and reduce-scatters after the row-parallel
-  // ones replace the all-reduces. Set before the first forward; needs B*T divisible by t.
-  void set_sequence_parallel(bool on);
-  // Tensor parallelism: the column-parallel layers' (and the head's) input-gradient reductions run
-  // while the weight gradients are computed (default on; off = each one completes first).
-  void set_tp_overlap(bool on) { tpc_.overlap = on; }
-  // Chunked LM head and loss (0 = off): a forward with targets computes the logits, the
-  // loss and - when training - the head's input and weight gradients `rows` tokens at a time, so
-  // the [tokens, vocab] logits are never held: the head keeps its input gradient per micro-batch
-  // ([tokens, width]) and one pending weight gradient ([vocab, width], shared, added to the real
-  // gradient by the head's next backward). Forwards without targets (sampling) still produce the
-  // whole logits. With tensor parallelism each chunk's row statistics are reduced over the tp ranks
-  // (two small all-reduces per chunk) and the input gradient is reduced by the backward. Set before
-  // the first forward.
-  void set_loss_chunk(int64_t rows);
-  // Context parallelism (see model/context_parallel.h): every forward's B x T tokens are this cp
-  // rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 - rank); positions follow
-  // the original indices and attention runs over every cp rank's keys and values - passed around
-  // the ring (default), or all-gathered (`allgather`). Set before the first forward.
-  void set_context_parallel(CpComm* comm, bool allgather = false);
   int cp_size() const { return cp_ ? cp_->size() : 1; }
   // On a GPU (train/device_batches.h): the ids and targets forwards receive are already on this
   // model's device, checked and uploaded by the caller; and, with a loss sink (N = B*T floats on
@@ -229,7 +213,7 @@ class Transformer {
   // return 0 instead of reading the loss back, so a step waits for the device once.
   void set_device_inputs(bool on) { device_inputs_ = on; }
   void set_loss_sink(float* acc) { loss_sink_ = acc; }
-  int64_t loss_chunk() const { return loss_chunk_; }
+  int64_t loss_chunk() const { return head_->loss_chunk(); }
   bool sequence_parallel() const { return tpc_.sp; }
   // Rows of the residual stream this rank holds for N = B*T tokens (N, or N/t with sequence parallelism).
   int64_t residual_rows(int64_t N) const { return tpc_.rows(N); }
@@ -260,26 +244,31 @@ class Transformer {
   struct UnitParams;
   struct Slot;
   void build_params();
+  void add_param(const std::string& name, std::vector<int64_t> shape, bool decay, bool hf_transposed, TpSplit split,
+                 int unit, bool apart, int64_t* pos);
   void ensure_buffers(int64_t B, int64_t T, int first, int last);
   Tensor& out_buf(int64_t l);
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
-  void cp_attention_forward(BlockActivations& a);
-  void cp_attention_backward(BlockActivations& a, const float* datty, float* dqkv);
+  BlockParams block_params_of(int layer) const;
+  // The current micro-batch's shape (and its tokens' positions under context parallelism).
+  TokenShape tokens() const { return {B_, T_, cp_ ? cp_pos_.data() : nullptr}; }
   bool recomputes(int layer) const;
-  const float* wf(int idx);
-  const bf16* wb(int idx) const;
-  float* gp(int idx) const;
-  // Parameter w as a matrix of `out` rows in the compute dtype: for a forward with bias b (-1:
-  // none), with `grads` (backward) with the gradients of w and b instead. The norm with weight w
-  // and bias b (and their gradients with `grads`).
-  Weight weight(int w, int b, int64_t out, bool grads);
-  Weight qkv_weight(const BlockParams& p, int64_t out, bool grads);
-  Norm norm(int w, int b, bool grads);
-  const float* head_wf();
-  const bf16* head_wb() const;
-  float* head_gp() const;
-  const bf16* head_grad_bf16() const;  // the loss's bf16 gradient over the logits (Slot::grad_bf16)
+  // Parameter idx (an index into params_) as the layers read it: fp32 (in bf16 mode converted
+  // from the bf16 weights), bf16, and its gradient.
+  const float* param_f32(int idx);
+  const bf16* param_bf16(int idx) const;
+  float* param_grad(int idx) const;
+  // LayerParams: parameters as weights, norms and values for the layer types.
+  Weight weight(int w, int b, int64_t out, bool grads) override;
+  Weight expert_weight(int w, int b, int64_t out, bool grads) override;
+  Norm norm(int w, int b, bool grads) override;
+  const float* f32(int idx) override { return param_f32(idx); }
+  float* grad(int idx) override { return param_grad(idx); }
+  Weight qkv_weight(const BlockParams& p, int64_t out, bool grads) override;
+  // The head's output weight (the token embedding when tied; the replica when a pipeline cut them
+  // apart) in the compute dtype, with `grads` its gradient too.
+  HeadWeight head_weight(bool grads);
 
   ModelConfig cfg_;
   DType compute_;
@@ -295,15 +284,14 @@ class Transformer {
   // tensor / sequence parallelism: the communicator, switches and workspace the tp layers share
   TpContext tpc_;
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share
-  // MoE: local routed experts (count, first index), one expert's and the shared experts' width
-  int64_t E_l_ = 0, E_lo_ = 0, Fe_l_ = 0, Fs_l_ = 0;
+  MoeShape moe_shape_;  // MoE: this rank's routed experts and the widths of its slices
   std::vector<ParamInfo> expert_params_;  // experts apart: their ranges of ew_ / eg_
   std::vector<int> expert_base_;          // per layer: index of its first expert parameter (-1: none)
   int64_t expert_size_ = 0;
   Tensor ew_, eg_, ewb_;
   std::vector<Tensor> eupcast_;           // bf16: fp32 copies of expert biases
+  int ep_ = 1, ep_rank_ = 0;
   ExpertComm* ep_comm_ = nullptr;
-  Weight expert_weight(int w, int b, int64_t out, bool grads);
   Tensor weights_, grads_, weights_bf16_;
   std::vector<const void*> unit_w_;
   std::vector<float*> unit_g_;
@@ -311,22 +299,12 @@ class Transformer {
 
   std::vector<char> owned_;
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
-  std::vector<float> rope_inv_freq_;  // scaled rotary frequencies (Llama 3.1, host); empty = from rope_theta
   Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
   const float* qkv_bias_f32(int first);
-  const float* extra_emb_grad_ = nullptr;
-  bool defer_emb_ = false;
-  int64_t deferred_n_ = 0;
-  Tensor deferred_ids_, deferred_rows_;  // [N] int32, [N, C]
-  int64_t head_chunk_rows_ = 0;
-  std::function<void(int64_t, int64_t)> head_chunk_done_;
-  Tensor head_chunk_buf_;  // [N, rows] slice of the logits' gradient
-  // Chunked head (set_loss_chunk): the logits of one chunk, and the weight gradient forwards have
-  // accumulated that no backward has added to the head's gradient yet.
-  int64_t loss_chunk_ = 0;
-  Tensor chunk_logits_, head_dw_;
-  bool head_dw_pending_ = false;
-  void chunked_head_forward(const float* hin, bool train, float dloss_scale);
+  // The hooks take the token embedding's lookup rows over (with can_hand_sparse_grad), and the
+  // head's weight-gradient rows per grad_ready call (0: the whole gradient at once).
+  bool sparse_embedding_grad();
+  HeadGradReady head_grad_ready();
 
   // activations: per slot; B_, T_ mirror the current slot's shape
   int64_t B_ = 0, T_ = 0;
@@ -336,28 +314,26 @@ class Transformer {
   std::unique_ptr<BlockActivations> scratch_moe_acts_;    // shared by recomputed MoE blocks
   BlockActivations& scratch_for(int layer) { return cfg_.is_moe_layer(layer) ? *scratch_moe_acts_ : *scratch_acts_; }
   // The MLP width block l's activations hold: the dense MLP's, or an MoE layer's shared experts'.
-  int64_t mlp_width(int64_t l) const { return cfg_.is_moe_layer(l) ? Fs_l_ : F_l_; }
+  int64_t mlp_width(int64_t l) const { return cfg_.is_moe_layer(l) ? moe_shape_.shared_width : F_l_; }
   bool recomputing_ = false;  // a backward re-running a block's forward (no statistics counted)
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
+  // The blocks' layers (each holds the workspace the blocks share): attention, the dense MLP and
+  // the MoE layer (null without MoE).
+  std::unique_ptr<Embedding> embedding_;
+  std::unique_ptr<Attention> attn_;
+  std::unique_ptr<Mlp> mlp_;
+  std::unique_ptr<MoeLayer> moe_;
+  std::unique_ptr<LmHead> head_;  // the LM head's projection and loss
   bool device_inputs_ = false;  // set_device_inputs
   float* loss_sink_ = nullptr;  // set_loss_sink
-  MoeStats moe_stats_;
-  std::deque<Tensor> moe_ws_;  // MoE forward and backward workspace (references stay valid as it grows)
-  Tensor& moe_ws(size_t i, int64_t n, DType dt = DType::F32);
-  void moe_forward(int layer, const BlockParams& p, BlockActivations& a, const Tensor& x, float* out);
-  const float* moe_backward(int layer, const BlockParams& p, BlockActivations& a, const float* dout_rows, float* dln2);
-  void moe_counts_over_cp(BlockActivations& a);
-  int64_t moe_capacity(int64_t n) const;
-  int64_t moe_rows_hint(int64_t n) const;
-  int64_t ws_bt_ = 0;                                     // size of the shared workspace
-  // context parallelism: the communicator, mode, positions of the local tokens and the buffers the
-  // key / value blocks and their gradients travel in (workspace)
+  int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for
+  // context parallelism: the communicator, mode and the original positions of the local tokens
   CpComm* cp_ = nullptr;
   bool cp_allgather_ = false;
   std::vector<int32_t> cp_pos_;
-  Tensor cp_kv_[2], cp_dkv_[3];
-  Tensor dres_;                                           // backward workspace
-  std::vector<Tensor> bwd_ws_;
+  // Workspace: the residual stream's gradient [R, C], a norm's input gradient [N, C] and fp32
+  // staging [N, max(C, F)] (values stored as bf16, gathered rows, a recompute's discarded output).
+  Tensor dres_, dnorm_, stage_;
 };
 
 }  // namespace mt

@@ -42,7 +42,7 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
   // Tied embedding: the token embedding (the embedding unit's first parameter) becomes its own
   // bucket, reduced when the head's backward has written its dense gradient; the embedding
   // unit's bucket keeps the rest (position table).
-  tied_ = model_.can_defer_embedding_grad() && dp_->size() > 1;
+  tied_ = model_.can_hand_sparse_grad() && dp_->size() > 1;
   if (tied_) {
     const ParamInfo& wte = model_.params()[0];
     Bucket& b0 = buckets_[bucket_of_unit_[0]];
@@ -52,18 +52,34 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     tied_offset_ = wte.offset;
     // The head hands over its weight gradient in chunks of about one bucket (at least 64 rows),
     // each reduced as soon as it is complete, while the head's backward goes on.
-    const int64_t C = model_.config().n_embd;
-    model_.set_head_grad_chunks(std::max<int64_t>(64, cap / C), [this, C](int64_t r0, int64_t r1) {
-      float* g = model_.grads().f32() + tied_offset_ + r0 * C;
-      tied_works_.push_back(dp_->all_reduce(g, static_cast<size_t>((r1 - r0) * C), DType::F32, comm::ReduceOp::Avg));
-    });
+    tied_rows_ = std::max<int64_t>(64, cap / model_.config().n_embd);
   }
   reset();
 }
 
-DataParallel::~DataParallel() {
-  model_.set_defer_embedding_grad(false);
-  model_.set_head_grad_chunks(0, nullptr);
+bool DataParallel::takes_sparse_grad(int param) { return sync_ && tied_ && param == 0; }
+
+int64_t DataParallel::grad_ready_rows(int param) { return takes_sparse_grad(param) ? tied_rows_ : 0; }
+
+void DataParallel::grad_ready(int param, int64_t first_row, int64_t end_row) {
+  (void)param;  // the token embedding (takes_sparse_grad)
+  const int64_t C = model_.config().n_embd;
+  float* g = model_.grads().f32() + tied_offset_ + first_row * C;
+  tied_works_.push_back(
+      dp_->all_reduce(g, static_cast<size_t>((end_row - first_row) * C), DType::F32, comm::ReduceOp::Avg));
+}
+
+// The lookup's rows and token ids of every rank (added in finish()).
+void DataParallel::sparse_grad(int param, const int32_t* ids, const float* rows, int64_t n) {
+  (void)param;
+  const int64_t C = model_.config().n_embd, W = dp_->size();
+  if (!gathered_rows_.defined() || gathered_rows_.numel() != W * n * C) {
+    gathered_rows_ = Tensor::empty({W * n, C}, DType::F32, MemCategory::Comm);
+    gathered_ids_ = Tensor::empty({W * n}, DType::I32, MemCategory::Comm);
+  }
+  sparse_n_ = n;
+  ids_work_ = dp_->all_gather(ids, gathered_ids_.i32(), static_cast<size_t>(n), DType::I32);
+  rows_work_ = dp_->all_gather(rows, gathered_rows_.f32(), static_cast<size_t>(n * C), DType::F32);
 }
 
 void DataParallel::reset() {
@@ -77,10 +93,7 @@ void DataParallel::reset() {
   rows_work_.reset();
 }
 
-void DataParallel::set_sync(bool sync) {
-  sync_ = sync;
-  model_.set_defer_embedding_grad(sync && tied_);
-}
+void DataParallel::set_sync(bool sync) { sync_ = sync; }
 
 void DataParallel::post_backward(int unit) {
   // Only the synchronising backward counts: each unit runs it once per step (with a pipeline, the
@@ -88,16 +101,6 @@ void DataParallel::post_backward(int unit) {
   if (!sync_) return;
   unit_done_[unit] = 1;
   Bucket& b = buckets_[bucket_of_unit_[unit]];
-  if (tied_ && unit == 0) {  // the lookup's rows and token ids of every rank
-    const int64_t n = model_.deferred_embedding_count(), C = model_.config().n_embd, W = dp_->size();
-    if (!gathered_rows_.defined() || gathered_rows_.numel() != W * n * C) {
-      gathered_rows_ = Tensor::empty({W * n, C}, DType::F32, MemCategory::Comm);
-      gathered_ids_ = Tensor::empty({W * n}, DType::I32, MemCategory::Comm);
-    }
-    ids_work_ = dp_->all_gather(model_.deferred_embedding_ids(), gathered_ids_.i32(), static_cast<size_t>(n), DType::I32);
-    rows_work_ = dp_->all_gather(model_.deferred_embedding_rows(), gathered_rows_.f32(), static_cast<size_t>(n * C),
-                                 DType::F32);
-  }
   if (--b.pending == 0 && dp_->size() > 1 && b.numel > 0) launch(b);
 }
 
@@ -129,7 +132,7 @@ DdpStepStats DataParallel::finish() {
       if (*w) (*w)->wait();
     // The dense part is averaged; add every rank's lookup rows / world, in rank order (the same
     // sum on every rank).
-    const int64_t W = dp_->size(), n = model_.deferred_embedding_count(), C = model_.config().n_embd;
+    const int64_t W = dp_->size(), n = sparse_n_, C = model_.config().n_embd;
     model_.kernels().scale(gathered_rows_.f32(), 1.0f / static_cast<float>(W), W * n * C);
     float* g = model_.grads().f32() + tied_offset_;
     for (int64_t r = 0; r < W; ++r)

@@ -37,11 +37,15 @@ class DataParallel : public UnitHooks {
  public:
   DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
                double first_bucket_mb = 1.0);
-  ~DataParallel() override;
 
   // With sync = false (accumulation micro-batches) backward does not communicate.
   void set_sync(bool sync);
   void post_backward(int unit) override;
+  // Tied embedding: the head's dense gradient rows as they are final, and the lookup's rows.
+  bool takes_sparse_grad(int param) override;
+  void sparse_grad(int param, const int32_t* ids, const float* rows, int64_t n) override;
+  int64_t grad_ready_rows(int param) override;
+  void grad_ready(int param, int64_t first_row, int64_t end_row) override;
   // Waits for the all-reduces of this step (nothing to do after a no_sync micro-batch). Throws
   // naming the units that produced no gradient when the synchronising backward did not finish
   // every unit this rank owns (instead of hanging like the classic DDP bug).
@@ -59,6 +63,8 @@ class DataParallel : public UnitHooks {
   void reset();  // before the next synchronising backward
   bool tied_ = false;
   int64_t tied_offset_ = 0;                     // the token embedding's offset in the gradients
+  int64_t tied_rows_ = 0;                       // vocabulary rows per all-reduce of its dense part
+  int64_t sparse_n_ = 0;                        // lookup rows per rank (B*T of the last backward)
   std::vector<comm::WorkHandle> tied_works_;    // its all-reduces, one per chunk of vocabulary rows
   Tensor gathered_ids_, gathered_rows_;         // every rank's deferred lookup gradient
   comm::WorkHandle ids_work_, rows_work_;

@@ -6,21 +6,6 @@
 
 namespace mt::parallel {
 
-namespace {
-
-// The model's settings that depend on the plan: the one place the parallel code configures a
-// built model.
-void configure_model(Transformer& m, const ParallelPlan& plan, const ParallelizeOptions& o, ExpertComm* ep,
-                     ProcessGroupCpComm* cp) {
-  if (ep) m.set_expert_comm(ep);
-  m.set_tp_overlap(o.tp_overlap);
-  m.set_loss_chunk(o.loss_chunk_tokens);
-  if (plan.sequence_parallel) m.set_sequence_parallel(true);
-  if (cp) m.set_context_parallel(cp, plan.cp_mode == "allgather");
-}
-
-}  // namespace
-
 std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const ParallelPlan& plan, const ParallelGroups& g,
                                            const ParallelizeOptions& o) {
   auto pm = std::make_unique<ParallelModel>(plan, g);
@@ -43,20 +28,26 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   }
   std::vector<char> owned;
   if (pp > 1) owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2);
-  ModelStorage storage = model_storage(p.spec_, o.dtype, g.shard->size());
-  if (plan.ep_enabled()) {
-    storage.ep = plan.ep;
-    storage.ep_rank = g.ep->rank();
-  }
-  p.model_ = std::make_unique<Transformer>(mc, o.dtype, plan.checkpointing, storage, tp > 1 ? p.tp_comm_.get() : nullptr,
-                                           owned);
-  if (plan.ep_enabled()) {
-    p.ep_comm_ = std::make_unique<ProcessGroupExpertComm>(g.ep);
-    // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
-    p.ep_ = std::make_unique<ExpertParallel>(*p.model_, g.edp, g.ep_aux, g.tp_aux, plan.dp() * plan.cp, p.spec_.adam);
-  }
+  if (plan.ep_enabled()) p.ep_comm_ = std::make_unique<ProcessGroupExpertComm>(g.ep);
   if (plan.cp > 1) p.cp_comm_ = std::make_unique<ProcessGroupCpComm>(g.cp);
-  configure_model(*p.model_, plan, o, p.ep_comm_.get(), p.cp_comm_.get());
+  // The model's settings that depend on the plan, all given at construction.
+  p.model_ = std::make_unique<Transformer>(
+      mc, ModelOptions{.compute = o.dtype,
+                       .recompute = plan.checkpointing,
+                       .storage = model_storage(p.spec_, o.dtype, g.shard->size()),
+                       .tp = tp > 1 ? p.tp_comm_.get() : nullptr,
+                       .sequence_parallel = plan.sequence_parallel,
+                       .tp_overlap = o.tp_overlap,
+                       .loss_chunk = o.loss_chunk_tokens,
+                       .cp = p.cp_comm_.get(),
+                       .cp_allgather = plan.cp_mode == "allgather",
+                       .ep = plan.ep_enabled() ? plan.ep : 1,
+                       .ep_rank = plan.ep_enabled() ? g.ep->rank() : 0,
+                       .ep_comm = p.ep_comm_.get(),
+                       .owned_units = owned});
+  // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
+  if (plan.ep_enabled())
+    p.ep_ = std::make_unique<ExpertParallel>(*p.model_, g.edp, g.ep_aux, g.tp_aux, plan.dp() * plan.cp, p.spec_.adam);
   const auto& params = p.model_->params();
   p.norm_weight_.assign(params.size(), 1.0);
   for (size_t i = 0; i < params.size(); ++i)

@@ -148,10 +148,10 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
                     tag(kTiedGrad, 0, 0))
               ->wait();
           st.wait_ms += ms_between(t0, Clock::now());
-          model_.set_extra_embedding_grad(tied_grad_in_.f32());
         }
         auto t0 = Clock::now();
-        model_.backward_units(first, last, dout);
+        const bool tied_in = tied_split_ && first == 0 && last_mb;  // received above
+        model_.backward_units(first, last, dout, tied_in ? tied_grad_in_.f32() : nullptr);
         st.busy_ms += ms_between(t0, Clock::now());
         if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
         if (tied_split_ && last == head_unit_ && last_mb) {

@@ -46,6 +46,12 @@ class TracingHooks final : public UnitHooks {
   void post_forward(int u) override;
   void pre_backward(int u) override;
   void post_backward(int u) override;
+  bool takes_sparse_grad(int p) override { return inner_ && inner_->takes_sparse_grad(p); }
+  void sparse_grad(int p, const int32_t* ids, const float* rows, int64_t n) override {
+    inner_->sparse_grad(p, ids, rows, n);
+  }
+  int64_t grad_ready_rows(int p) override { return inner_ ? inner_->grad_ready_rows(p) : 0; }
+  void grad_ready(int p, int64_t r0, int64_t r1) override { inner_->grad_ready(p, r0, r1); }
 
  private:
   UnitHooks* inner_;

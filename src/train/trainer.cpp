@@ -199,7 +199,8 @@ void Trainer::build() {
   strategy_ = &pm_->strategy();
   ep_ = pm_->experts();
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.
-  ref_ = std::make_unique<Transformer>(mc_, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  ref_ = std::make_unique<Transformer>(
+      mc_, ModelOptions{.storage = {.weights = false, .master = false, .grads = false}});
   trace_ = std::make_unique<ChromeTrace>(cfg_.log.trace_out, rank_);
   tracing_ = std::make_unique<TracingHooks>(strategy_->hooks(), trace_.get(), model_);
   if (trace_->enabled()) model_->set_hooks(tracing_.get());

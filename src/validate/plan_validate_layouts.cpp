@@ -176,7 +176,7 @@ TrainSetup planner_setup(const ModelConfig& m, const EngineLayout& e) {
   st.micro_batch = e.micro_batch;
   st.attention = AttentionImpl::Flash;  // kernels/attention.h keeps only the log-sum-exp
   st.dropout = false;
-  st.sequence_parallel = e.sequence_parallel && e.tp > 1;  // model/transformer.cpp set_sequence_parallel
+  st.sequence_parallel = e.sequence_parallel && e.tp > 1;  // as the model does (ModelOptions::sequence_parallel)
   st.bucket_bytes = e.bucket_mb * 1e6;
   return st;
 }

@@ -120,7 +120,7 @@ TEST_F(Sharded, FullShardGathersAtMostOnePlusPrefetchUnits) {
     parallel::StrategySpec spec;
     spec.strategy = ShardingStrategy::FullShard;
     ModelStorage st = parallel::model_storage(spec, DType::F32, 2);
-    Transformer m(c, DType::F32, Recompute::None, ModelStorage{false, false, false, st.unit_align});
+    Transformer m(c, ModelOptions{.storage = {.weights = false, .master = false, .grads = false, .unit_align = st.unit_align}});
     int64_t block = m.unit(1).numel, root = m.unit(0).numel + m.unit(m.num_units() - 1).numel;
     const auto& f = r.final;
     int64_t gathered = f["mem_peak_by_category"]["params"].get<int64_t>() -
@@ -171,11 +171,13 @@ TEST_F(Sharded, CheckpointSavingHoldsOneUnitAtATime) {
 
   ModelConfig c = model_preset("gpt2-tiny");
   c.n_layer = 6;
-  const Transformer ref(c, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  const Transformer ref(c, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
   parallel::StrategySpec spec;
   spec.strategy = ShardingStrategy::FullShard;
-  const Transformer local(c, DType::F32, Recompute::None,
-                          ModelStorage{false, false, false, parallel::model_storage(spec, DType::F32, 2).unit_align});
+  const Transformer local(c, ModelOptions{.storage = {.weights = false,
+                                                      .master = false,
+                                                      .grads = false,
+                                                      .unit_align = parallel::model_storage(spec, DType::F32, 2).unit_align}});
   int64_t largest = 0;  // elements of the largest unit (its padded local range if that is larger)
   for (int u = 0; u < ref.num_units(); ++u) largest = std::max({largest, ref.unit(u).numel, local.unit(u).numel});
   const int64_t extra = saving.final["mem_peak_by_category"]["workspace"].get<int64_t>() -

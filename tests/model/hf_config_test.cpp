@@ -78,7 +78,7 @@ TEST(HfModelConfig, Llama2And3AndTiedLlama32) {
       R"({"model_type":"llama","hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,
           "num_attention_heads":2,"vocab_size":64,"max_position_embeddings":16,"tie_word_embeddings":true})",
       "cfg.json");
-  Transformer tm(small, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  Transformer tm(small, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
   for (const auto& p : tm.params()) EXPECT_NE(p.name, "lm_head.weight");
   EXPECT_EQ(tm.num_params(), small.num_params());
   EXPECT_FLOAT_EQ(small.norm_eps, 1e-6f);  // LlamaConfig's default rms_norm_eps

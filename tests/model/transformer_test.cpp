@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/adamw.h"
 #include "model/rng.h"
 #include "model/transformer.h"
@@ -179,7 +180,7 @@ TEST(Model, RecomputeGivesIdenticalGradients) {
   }
 }
 
-// The chunked LM head (set_loss_chunk) computes the same losses and gradients as the whole-logits
+// The chunked LM head (ModelOptions::loss_chunk) computes the same losses and gradients as the whole-logits
 // head - only the weight gradient's summation order differs - and holds no [tokens, vocab] logits:
 // GPT-2 (tied) and Llama, fp32 and bf16, a chunk that does not divide the tokens, two accumulated
 // micro-batches whose head gradients are added by the backward that follows each forward, and an
@@ -195,8 +196,7 @@ TEST(Model, ChunkedHeadMatchesWholeLogits) {
       std::vector<double> losses, evals;
       std::vector<int64_t> act;
       for (int64_t chunk : {int64_t{0}, int64_t{7}}) {
-        Transformer m(c, dt);
-        m.set_loss_chunk(chunk);
+        Transformer m(c, ModelOptions{.compute = dt, .loss_chunk = chunk});
         m.init_weights(5);
         m.zero_grads();
         losses.push_back(m.forward(x1.data(), y1.data(), B, T, true, 1.0f / (2 * N)));
@@ -290,6 +290,69 @@ TEST(Model, RejectsBadTokensAndLengths) {
   EXPECT_THROW(m.forward(x.data(), y.data(), 1, 8, false), std::out_of_range);
   std::vector<int32_t> big(2 * c.seq_len, 1);
   EXPECT_THROW(m.forward(big.data(), big.data(), 1, 2 * c.seq_len, false), std::invalid_argument);
+}
+
+// A hook that takes the tied embedding's lookup gradient over (UnitHooks::takes_sparse_grad) and
+// asks for the head's weight-gradient rows as they are final (grad_ready_rows) - as data
+// parallelism does - sees every vocabulary row reported once, in order and before the embedding
+// unit finishes, and the lookup's ids and rows; adding those rows itself gives the gradient of a
+// model without the hook. The chunked head reports its rows the same way.
+class TakeLookupGrad : public UnitHooks {
+ public:
+  TakeLookupGrad(int64_t rows, int64_t C) : rows_(rows), C_(C) {}
+  bool takes_sparse_grad(int param) override { return param == 0; }
+  int64_t grad_ready_rows(int param) override { return param == 0 ? rows_ : 0; }
+  void grad_ready(int param, int64_t r0, int64_t r1) override {
+    EXPECT_EQ(param, 0);
+    EXPECT_EQ(r0, next_row);
+    EXPECT_FALSE(embedding_done);
+    next_row = r1;
+  }
+  void sparse_grad(int param, const int32_t* i, const float* r, int64_t n) override {
+    EXPECT_EQ(param, 0);
+    ids.assign(i, i + n);
+    rows.assign(r, r + n * C_);
+  }
+  void post_backward(int unit) override { embedding_done = embedding_done || unit == 0; }
+  int64_t next_row = 0;
+  bool embedding_done = false;
+  std::vector<int32_t> ids;
+  std::vector<float> rows;
+
+ private:
+  int64_t rows_, C_;
+};
+
+TEST(Model, HooksTakeTheTiedEmbeddingGradient) {
+  ModelConfig c = tiny(Arch::GPT2);  // tied embeddings
+  const int64_t B = 2, T = 8, N = B * T, C = c.n_embd;
+  auto x = random_tokens(N, c.vocab_size, 11), y = random_tokens(N, c.vocab_size, 12);
+  for (int64_t chunk : {int64_t{0}, int64_t{5}}) {
+    std::vector<std::vector<float>> grads;
+    for (bool hooked : {false, true}) {
+      Transformer m(c, ModelOptions{.loss_chunk = chunk});
+      TakeLookupGrad h(24, C);  // 24 rows at a time: the padded 64 rows in three runs
+      ASSERT_TRUE(m.can_hand_sparse_grad());
+      if (hooked) m.set_hooks(&h);
+      m.init_weights(9);
+      m.zero_grads();
+      m.forward(x.data(), y.data(), B, T, true, 1.0f / N);
+      m.backward();
+      std::vector<float> g(m.grads().f32(), m.grads().f32() + m.flat_size());
+      if (hooked) {
+        EXPECT_EQ(h.next_row, c.padded_vocab) << "chunk " << chunk;
+        ASSERT_EQ(h.ids, x) << "chunk " << chunk;
+        m.kernels().embedding_backward(g.data() + m.params()[0].offset, h.rows.data(), h.ids.data(), N, C);
+      }
+      grads.push_back(std::move(g));
+    }
+    double maxd = 0, maxg = 0;
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      maxd = std::max(maxd, static_cast<double>(std::fabs(grads[0][i] - grads[1][i])));
+      maxg = std::max(maxg, static_cast<double>(std::fabs(grads[0][i])));
+    }
+    EXPECT_LT(maxd, 1e-5 * maxg) << "chunk " << chunk << ": max gradient difference " << maxd << " of " << maxg;
+  }
 }
 
 }  // namespace

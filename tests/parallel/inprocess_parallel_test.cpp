@@ -58,10 +58,10 @@ Trained train(const std::string& strategy, int ranks) {
     spec.strategy = parse_sharding_strategy(strategy);
     spec.bucket_mb = 0.01;
     spec.adam = AdamWConfig{3e-3, 0.9, 0.95, 1e-8, 0.1};
-    Transformer model(c, DType::F32, Recompute::None, parallel::model_storage(spec, DType::F32, ranks));
+    Transformer model(c, ModelOptions{.storage = parallel::model_storage(spec, DType::F32, ranks)});
     auto s = parallel::make_strategy(spec, model, dp[r], dp[r], one(r), strategy == "NO_SHARD" ? nullptr : norm[r]);
     model.set_hooks(s->hooks());
-    Transformer ref(c, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+    Transformer ref(c, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
     std::vector<float> init(static_cast<size_t>(ref.flat_size()));
     ref.init_weights_into(1234, init.data());
     s->begin_load();
@@ -120,11 +120,11 @@ TEST(SameModelCheck, ExchangesInt64ValuesAndNamesTheDifference) {
   ModelConfig deeper = c, wider = c;
   deeper.n_layer += 1;
   wider.ffn_hidden *= 2;
-  const ModelStorage none{false, false, false, 1};
+  const ModelStorage none{.weights = false, .master = false, .grads = false};
   for (int n : {2, 3}) {
     auto g = comm::make_thread_group("same" + std::to_string(n), n);
     on_ranks(n, [&](int r) {
-      const Transformer m(c, DType::F32, Recompute::None, none);
+      const Transformer m(c, ModelOptions{.storage = none});
       parallel::verify_same_model(m, *g[r]);
       const uint64_t values = 2 + static_cast<uint64_t>(m.num_units());
       EXPECT_EQ(g[r]->stats()[comm::OpKind::AllGather].bytes, static_cast<uint64_t>(n - 1) * 8 * (1 + values));
@@ -133,7 +133,7 @@ TEST(SameModelCheck, ExchangesInt64ValuesAndNamesTheDifference) {
   auto g = comm::make_thread_group("differ", 2);
   for (const auto& [other, what] : {std::pair{deeper, "units"}, std::pair{wider, "differs"}}) {
     on_ranks(2, [&, &other = other, what = what](int r) {
-      const Transformer m(r == 1 ? other : c, DType::F32, Recompute::None, none);
+      const Transformer m(r == 1 ? other : c, ModelOptions{.storage = none});
       try {
         parallel::verify_same_model(m, *g[r]);
         ADD_FAILURE() << "different models passed the check";

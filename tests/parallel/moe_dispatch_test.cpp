@@ -36,7 +36,7 @@ TEST(MoeDispatch, EveryTokenReachesItsTopKExpertsAcrossRanks) {
   c.resolve();
   const int R = 2;
   const int64_t B = 2, T = 16, N = B * T, C = c.n_embd, E = 4, K = 2;
-  Transformer ref(c, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+  Transformer ref(c, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
   std::vector<float> init(static_cast<size_t>(ref.flat_size()));
   ref.init_weights_into(77, init.data());
   Rng g(5);
@@ -47,12 +47,8 @@ TEST(MoeDispatch, EveryTokenReachesItsTopKExpertsAcrossRanks) {
   for (int r = 0; r < R; ++r)
     ts.emplace_back([&, r] {
       omp_set_num_threads(1);
-      ModelStorage st;
-      st.ep = R;
-      st.ep_rank = r;
-      Transformer m(c, DType::F32, Recompute::None, st);
       parallel::ProcessGroupExpertComm comm(group[r]);
-      m.set_expert_comm(&comm);
+      Transformer m(c, ModelOptions{.ep = R, .ep_rank = r, .ep_comm = &comm});
       auto put = [&](float* dst, const ParamInfo& p) {
         std::memcpy(dst + p.offset, init.data() + ref.param(p.name).offset, static_cast<size_t>(p.numel) * 4);
       };
@@ -172,12 +168,8 @@ void expect_ep_tp_matches_unsplit(const std::string& preset) {
         omp_set_num_threads(1);
         const std::string at = preset + " rank (dp " + std::to_string(d) + ", tp " + std::to_string(t) + ")";
         parallel::ProcessGroupTpComm tpc(tpg[d][t]);
-        ModelStorage st;
-        st.ep = D;
-        st.ep_rank = d;
-        Transformer m(c, DType::F32, Recompute::None, st, &tpc);
         parallel::ProcessGroupExpertComm ec(epg[t][d]);
-        m.set_expert_comm(&ec);
+        Transformer m(c, ModelOptions{.tp = &tpc, .ep = D, .ep_rank = d, .ep_comm = &ec});
         for (int u = 0; u < m.num_units(); ++u)
           m.shard_unit_from_full(ref, u, init.data() + ref.unit(u).offset, m.weights().f32() + m.unit(u).offset);
         for (const ParamInfo& p : m.expert_params()) {

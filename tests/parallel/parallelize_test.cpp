@@ -75,7 +75,7 @@ class ParallelizeTest : public ::testing::Test {
       parallel::ParallelizeOptions o;
       o.spec.adam = AdamWConfig{tc.lr, tc.beta1, tc.beta2, tc.eps, tc.weight_decay};
       auto pm = parallel::parallelize(mc, plan, groups[static_cast<size_t>(r)], o);
-      Transformer ref(mc, DType::F32, Recompute::None, ModelStorage{false, false, false, 1});
+      Transformer ref(mc, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
       ModelState state(pm->model(), ref, pm->strategy(), *groups[static_cast<size_t>(r)].tp_aux, nullptr);
       state.load(nullptr, static_cast<uint64_t>(tc.seed));
       pm->strategy().end_load(0);

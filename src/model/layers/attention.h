@@ -1,0 +1,75 @@
+// A block's causal self-attention, from its normalised input to the output projection:
+//   q|k|v    column-parallel projection (this tp rank's heads)
+//   RoPE     Llama: rotary positions (the original token indices under context parallelism)
+//   attend   dense causal attention, or context-parallel: the other cp ranks' keys and values
+//            passed around the ring (or all-gathered), partial results merged by log-sum-exp
+//   proj     row-parallel output projection (partial sums reduced over tp)
+// One Attention serves every block of a model: it holds the backward and context-parallel
+// workspace they share.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/context_parallel.h"
+#include "model/layers/block.h"
+#include "runtime/tensor.h"
+
+namespace mt {
+
+namespace kernels {
+struct KernelTable;
+}
+
+// The tokens of one micro-batch: B sequences of T (local) tokens, and with context parallelism the
+// original positions of the T local tokens (null without).
+struct TokenShape {
+  int64_t B = 0, T = 0;
+  const int32_t* pos = nullptr;
+};
+
+class Attention {
+ public:
+  // heads, kv_heads: this tp rank's query and key/value heads.
+  Attention(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
+            int64_t heads, int64_t kv_heads, CpComm* cp, bool cp_allgather);
+  // Workspace for N = B*T tokens: the backward's, and context parallelism's key / value blocks;
+  // release() frees both (before a new shape's).
+  void allocate(int64_t N);
+  void allocate_cp(int64_t N);
+  void release();
+
+  // a.res2 = proj(attend(rope(qkv(ln1)))), this rank's residual rows (the caller adds the
+  // residual). ln1: the normalised input's rows (fp32, or the staging of a.ln1 in bf16 runs).
+  void forward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* ln1, TokenShape s);
+  // dres: the gradient of the layer's output (this rank's rows). Returns the gradient of ln1 (the
+  // column-parallel layer's input gradient, summed over tp) in dnorm ([N, C] workspace).
+  const float* backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dres, float* dnorm,
+                        TokenShape s);
+
+ private:
+  void rope(float* x, TokenShape s, bool backward);
+  void cp_forward(BlockActivations& a, TokenShape s);
+  void cp_backward(BlockActivations& a, const float* datty, float* dqkv, TokenShape s);
+  void cp_backward_allgather(BlockActivations& a, const float* datty, float* dqkv, TokenShape s);
+
+  const ModelConfig& cfg_;
+  DType compute_;
+  Device dev_;
+  const kernels::KernelTable* kt_;
+  TpContext& tpc_;
+  int64_t heads_, kv_heads_;
+  CpComm* cp_;
+  bool cp_allgather_;
+  std::vector<float> rope_inv_freq_;  // scaled rotary frequencies (Llama 3.1, host); empty = from rope_theta
+  struct Workspace {
+    Tensor dqkv;   // the q|k|v projection's output gradient [N, QKV]
+    Tensor datty;  // the attention output's gradient [N, C]
+    // Context parallelism, ring: the key / value block held and the one arriving; the gradient of
+    // the block held (accumulated along the ring), the next block's arriving and this step's.
+    Tensor kv_cur, kv_next, dkv_acc, dkv_in, dkv_step;
+    // Context parallelism, all-gather: every rank's blocks, their gradients and this rank's sum.
+    Tensor kv_all, dkv_all, dkv_mine;
+  } ws_;
+};
+
+}  // namespace mt

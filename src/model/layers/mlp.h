@@ -1,0 +1,49 @@
+// A block's dense MLP, from its normalised input to the down projection:
+//   GPT-2  down(gelu(fc(x)))            fc column-parallel, down row-parallel (with biases)
+//   Llama  down(silu(gate(x)) * up(x))  gate and up column-parallel, down row-parallel
+// One Mlp serves every dense block of a model: it holds the backward workspace they share.
+#pragma once
+#include <cstdint>
+
+#include "model/layers/block.h"
+#include "runtime/tensor.h"
+
+namespace mt {
+
+namespace kernels {
+struct KernelTable;
+}
+
+class Mlp {
+ public:
+  // width: this tp rank's hidden width.
+  Mlp(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
+      int64_t width);
+  // Workspace for N tokens; release() frees it (before a new shape's).
+  void allocate(int64_t N);
+  void release();
+
+  // out = down(act(ln2)): this rank's residual rows (the caller adds the residual). ln2: the
+  // normalised input's rows; stage: fp32 staging of at least [N, width] for bf16 runs.
+  void forward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* ln2, float* out, int64_t N,
+               float* stage);
+  // dout: the gradient of out (this rank's rows). Returns the gradient of ln2 (summed over tp) in
+  // dnorm ([N, C] workspace).
+  const float* backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dout, float* dnorm,
+                        int64_t N);
+
+ private:
+  const ModelConfig& cfg_;
+  DType compute_;
+  Device dev_;
+  const kernels::KernelTable* kt_;
+  TpContext& tpc_;
+  int64_t width_;
+  struct Workspace {
+    Tensor dfc;   // the gradient of fc (GPT-2) or gate (Llama) [N, F]
+    Tensor dup;   // Llama: the gradient of up [N, F]
+    Tensor dact;  // the gradient of the activation [N, F]
+  } ws_;
+};
+
+}  // namespace mt
