@@ -56,6 +56,15 @@ MoeStats MoeLayer::take_stats() {
 //   experts  one GEMM per expert over its contiguous rows (grouped: no per-token loop)
 //   return   the outputs travel back the same way
 //   combine  out[t] = sum_j w[t, j] * y[row of (t, j)]
+// The router's fp32 input: the stored normalised input itself, or (bf16 runs) its n values widened
+// into the workspace.
+const float* MoeLayer::router_input(const Tensor& x, int64_t n) {
+  if (compute_ != DType::BF16) return x.f32();
+  float* t = fit(ws_.x_f32, n).f32();
+  kt_->cast_bf16_to_f32(t, x.bf(), n);
+  return t;
+}
+
 void MoeLayer::forward(LayerParams& P, int layer, const BlockParams& p, BlockActivations& a, const Tensor& x,
                        float* out, int64_t N, float dloss, bool count) {
   const int64_t C = cfg_.n_embd, E = cfg_.moe_experts, k = cfg_.moe_top_k;
@@ -64,14 +73,7 @@ void MoeLayer::forward(LayerParams& P, int layer, const BlockParams& p, BlockAct
   if (shape_.experts_apart && !ep_)
     throw std::logic_error("expert parallelism without an expert communicator (ModelOptions::ep_comm)");
   // Router, in fp32 from the stored (compute-dtype) normalised input.
-  const float* xin = nullptr;
-  if (compute_ == DType::BF16) {
-    float* t = fit(ws_.x_f32, N * C).f32();
-    kt_->cast_bf16_to_f32(t, x.bf(), N * C);
-    xin = t;
-  } else {
-    xin = x.f32();
-  }
+  const float* xin = router_input(x, N * C);
   kt_->linear_forward(a.r_logits.f32(), xin, P.f32(p.router), nullptr, N, C, E);
   kt_->moe_router_forward(a.r_scores.f32(), a.r_idx.i32(), a.r_w.f32(), a.r_lse.f32(), a.r_logits.f32(), N, E,
                           k, sig);
@@ -465,14 +467,7 @@ void MoeLayer::router_backward(LayerParams& P, const BlockParams& p, BlockActiva
   float* dlogits = fit(ws_.dlogits, N * E).f32();
   kt_->moe_router_backward(dlogits, ws_.dw.f32(), a.r_scores.f32(), a.r_idx.i32(), a.r_w.f32(), a.r_lse.f32(),
                            a.r_logits.f32(), aux, z_scale, N, E, k, cfg_.moe_sigmoid ? 1 : 0);
-  const float* xin = nullptr;
-  if (compute_ == DType::BF16) {
-    float* t = fit(ws_.x_f32, N * C).f32();
-    kt_->cast_bf16_to_f32(t, x.bf(), N * C);
-    xin = t;
-  } else {
-    xin = x.f32();
-  }
+  const float* xin = router_input(x, N * C);
   // The experts' input gradients are partial sums over the tp ranks, the router's is whole on each:
   // tp rank 0 adds it, then the sum over tp (reduce-scattered under SP) overlaps the router's
   // weight gradient.

@@ -60,6 +60,7 @@ class MoeLayer {
   int64_t rows_hint(int64_t n) const;
 
  private:
+  const float* router_input(const Tensor& x, int64_t n);
   // Forward steps: the dispatch plan and the routed rows in expert order (a.xs), exchanged with
   // the ep ranks; the experts and the combine into `y`; the shared experts added; the statistics.
   void dispatch(BlockActivations& a, const Tensor& x, int64_t N, int64_t* dropped);
