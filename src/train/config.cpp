@@ -89,7 +89,7 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.eps", Kind::Float, &c.train.eps, "AdamW epsilon"},
       {"train.seed", Kind::Int, &c.train.seed, "seed of the weight initialisation"},
       {"train.dtype", Kind::String, &c.train.dtype, "fp32 | bf16 (bf16 compute, fp32 master weights and reduction)"},
-      {"train.device", Kind::String, &c.train.device, "cpu | cuda (cuda is not wired into training yet: docs/gpu.md)"},
+      {"train.device", Kind::String, &c.train.device, "cpu | cuda (one GPU, one process: docs/gpu.md)"},
       {"train.loss_chunk_tokens", Kind::Int, &c.train.loss_chunk_tokens,
        "compute the LM head, loss and head gradients this many tokens at a time in forward, so the [tokens, vocab] "
        "logits are never held (0 = off)"},

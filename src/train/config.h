@@ -52,7 +52,7 @@ struct RunConfig {
     double weight_decay = 0.1, grad_clip = 1.0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
     int64_t seed = 1337;
     std::string dtype = "fp32";
-    std::string device = "cpu";  // cpu | cuda (cuda: docs/gpu.md; refused: not wired into training)
+    std::string device = "cpu";  // cpu | cuda (one GPU, one process: docs/gpu.md)
     std::string activation_checkpointing = "none";  // parse_recompute (parallel/layout/parallel_config.h)
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;
