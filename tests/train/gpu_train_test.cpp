@@ -1,8 +1,9 @@
 // Training on the CUDA device (train.device = cuda) against the same runs on the CPU: GPT-2 and
-// Llama, fp32 and bf16, recompute, gradient accumulation, chunked loss, eval; checkpoints saved on
-// one device and resumed on the other; Hugging Face weights; the host waits per step. They run
-// where a GPU is usable: on a GPU and in the emulator build (-DMESHTRAIN_CUDA=EMU, CTest label
-// `emu`); elsewhere they skip with the reason, and GpuTrainRefusal checks the error instead.
+// Llama, fp32 and bf16, recompute, gradient accumulation, chunked loss, eval, a mixture of
+// experts; checkpoints saved on one device and resumed on the other; Hugging Face weights; the
+// host waits per step. They run where a GPU is usable: on a GPU and in the emulator build
+// (-DMESHTRAIN_CUDA=EMU, CTest label `emu`); elsewhere they skip with the reason, and
+// GpuTrainRefusal checks the error instead.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -100,6 +101,17 @@ TEST_F(GpuTrain, LlamaBf16SelectiveRecomputeMatchesCpu) {
                  {"train.dtype", "bf16"},
                  {"train.activation_checkpointing", "selective"}},
                 kBf16Rel);
+}
+
+// A mixture of experts on one device: the router, the dispatch (its plan is made on the host from
+// the router's choices, copied back explicitly, one wait per MoE layer), the experts and the
+// combine, with a shared expert and the auxiliary loss.
+TEST_F(GpuTrain, LlamaMoeFp32MatchesCpu) {
+  expect_parity({{"model.preset", "llama-tiny"},
+                 {"model.moe_experts", "4"},
+                 {"model.moe_top_k", "2"},
+                 {"model.moe_shared_experts", "1"}},
+                kFp32Rel);
 }
 
 // A checkpoint saved on one device, resumed on the other, continues as the run that saved it did
