@@ -173,7 +173,8 @@ std::string format_plan(const PlanResult& r) {
   }
   if (r.offload_only_count > 0) {
     o << "Fits only with CPU offload of the optimizer state (" << r.offload_only_count
-      << " layouts; the same layouts without offload do not fit):\n";
+      << (r.offload_only_count == 1 ? " layout; the same layout" : " layouts; the same layouts")
+      << " without offload do" << (r.offload_only_count == 1 ? "es" : "") << " not fit):\n";
     for (const auto& [e, w] : r.offload_only) {
       const Layout& l = e.layout;
       o << "  " << strategy_label(l.strategy) << " (" << dp_cell(l) << ", tp " << l.tp << ", pp " << l.pp << ", ac "
