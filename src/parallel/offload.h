@@ -10,7 +10,7 @@
 // device as soon as the unit is done, while the CPU updates the next. The gradient norm is computed
 // on the device, as without offload.
 //
-// Host memory is counted in pinned_memory_tracker() (runtime/memory.h) by category: master
+// Host memory is counted in pinned_memory_tracker() (runtime/host_transfer.h) by category: master
 // weights and moments as optimizer, the gradient copies as grads, the bf16 upload copy as params.
 // On the Meta device (train --dry-run) the same bytes are counted without being allocated and the
 // step does nothing.
