@@ -129,6 +129,22 @@ TEST_F(GpuOffload, LlamaBf16MatchesTheDeviceOptimizer) {
   expect_same_training({{"model.preset", "llama-tiny"}, {"train.dtype", "bf16"}}, kBf16Rel);
 }
 
+// A checkpoint holds the same tensors with and without offload: one saved by either resumes in the
+// other and continues as the run that saved it did.
+TEST_F(GpuOffload, CheckpointsResumeAcrossOffload) {
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{"optimizer", "none"}, {"none", "optimizer"}}) {
+    SCOPED_TRACE("saved with offload " + from + ", resumed with " + to);
+    const std::string ck = tmp_.file("ck_" + from);
+    const TrainResult whole =
+        train(config(from, {{"train.steps", "4"}, {"train.checkpoint_dir", ck}, {"train.checkpoint_every", "2"}}));
+    const TrainResult resumed = train(config(to, {{"train.steps", "4"}, {"train.resume", ck + "/step_00000002"}}));
+    ASSERT_EQ(whole.losses.size(), 4u);
+    ASSERT_EQ(resumed.losses.size(), 2u);
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_NEAR(resumed.losses[i], whole.losses[i + 2], kFp32Rel * std::abs(whole.losses[i + 2])) << "step " << i + 3;
+  }
+}
+
 nlohmann::json final_metrics(const std::string& path) {
   std::ifstream f(path);
   std::string line;
