@@ -104,7 +104,7 @@ bool parse_shape(const std::string& text, Shape* s) {
     v.push_back(x);
   }
   if (v.size() != 5 || v[2] % v[3] != 0) return false;
-  *s = Shape{text, v[0], v[1], v[2], v[3], v[4]};
+  *s = Shape{"custom", v[0], v[1], v[2], v[3], v[4]};
   return true;
 }
 
@@ -189,7 +189,7 @@ int run_bench_attention_command(int argc, char** argv) {
         std::snprintf(dims, sizeof dims, "%lld,%lld,%lld,%lld,%lld", static_cast<long long>(s.B),
                       static_cast<long long>(s.T), static_cast<long long>(s.nh), static_cast<long long>(s.nkv),
                       static_cast<long long>(s.hd));
-        std::printf("%-8s %-20s %-26s %10.3f %10.2f %8s\n", s.name.c_str(), dims, names[which], ms, tf, share);
+        std::printf("%-8s %-20s %-26s %10.4g %10.4g %8s\n", s.name.c_str(), dims, names[which], ms, tf, share);
         std::fflush(stdout);
       }
       for (size_t i = 0; i < owned.size(); ++i) device_free(d, owned[i], sizes[i], MemCategory::Scratch);

@@ -341,7 +341,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int KD>
-__global__ void __launch_bounds__(kThreads)
+// (kThreads, 1): lets ptxas use up to 255 registers; its own choice for head dim 64 on sm_80 spilled.
+__global__ void __launch_bounds__(kThreads, 1)
     flash_dkv_k(float* dqkv, const uint16_t* dob, const float* lse, const float* Dd, FlashArgs f) {
   constexpr int D = 16 * KD, S = D + 8, NT = 2 * KD, QN = kDkvQueries / 8;
   MT_SHARED_DYNAMIC(smem, Vec16);
