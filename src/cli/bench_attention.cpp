@@ -171,8 +171,8 @@ int run_bench_attention_command(int argc, char** argv) {
       c.lse = upload<float>(d, static_cast<size_t>(s.B * s.nh * s.T), 5, owned, sizes);
       const double fwd_flops = 4.0 * static_cast<double>(s.B * s.nh * s.hd) * static_cast<double>(s.T) *
                                static_cast<double>(s.T + 1) / 2.0;
-      const char* names[4] = {"attention_forward (f32)", "attention_forward_bf16", "attention_backward (f32)",
-                              "attention_backward_bf16"};
+      const char* names[4] = {"attention_forward", "attention_forward_bf16", "attention_backward",
+                              "attention_backward_bf16"};  // the ops' names
       // The forwards run first so the backwards read the lse and out of the same precision's forward.
       for (int w = 0; w < 4; ++w) {
         const int which = w == 0 ? 0 : w == 1 ? 2 : w == 2 ? 1 : 3;  // f32 fwd, f32 bwd, bf16 fwd, bf16 bwd
