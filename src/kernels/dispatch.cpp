@@ -1,8 +1,10 @@
 // kernels::table(d) and describe(d): which backend's table serves a device.
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/backend.h"
+#include "kernels/conformance/check.h"
 #include "kernels/cpu/cpu_isa.h"
 
 #ifdef MT_HAVE_CUDA
@@ -46,3 +48,17 @@ std::string describe(Device d) {
 }
 
 }  // namespace mt::kernels
+
+namespace mt::kernels::conformance {
+
+double device_ms(Device d, const std::function<void()>& f) {
+#ifdef MT_HAVE_CUDA
+  if (d == Device::CUDA) return mt::cuda::time_ms(f);
+#endif
+  (void)d;
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace mt::kernels::conformance

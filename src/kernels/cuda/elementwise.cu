@@ -93,16 +93,26 @@ __global__ void reduce_final_k(double* out, const double* partial, int nparts) {
   }
 }
 
+// The reduction's result into *out (device memory), queued: nothing waits.
+template <bool kSquares>
+void reduce_to(double* out, const float* x, int64_t n) {
+  if (n <= 0) {
+    mt::cuda::zero(out, sizeof(double));
+    return;
+  }
+  double* part = static_cast<double*>(scratch(kScratchReduce, kRedBlocks * sizeof(double)));
+  MT_LAUNCH(reduce_partials_k<kSquares>, kRedBlocks, kThreads, 0, stream())(part, x, n);
+  check_launch(kSquares ? "sum_squares" : "sum");
+  MT_LAUNCH(reduce_final_k, 1, 32, 0, stream())(out, part, kRedBlocks);
+  check_launch("sum (final)");
+}
 template <bool kSquares>
 double reduce(const float* x, int64_t n) {
   if (n <= 0) return 0.0;
-  double* part = static_cast<double*>(scratch(kScratchReduce, (kRedBlocks + 1) * sizeof(double)));
-  MT_LAUNCH(reduce_partials_k<kSquares>, kRedBlocks, kThreads, 0, stream())(part, x, n);
-  check_launch(kSquares ? "sum_squares" : "sum");
-  MT_LAUNCH(reduce_final_k, 1, 32, 0, stream())(part + kRedBlocks, part, kRedBlocks);
-  check_launch("sum (final)");
+  double* out = static_cast<double*>(scratch(kScratchReduceOut, sizeof(double)));
+  reduce_to<kSquares>(out, x, n);
   double r = 0.0;
-  mt::cuda::copy_to_host(&r, part + kRedBlocks, sizeof r);
+  mt::cuda::copy_to_host(&r, out, sizeof r);
   return r;
 }
 }  // namespace
@@ -139,6 +149,8 @@ void scale(float* x, float s, int64_t n) {
 }
 double sum_squares(const float* x, int64_t n) { return reduce<true>(x, n); }
 double sum(const float* x, int64_t n) { return reduce<false>(x, n); }
+void sum_squares_to(double* out, const float* x, int64_t n) { reduce_to<true>(out, x, n); }
+void sum_to(double* out, const float* x, int64_t n) { reduce_to<false>(out, x, n); }
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n) {
   if (n <= 0) return;
   MT_LAUNCH(f32_to_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(reinterpret_cast<uint16_t*>(out), in, n);

@@ -147,6 +147,28 @@ void host_free_pinned(void* p) {
   if (p) check(cudaFreeHost(p), "cudaFreeHost");
 }
 
+double time_ms(const std::function<void()>& f) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  check(cudaEventCreate(&a), "cudaEventCreate");
+  check(cudaEventCreate(&b), "cudaEventCreate");
+  float ms = 0;
+  try {
+    check(cudaEventRecord(a, st()), "cudaEventRecord");
+    f();
+    check(cudaEventRecord(b, st()), "cudaEventRecord");
+    ++g_host_syncs;
+    check(cudaEventSynchronize(b), "cudaEventSynchronize");
+    check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  } catch (...) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    throw;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
 std::string describe() {
   require();
   cudaDeviceProp p{};
