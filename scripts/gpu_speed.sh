@@ -98,7 +98,7 @@ for B in $BATCHES; do
     --train.steps "$STEPS" --train.eval_every 0 --train.sample_tokens 0 --log.print_every 100 --train.device cuda \
     --log.peak_flops "$peak" --log.metrics_out "$TMP/tp$B.jsonl"; then
     row "meshtrain $MODEL B $B" ok "$(python3 -c 'import json,sys
-r=[json.loads(l) for l in open(sys.argv[1])]; r=[x for x in r if "tokens_per_s" in x][2:]
+r=[json.loads(l) for l in open(sys.argv[1])]; r=[x for x in r if "tokens_per_s" in x and "step" in x][2:]
 t=sum(x["tokens_per_s"] for x in r)/len(r); m=[x["mfu"] for x in r if x.get("mfu")]
 print("T %s: %.0f tokens/s, MFU %s (steps 3-%d)" % (sys.argv[2], t, "%.1f%%" % (100*sum(m)/len(m)) if m else "n/a", len(r)+2))' \
       "$TMP/tp$B.jsonl" "$T")"
