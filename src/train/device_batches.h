@@ -13,8 +13,8 @@
 // clips from the device's norm: the host waits once per step. Otherwise end_step() reads the loss
 // and the strategy reads the norm: twice.
 //
-// A pinned buffer is refilled only in the next step's upload(), after end_step() has waited for
-// the stream, so the copy that read it has finished.
+// A pinned buffer is refilled only in the next step's upload(), after end_step() or read_step()
+// has waited for the stream, so the copy that read it has finished.
 #pragma once
 #include <cstdint>
 #include <vector>
