@@ -387,6 +387,43 @@ TEST(CudaKernels, BiasGradientIsATwoStageSumInAFixedOrder) {
   }
 }
 
+// The elementwise kernels take 16 bytes per access where every pointer is 16-byte aligned and one
+// float otherwise; both forms apply the same per-element function, so they agree bitwise (n = 1030:
+// 257 vectors and a tail of 2; the unaligned form starts one float in).
+TEST(CudaKernels, ElementwiseVectorAndScalarFormsAgreeBitwise) {
+  REQUIRE_GPU();
+  const int64_t n = 1030;
+  const auto x = kt::randn(n, 95), g = kt::randn(n, 96), y0 = kt::randn(n, 97);
+  auto run = [&](int64_t off) {  // gelu forward, gelu backward, accumulate, scale, swiglu forward
+    auto at = [&](const std::vector<float>& v) {  // v starting `off` floats into the buffer
+      std::vector<float> b(static_cast<size_t>(off), 0.0f);
+      b.insert(b.end(), v.begin(), v.end());
+      return b;
+    };
+    DBuf<float> dx(at(x)), dg(at(g)), dy(at(y0)), dout{std::vector<float>(n + 1)}, dgrad(at(y0)),
+        dsw{std::vector<float>(n + 1)};
+    G().gelu_forward(dout.p + off, dx.p + off, n);
+    G().gelu_backward(dgrad.p + off, dx.p + off, dg.p + off, n);
+    G().accumulate(dy.p + off, dx.p + off, n);
+    G().scale(dy.p + off, 0.37f, n);
+    G().swiglu_forward(dsw.p + off, dx.p + off, dg.p + off, n);
+    std::vector<std::vector<float>> r;
+    for (const DBuf<float>* b : {&dout, &dgrad, &dy, &dsw}) {
+      const auto h = b->host();
+      r.emplace_back(h.begin() + off, h.begin() + off + n);
+    }
+    return r;
+  };
+  const auto vec = run(0), scalar = run(1);
+  const char* names[] = {"gelu_forward", "gelu_backward", "accumulate + scale", "swiglu_forward"};
+  for (size_t i = 0; i < vec.size(); ++i) EXPECT_TRUE(kt::bitwise_equal(vec[i], scalar[i])) << names[i];
+  // accumulate + scale against the CPU (both exact per element).
+  std::vector<float> want = y0;
+  C().accumulate(want.data(), x.data(), n);
+  C().scale(want.data(), 0.37f, n);
+  EXPECT_TRUE(kt::bitwise_equal(vec[2], want)) << "accumulate + scale against the CPU";
+}
+
 TEST(CudaKernels, AdamW) {
   REQUIRE_GPU();
   const int64_t n = 5003;
