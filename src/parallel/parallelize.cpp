@@ -75,7 +75,10 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
   if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
   r.loss = reduce_loss(r.stats.loss_sum, n);
   if (ep_) ep_->reduce_grads(comm);
-  r.grad_norm = global_grad_norm();
+  if (device_norm_ && !ep_ && plan_.pp == 1 && plan_.tp == 1 && strategy_->grad_norm_sq_to(device_norm_, norm_weight_))
+    r.grad_norm_on_device = true;
+  else
+    r.grad_norm = global_grad_norm();
   return r;
 }
 
@@ -102,6 +105,11 @@ double ParallelModel::global_grad_norm() {
 void ParallelModel::optimizer_step(double lr, float grad_scale, StepComm* comm) {
   if (ep_) ep_->optimizer_step(lr, grad_scale);  // first: a strategy's step may zero every gradient the model holds
   strategy_->optimizer_step(lr, grad_scale, comm);
+  pipe_->tied_weights_sync();
+}
+
+void ParallelModel::optimizer_step_clipped(double lr, double clip_max, StepComm* comm) {
+  strategy_->optimizer_step_clipped(lr, device_norm_, clip_max, comm);
   pipe_->tied_weights_sync();
 }
 

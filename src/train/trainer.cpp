@@ -209,7 +209,10 @@ void Trainer::build() {
   make_checkpointing();
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
-  if (current_device() == Device::CUDA) dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
+  if (current_device() == Device::CUDA) {
+    dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
+    pm_->set_device_norm(dbatch_->norm_slot());
+  }
 }
 
 void Trainer::check_train_config() {
@@ -435,17 +438,36 @@ void Trainer::train_step(int64_t step) {
   st_.micro_batches += accum_;
   if (dbatch_) dbatch_->begin_step();
   parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
-  if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
-  const double loss = r.loss, norm = r.grad_norm;
-  if (!std::isfinite(norm) || !std::isfinite(loss))
-    throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
-                             std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
-  float scale = 1.0f;
-  if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
-  trace_->begin("optimizer + parameter sync", "optimizer");
-  pm_->optimizer_step(lr, scale, &cs);
-  trace_->end();
+  auto check_finite = [&] {
+    if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss))
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
+                               std::to_string(r.loss) + ", grad norm " + std::to_string(r.grad_norm) + ")");
+  };
+  if (r.grad_norm_on_device) {
+    // One GPU: the norm stays on the device, AdamW clips from it there, and the loss and the norm
+    // come back in one read after the update (the step's only wait). A non-finite step still stops
+    // the run, after its update instead of before.
+    dbatch_->finish_step();
+    trace_->begin("optimizer + parameter sync", "optimizer");
+    pm_->optimizer_step_clipped(lr, tc_.grad_clip, &cs);
+    trace_->end();
+    double loss_sum = 0, norm_sq = 0;
+    dbatch_->read_step(&loss_sum, &norm_sq);
+    r.loss = pm_->reduce_loss(loss_sum, accum_);
+    r.grad_norm = std::sqrt(norm_sq);
+    check_finite();
+  } else {
+    if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
+    check_finite();
+    const double norm = r.grad_norm;
+    float scale = 1.0f;
+    if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
+    trace_->begin("optimizer + parameter sync", "optimizer");
+    pm_->optimizer_step(lr, scale, &cs);
+    trace_->end();
+  }
+  const double loss = r.loss;
   trace_->end();  // step
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();

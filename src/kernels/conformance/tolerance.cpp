@@ -39,6 +39,8 @@ Tolerance tolerance(Op op, DType) {
     // Double-precision accumulation in a different order: the order changes digits far below float.
     case Op::sum:
     case Op::sum_squares:
+    case Op::sum_to:
+    case Op::sum_squares_to:
       return {1e-10, 1e-10};
 
     // tanh / exp of the device's math library (a few ulp apart from glibc's and the vector ones).
@@ -122,6 +124,7 @@ Tolerance tolerance(Op op, DType) {
     // fuses one of the two products differs by up to half an ulp of the larger term (|beta1 m| <=
     // 0.09 in the cases: 3.7e-9), a large relative error when m is small, hence the absolute term.
     case Op::adamw_update:
+    case Op::adamw_update_multi:
       return {1e-6, 1e-8};
   }
   return {0.0, 0.0};
