@@ -185,10 +185,11 @@ void optimizer(std::vector<CaseSpec>& out) {
         return c;
       });
       // The multi-tensor form over 37 tensors of unequal lengths (more than one launch's group),
-      // decay on every other one; clipped by a norm in the device's memory (clip) or not.
-      for (const bool clip : {false, true}) {
+      // decay on every other one; clipped by a norm in the device's memory (clip 1) or not (0); a
+      // norm that is not finite (clip 2) leaves every tensor as it was.
+      for (const int clip : {0, 1, 2}) {
         add_case(out, Op::adamw_update_multi, dt, s.model, [s, dt, clip] {
-          Case c(Op::adamw_update_multi, dt, s.str() + (clip ? " clip" : ""));
+          Case c(Op::adamw_update_multi, dt, s.str() + (clip == 1 ? " clip" : clip == 2 ? " nan-norm" : ""));
           const int p = c.out("param", uniform(s.n, 55)), g = c.in("grad", uniform(s.n, 56)),
                     m = c.out("m", uniform(s.n, 57, -0.1f, 0.1f)), v = c.out("v", uniform(s.n, 58, 0.0f, 0.01f));
           const int pb = dt == DType::BF16 ? c.out("param_bf16", to_bf16(uniform(s.n, 59))) : -1;
@@ -201,8 +202,8 @@ void optimizer(std::vector<CaseSpec>& out) {
               off += n;
             }
             double* d = nullptr;
-            if (clip) {  // a norm of 3 clipped to 1.5
-              const double norm_sq = 9.0;
+            if (clip) {  // a norm of 3 clipped to 1.5, or a NaN norm
+              const double norm_sq = clip == 1 ? 9.0 : std::nan("");
               d = static_cast<double*>(device_alloc(k.device, sizeof(double), MemCategory::Workspace));
               dev::copy_from_host(k.device, d, &norm_sq, sizeof norm_sq);
             }

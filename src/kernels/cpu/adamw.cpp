@@ -74,6 +74,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 
 void adamw_update_multi(const AdamWTensor* tensors, int64_t count, float lr, float beta1, float beta2, float eps,
                         int64_t step, float grad_scale, const double* clip_norm_sq, double clip_max) {
+  if (clip_norm_sq && !std::isfinite(*clip_norm_sq)) return;
   float scale = grad_scale;
   if (clip_norm_sq && clip_max > 0) {
     const double norm = std::sqrt(*clip_norm_sq);

@@ -31,6 +31,7 @@ __global__ void adamw_multi_k(Group grp, float lr, float beta1, float beta2, flo
                               float grad_scale, const double* clip_norm_sq, double clip_max) {
   const int t = static_cast<int>(blockIdx.y);
   const int64_t n = grp.n[t];
+  if (clip_norm_sq && !isfinite(*clip_norm_sq)) return;  // the step is refused: nothing changes
   float scale = grad_scale;
   if (clip_norm_sq && clip_max > 0) {
     const double norm = sqrt(*clip_norm_sq);
