@@ -21,7 +21,7 @@ TEST(Straggler, EvenRanksNameNobody) {
 TEST(Straggler, SlowDataAndSlowComputeAreNamedWithTheirPart) {
   auto v = even(4, 1.0, 100.0);
   v[3].data_wait = 80;  // waits for its batch
-  v[1].compute = 170;   // computes slowly
+  v[1].compute = 200;   // computes slowly
   const auto s = mt::find_stragglers(v, 1.2, 10.0);
   ASSERT_EQ(s.size(), 2u);
   EXPECT_EQ(s[0].rank, 1);  // slowest first
