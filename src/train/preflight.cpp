@@ -153,22 +153,37 @@ std::string fitting_layout_advice(const RunConfig& cfg, const ModelConfig& mc, i
   plan::Cluster c = plan::cluster_preset("this-cpu");
   c.gpus_per_node = std::max(1, local_ranks);
   c.shared_node = shared_node;
-  c.mem_per_gpu = node_bytes;  // free memory already leaves out what the system uses
-  c.mem_reserved = 0;
+  c.mem_reserved = 0;  // free memory already leaves out what the system uses
+  const double per_rank = shared_node ? node_bytes / c.gpus_per_node : node_bytes;
   plan::AutoLayoutOptions o;
   o.fp32 = cfg.train.dtype != "bf16";
-  o.cluster_model = c;
   try {
     for (int w = world; w <= (1 << 20); w *= 2) {
-      const plan::AutoLayout a = plan::auto_layout(mc, w, c.gpus_per_node, tokens, o);
-      if (!a.fits) continue;
-      const std::string pred = format_bytes(static_cast<int64_t>(a.estimate.mem.total()));
-      if (w == world)
-        return "the planner's best layout that fits on these " + std::to_string(world) + " ranks: " +
-               a.plan.describe() + " (predicted peak " + pred + " per rank): " + plan_flags(cfg, a.plan);
-      return "no data-parallel layout fits on " + std::to_string(world) + " rank" + (world > 1 ? "s" : "") +
-             "; the planner needs " + std::to_string(w) + " ranks like these (" + std::to_string(c.gpus_per_node) +
-             " per host), e.g. " + a.plan.describe() + " (predicted peak " + pred + " per rank)";
+      // The planner's memory model is close to the engine's but not exact: its choice is checked by
+      // the dry run (rank 0 of that layout), and while the engine needs more than the planner said,
+      // the planner is asked again with its budget shrunk by that factor.
+      double budget = node_bytes;
+      for (int attempt = 0; attempt < 4; ++attempt) {
+        c.mem_per_gpu = budget;
+        o.cluster_model = c;
+        const plan::AutoLayout a = plan::auto_layout(mc, w, c.gpus_per_node, tokens, o);
+        if (!a.fits) break;
+        RunConfig lc = cfg;
+        lc.set_parallel_plan(a.plan);
+        const auto peak = dry_run_peak(lc, w, 0);
+        double need = 0;
+        for (int64_t b : peak) need += static_cast<double>(b);
+        if (need <= per_rank) {
+          const std::string fig = format_bytes(static_cast<int64_t>(need)) + " at its peak on rank 0 (dry run)";
+          if (w == world)
+            return "the planner's best layout that fits on these " + std::to_string(world) + " ranks: " +
+                   a.plan.describe() + ", " + fig + ": " + plan_flags(cfg, a.plan);
+          return "no data-parallel layout fits on " + std::to_string(world) + " rank" + (world > 1 ? "s" : "") +
+                 "; the planner needs " + std::to_string(w) + " ranks like these (" + std::to_string(c.gpus_per_node) +
+                 " per host), e.g. " + a.plan.describe() + ", " + fig;
+        }
+        budget *= std::min(0.97, a.estimate.mem.total() / need);
+      }
     }
   } catch (const std::exception& e) {
     return std::string("the planner found no layout (") + e.what() + ")";
@@ -231,8 +246,10 @@ void memory_preflight(const RunConfig& cfg, const ModelConfig& mc, comm::Process
       g.size() > 1 ? " (" + std::to_string(misses) + " of " + std::to_string(g.size()) + " ranks do not fit)" : "";
   std::snprintf(head, sizeof head, "memory preflight: %s needs %s at its peak but has %s free%s; its peak by category: ",
                 where.c_str(), format_bytes(total).c_str(), format_bytes(avail).c_str(), how_many.c_str());
+  // Only rank 0 prints the message: only it asks the planner (and checks its choice by dry runs).
   const std::string advice =
-      fitting_layout_advice(cfg, mc, g.size(), in.local_ranks, node_bytes, shared, in.tokens_per_step);
+      in.rank == 0 ? fitting_layout_advice(cfg, mc, g.size(), in.local_ranks, node_bytes, shared, in.tokens_per_step)
+                   : std::string("(the planner's advice is on rank 0)");
   throw JobConfigError(std::string(head) + categories_text(peak) + " (the engine's dry run); " + advice +
                        "; train.preflight = false skips this check");
 }

@@ -30,8 +30,10 @@ std::array<int64_t, kNumMemCategories> dry_run_peak(const RunConfig& cfg, int wo
 int64_t available_bytes(Device d, int local_ranks, const std::string& host, std::string* source);
 
 // The planner's advice for a job that does not fit: its best data-parallel layout (what `train
-// --auto` can run) on `world` ranks, `local_ranks` per host, given `node_bytes` free per host (GPU
-// when !shared_node), training `tokens` tokens per step; else the number of such ranks it needs.
+// --auto` can run) on `world` ranks, `local_ranks` per host, given `node_bytes` free per host (per
+// GPU when !shared_node), training `tokens` tokens per step; else the number of such ranks it needs.
+// The layout is checked by the dry run of its rank 0 (the planner asked again with a smaller budget
+// while the engine needs more than it predicted).
 std::string fitting_layout_advice(const RunConfig& cfg, const ModelConfig& mc, int world, int local_ranks,
                                   double node_bytes, bool shared_node, int64_t tokens);
 
