@@ -76,10 +76,21 @@ std::string plan_flags(const RunConfig& cfg, const ParallelPlan& p) {
 
 }  // namespace
 
+namespace {
+std::string& binary_path() {
+  static std::string p;
+  return p;
+}
+}  // namespace
+
+void set_dry_run_binary(const std::string& path) { binary_path() = path; }
+const std::string& dry_run_binary() { return binary_path(); }
+
 std::array<int64_t, kNumMemCategories> dry_run_peak(const RunConfig& cfg, int world, int rank) {
+  if (binary_path().empty()) throw std::runtime_error("no meshtrain binary to run the dry run (set_dry_run_binary)");
   std::error_code ec;
-  const std::string self = fs::read_symlink("/proc/self/exe", ec).string();
-  if (ec) throw std::runtime_error("cannot find this binary (/proc/self/exe): " + ec.message());
+  const std::string self = fs::canonical(binary_path(), ec).string();
+  if (ec) throw std::runtime_error("cannot find the meshtrain binary (" + binary_path() + "): " + ec.message());
   const fs::path dir = fs::temp_directory_path() / ("meshtrain_preflight_" + std::to_string(::getpid()));
   fs::create_directories(dir, ec);
   if (ec) throw std::runtime_error("cannot create " + dir.string() + ": " + ec.message());

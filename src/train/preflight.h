@@ -18,7 +18,13 @@
 
 namespace mt {
 
-// Rank `rank` of a `world`-rank job of `cfg` as a dry run in a child process of this binary: its
+// The meshtrain binary that runs `train --dry-run` (meshtrain's main() names itself). Empty (the
+// default): this process is not meshtrain - a test calling train() in-process - and the trainer
+// skips the preflight.
+void set_dry_run_binary(const std::string& path);
+const std::string& dry_run_binary();
+
+// Rank `rank` of a `world`-rank job of `cfg` as a dry run in a child process of dry_run_binary(): its
 // peak bytes by category (mem_peak_by_category of the dry run's final object). Throws
 // std::runtime_error with the child's last output line when the dry run fails.
 std::array<int64_t, kNumMemCategories> dry_run_peak(const RunConfig& cfg, int world, int rank);

@@ -197,7 +197,9 @@ void Trainer::build() {
   accum_ = plan_.microbatches;
   // Every rank runs the same job (config, build, data), checked before anything is loaded.
   verify_same_job(*groups_.metrics, job_items(cfg_, mc_, !dry_), "configuration");
-  if (!dry_ && tc_.preflight)  // before the model allocates: does every rank's dry-run peak fit?
+  // Before the model allocates: does every rank's dry-run peak fit? (In the meshtrain binary only:
+  // the same decision on every rank, since every rank runs the same binary.)
+  if (!dry_ && tc_.preflight && !dry_run_binary().empty())
     memory_preflight(cfg_, mc_, *groups_.metrics,
                      {.rank = rank_, .world = world_, .local_ranks = W_->local_size(), .host = W_->hostname(),
                       .device = current_device(),
