@@ -22,7 +22,7 @@ MetricsProcessor::MetricsProcessor(const RunConfig& cfg, const ModelConfig& mc, 
     : cfg_(cfg), tc_(cfg.train), mc_(mc), plan_(pm.plan()), groups_(groups), pm_(pm), dt_(dtype), rank_(rank),
       world_(world), dry_(dry), log_(dry || comm::should_print(rank)), first_step_(first_step),
       writer_(rank == 0 || dry ? cfg.log.metrics_out : ""),
-      stragglers_(dry ? nullptr : groups.metrics.get(), dry ? "" : comm::World::get().hostname(),
+      stragglers_(groups.metrics.get(), comm::World::get().hostname(),  // a dry run counts its bytes too
                   cfg.log.straggler_every, cfg.log.straggler_ratio, cfg.log.straggler_min_ms, first_step) {
   if (cfg.log.straggler_every < 0) throw ConfigError("log.straggler_every must be >= 0 (0 = never)");
   if (cfg.log.straggler_ratio < 1.0) throw ConfigError("log.straggler_ratio must be >= 1");

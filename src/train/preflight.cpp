@@ -107,7 +107,6 @@ std::array<int64_t, kNumMemCategories> dry_run_peak(const RunConfig& cfg, int wo
   c.log.metrics_out = metrics;
   c.log.tensorboard_dir.clear();
   c.log.print_every = 1000000;
-  c.train.preflight = false;
   std::ofstream(toml) << c.to_toml();
   std::vector<std::string> args = {self, "train", "--config", toml, "--dry-run", "--world", std::to_string(world),
                                    "--rank", std::to_string(rank)};
@@ -207,7 +206,9 @@ void memory_preflight(const RunConfig& cfg, const ModelConfig& mc, comm::Process
   constexpr int K = kNumMemCategories;
   std::vector<int64_t> mine(K + 2, 0);
   std::string source, why;
-  try {
+  if (in.count_only) {
+    mine[K + 1] = 2;
+  } else try {
     const auto peak = dry_run_peak(cfg, in.world, in.rank);
     std::copy(peak.begin(), peak.end(), mine.begin());
     const int64_t avail = available_bytes(in.device, in.local_ranks, in.host, &source);
@@ -237,7 +238,7 @@ void memory_preflight(const RunConfig& cfg, const ModelConfig& mc, comm::Process
     if (worst < 0 || total - v[K] > worst_over) worst = r, worst_over = total - v[K];
   }
   if (misses == 0) {
-    if (unknown && comm::should_print(in.rank))
+    if (unknown && !in.count_only && comm::should_print(in.rank))
       std::printf("memory preflight skipped on %d rank%s: %s\n", unknown, unknown > 1 ? "s" : "",
                   why.empty() ? "the dry run failed there" : why.c_str());
     return;

@@ -48,6 +48,8 @@ struct PreflightInput {
   std::string host;
   Device device = Device::CPU;
   int64_t tokens_per_step = 0;  // global batch in tokens (the planner's advice keeps it)
+  // A dry run: only the collective, so the dry run's bytes per group are a real run's.
+  bool count_only = false;
 };
 
 // Collective over `g` (every rank of the job). Returns when every rank fits; otherwise throws the

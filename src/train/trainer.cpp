@@ -199,11 +199,13 @@ void Trainer::build() {
   verify_same_job(*groups_.metrics, job_items(cfg_, mc_, !dry_), "configuration");
   // Before the model allocates: does every rank's dry-run peak fit? (In the meshtrain binary only:
   // the same decision on every rank, since every rank runs the same binary.)
-  if (!dry_ && tc_.preflight && !dry_run_binary().empty())
+  // A dry run makes the check's one collective only (its bytes per group are a real run's).
+  if (tc_.preflight && (dry_ || !dry_run_binary().empty()))
     memory_preflight(cfg_, mc_, *groups_.metrics,
                      {.rank = rank_, .world = world_, .local_ranks = W_->local_size(), .host = W_->hostname(),
                       .device = current_device(),
-                      .tokens_per_step = B_ * T_full_ * accum_ * plan_.dp()});
+                      .tokens_per_step = B_ * T_full_ * accum_ * plan_.dp(),
+                      .count_only = dry_});
   make_loaders();
   try {
     pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_));
