@@ -167,6 +167,8 @@ std::string fitting_layout_advice(const RunConfig& cfg, const ModelConfig& mc, i
   const double per_rank = shared_node ? node_bytes / c.gpus_per_node : node_bytes;
   plan::AutoLayoutOptions o;
   o.fp32 = cfg.train.dtype != "bf16";
+  int checks = 0;  // dry runs of candidate layouts, at most kMaxChecks (each takes a fraction of a second)
+  constexpr int kMaxChecks = 6;
   try {
     for (int w = world; w <= (1 << 20); w *= 2) {
       // The planner's memory model is close to the engine's but not exact: its choice is checked by
@@ -178,6 +180,10 @@ std::string fitting_layout_advice(const RunConfig& cfg, const ModelConfig& mc, i
         o.cluster_model = c;
         const plan::AutoLayout a = plan::auto_layout(mc, w, c.gpus_per_node, tokens, o);
         if (!a.fits) break;
+        if (checks++ == kMaxChecks)
+          return "the planner suggests " + std::string(w == world ? "on these ranks " : "on " + std::to_string(w) + " ranks ") +
+                 a.plan.describe() + " (predicted peak " + format_bytes(static_cast<int64_t>(a.estimate.mem.total())) +
+                 " per rank, not checked by a dry run)";
         RunConfig lc = cfg;
         lc.set_parallel_plan(a.plan);
         const auto peak = dry_run_peak(lc, w, 0);
