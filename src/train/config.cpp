@@ -157,7 +157,7 @@ std::vector<Field> fields(RunConfig& c) {
       {"log.straggler_every", Kind::Int, &c.log.straggler_every,
        "steps between the ranks' comparison of data wait and compute (one small all-gather; 0 = never)"},
       {"log.straggler_ratio", Kind::Float, &c.log.straggler_ratio,
-       "a rank is a straggler when its data wait or compute exceeds the ranks' median by this factor"},
+       "a rank is a straggler when its busy time (data wait + compute) exceeds the ranks' median by this factor"},
       {"log.straggler_min_ms", Kind::Float, &c.log.straggler_min_ms,
        "... and by at least this many ms per step (so noise does not name anyone)"},
   };
