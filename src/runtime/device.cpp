@@ -1,4 +1,5 @@
 #include "runtime/device.h"
+#include "runtime/device_mem_info.h"
 #include "runtime/host_transfer.h"
 
 #include <omp.h>
@@ -136,6 +137,13 @@ MemoryTracker& memory_tracker(Device d) {
     MT_CUDA_OR_THROW(cuda::tracker());
   }
   return d == Device::CPU ? host_memory_tracker() : meta_tracker();
+}
+
+int64_t device_free_bytes(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::free_bytes());
+  }
+  return -1;
 }
 
 void* device_alloc(Device d, size_t bytes, MemCategory c) {

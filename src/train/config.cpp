@@ -121,6 +121,9 @@ std::vector<Field> fields(RunConfig& c) {
        "start from these weights (a .safetensors file with Hugging Face names, or a checkpoint): fresh optimizer, step 0"},
       {"train.sample_tokens", Kind::Int, &c.train.sample_tokens, "tokens to generate after training (0 = none)"},
       {"train.sample_prompt", Kind::String, &c.train.sample_prompt, "prompt of the end-of-run sample"},
+      {"train.preflight", Kind::Bool, &c.train.preflight,
+       "before allocating, every rank compares its dry-run peak memory with the memory free for it and the job "
+       "stops (exit 2) with the figures and a layout that fits when it does not"},
       {"parallel.strategy", Kind::String, &c.parallel.strategy, alternatives(all_sharding_strategies())},
       {"parallel.dp_replicate", Kind::Int, &c.parallel.dp_replicate, "replica groups"},
       {"parallel.dp_shard", Kind::Int, &c.parallel.dp_shard, "shard group size (-1 = what the world size leaves)"},
@@ -151,6 +154,12 @@ std::vector<Field> fields(RunConfig& c) {
       {"log.tensorboard_dir", Kind::String, &c.log.tensorboard_dir, "TensorBoard event files directory (rank 0)"},
       {"log.peak_flops", Kind::Float, &c.log.peak_flops, "peak FLOP/s per rank for MFU (0 = MFU omitted)"},
       {"log.print_every", Kind::Int, &c.log.print_every, "steps between progress lines"},
+      {"log.straggler_every", Kind::Int, &c.log.straggler_every,
+       "steps between the ranks' comparison of data wait and compute (one small all-gather; 0 = never)"},
+      {"log.straggler_ratio", Kind::Float, &c.log.straggler_ratio,
+       "a rank is a straggler when its busy time (data wait + compute) exceeds the ranks' median by this factor"},
+      {"log.straggler_min_ms", Kind::Float, &c.log.straggler_min_ms,
+       "... and by at least this many ms per step (so noise does not name anyone)"},
   };
 }
 

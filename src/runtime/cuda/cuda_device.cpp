@@ -1,4 +1,5 @@
 #include "runtime/cuda/cuda_device.h"
+#include "runtime/device_mem_info.h"
 
 #include "runtime/cuda/copy_stream.h"
 
@@ -102,6 +103,13 @@ void free(void* p, size_t bytes, MemCategory c) {
 }
 
 MemoryTracker& tracker() { return state().tracker; }
+
+int64_t free_bytes() {
+  require();
+  size_t free_b = 0, total_b = 0;
+  check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  return static_cast<int64_t>(free_b);
+}
 
 void release_cache() {
   State& s = state();
