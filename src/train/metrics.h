@@ -24,6 +24,8 @@ struct StepMetrics {
   // formula's value for the same schedule.
   std::optional<double> pp_bubble, pp_bubble_formula;
   int64_t mem_peak_bytes = 0;
+  // Data with loss masks: the targets the loss trained this step, all ranks (the loss is their mean).
+  std::optional<int64_t> trained_tokens;
   // A blended data.train: input tokens seen so far per dataset pattern, all ranks (null otherwise).
   nlohmann::json data_tokens_by_dataset;
   // Mixture of experts (null otherwise): expert_tokens, expert_imbalance, moe_aux_loss, ... (see

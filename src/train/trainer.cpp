@@ -50,6 +50,7 @@ struct AnyLoader {
     else plain->reset();
   }
   int64_t total_tokens() const { return blend ? blend->total_tokens() : ds->total_tokens(); }
+  bool has_masks() const { return blend ? blend->has_masks() : ds->has_masks(); }
   double bytes_per_token() const { return ds ? ds->bytes_per_token() : 0.0; }  // 0: unknown
 };
 
@@ -102,6 +103,11 @@ class Trainer {
   void next_batch(int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
   void local_tokens(int32_t* x, int32_t* y);
+  // Loss masks: the trained targets (>= 0) of `n` micro-batches of every rank's data, summed
+  // over the data-parallel x cp ranks (one collective over the world).
+  int64_t global_trained(const std::vector<std::vector<int32_t>>& ys, int64_t n);
+  // The loss weight that makes the loss the mean over `trained` targets of n micro-batches.
+  double mask_weight(int64_t trained, int64_t n) const;
   const RunConfig& cfg_;
   const RunConfig::Train& tc_;
   comm::World* W_ = nullptr;
@@ -293,6 +299,20 @@ void Trainer::local_tokens(int32_t* x, int32_t* y) {
   cp_take_local(full_y_.data(), y, B_, T_full_, r, plan_.cp);
 }
 
+int64_t Trainer::global_trained(const std::vector<std::vector<int32_t>>& ys, int64_t n) {
+  int64_t c = 0;
+  for (int64_t m = 0; m < n; ++m)
+    for (int64_t i = 0; i < B_ * T_; ++i) c += ys[static_cast<size_t>(m)][static_cast<size_t>(i)] >= 0;
+  groups_.metrics->all_reduce(&c, 1, DType::I64, comm::ReduceOp::Sum)->wait();
+  // Every data share (a data-parallel x cp rank) is held by world / D ranks (tp x pp).
+  return c * groups_.dp->size() / world_;
+}
+
+double Trainer::mask_weight(int64_t trained, int64_t n) const {
+  if (trained <= 0) return 0.0;  // nothing trained in this step: no loss, no gradient
+  return static_cast<double>(groups_.dp->size()) * static_cast<double>(B_ * T_ * n) / static_cast<double>(trained);
+}
+
 void Trainer::load_state() {
   std::unique_ptr<CheckpointReader> reader;
   std::string resume_dir;
@@ -394,6 +414,8 @@ double Trainer::evaluate() {
   std::vector<int32_t>& x = xs_[0];
   std::vector<int32_t>& y = ys_[0];
   double s = 0;
+  const bool masks = val_loader_->has_masks();
+  int64_t trained = 0;
   for (int64_t i = 0; i < tc_.eval_batches; ++i) {
     if (plan_.cp > 1) {
       val_loader_->next(full_x_.data(), full_y_.data());
@@ -401,13 +423,15 @@ double Trainer::evaluate() {
     } else {
       val_loader_->next(x.data(), y.data());
     }
+    if (masks) trained += global_trained(ys_, 1);
     if (dbatch_) dbatch_->upload(0, x.data(), y.data());
     s += dbatch_ ? pm_->eval_forward(dbatch_->ids(0), dbatch_->targets(0), B_, T_)
                  : pm_->eval_forward(x.data(), y.data(), B_, T_);
   }
   strategy_->after_eval();
   trace_->end();
-  return pm_->reduce_loss(s, std::max<int64_t>(1, tc_.eval_batches));
+  const int64_t nb = std::max<int64_t>(1, tc_.eval_batches);
+  return pm_->reduce_loss(s, nb) * (masks ? mask_weight(trained, nb) : 1.0);
 }
 
 void Trainer::train_step(int64_t step) {
@@ -422,9 +446,15 @@ void Trainer::train_step(int64_t step) {
     yp.push_back(dbatch_ ? dbatch_->targets(m) : ys_[m].data());
   }
   st_.micro_batches += accum_;
+  // Loss masks: the loss is the mean over the global batch's trained targets, whatever the
+  // accumulation and the number of ranks (see docs/finetuning.md).
+  std::optional<int64_t> trained;
+  if (loader_ && loader_->has_masks()) trained = global_trained(ys_, accum_);
+  const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
   if (dbatch_) dbatch_->begin_step();
-  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
-  if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
+  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight);
+  if (dbatch_)  // the loss summed on the device: one read
+    r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_) * weight;
   const double loss = r.loss, norm = r.grad_norm;
   if (!std::isfinite(norm) || !std::isfinite(loss))
     throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
@@ -439,6 +469,7 @@ void Trainer::train_step(int64_t step) {
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();
   StepMetrics sm = metrics_->step(step, r, lr, t0, cs);
+  sm.trained_tokens = trained;
   if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
     sm.val_bits_per_byte = bits_per_byte(*sm.val_loss, val_bytes_per_token_);
