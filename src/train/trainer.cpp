@@ -509,7 +509,9 @@ TrainResult Trainer::run() {
   metrics_ = std::make_unique<MetricsProcessor>(cfg_, mc_, groups_, *pm_, dt_, rank_, world_, dry_, st_.step);
   if (rank_ == 0 && !dry_) metrics_->attach_tensorboard(cfg_.log.tensorboard_dir, cfg_.to_toml());
   metrics_->print_header(ref_->num_params(), loader_ ? loader_->total_tokens() : 0, threads_);
-  if (val_loader_) val_bytes_per_token_ = val_loader_->bytes_per_token();
+  // Bits per byte relate a loss over every token to the bytes of all of them: not a loss over the
+  // trained tokens of masked data.
+  if (val_loader_ && !val_loader_->has_masks()) val_bytes_per_token_ = val_loader_->bytes_per_token();
   if (val_loader_ && log_ && val_bytes_per_token_ <= 0) std::printf("%s\n", no_bits_per_byte_note(cfg_.data.val).c_str());
   if (val_loader_ && tc_.eval_at_start) {
     val_start_ = evaluate();
