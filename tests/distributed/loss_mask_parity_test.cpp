@@ -1,6 +1,6 @@
 // Loss masks (instruction data) across ranks: with a mask that trains a very different number of
 // targets on each rank and in each micro-batch, 2-rank DDP and FULL_SHARD (with gradient
-// accumulation) give the same losses and weights as one process on the whole global batch - the
+// accumulation) and context parallelism 2 give the same losses and weights as one process on the whole global batch - the
 // loss is the mean over the global batch's trained targets, not a mean of per-rank means - and
 // the trained_tokens metric is the count the mask file gives.
 #include <gtest/gtest.h>
@@ -55,6 +55,8 @@ TEST_F(LossMaskParity, TwoRanksDdpAndFullShardMatchOneProcess) {
   expect_close(single, train(2, 4, 1, "ddp2"), kLossTol, kWeightTol, "masked DDP np=2");
   expect_close(single, train(2, 2, 2, "fsdp2_acc2", "--parallel.strategy FULL_SHARD"), kLossTol, kWeightTol,
                "masked FULL_SHARD np=2 accum=2");
+  // Context parallelism: each rank holds half of every sequence (and half of its trained targets).
+  expect_close(single, train(2, 8, 1, "cp2", "--parallel.cp 2"), kLossTol, kWeightTol, "masked cp 2");
 }
 
 // Without its mask the same data trains on every target: the mask does change what is learnt.
