@@ -35,7 +35,7 @@ class LossMaskParity : public ParityFixture {
   std::vector<uint8_t> mask_;
 };
 
-TEST_F(LossMaskParity, TwoRanksDdpAndFullShardMatchOneProcess) {
+TEST_F(LossMaskParity, TwoRanksDdpFullShardAndCpMatchOneProcess) {
   const RunResult single = train(1, 8, 1, "single");
   ASSERT_EQ(single.losses.size(), 8u);
   // trained_tokens per step: the mask of the targets (token k*256 + 1 .. k*256 + 256) of step k.
