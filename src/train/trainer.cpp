@@ -141,6 +141,7 @@ class Trainer {
   double val_bytes_per_token_ = 0;   // 0: the val shards do not record their text (no bits per byte)
   nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
   double full_save_ms_ = 0;          // train.checkpoint_format = full
+  std::optional<int64_t> trained_total_;  // loss masks: targets trained by this run's steps
   int64_t full_saves_ = 0;
 };
 
@@ -470,6 +471,7 @@ void Trainer::train_step(int64_t step) {
   st_.adam_steps = strategy_->adam_steps();
   StepMetrics sm = metrics_->step(step, r, lr, t0, cs);
   sm.trained_tokens = trained;
+  if (trained) trained_total_ = trained_total_.value_or(0) + *trained;
   if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
     sm.val_bits_per_byte = bits_per_byte(*sm.val_loss, val_bytes_per_token_);
@@ -553,6 +555,7 @@ void Trainer::report() {
   o.full_saves = full_saves_;
   o.full_save_ms = full_save_ms_;
   o.blend = loader_ ? loader_->blend.get() : nullptr;
+  o.trained_tokens = trained_total_;
   metrics_->report(o);
 }
 

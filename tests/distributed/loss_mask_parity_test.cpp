@@ -47,10 +47,13 @@ TEST_F(LossMaskParity, TwoRanksDdpFullShardAndCpMatchOneProcess) {
     std::string line;
     while (std::getline(f, line)) {
       const auto j = nlohmann::json::parse(line);
-      if (j.contains("trained_tokens")) got.push_back(j["trained_tokens"].get<int64_t>());
+      if (!j.contains("final") && j.contains("trained_tokens")) got.push_back(j["trained_tokens"].get<int64_t>());
     }
   }
   EXPECT_EQ(got, expect);
+  int64_t total = 0;
+  for (int64_t e : expect) total += e;
+  EXPECT_EQ(single.final.value("trained_tokens", int64_t{-1}), total);
 
   expect_close(single, train(2, 4, 1, "ddp2"), kLossTol, kWeightTol, "masked DDP np=2");
   expect_close(single, train(2, 2, 2, "fsdp2_acc2", "--parallel.strategy FULL_SHARD"), kLossTol, kWeightTol,
