@@ -207,6 +207,41 @@ TEST_F(ChatData, PreparedShardsCarryMasksAndTheLoaderLeavesUntrainedTargetsOut) 
   EXPECT_FALSE(TokenDataset(shard).has_masks());
 }
 
+// The shuffled loader and a blend read masked targets too: with token id = position in the shard,
+// every input locates its target, which must be that token or -1 as the mask says.
+TEST_F(ChatData, ShuffledAndBlendedLoadersHonourTheMask) {
+  const std::string shard = (dir_ / "pos.bin").string();
+  const int n = 4001, B = 2, T = 16;
+  std::vector<int32_t> toks(n);
+  std::vector<uint8_t> mask(n);
+  for (int i = 0; i < n; ++i) {
+    toks[static_cast<size_t>(i)] = i;
+    mask[static_cast<size_t>(i)] = (i % 5 == 0 || i % 97 < 20) ? 1 : 0;
+  }
+  write_token_shard(shard, toks);
+  write_mask_shard(mask_shard_path(shard), mask);
+  auto check = [&](const std::vector<int32_t>& x, const std::vector<int32_t>& y, const std::string& what) {
+    for (size_t i = 0; i < x.size(); ++i) {
+      const auto at = static_cast<size_t>(x[i] + 1);
+      ASSERT_EQ(y[i], mask[at] ? static_cast<int32_t>(at) : -1) << what << " element " << i;
+    }
+  };
+  std::vector<int32_t> x(B * T), y(B * T);
+  const TokenDataset ds(shard);
+  BatchLoader shuffled(ds, B, T, 1, 2);
+  shuffled.set_shuffle(7);
+  for (int k = 0; k < 50; ++k) {
+    shuffled.next(x.data(), y.data());
+    check(x, y, "shuffled batch " + std::to_string(k));
+  }
+  BlendLoader blend("1:" + shard, "data.train", B, T, 0, 1, 7, true);
+  EXPECT_TRUE(blend.has_masks());
+  for (int k = 0; k < 50; ++k) {
+    blend.next(x.data(), y.data());
+    check(x, y, "blend batch " + std::to_string(k));
+  }
+}
+
 TEST_F(ChatData, AMaskOfTheWrongLengthIsRefusedNamingTheFile) {
   const std::string shard = (dir_ / "t.bin").string();
   write_token_shard(shard, std::vector<int32_t>{1, 2, 3, 4});
