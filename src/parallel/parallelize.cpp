@@ -66,14 +66,14 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
 
 StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& ids,
                                            const std::vector<const int32_t*>& targets, int64_t B, int64_t T,
-                                           StepComm* comm) {
+                                           StepComm* comm, double loss_weight) {
   const auto n = static_cast<int64_t>(ids.size());
-  const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * n));
+  const float dloss = static_cast<float>(loss_weight / static_cast<double>(B * T * n));
   StepResult r;
   model_->zero_grads();
   r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm);
   if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
-  r.loss = reduce_loss(r.stats.loss_sum, n);
+  r.loss = reduce_loss(r.stats.loss_sum, n) * loss_weight;
   if (ep_) ep_->reduce_grads(comm);
   if (device_norm_ && !ep_ && plan_.pp == 1 && plan_.tp == 1 && strategy_->grad_norm_sq_to(device_norm_, norm_weight_))
     r.grad_norm_on_device = true;
