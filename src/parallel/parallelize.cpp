@@ -27,7 +27,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
     throw PlanError(std::string("pipeline: ") + e.what());
   }
   std::vector<char> owned;
-  if (pp > 1) owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2);
+  if (pp > 1)
+    owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2, schedule.vshape);
   if (plan.ep_enabled()) p.ep_comm_ = std::make_unique<ProcessGroupExpertComm>(g.ep);
   if (plan.cp > 1) p.cp_comm_ = std::make_unique<ProcessGroupCpComm>(g.cp);
   // The model's settings that depend on the plan, all given at construction.
