@@ -43,7 +43,7 @@ TEST(ParallelConfig, PipelineScheduleAndRecomputeRoundTrip) {
     EXPECT_EQ(parse_pipeline_schedule(to_string(s)), s);
     seen.insert(to_string(s));
   }
-  EXPECT_EQ(seen, (std::set<std::string>{"gpipe", "1f1b", "interleaved_1f1b"}));
+  EXPECT_EQ(seen, (std::set<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv"}));
   // "none" (no pipeline) prints but is not a value of parallel.pp_schedule.
   EXPECT_STREQ(to_string(PipelineSchedule::None), "none");
   EXPECT_FALSE(try_parse_pipeline_schedule("none"));
