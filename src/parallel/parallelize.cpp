@@ -26,6 +26,10 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   } catch (const std::invalid_argument& e) {
     throw PlanError(std::string("pipeline: ") + e.what());
   }
+  // A split backward (zb1p, zbv) adds each micro-batch's weight gradients to the unit's gradient
+  // buffer after later micro-batches' backwards have run, so a sharded strategy reduces once per
+  // step (after the last micro-batch's W) instead of after every micro-batch.
+  if (schedule.split_backward) p.spec_.reduce_every_microbatch = false;
   std::vector<char> owned;
   if (pp > 1)
     owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2, schedule.vshape);

@@ -297,6 +297,8 @@ std::vector<std::pair<Schedule, int>> schedules(const ModelConfig& model, int pp
     scheds.push_back({Schedule::OneFOneB, 1});
     for (int v = 2; v <= opts.max_virtual_stages; ++v)
       if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
+    scheds.push_back({Schedule::ZeroBubbleH1, 1});
+    if (2LL * pp <= model.n_layer) scheds.push_back({Schedule::ZeroBubbleV, 2});
   }
   return scheds;
 }

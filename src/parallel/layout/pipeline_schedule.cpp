@@ -413,8 +413,10 @@ PipeSchedule make_schedule(const std::string& name, int pp, int m, int v, CommPl
 
 BubbleFormula bubble_formula(const PipeSchedule& s) {
   const double p = s.pp, m = s.microbatches;
-  if (s.split_backward && s.vshape)
-    return {"none (simulated)", std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+  if (s.split_backward && s.vshape) {  // no closed form: the schedule's own timeline
+    const Timeline t = simulate_timeline(s, 1.0, 2.0, 0.0);
+    return {"simulated with T_F = T_B = T_W (no closed form)", t.bubble_fraction, t.bubble_relative};
+  }
   if (s.split_backward)  // the fill costs T_F + T_B - T_W per rank instead of T_F + T_B + T_W
     return {"(p-1)/(3m+p-1), relative (p-1)/(3m) with T_F = T_B = T_W", (p - 1) / (3 * m + p - 1), (p - 1) / (3 * m)};
   if (s.virtual_stages > 1) {

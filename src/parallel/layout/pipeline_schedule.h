@@ -179,7 +179,8 @@ Timeline simulate_timeline(const PipeSchedule& s, double t_fwd, double t_bwd, do
 struct BubbleFormula {
   std::string text;  // e.g. "(p-1)/(m+p-1)"
   double fraction;   // idle share of the step: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1),
-                     // ZB-H1 (p-1)/(3m+p-1) (T_F = T_B = T_W), ZB-V: none (NaN; simulate it)
+                     // ZB-H1 (p-1)/(3m+p-1) (T_F = T_B = T_W, m >= p); ZB-V has no closed form:
+                     // its simulated timeline with T_F = T_B = T_W
   double relative;   // idle / ideal: (p-1)/m, interleaved (p-1)/(v*m)
 };
 BubbleFormula bubble_formula(const PipeSchedule& s);
