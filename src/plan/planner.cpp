@@ -81,6 +81,7 @@ double layout_complexity(const Layout& l) {
   if (l.cp > 1) c += 2;
   if (l.pp > 1) c += 3;
   if (l.schedule == Schedule::Interleaved) c += 1;
+  if (l.schedule == Schedule::ZeroBubbleH1 || l.schedule == Schedule::ZeroBubbleV) c += 1;  // split backward
   if (l.schedule == Schedule::GPipe) c += 0.5;  // same speed as 1F1B, more memory
   if (l.checkpointing == Checkpointing::Selective) c += 0.5;
   if (l.checkpointing == Checkpointing::Full) c += 1;

@@ -26,6 +26,10 @@ TEST_F(ZeroBubble, SplitBackwardIsBitIdenticalToOneFOneB) {
   const std::string l = "--model.preset llama-tiny --parallel.pp 2 ";
   expect_close(train(2, 2, 4, "l1f1b", l), train(2, 2, 4, "lzb1p", l + "--parallel.pp_schedule zb1p"), 0.0, 0.0,
                "llama pp=2 zb1p vs 1f1b");
+  // MoE: routed experts, shared expert and router weight gradients deferred too.
+  const std::string e = l + "--model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1 ";
+  expect_close(train(2, 2, 4, "e1f1b", e), train(2, 2, 4, "ezb1p", e + "--parallel.pp_schedule zb1p"), 0.0, 0.0,
+               "llama MoE pp=2 zb1p vs 1f1b");
 }
 
 TEST_F(ZeroBubble, Pp2AndPp4EqualOneRank) {
