@@ -28,7 +28,7 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
 Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
     : cfg_(cfg), compute_(o.compute), recompute_(o.recompute), dev_(current_device()), kt_(&kernels::table(dev_)),
       storage_(o.storage), tpc_(kt_, o.compute, o.tp), ep_(o.ep), ep_rank_(o.ep_rank), ep_comm_(o.ep_comm),
-      owned_(std::move(o.owned_units)) {
+      owned_(std::move(o.owned_units)), split_backward_(o.split_backward) {
   cfg_.resolve();
   if (o.loss_chunk < 0) throw std::invalid_argument("loss chunk rows must be >= 0");
   tpc_.sp = o.sequence_parallel && tpc_.tp();
@@ -708,7 +708,7 @@ int64_t Transformer::deferred_bytes() const {
 }
 
 bool Transformer::can_hand_sparse_grad() const {
-  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back();
+  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back() && !split_backward_;
 }
 
 bool Transformer::sparse_embedding_grad() {

@@ -84,6 +84,10 @@ struct ModelOptions {
   // but not the embedding keeps a replica of the token embedding outside the flat buffers (see
   // tied_replica()).
   std::vector<char> owned_units{};
+  // The pipeline schedule splits the backward (zb1p, zbv: weight gradients run after later
+  // micro-batches' backwards): a tied embedding's gradient is then never handed to the hooks in
+  // parts (can_hand_sparse_grad is false); it is reduced with its unit.
+  bool split_backward = false;
 };
 
 class Transformer : private LayerParams {
@@ -185,9 +189,8 @@ class Transformer : private LayerParams {
   // the hooks' post_backward is not called. backward_weights(first, last) on the same slot then
   // computes them - unit by unit, last to first, each followed by its post_backward, so the
   // data-parallel hooks fire when a unit's weight gradients are complete - with the same kernels,
-  // giving the same gradients as the unsplit backward. The head's bf16 logit-gradient, row-by-row
-  // and chunked paths, the MoE layer's experts and router, and every norm compute their weight
-  // gradients in the backward itself.
+  // giving the same gradients as the unsplit backward. The head's bf16 logit-gradient and chunked
+  // paths and every norm compute their weight gradients in the backward itself.
   void backward_units(int first, int last, const float* dout, const float* tied_grad = nullptr, bool split = false);
   void backward_weights(int first, int last);
   // Bytes the current slot's queued weight-gradient work holds.
@@ -311,6 +314,7 @@ class Transformer : private LayerParams {
   UnitHooks* hooks_ = nullptr;
 
   std::vector<char> owned_;
+  bool split_backward_ = false;  // ModelOptions::split_backward
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
   Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
   const float* qkv_bias_f32(int first);

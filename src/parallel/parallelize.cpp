@@ -49,7 +49,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .ep = plan.ep_enabled() ? plan.ep : 1,
                        .ep_rank = plan.ep_enabled() ? g.ep->rank() : 0,
                        .ep_comm = p.ep_comm_.get(),
-                       .owned_units = owned});
+                       .owned_units = owned,
+                       .split_backward = schedule.split_backward});
   // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
   if (plan.ep_enabled())
     p.ep_ = std::make_unique<ExpertParallel>(*p.model_, g.edp, g.ep_aux, g.tp_aux, plan.dp() * plan.cp, p.spec_.adam);

@@ -5,6 +5,7 @@
 // Every comparison's per-step losses are printed side by side and written to a file (harness.h).
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 
 #include "harness.h"
@@ -17,19 +18,31 @@ constexpr double kLossTol = 1e-5, kWeightTol = 2e-5;  // the pipeline parity tes
 
 using ZeroBubble = ParityFixture;
 
+// Bit for bit: every step's loss and every final weight.
+void expect_identical(const RunResult& a, const RunResult& b, const std::string& what) {
+  loss_table(what, a, b);
+  ASSERT_EQ(a.losses.size(), 8u) << what;
+  EXPECT_EQ(a.losses, b.losses) << what;
+  ASSERT_EQ(a.weights.size(), b.weights.size()) << what;
+  ASSERT_FALSE(a.weights.empty()) << what;
+  size_t differ = 0;
+  for (size_t i = 0; i < a.weights.size(); ++i) differ += std::memcmp(&a.weights[i], &b.weights[i], sizeof(float)) != 0;
+  EXPECT_EQ(differ, 0u) << what << ": weights that differ in some bit";
+}
+
 // W runs the same GEMMs as the unsplit backward, later, and per stage in micro-batch order: the
 // same gradients bit for bit, so the same losses and weights as 1F1B on the same stages (GPT-2:
 // the tied embedding's replica gradient too; Llama: untied, gated MLP).
 TEST_F(ZeroBubble, SplitBackwardIsBitIdenticalToOneFOneB) {
-  expect_close(train(2, 2, 4, "1f1b", "--parallel.pp 2"),
-               train(2, 2, 4, "zb1p", "--parallel.pp 2 --parallel.pp_schedule zb1p"), 0.0, 0.0, "gpt2 pp=2 zb1p vs 1f1b");
+  expect_identical(train(2, 2, 4, "1f1b", "--parallel.pp 2"),
+                   train(2, 2, 4, "zb1p", "--parallel.pp 2 --parallel.pp_schedule zb1p"), "gpt2 pp=2 zb1p vs 1f1b");
   const std::string l = "--model.preset llama-tiny --parallel.pp 2 ";
-  expect_close(train(2, 2, 4, "l1f1b", l), train(2, 2, 4, "lzb1p", l + "--parallel.pp_schedule zb1p"), 0.0, 0.0,
-               "llama pp=2 zb1p vs 1f1b");
+  expect_identical(train(2, 2, 4, "l1f1b", l), train(2, 2, 4, "lzb1p", l + "--parallel.pp_schedule zb1p"),
+                   "llama pp=2 zb1p vs 1f1b");
   // MoE: routed experts, shared expert and router weight gradients deferred too.
   const std::string e = l + "--model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1 ";
-  expect_close(train(2, 2, 4, "e1f1b", e), train(2, 2, 4, "ezb1p", e + "--parallel.pp_schedule zb1p"), 0.0, 0.0,
-               "llama MoE pp=2 zb1p vs 1f1b");
+  expect_identical(train(2, 2, 4, "e1f1b", e), train(2, 2, 4, "ezb1p", e + "--parallel.pp_schedule zb1p"),
+                   "llama MoE pp=2 zb1p vs 1f1b");
 }
 
 TEST_F(ZeroBubble, Pp2AndPp4EqualOneRank) {

@@ -198,14 +198,6 @@ void MoeLayer::experts_forward(LayerParams& P, const BlockParams& p, BlockActiva
   const bool bf = compute_ == DType::BF16;
   auto lin = [&](float* out, const Tensor& x, int64_t row0, const Weight& w, int64_t n, int64_t in) {
     if (n == 0) return;
-    if (tpc_.defer) {  // split backward: the weight gradient later, from copies
-      if (bf)
-        kt_->linear_backward_bf16(dx, nullptr, nullptr, g, x.bf() + row0 * in, w.wb, n, in, w.out);
-      else
-        kt_->linear_backward(dx, nullptr, nullptr, g, x.f32() + row0 * in, w.wf, n, in, w.out);
-      tpc_.defer_weight_grad(w, g, bf ? static_cast<const void*>(x.bf() + row0 * in) : x.f32() + row0 * in, n, in);
-      return;
-    }
     if (bf)
       kt_->linear_forward_bf16(out, x.bf() + row0 * in, w.wb, w.b, n, in, w.out);
     else
