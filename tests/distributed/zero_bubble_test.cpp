@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "harness.h"
 #include "parallel/layout/pipeline_schedule.h"
@@ -45,11 +46,10 @@ TEST_F(ZeroBubble, SplitBackwardIsBitIdenticalToOneFOneB) {
                    "llama MoE pp=2 zb1p vs 1f1b");
 }
 
+// (zb1p at pp = 2 is bit-identical to 1F1B above, which the pipeline tests compare with one rank.)
 TEST_F(ZeroBubble, Pp2AndPp4EqualOneRank) {
   const std::string m = "--model.n_layer 6 ";  // 8 units: zbv at pp=4 has 8 stages
   auto ref = train(1, 2, 4, "single", m);
-  expect_close(ref, train(2, 2, 4, "zb2", m + "--parallel.pp 2 --parallel.pp_schedule zb1p"), kLossTol, kWeightTol,
-               "pp=2 zb1p");
   expect_close(ref, train(2, 2, 4, "zv2", m + "--parallel.pp 2 --parallel.pp_schedule zbv"), kLossTol, kWeightTol,
                "pp=2 zbv");
   expect_close(ref, train(4, 2, 4, "zb4", m + "--parallel.pp 4 --parallel.pp_schedule zb1p"), kLossTol, kWeightTol,
@@ -58,22 +58,18 @@ TEST_F(ZeroBubble, Pp2AndPp4EqualOneRank) {
                "pp=4 zbv");
 }
 
-// pp=2 x 2 data-parallel ranks with each strategy, and x tp=2: the hooks fire when a unit's W
-// completes (the last micro-batch's W reduces).
+// pp=2 x 2 data-parallel ranks with each strategy (the two schedules take turns), and x tp=2: the
+// hooks fire when a unit's W completes (the last micro-batch's W reduces).
 TEST_F(ZeroBubble, ComposedWithEveryDataParallelStrategyAndTp) {
   auto ref = train(1, 2, 4, "single");
-  for (const char* sched : {"zb1p", "zbv"})
-    for (const char* strategy : {"NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD"}) {
-      const std::string tag = std::string(sched) + "_" + strategy;
-      expect_close(ref,
-                   train(4, 1, 4, tag,
-                         std::string("--parallel.pp 2 --parallel.pp_schedule ") + sched + " --parallel.strategy " +
-                             strategy),
-                   kLossTol, kWeightTol, std::string("pp=2 ") + sched + " x " + strategy + " 2");
-    }
-  expect_close(ref, train(4, 1, 4, "hy", "--parallel.pp 2 --parallel.pp_schedule zb1p --parallel.strategy HYBRID_SHARD "
-                                         "--parallel.dp_replicate 2 --parallel.dp_shard 1"),
-               kLossTol, kWeightTol, "pp=2 zb1p x HYBRID_SHARD (2 replicas)");
+  for (auto [sched, strategy] : {std::pair<const char*, const char*>{"zb1p", "NO_SHARD"}, {"zbv", "ZERO1"},
+                                 {"zb1p", "SHARD_GRAD_OP"}, {"zbv", "FULL_SHARD"}}) {
+    const std::string tag = std::string(sched) + "_" + strategy;
+    expect_close(ref,
+                 train(4, 1, 4, tag,
+                       std::string("--parallel.pp 2 --parallel.pp_schedule ") + sched + " --parallel.strategy " + strategy),
+                 kLossTol, kWeightTol, std::string("pp=2 ") + sched + " x " + strategy + " 2");
+  }
   expect_close(ref, train(4, 2, 4, "tp", "--parallel.pp 2 --parallel.pp_schedule zb1p --parallel.tp 2"), kLossTol,
                kWeightTol, "pp=2 zb1p x tp=2");
   expect_close(ref,
