@@ -1,5 +1,7 @@
 #include "parallel/parallelize.h"
 
+#include "parallel/offload.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -39,7 +41,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   p.model_ = std::make_unique<Transformer>(
       mc, ModelOptions{.compute = o.dtype,
                        .recompute = plan.checkpointing,
-                       .storage = model_storage(p.spec_, o.dtype, g.shard->size()),
+                       .storage = plan.offload_optimizer() ? offload_model_storage()
+                                                           : model_storage(p.spec_, o.dtype, g.shard->size()),
                        .tp = tp > 1 ? p.tp_comm_.get() : nullptr,
                        .sequence_parallel = plan.sequence_parallel,
                        .tp_overlap = o.tp_overlap,
@@ -59,7 +62,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   for (size_t i = 0; i < params.size(); ++i)
     if (params[i].tp_split == TpSplit::None) p.norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank
   verify_same_model(*p.model_, *g.dp);
-  p.strategy_ = make_strategy(p.spec_, *p.model_, g.dp, g.shard, g.replicate, g.grad_norm);
+  p.strategy_ = plan.offload_optimizer() ? make_offload_strategy(p.spec_, *p.model_, g.dp)
+                                         : make_strategy(p.spec_, *p.model_, g.dp, g.shard, g.replicate, g.grad_norm);
   p.pipe_ = std::make_unique<PipelineExecutor>(*p.model_, std::move(schedule), std::move(partition), g.pp,
                                                p.strategy_.get());
   p.model_->set_hooks(p.strategy_->hooks());

@@ -1,4 +1,5 @@
 #include "runtime/device.h"
+#include "runtime/host_transfer.h"
 
 #include <omp.h>
 #include <sys/mman.h>
@@ -12,6 +13,7 @@
 #include <stdexcept>
 
 #ifdef MT_HAVE_CUDA
+#include "runtime/cuda/copy_stream.h"
 #include "runtime/cuda/cuda_device.h"
 #endif
 
@@ -236,6 +238,17 @@ void copy_from_host_async(Device d, void* dst, const void* host_src, size_t byte
     MT_CUDA_OR_THROW(cuda::copy_from_host_async(dst, host_src, bytes));
   }
   copy_from_host(d, dst, host_src, bytes);
+}
+void copy_to_host_async(Device d, void* host_dst, const void* src, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::copy_to_host_async(host_dst, src, bytes));
+  }
+  copy_to_host(d, host_dst, src, bytes);
+}
+void wait_copies(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::wait_copies());
+  }
 }
 uint64_t host_syncs(Device d) {
 #ifdef MT_HAVE_CUDA

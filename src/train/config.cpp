@@ -90,6 +90,9 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.seed", Kind::Int, &c.train.seed, "seed of the weight initialisation"},
       {"train.dtype", Kind::String, &c.train.dtype, "fp32 | bf16 (bf16 compute, fp32 master weights and reduction)"},
       {"train.device", Kind::String, &c.train.device, "cpu | cuda (one GPU, one process: docs/gpu.md)"},
+      {"train.offload", Kind::String, &c.train.offload,
+       "none | optimizer (train.device = cuda: fp32 master weights and Adam moments in pinned host memory, "
+       "AdamW on the CPU; docs/gpu.md)"},
       {"train.loss_chunk_tokens", Kind::Int, &c.train.loss_chunk_tokens,
        "compute the LM head, loss and head gradients this many tokens at a time in forward, so the [tokens, vocab] "
        "logits are never held (0 = off)"},
@@ -413,6 +416,9 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
   d.virtual_stages = static_cast<int>(p.pp_virtual_stages);
   d.cp_mode = p.cp_mode;
   d.sequence_parallel = p.sequence_parallel;
+  if (train.offload == "optimizer") d.offload = Offload::Optimizer;
+  else if (train.offload != "none")
+    throw ConfigError("train.offload must be none or optimizer, got '" + train.offload + "'");
   d.micro_batch = train.micro_batch;
   // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
   d.microbatches = d.pp > 1 && p.pp_microbatches > 0 ? p.pp_microbatches : train.grad_accum;
@@ -446,6 +452,7 @@ void RunConfig::set_parallel_plan(const ParallelPlan& p) {
   train.activation_checkpointing = to_string(p.checkpointing);
   train.micro_batch = p.micro_batch;
   train.grad_accum = p.microbatches;
+  train.offload = to_string(p.offload);
 }
 
 }  // namespace mt

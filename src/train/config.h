@@ -53,6 +53,7 @@ struct RunConfig {
     int64_t seed = 1337;
     std::string dtype = "fp32";
     std::string device = "cpu";  // cpu | cuda (one GPU, one process: docs/gpu.md)
+    std::string offload = "none";  // none | optimizer (cuda: fp32 master weights and moments in host memory)
     std::string activation_checkpointing = "none";  // parse_recompute (parallel/layout/parallel_config.h)
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;

@@ -6,6 +6,8 @@
 
 #include "comm/world.h"
 #include "kernels/backend.h"
+#include "parallel/offload.h"
+#include "runtime/host_transfer.h"
 #include "runtime/memory.h"
 
 namespace mt {
@@ -190,6 +192,15 @@ void MetricsProcessor::print_memory(const MemStats& ms) const {
                 format_bytes(pm_.model().activation_bytes_saved()).c_str(), format_bytes(pm_.model().activation_bytes()).c_str());
   const int64_t F = pm_.model().flat_size();
   parallel::StateBytes want = parallel::expected_state_bytes(plan_.strategy, dt_, F, groups_.shard->size());
+  if (plan_.offload_optimizer()) {  // the device keeps the compute-dtype weights and the gradients
+    want = {(dt_ == DType::BF16 ? 2 : 4) * F, 4 * F, 0};
+    const MemStats h = pinned_memory_tracker().stats();
+    const parallel::StateBytes hw = parallel::offload_host_bytes(dt_, F);
+    std::printf("  offloaded to pinned host memory: %s measured, %s expected (params %s, grads %s, optimizer %s)\n",
+                format_bytes(h.total_current).c_str(), format_bytes(hw.total()).c_str(),
+                format_bytes(h.current[0]).c_str(), format_bytes(h.current[1]).c_str(),
+                format_bytes(h.current[2]).c_str());
+  }
   if (pm_.model().has_tied_replica()) {  // the last pipeline stage's copy of a tied embedding
     want.params += static_cast<int64_t>(pm_.model().tied_replica().nbytes());
     want.grads += static_cast<int64_t>(pm_.model().tied_replica_grad().nbytes());
@@ -305,6 +316,10 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
     fin["pp_stages"] = pm_.partition().describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
+  fin["offload"] = to_string(plan_.offload);
+  if (plan_.offload_optimizer()) {  // the host side of the split: page-locked bytes by category
+    fin["mem_host_by_category"] = category_json(pinned_memory_tracker().stats().current);
+  }
   if (dry_) {
     fin["dry_run"] = true;
     fin["rank"] = rank_;

@@ -217,6 +217,17 @@ void Trainer::check_train_config() {
   // The job's device, before anything allocates (a dry run keeps Meta).
   const bool on_gpu = check_train_device(tc_.device, dry_, world_);
   if (!dry_) set_current_device(on_gpu ? Device::CUDA : Device::CPU);
+  if (plan_.offload_optimizer()) {
+    Device d = Device::CPU;
+    parse_device(tc_.device, &d);
+    if (d != Device::CUDA)
+      throw ConfigError("train.offload = optimizer: with train.device = " + tc_.device +
+                        " the optimizer state is already in host memory (the whole model trains there), so there is "
+                        "nothing to offload: use train.offload = none, or train.device = cuda");
+    if (world_ > 1)
+      throw ConfigError("train.offload = optimizer runs on one GPU (one rank) so far, but this job has " +
+                        std::to_string(world_) + " ranks: run it on one rank, or without train.offload");
+  }
   kernels::require_ops(tc_.device, {.llama = mc_.arch == Arch::Llama, .rope_scaled = mc_.rope_scaled(),
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = plan_.tp > 1,
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,

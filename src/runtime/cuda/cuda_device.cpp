@@ -1,5 +1,7 @@
 #include "runtime/cuda/cuda_device.h"
 
+#include "runtime/cuda/copy_stream.h"
+
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -137,6 +139,35 @@ void copy_to_host(void* host_dst, const void* src, size_t bytes) {
 void copy_from_host_async(void* dst, const void* host_src, size_t bytes) {
   if (bytes) check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st()), "cudaMemcpyAsync H2D");
 }
+namespace {
+struct CopyStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the compute stream before each copy
+  CopyStream() {
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (copy stream)");
+    check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  }
+};
+CopyStream& copies() {
+  static CopyStream* c = new CopyStream();  // never destroyed, like the compute stream
+  return *c;
+}
+}  // namespace
+
+void copy_to_host_async(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  CopyStream& c = copies();
+  // cudaStreamWaitEvent waits for the event's latest record at the time of the call, so one event
+  // serves every copy.
+  check(cudaEventRecord(c.ready, st()), "cudaEventRecord");
+  check(cudaStreamWaitEvent(c.stream, c.ready, 0), "cudaStreamWaitEvent");
+  check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c.stream), "cudaMemcpyAsync D2H (copy stream)");
+}
+void wait_copies() {
+  ++g_host_syncs;
+  check(cudaStreamSynchronize(copies().stream), "cudaStreamSynchronize (copy stream)");
+}
+
 void* host_alloc_pinned(size_t bytes) {
   require();
   void* p = nullptr;
