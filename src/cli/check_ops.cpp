@@ -38,7 +38,7 @@ const char* kCheckOpsHelp =
     "                  it); cuda: the CUDA kernels (a GPU, or the emulator build)\n"
     "  --op NAME       only this op (--list names them)\n"
     "  --dtype T       only cases in f32 or bf16 (an op's bf16 form: bf16 operands)\n"
-    "  --shapes S      small (default): odd sizes, head dims 16 and 32; model: GPT-2 124M\n"
+    "  --shapes S      small (default): odd sizes, head dims 16 to 144; model: GPT-2 124M\n"
     "                  (C 768, 12 heads of 64, F 3072, vocabulary 50304, T 1000) and a Llama-style\n"
     "                  grouped-query config (C 1024, 8 heads of 128 on 2, F 2816, vocabulary 32000);\n"
     "                  all: both\n"

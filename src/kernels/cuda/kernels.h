@@ -16,6 +16,8 @@ enum ScratchSlot : int {
   kScratchRope,
   kScratchTmp,
   kScratchHostArgs,
+  kScratchFlashQkv,   // flash_attention.cu: fp32 copies for head dims it hands to attention.cu
+  kScratchFlashDout,  // flash_attention.cu: dout rounded to bf16
   kNumScratch
 };
 
@@ -90,6 +92,14 @@ void rope_forward_pos(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                       const float* inv_freq, const int32_t* pos);
 void rope_backward_pos(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
                        const float* inv_freq, const int32_t* pos);
+
+// flash_attention.cu: the tensor-core kernels (bf16 in, fp32 accumulation) for head_dim <=
+// kFlashMaxHeadDim; larger head dims run attention.cu's kernels on the same bf16 values.
+constexpr int64_t kFlashMaxHeadDim = 128;
+void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                            int64_t hd);
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out, const float* lse,
+                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
 
 // block_attention.cu (context parallelism: cpu/attention_block.h)
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,

@@ -117,6 +117,28 @@ void synchronize() {
   ++g_host_syncs;
   check(cudaStreamSynchronize(st()), "cudaStreamSynchronize");
 }
+float elapsed_ms(void (*fn)(void*), void* ctx) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  check(cudaEventCreate(&a), "cudaEventCreate");
+  check(cudaEventCreate(&b), "cudaEventCreate");
+  float ms = 0.0f;
+  try {
+    check(cudaEventRecord(a, st()), "cudaEventRecord");
+    fn(ctx);
+    check(cudaEventRecord(b, st()), "cudaEventRecord");
+    ++g_host_syncs;
+    check(cudaEventSynchronize(b), "cudaEventSynchronize");
+    check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  } catch (...) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    throw;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
 uint64_t host_syncs() { return g_host_syncs.load(std::memory_order_relaxed); }
 
 void zero(void* p, size_t bytes) {

@@ -43,6 +43,10 @@ void host_free_pinned(void* p);
 // Host waits so far: synchronize(), release_cache() and the synchronous copies each count one.
 uint64_t host_syncs();
 
+// Milliseconds the compute stream spends on the work fn(ctx) queues, between two CUDA events
+// recorded around it (waits for the second). In the emulator the events record host time.
+float elapsed_ms(void (*fn)(void*), void* ctx);
+
 // "cuda NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB), driver 13.0, runtime 13.0".
 std::string describe();
 
