@@ -28,8 +28,13 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   } catch (const std::invalid_argument& e) {
     throw PlanError(std::string("pipeline: ") + e.what());
   }
+  // A split backward (zb1p, zbv) adds each micro-batch's weight gradients to the unit's gradient
+  // buffer after later micro-batches' backwards have run, so a sharded strategy reduces once per
+  // step (after the last micro-batch's W) instead of after every micro-batch.
+  if (schedule.split_backward) p.spec_.reduce_every_microbatch = false;
   std::vector<char> owned;
-  if (pp > 1) owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2);
+  if (pp > 1)
+    owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2, schedule.vshape);
   if (plan.ep_enabled()) p.ep_comm_ = std::make_unique<ProcessGroupExpertComm>(g.ep);
   if (plan.cp > 1) p.cp_comm_ = std::make_unique<ProcessGroupCpComm>(g.cp);
   // The model's settings that depend on the plan, all given at construction.
@@ -47,7 +52,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .ep = plan.ep_enabled() ? plan.ep : 1,
                        .ep_rank = plan.ep_enabled() ? g.ep->rank() : 0,
                        .ep_comm = p.ep_comm_.get(),
-                       .owned_units = owned});
+                       .owned_units = owned,
+                       .split_backward = schedule.split_backward});
   // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
   if (plan.ep_enabled())
     p.ep_ = std::make_unique<ExpertParallel>(*p.model_, g.edp, g.ep_aux, g.tp_aux, plan.dp() * plan.cp, p.spec_.adam);
