@@ -14,9 +14,11 @@
 #
 # usage: bench/pipeline_bubble.sh [--steps 4] [--ranks "2 4"] [--micro "4 8 16"] [--runs 1]
 #                                 [--scheds "gpipe 1f1b interleaved_1f1b zb1p zbv"] [--build DIR]
-#                                 [--data DIR] [--out DIR]
-# p = 4 runs 4 processes; on a machine with fewer cores than that they share cores (the table
-# records the core count), which inflates compute time and makes the bubble there an upper bound.
+#                                 [--bind core] [--data DIR] [--out DIR]
+# --bind core (default) pins each rank to a core of its own (mpirun --bind-to core) when there are
+# at least p cores; --bind none, or p above the core count, leaves placement to the OS. p = 4 runs
+# 4 processes; on a machine with fewer cores than that they share cores (the table records the
+# core count), which inflates compute time and makes the bubble there an upper bound.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 source "$ROOT/bench/common.sh"
@@ -25,19 +27,21 @@ RANKS="2 4"
 MICRO="4 8 16"
 SCHEDS="gpipe 1f1b interleaved_1f1b zb1p zbv"
 RUNS=1
+BIND=core
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
-bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS
+bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS --bind BIND
 bench_parse "$@"
 bench_out pp_bubble
 bench_setup "$BUILD" "$DATA"
+[[ $BIND == core || $BIND == none ]] || { echo "pipeline_bubble.sh: --bind takes core or none, not $BIND" >&2; exit 2; }
 
 ARGS=(--model.preset gpt2-mini --model.n_layer 8 --model.n_embd 256 --model.n_head 4 --model.seq_len 128
   --train.micro_batch 1 --data.train "$DATA/train.bin" --data.val '' --train.steps "$STEPS"
   --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000 --train.threads 1)
 
-echo "pipeline_bubble: $(nproc) cores; ranks {$RANKS}, micro-batches {$MICRO}, schedules {$SCHEDS}, $STEPS steps, $RUNS runs; raw output in $OUT"
+echo "pipeline_bubble: $(nproc) cores, bind $BIND; ranks {$RANKS}, micro-batches {$MICRO}, schedules {$SCHEDS}, $STEPS steps, $RUNS runs; raw output in $OUT"
 for run in $(seq 1 "$RUNS"); do
   for p in $RANKS; do
     for m in $MICRO; do
@@ -45,7 +49,9 @@ for run in $(seq 1 "$RUNS"); do
         v=1
         [[ $sched == interleaved_1f1b ]] && v=2
         tag=p${p}_${sched}_m${m}_r$run
-        bench_run "$tag" mpirun -np "$p" --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
+        bind=$BIND
+        ((p > $(nproc))) && bind=none
+        bench_run "$tag" mpirun -np "$p" --oversubscribe --bind-to "$bind" -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
           --parallel.pp "$p" --parallel.pp_schedule "$sched" --parallel.pp_virtual_stages "$v" \
           --train.grad_accum "$m"
       done

@@ -121,15 +121,32 @@ float* TpContext::reduce_partial(float* partial, float* out) {
 
 void DeferredGrads::add(std::vector<Tensor> held, Work work) { pieces_.push_back({std::move(held), std::move(work)}); }
 
+Tensor& DeferredGrads::next(DType dt, int64_t n) {
+  if (next_ == pool_.size()) pool_.emplace_back();
+  Tensor& buf = pool_[next_++];
+  if (!buf.defined() || buf.dtype() != dt || buf.numel() < n) buf = Tensor::empty({n}, dt, MemCategory::Activations);
+  return buf;
+}
+
 Tensor DeferredGrads::hold(const void* src, DType dt, int64_t n, Device dev) {
-  Tensor t = Tensor::empty({n}, dt, MemCategory::Activations);
-  dev::copy(dev, t.raw(), src, static_cast<size_t>(n) * (dt == DType::F32 ? sizeof(float) : sizeof(bf16)));
-  return t;
+  for (const Tensor& t : lent_)
+    if (t.raw() == src && t.dtype() == dt && t.numel() >= n) return t.numel() == n ? t : t.view(0, {n});
+  Tensor& buf = next(dt, n);
+  dev::copy(dev, buf.raw(), src, static_cast<size_t>(n) * (dt == DType::F32 ? sizeof(float) : sizeof(bf16)));
+  return buf.numel() == n ? buf : buf.view(0, {n});
+}
+
+Tensor DeferredGrads::lend(const Tensor& like) {
+  Tensor& buf = next(like.dtype(), like.numel());
+  lent_.push_back(buf.numel() == like.numel() ? buf.reshape(like.shape()) : buf.view(0, like.shape()));
+  return lent_.back();
 }
 
 void DeferredGrads::run() {
   for (Piece& p : pieces_) p.work(p.held);
   pieces_.clear();
+  lent_.clear();
+  next_ = 0;
 }
 
 int64_t DeferredGrads::bytes() const {
@@ -139,20 +156,31 @@ int64_t DeferredGrads::bytes() const {
   return b;
 }
 
-void TpContext::defer_weight_grad(const Weight& w, const float* dy, const void* x, int64_t N, int64_t in) {
+int64_t DeferredGrads::pool_bytes() const {
+  int64_t b = 0;
+  for (const Tensor& t : pool_)
+    if (t.defined()) b += static_cast<int64_t>(t.nbytes());
+  return b;
+}
+
+void TpContext::defer_weight_grad(const Weight& w, const float* dy, const void* x, int64_t N, int64_t in,
+                                  bool x_kept) {
   const Device dev = kt->device;
   const kernels::KernelTable* k = kt;
   const DType cd = compute;
   float *dw = w.dw, *db = w.db;
   const int64_t out = w.out;
-  defer->add({DeferredGrads::hold(dy, DType::F32, N * out, dev), DeferredGrads::hold(x, cd, N * in, dev)},
-             [k, cd, dw, db, N, in, out](const std::vector<Tensor>& h) {
-               // The same kernels as the unsplit backward with no input gradient: the same GEMM.
-               if (cd == DType::F32)
-                 k->linear_backward(nullptr, dw, db, h[0].f32(), h[1].f32(), nullptr, N, in, out);
-               else
-                 k->linear_backward_bf16(nullptr, dw, db, h[0].f32(), h[1].bf(), nullptr, N, in, out);
-             });
+  std::vector<Tensor> held{defer->hold(dy, DType::F32, N * out, dev)};
+  if (!x_kept) held.push_back(defer->hold(x, cd, N * in, dev));
+  const void* xref = x_kept ? x : nullptr;
+  defer->add(std::move(held), [k, cd, dw, db, N, in, out, xref](const std::vector<Tensor>& h) {
+    // The same kernels as the unsplit backward with no input gradient: the same GEMM.
+    const void* xs = xref ? xref : h[1].raw();
+    if (cd == DType::F32)
+      k->linear_backward(nullptr, dw, db, h[0].f32(), static_cast<const float*>(xs), nullptr, N, in, out);
+    else
+      k->linear_backward_bf16(nullptr, dw, db, h[0].f32(), static_cast<const bf16*>(xs), nullptr, N, in, out);
+  });
 }
 
 // ---- Linear ----
@@ -197,7 +225,7 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
   const int hin = regather ? ctx_.start_regather(x) : -1;
   if (!ctx_.tp() && ctx_.defer) {  // split backward: the input gradient now, the weights' later
     for (const Grad& g : grads) lin.backward(dx, nullptr, nullptr, g.dy, x, g.w, N, in_);
-    for (const Grad& g : grads) ctx_.defer_weight_grad(g.w, g.dy, x.raw(), N, in_);
+    for (const Grad& g : grads) ctx_.defer_weight_grad(g.w, g.dy, x.raw(), N, in_, ctx_.inputs_kept);
     return dx;
   }
   if (!ctx_.tp()) {
@@ -215,7 +243,7 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
   }
   for (const Grad& g : grads) {
     if (ctx_.defer)
-      ctx_.defer_weight_grad(g.w, g.dy, xin->raw(), N, in_);
+      ctx_.defer_weight_grad(g.w, g.dy, xin->raw(), N, in_, ctx_.inputs_kept && xin == &x);
     else
       lin.backward(nullptr, g.w.dw, g.w.db, g.dy, *xin, g.w, N, in_);
   }
@@ -239,7 +267,7 @@ void RowParallelLinear::backward(float* dx, const float* dy, const Tensor& x) {
   const float* dy_all = ctx_.gather_grad(dy);  // SP: the conjugate of the forward's reduce-scatter
   if (ctx_.defer) {  // split backward
     Linear{ctx_.kt, ctx_.compute}.backward(dx, nullptr, nullptr, dy_all, x, w_, N, in_);
-    ctx_.defer_weight_grad(w_, dy_all, x.raw(), N, in_);
+    ctx_.defer_weight_grad(w_, dy_all, x.raw(), N, in_, ctx_.inputs_kept);
     return;
   }
   Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w_, N, in_);

@@ -75,18 +75,28 @@ class TpComm {
 struct Weight;
 
 // Split backward (zero-bubble pipeline schedules): a backward that computes only the input
-// gradients (B) queues its weight-gradient work (W) here, each piece with copies of the tensors it
-// reads (the output gradient, the layer's input as its matmul used it), which are held - category
-// Activations - until run() computes the weight gradients with the same kernels, in queue order.
+// gradients (B) queues its weight-gradient work (W) here, each piece with the tensors it reads (the
+// output gradient, the layer's input as its matmul used it), until run() computes the weight
+// gradients with the same kernels, in queue order. What would be overwritten before W (output
+// gradients in the layers' workspaces, inputs recomputed or re-gathered into scratch) is copied into
+// this queue's pool of buffers - category Activations, allocated on first use and reused by the
+// same piece of the next micro-batch on the slot (run() rewinds the pool; a buffer grows when a
+// piece needs more). Inputs that stay in the slot until W are held by reference, and output
+// gradients computed straight into a lent pool buffer are held where they are (no copies).
 class DeferredGrads {
  public:
   using Work = std::function<void(const std::vector<Tensor>&)>;
   void add(std::vector<Tensor> held, Work work);
-  // Copies of n elements of `src` (fp32 or bf16), kept until the work has run.
-  static Tensor hold(const void* src, DType dt, int64_t n, Device dev);
-  void run();  // every piece in order, then frees the copies
+  // A copy of n elements of `src` (fp32 or bf16) in the pool's next buffer, kept until run();
+  // `src` itself, uncopied, when it is a buffer lend() handed out since the last run().
+  Tensor hold(const void* src, DType dt, int64_t n, Device dev);
+  // The pool's next buffer, shaped and typed like `like` (contents unspecified): a layer computes
+  // an output gradient straight into it instead of into its workspace, and W reads it there.
+  Tensor lend(const Tensor& like);
+  void run();  // every piece in order, then rewinds the pool
   bool empty() const { return pieces_.empty(); }
-  int64_t bytes() const;
+  int64_t bytes() const;       // held by the queued pieces (copies, not references)
+  int64_t pool_bytes() const;  // the pool's buffers (alive from first use on)
 
  private:
   struct Piece {
@@ -94,6 +104,10 @@ class DeferredGrads {
     Work work;
   };
   std::vector<Piece> pieces_;
+  Tensor& next(DType dt, int64_t n);  // the pool's next buffer, (re)allocated to hold n elements
+  std::vector<Tensor> pool_;
+  std::vector<Tensor> lent_;  // handed out by lend() since the last run()
+  size_t next_ = 0;
 };
 
 // What the layers share: kernels, compute dtype, the tp communicator (null for tp = 1), the
@@ -113,9 +127,13 @@ class TpContext {
   // Split backward: while set, layers queue their weight gradients here (DeferredGrads) instead
   // of computing them; null: the ordinary backward.
   DeferredGrads* defer = nullptr;
+  // Split backward: set by the model for a unit whose saved activations (the layers' inputs) stay
+  // in the slot until its W; the layers then defer with their inputs by reference.
+  bool inputs_kept = false;
   // Queues the weight and bias gradients (w.dw, w.db) of y = x W^T + b from dy ([N, w.out] fp32)
-  // and x ([N, in] in the compute dtype), computed when defer runs.
-  void defer_weight_grad(const Weight& w, const float* dy, const void* x, int64_t N, int64_t in);
+  // and x ([N, in] in the compute dtype), computed when defer runs. dy is copied; x too unless
+  // `x_kept` (it is not written before the work runs).
+  void defer_weight_grad(const Weight& w, const float* dy, const void* x, int64_t N, int64_t in, bool x_kept = false);
 
   bool tp() const { return size > 1; }
   // Rows of the residual stream this rank holds for n tokens (n, or n / size under SP).

@@ -632,12 +632,14 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   };
   auto end_unit = [&](int u) {
     tpc_.defer = nullptr;
+    tpc_.inputs_kept = false;
     if (hooks_ && !split) hooks_->post_backward(u);
   };
   float* dx = dres_.f32();  // R rows
   if (last == hu) {
     const int hb = unit_params_[hu][0];
     begin_unit(hu);
+    tpc_.inputs_kept = split;  // the head's input and logits stay in the slot until W
     const float* dhin = head_->backward(head_weight(true), s.head, N, dnorm_.f32(), head_grad_ready());
     dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
     norm(hb, gpt ? hb + 1 : -1, true).backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head.mean, s.head.rstd, R);
@@ -650,6 +652,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
     const int64_t l = u - 1;
     begin_unit(u);
     BlockActivations* a = s.acts[l].get();
+    tpc_.inputs_kept = split && a;  // recomputed activations are scratch: copied
     if (!a) {  // recompute this block's forward from its saved input
       a = &scratch_for(static_cast<int>(l));
       recomputing_ = true;
@@ -670,7 +673,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
       // The lookup's gradient is all weight gradient: the whole backward runs later, from a copy
       // of its output gradient (the token ids stay in the slot).
       Slot* sp = &s;
-      s.deferred[0].add({DeferredGrads::hold(dx, DType::F32, R * C, dev_)},
+      s.deferred[0].add({s.deferred[0].hold(dx, DType::F32, R * C, dev_)},
                         [this, sp, emb, gpt, tied_grad, N](const std::vector<Tensor>& h) {
                           const bool sparse = sparse_embedding_grad();
                           embedding_->backward(h[0].f32(), sp->ids.i32(), param_grad(emb),
@@ -757,7 +760,7 @@ int64_t Transformer::activation_bytes() const {
       if (t.defined()) b += static_cast<int64_t>(t.nbytes());
     if (sp->ids.defined()) b += static_cast<int64_t>(sp->ids.nbytes());
     b += sp->head.bytes();
-    for (const DeferredGrads& d : sp->deferred) b += d.bytes();  // held for a split backward's weights
+    for (const DeferredGrads& d : sp->deferred) b += d.pool_bytes();  // copies held for a split backward's weights
   }
   if (scratch_acts_) b += scratch_acts_->bytes();
   if (scratch_moe_acts_) b += scratch_moe_acts_->bytes();

@@ -185,7 +185,8 @@ class Transformer : private LayerParams {
   //
   // Split backward (zero-bubble schedules, `split`): the units compute only their input gradients
   // (and the norms' parameter gradients); each unit's weight gradients are queued on the slot with
-  // copies of what they read (tp_layers.h DeferredGrads; the embedding's lookup gradient whole) and
+  // what they read - the slot's own saved inputs by reference, copies of the rest in the slot's
+  // reused buffers (tp_layers.h DeferredGrads; the embedding's lookup gradient whole) - and
   // the hooks' post_backward is not called. backward_weights(first, last) on the same slot then
   // computes them - unit by unit, last to first, each followed by its post_backward, so the
   // data-parallel hooks fire when a unit's weight gradients are complete - with the same kernels,

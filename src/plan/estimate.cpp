@@ -236,9 +236,14 @@ double activation_memory(const Ctx& cx) {
     case Schedule::ZeroBubbleH1:
     case Schedule::ZeroBubbleV: inflight_first = inflight_last = std::min<double>(cx.M, p); break;
   }
-  double held_w = 0;  // per micro-batch and layer: the linears' inputs (compute dtype) and output gradients (fp32)
-  if (l.schedule == Schedule::ZeroBubbleH1 || l.schedule == Schedule::ZeroBubbleV)
-    held_w = cx.tokens * (cx.e * (4.0 * x.h + x.f) + 4.0 * (5.0 * x.h + 2.0 * x.f)) / t;
+  // Per micro-batch and layer: the linears' output gradients (fp32), and their inputs (compute
+  // dtype) where those do not stay in the slot until W (recomputed, or re-gathered under SP);
+  // otherwise the inputs are held by reference.
+  double held_w = 0;
+  if (l.schedule == Schedule::ZeroBubbleH1 || l.schedule == Schedule::ZeroBubbleV) {
+    const bool copies_inputs = cx.sp || l.checkpointing != Checkpointing::None;
+    held_w = cx.tokens * ((copies_inputs ? cx.e * (4.0 * x.h + x.f) : 0.0) + 4.0 * (5.0 * x.h + 2.0 * x.f)) / t;
+  }
   const double a_zb = a_layer + held_w;
   const double act_first = inflight_first * cx.Lps * a_zb + ws;
   const double act_last = inflight_last * cx.Lps * a_zb + ws + head_acts;

@@ -87,7 +87,8 @@ const float* Attention::backward(LayerParams& P, const BlockParams& p, BlockActi
   const int64_t nh = heads_, nkv = kv_heads_, QKV = (nh + 2 * nkv) * hd;
   const bool bf = compute_ == DType::BF16;
   float* datty = ws_.datty.f32();
-  float* dqkv = ws_.dqkv.f32();
+  // Split backward: q|k|v's output gradient (which W reads) goes straight into a held buffer.
+  float* dqkv = (tpc_.defer ? tpc_.defer->lend(ws_.dqkv) : ws_.dqkv).f32();
   RowParallelLinear(tpc_, nh * hd, P.weight(p.proj_w, p.proj_b, C, true)).backward(datty, dres, bf ? a.atty_bf : a.atty);
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
   if (cp_)

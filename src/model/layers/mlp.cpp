@@ -37,7 +37,8 @@ void Mlp::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, con
 const float* Mlp::backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dout, float* dnorm,
                            int64_t N) {
   const int64_t C = cfg_.n_embd, F = width_;
-  float* dfc = ws_.dfc.f32();
+  // Split backward: the output gradients W reads go straight into the slot's held buffers.
+  float* dfc = (tpc_.defer ? tpc_.defer->lend(ws_.dfc) : ws_.dfc).f32();
   float* dact = ws_.dact.f32();
   RowParallelLinear(tpc_, F, P.weight(p.down_w, p.down_b, C, true)).backward(dact, dout, a.act);
   dev::zero(dev_, dfc, static_cast<size_t>(N * F) * sizeof(float));
@@ -45,7 +46,7 @@ const float* Mlp::backward(LayerParams& P, const BlockParams& p, BlockActivation
     kt_->gelu_backward(dfc, a.fc.f32(), dact, N * F);
     return ColumnParallelLinear(tpc_, C).backward(a.ln2, {{dfc, P.weight(p.fc_w, p.fc_b, F, true)}}, dnorm);
   }
-  float* dup = ws_.dup.f32();
+  float* dup = (tpc_.defer ? tpc_.defer->lend(ws_.dup) : ws_.dup).f32();
   dev::zero(dev_, dup, static_cast<size_t>(N * F) * sizeof(float));
   kt_->swiglu_backward(dfc, dup, dact, a.fc.f32(), a.up.f32(), N * F);
   return ColumnParallelLinear(tpc_, C).backward(

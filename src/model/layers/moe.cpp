@@ -492,7 +492,7 @@ void MoeLayer::router_backward(LayerParams& P, const BlockParams& p, BlockActiva
   if (tpc_.defer) {  // split backward: the router's weight gradient later, from fp32 copies
     const kernels::KernelTable* kt = kt_;
     float* dw = P.grad(p.router);
-    tpc_.defer->add({DeferredGrads::hold(dlogits, DType::F32, N * E, dev_), DeferredGrads::hold(xin, DType::F32, N * C, dev_)},
+    tpc_.defer->add({tpc_.defer->hold(dlogits, DType::F32, N * E, dev_), tpc_.defer->hold(xin, DType::F32, N * C, dev_)},
                     [kt, dw, N, C, E](const std::vector<Tensor>& h) {
                       kt->linear_backward(nullptr, dw, nullptr, h[0].f32(), h[1].f32(), nullptr, N, C, E);
                     });
