@@ -93,6 +93,8 @@ class DeferredGrads {
   // The pool's next buffer, shaped and typed like `like` (contents unspecified): a layer computes
   // an output gradient straight into it instead of into its workspace, and W reads it there.
   Tensor lend(const Tensor& like);
+  // Marks `t` (which stays unchanged until run()) as held where it is: hold() of it copies nothing.
+  void keep(const Tensor& t) { lent_.push_back(t); }
   void run();  // every piece in order, then rewinds the pool
   bool empty() const { return pieces_.empty(); }
   int64_t bytes() const;       // held by the queued pieces (copies, not references)

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -353,6 +354,56 @@ TEST(Model, HooksTakeTheTiedEmbeddingGradient) {
     }
     EXPECT_LT(maxd, 1e-5 * maxg) << "chunk " << chunk << ": max gradient difference " << maxd << " of " << maxg;
   }
+}
+
+}  // namespace
+}  // namespace mt
+
+namespace mt {
+namespace {
+
+// Split backward (zero-bubble schedules) on one model: the weight gradients equal the unsplit
+// backward's bit for bit; the layers' inputs that stay in the slot are held by reference (a fully
+// recomputed model, whose inputs are scratch, holds more: copies of them); and a second step
+// reuses the first step's held buffers (its activation peak grows no more than the unsplit one's).
+TEST(Model, SplitBackwardHoldsSlotInputsByReferenceAndReusesItsBuffers) {
+  const ModelConfig c = tiny(Arch::Llama);
+  const int64_t B = 2, T = 8;
+  const auto x = random_tokens(B * T, c.vocab_size, 11), y = random_tokens(B * T, c.vocab_size, 12);
+  struct Run {
+    std::vector<float> grads;
+    int64_t held = 0, peak_growth = 0;
+  };
+  auto run = [&](Recompute rc, bool split) {
+    Transformer m(c, DType::F32, rc);
+    m.init_weights(5);
+    const int hu = m.num_units() - 1;
+    Run r;
+    for (int step = 0; step < 2; ++step) {
+      m.zero_grads();
+      auto& mt = MemoryTracker::instance();
+      const int64_t start = mt.stats().current[static_cast<int>(MemCategory::Activations)];
+      mt.reset_peaks();
+      m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
+      m.backward_units(0, hu, nullptr, nullptr, split);
+      if (split) {
+        r.held = m.deferred_bytes();
+        m.backward_weights(0, hu);
+      }
+      r.peak_growth = mt.stats().peak[static_cast<int>(MemCategory::Activations)] - start;  // the last step's
+    }
+    r.grads.assign(m.grads().f32(), m.grads().f32() + m.flat_size());
+    return r;
+  };
+  const Run plain = run(Recompute::None, false), split = run(Recompute::None, true);
+  const Run plain_rc = run(Recompute::Full, false), split_rc = run(Recompute::Full, true);
+  ASSERT_EQ(plain.grads.size(), split.grads.size());
+  EXPECT_EQ(0, std::memcmp(plain.grads.data(), split.grads.data(), plain.grads.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(plain_rc.grads.data(), split_rc.grads.data(), plain_rc.grads.size() * sizeof(float)));
+  EXPECT_GT(split.held, 0);
+  EXPECT_GT(split_rc.held, split.held) << "recomputed inputs are copied; the slot's own are referenced";
+  EXPECT_EQ(split.peak_growth, plain.peak_growth) << "the second step reuses the held buffers";
+  EXPECT_EQ(split_rc.peak_growth, plain_rc.peak_growth);
 }
 
 }  // namespace

@@ -152,6 +152,7 @@ const float* LmHead::backward(const HeadWeight& w, HeadActivations& h, int64_t N
   cw.wb = w.wb;
   cw.dw = w.grad;
   cw.out = Vp;
+  if (tpc_.defer) tpc_.defer->keep(h.logits);  // the logits' gradient stays in the slot until W: not copied
   return ColumnParallelLinear(tpc_, C).backward(bf ? h.in_bf : h.in, {{h.logits.f32(), cw}}, dhin, false);
 }
 
