@@ -33,8 +33,14 @@ void merge_adapters(const CheckpointReader& in, const Transformer& ref, size_t b
   const double s = mc.lora_scale();
   for (size_t a = 0; a < ref.params().size(); ++a) {
     const ParamInfo& pa = ref.params()[a];
-    if (pa.lora_kind != 'A' || pa.lora_base != static_cast<int>(base)) continue;
-    const int64_t r = pa.shape[0], rows = pa.lora_rows, row0 = pa.lora_row0;
+    if (pa.lora_kind != 'A') continue;
+    // The adapter's rows are rows of the matrix the layer multiplies: Llama's q, k, v weights are
+    // one [q + 2 kv, C] matrix there, three parameters here.
+    size_t target = static_cast<size_t>(pa.lora_base);
+    int64_t row0 = pa.lora_row0;
+    while (row0 >= ref.params()[target].shape[0]) row0 -= ref.params()[target++].shape[0];
+    if (target != base) continue;
+    const int64_t r = pa.shape[0], rows = pa.lora_rows;
     std::vector<float> A(static_cast<size_t>(pa.numel)), B(static_cast<size_t>(rows * r));
     in.read_param_hf(a, A.data());
     in.read_param_hf(a + 1, B.data());

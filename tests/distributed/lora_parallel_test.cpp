@@ -82,7 +82,7 @@ TEST_F(LoraParallel, BaseFromInitFromStaysFrozenAndTheExportMerges) {
   for (const auto& [name, t] : merged) EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
   // Validation loss before the first step, on the same batches: the LoRA checkpoint (resumed, one
   // more step at lr 0) and the merged export (as a base model).
-  const std::string val = " --data.val " + (dir_ / "train.bin").string() + " --train.eval_at_start true --train.eval_batches 2 --train.eval_every 0 --train.lr 0 ";
+  const std::string val = " --data.val " + (dir_ / "train.bin").string() + " --train.eval_at_start true --train.eval_batches 2 --train.eval_every 1000 --train.lr 0 ";
   const RunResult a = train(1, 8, 1, "eval_lora", kGpt2 + val + "--train.steps 9 --train.resume " + (dir_ / "ck_lora").string());
   const RunResult b = train(1, 8, 1, "eval_merged", val + "--train.steps 1 --train.init_from " + out + "/model.safetensors");
   ASSERT_TRUE(a.final.contains("val_loss_start")) << a.final.dump();
