@@ -6,6 +6,9 @@
 # moved per step by group. Then the dry run (exact memory, no machine needed) of Llama 3 8B on 1
 # rank and Llama 3 70B on 8 ranks (FULL_SHARD), bf16, full recompute, full fine-tuning next to LoRA.
 #
+# The summary's bytes per step are each group's total over the run / steps (the start-up broadcast of
+# the weights included); the runs' logs (OUT/TAG.log) have the table by operation.
+#
 # usage: bench/lora.sh [--steps N] [--build DIR] [--data DIR] [--out DIR]
 set -euo pipefail
 
