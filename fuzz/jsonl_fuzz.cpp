@@ -14,7 +14,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       mt::for_each_document(path, mt::InputFormat::Jsonl, "text", skip_bad,
                             [&](std::string_view doc, int64_t) { bytes += doc.size(); }, &warnings);
       for (const auto& w : warnings) {
-        if (w.find(path) == std::string::npos) mt::fuzz::crash("jsonl_fuzz", "a warning does not name the file", "", w);
+        if (!mt::fuzz::contains(w, path.c_str())) mt::fuzz::crash("jsonl_fuzz", "a warning does not name the file", "", w);
         if (const char* bad = mt::fuzz::library_text(w)) mt::fuzz::crash("jsonl_fuzz", std::string("library text '") + bad + "' in a warning", "", w);
       }
     });

@@ -10,7 +10,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::unique_ptr<mt::Tokenizer> tok;
   mt::fuzz::expect_clear("tokenizer_json_fuzz", path, [&] { tok = mt::make_tokenizer("hf", "", path); });
   if (!tok) return 0;
-  // Encoding and decoding are not expected to throw at all.
+  // Encoding, and decoding what was encoded, are not expected to throw at all.
   for (const char* text : {"Hello world, 123 don't!", "  \n\t x\xc3\xa9y \xe4\xb8\xad\xe6\x96\x87 <|endoftext|>", ""}) {
     const std::vector<int32_t> ids = tok->encode(text);
     for (int32_t id : ids)
@@ -19,8 +19,5 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     tok->encode_document(text, doc);
     (void)tok->decode(ids);
   }
-  std::vector<int32_t> all;
-  for (int32_t i = 0; i < tok->vocab_size() && i < 512; ++i) all.push_back(i);
-  (void)tok->decode(all);
   return 0;
 }

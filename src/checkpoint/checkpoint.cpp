@@ -15,6 +15,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "runtime/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -293,7 +294,7 @@ TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole) {
       }
     }
   } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
+    throw std::runtime_error((d / "trainer.json").string() + ": " + json_error_text(e.what()));
   }
   if (whole) *whole = j;
   return st;

@@ -16,6 +16,7 @@
 #include "checkpoint/safetensors.h"
 #include "runtime/crc32c.h"
 #include "runtime/memory.h"
+#include "runtime/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -52,7 +53,12 @@ std::string hex32(uint32_t v) {
   return b;
 }
 
-uint32_t parse_hex32(const std::string& s) { return static_cast<uint32_t>(std::stoul(s, nullptr, 16)); }
+// A CRC32C as the index records it: 1 to 8 hex digits.
+uint32_t parse_hex32(const std::string& s) {
+  if (s.empty() || s.size() > 8 || s.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+    throw std::runtime_error("crc32c \"" + s + "\" is not a 32-bit hex number");
+  return static_cast<uint32_t>(std::stoul(s, nullptr, 16));
+}
 
 bool intersect(const Box& a, const Box& b, Box* out) {
   const int64_t r0 = std::max(a.row0, b.row0), r1 = std::min(a.row0 + a.rows, b.row0 + b.rows);
@@ -317,6 +323,8 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
       t.shape = it->at("shape").get<std::vector<int64_t>>();
       if (it->at("dtype").get<std::string>() != "F32")
         throw std::runtime_error("tensor " + it.key() + " has dtype " + it->at("dtype").get<std::string>() + ", expected F32");
+      for (int64_t d : t.shape)
+        if (d < 0) throw std::runtime_error("tensor " + it.key() + " " + shape_str(t.shape) + " has a negative dimension");
       const int64_t rows = t.shape.empty() ? 0 : t.shape[0], cols = t.shape.size() > 1 ? t.shape[1] : 1;
       for (const auto& pj : it->at("pieces")) {
         Piece p;
@@ -327,8 +335,8 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
         if (p.file < 0 || p.file >= static_cast<int>(files_.size()))
           throw std::runtime_error("tensor " + it.key() + ": a piece names file " + std::to_string(p.file) + " of " +
                                    std::to_string(files_.size()));
-        if (p.box.row0 < 0 || p.box.col0 < 0 || p.box.rows <= 0 || p.box.cols <= 0 || p.box.row0 + p.box.rows > rows ||
-            p.box.col0 + p.box.cols > cols)
+        if (p.box.row0 < 0 || p.box.col0 < 0 || p.box.rows <= 0 || p.box.cols <= 0 || p.box.rows > rows - p.box.row0 ||
+            p.box.cols > cols - p.box.col0)
           throw std::runtime_error("tensor " + it.key() + " " + shape_str(t.shape) + ": piece " + box_str(p.box) +
                                    " in " + files_[static_cast<size_t>(p.file)].name + " lies outside it");
         t.pieces.push_back(p);
@@ -336,7 +344,7 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
       tensors_.emplace(it.key(), std::move(t));
     }
   } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(mpath + ": " + e.what());
+    throw std::runtime_error(mpath + ": " + json_error_text(e.what()));
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(mpath + ": " + e.what());
   }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "data/hf_tokenizer_impl.h"
+#include "runtime/strings.h"
 
 namespace mt {
 
@@ -105,7 +106,7 @@ json read_json(const std::string& path) {
   try {
     j = json::parse(f);
   } catch (const json::exception& e) {
-    refuse(path, std::string("not valid JSON: ") + e.what());
+    refuse(path, "not valid JSON: " + json_error_text(e.what()));
   }
   if (!j.is_object() || !j.contains("model")) refuse(path, "no \"model\" object (is this a Hugging Face tokenizer.json?)");
   return j;
@@ -293,7 +294,7 @@ int32_t configured_eos(const std::string& path, const HfTokenizer& tok, const Im
         if (!s.empty()) eos = tok.token_id(s);
       }
     } catch (const json::exception& e) {
-      refuse(cfg.string(), std::string("not valid JSON: ") + e.what());
+      refuse(cfg.string(), "not valid JSON: " + json_error_text(e.what()));
     }
   }
   if (eos < 0)
@@ -323,7 +324,7 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path), impl_(std::make
     load_text_steps(path, j, m);
     load_post_processor(path, j, prefix_, suffix_);
   } catch (const json::exception& e) {
-    refuse(path, std::string("unexpected layout: ") + e.what());
+    refuse(path, "unexpected layout: " + json_error_text(e.what()));
   }
   if (!suffix_.empty()) eos_ = suffix_.back();
   if (eos_ < 0) eos_ = configured_eos(path, *this, m);
