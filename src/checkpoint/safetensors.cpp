@@ -170,8 +170,19 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
       SafeTensorInfo t;
       try {
         t.dtype = it->at("dtype").get<std::string>();
-        t.shape = it->at("shape").get<std::vector<int64_t>>();
-        auto offs = it->at("data_offsets").get<std::vector<uint64_t>>();
+        // Integers only: nlohmann converts a floating-point value to an integer type with a cast
+        // that is undefined out of range.
+        if (!it->at("shape").is_array() || !it->at("data_offsets").is_array())
+          throw std::runtime_error("shape and data_offsets must be lists");
+        for (const auto& d : it->at("shape")) {
+          if (!d.is_number_integer()) throw std::runtime_error("shape must be a list of integers");
+          t.shape.push_back(d.get<int64_t>());
+        }
+        std::vector<uint64_t> offs;
+        for (const auto& o : it->at("data_offsets")) {
+          if (!o.is_number_unsigned()) throw std::runtime_error("data_offsets must be two non-negative integers");
+          offs.push_back(o.get<uint64_t>());
+        }
         if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > data_size)
           throw std::runtime_error("data_offsets outside the file (truncated?)");
         const size_t eb = dtype_bytes(t.dtype);

@@ -28,6 +28,13 @@ namespace {
 
 std::string type_of(const json& j) { return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : ""; }
 
+// An integer: nlohmann converts a floating-point value to an integer type with a cast that is
+// undefined out of range, so only integers are read as ids.
+int64_t int_id(const std::string& where, const json& v, const std::string& what) {
+  if (!v.is_number_integer()) refuse(where, what + " must be an integer");
+  return v.get<int64_t>();
+}
+
 bool get_bool(const json& j, const char* key, bool dflt) {
   if (!j.contains(key) || j[key].is_null()) return dflt;
   return j[key].get<bool>();
@@ -199,7 +206,7 @@ void load_added_tokens(const std::string& path, const json& j, Impl& m, int64_t*
   m.added.reserve(j["added_tokens"].size());
   for (const auto& a : j["added_tokens"]) {
     Added t;
-    t.id = static_cast<int32_t>(a.at("id").get<int64_t>());
+    t.id = static_cast<int32_t>(int_id(path, a.at("id"), "an added token's id"));
     t.content = a.at("content").get<std::string>();
     t.single_word = get_bool(a, "single_word", false);
     t.lstrip = get_bool(a, "lstrip", false);
@@ -268,11 +275,11 @@ void load_post_processor(const std::string& path, const json& j, std::vector<int
         }
         const std::string name = item.at("SpecialToken").at("id").get<std::string>();
         const json& st = pp->at("special_tokens").at(name);
-        for (const auto& id : st.at("ids")) (seen_a ? suffix : prefix).push_back(static_cast<int32_t>(id.get<int64_t>()));
+        for (const auto& id : st.at("ids")) (seen_a ? suffix : prefix).push_back(static_cast<int32_t>(int_id(path, id, "post_processor ids")));
       }
     } else if (t == "RobertaProcessing" || t == "BertProcessing") {
-      prefix.push_back(static_cast<int32_t>(pp->at("cls").at(1).get<int64_t>()));
-      suffix.push_back(static_cast<int32_t>(pp->at("sep").at(1).get<int64_t>()));
+      prefix.push_back(static_cast<int32_t>(int_id(path, pp->at("cls").at(1), "post_processor cls id")));
+      suffix.push_back(static_cast<int32_t>(int_id(path, pp->at("sep").at(1), "post_processor sep id")));
     } else {
       refuse(path, "post_processor type '" + t + "' is not supported");
     }

@@ -174,3 +174,33 @@ TEST(HostileFiles, SafetensorsShapes) {
   put(st, safetensors_with_header(R"({"w":{"dtype":"F32","shape":[0,4611686018427387904],"data_offsets":[0,0]}})"));
   EXPECT_EQ(mt::read_safetensors(st).at("w").bytes.size(), 0u);  // an empty tensor of a wide shape is fine
 }
+
+// Integers written as numbers beyond int64 (parsed as floating point): nlohmann's conversion to an
+// integer type is a cast, undefined behaviour out of range (UndefinedBehaviorSanitizer in
+// checkpoint_meta_fuzz). Each reader takes only integers where it reads integers.
+TEST(HostileFiles, FloatWhereAnIntegerBelongs) {
+  TestDir dir;
+  put(dir.file("trainer.json"), R"({"step": 2.8e89, "adam_steps": 1, "micro_batches": 1})");
+  expect_clear_error(dir.file("trainer.json"), [&] { (void)mt::read_trainer_state(dir.path.string()); });
+  put(dir.file("trainer.json"), R"({"step": 3, "adam_steps": 1, "micro_batches": 1})");
+  EXPECT_EQ(mt::read_trainer_state(dir.path.string()).step, 3);
+
+  const std::string st = dir.file("model.safetensors");
+  put(st, safetensors_with_header(R"({"w":{"dtype":"F32","shape":[1e300],"data_offsets":[0,0]}})"));
+  expect_clear_error(st, [&] { (void)mt::read_safetensors(st); });
+  put(st, safetensors_with_header(R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[0,-1e300]}})"));
+  expect_clear_error(st, [&] { (void)mt::read_safetensors(st); });
+  put(st, safetensors_with_header(R"({"w":{"dtype":"F32","shape":0,"data_offsets":[0,0]}})"));
+  expect_clear_error(st, [&] { (void)mt::read_safetensors(st); });
+
+  const std::string meta = dir.file("metadata.json");
+  put(meta, R"({"format":"meshtrain-sharded","files":[{"name":"r0","bytes":1e300,"crc32c":"0"}],"tensors":{}})");
+  expect_clear_error(meta, [&] { mt::ShardedCheckpoint s(dir.path.string()); });
+  put(meta, R"({"format":"meshtrain-sharded","files":[{"name":"r0","bytes":10,"crc32c":"0"}],)"
+            R"("tensors":{"w":{"dtype":"F32","shape":[4,4],"pieces":[[0,0,-9e300,2,0,4,"0"]]}}})");
+  expect_clear_error(meta, [&] { mt::ShardedCheckpoint s(dir.path.string()); });
+
+  const std::string tok = dir.file("tokenizer.json");
+  put(tok, R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]},"added_tokens":[{"id":1e300,"content":"<s>"}]})");
+  expect_clear_error(tok, [&] { (void)mt::make_tokenizer("hf", "", tok); });
+}
