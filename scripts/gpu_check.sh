@@ -16,6 +16,8 @@
 #   4. `meshtrain check-ops --device cuda --shapes all` with CUDA_LAUNCH_BLOCKING=1;
 #   5. compute-sanitizer memcheck, racecheck and synccheck on check-ops at small shapes (every CUDA
 #      kernel), skipped with the reason when compute-sanitizer is absent;
+#   5b. the attention kernels timed with CUDA events (`meshtrain bench attention`): the simple fp32
+#      kernels and the tensor-core bf16 ones, ms per call, TFLOP/s and the share of the bf16 peak;
 #   6. training on the GPU (train.device = cuda), found by a 2-step run; where it is refused the
 #      refusal line is reported and 7-9 are skipped;
 #   7. loss parity of GPT-2 and Llama (fp32, bf16) against the kit's CPU losses, 8 steps;
@@ -173,6 +175,24 @@ for tool in memcheck racecheck synccheck; do
   fi
 done
 
+# 5b. The attention kernels timed per call with CUDA events: the simple fp32 ones against the
+# tensor-core bf16 ones, GPT-2 124M's and a Llama-style shape, with the share of the dense bf16 peak
+# (vendor data sheets, SXM parts unless named; also step 8's).
+case "$gpu" in
+  *H100*PCIe*) peak=756e12 ;; *H100* | *H200*) peak=989e12 ;; *A100*) peak=312e12 ;; *) peak=0 ;;
+esac
+peak_arg=()
+[ "$peak" != 0 ] && peak_arg=(--peak "$(python3 -c 'import sys; print(float(sys.argv[1]) / 1e12)' "$peak")")
+if [ "$(left)" -lt 60 ]; then
+  row attention skipped "time budget spent"
+elif run 60 attention "$BIN" bench attention --device cuda --shapes gpt2,llama --iters 5 "${peak_arg[@]}"; then
+  while read -r shape dims kernel rest; do
+    row "attention $shape $kernel" ok "$dims: $rest (ms/call, TFLOP/s, share of peak)"
+  done < <(grep -E '^(gpt2|llama) ' "$TMP/out")
+else
+  row attention FAIL "status $?: $(tail -1 "$TMP/out")"
+fi
+
 # 6. Is training on the GPU wired?
 if ! losses cuda probe --model.preset gpt2-mini --train.steps 2 >/dev/null; then
   cat "$TMP/probe.log" >>"$LOG"
@@ -201,10 +221,7 @@ print("ok" if d <= float(sys.argv[3]) else "FAIL", "max relative loss difference
   row "parity $name" "${verdict%% *}" "${verdict#* }"
 done
 
-# 8. GPT-2 124M throughput. Dense bf16 peaks (vendor data sheets, SXM parts unless named).
-case "$gpu" in
-  *H100*PCIe*) peak=756e12 ;; *H100* | *H200*) peak=989e12 ;; *A100*) peak=312e12 ;; *) peak=0 ;;
-esac
+# 8. GPT-2 124M throughput (peak: step 5b).
 if [ "$(left)" -lt 60 ]; then
   row "gpt2-124m bf16" skipped "time budget spent"
 elif run 90 gpt2-124m "$BIN" train "${COMMON[@]}" --model.preset gpt2-124m --model.seq_len 1024 --train.micro_batch 8 \

@@ -34,7 +34,7 @@ rm -rf "$KIT"
 mkdir -p "$KIT/bin" "$KIT/lib" "$KIT/data" "$KIT/ref"
 cp "$BUILD/meshtrain" "$BUILD/tests/test_kernels" "$BUILD/tests/test_runtime" "$KIT/bin/"
 strip --strip-unneeded "$KIT"/bin/*
-cp scripts/gpu_check.sh scripts/gpu_torch_bench.py "$KIT/"
+cp scripts/gpu_check.sh scripts/gpu_speed.sh scripts/gpu_torch_bench.py "$KIT/"
 
 # Libraries: everything ldd resolves but the C runtime, the driver and the CUDA libraries.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libcuda\.so|libcublas|libcudart|libcudnn|libnccl|libnvidia)'

@@ -4,5 +4,9 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "train/preflight.h"
 
-int main(int argc, char** argv) { return mt::cli::dispatch(argc, argv); }
+int main(int argc, char** argv) {
+  mt::set_dry_run_binary("/proc/self/exe");  // this binary runs `train --dry-run` for the memory preflight
+  return mt::cli::dispatch(argc, argv);
+}

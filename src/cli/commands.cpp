@@ -1,5 +1,7 @@
 #include "cli/commands.h"
 
+#include "cli/bench_adamw.h"
+
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -27,8 +29,10 @@ static void print_usage(FILE* f) {
                "  diagnose  what limits a run (communication, memory, compute, data, a straggler) and what helps\n"
                "  compare   run a config under two settings and compare losses and gradient norms per step\n"
                "  launch    run a subcommand on N ranks of this machine through mpirun\n"
-               "  bench     benchmarks (`meshtrain bench comm`; `meshtrain bench --cpu-isa`: the CPU's\n"
-               "            instruction-set level the kernels run at, capped by MESHTRAIN_CPU_ISA)\n"
+               "  bench     benchmarks (`meshtrain bench comm`; `meshtrain bench adamw`: the CPU AdamW kernel's rate;\n"
+               "            `meshtrain bench attention`: the attention kernels timed per call;\n"
+               "            `meshtrain bench --cpu-isa`: the CPU's instruction-set level the kernels run at, capped by\n"
+               "            MESHTRAIN_CPU_ISA)\n"
                "  schedule  print and check a pipeline schedule\n"
                "  plan      rank parallel layouts for a model and cluster\n"
                "  check-ops  check every kernel of a device (cpu, cuda) against the CPU baseline\n\n"
@@ -68,6 +72,9 @@ int dispatch(int argc, char** argv) {
       return 2;
     }
   }
+  if (cmd == "bench" && argc >= 3 && !std::strcmp(argv[2], "adamw")) return run_bench_adamw_command(sub_argc, sub_argv);
+  if (cmd == "bench" && argc >= 3 && !std::strcmp(argv[2], "attention"))
+    return run_bench_attention_command(sub_argc, sub_argv);
   if (cmd == "bench") return run_bench_comm_command(sub_argc, sub_argv);
   const std::string near = closest_name(cmd, {"train", "prepare", "tokenize", "sample", "export", "model-info", "plot",
                                                "launch", "bench", "schedule", "plan", "check-ops"});

@@ -15,6 +15,8 @@ int run_launch_command(int argc, char** argv);
 // `meshtrain bench comm [options]`. argv may start at "bench" (then argv[1] must be "comm") or at
 // "comm". Initialises the World itself when no one did.
 int run_bench_comm_command(int argc, char** argv);
+// `meshtrain bench attention [options]`: the attention kernels of a device timed per call.
+int run_bench_attention_command(int argc, char** argv);
 // `meshtrain plan ...`: 0 ok, 2 bad input (message on stderr naming the flag), 1 internal error or a
 // failed --validate check.
 int run_plan_command(int argc, char** argv);

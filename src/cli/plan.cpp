@@ -78,6 +78,8 @@ std::string plan_help() {
          "  --inter-latency-us US   inter-node latency per ring step\n"
          "  --host-bw GBS           host<->device bandwidth per GPU (PCIe), GB/s\n"
          "  --host-mem GIB          host memory per node\n"
+         "  --host-mem-bw GBS       host memory traffic CPU Adam achieves per node (offload; 28 bytes per\n"
+         "                          parameter; `meshtrain bench adamw` measures it on this machine)\n"
          "Search constraints:\n"
          "  --strategy S            DDP|ZeRO-1|ZeRO-2|ZeRO-3|HSDP (or NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)\n"
          "  --tp T  --pp P          fix the tensor / pipeline degree\n"
@@ -207,6 +209,7 @@ void apply_cluster_overrides(const ArgParser& a, bool fp32, Cluster& c) {
   if (a.has("inter-latency-us")) c.inter.latency_s = pos_num(a, "inter-latency-us", 0) * 1e-6;
   if (a.has("host-bw")) c.host_link_bw = pos_num(a, "host-bw", 0) * GB;
   if (a.has("host-mem")) c.host_mem_per_node = pos_num(a, "host-mem", 0) * GiB;
+  if (a.has("host-mem-bw")) c.host_mem_bw_per_node = pos_num(a, "host-mem-bw", 0) * GB;
 }
 
 // --model, --hf-config and explicit dimensions (which override the first two). *from_hf: the
@@ -359,7 +362,7 @@ int run(int argc, char** argv) {
   ArgParser a({"model", "hf-config", "arch", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "gpus",
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
                "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
-               "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "strategy", "tp", "pp",
+               "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw", "strategy", "tp", "pp",
                "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
                "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});

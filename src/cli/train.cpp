@@ -76,6 +76,12 @@ int run_train_command(int argc, char** argv) {
     }
     if (ap.flag("auto")) choose_layout(cfg);
     train(cfg);
+  } catch (const JobConfigError& e) {
+    // Every rank found it together: rank 0 says it once and the job ends without an abort.
+    const bool world = comm::World::initialized() && !comm::World::get().is_meta();
+    if (!world || comm::World::get().rank() == 0) std::fprintf(stderr, "meshtrain train: config error: %s\n", e.what());
+    if (world) comm::World::get().finalize();
+    return 2;
   } catch (const ConfigError& e) {
     return fail(std::string("config error: ") + e.what(), 2);
   } catch (const CheckpointModelMismatch& e) {

@@ -1,9 +1,12 @@
 // kernels::table(d) and describe(d): which backend's table serves a device.
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/backend.h"
+#include "kernels/conformance/check.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/timing.h"
 
 #ifdef MT_HAVE_CUDA
 #include "runtime/cuda/cuda_device.h"
@@ -45,4 +48,31 @@ std::string describe(Device d) {
   return cpu::isa_summary();
 }
 
+double time_ms(Device d, void (*fn)(void*), void* ctx) {
+  if (d == Device::CUDA) {
+#ifdef MT_HAVE_CUDA
+    return mt::cuda::time_ms([&] { fn(ctx); });
+#else
+    table(d);  // throws the reason
+#endif
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  fn(ctx);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace mt::kernels
+
+namespace mt::kernels::conformance {
+
+double device_ms(Device d, const std::function<void()>& f) {
+#ifdef MT_HAVE_CUDA
+  if (d == Device::CUDA) return mt::cuda::time_ms(f);
+#endif
+  (void)d;
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace mt::kernels::conformance

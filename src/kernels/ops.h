@@ -15,6 +15,18 @@ namespace mt::kernels {
 
 struct KernelTable;
 
+// One tensor of a multi-tensor AdamW update (adamw_update_multi): n elements of param, grad, m and
+// v (the device's memory), param_bf16 (may be null) the bf16 copy refreshed in the same pass.
+struct AdamWTensor {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  bf16* param_bf16 = nullptr;
+  int64_t n = 0;
+  float weight_decay = 0.0f;
+};
+
 // Registry bits (their meaning: kernels/ops.def).
 enum OpFlag : uint32_t { kAccumulates = 1u << 0, kHostResult = 1u << 1 };
 enum OpDtype : uint32_t { kF32 = 1u << 0, kBF16 = 1u << 1 };

@@ -1,9 +1,9 @@
 #include "parallel/optimizer.h"
 
 #include <algorithm>
-#include <stdexcept>
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include "kernels/backend.h"
 
@@ -24,16 +24,20 @@ std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
 }
 
 void AdamW::step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state, bool g_by_state,
-                 bf16* compute) {
+                 bf16* compute, const double* clip_norm_sq, double clip_max) {
   ++step_;
+  std::vector<kernels::AdamWTensor> list;
+  list.reserve(spans_.size());
   for (const auto& sp : spans_) {
     const int64_t w = w_by_state ? sp.s_off : sp.w_off;
-    kernels::table(m_.device()).adamw_update(weights + w, grads + (g_by_state ? sp.s_off : sp.w_off),
-                          m_.f32() + sp.s_off, v_.f32() + sp.s_off, sp.n, static_cast<float>(lr),
-                          static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
-                          sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, step_, grad_scale,
-                          compute ? compute + w : nullptr);
+    list.push_back({weights + w, grads + (g_by_state ? sp.s_off : sp.w_off), m_.f32() + sp.s_off,
+                    v_.f32() + sp.s_off, compute ? compute + w : nullptr, sp.n,
+                    sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f});
   }
+  kernels::table(m_.device())
+      .adamw_update_multi(list.data(), static_cast<int64_t>(list.size()), static_cast<float>(lr),
+                          static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2), static_cast<float>(cfg_.eps),
+                          step_, grad_scale, clip_norm_sq, clip_max);
 }
 
 double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_ratio, const std::string& kind) {

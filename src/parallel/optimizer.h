@@ -34,8 +34,12 @@ class AdamW {
   // One update. `weights` is indexed by w_off (or by s_off when w_by_state), `grads` by w_off
   // (or s_off when g_by_state). grad_scale multiplies every gradient (clipping). compute (may be
   // null): a bf16 copy of the weights, indexed as `weights`, refreshed in the same pass.
+  // clip_norm_sq (may be null): the squared gradient norm in the device's memory; the scale then
+  // comes from it on the device (kernels/ops.def adamw_update_multi) where it exceeds clip_max.
+  // Every span goes to one multi-tensor call (one pass over the list; a few launches on a GPU).
   void step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state = false,
-            bool g_by_state = false, bf16* compute = nullptr);
+            bool g_by_state = false, bf16* compute = nullptr, const double* clip_norm_sq = nullptr,
+            double clip_max = 0.0);
   int64_t step_count() const { return step_; }
   void set_step_count(int64_t s) { step_ = s; }
   Tensor& exp_avg() { return m_; }

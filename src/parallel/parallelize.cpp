@@ -1,5 +1,7 @@
 #include "parallel/parallelize.h"
 
+#include "parallel/offload.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -34,7 +36,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   p.model_ = std::make_unique<Transformer>(
       mc, ModelOptions{.compute = o.dtype,
                        .recompute = plan.checkpointing,
-                       .storage = model_storage(p.spec_, o.dtype, g.shard->size()),
+                       .storage = plan.offload_optimizer() ? offload_model_storage()
+                                                           : model_storage(p.spec_, o.dtype, g.shard->size()),
                        .tp = tp > 1 ? p.tp_comm_.get() : nullptr,
                        .sequence_parallel = plan.sequence_parallel,
                        .tp_overlap = o.tp_overlap,
@@ -53,7 +56,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   for (size_t i = 0; i < params.size(); ++i)
     if (params[i].tp_split == TpSplit::None) p.norm_weight_[i] = 1.0 / tp;  // replicated on every tp rank
   verify_same_model(*p.model_, *g.dp);
-  p.strategy_ = make_strategy(p.spec_, *p.model_, g.dp, g.shard, g.replicate, g.grad_norm);
+  p.strategy_ = plan.offload_optimizer() ? make_offload_strategy(p.spec_, *p.model_, g.dp)
+                                         : make_strategy(p.spec_, *p.model_, g.dp, g.shard, g.replicate, g.grad_norm);
   p.pipe_ = std::make_unique<PipelineExecutor>(*p.model_, std::move(schedule), std::move(partition), g.pp,
                                                p.strategy_.get());
   p.model_->set_hooks(p.strategy_->hooks());
@@ -71,7 +75,10 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
   if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
   r.loss = reduce_loss(r.stats.loss_sum, n);
   if (ep_) ep_->reduce_grads(comm);
-  r.grad_norm = global_grad_norm();
+  if (device_norm_ && !ep_ && plan_.pp == 1 && plan_.tp == 1 && strategy_->grad_norm_sq_to(device_norm_, norm_weight_))
+    r.grad_norm_on_device = true;
+  else
+    r.grad_norm = global_grad_norm();
   return r;
 }
 
@@ -98,6 +105,11 @@ double ParallelModel::global_grad_norm() {
 void ParallelModel::optimizer_step(double lr, float grad_scale, StepComm* comm) {
   if (ep_) ep_->optimizer_step(lr, grad_scale);  // first: a strategy's step may zero every gradient the model holds
   strategy_->optimizer_step(lr, grad_scale, comm);
+  pipe_->tied_weights_sync();
+}
+
+void ParallelModel::optimizer_step_clipped(double lr, double clip_max, StepComm* comm) {
+  strategy_->optimizer_step_clipped(lr, device_norm_, clip_max, comm);
   pipe_->tied_weights_sync();
 }
 

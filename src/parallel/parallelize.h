@@ -41,6 +41,9 @@ struct ParallelizeOptions {
 struct StepResult {
   double loss = 0;          // mean over the global batch (the last stage's, summed over the pipeline)
   double grad_norm = 0;     // over every parameter of the model, each element counted once
+  // The squared norm was left on the device (set_device_norm): grad_norm is not set; clip with
+  // optimizer_step_clipped and read the norm from the device slot afterwards.
+  bool grad_norm_on_device = false;
   double bubble = 0;        // pp > 1: idle share of the schedule, mean over the pipeline ranks
   PipelineStepStats stats;  // this rank's
 };
@@ -74,6 +77,13 @@ class ParallelModel {
   // The optimizer step (experts first: a strategy's step may zero every gradient the model holds),
   // then the tied embedding's sync between the first and the last stage.
   void optimizer_step(double lr, float grad_scale, StepComm* comm);
+  // A double in the device's memory where forward_backward leaves the squared gradient norm
+  // instead of reading it, when the layout allows (one GPU, DDP: StepResult::grad_norm_on_device);
+  // null (the default): the norm is read on the host.
+  void set_device_norm(double* norm_sq) { device_norm_ = norm_sq; }
+  // The optimizer step of a grad_norm_on_device step: clipped to clip_max (<= 0: not clipped) on
+  // the device, from that norm.
+  void optimizer_step_clipped(double lr, double clip_max, StepComm* comm);
   // Since the last call: the tensor-parallel collectives' times added to `comm`, and the
   // context-parallel transfers' (added to `comm` and returned in cp_ms / cp_exposed_ms).
   void take_model_comm(StepComm* comm, double* cp_ms, double* cp_exposed_ms);
@@ -96,6 +106,7 @@ class ParallelModel {
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<ExpertParallel> ep_;
   std::vector<double> norm_weight_;  // 1/tp for parameters every tp rank holds whole
+  double* device_norm_ = nullptr;    // set_device_norm
   std::unique_ptr<Strategy> strategy_;
   std::unique_ptr<PipelineExecutor> pipe_;
 };

@@ -224,6 +224,12 @@ void ShardedDataParallel::with_full_unit(int u, const std::function<void(const v
 
 void ShardedDataParallel::release_all() {
   for (int u = 0; u < model_.num_units(); ++u) release(u);
+  // Between steps (an eval forward, a checkpoint's gathers): that communication belongs to no
+  // training step, so the next step's comm_ms / exposed_comm_ms do not count it.
+  for (auto& w : step_works_)
+    if (w) w->wait();
+  step_works_.clear();
+  exposed_ms_ = 0;
 }
 
 // ---- hooks ------------------------------------------------------------------------------------

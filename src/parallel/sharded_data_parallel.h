@@ -89,7 +89,8 @@ class ShardedDataParallel : public UnitHooks {
   // AdamW on the shards, then (ZeRO-1/2) all-gathers the updated parameters. Adds its
   // communication to `stats`.
   void optimizer_step(double lr, float grad_scale, ShardStepStats* stats);
-  // Frees every gathered unit (after an eval forward, at the end).
+  // Frees every gathered unit (after an eval forward, at the end) and forgets the communication
+  // since the last optimizer step (it was not a training step's).
   void release_all();
   // f(unit u's full weights in the compute dtype): ZeRO-3 gathers the unit for the call
   // (collective over the shard group) and frees it after; ZeRO-1/2 pass the full parameters.

@@ -67,17 +67,27 @@ class DdpStrategy final : public Strategy {
     }
     return s;
   }
-  void optimizer_step(double lr, float scale, StepComm*) override {
-    // bf16: the compute copy is refreshed by the update itself (padding, in no span, never changes).
-    const bool bf = model_.compute_dtype() == DType::BF16;
-    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale, false, false,
-               bf ? model_.compute_weights().bf() : nullptr);
-    model_.zero_grads();
+  bool grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight) override {
+    if (model_.device() != Device::CUDA || !std::all_of(weight.begin(), weight.end(), [](double w) { return w == 1.0; }))
+      return false;
+    model_.kernels().sum_squares_to(norm_sq, model_.grads().f32(), model_.flat_size());
+    return true;
+  }
+  void optimizer_step(double lr, float scale, StepComm*) override { step(lr, scale, nullptr, 0.0); }
+  void optimizer_step_clipped(double lr, const double* norm_sq, double clip_max, StepComm*) override {
+    step(lr, 1.0f, norm_sq, clip_max);
   }
   int64_t adam_steps() const override { return adam_.step_count(); }
   void with_full_unit(int u, const std::function<void(const void*)>& f) override { f(model_.unit_compute_weights(u)); }
 
  private:
+  void step(double lr, float scale, const double* norm_sq, double clip_max) {
+    // bf16: the compute copy is refreshed by the update itself (padding, in no span, never changes).
+    const bool bf = model_.compute_dtype() == DType::BF16;
+    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale, false, false,
+               bf ? model_.compute_weights().bf() : nullptr, norm_sq, clip_max);
+    model_.zero_grads();
+  }
   static void put(Tensor& t, const UnitRange& r, const float* src) {
     const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
     if (src) dev::copy(t.device(), t.f32() + r.offset, src, bytes);
@@ -134,6 +144,10 @@ class ShardedStrategy final : public Strategy {
 ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_size) {
   if (!is_sharded(spec.strategy)) return ModelStorage{};
   return ShardedDataParallel::storage_for(spec.strategy, compute, shard_size);
+}
+
+void Strategy::optimizer_step_clipped(double, const double*, double, StepComm*) {
+  throw std::logic_error(std::string("strategy ") + name() + " has no device-side clipping (grad_norm_sq_to said no)");
 }
 
 std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& model,

@@ -58,6 +58,13 @@ class Strategy {
   // replicated parameters by 1/tp so that a sum over tp ranks counts them once.
   virtual double grad_norm_sq(const std::vector<double>& weight) = 0;
   virtual void optimizer_step(double lr, float grad_scale, StepComm* c) = 0;
+  // The device form of grad_norm_sq and clipping, where the strategy has one (DDP on a GPU with
+  // every weight 1): grad_norm_sq_to queues the squared norm into *norm_sq (a double in the
+  // device's memory) and returns true, or returns false having done nothing; then
+  // optimizer_step_clipped clips on the device from that norm (clip_max <= 0: no clipping), so the
+  // host reads nothing in between.
+  virtual bool grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight) { return false; }
+  virtual void optimizer_step_clipped(double lr, const double* norm_sq, double clip_max, StepComm* c);
   // After a forward-only pass (eval): drop whatever it gathered.
   virtual void after_eval() {}
   // Calls f with unit u's full weights in the compute dtype (gathered for the call when the

@@ -1,7 +1,8 @@
 // `meshtrain train --auto`: the planner's choice of layout for the ranks a job was given, among
 // data-parallel layouts only (DDP, ZeRO-1/2/3, HSDP; activation checkpointing; gradient
 // accumulation). It always answers tp = pp = 1: the engine's tensor and pipeline parallelism are set
-// by hand (`meshtrain plan` ranks layouts with them). No CPU offload: the engine has none.
+// by hand (`meshtrain plan` ranks layouts with them). No CPU offload: the engine offloads on one GPU
+// only (train.offload), and `--auto` plans CPU jobs.
 //
 //   mt::plan::AutoLayout a = mt::plan::auto_layout(model_config, world_size, ranks_per_node,
 //                                                  micro_batch * seq_len * grad_accum * world_size);

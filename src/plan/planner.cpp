@@ -367,6 +367,27 @@ std::vector<Estimate> estimate_all(const ModelConfig& model, const Cluster& clus
 void rank_candidates(std::vector<Estimate> all, const PlanOptions& opts, PlanResult& R) {
   for (const auto& e : all) R.fitting += e.fits;
   std::sort(all.begin(), all.end(), better);
+  {  // layouts that fit only with offload (the same layout without it does not): the best of each family
+    using Key = std::tuple<int, int, int, int, int, int, int, int, int64_t, int64_t, int>;
+    auto key = [](const Layout& l) {
+      return Key{static_cast<int>(l.strategy), l.dp_replicate, l.dp_shard, l.tp, l.pp, static_cast<int>(l.schedule),
+                 l.virtual_stages, static_cast<int>(l.checkpointing), l.micro_batch, l.microbatches, l.cp};
+    };
+    std::map<Key, const Estimate*> plain;
+    for (const auto& e : all)
+      if (!e.layout.offload_optimizer()) plain.emplace(key(e.layout), &e);
+    std::map<Key, bool> family;
+    for (const auto& e : all) {
+      if (!e.layout.offload_optimizer() || !e.fits) continue;
+      const auto it = plain.find(key(e.layout));
+      if (it == plain.end() || it->second->fits) continue;
+      ++R.offload_only_count;
+      Key f = key(e.layout);
+      std::get<8>(f) = std::get<9>(f) = 0;  // one micro-batch choice per family
+      if (R.offload_only.size() < 5 && family.emplace(f, true).second)
+        R.offload_only.push_back({e, *it->second});
+    }
+  }
   for (Strategy s : {Strategy::NoShard, Strategy::Zero1, Strategy::ShardGradOp, Strategy::FullShard, Strategy::HybridShard})
     for (const auto& e : all)
       if (e.layout.strategy == s) {

@@ -46,6 +46,13 @@ struct PlanResult {
   int64_t fitting = 0;      // of them fitting in memory
   std::vector<Estimate> candidates;          // ranked, best first: fitting by step time, then the rest by memory
   std::vector<Estimate> best_per_strategy;   // best layout of each strategy (DDP, ZeRO-1/2/3, HSDP) present
+  // Layouts that fit only with CPU offload of the optimizer state (the same layout without it does
+  // not): how many, and the best few (one per layout family), each with its step time without offload.
+  struct OffloadOnly {
+    Estimate with, without;  // the offloaded layout, and the same layout without offload
+  };
+  int64_t offload_only_count = 0;
+  std::vector<OffloadOnly> offload_only;
   std::string recommendation;  // the top choice in plain words
   std::string runner_up;       // why the runner-up lost
   std::vector<std::string> notes;

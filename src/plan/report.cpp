@@ -171,6 +171,24 @@ std::string format_plan(const PlanResult& r) {
     }
     if (!others.empty()) o << "Other strategies:\n" << join(others, "\n") << "\n";
   }
+  if (r.offload_only_count > 0) {
+    o << "Fits only with CPU offload of the optimizer state (" << r.offload_only_count
+      << (r.offload_only_count == 1 ? " layout; the same layout" : " layouts; the same layouts")
+      << " without offload do" << (r.offload_only_count == 1 ? "es" : "") << " not fit):\n";
+    for (const auto& [e, w] : r.offload_only) {
+      const Layout& l = e.layout;
+      o << "  " << strategy_label(l.strategy) << " (" << dp_cell(l) << ", tp " << l.tp << ", pp " << l.pp << ", ac "
+        << to_string(l.checkpointing) << ", mb " << l.micro_batch << "x" << l.microbatches << "): "
+        << fmt("%.1f GiB", e.mem.total() / GiB) << " per " << e.device << " (" << fmt("%.1f GiB", w.mem.total() / GiB)
+        << " without offload), " << fmt("%.0f GB", e.host_bytes_per_node / 1e9) << " of host memory per node; step "
+        << fmt("%.2f s", e.time.total()) << " vs " << fmt("%.2f s", w.time.total())
+        << " without offload (if it fit): " << fmt("%.2fx", e.time.total() / w.time.total()) << " (CPU Adam "
+        << fmt("%.2f s", e.optimizer_s) << ", PCIe copies " << fmt("%.2f s", e.offload_s) << ")\n";
+    }
+    o << "  (CPU Adam at " << fmt("%.0f GB/s", c.host_mem_bw_per_node / 1e9) << " of host memory traffic per node, 28 B per"
+      << " parameter; PCIe " << fmt("%.0f GB/s", c.host_link_bw / 1e9) << " per " << c.device
+      << ", not overlapped: docs/plan.md, \"CPU offload\")\n";
+  }
   for (const auto& n : r.notes) o << "note: " << n << "\n";
   return o.str();
 }
@@ -196,6 +214,15 @@ std::string plan_json(const PlanResult& r) {
   j["fitting"] = r.fitting;
   j["candidates"] = json::array();
   for (const Estimate& e : r.candidates) j["candidates"].push_back(estimate_json(e));
+  j["offload_only_count"] = r.offload_only_count;
+  j["offload_only"] = json::array();
+  for (const auto& [e, w] : r.offload_only) {
+    json x = estimate_json(e);
+    x["step_time_without_offload_s"] = w.time.total();
+    x["mem_per_gpu_without_offload_bytes"] = bytes(w.mem.total());
+    x["slowdown_vs_without_offload"] = e.time.total() / w.time.total();
+    j["offload_only"].push_back(x);
+  }
   j["recommendation"] = r.recommendation;
   j["runner_up"] = r.runner_up;
   return j.dump(2) + "\n";

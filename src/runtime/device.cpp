@@ -1,4 +1,6 @@
 #include "runtime/device.h"
+#include "runtime/device_mem_info.h"
+#include "runtime/host_transfer.h"
 
 #include <omp.h>
 #include <sys/mman.h>
@@ -12,6 +14,7 @@
 #include <stdexcept>
 
 #ifdef MT_HAVE_CUDA
+#include "runtime/cuda/copy_stream.h"
 #include "runtime/cuda/cuda_device.h"
 #endif
 
@@ -136,6 +139,13 @@ MemoryTracker& memory_tracker(Device d) {
   return d == Device::CPU ? host_memory_tracker() : meta_tracker();
 }
 
+int64_t device_free_bytes(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::free_bytes());
+  }
+  return -1;
+}
+
 void* device_alloc(Device d, size_t bytes, MemCategory c) {
   if (d == Device::CPU) return mem_alloc(bytes, c);
   if (d == Device::CUDA) {
@@ -236,6 +246,17 @@ void copy_from_host_async(Device d, void* dst, const void* host_src, size_t byte
     MT_CUDA_OR_THROW(cuda::copy_from_host_async(dst, host_src, bytes));
   }
   copy_from_host(d, dst, host_src, bytes);
+}
+void copy_to_host_async(Device d, void* host_dst, const void* src, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::copy_to_host_async(host_dst, src, bytes));
+  }
+  copy_to_host(d, host_dst, src, bytes);
+}
+void wait_copies(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::wait_copies());
+  }
 }
 uint64_t host_syncs(Device d) {
 #ifdef MT_HAVE_CUDA

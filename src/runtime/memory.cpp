@@ -1,5 +1,7 @@
 #include "runtime/memory.h"
 
+#include "runtime/host_transfer.h"
+
 #include <sys/mman.h>
 
 #include <cstdio>
@@ -38,6 +40,11 @@ const char* mem_category_name(MemCategory c) {
 }
 
 MemoryTracker& host_memory_tracker() {
+  static MemoryTracker* t = new MemoryTracker();
+  return *t;
+}
+
+MemoryTracker& pinned_memory_tracker() {
   static MemoryTracker* t = new MemoryTracker();
   return *t;
 }

@@ -90,6 +90,9 @@ std::vector<Field> fields(RunConfig& c) {
       {"train.seed", Kind::Int, &c.train.seed, "seed of the weight initialisation"},
       {"train.dtype", Kind::String, &c.train.dtype, "fp32 | bf16 (bf16 compute, fp32 master weights and reduction)"},
       {"train.device", Kind::String, &c.train.device, "cpu | cuda (one GPU, one process: docs/gpu.md)"},
+      {"train.offload", Kind::String, &c.train.offload,
+       "none | optimizer (train.device = cuda: fp32 master weights and Adam moments in pinned host memory, "
+       "AdamW on the CPU; docs/gpu.md)"},
       {"train.loss_chunk_tokens", Kind::Int, &c.train.loss_chunk_tokens,
        "compute the LM head, loss and head gradients this many tokens at a time in forward, so the [tokens, vocab] "
        "logits are never held (0 = off)"},
@@ -118,6 +121,9 @@ std::vector<Field> fields(RunConfig& c) {
        "start from these weights (a .safetensors file with Hugging Face names, or a checkpoint): fresh optimizer, step 0"},
       {"train.sample_tokens", Kind::Int, &c.train.sample_tokens, "tokens to generate after training (0 = none)"},
       {"train.sample_prompt", Kind::String, &c.train.sample_prompt, "prompt of the end-of-run sample"},
+      {"train.preflight", Kind::Bool, &c.train.preflight,
+       "before allocating, every rank compares its dry-run peak memory with the memory free for it and the job "
+       "stops (exit 2) with the figures and a layout that fits when it does not"},
       {"parallel.strategy", Kind::String, &c.parallel.strategy, alternatives(all_sharding_strategies())},
       {"parallel.dp_replicate", Kind::Int, &c.parallel.dp_replicate, "replica groups"},
       {"parallel.dp_shard", Kind::Int, &c.parallel.dp_shard, "shard group size (-1 = what the world size leaves)"},
@@ -148,6 +154,12 @@ std::vector<Field> fields(RunConfig& c) {
       {"log.tensorboard_dir", Kind::String, &c.log.tensorboard_dir, "TensorBoard event files directory (rank 0)"},
       {"log.peak_flops", Kind::Float, &c.log.peak_flops, "peak FLOP/s per rank for MFU (0 = MFU omitted)"},
       {"log.print_every", Kind::Int, &c.log.print_every, "steps between progress lines"},
+      {"log.straggler_every", Kind::Int, &c.log.straggler_every,
+       "steps between the ranks' comparison of data wait and compute (one small all-gather; 0 = never)"},
+      {"log.straggler_ratio", Kind::Float, &c.log.straggler_ratio,
+       "a rank is a straggler when its busy time (data wait + compute) exceeds the ranks' median by this factor"},
+      {"log.straggler_min_ms", Kind::Float, &c.log.straggler_min_ms,
+       "... and by at least this many ms per step (so noise does not name anyone)"},
   };
 }
 
@@ -413,6 +425,9 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
   d.virtual_stages = static_cast<int>(p.pp_virtual_stages);
   d.cp_mode = p.cp_mode;
   d.sequence_parallel = p.sequence_parallel;
+  if (train.offload == "optimizer") d.offload = Offload::Optimizer;
+  else if (train.offload != "none")
+    throw ConfigError("train.offload must be none or optimizer, got '" + train.offload + "'");
   d.micro_batch = train.micro_batch;
   // With a pipeline the step's micro-batches are the schedule's (pp_microbatches, default grad_accum).
   d.microbatches = d.pp > 1 && p.pp_microbatches > 0 ? p.pp_microbatches : train.grad_accum;
@@ -446,6 +461,7 @@ void RunConfig::set_parallel_plan(const ParallelPlan& p) {
   train.activation_checkpointing = to_string(p.checkpointing);
   train.micro_batch = p.micro_batch;
   train.grad_accum = p.microbatches;
+  train.offload = to_string(p.offload);
 }
 
 }  // namespace mt

@@ -19,6 +19,12 @@ class ConfigError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+// A configuration error every rank of the job found together (the same message on every rank, after
+// a collective): the job ends with exit code 2, rank 0 prints it, no rank aborts the others.
+class JobConfigError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
 
 struct RunConfig {
   struct Model {
@@ -53,6 +59,7 @@ struct RunConfig {
     int64_t seed = 1337;
     std::string dtype = "fp32";
     std::string device = "cpu";  // cpu | cuda (one GPU, one process: docs/gpu.md)
+    std::string offload = "none";  // none | optimizer (cuda: fp32 master weights and moments in host memory)
     std::string activation_checkpointing = "none";  // parse_recompute (parallel/layout/parallel_config.h)
     int64_t threads = 0;
     int64_t eval_every = 100, eval_batches = 8;
@@ -68,6 +75,7 @@ struct RunConfig {
     std::string init_from;               // "" | weights (.safetensors, HF names) or a checkpoint: fresh optimizer
     int64_t sample_tokens = 0;           // generate this many tokens at the end (0 = no sample)
     std::string sample_prompt = "";
+    bool preflight = true;               // before allocating: the dry run's peak against the free memory (train/preflight.h)
   } train;
   struct Parallel {
     std::string strategy = "NO_SHARD";    // parse_sharding_strategy (parallel/layout/parallel_config.h)
@@ -90,6 +98,10 @@ struct RunConfig {
     std::string tensorboard_dir;  // TensorBoard event files (rank 0)
     double peak_flops = 0.0;
     int64_t print_every = 1;
+    // Stragglers (train/straggler.h): every straggler_every steps (0 = never) the ranks compare their
+    // data wait and compute; a rank above the median by straggler_ratio and straggler_min_ms is named.
+    int64_t straggler_every = 10;
+    double straggler_ratio = 1.2, straggler_min_ms = 10.0;
   } log;
 
   // Loads `path` (may be empty: defaults only), then applies overrides in order.

@@ -14,6 +14,7 @@ DeviceBatches::DeviceBatches(Transformer& model, int64_t micro_batches, int64_t 
   pinned_ = static_cast<int32_t*>(host_alloc_pinned(dev_, n * sizeof(int32_t)));
   inputs_ = Tensor::empty_on(dev_, {2 * mb_ * tokens_}, DType::I32, MemCategory::Activations);
   loss_acc_ = Tensor::empty_on(dev_, {tokens_}, DType::F32, MemCategory::Activations);
+  scalars_ = Tensor::empty_on(dev_, {4}, DType::F32, MemCategory::Activations);  // 2 doubles
   model_.set_device_inputs(true);
 }
 
@@ -46,6 +47,20 @@ const int32_t* DeviceBatches::targets(int64_t m) const { return inputs_.i32() + 
 void DeviceBatches::begin_step() {
   dev::zero(dev_, loss_acc_.raw(), loss_acc_.nbytes());
   model_.set_loss_sink(loss_acc_.f32());
+}
+
+double* DeviceBatches::norm_slot() { return static_cast<double*>(scalars_.raw()) + 1; }
+
+void DeviceBatches::finish_step() {
+  model_.set_loss_sink(nullptr);
+  model_.kernels().sum_to(static_cast<double*>(scalars_.raw()), loss_acc_.f32(), tokens_);
+}
+
+void DeviceBatches::read_step(double* loss, double* norm_sq) {
+  double s[2];
+  dev::copy_to_host(dev_, s, scalars_.raw(), sizeof s);
+  *loss = s[0] / static_cast<double>(tokens_);
+  *norm_sq = s[1];
 }
 
 double DeviceBatches::end_step() {

@@ -7,11 +7,14 @@
 // device (Transformer::set_device_inputs).
 //
 // The step's loss stays on the device too: every training forward adds its per-token losses into
-// one accumulator (Transformer::set_loss_sink), and end_step() reads their sum once. With the grad
-// norm's single read (parallel/strategy.cpp) that is all the host waits for in a step.
+// one accumulator (Transformer::set_loss_sink). Where the gradient norm stays on the device too
+// (ParallelModel::set_device_norm: one GPU, DDP), the loss sum and the squared norm sit side by side
+// in two device doubles and read_step() reads both with one copy after the optimizer step, which
+// clips from the device's norm: the host waits once per step. Otherwise end_step() reads the loss
+// and the strategy reads the norm: twice.
 //
-// A pinned buffer is refilled only in the next step's upload(), after end_step() has waited for
-// the stream, so the copy that read it has finished.
+// A pinned buffer is refilled only in the next step's upload(), after end_step() or read_step()
+// has waited for the stream, so the copy that read it has finished.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -40,6 +43,11 @@ class DeviceBatches {
   // Detaches the accumulator and returns the sum over the step's micro-batches of each one's mean
   // loss (what the forwards would have returned, summed): one read from the device.
   double end_step();
+  // The one-wait form: finish_step() detaches the accumulator and queues its sum into the device
+  // slot beside norm_slot(); read_step() then reads both with one copy.
+  double* norm_slot();
+  void finish_step();
+  void read_step(double* loss, double* norm_sq);
 
  private:
   Transformer& model_;
@@ -48,6 +56,7 @@ class DeviceBatches {
   int32_t* pinned_ = nullptr;  // [mb_][2][tokens_]
   Tensor inputs_;              // the same layout on the device
   Tensor loss_acc_;            // [tokens_] per-token loss sums
+  Tensor scalars_;             // two doubles: the step's loss sum, the squared gradient norm
 };
 
 }  // namespace mt

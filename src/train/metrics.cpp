@@ -35,6 +35,9 @@ void MetricsWriter::step(const StepMetrics& m) {
                       {"comm_ms", m.comm_ms},
                       {"exposed_comm_ms", m.exposed_comm_ms},
                       {"grad_norm", m.grad_norm}};
+  if (m.data_wait_ms) j["data_wait_ms"] = *m.data_wait_ms;
+  if (m.stragglers.is_object())
+    for (const auto& [k, v] : m.stragglers.items()) j[k] = v;
   if (m.val_loss) j["val_loss"] = *m.val_loss;
   if (m.val_bits_per_byte) j["val_bits_per_byte"] = *m.val_bits_per_byte;
   if (m.pp_bubble) j["pp_bubble"] = *m.pp_bubble;

@@ -24,6 +24,11 @@ struct StepMetrics {
   // formula's value for the same schedule.
   std::optional<double> pp_bubble, pp_bubble_formula;
   int64_t mem_peak_bytes = 0;
+  // Time the step waited for its batch from the loader (this rank).
+  std::optional<double> data_wait_ms;
+  // On the steps where the ranks compared their times (train/straggler.h): straggler,
+  // step_ms_per_rank, busy_ms_per_rank, data_wait_ms_per_rank, idle_ms_per_rank (null otherwise).
+  nlohmann::json stragglers;
   // A blended data.train: input tokens seen so far per dataset pattern, all ranks (null otherwise).
   nlohmann::json data_tokens_by_dataset;
   // Mixture of experts (null otherwise): expert_tokens, expert_imbalance, moe_aux_loss, ... (see

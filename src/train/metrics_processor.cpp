@@ -6,6 +6,8 @@
 
 #include "comm/world.h"
 #include "kernels/backend.h"
+#include "parallel/offload.h"
+#include "runtime/host_transfer.h"
 #include "runtime/memory.h"
 
 namespace mt {
@@ -21,7 +23,13 @@ MetricsProcessor::MetricsProcessor(const RunConfig& cfg, const ModelConfig& mc, 
                                    int64_t first_step)
     : cfg_(cfg), tc_(cfg.train), mc_(mc), plan_(pm.plan()), groups_(groups), pm_(pm), dt_(dtype), rank_(rank),
       world_(world), dry_(dry), log_(dry || comm::should_print(rank)), first_step_(first_step),
-      writer_(rank == 0 || dry ? cfg.log.metrics_out : "") {}
+      writer_(rank == 0 || dry ? cfg.log.metrics_out : ""),
+      stragglers_(groups.metrics.get(), comm::World::get().hostname(),  // a dry run counts its bytes too
+                  cfg.log.straggler_every, cfg.log.straggler_ratio, cfg.log.straggler_min_ms, first_step) {
+  if (cfg.log.straggler_every < 0) throw ConfigError("log.straggler_every must be >= 0 (0 = never)");
+  if (cfg.log.straggler_ratio < 1.0) throw ConfigError("log.straggler_ratio must be >= 1");
+  if (cfg.log.straggler_min_ms < 0) throw ConfigError("log.straggler_min_ms must be >= 0");
+}
 
 void MetricsProcessor::print_header(int64_t params, int64_t data_tokens, int threads) const {
   if (!log_) return;
@@ -55,7 +63,7 @@ void MetricsProcessor::print_header(int64_t params, int64_t data_tokens, int thr
 }
 
 StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, double lr, Clock::time_point t0,
-                                   parallel::StepComm cs) {
+                                   parallel::StepComm cs, double data_ms) {
   double a2a_ms = 0;
   int64_t a2a_bytes = 0;
   nlohmann::json moe = mc_.moe() ? moe_step_metrics(&a2a_ms, &a2a_bytes) : nlohmann::json();
@@ -72,7 +80,8 @@ StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, 
   sm.lr = lr;
   sm.grad_norm = r.grad_norm;
   sm.step_ms = step_ms;
-  sm.compute_ms = step_ms - cs.exposed_ms;
+  sm.compute_ms = step_ms - cs.exposed_ms - data_ms;
+  sm.data_wait_ms = data_ms;
   sm.comm_ms = cs.comm_ms;
   sm.exposed_comm_ms = cs.exposed_ms;
   if (plan_.pp > 1) {
@@ -87,7 +96,18 @@ StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, 
   sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;
   sm.moe = moe;
   if (mc_.moe()) moe_aux_last_ = moe.value("moe_aux_loss", 0.0);
+  std::string slow;
+  sm.stragglers = stragglers_.add(step, {step_ms, data_ms, sm.compute_ms, cs.exposed_ms}, &slow);
+  if (sm.stragglers.is_object()) {
+    ++straggler_checks_;
+    if (!sm.stragglers["straggler"].is_null()) ++straggler_named_;
+  }
+  if (!slow.empty() && log_) {
+    std::printf("%s\n", slow.c_str());
+    std::fflush(stdout);
+  }
   if (!counted) return sm;
+  data_ms_total_ += data_ms;
   cp_comm_ms_total_ += cp_ms;
   cp_exposed_ms_total_ += cp_exposed;
   if (plan_.pp > 1) bubble_sum_ += r.bubble;
@@ -190,6 +210,15 @@ void MetricsProcessor::print_memory(const MemStats& ms) const {
                 format_bytes(pm_.model().activation_bytes_saved()).c_str(), format_bytes(pm_.model().activation_bytes()).c_str());
   const int64_t F = pm_.model().flat_size();
   parallel::StateBytes want = parallel::expected_state_bytes(plan_.strategy, dt_, F, groups_.shard->size());
+  if (plan_.offload_optimizer()) {  // the device keeps the compute-dtype weights and the gradients
+    want = {(dt_ == DType::BF16 ? 2 : 4) * F, 4 * F, 0};
+    const MemStats h = pinned_memory_tracker().stats();
+    const parallel::StateBytes hw = parallel::offload_host_bytes(dt_, F);
+    std::printf("  offloaded to pinned host memory: %s measured, %s expected (params %s, grads %s, optimizer %s)\n",
+                format_bytes(h.total_current).c_str(), format_bytes(hw.total()).c_str(),
+                format_bytes(h.current[0]).c_str(), format_bytes(h.current[1]).c_str(),
+                format_bytes(h.current[2]).c_str());
+  }
   if (pm_.model().has_tied_replica()) {  // the last pipeline stage's copy of a tied embedding
     want.params += static_cast<int64_t>(pm_.model().tied_replica().nbytes());
     want.grads += static_cast<int64_t>(pm_.model().tied_replica_grad().nbytes());
@@ -264,6 +293,7 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
                         {"comm_bytes_by_group", nlohmann::json::object()},
                         {"comm_ms_per_step", tps_n_ ? comm_ms_total_ / tps_n_ : 0.0},
                         {"exposed_comm_ms_per_step", tps_n_ ? exposed_ms_total_ / tps_n_ : 0.0},
+                        {"data_wait_ms_per_step", tps_n_ ? data_ms_total_ / tps_n_ : 0.0},
                         {"world_size", world_},
                         {"device", device_name(current_device())},
                         {"strategy", pm_.strategy().name()},
@@ -305,6 +335,14 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
     fin["pp_stages"] = pm_.partition().describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;
+  if (straggler_checks_) {
+    fin["straggler_checks"] = straggler_checks_;
+    fin["straggler_checks_naming_a_rank"] = straggler_named_;
+  }
+  fin["offload"] = to_string(plan_.offload);
+  if (plan_.offload_optimizer()) {  // the host side of the split: page-locked bytes by category
+    fin["mem_host_by_category"] = category_json(pinned_memory_tracker().stats().current);
+  }
   if (dry_) {
     fin["dry_run"] = true;
     fin["rank"] = rank_;

@@ -15,6 +15,7 @@
 #include "runtime/clock.h"
 #include "train/config.h"
 #include "train/metrics.h"
+#include "train/straggler.h"
 
 namespace mt {
 
@@ -44,9 +45,11 @@ class MetricsProcessor {
 
   // The job's description (model, data, batch, device, layout, pipeline), on the printing rank.
   void print_header(int64_t params, int64_t data_tokens, int threads) const;
-  // Step `step` (0-based) done: its figures since `t0` (the step's start) into StepMetrics and the
-  // run's totals. Collective over the world for a mixture of experts.
-  StepMetrics step(int64_t step, const parallel::StepResult& r, double lr, Clock::time_point t0, parallel::StepComm cs);
+  // Step `step` (0-based) done: its figures since `t0` (the step's start; `data_ms` of it waiting for
+  // the batch) into StepMetrics and the run's totals. Collective over the world for a mixture of
+  // experts, and every log.straggler_every steps (the ranks compare their times).
+  StepMetrics step(int64_t step, const parallel::StepResult& r, double lr, Clock::time_point t0, parallel::StepComm cs,
+                   double data_ms);
   // The progress line (every log.print_every steps, the last and those with a validation loss) and
   // the metrics file's line.
   void emit(const StepMetrics& m);
@@ -78,9 +81,11 @@ class MetricsProcessor {
   bool dry_ = false, log_ = false;
   int64_t first_step_ = 0;
   MetricsWriter writer_;
+  StragglerMonitor stragglers_;
 
   // Over the run (steps after the first).
-  double tps_sum_ = 0, comm_ms_total_ = 0, exposed_ms_total_ = 0, bubble_sum_ = 0;
+  double tps_sum_ = 0, comm_ms_total_ = 0, exposed_ms_total_ = 0, bubble_sum_ = 0, data_ms_total_ = 0;
+  int64_t straggler_checks_ = 0, straggler_named_ = 0;
   double cp_comm_ms_total_ = 0, cp_exposed_ms_total_ = 0;
   int64_t tps_n_ = 0;
   int peak_slots_ = 0;

@@ -146,16 +146,17 @@ Finding straggler(const RunMetrics& run, std::string* who) {
     f.evidence = "straggler not recorded";
     return f;
   }
-  f.share = static_cast<double>(named) / static_cast<double>(run.steps.size());
+  // The ranks compare their times every log.straggler_every steps: the share is of those comparisons.
+  f.share = static_cast<double>(named) / static_cast<double>(seen);
   f.flagged = f.share >= kStragglerShare;
   if (count.empty()) {
-    f.evidence = "no rank named a straggler";
+    f.evidence = "no rank named a straggler in " + std::to_string(seen) + " comparison" + (seen > 1 ? "s" : "");
     return f;
   }
   auto top = std::max_element(count.begin(), count.end(), [](auto& a, auto& b) { return a.second < b.second; });
   *who = top->first;
-  f.evidence = top->first + " named slow in " + std::to_string(top->second) + " of " +
-               std::to_string(run.steps.size()) + " step records";
+  f.evidence = top->first + " named slow in " + std::to_string(top->second) + " of " + std::to_string(seen) +
+               " comparison" + (seen > 1 ? "s" : "") + " of the ranks";
   return f;
 }
 

@@ -44,7 +44,8 @@ struct DiagnoseContext {
 };
 
 // Thresholds: exposed communication >= 25% of the step; peak >= 85% of the capacity; data wait
-// >= 10% of the step; a straggler named in >= 20% of the step records.
+// >= 10% of the step; a straggler named in >= 20% of the records that hold the ranks' comparison
+// (`straggler`, every log.straggler_every steps).
 Diagnosis diagnose(const RunMetrics& run, const DiagnoseContext& ctx);
 
 // The planner's best layout for `ctx` next to the current one on the this-cpu model, as one sentence.

@@ -114,18 +114,22 @@ function barChart(title, key) {
     });
   });
 }
-// Ranks x steps, coloured by each rank's step time relative to that step's fastest rank.
+// Ranks x steps, coloured by each rank's time relative to that step's fastest rank: the busy time
+// (data wait + compute) when the run records it - synchronous ranks share one step time, the slow
+// one shows in what it did before the collectives - else the step time.
 function heatMap() {
   DATA.runs.forEach((r, i) => {
-    const rows = r.steps.filter(s => Array.isArray(s.step_ms_per_rank));
-    const svg = panel("per-rank step time, " + r.label + " (darker = slower than the step's fastest rank)",
+    const busy = r.steps.some(s => Array.isArray(s.busy_ms_per_rank));
+    const key = busy ? "busy_ms_per_rank" : "step_ms_per_rank";
+    const rows = r.steps.filter(s => Array.isArray(s[key]));
+    const svg = panel("per-rank " + (busy ? "busy" : "step") + " time, " + r.label + " (darker = slower than the step's fastest rank)",
                       rows.length ? "" : "step_ms_per_rank not recorded (" + r.label + ")");
     if (!svg) return;
-    const nr = Math.max(...rows.map(s => s.step_ms_per_rank.length));
+    const nr = Math.max(...rows.map(s => s[key].length));
     const cw = (W - L - R) / rows.length, ch = (H - T - B) / nr;
     rows.forEach((s, x) => {
-      const lo = Math.min(...s.step_ms_per_rank);
-      s.step_ms_per_rank.forEach((v, y) => {
+      const lo = Math.max(1e-3, Math.min(...s[key]));
+      s[key].forEach((v, y) => {
         const f = Math.min(1, (v / lo - 1) / 0.5), c = Math.round(255 * (1 - f));
         el("rect", {x: L + x * cw, y: T + y * ch, width: cw + 0.5, height: ch + 0.5, fill: "rgb(255," + c + "," + c + ")"}, svg)
           .appendChild(el("title", {}, null, "step " + s.step + " rank " + y + ": " + v.toFixed(1) + " ms"));

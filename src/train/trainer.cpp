@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <thread>
 
 #include "comm/world.h"
 #include "kernels/backend.h"
@@ -26,6 +27,7 @@
 #include "data/data_loader.h"
 #include "train/job_agreement.h"
 #include "train/metrics_processor.h"
+#include "train/preflight.h"
 #include "checkpoint/model_state.h"
 #include "train/sampler.h"
 #include "train/stop_signal.h"
@@ -98,6 +100,7 @@ class Trainer {
   void report();
   void sample();
   void maybe_inject_fault(int64_t step);
+  void read_slow_rank();
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
   void next_batch(int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
@@ -136,6 +139,10 @@ class Trainer {
   nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
   double full_save_ms_ = 0;          // train.checkpoint_format = full
   int64_t full_saves_ = 0;
+  struct {
+    std::string part;  // MESHTRAIN_TEST_SLOW_RANK on this rank: "data_wait" | "compute" ("" = none)
+    int64_t ms = 0;
+  } slow_;
 };
 
 namespace {
@@ -183,12 +190,22 @@ void Trainer::build() {
   plan_ = cfg_.parallel_plan(mc_, world_);
   groups_ = ParallelGroups::build(*W_, plan_);
   check_train_config();
+  read_slow_rank();
   B_ = tc_.micro_batch;
   T_full_ = mc_.seq_len;
   T_ = T_full_ / plan_.cp;  // context parallelism: this rank's two chunks of every sequence
   accum_ = plan_.microbatches;
   // Every rank runs the same job (config, build, data), checked before anything is loaded.
   verify_same_job(*groups_.metrics, job_items(cfg_, mc_, !dry_), "configuration");
+  // Before the model allocates: does every rank's dry-run peak fit? (In the meshtrain binary only:
+  // the same decision on every rank, since every rank runs the same binary.)
+  // A dry run makes the check's one collective only (its bytes per group are a real run's).
+  if (tc_.preflight && (dry_ || !dry_run_binary().empty()))
+    memory_preflight(cfg_, mc_, *groups_.metrics,
+                     {.rank = rank_, .world = world_, .local_ranks = W_->local_size(), .host = W_->hostname(),
+                      .device = current_device(),
+                      .tokens_per_step = B_ * T_full_ * accum_ * plan_.dp(),
+                      .count_only = dry_});
   make_loaders();
   try {
     pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_));
@@ -209,7 +226,10 @@ void Trainer::build() {
   make_checkpointing();
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
-  if (current_device() == Device::CUDA) dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
+  if (current_device() == Device::CUDA) {
+    dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
+    pm_->set_device_norm(dbatch_->norm_slot());
+  }
 }
 
 void Trainer::check_train_config() {
@@ -217,6 +237,17 @@ void Trainer::check_train_config() {
   // The job's device, before anything allocates (a dry run keeps Meta).
   const bool on_gpu = check_train_device(tc_.device, dry_, world_);
   if (!dry_) set_current_device(on_gpu ? Device::CUDA : Device::CPU);
+  if (plan_.offload_optimizer()) {
+    Device d = Device::CPU;
+    parse_device(tc_.device, &d);
+    if (d != Device::CUDA)
+      throw ConfigError("train.offload = optimizer: with train.device = " + tc_.device +
+                        " the optimizer state is already in host memory (the whole model trains there), so there is "
+                        "nothing to offload: use train.offload = none, or train.device = cuda");
+    if (world_ > 1)
+      throw ConfigError("train.offload = optimizer runs on one GPU (one rank) so far, but this job has " +
+                        std::to_string(world_) + " ranks: run it on one rank, or without train.offload");
+  }
   kernels::require_ops(tc_.device, {.llama = mc_.arch == Arch::Llama, .rope_scaled = mc_.rope_scaled(),
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = plan_.tp > 1,
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
@@ -415,30 +446,53 @@ void Trainer::train_step(int64_t step) {
   trace_->begin("step " + std::to_string(step + 1), "step");
   parallel::StepComm cs;
   std::vector<const int32_t*> xp, yp;
+  // The data wait: the time the step waits for its batches (read, and copied to the device).
+  if (slow_.part == "data_wait") std::this_thread::sleep_for(std::chrono::milliseconds(slow_.ms));
   for (int64_t m = 0; m < accum_; ++m) {
     next_batch(xs_[m].data(), ys_[m].data());
     if (dbatch_) dbatch_->upload(m, xs_[m].data(), ys_[m].data());
     xp.push_back(dbatch_ ? dbatch_->ids(m) : xs_[m].data());
     yp.push_back(dbatch_ ? dbatch_->targets(m) : ys_[m].data());
   }
+  const double data_ms = ms_since(t0);
+  if (slow_.part == "compute") std::this_thread::sleep_for(std::chrono::milliseconds(slow_.ms));
   st_.micro_batches += accum_;
   if (dbatch_) dbatch_->begin_step();
   parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
-  if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
-  const double loss = r.loss, norm = r.grad_norm;
-  if (!std::isfinite(norm) || !std::isfinite(loss))
-    throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
-                             std::to_string(loss) + ", grad norm " + std::to_string(norm) + ")");
-  float scale = 1.0f;
-  if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
-  trace_->begin("optimizer + parameter sync", "optimizer");
-  pm_->optimizer_step(lr, scale, &cs);
-  trace_->end();
+  auto check_finite = [&] {
+    if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss))
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": loss or gradient is not finite (loss " +
+                               std::to_string(r.loss) + ", grad norm " + std::to_string(r.grad_norm) + ")");
+  };
+  if (r.grad_norm_on_device) {
+    // One GPU: the norm stays on the device, AdamW clips from it there, and the loss and the norm
+    // come back in one read after the update (the step's only wait). A non-finite step still stops
+    // the run, after its update instead of before.
+    dbatch_->finish_step();
+    trace_->begin("optimizer + parameter sync", "optimizer");
+    pm_->optimizer_step_clipped(lr, tc_.grad_clip, &cs);
+    trace_->end();
+    double loss_sum = 0, norm_sq = 0;
+    dbatch_->read_step(&loss_sum, &norm_sq);
+    r.loss = pm_->reduce_loss(loss_sum, accum_);
+    r.grad_norm = std::sqrt(norm_sq);
+    check_finite();
+  } else {
+    if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
+    check_finite();
+    const double norm = r.grad_norm;
+    float scale = 1.0f;
+    if (tc_.grad_clip > 0 && norm > tc_.grad_clip) scale = static_cast<float>(tc_.grad_clip / (norm + 1e-6));
+    trace_->begin("optimizer + parameter sync", "optimizer");
+    pm_->optimizer_step(lr, scale, &cs);
+    trace_->end();
+  }
+  const double loss = r.loss;
   trace_->end();  // step
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();
-  StepMetrics sm = metrics_->step(step, r, lr, t0, cs);
+  StepMetrics sm = metrics_->step(step, r, lr, t0, cs, data_ms);
   if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
     sm.val_bits_per_byte = bits_per_byte(*sm.val_loss, val_bytes_per_token_);
@@ -451,6 +505,22 @@ void Trainer::train_step(int64_t step) {
   if (saver_) saver_->poll();  // commits an async save once every rank has written its file
   if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
   maybe_inject_fault(step + 1);
+}
+
+// MESHTRAIN_TEST_SLOW_RANK=RANK:MS[:compute] (test-only, for the straggler tests): rank RANK sleeps
+// MS ms every step while waiting for its data (or, with :compute, after it, counted as compute).
+void Trainer::read_slow_rank() {
+  const char* v = std::getenv("MESHTRAIN_TEST_SLOW_RANK");
+  if (!v || dry_) return;
+  int rank = -1;
+  long long ms = 0;
+  char part[16] = {};
+  const int n = std::sscanf(v, "%d:%lld:%15s", &rank, &ms, part);
+  if (n < 2 || (n == 3 && std::strcmp(part, "compute") != 0 && std::strcmp(part, "data") != 0))
+    throw ConfigError(std::string("MESHTRAIN_TEST_SLOW_RANK must be RANK:MS or RANK:MS:compute, got '") + v + "'");
+  if (rank != rank_) return;
+  slow_.part = n == 3 && std::strcmp(part, "compute") == 0 ? "compute" : "data_wait";
+  slow_.ms = ms;
 }
 
 // MESHTRAIN_FAULT_KILL=RANK:STEP:FILE (fault injection for restart tests): rank RANK kills itself

@@ -107,5 +107,20 @@ TEST(AdamW, Bf16CopyInTheSamePassEqualsCastAfterwards) {
   EXPECT_EQ(differ, 0);
 }
 
+// The multi-tensor form with the norm in memory: a norm that is not finite changes nothing (the
+// trainer then stops the run with the last good step's weights); a finite one updates.
+TEST(AdamW, MultiTensorLeavesEverythingWhenTheNormIsNotFinite) {
+  const int64_t n = 1001;
+  const auto p0 = kt::randn(size_t(n), 41), g = kt::randn(size_t(n), 42);
+  for (const double norm_sq : {std::nan(""), HUGE_VAL, 4.0}) {
+    auto p = p0;
+    std::vector<float> m(size_t(n), 0.1f), v(size_t(n), 0.01f);
+    const AdamWTensor t{p.data(), g.data(), m.data(), v.data(), nullptr, n, 0.1f};
+    adamw_update_multi(&t, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 3, 1.0f, &norm_sq, 1.0);
+    EXPECT_EQ(kt::bitwise_equal(p, p0), !std::isfinite(norm_sq)) << norm_sq;
+    EXPECT_EQ(m[0] == 0.1f, !std::isfinite(norm_sq)) << norm_sq;
+  }
+}
+
 }  // namespace
 }  // namespace mt::kernels::cpu

@@ -346,6 +346,84 @@ TEST(CudaKernels, RowKernelsAtGpt2Sizes) {
   check_cross_entropy(257, 50257, 50304);
 }
 
+// The bias gradient is a two-stage column sum (kernels/cuda/reduce.cu): rows cut into slices (as
+// many as N / 32, at most 256), per slice 8 row lanes each summing every 8th row, the lanes added
+// in order, then the slices added in order per column. Plain additions (no products to fuse), so
+// the device's result is exactly that order's, computed here on the host, at row counts with one
+// slice, several, and the cap; and two calls give the same bits.
+std::vector<float> two_stage_column_sums(const std::vector<float>& y, int64_t N, int64_t Cc) {
+  int64_t parts = std::clamp<int64_t>((N + 31) / 32, 1, 256);
+  const int64_t rows = (N + parts - 1) / parts;
+  parts = (N + rows - 1) / rows;
+  std::vector<float> out(Cc, 0.0f);
+  for (int64_t c = 0; c < Cc; ++c) {
+    float total = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      float slice = 0.0f;
+      for (int64_t lane = 0; lane < 8; ++lane) {
+        float s = 0.0f;
+        for (int64_t n = p * rows + lane; n < std::min(N, (p + 1) * rows); n += 8) s += y[n * Cc + c];
+        slice += s;
+      }
+      total += slice;
+    }
+    out[c] = total;
+  }
+  return out;
+}
+
+TEST(CudaKernels, BiasGradientIsATwoStageSumInAFixedOrder) {
+  REQUIRE_GPU();
+  const int64_t OC = 70;
+  for (int64_t N : {20, 1000, 9000}) {
+    const auto dy = kt::randn(N * OC, 90), b0 = kt::randn(OC, 91);
+    auto want = two_stage_column_sums(dy, N, OC);
+    for (int64_t c = 0; c < OC; ++c) want[c] = b0[c] + want[c];
+    DBuf<float> ddy(dy), db(b0), db2(b0);
+    G().linear_backward(nullptr, nullptr, db.p, ddy.p, nullptr, nullptr, N, 8, OC);
+    G().linear_backward(nullptr, nullptr, db2.p, ddy.p, nullptr, nullptr, N, 8, OC);
+    EXPECT_TRUE(kt::bitwise_equal(db.host(), want)) << "bias gradient N=" << N;
+    EXPECT_TRUE(kt::bitwise_equal(db2.host(), db.host())) << "two calls differ, N=" << N;
+  }
+}
+
+// The elementwise kernels take 16 bytes per access where every pointer is 16-byte aligned and one
+// float otherwise; both forms apply the same per-element function, so they agree bitwise (n = 1030:
+// 257 vectors and a tail of 2; the unaligned form starts one float in).
+TEST(CudaKernels, ElementwiseVectorAndScalarFormsAgreeBitwise) {
+  REQUIRE_GPU();
+  const int64_t n = 1030;
+  const auto x = kt::randn(n, 95), g = kt::randn(n, 96), y0 = kt::randn(n, 97);
+  auto run = [&](int64_t off) {  // gelu forward, gelu backward, accumulate, scale, swiglu forward
+    auto at = [&](const std::vector<float>& v) {  // v starting `off` floats into the buffer
+      std::vector<float> b(static_cast<size_t>(off), 0.0f);
+      b.insert(b.end(), v.begin(), v.end());
+      return b;
+    };
+    DBuf<float> dx(at(x)), dg(at(g)), dy(at(y0)), dout{std::vector<float>(n + 1)}, dgrad(at(y0)),
+        dsw{std::vector<float>(n + 1)};
+    G().gelu_forward(dout.p + off, dx.p + off, n);
+    G().gelu_backward(dgrad.p + off, dx.p + off, dg.p + off, n);
+    G().accumulate(dy.p + off, dx.p + off, n);
+    G().scale(dy.p + off, 0.37f, n);
+    G().swiglu_forward(dsw.p + off, dx.p + off, dg.p + off, n);
+    std::vector<std::vector<float>> r;
+    for (const DBuf<float>* b : {&dout, &dgrad, &dy, &dsw}) {
+      const auto h = b->host();
+      r.emplace_back(h.begin() + off, h.begin() + off + n);
+    }
+    return r;
+  };
+  const auto vec = run(0), scalar = run(1);
+  const char* names[] = {"gelu_forward", "gelu_backward", "accumulate + scale", "swiglu_forward"};
+  for (size_t i = 0; i < vec.size(); ++i) EXPECT_TRUE(kt::bitwise_equal(vec[i], scalar[i])) << names[i];
+  // accumulate + scale against the CPU (both exact per element).
+  std::vector<float> want = y0;
+  C().accumulate(want.data(), x.data(), n);
+  C().scale(want.data(), 0.37f, n);
+  EXPECT_TRUE(kt::bitwise_equal(vec[2], want)) << "accumulate + scale against the CPU";
+}
+
 TEST(CudaKernels, AdamW) {
   REQUIRE_GPU();
   const int64_t n = 5003;

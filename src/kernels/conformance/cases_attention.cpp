@@ -126,6 +126,60 @@ void attention(std::vector<CaseSpec>& out, const AttnShape& s) {
   });
 }
 
+// The bf16 ops on the bf16-rounded inputs of the fp32 cases; the reference is the exact attention
+// of the same bf16 values (and, backward, of dout rounded to bf16).
+std::vector<float> widen(const std::vector<bf16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+  return f;
+}
+
+void attention_bf16(std::vector<CaseSpec>& out, const AttnShape& s) {
+  add_case(out, Op::attention_forward_bf16, DType::BF16, s.model, [s] {
+    Case c(Op::attention_forward_bf16, DType::BF16, s.str());
+    const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
+              lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", to_bf16(qkv_input(s, 202)));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.attention_forward_bf16(a.f(o), a.f(lse), a.bf(q), s.B, s.T, s.nh, s.nkv, s.hd);
+    };
+    c.exact = [=](const Args& a) {
+      const std::vector<bf16> qb(a.bf(q), a.bf(q) + s.B * s.T * qkv_width(s));
+      ExactAttention{s}.forward(a.f(o), a.f(lse), widen(qb).data());
+    };
+    return c;
+  });
+  add_case(out, Op::attention_backward_bf16, DType::BF16, s.model, [s] {
+    Case c(Op::attention_backward_bf16, DType::BF16, s.str());
+    const std::vector<bf16> qkv = to_bf16(qkv_input(s, 202));
+    std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
+    reference().attention_forward_bf16(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd);
+    const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
+              q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse);
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.attention_backward_bf16(a.f(g), a.f(dy), a.bf(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd);
+    };
+    c.exact = [=](const Args& a) {
+      const std::vector<bf16> qb(a.bf(q), a.bf(q) + s.B * s.T * qkv_width(s));
+      std::vector<float> d(a.f(dy), a.f(dy) + s.B * s.T * s.nh * s.hd);
+      for (float& x : d) x = round_to_bf16(x);
+      ExactAttention{s}.backward(a.f(g), d.data(), widen(qb).data(), a.f(o), a.f(l));
+    };
+    return c;
+  });
+}
+
+// Shapes of the bf16 (tensor-core) attention at small sizes: sequence lengths that are no multiple
+// of the tiles (16, 32, 64), head dims 32 to 128 and one the kernel pads (40) or hands to the
+// simple kernel (144), query heads per kv head 1, 2 and 4.
+const std::vector<AttnShape>& bf16_attention_shapes() {
+  static const std::vector<AttnShape> v = {
+      {"small", 1, 33, 4, 4, 32, false}, {"small", 1, 45, 4, 2, 48, false}, {"small", 1, 77, 4, 1, 64, false},
+      {"small", 1, 19, 2, 1, 80, false}, {"small", 1, 70, 2, 1, 128, false}, {"small", 1, 9, 2, 2, 40, false},
+      {"small", 1, 7, 2, 1, 144, false},
+  };
+  return v;
+}
+
 // Llama 3.1's scaled frequencies in shape: theta 500000, the low-frequency half divided by 8.
 std::vector<float> scaled_inv_freq(int64_t hd) {
   std::vector<float> f(hd / 2);
@@ -168,7 +222,9 @@ void attention_cases(std::vector<CaseSpec>& out) {
   for (const AttnShape& s : attention_shapes()) {
     attention(out, s);
     rope(out, s);
+    if (s.model) attention_bf16(out, s);
   }
+  for (const AttnShape& s : bf16_attention_shapes()) attention_bf16(out, s);
 }
 
 }  // namespace mt::kernels::conformance

@@ -1,9 +1,12 @@
 // Conformance cases: elementwise ops, casts, reductions to the host and the optimizer.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 #include <string>
 
 #include "kernels/backend.h"
 #include "kernels/conformance/case.h"
+#include "runtime/device.h"
 
 namespace mt::kernels::conformance {
 
@@ -87,6 +90,24 @@ void arithmetic(std::vector<CaseSpec>& out) {
       c.reduce = [=](const KernelTable& k, const Args& a) { return k.sum(a.f(x), s.n); };
       return c;
     });
+    // The device-result forms: the double is read back here, after the call.
+    for (const bool squares : {true, false}) {
+      const Op op = squares ? Op::sum_squares_to : Op::sum_to;
+      add_case(out, op, DType::F32, s.model, [s, op, squares] {
+        Case c(op, DType::F32, s.str());
+        const int x = c.in("x", uniform(s.n, squares ? 25 : 26));
+        c.reduce = [=](const KernelTable& k, const Args& a) {
+          auto* d = static_cast<double*>(device_alloc(k.device, sizeof(double), MemCategory::Workspace));
+          if (squares) k.sum_squares_to(d, a.f(x), s.n);
+          else k.sum_to(d, a.f(x), s.n);
+          double r = 0;
+          dev::copy_to_host(k.device, &r, d, sizeof r);
+          device_free(k.device, d, sizeof(double), MemCategory::Workspace);
+          return r;
+        };
+        return c;
+      });
+    }
   }
 }
 
@@ -163,6 +184,36 @@ void optimizer(std::vector<CaseSpec>& out) {
         };
         return c;
       });
+      // The multi-tensor form over 37 tensors of unequal lengths (more than one launch's group),
+      // decay on every other one; clipped by a norm in the device's memory (clip 1) or not (0); a
+      // norm that is not finite (clip 2) leaves every tensor as it was.
+      for (const int clip : {0, 1, 2}) {
+        add_case(out, Op::adamw_update_multi, dt, s.model, [s, dt, clip] {
+          Case c(Op::adamw_update_multi, dt, s.str() + (clip == 1 ? " clip" : clip == 2 ? " nan-norm" : ""));
+          const int p = c.out("param", uniform(s.n, 55)), g = c.in("grad", uniform(s.n, 56)),
+                    m = c.out("m", uniform(s.n, 57, -0.1f, 0.1f)), v = c.out("v", uniform(s.n, 58, 0.0f, 0.01f));
+          const int pb = dt == DType::BF16 ? c.out("param_bf16", to_bf16(uniform(s.n, 59))) : -1;
+          c.call = [=](const KernelTable& k, const Args& a) {
+            std::vector<AdamWTensor> ts;
+            for (int64_t off = 0, i = 0; off < s.n; ++i) {
+              const int64_t n = std::min<int64_t>(s.n - off, 1 + (i * 7919) % (2 * s.n / 37 + 1));
+              ts.push_back({a.f(p) + off, a.f(g) + off, a.f(m) + off, a.f(v) + off,
+                            pb < 0 ? nullptr : a.bf(pb) + off, n, i % 2 ? 0.1f : 0.0f});
+              off += n;
+            }
+            double* d = nullptr;
+            if (clip) {  // a norm of 3 clipped to 1.5, or a NaN norm
+              const double norm_sq = clip == 1 ? 9.0 : std::nan("");
+              d = static_cast<double*>(device_alloc(k.device, sizeof(double), MemCategory::Workspace));
+              dev::copy_from_host(k.device, d, &norm_sq, sizeof norm_sq);
+            }
+            k.adamw_update_multi(ts.data(), static_cast<int64_t>(ts.size()), 1e-3f, 0.9f, 0.95f, 1e-8f, 7, 0.7f, d,
+                                 1.5);
+            if (d) device_free(k.device, d, sizeof(double), MemCategory::Workspace);
+          };
+          return c;
+        });
+      }
     }
   }
 }

@@ -50,6 +50,15 @@ struct Options {
   std::optional<Op> op;        // only this op
   std::optional<DType> dtype;  // only cases in this dtype
   Shapes shapes = Shapes::Small;
+  int time_reps = 0;  // > 0: also time each passing case, that many calls (after one warm-up call)
+};
+
+// A timed case (Options::time_reps): the device's time per call (CUDA: events on the stream around
+// the calls; CPU: the wall clock), the bytes of its operands (accumulated outputs read and written)
+// and its floating-point operations where they are known (GEMMs, attention; 0 elsewhere).
+struct Timing {
+  double ms = -1;  // < 0: not timed
+  double bytes = 0, flops = 0;
 };
 
 struct Result {
@@ -62,7 +71,16 @@ struct Result {
   Tolerance tol;
   bool pass = true;    // within tolerance, deterministic, inputs untouched
   std::string detail;  // why it failed: the output and its worst element, or what differed
+  Timing timing;
 };
+
+// Milliseconds device d spends on f(): on CUDA two events recorded on the compute stream around
+// it (one wait, at the end); on the CPU the wall clock.
+double device_ms(Device d, const std::function<void()>& f);
+// The floating-point operations of one call of op at a case's shape label ("gpt2 N=333 C=768
+// OC=3072", "... B=1 T=1000 nh=12 nkv=12 hd=64"): 2 N C OC per GEMM, 4 B nh T^2 hd / 2 for causal
+// attention's forward and 2.5 times that for its backward; 0 for every other op.
+double case_flops(Op op, const std::string& shape);
 
 // Runs the cases Options selects against one target; `each` sees every result as it is made.
 std::vector<Result> run(const Target& t, const Options& o, const std::function<void(const Result&)>& each = {});

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -227,7 +228,59 @@ bool selected(const CaseSpec& s, const Options& o) {
   return o.shapes == Shapes::All || s.model == (o.shapes == Shapes::Model);
 }
 
+// dim=value in a shape label, or 0.
+double dim(const std::string& shape, const char* name) {
+  const std::string key = std::string(" ") + name + "=";
+  const size_t at = shape.find(key);
+  return at == std::string::npos ? 0.0 : std::atof(shape.c_str() + at + key.size());
+}
+
+// One warm-up call, then time_reps calls timed together on the device (outputs keep changing:
+// the time, not the values, is measured).
+Timing time_case(const Case& c, const KernelTable& t, Device d, int reps) {
+  Placed p(c, d);
+  const Args a{p.ptrs()};
+  auto once = [&] {
+    if (c.reduce) c.reduce(t, a);
+    else c.call(t, a);
+  };
+  once();
+  Timing tm;
+  tm.ms = device_ms(d, [&] {
+            for (int i = 0; i < reps; ++i) once();
+          }) /
+          reps;
+  for (const Buffer& b : c.bufs) {
+    if (b.role == Role::Host) continue;
+    const bool rw = b.role == Role::Out && (op_info(c.op).flags & kAccumulates);
+    tm.bytes += static_cast<double>(b.bytes.size()) * (rw ? 2 : 1);
+  }
+  tm.flops = case_flops(c.op, c.shape);
+  return tm;
+}
+
 }  // namespace
+
+double case_flops(Op op, const std::string& shape) {
+  const double N = dim(shape, "N"), C = dim(shape, "C"), OC = dim(shape, "OC");
+  const double B = dim(shape, "B"), T = dim(shape, "T"), nh = dim(shape, "nh"), hd = dim(shape, "hd");
+  const double gemm = 2 * N * C * OC, attn = 4 * B * nh * T * T * hd / 2;
+  switch (op) {
+    case Op::linear_forward:
+    case Op::linear_forward_bf16:
+      return gemm;
+    case Op::linear_backward:
+    case Op::linear_backward_bf16:
+    case Op::linear_backward_bf16_dy:
+      return (shape.find("no-dinp") == std::string::npos ? 2 : 1) * gemm;  // dinp and dW
+    case Op::attention_forward:
+      return attn;
+    case Op::attention_backward:
+      return 2.5 * attn;
+    default:
+      return 0;
+  }
+}
 
 std::vector<Target> targets(Device d) {
   switch (d) {
@@ -271,6 +324,7 @@ std::vector<Result> run(const Target& t, const Options& o, const std::function<v
           const Run ref = reference_run(c);
           const Run a = execute(c, *t.table, t.device, true), b = execute(c, *t.table, t.device);
           judge(c, ref, a, b, r);
+          if (r.pass && o.time_reps > 0) r.timing = time_case(c, *t.table, t.device, o.time_reps);
         } catch (const std::exception& e) {
           r.pass = false;
           r.detail = std::string("threw: ") + e.what();

@@ -39,6 +39,8 @@ Tolerance tolerance(Op op, DType) {
     // Double-precision accumulation in a different order: the order changes digits far below float.
     case Op::sum:
     case Op::sum_squares:
+    case Op::sum_to:
+    case Op::sum_squares_to:
       return {1e-10, 1e-10};
 
     // tanh / exp of the device's math library (a few ulp apart from glibc's and the vector ones).
@@ -88,6 +90,17 @@ Tolerance tolerance(Op op, DType) {
     case Op::attention_block_backward:
       return {1e-4, 1e-4};
 
+    // The bf16 attention against the exact attention of the same bf16 values: a tensor-core kernel
+    // rounds the probabilities (forward: P V; backward: P^T dO) and dS to bf16 before multiplying,
+    // which moves each term by up to 2^-9 relative. A key seen by few queries takes large
+    // probabilities (up to 1), so its dV terms carry absolute errors of up to 2^-9 each; the
+    // emulator's worst elements at the small shapes are off by 2.8e-3
+    // (forward) and 6e-3 (backward).
+    case Op::attention_forward_bf16:
+      return {1e-2, 5e-3};
+    case Op::attention_backward_bf16:
+      return {1e-2, 1e-2};
+
     // exp / log over a vocabulary row reduced in another order. The gradients are softmax values
     // of order 1/V (down to 1e-9), so the absolute slack is small.
     case Op::softmax_cross_entropy:
@@ -111,6 +124,7 @@ Tolerance tolerance(Op op, DType) {
     // fuses one of the two products differs by up to half an ulp of the larger term (|beta1 m| <=
     // 0.09 in the cases: 3.7e-9), a large relative error when m is small, hence the absolute term.
     case Op::adamw_update:
+    case Op::adamw_update_multi:
       return {1e-6, 1e-8};
   }
   return {0.0, 0.0};

@@ -111,6 +111,8 @@ double sum(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += x[i];
   return s;
 }
+void sum_squares_to(double* out, const float* x, int64_t n) { *out = sum_squares(x, n); }
+void sum_to(double* out, const float* x, int64_t n) { *out = sum(x, n); }
 
 void add_bias(float* x, const float* b, int64_t N, int64_t C) {
 #pragma omp parallel for

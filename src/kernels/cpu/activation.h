@@ -25,6 +25,9 @@ void accumulate(float* y, const float* x, int64_t n);
 void scale(float* x, float s, int64_t n);
 // Sum of squares in double precision (for global gradient norms).
 double sum_squares(const float* x, int64_t n);
+// *out = sum_squares(x, n) / sum(x, n) (kernels/ops.def sum_squares_to, sum_to).
+void sum_squares_to(double* out, const float* x, int64_t n);
+void sum_to(double* out, const float* x, int64_t n);
 
 // Round-to-nearest-even casts.
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n);

@@ -72,4 +72,19 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   }
 }
 
+void adamw_update_multi(const AdamWTensor* tensors, int64_t count, float lr, float beta1, float beta2, float eps,
+                        int64_t step, float grad_scale, const double* clip_norm_sq, double clip_max) {
+  if (clip_norm_sq && !std::isfinite(*clip_norm_sq)) return;
+  float scale = grad_scale;
+  if (clip_norm_sq && clip_max > 0) {
+    const double norm = std::sqrt(*clip_norm_sq);
+    if (norm > clip_max) scale = static_cast<float>(clip_max / (norm + 1e-6));
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const AdamWTensor& t = tensors[i];
+    if (t.n > 0)
+      adamw_update(t.param, t.grad, t.m, t.v, t.n, lr, beta1, beta2, eps, t.weight_decay, step, scale, t.param_bf16);
+  }
+}
+
 MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -3,6 +3,7 @@
 #include "kernels/cpu/isa.h"
 #include <cstdint>
 
+#include "kernels/ops.h"
 #include "runtime/dtype.h"
 
 MT_CPU_NS_BEGIN
@@ -15,5 +16,10 @@ MT_CPU_NS_BEGIN
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int64_t step, float grad_scale = 1.0f,
                   bf16* param_bf16 = nullptr);
+
+// adamw_update over a list of tensors (kernels/ops.def adamw_update_multi): each tensor in turn,
+// so the results are adamw_update's bit for bit. clip_norm_sq is host memory here.
+void adamw_update_multi(const AdamWTensor* tensors, int64_t count, float lr, float beta1, float beta2, float eps,
+                        int64_t step, float grad_scale, const double* clip_norm_sq, double clip_max);
 
 MT_CPU_NS_END  // namespace mt::kernels::cpu

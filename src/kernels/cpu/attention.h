@@ -9,6 +9,8 @@
 #include "kernels/cpu/isa.h"
 #include <cstdint>
 
+#include "runtime/dtype.h"
+
 MT_CPU_NS_BEGIN
 
 // out [B, T, nh*hd] (overwritten), lse [B, nh, T] (overwritten).
@@ -17,6 +19,12 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 // dqkv (same layout as qkv) accumulates (+=) the gradient w.r.t. qkv.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+// bf16 q, k, v (the layout above): the same attention on their values, fp32 out and lse. Backward
+// rounds dout to bf16 first (nearest even) and accumulates into the fp32 dqkv.
+void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,
+                            int64_t nkv, int64_t hd);
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out,
+                             const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
 
 // Rotary embedding applied in place to the q and k heads inside a fused qkv buffer (layout above),
 // Hugging Face Llama convention (rotate_half: dimension i pairs with i + hd/2),

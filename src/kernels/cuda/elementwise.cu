@@ -1,5 +1,6 @@
 // Elementwise kernels, casts and the deterministic reductions of the CUDA table (contracts:
-// kernels/cpu/activation.h). Simple grid-stride kernels, one element per thread per step.
+// kernels/cpu/activation.h). Grid-stride kernels; GELU, SwiGLU forward, accumulate and scale move
+// 16 bytes per operand access where every pointer allows it.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
@@ -8,30 +9,77 @@ namespace mt::kernels::cuda {
 namespace {
 constexpr int kThreads = 256;
 
-__global__ void gelu_fwd_k(float* out, const float* inp, int64_t n) {
-  const float s = 0.7978845608028654f;  // sqrt(2/pi)
-  MT_GRID_STRIDE(i, n) {
-    const float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + tanhf(s * (x + 0.044715f * x * x * x)));
+// The elementwise functions, one element each; the kernels below apply them one element per thread
+// and step, or four when every pointer is 16-byte aligned (one 16-byte load or store per operand:
+// the same arithmetic per element, so the results are bitwise those of the scalar form).
+constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2/pi)
+struct GeluFwd {
+  __device__ __forceinline__ void operator()(float& out, float x) const {
+    out = 0.5f * x * (1.0f + tanhf(kGeluS * (x + 0.044715f * x * x * x)));
   }
-}
-__global__ void gelu_bwd_k(float* dinp, const float* inp, const float* dout, int64_t n) {
-  const float s = 0.7978845608028654f;
-  MT_GRID_STRIDE(i, n) {
-    const float x = inp[i];
-    const float u = s * (x + 0.044715f * x * x * x);
+};
+struct GeluBwd {
+  __device__ __forceinline__ void operator()(float& dinp, float x, float dout) const {
+    const float u = kGeluS * (x + 0.044715f * x * x * x);
     const float t = tanhf(u);
-    const float du = s * (1.0f + 3.0f * 0.044715f * x * x);
+    const float du = kGeluS * (1.0f + 3.0f * 0.044715f * x * x);
     const float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
-    dinp[i] += d * dout[i];
+    dinp += d * dout;
+  }
+};
+struct SwigluFwd {
+  __device__ __forceinline__ void operator()(float& out, float g, float up) const { out = g / (1.0f + expf(-g)) * up; }
+};
+struct Accumulate {
+  __device__ __forceinline__ void operator()(float& y, float x) const { y += x; }
+};
+struct Scale {
+  float s;
+  __device__ __forceinline__ void operator()(float& x) const { x *= s; }
+};
+
+// Four floats moved as one 16-byte access.
+struct alignas(16) F4 {
+  float v[4];
+};
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// out[i] op= f(in...[i]) for i < n; kVec: four elements per step through F4 (n4 = n / 4 vectors,
+// then the last n % 4 elements one by one).
+template <bool kVec, class F, class... In>
+__global__ void map_k(F f, float* out, int64_t n, const In*... in) {
+  if constexpr (kVec) {
+    const int64_t n4 = n / 4;
+    MT_GRID_STRIDE(i, n4) {
+      F4 o = reinterpret_cast<const F4*>(out)[i];
+      const F4 x[sizeof...(In) > 0 ? sizeof...(In) : 1] = {reinterpret_cast<const F4*>(in)[i]...};
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (sizeof...(In) == 0) f(o.v[k]);
+        else if constexpr (sizeof...(In) == 1) f(o.v[k], x[0].v[k]);
+        else f(o.v[k], x[0].v[k], x[1].v[k]);
+      }
+      reinterpret_cast<F4*>(out)[i] = o;
+    }
+    MT_GRID_STRIDE(t, n - 4 * n4) {
+      const int64_t i = 4 * n4 + t;
+      f(out[i], in[i]...);
+    }
+  } else {
+    MT_GRID_STRIDE(i, n) f(out[i], in[i]...);
   }
 }
-__global__ void swiglu_fwd_k(float* out, const float* gate, const float* up, int64_t n) {
-  MT_GRID_STRIDE(i, n) {
-    const float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
-  }
+template <class F, class... In>
+void map(const char* what, F f, float* out, int64_t n, const In*... in) {
+  if (n <= 0) return;
+  void (*const map_k_vec)(F, float*, int64_t, const In*...) = map_k<true, F, In...>;
+  void (*const map_k_scalar)(F, float*, int64_t, const In*...) = map_k<false, F, In...>;
+  if ((aligned16(out) && ... && aligned16(in)))
+    MT_LAUNCH(map_k_vec, grid_for((n + 3) / 4, kThreads), kThreads, 0, stream())(f, out, n, in...);
+  else
+    MT_LAUNCH(map_k_scalar, grid_for(n, kThreads), kThreads, 0, stream())(f, out, n, in...);
+  check_launch(what);
 }
+
 __global__ void swiglu_bwd_k(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
   MT_GRID_STRIDE(i, n) {
     const float g = gate[i];
@@ -40,12 +88,6 @@ __global__ void swiglu_bwd_k(float* dgate, float* dup, const float* dout, const 
     dgate[i] += dout[i] * up[i] * sg * (1.0f + g * (1.0f - sg));
     dup[i] += dout[i] * silu;
   }
-}
-__global__ void accumulate_k(float* y, const float* x, int64_t n) {
-  MT_GRID_STRIDE(i, n) y[i] += x[i];
-}
-__global__ void scale_k(float* x, float s, int64_t n) {
-  MT_GRID_STRIDE(i, n) x[i] *= s;
 }
 __global__ void f32_to_bf16_k(uint16_t* out, const float* in, int64_t n) {
   MT_GRID_STRIDE(i, n) out[i] = f32_to_bf16_bits(in[i]);
@@ -93,52 +135,48 @@ __global__ void reduce_final_k(double* out, const double* partial, int nparts) {
   }
 }
 
+// The reduction's result into *out (device memory), queued: nothing waits.
+template <bool kSquares>
+void reduce_to(double* out, const float* x, int64_t n) {
+  if (n <= 0) {
+    mt::cuda::zero(out, sizeof(double));
+    return;
+  }
+  double* part = static_cast<double*>(scratch(kScratchReduce, kRedBlocks * sizeof(double)));
+  MT_LAUNCH(reduce_partials_k<kSquares>, kRedBlocks, kThreads, 0, stream())(part, x, n);
+  check_launch(kSquares ? "sum_squares" : "sum");
+  MT_LAUNCH(reduce_final_k, 1, 32, 0, stream())(out, part, kRedBlocks);
+  check_launch("sum (final)");
+}
 template <bool kSquares>
 double reduce(const float* x, int64_t n) {
   if (n <= 0) return 0.0;
-  double* part = static_cast<double*>(scratch(kScratchReduce, (kRedBlocks + 1) * sizeof(double)));
-  MT_LAUNCH(reduce_partials_k<kSquares>, kRedBlocks, kThreads, 0, stream())(part, x, n);
-  check_launch(kSquares ? "sum_squares" : "sum");
-  MT_LAUNCH(reduce_final_k, 1, 32, 0, stream())(part + kRedBlocks, part, kRedBlocks);
-  check_launch("sum (final)");
+  double* out = static_cast<double*>(scratch(kScratchReduceOut, sizeof(double)));
+  reduce_to<kSquares>(out, x, n);
   double r = 0.0;
-  mt::cuda::copy_to_host(&r, part + kRedBlocks, sizeof r);
+  mt::cuda::copy_to_host(&r, out, sizeof r);
   return r;
 }
 }  // namespace
 
-void gelu_forward(float* out, const float* inp, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(gelu_fwd_k, grid_for(n, kThreads), kThreads, 0, stream())(out, inp, n);
-  check_launch("gelu_forward");
-}
+void gelu_forward(float* out, const float* inp, int64_t n) { map("gelu_forward", GeluFwd{}, out, n, inp); }
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(gelu_bwd_k, grid_for(n, kThreads), kThreads, 0, stream())(dinp, inp, dout, n);
-  check_launch("gelu_backward");
+  map("gelu_backward", GeluBwd{}, dinp, n, inp, dout);
 }
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(swiglu_fwd_k, grid_for(n, kThreads), kThreads, 0, stream())(out, gate, up, n);
-  check_launch("swiglu_forward");
+  map("swiglu_forward", SwigluFwd{}, out, n, gate, up);
 }
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
   if (n <= 0) return;
   MT_LAUNCH(swiglu_bwd_k, grid_for(n, kThreads), kThreads, 0, stream())(dgate, dup, dout, gate, up, n);
   check_launch("swiglu_backward");
 }
-void accumulate(float* y, const float* x, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(accumulate_k, grid_for(n, kThreads), kThreads, 0, stream())(y, x, n);
-  check_launch("accumulate");
-}
-void scale(float* x, float s, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(scale_k, grid_for(n, kThreads), kThreads, 0, stream())(x, s, n);
-  check_launch("scale");
-}
+void accumulate(float* y, const float* x, int64_t n) { map("accumulate", Accumulate{}, y, n, x); }
+void scale(float* x, float s, int64_t n) { map("scale", Scale{s}, x, n); }
 double sum_squares(const float* x, int64_t n) { return reduce<true>(x, n); }
 double sum(const float* x, int64_t n) { return reduce<false>(x, n); }
+void sum_squares_to(double* out, const float* x, int64_t n) { reduce_to<true>(out, x, n); }
+void sum_to(double* out, const float* x, int64_t n) { reduce_to<false>(out, x, n); }
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n) {
   if (n <= 0) return;
   MT_LAUNCH(f32_to_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(reinterpret_cast<uint16_t*>(out), in, n);

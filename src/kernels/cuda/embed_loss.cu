@@ -1,9 +1,9 @@
 // Embeddings, softmax cross-entropy (fused and vocab-parallel) and AdamW (contracts:
 // kernels/cpu/embedding.h, loss.h, adamw.h).
 //
-// Embedding and position backward are deterministic without atomics: one thread per channel walks
-// the tokens in index order (the CPU's order, so the sums are bitwise the CPU's). That exposes
-// only C-way parallelism: correct, not fast (docs/gpu.md, "what remains").
+// Embedding and position backward are deterministic without atomics and sum in the CPU's token
+// order (bitwise the CPU's sums). The embedding backward splits the table's rows into up to 256
+// classes, one grid row each, so C x 256 threads work instead of C.
 // Cross-entropy targets live on the device, so they are not validated on the host as the CPU does:
 // a target >= V gives a NaN loss for that row (the trainer's finite check reports it).
 #include <algorithm>
@@ -18,6 +18,7 @@ namespace mt::kernels::cuda {
 
 namespace {
 constexpr int kThreads = 256;
+constexpr int64_t kEmbedGroups = 256;  // row classes of the embedding backward
 
 // out[n, :] = table[ids[n] - lo, :] when lo <= ids[n] < lo + rows, else 0; table f32 or bf16.
 template <bool kBf16>
@@ -34,14 +35,27 @@ __global__ void embed_fwd_k(float* out, const int32_t* ids, const void* table, i
     out[i] = v;
   }
 }
+// Rows of the table are split into `groups` classes (row % groups); block (x, g) owns channels
+// [256 x, 256 x + 256) of the rows of class g, and each thread walks the tokens in index order,
+// adding only those whose row is in its class. Every table element is written by one thread, in
+// the CPU's token order (bitwise the CPU's sums, no atomics), with C x groups threads at work
+// instead of C.
 __global__ void embed_bwd_k(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
-                            int64_t C) {
+                            int64_t C, int64_t groups) {
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t g = blockIdx.y;
   if (c >= C) return;
   for (int64_t n = 0; n < N; ++n) {
     const int64_t r = static_cast<int64_t>(ids[n]) - lo;
-    if (r >= 0 && r < rows) dtable[r * C + c] += dout[n * C + c];
+    if (r >= 0 && r < rows && r % groups == g) dtable[r * C + c] += dout[n * C + c];
   }
+}
+void embed_backward(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
+                    int64_t C, const char* what) {
+  const int64_t groups = rows < kEmbedGroups ? rows : kEmbedGroups;
+  const dim3 grid(grid_for(C, kThreads), static_cast<unsigned>(groups));
+  MT_LAUNCH(embed_bwd_k, grid, kThreads, 0, stream())(dtable, dout, ids, lo, rows, N, C, groups);
+  check_launch(what);
 }
 __global__ void pos_add_rows_k(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C) {
   MT_GRID_STRIDE(i, R * C) {
@@ -172,8 +186,7 @@ void embedding_forward(float* out, const int32_t* ids, const float* table, int64
 }
 void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
-  MT_LAUNCH(embed_bwd_k, grid_for(C, kThreads), kThreads, 0, stream())(dtable, dout, ids, 0, INT64_MAX, N, C);
-  check_launch("embedding_backward");
+  embed_backward(dtable, dout, ids, 0, INT64_MAX, N, C, "embedding_backward");
 }
 void position_add_forward(float* x, const float* pos, int64_t B, int64_t T, int64_t C) {
   position_add_rows(x, pos, B * T, T, 0, C);
@@ -195,8 +208,8 @@ void vocab_embedding_forward(float* out, const int32_t* ids, const void* table, 
 void vocab_embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t lo, int64_t rows, int64_t N,
                               int64_t C) {
   if (N <= 0 || C <= 0) return;
-  MT_LAUNCH(embed_bwd_k, grid_for(C, kThreads), kThreads, 0, stream())(dtable, dout, ids, lo, rows, N, C);
-  check_launch("vocab_embedding_backward");
+  if (rows <= 0) return;
+  embed_backward(dtable, dout, ids, lo, rows, N, C, "vocab_embedding_backward");
 }
 void position_add_rows(float* x, const float* pos, int64_t R, int64_t T, int64_t row0, int64_t C) {
   if (R <= 0 || C <= 0) return;

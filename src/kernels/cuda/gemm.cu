@@ -4,10 +4,12 @@
 // so we call cuBLASLt with the operands swapped and m = N, n = M.
 //
 // fp32 GEMMs use CUBLAS_COMPUTE_32F (true fp32, no TF32: the CPU path's numerics); bf16 ones take
-// bf16 A and B with fp32 accumulation and fp32 C/D. Backward accumulates (beta = 1). The bias add
-// and the bias gradient are separate deterministic kernels (fusing them as cuBLASLt epilogues is
-// part of the performance work, docs/gpu.md). The algorithm per shape comes from the heuristic
-// once and is cached; a 32 MiB workspace is kept as Scratch.
+// bf16 A and B with fp32 accumulation and fp32 C/D. Backward accumulates (beta = 1). The forward's
+// bias is cuBLASLt's BIAS epilogue (added to the fp32 result before it is stored: the same sum as a
+// separate pass, without that pass over the output). The bias gradient is a two-stage deterministic
+// column sum (reduce.cu), not the BGRAD epilogue: that one overwrites instead of accumulating and
+// its summation order is not documented. The algorithm per (shape, alignments, epilogue) comes
+// from the heuristic once and is cached; a 32 MiB workspace is kept as Scratch.
 #include <cublasLt.h>
 
 #include <map>
@@ -59,16 +61,18 @@ struct Desc {
   }
 };
 
-using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool, int, int, int>;
+using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, bool, bool, int, int, int, int>;
 
 // Row-major C[M,N] = alpha op(A) op(B) + beta C; A is [M,K] ([K,M] if ta), B is [K,N] ([N,K] if
-// tb); A and B fp32 or bf16 (in_bf16), C fp32.
+// tb); A and B fp32 or bf16 (in_bf16), C fp32. bias (may be null): C[m, :] += bias, N values, in
+// the epilogue.
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, const void* B, float beta,
-          float* C, bool in_bf16) {
+          float* C, bool in_bf16, const float* bias = nullptr) {
   if (M <= 0 || N <= 0) return;
-  if (K <= 0) {  // C = beta C
+  if (K <= 0) {  // C = beta C (+ bias)
     if (beta == 0.0f) mt::cuda::zero(C, static_cast<size_t>(M * N) * sizeof(float));
     else if (beta != 1.0f) scale(C, beta, M * N);
+    if (bias) add_bias(C, bias, M, N);
     return;
   }
   const cudaDataType_t in_t = in_bf16 ? CUDA_R_16BF : CUDA_R_32F;
@@ -79,6 +83,12 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   lt_check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
   lt_check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa), "set TRANSA");
   lt_check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb), "set TRANSB");
+  if (bias) {  // column-major D is [N x M]: one bias value per row of D, broadcast over its M columns
+    const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+    lt_check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "set EPILOGUE");
+    lt_check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+             "set BIAS_POINTER");
+  }
   // Stored shapes (rows x cols, column-major, ld = rows).
   const uint64_t a_rows = tb ? K : N, a_cols = tb ? N : K;  // B_rm
   const uint64_t b_rows = ta ? M : K, b_cols = ta ? K : M;  // A_rm
@@ -87,7 +97,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   lt_check(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32F, N, M, N), "layout C");
 
   const int al_a = alignment(B), al_b = alignment(A), al_c = alignment(C);
-  const Key key{ta, tb, M, N, K, in_bf16, beta != 0.0f, al_a, al_b, al_c};
+  const Key key{ta, tb, M, N, K, in_bf16, beta != 0.0f, al_a, al_b, al_c, bias ? alignment(bias) : 0};
   static std::map<Key, cublasLtMatmulAlgo_t> algos;
   static std::mutex mu;
   cublasLtMatmulAlgo_t algo{};
@@ -128,23 +138,14 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
            "Matmul");
 }
 
-// dbias[o] += sum_n dout[n, o], rows in index order (deterministic).
-__global__ void bias_grad_k(float* dbias, const float* dout, int64_t N, int64_t OC) {
-  const int64_t o = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (o >= OC) return;
-  float s = 0.0f;
-  for (int64_t n = 0; n < N; ++n) s += dout[n * OC + o];
-  dbias[o] += s;
-}
+// dbias[o] += sum_n dout[n, o]: a two-stage deterministic column sum (reduce.cu).
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t OC) {
-  MT_LAUNCH(bias_grad_k, grid_for(OC, 256), 256, 0, stream())(dbias, dout, N, OC);
-  check_launch("linear_backward (bias)");
+  column_sums(dbias, nullptr, dout, nullptr, nullptr, nullptr, N, OC);
 }
 }  // namespace
 
 void linear_forward(float* out, const float* inp, const float* W, const float* bias, int64_t N, int64_t C, int64_t OC) {
-  gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, out, false);
-  if (bias) add_bias(out, bias, N, OC);
+  gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, out, false, bias);
 }
 void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, const float* inp, const float* W,
                      int64_t N, int64_t C, int64_t OC) {
@@ -154,8 +155,7 @@ void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, co
 }
 void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
                          int64_t OC) {
-  gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, out, true);
-  if (bias) add_bias(out, bias, N, OC);
+  gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, out, true, bias);
 }
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp, const bf16* W,
                           int64_t N, int64_t C, int64_t OC) {

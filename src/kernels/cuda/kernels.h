@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/ops.h"
 #include "runtime/dtype.h"
 
 namespace mt::kernels::cuda {
@@ -16,6 +17,10 @@ enum ScratchSlot : int {
   kScratchRope,
   kScratchTmp,
   kScratchHostArgs,
+  kScratchFlashQkv,   // flash_attention.cu: fp32 copies for head dims it hands to attention.cu
+  kScratchFlashDout,  // flash_attention.cu: dout rounded to bf16
+  kScratchColumnSums,
+  kScratchReduceOut,
   kNumScratch
 };
 
@@ -28,10 +33,20 @@ void accumulate(float* y, const float* x, int64_t n);
 void scale(float* x, float s, int64_t n);
 double sum_squares(const float* x, int64_t n);
 double sum(const float* x, int64_t n);
+void sum_squares_to(double* out, const float* x, int64_t n);
+void sum_to(double* out, const float* x, int64_t n);
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n);
 void cast_bf16_to_f32(float* out, const bf16* in, int64_t n);
 void add_bias(float* x, const float* b, int64_t N, int64_t C);
 void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols);
+
+// reduce.cu: column sums of an [N, C] matrix as a two-stage deterministic reduction (partials
+// per slice of rows, then a fixed-order pass per column), added (+=) into the outputs.
+// inp null: out_a += sum_n dout[n, :] (out_b unused). Else xhat = (inp - mean) * rstd (mean null:
+// RMSNorm): out_a += sum_n dout * xhat, out_b += sum_n dout; either output may be null.
+void column_sums(float* out_a, float* out_b, const float* dout, const float* inp, const float* mean, const float* rstd,
+                 int64_t N, int64_t C);
+int64_t column_sum_parts(int64_t N);  // the number of row slices (depends on N only)
 
 // gemm.cu (cuBLASLt)
 void linear_forward(float* out, const float* inp, const float* W, const float* bias, int64_t N, int64_t C, int64_t OC);
@@ -77,6 +92,10 @@ void vp_ce_finish(float* lg, float* losses, const float* rowmax, const float* st
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
                   float eps, float weight_decay, int64_t step, float grad_scale, bf16* param_bf16);
 
+// adamw_multi.cu
+void adamw_update_multi(const AdamWTensor* tensors, int64_t count, float lr, float beta1, float beta2, float eps,
+                        int64_t step, float grad_scale, const double* clip_norm_sq, double clip_max);
+
 // attention.cu
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                        int64_t hd);
@@ -90,6 +109,14 @@ void rope_forward_pos(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                       const float* inv_freq, const int32_t* pos);
 void rope_backward_pos(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta,
                        const float* inv_freq, const int32_t* pos);
+
+// flash_attention.cu: the tensor-core kernels (bf16 in, fp32 accumulation) for head_dim <=
+// kFlashMaxHeadDim; larger head dims run attention.cu's kernels on the same bf16 values.
+constexpr int64_t kFlashMaxHeadDim = 128;
+void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                            int64_t hd);
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out, const float* lse,
+                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
 
 // block_attention.cu (context parallelism: cpu/attention_block.h)
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,

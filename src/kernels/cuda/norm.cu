@@ -1,6 +1,6 @@
 // LayerNorm and RMSNorm (contracts: kernels/cpu/norm.h). One block per row for the row statistics
-// and the input gradient; weight/bias gradients by a column kernel that sums the rows in index
-// order (deterministic, no atomics).
+// and the input gradient; weight/bias gradients as two-stage deterministic column sums
+// (reduce.cu: partials per slice of rows, then a fixed-order pass; no atomics).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
@@ -53,23 +53,6 @@ __global__ void layernorm_bwd_dinp_k(float* dinp, const float* dout, const float
   }
 }
 
-// dw[c] += sum_n dout[n,c] * xhat[n,c]; db[c] += sum_n dout[n,c] (db may be null: RMSNorm).
-// mean null: RMSNorm (xhat = x * rstd).
-__global__ void norm_bwd_params_k(float* dw, float* db, const float* dout, const float* inp, const float* mean,
-                                  const float* rstd, int64_t N, int64_t C) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  float sw = 0.0f, sb = 0.0f;
-  for (int64_t n = 0; n < N; ++n) {
-    const float dy = dout[n * C + c];
-    const float xh = (inp[n * C + c] - (mean ? mean[n] : 0.0f)) * rstd[n];
-    sw += dy * xh;
-    sb += dy;
-  }
-  if (dw) dw[c] += sw;
-  if (db) db[c] += sb;
-}
-
 __global__ void rmsnorm_fwd_k(float* out, float* rstd, const float* inp, const float* w, int64_t C, float eps) {
   MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
@@ -111,8 +94,7 @@ void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, co
     check_launch("layernorm_backward");
   }
   if (dw || db) {
-    MT_LAUNCH(norm_bwd_params_k, grid_for(C, kThreads), kThreads, 0, stream())(dw, db, dout, inp, mean, rstd, N, C);
-    check_launch("layernorm_backward (params)");
+    column_sums(dw, db, dout, inp, mean, rstd, N, C);
   }
 }
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps) {
@@ -128,9 +110,7 @@ void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* in
     check_launch("rmsnorm_backward");
   }
   if (dw) {
-    MT_LAUNCH(norm_bwd_params_k, grid_for(C, kThreads), kThreads, 0, stream())(dw, nullptr, dout, inp, nullptr, rstd, N,
-                                                                               C);
-    check_launch("rmsnorm_backward (params)");
+    column_sums(dw, nullptr, dout, inp, nullptr, rstd, N, C);
   }
 }
 

@@ -1,4 +1,7 @@
 #include "runtime/cuda/cuda_device.h"
+#include "runtime/device_mem_info.h"
+
+#include "runtime/cuda/copy_stream.h"
 
 #include <cuda_runtime.h>
 
@@ -101,6 +104,13 @@ void free(void* p, size_t bytes, MemCategory c) {
 
 MemoryTracker& tracker() { return state().tracker; }
 
+int64_t free_bytes() {
+  require();
+  size_t free_b = 0, total_b = 0;
+  check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  return static_cast<int64_t>(free_b);
+}
+
 void release_cache() {
   State& s = state();
   ++g_host_syncs;
@@ -115,6 +125,7 @@ void synchronize() {
   ++g_host_syncs;
   check(cudaStreamSynchronize(st()), "cudaStreamSynchronize");
 }
+
 uint64_t host_syncs() { return g_host_syncs.load(std::memory_order_relaxed); }
 
 void zero(void* p, size_t bytes) {
@@ -137,6 +148,35 @@ void copy_to_host(void* host_dst, const void* src, size_t bytes) {
 void copy_from_host_async(void* dst, const void* host_src, size_t bytes) {
   if (bytes) check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, st()), "cudaMemcpyAsync H2D");
 }
+namespace {
+struct CopyStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the compute stream before each copy
+  CopyStream() {
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (copy stream)");
+    check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  }
+};
+CopyStream& copies() {
+  static CopyStream* c = new CopyStream();  // never destroyed, like the compute stream
+  return *c;
+}
+}  // namespace
+
+void copy_to_host_async(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  CopyStream& c = copies();
+  // cudaStreamWaitEvent waits for the event's latest record at the time of the call, so one event
+  // serves every copy.
+  check(cudaEventRecord(c.ready, st()), "cudaEventRecord");
+  check(cudaStreamWaitEvent(c.stream, c.ready, 0), "cudaStreamWaitEvent");
+  check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c.stream), "cudaMemcpyAsync D2H (copy stream)");
+}
+void wait_copies() {
+  ++g_host_syncs;
+  check(cudaStreamSynchronize(copies().stream), "cudaStreamSynchronize (copy stream)");
+}
+
 void* host_alloc_pinned(size_t bytes) {
   require();
   void* p = nullptr;
@@ -145,6 +185,28 @@ void* host_alloc_pinned(size_t bytes) {
 }
 void host_free_pinned(void* p) {
   if (p) check(cudaFreeHost(p), "cudaFreeHost");
+}
+
+double time_ms(const std::function<void()>& f) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  check(cudaEventCreate(&a), "cudaEventCreate");
+  check(cudaEventCreate(&b), "cudaEventCreate");
+  float ms = 0;
+  try {
+    check(cudaEventRecord(a, st()), "cudaEventRecord");
+    f();
+    check(cudaEventRecord(b, st()), "cudaEventRecord");
+    ++g_host_syncs;
+    check(cudaEventSynchronize(b), "cudaEventSynchronize");
+    check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  } catch (...) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    throw;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
 }
 
 std::string describe() {

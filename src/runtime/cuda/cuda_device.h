@@ -8,6 +8,7 @@
 // synchronous with respect to the host (the call returns when the host buffer may be reused, and
 // for copy_to_host when the data has arrived).
 #pragma once
+#include <functional>
 #include <cstddef>
 #include <string>
 
@@ -42,6 +43,10 @@ void* host_alloc_pinned(size_t bytes);
 void host_free_pinned(void* p);
 // Host waits so far: synchronize(), release_cache() and the synchronous copies each count one.
 uint64_t host_syncs();
+
+// Milliseconds the compute stream spends on the work f() queues: events recorded before and after
+// it, then one wait for the second (counted in host_syncs).
+double time_ms(const std::function<void()>& f);
 
 // "cuda NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB), driver 13.0, runtime 13.0".
 std::string describe();

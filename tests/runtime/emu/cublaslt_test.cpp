@@ -150,6 +150,38 @@ TEST(EmulatedCublasLt, MatchesAReferenceForEveryTransposeAndType) {
   cudaFree(ws);
 }
 
+// The BIAS epilogue: D = alpha A B + beta C + bias, one fp32 value per row of D; the sum equals the
+// plain matmul's result plus the bias, added once in fp32. An algorithm remembers its epilogue: one
+// chosen without the bias is refused with it, and a bias without its pointer is invalid.
+TEST(EmulatedCublasLt, BiasEpilogueAddsOneValuePerRowOfD) {
+  Mat A(7, 5, 7, CUDA_R_32F, 11), B(5, 6, 5, CUDA_R_32F, 12), C(7, 6, 7, CUDA_R_32F, 13), bias(7, 1, 7, CUDA_R_32F, 14);
+  Lt lt;
+  lt.describe(CUBLAS_OP_N, CUBLAS_OP_N, A, B, C);
+  cublasLtMatmulHeuristicResult_t plain{}, with_bias{};
+  int found = 0;
+  ASSERT_EQ(lt.heuristic(&plain, &found), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(found, 1);
+  ASSERT_EQ(lt.matmul(1.0f, A, B, 0.0f, C, plain, nullptr, 0), CUBLAS_STATUS_SUCCESS);
+  const std::vector<float> product = C.download();
+  const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+  ASSERT_EQ(cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi),
+            CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(lt.heuristic(&with_bias, &found), CUBLAS_STATUS_INVALID_VALUE);  // no bias pointer yet
+  const void* bp = bias.d;
+  ASSERT_EQ(cublasLtMatmulDescSetAttribute(lt.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp),
+            CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(lt.matmul(1.0f, A, B, 0.0f, C, plain, nullptr, 0), CUBLAS_STATUS_NOT_SUPPORTED);  // chosen without it
+  ASSERT_EQ(lt.heuristic(&with_bias, &found), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(found, 1);
+  ASSERT_EQ(lt.matmul(1.0f, A, B, 0.0f, C, with_bias, nullptr, 0), CUBLAS_STATUS_SUCCESS);
+  const std::vector<float> got = C.download();
+  for (uint64_t j = 0; j < 6; ++j)
+    for (uint64_t i = 0; i < 7; ++i) {
+      const float want = product[i + j * 7] + bias.h[i];
+      EXPECT_EQ(got[i + j * 7], want) << "row " << i << ", column " << j;
+    }
+}
+
 TEST(EmulatedCublasLt, RefusesWhatCublasLtRefuses) {
   Mat A(8, 6, 8, CUDA_R_32F, 1), B(6, 5, 6, CUDA_R_32F, 2), C(8, 5, 8, CUDA_R_32F, 3);
   Lt lt;

@@ -1,6 +1,6 @@
 // cuBLASLt for the emulator build: the matmul API the engine calls (kernels/cuda/gemm.cu), computed
 // on the host with cuBLASLt's column-major semantics (D = alpha op(A) op(B) + beta C, C not read
-// when beta is 0), and with its checks: descriptor attributes of the right size, layouts that agree
+// when beta is 0; the bias epilogue), and with its checks: descriptor attributes of the right size, layouts that agree
 // with the transposes and the types, an algorithm from the heuristic whose alignment the pointers
 // meet, and a workspace at least as large as the algorithm asks for. Operands must be device memory.
 #pragma once
@@ -35,8 +35,11 @@ enum cublasLtMatmulDescAttributes_t {
   CUBLASLT_MATMUL_DESC_TRANSB = 4,
   CUBLASLT_MATMUL_DESC_TRANSC = 5,
   CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
+  CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
 };
-enum cublasLtEpilogue_t { CUBLASLT_EPILOGUE_DEFAULT = 1 };
+// DEFAULT, and BIAS: D = alpha op(A) op(B) + beta C + bias, the bias (fp32, one value per row of D,
+// packed) broadcast over D's columns and added before D is stored (and rounded, for a bf16 D).
+enum cublasLtEpilogue_t { CUBLASLT_EPILOGUE_DEFAULT = 1, CUBLASLT_EPILOGUE_BIAS = 4 };
 enum cublasLtMatmulPreferenceAttributes_t {
   CUBLASLT_MATMUL_PREF_SEARCH_MODE = 0,
   CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,

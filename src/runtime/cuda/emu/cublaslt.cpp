@@ -22,6 +22,7 @@ struct cublasLtMatmulDescOpaque_t {
   int32_t compute, scale, pointer_mode = 0;
   int32_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N, transc = CUBLAS_OP_N;
   uint32_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;  // CUBLASLT_MATMUL_DESC_BIAS_POINTER
 };
 struct cublasLtMatrixLayoutOpaque_t {
   cudaDataType_t type;
@@ -63,8 +64,10 @@ cublasStatus_t validate(const cublasLtMatmulDescOpaque_t* op, const cublasLtMatr
                         const cublasLtMatrixLayoutOpaque_t* d, Problem* p) {
   if (!op || !a || !b || !c || !d) return CUBLAS_STATUS_INVALID_VALUE;
   if ((op->compute != CUBLAS_COMPUTE_32F && op->compute != CUBLAS_COMPUTE_32F_FAST_TF32) || op->scale != CUDA_R_32F ||
-      op->pointer_mode != 0 || op->transc != CUBLAS_OP_N || op->epilogue != CUBLASLT_EPILOGUE_DEFAULT)
+      op->pointer_mode != 0 || op->transc != CUBLAS_OP_N ||
+      (op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && op->epilogue != CUBLASLT_EPILOGUE_BIAS))
     return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && !op->bias) return CUBLAS_STATUS_INVALID_VALUE;
   const auto is_op = [](int32_t t) { return t == CUBLAS_OP_N || t == CUBLAS_OP_T || t == CUBLAS_OP_C; };
   if (!is_op(op->transa) || !is_op(op->transb)) return CUBLAS_STATUS_INVALID_VALUE;
   if (!layout_ok(a) || !layout_ok(b) || !layout_ok(c) || !layout_ok(d)) return CUBLAS_STATUS_INVALID_VALUE;
@@ -159,6 +162,7 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     case CUBLASLT_MATMUL_DESC_TRANSB: return set(&d->transb, sizeof d->transb, buf, bytes);
     case CUBLASLT_MATMUL_DESC_TRANSC: return set(&d->transc, sizeof d->transc, buf, bytes);
     case CUBLASLT_MATMUL_DESC_EPILOGUE: return set(&d->epilogue, sizeof d->epilogue, buf, bytes);
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return set(&d->bias, sizeof d->bias, buf, bytes);
   }
   return CUBLAS_STATUS_INVALID_VALUE;
 }
@@ -215,6 +219,9 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
   for (int i = 0; i < 4; ++i) r.algo.data[1 + i] = pref->align[i];
   r.algo.data[5] = std::min<uint64_t>(pref->max_workspace, kAlgoWorkspace);
   r.workspaceSize = static_cast<size_t>(r.algo.data[5]);
+  // The epilogue it was chosen for, and the bias pointer's alignment (cuBLASLt reads it here).
+  r.algo.data[6] = op->epilogue;
+  r.algo.data[7] = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? static_cast<uint64_t>(alignment_of(op->bias)) : 0;
   r.state = CUBLAS_STATUS_SUCCESS;
   r.wavesCount = 1.0f;
   *returned = 1;
@@ -237,6 +244,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
     const void* ptrs[4] = {A, B, C, D};
     for (int i = 0; i < 4; ++i)
       if (static_cast<uint64_t>(alignment_of(ptrs[i])) < algo->data[1 + i]) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (algo->data[6] != op->epilogue) return CUBLAS_STATUS_NOT_SUPPORTED;  // chosen for another epilogue
+    if (algo->data[7] && static_cast<uint64_t>(alignment_of(op->bias)) < algo->data[7]) return CUBLAS_STATUS_NOT_SUPPORTED;
     const uint64_t ws = algo->data[5];
     if (workspace_bytes < ws) return CUBLAS_STATUS_INVALID_VALUE;
     if (ws) {
@@ -253,6 +262,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
   require_device("B", B, b);
   if (be != 0.0f) require_device("C", C, c);
   require_device("D", D, d);
+  const float* bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? static_cast<const float*>(op->bias) : nullptr;
+  if (bias && !mt::emu::is_device_range(bias, p.m * sizeof(float))) {
+    std::fprintf(stderr, "meshtrain cuda emulator: cublasLtMatmul: the bias (%p, %llu floats) is not device memory\n",
+                 op->bias, static_cast<unsigned long long>(p.m));
+    std::abort();
+  }
   const std::vector<float> opa = pack(A, a, p.ta, p.m, p.k, p.tf32), opb = pack(B, b, !p.tb, p.n, p.k, p.tf32);
   const uint64_t ldc = static_cast<uint64_t>(c->ld), ldd = static_cast<uint64_t>(d->ld);
   const int64_t n = static_cast<int64_t>(p.n);
@@ -267,6 +282,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
       for (uint64_t q = 0; q < p.k; ++q) acc += x[q] * y[q];
       float v = al * acc;
       if (be != 0.0f) v += be * load(C, c->type, i + uj * ldc, false);
+      if (bias) v += bias[i];
       if (d->type == CUDA_R_16BF) static_cast<uint16_t*>(D)[i + uj * ldd] = mt::emu::float_to_bf16(v);
       else static_cast<float*>(D)[i + uj * ldd] = v;
     }
