@@ -20,7 +20,8 @@ using namespace cli_support;
 const char kPrepareHelp[] =
     "usage: meshtrain prepare --input FILE|DIR|GLOB [--input ...] --out DIR --tokenizer byte|gpt2|hf\n"
     "                         [--vocab-size N] [--tokenizer-file tokenizer.json] [--gpt2-dir DIR] [--jsonl-field F]\n"
-    "                         [--format auto|text|jsonl] [--val-fraction F] [--shard-tokens N]\n"
+    "                         [--format auto|text|jsonl|chat] [--template chatml|llama3]\n"
+    "                         [--train-on assistant|all] [--val-fraction F] [--shard-tokens N]\n"
     "                         [--skip-bad] [--threads N]\n"
     "\n"
     "Tokenizes a corpus into token shards in llm.c's layout: DIR/train.bin and DIR/val.bin (val.bin\n"
@@ -39,7 +40,14 @@ const char kPrepareHelp[] =
     "                      taken sorted by name. Required.\n"
     "  --format F          auto (default): files named .jsonl, .ndjson or .json are JSON lines, others\n"
     "                      plain text; text: every file is one plain-text document; jsonl: every\n"
-    "                      file is JSON lines.\n"
+    "                      file is JSON lines; chat: every file is JSON lines of instruction or chat\n"
+    "                      records (see 'Chat data' below).\n"
+    "  --template T        chat: chatml (<|im_start|>ROLE\\nCONTENT<|im_end|>\\n per message; default)\n"
+    "                      or llama3 (<|begin_of_text|>, then <|start_header_id|>ROLE<|end_header_id|>\n"
+    "                      \\n\\nCONTENT<|eot_id|> per message). The special tokens come from the\n"
+    "                      tokenizer (--tokenizer hf); one it lacks is refused.\n"
+    "  --train-on W        chat: assistant (default): the loss trains only the assistant messages'\n"
+    "                      content and closing token; all: every token.\n"
     "  --jsonl-field F     the string field of each JSON line that holds the document (default text).\n"
     "                      A plain-text file is one document; a JSON-lines file one document per line.\n"
     "  --out DIR           output directory, created when missing; old train*/val* shards in it are\n"
@@ -69,6 +77,12 @@ const char kPrepareHelp[] =
     "document, and its end-of-text token (<|endoftext|>, <|end_of_text|>, </s>, ...) separates them;\n"
     "the byte tokenizer joins documents with a newline.\n"
     "\n"
+    "Chat data: one record per JSON line, {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} or\n"
+    "{\"prompt\": ..., \"completion\": ...} (a user and an assistant message); a bad record stops\n"
+    "with its file and line (or is skipped with --skip-bad). Records are documents as above. Beside\n"
+    "each shard a loss mask PATH.mask (one byte per token, 1 = trained) is written; training reads\n"
+    "it and leaves the other tokens out of the loss.\n"
+    "\n"
     "Shard layout: a header of 256 little-endian int32 (20240520, version, token count, the\n"
     "tokenizer's vocabulary, the bytes of text as two words, zeros), then the tokens: uint16 (version 1,\n"
     "llm.c's), or uint32 (version 2) when an id exceeds 65535. The model's vocab_size must be at least\n"
@@ -77,11 +91,14 @@ const char kPrepareHelp[] =
     "examples:\n"
     "  meshtrain prepare --input input.txt --out data/shakespeare --tokenizer gpt2\n"
     "  meshtrain prepare --input 'corpus/*.jsonl' --jsonl-field text --out data/web \\\n"
-    "      --tokenizer hf --tokenizer-file tokenizer.json --shard-tokens 100000000\n";
+    "      --tokenizer hf --tokenizer-file tokenizer.json --shard-tokens 100000000\n"
+    "  meshtrain prepare --format chat --template llama3 --input chats.jsonl --out data/sft \\\n"
+    "      --tokenizer hf --tokenizer-file tokenizer.json\n";
 
 int prepare(int argc, char** argv) {
   const std::vector<std::string> value_flags = {"out",          "tokenizer",   "gpt2-dir", "tokenizer-file", "val-fraction",
-                                                "shard-tokens", "jsonl-field", "format",   "threads",        "vocab-size"};
+                                                "shard-tokens", "jsonl-field", "format",   "threads",        "vocab-size",
+                                                "template",     "train-on"};
   std::vector<char*> rest;
   std::vector<std::string> patterns = take_repeated(argc, argv, "input", value_flags, rest);
   std::vector<std::string> known = value_flags;
@@ -109,7 +126,17 @@ int prepare(int argc, char** argv) {
   if (fmt == "auto") o.format = InputFormat::Auto;
   else if (fmt == "text") o.format = InputFormat::Text;
   else if (fmt == "jsonl") o.format = InputFormat::Jsonl;
-  else throw ArgError("--format must be auto, text or jsonl, got '" + fmt + "'");
+  else if (fmt == "chat") o.format = InputFormat::Chat;
+  else throw ArgError("--format must be auto, text, jsonl or chat, got '" + fmt + "'");
+  if (o.format != InputFormat::Chat && (args.has("template") || args.has("train-on")))
+    throw ArgError("--template and --train-on are for --format chat");
+  o.chat_template = args.get("template", "chatml");
+  if (o.chat_template != "chatml" && o.chat_template != "llama3")
+    throw ArgError("--template must be chatml or llama3, got '" + o.chat_template + "'");
+  const std::string train_on = args.get("train-on", "assistant");
+  if (train_on != "assistant" && train_on != "all")
+    throw ArgError("--train-on must be assistant or all, got '" + train_on + "'");
+  o.train_on_all = train_on == "all";
   try {
     o.inputs = expand_inputs(patterns);
   } catch (const std::runtime_error& e) {
@@ -158,6 +185,10 @@ int prepare(int argc, char** argv) {
   };
   report(r.train_files, r.train_tokens);
   report(r.val_files, r.val_tokens);
+  if (o.format == InputFormat::Chat)
+    std::printf("loss masks (%s template, training on %s): %s of %s tokens trained\n", o.chat_template.c_str(),
+                o.train_on_all ? "all tokens" : "assistant messages", count_str(r.trained_tokens).c_str(),
+                count_str(r.tokens).c_str());
   if (r.token_bytes == 4)
     std::printf("token ids above 65535: the shards hold uint32 tokens (format version 2)\n");
   if (r.val_tokens == 0 && o.val_fraction > 0)

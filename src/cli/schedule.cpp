@@ -27,12 +27,17 @@ const char* kScheduleHelp =
     "options:\n"
     "  --pp P                pipeline ranks (>= 1)\n"
     "  --microbatches M      micro-batches per step (>= 1)\n"
-    "  --schedule NAME       gpipe | 1f1b | interleaved_1f1b (default 1f1b)\n"
+    "  --schedule NAME       gpipe | 1f1b | interleaved_1f1b | zb1p | zbv (default 1f1b)\n"
     "                          gpipe: all forwards, then all backwards\n"
     "                          1f1b: PipeDream-flush / Megatron (warm-up, one forward one\n"
     "                                backward, cool-down); at most pp micro-batches in flight\n"
     "                          interleaved_1f1b: Megatron interleaved, V stages per rank;\n"
     "                                needs M to be a multiple of P\n"
+    "                          zb1p: zero bubble ZB-H1: each backward split into B (input\n"
+    "                                gradient) and a later W (weight gradient) that fills\n"
+    "                                the cool-down; at most P micro-batches in flight\n"
+    "                          zbv: zero bubble V: two stages per rank (rank r: stages r and\n"
+    "                                2P-1-r), split backward; at most P micro-batches' worth\n"
     "  --virtual-stages V    stages per rank for interleaved_1f1b (default 2; must be 1 for\n"
     "                        the others). Rank r owns stages r, r+P, r+2P, ...\n"
     "  --comm PLACEMENT      where sends/receives go (default eager): eager = each send right\n"
@@ -44,12 +49,13 @@ const char* kScheduleHelp =
     "  --no-table            do not print the table\n"
     "  --t-fwd X             forward time of one micro-batch through one rank's layers\n"
     "                        (default 1); a virtual stage takes X/V\n"
-    "  --t-bwd Y             backward time, same units (default 2)\n"
+    "  --t-bwd Y             backward time, same units (default 2); a split backward's B and W\n"
+    "                        take Y/2 each\n"
     "  --t-comm Z            latency of one send (default 0); sends do not block the sender\n"
     "  --help                this text\n"
     "\n"
-    "Table entries: F3.1 / B3.1 = forward / backward of micro-batch 3 on stage 1 (both from 0);\n"
-    "'.' = idle. In the table every forward and backward takes one slot. Communication rows\n"
+    "Table entries: F3.1 / B3.1 = forward / backward of micro-batch 3 on stage 1 (both from 0),\n"
+    "W3.1 = its weight gradient (zb1p, zbv); '.' = idle. In the table every F, B and W takes one slot. Communication rows\n"
     "(--show-comm, marked ':') list sA3.1>2 = send the activation of F3.1 to rank 2, rA3.1<1 =\n"
     "receive it from rank 1, sG/rG the same for the gradient of B3.1.\n"
     "\n"
@@ -95,7 +101,8 @@ int run_schedule_command(int argc, char** argv) {
     pp = as_int("pp", 0);
     m = as_int("microbatches", 0);
     const bool interleaved = try_parse_pipeline_schedule(name) == PipelineSchedule::Interleaved;
-    v = as_int("virtual-stages", interleaved ? 2 : 1);
+    const bool vshape = try_parse_pipeline_schedule(name) == PipelineSchedule::ZeroBubbleV;
+    v = as_int("virtual-stages", interleaved || vshape ? 2 : 1);
     if (!parse_placement(ap.get("comm", "eager"), &placement))
       return bad_usage("--comm must be eager or batched, got '" + ap.get("comm") + "'");
     tf = ap.get_double("t-fwd", 1.0);
@@ -120,8 +127,9 @@ int run_schedule_command(int argc, char** argv) {
       s.name.c_str(), s.pp, s.microbatches, s.virtual_stages, s.num_stages(), placement_name(placement));
   if (!ap.flag("no-table")) {
     std::printf(
-        "F<m>.<s> / B<m>.<s> = forward / backward of micro-batch m on stage s; '.' = idle; one slot per\n"
+        "F<m>.<s> / B<m>.<s> = forward / backward of micro-batch m on stage s%s; '.' = idle; one slot per\n"
         "forward or backward of a stage%s\n\n",
+        s.split_backward ? " (B: input gradient), W<m>.<s> = its weight gradient" : "",
         ap.flag("show-comm") ? "; ':' rows = sends (sA/sG m.s>peer) and receives (rA/rG m.s<peer)" : "");
     std::fputs(format_schedule(s, ap.flag("show-comm")).c_str(), stdout);
     std::printf("\n");
@@ -135,7 +143,8 @@ int run_schedule_command(int argc, char** argv) {
   for (size_t i = 1; i < c.problems.size(); ++i) std::printf("  %s\n", c.problems[i].c_str());
   std::printf("rendezvous sends (batched isend/irecv): %s\n",
               c.rendezvous_safe ? "also deadlock-free" : c.rendezvous_message.c_str());
-  std::printf("peak activations in flight (forward done, backward not yet), per rank:");
+  std::printf("peak activations in flight (forward done, %s not yet), per rank:",
+              s.split_backward ? "weight gradient" : "backward");
   for (int r = 0; r < s.pp; ++r) std::printf(" %d", c.peak_in_flight.empty() ? 0 : c.peak_in_flight[r]);
   if (s.virtual_stages > 1)
     std::printf(

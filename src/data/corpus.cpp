@@ -11,9 +11,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "data/data_loader.h"
+#include "data/hf_tokenizer.h"
 #include "data/token_shards.h"
 #include "data/unicode_data.h"
 #include "runtime/strings.h"
@@ -54,7 +56,7 @@ bool is_jsonl_name(const std::string& path) {
 }
 
 bool jsonl_format(const std::string& path, InputFormat f) {
-  return f == InputFormat::Jsonl || (f == InputFormat::Auto && is_jsonl_name(path));
+  return f == InputFormat::Jsonl || f == InputFormat::Chat || (f == InputFormat::Auto && is_jsonl_name(path));
 }
 
 std::string read_whole(const std::string& path) {
@@ -89,6 +91,7 @@ std::string jsonl_text(const std::string& line, const std::string& field, const 
 
 struct Doc {
   std::string text;
+  std::vector<ChatMessage> chat;  // InputFormat::Chat
   int64_t bytes = 0;  // input bytes it stands for (progress)
 };
 
@@ -130,7 +133,12 @@ class DocReader {
         continue;
       }
       try {
-        d.text = jsonl_text(line_, o_.jsonl_field, path, lineno_);
+        if (o_.format == InputFormat::Chat) {
+          d.chat = parse_chat_record(line_, path, lineno_);
+          d.text.clear();
+        } else {
+          d.text = jsonl_text(line_, o_.jsonl_field, path, lineno_);
+        }
       } catch (const BadInputError& e) {
         if (!o_.skip_bad) throw;
         ++r_.bad;
@@ -159,12 +167,120 @@ void remove_old_shards(const fs::path& dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    const bool shard = (n.rfind("train", 0) == 0 || n.rfind("val", 0) == 0) && e.path().extension() == ".bin";
-    if (shard && (n == "train.bin" || n == "val.bin" || n.find('_') != std::string::npos)) fs::remove(e.path(), ec);
+    const std::string ext = e.path().extension().string();
+    const std::string stem = ext == ".mask" ? e.path().stem().string() : n;  // a loss mask: train.bin.mask
+    const bool shard = (n.rfind("train", 0) == 0 || n.rfind("val", 0) == 0) &&
+                       (ext == ".bin" || (ext == ".mask" && fs::path(stem).extension() == ".bin"));
+    if (shard && (stem == "train.bin" || stem == "val.bin" || n.find('_') != std::string::npos))
+      fs::remove(e.path(), ec);
   }
 }
 
 }  // namespace
+
+std::vector<ChatMessage> parse_chat_record(const std::string& line, const std::string& path, int64_t lineno) {
+  auto bad = [&](const std::string& why) {
+    return BadInputError(path + " line " + std::to_string(lineno) + ": " + why);
+  };
+  size_t at = 0;
+  if (!unicode::utf8_valid(line, &at)) throw bad("invalid UTF-8 at byte " + std::to_string(at) + " of the line");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw bad(std::string("not JSON (") + e.what() + ")");
+  }
+  if (!j.is_object()) throw bad("not a JSON object");
+  std::vector<ChatMessage> out;
+  if (auto m = j.find("messages"); m != j.end()) {
+    if (!m->is_array() || m->empty()) throw bad("\"messages\" is not a non-empty list");
+    for (size_t i = 0; i < m->size(); ++i) {
+      const auto& msg = (*m)[i];
+      const std::string where = "message " + std::to_string(i + 1) + " of \"messages\"";
+      if (!msg.is_object()) throw bad(where + " is not an object with \"role\" and \"content\"");
+      auto r = msg.find("role"), c = msg.find("content");
+      if (r == msg.end() || !r->is_string()) throw bad(where + " has no string \"role\"");
+      if (c == msg.end() || !c->is_string()) throw bad(where + " has no string \"content\"");
+      out.push_back({r->get<std::string>(), c->get<std::string>()});
+    }
+    return out;
+  }
+  auto p = j.find("prompt"), c = j.find("completion");
+  if (p == j.end() && c == j.end())
+    throw bad("needs \"messages\" (a list of {\"role\", \"content\"}) or \"prompt\" and \"completion\"");
+  if (p == j.end() || !p->is_string()) throw bad("no string \"prompt\" beside \"completion\"");
+  if (c == j.end() || !c->is_string()) throw bad("no string \"completion\" beside \"prompt\"");
+  out.push_back({"user", p->get<std::string>()});
+  out.push_back({"assistant", c->get<std::string>()});
+  return out;
+}
+
+ChatTemplate::ChatTemplate(const std::string& name, const Tokenizer& tok) : name_(name), tok_(tok) {
+  if (name != "chatml" && name != "llama3")
+    throw std::invalid_argument("--template must be chatml or llama3, got '" + name + "'");
+  const auto* hf = dynamic_cast<const HfTokenizer*>(&tok);
+  auto need = [&](const char* t) {
+    const int32_t id = hf ? hf->token_id(t) : -1;
+    if (id < 0)
+      throw std::invalid_argument("chat template " + name + " needs the special token " + t + ", which tokenizer " +
+                                  tok.name() + (hf ? " (" + hf->path() + ")" : std::string()) +
+                                  " does not have: use the model's own tokenizer.json (--tokenizer hf "
+                                  "--tokenizer-file) or a template whose tokens it has");
+    return id;
+  };
+  if (name == "chatml") {
+    open_ = need("<|im_start|>");
+    close_ = need("<|im_end|>");
+  } else {
+    bos_ = need("<|begin_of_text|>");
+    open_ = need("<|start_header_id|>");
+    header_end_ = need("<|end_header_id|>");
+    close_ = need("<|eot_id|>");
+  }
+}
+
+void ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool train_all, std::vector<int32_t>& ids,
+                         std::vector<uint8_t>& mask) const {
+  const uint8_t all = train_all ? 1 : 0;
+  auto put = [&](int32_t id, uint8_t m) {
+    ids.push_back(id);
+    mask.push_back(m);
+  };
+  auto text = [&](const std::string& s, uint8_t m) {
+    for (int32_t id : tok_.encode(s)) put(id, m);
+  };
+  // `head` + `body` encoded as one text (as the template renders it), the tokens that hold the
+  // body trained when `train`: those after the longest run the text shares with `head` alone.
+  auto head_body = [&](const std::string& head, const std::string& body, bool train) {
+    const std::vector<int32_t> whole = tok_.encode(head + body);
+    const std::vector<int32_t> h = tok_.encode(head);
+    size_t k = 0;
+    while (k < h.size() && k < whole.size() && whole[k] == h[k]) ++k;
+    // (When they part inside the head, whole[k] straddles the head's end: it holds body bytes and is trained.)
+    for (size_t i = 0; i < whole.size(); ++i) put(whole[i], static_cast<uint8_t>(all | (train && i >= k ? 1 : 0)));
+  };
+  auto trim = [](const std::string& s) {
+    const char* ws = " \t\n\r\f\v";
+    const size_t a = s.find_first_not_of(ws);
+    if (a == std::string::npos) return std::string();
+    return s.substr(a, s.find_last_not_of(ws) - a + 1);
+  };
+  if (bos_ >= 0) put(bos_, all);
+  for (const ChatMessage& m : messages) {
+    const bool asst = m.role == "assistant";
+    put(open_, all);
+    if (name_ == "chatml") {
+      head_body(m.role + "\n", m.content, asst);
+      put(close_, static_cast<uint8_t>(all | (asst ? 1 : 0)));
+      text("\n", all);
+    } else {
+      text(m.role, all);
+      put(header_end_, all);
+      head_body("\n\n", trim(m.content), asst);
+      put(close_, static_cast<uint8_t>(all | (asst ? 1 : 0)));
+    }
+  }
+}
 
 int64_t for_each_document(const std::string& path, InputFormat format, const std::string& jsonl_field, bool skip_bad,
                           const std::function<void(std::string_view, int64_t)>& fn, std::vector<std::string>* warnings) {
@@ -225,6 +341,12 @@ PrepareResult prepare_corpus(const PrepareOptions& o, const Tokenizer& tok,
   } closer{tmp};
 
   const int32_t sep = tok.document_separator();
+  const bool chat = o.format == InputFormat::Chat;
+  std::optional<ChatTemplate> tmpl;
+  if (chat) tmpl.emplace(o.chat_template, tok);  // refuses a tokenizer without the template's tokens
+  // Chat: the temporary stream holds id | trained << 31 (ids are below 2^31).
+  const uint32_t sep_word = static_cast<uint32_t>(sep) | (chat && o.train_on_all ? 0x80000000u : 0u);
+  std::vector<std::vector<uint8_t>> masks;
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   DocReader reader(o, r);
   std::vector<Doc> docs;
@@ -241,27 +363,33 @@ PrepareResult prepare_corpus(const PrepareOptions& o, const Tokenizer& tok,
         more = false;
         break;
       }
-      bytes += d.text.size();
+      bytes += chat ? static_cast<size_t>(d.bytes) : d.text.size();
       docs.push_back(std::move(d));
     }
     ids.resize(docs.size());
+    masks.resize(docs.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (size_t i = 0; i < docs.size(); ++i) {
       ids[i].clear();
-      tok.encode_document(docs[i].text, ids[i]);
+      masks[i].clear();
+      if (chat)
+        tmpl->apply(docs[i].chat, o.train_on_all, ids[i], masks[i]);
+      else
+        tok.encode_document(docs[i].text, ids[i]);
     }
     buf.clear();
     for (size_t i = 0; i < docs.size(); ++i) {
-      if (r.documents > 0 && sep >= 0) buf.push_back(static_cast<uint32_t>(sep));
-      for (int32_t t : ids[i]) {
+      if (r.documents > 0 && sep >= 0) buf.push_back(sep_word);
+      for (size_t k = 0; k < ids[i].size(); ++k) {
+        const int32_t t = ids[i][k];
         if (t < 0) throw std::logic_error("tokenizer produced a negative id");
-        buf.push_back(static_cast<uint32_t>(t));
+        buf.push_back(static_cast<uint32_t>(t) | (chat && masks[i][k] ? 0x80000000u : 0u));
         max_id = std::max<int64_t>(max_id, t);
       }
       if (sep >= 0 && r.documents > 0) max_id = std::max<int64_t>(max_id, sep);
       ++r.documents;
       pg.bytes_done += docs[i].bytes;
-      r.bytes += static_cast<int64_t>(docs[i].text.size());
+      r.bytes += chat ? docs[i].bytes : static_cast<int64_t>(docs[i].text.size());
     }
     if (!buf.empty() && std::fwrite(buf.data(), sizeof(uint32_t), buf.size(), tmp) != buf.size())
       throw std::runtime_error("cannot write " + tmp_path.string() + " (disk full?)");
@@ -301,15 +429,24 @@ PrepareResult prepare_corpus(const PrepareOptions& o, const Tokenizer& tok,
       TokenShardWriter w(path, this_count, r.token_bytes);
       w.describe_text(tok.vocab_size(), text_bytes_of_id);
       std::vector<uint32_t> chunk;
+      std::vector<uint8_t> mask;
       for (int64_t done = 0; done < this_count;) {
         const size_t m = static_cast<size_t>(std::min<int64_t>(this_count - done, int64_t{1} << 20));
         chunk.resize(m);
         if (std::fread(chunk.data(), sizeof(uint32_t), m, tmp) != m)
           throw std::runtime_error("cannot read back " + tmp_path.string());
+        if (chat) {
+          for (uint32_t& t : chunk) {
+            mask.push_back(t >> 31 ? 1 : 0);
+            r.trained_tokens += t >> 31;
+            t &= 0x7fffffffu;
+          }
+        }
         w.write(chunk);
         done += static_cast<int64_t>(m);
       }
       w.close();
+      if (chat) write_mask_shard(mask_shard_path(path), mask);
       files.push_back(path);
       left -= this_count;
       ++k;

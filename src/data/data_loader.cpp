@@ -36,6 +36,7 @@ TokenDataset::TokenDataset(const std::string& pattern, int64_t vocab_size) : pat
   for (const std::string& f : expand_file_pattern(pattern)) {
     shards_.emplace_back(f, vocab_size);
     total_tokens_ += static_cast<int64_t>(shards_.back().size());
+    has_masks_ = has_masks_ || shards_.back().has_mask();
   }
 }
 
@@ -147,12 +148,12 @@ void BatchLoader::next(int32_t* inputs, int32_t* targets) {
     // The B*T inputs and, shifted by one, the targets of this rank's contiguous run.
     const size_t at = static_cast<size_t>((batch_ * world_ + rank_) * local);
     shard.copy(at, static_cast<size_t>(local), inputs);
-    shard.copy(at + 1, static_cast<size_t>(local), targets);
+    shard.copy_targets(at + 1, static_cast<size_t>(local), targets);
   } else {
     for (int64_t b = 0; b < B_; ++b) {
       const int64_t j = sample_order_[static_cast<size_t>((batch_ * world_ + rank_) * B_ + b)];
       shard.copy(static_cast<size_t>(j * T_), static_cast<size_t>(T_), inputs + b * T_);
-      shard.copy(static_cast<size_t>(j * T_ + 1), static_cast<size_t>(T_), targets + b * T_);
+      shard.copy_targets(static_cast<size_t>(j * T_ + 1), static_cast<size_t>(T_), targets + b * T_);
     }
   }
   if (++batch_ >= batches_per_shard_[s]) {
@@ -329,7 +330,7 @@ void BlendLoader::read_sample(size_t d, int64_t k, int32_t* x, int32_t* y) {
   const int64_t j = idx - s.cum[shard];
   const TokenShard& t = s.data->shard(shard);
   t.copy(static_cast<size_t>(j * T_), static_cast<size_t>(T_), x);
-  t.copy(static_cast<size_t>(j * T_ + 1), static_cast<size_t>(T_), y);
+  t.copy_targets(static_cast<size_t>(j * T_ + 1), static_cast<size_t>(T_), y);
 }
 
 void BlendLoader::next(int32_t* inputs, int32_t* targets) {
@@ -375,6 +376,12 @@ bool BlendLoader::set_state(const State& s) {
     same &= d < s.patterns.size() && s.patterns[d] == entries_[d].pattern;
   }
   return same;
+}
+
+bool BlendLoader::has_masks() const {
+  for (const Set& s : sets_)
+    if (s.data->has_masks()) return true;
+  return false;
 }
 
 int64_t BlendLoader::total_tokens() const {

@@ -48,6 +48,8 @@ class TokenDataset {
   size_t num_shards() const { return shards_.size(); }
   const TokenShard& shard(size_t i) const { return shards_.at(i); }
   int64_t total_tokens() const { return total_tokens_; }
+  // True when some shard has a loss mask (its untrained targets come out as -1).
+  bool has_masks() const { return has_masks_; }
   // Bytes of text per token over all shards (bits per byte = nats per token / ln 2 / this), or 0
   // when a shard does not record its text's bytes (see token_shards.h).
   double bytes_per_token() const;
@@ -56,6 +58,7 @@ class TokenDataset {
   std::string pattern_;
   std::vector<TokenShard> shards_;
   int64_t total_tokens_ = 0;
+  bool has_masks_ = false;
 };
 
 class BatchLoader {
@@ -67,7 +70,8 @@ class BatchLoader {
   // Shuffled order (see above), drawn from `seed`. Call before the first next().
   void set_shuffle(uint64_t seed);
 
-  // Fills inputs[B*T] and targets[B*T] (row-major B x T) and advances.
+  // Fills inputs[B*T] and targets[B*T] (row-major B x T) and advances. A target whose token the
+  // shard's loss mask does not train is -1 (see token_shards.h).
   void next(int32_t* inputs, int32_t* targets);
   // Back to the first batch of the first shard.
   void reset();
@@ -164,6 +168,7 @@ class BlendLoader {
   int64_t dataset_tokens(size_t d) const { return counts_.at(d) * T_; }
   int64_t samples_per_epoch(size_t d) const { return sets_.at(d).cum.back(); }
   int64_t total_tokens() const;
+  bool has_masks() const;  // some dataset has loss masks
   int B() const { return B_; }
   int T() const { return T_; }
   // The dataset of global sample g (a pure function of seed, g and the weights).

@@ -9,7 +9,9 @@
 #include <bit>
 #include <cerrno>
 #include <cstdio>
+#include <climits>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
@@ -210,6 +212,11 @@ TokenShard::TokenShard(const std::string& path, int64_t vocab_size) : path_(path
                                 " tokens, more than the model's vocab_size " + std::to_string(vocab_size) +
                                 ": set [model] vocab_size = " + std::to_string(vocab_size_) +
                                 " or prepare the data with the model's tokenizer");
+  {
+    const std::string mp = mask_shard_path(path);
+    std::error_code ec;
+    if (std::filesystem::exists(mp, ec)) mask_ = read_mask_shard(mp, static_cast<int64_t>(count_));
+  }
   if (count_ == 0) return;
   map_ = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd.fd, 0);
   if (map_ == MAP_FAILED) {
@@ -250,6 +257,58 @@ TokenShard::TokenShard(const std::string& path, int64_t vocab_size) : path_(path
   }
 }
 
+std::string mask_shard_path(const std::string& path) { return path + ".mask"; }
+
+void write_mask_shard(const std::string& path, std::span<const uint8_t> mask) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) throw shard_error(path, "cannot create: " + sys_error());
+  int32_t header[kShardHeaderInts] = {};
+  header[0] = kMaskShardMagic;
+  header[1] = 1;
+  header[2] = static_cast<int32_t>(mask.size());
+  bool ok = mask.size() <= static_cast<size_t>(INT32_MAX) && std::fwrite(header, sizeof header, 1, f) == 1 &&
+            (mask.empty() || std::fwrite(mask.data(), 1, mask.size(), f) == mask.size());
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok) throw shard_error(path, "write failed (disk full?)");
+}
+
+std::vector<uint8_t> read_mask_shard(const std::string& path, int64_t tokens) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw shard_error(path, "cannot open the loss mask: " + sys_error());
+  int32_t header[kShardHeaderInts] = {};
+  std::vector<uint8_t> mask;
+  std::string err;
+  if (std::fread(header, sizeof header, 1, f) != 1) {
+    err = "shorter than the 1024-byte header";
+  } else if (header[0] != kMaskShardMagic) {
+    err = "byte offset 0: magic " + std::to_string(header[0]) + ", expected " + std::to_string(kMaskShardMagic) +
+          " (not a loss-mask shard)";
+  } else if (header[1] != 1) {
+    err = "byte offset 4: version " + std::to_string(header[1]) + ", expected 1";
+  } else if (header[2] != tokens) {
+    err = "byte offset 8: " + std::to_string(header[2]) + " mask bytes for a token shard of " + std::to_string(tokens) +
+          " tokens (prepare the data again)";
+  } else {
+    mask.resize(static_cast<size_t>(tokens));
+    if (!mask.empty() && std::fread(mask.data(), 1, mask.size(), f) != mask.size()) err = "truncated";
+    else if (std::fgetc(f) != EOF) err = "trailing bytes after " + std::to_string(tokens) + " mask bytes";
+    for (size_t i = 0; err.empty() && i < mask.size(); ++i)
+      if (mask[i] > 1)
+        err = "byte offset " + std::to_string(kShardHeaderBytes + i) + ": value " + std::to_string(mask[i]) +
+              " (a mask byte is 0 or 1)";
+  }
+  std::fclose(f);
+  if (!err.empty()) throw shard_error(path, err);
+  return mask;
+}
+
+void TokenShard::copy_targets(size_t from, size_t n, int32_t* out) const {
+  copy(from, n, out);
+  if (mask_.empty()) return;
+  for (size_t i = 0; i < n; ++i)
+    if (!mask_[from + i]) out[i] = -1;
+}
+
 const uint16_t* TokenShard::data() const {
   if (token_bytes_ != 2)
     throw std::logic_error("token shard " + path_ + " holds uint32 tokens (version 2): read it with copy() or []");
@@ -277,7 +336,7 @@ TokenShard::~TokenShard() { release(); }
 
 TokenShard::TokenShard(TokenShard&& o) noexcept
     : path_(std::move(o.path_)), map_(o.map_), map_bytes_(o.map_bytes_), tokens_(o.tokens_), count_(o.count_),
-      token_bytes_(o.token_bytes_), vocab_size_(o.vocab_size_), text_bytes_(o.text_bytes_) {
+      token_bytes_(o.token_bytes_), vocab_size_(o.vocab_size_), text_bytes_(o.text_bytes_), mask_(std::move(o.mask_)) {
   o.map_ = nullptr;
   o.map_bytes_ = 0;
   o.tokens_ = nullptr;
@@ -295,6 +354,7 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
     token_bytes_ = o.token_bytes_;
     vocab_size_ = o.vocab_size_;
     text_bytes_ = o.text_bytes_;
+    mask_ = std::move(o.mask_);
     o.map_ = nullptr;
     o.map_bytes_ = 0;
     o.tokens_ = nullptr;

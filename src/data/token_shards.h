@@ -8,6 +8,12 @@
 // zero: header[3] = the tokenizer's vocabulary size, header[4] and header[5] = the low and high
 // 32 bits of the number of bytes of text the tokens stand for (special tokens count 0), which is
 // what bits per byte divides by. Zero means unknown (shards from llm.c or older versions).
+//
+// Loss masks (instruction and chat data): a shard PATH may have a mask shard PATH.mask beside it,
+// a header of 256 int32 (header[0] = 20240522 magic, header[1] = 1 version, header[2] = number of
+// tokens, the rest 0) followed by one byte per token: 1 when the model is trained to predict that
+// token, 0 when not (a prompt's tokens). Exactly 1024 + count bytes, count equal to the token
+// shard's.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +28,15 @@ inline constexpr int32_t kShardVersion = 1;
 inline constexpr int32_t kShardVersion32 = 2;
 inline constexpr size_t kShardHeaderInts = 256;
 inline constexpr size_t kShardHeaderBytes = kShardHeaderInts * sizeof(int32_t);  // 1024
+inline constexpr int32_t kMaskShardMagic = 20240522;
+
+// The loss-mask file of a token shard (`path` + ".mask").
+std::string mask_shard_path(const std::string& path);
+// Writes a mask shard (bytes 0 or 1). Throws std::runtime_error naming the file.
+void write_mask_shard(const std::string& path, std::span<const uint8_t> mask);
+// Reads and checks a mask shard: its count must be `tokens`, every byte 0 or 1. Throws
+// std::runtime_error naming the file, the byte offset and the value found.
+std::vector<uint8_t> read_mask_shard(const std::string& path, int64_t tokens);
 
 // Writes `tokens` to `path` (replacing it). Throws std::runtime_error naming the file when it cannot
 // be written, or naming the position and value of a token outside [0, 65535].
@@ -92,6 +107,10 @@ class TokenShard {
   }
   // Copies tokens [from, from + n) as int32 into `out`.
   void copy(size_t from, size_t n, int32_t* out) const;
+  // True when the shard has a loss mask (PATH.mask beside it, read and checked by the constructor).
+  bool has_mask() const { return !mask_.empty(); }
+  // Targets: copy(), then -1 (ignored by the loss) for every token the mask does not train.
+  void copy_targets(size_t from, size_t n, int32_t* out) const;
 
  private:
   void release();
@@ -103,6 +122,7 @@ class TokenShard {
   int token_bytes_ = 2;
   int32_t vocab_size_ = 0;
   int64_t text_bytes_ = 0;
+  std::vector<uint8_t> mask_;
 };
 
 // Convenience: the validated tokens of one version-1 shard, copied into a vector.

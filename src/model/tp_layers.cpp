@@ -117,6 +117,44 @@ float* TpContext::reduce_partial(float* partial, float* out) {
   return out;
 }
 
+// ---- split backward ----
+
+void DeferredGrads::add(std::vector<Tensor> held, Work work) { pieces_.push_back({std::move(held), std::move(work)}); }
+
+Tensor DeferredGrads::hold(const void* src, DType dt, int64_t n, Device dev) {
+  Tensor t = Tensor::empty({n}, dt, MemCategory::Activations);
+  dev::copy(dev, t.raw(), src, static_cast<size_t>(n) * (dt == DType::F32 ? sizeof(float) : sizeof(bf16)));
+  return t;
+}
+
+void DeferredGrads::run() {
+  for (Piece& p : pieces_) p.work(p.held);
+  pieces_.clear();
+}
+
+int64_t DeferredGrads::bytes() const {
+  int64_t b = 0;
+  for (const Piece& p : pieces_)
+    for (const Tensor& t : p.held) b += static_cast<int64_t>(t.nbytes());
+  return b;
+}
+
+void TpContext::defer_weight_grad(const Weight& w, const float* dy, const void* x, int64_t N, int64_t in) {
+  const Device dev = kt->device;
+  const kernels::KernelTable* k = kt;
+  const DType cd = compute;
+  float *dw = w.dw, *db = w.db;
+  const int64_t out = w.out;
+  defer->add({DeferredGrads::hold(dy, DType::F32, N * out, dev), DeferredGrads::hold(x, cd, N * in, dev)},
+             [k, cd, dw, db, N, in, out](const std::vector<Tensor>& h) {
+               // The same kernels as the unsplit backward with no input gradient: the same GEMM.
+               if (cd == DType::F32)
+                 k->linear_backward(nullptr, dw, db, h[0].f32(), h[1].f32(), nullptr, N, in, out);
+               else
+                 k->linear_backward_bf16(nullptr, dw, db, h[0].f32(), h[1].bf(), nullptr, N, in, out);
+             });
+}
+
 // ---- Linear ----
 
 void Linear::forward(float* y, const Tensor& x, const Weight& w, const float* bias, int64_t N, int64_t in) const {
@@ -157,6 +195,11 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
   // Under SP the weight gradient needs every row of the input: re-gathered from the saved rows,
   // started before the input-gradient matmul (which does not need it) so that they overlap.
   const int hin = regather ? ctx_.start_regather(x) : -1;
+  if (!ctx_.tp() && ctx_.defer) {  // split backward: the input gradient now, the weights' later
+    for (const Grad& g : grads) lin.backward(dx, nullptr, nullptr, g.dy, x, g.w, N, in_);
+    for (const Grad& g : grads) ctx_.defer_weight_grad(g.w, g.dy, x.raw(), N, in_);
+    return dx;
+  }
   if (!ctx_.tp()) {
     // Nothing to overlap: both gradients in one call per weight, so a bf16 backward casts the
     // output gradient once (the LM head's is [tokens, vocabulary]). Same GEMMs in the same order.
@@ -170,7 +213,12 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
     ctx_.comm->wait(hin);
     xin = &ctx_.full_compute();
   }
-  for (const Grad& g : grads) lin.backward(nullptr, g.w.dw, g.w.db, g.dy, *xin, g.w, N, in_);
+  for (const Grad& g : grads) {
+    if (ctx_.defer)
+      ctx_.defer_weight_grad(g.w, g.dy, xin->raw(), N, in_);
+    else
+      lin.backward(nullptr, g.w.dw, g.w.db, g.dy, *xin, g.w, N, in_);
+  }
   return ctx_.input_grad_sum(dx, hsum);
 }
 
@@ -189,6 +237,11 @@ void RowParallelLinear::backward(float* dx, const float* dy, const Tensor& x) {
   const int64_t N = ctx_.tokens();
   dev::zero(ctx_.kt->device, dx, static_cast<size_t>(N * in_) * sizeof(float));
   const float* dy_all = ctx_.gather_grad(dy);  // SP: the conjugate of the forward's reduce-scatter
+  if (ctx_.defer) {  // split backward
+    Linear{ctx_.kt, ctx_.compute}.backward(dx, nullptr, nullptr, dy_all, x, w_, N, in_);
+    ctx_.defer_weight_grad(w_, dy_all, x.raw(), N, in_);
+    return;
+  }
   Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w_, N, in_);
 }
 

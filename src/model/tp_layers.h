@@ -14,6 +14,7 @@
 //   VocabParallelCrossEntropy  row max / sum of exp / target logit all-reduced
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <vector>
 
@@ -71,6 +72,30 @@ class TpComm {
   virtual void all_gather_bf16(const bf16* in, bf16* out, int64_t n) { wait(start_all_gather_bf16(in, out, n)); }
 };
 
+struct Weight;
+
+// Split backward (zero-bubble pipeline schedules): a backward that computes only the input
+// gradients (B) queues its weight-gradient work (W) here, each piece with copies of the tensors it
+// reads (the output gradient, the layer's input as its matmul used it), which are held - category
+// Activations - until run() computes the weight gradients with the same kernels, in queue order.
+class DeferredGrads {
+ public:
+  using Work = std::function<void(const std::vector<Tensor>&)>;
+  void add(std::vector<Tensor> held, Work work);
+  // Copies of n elements of `src` (fp32 or bf16), kept until the work has run.
+  static Tensor hold(const void* src, DType dt, int64_t n, Device dev);
+  void run();  // every piece in order, then frees the copies
+  bool empty() const { return pieces_.empty(); }
+  int64_t bytes() const;
+
+ private:
+  struct Piece {
+    std::vector<Tensor> held;
+    Work work;
+  };
+  std::vector<Piece> pieces_;
+};
+
 // What the layers share: kernels, compute dtype, the tp communicator (null for tp = 1), the
 // sequence-parallel switch, the overlap switch and the sequence-parallel workspace, sized for N
 // tokens of width C by allocate().
@@ -85,6 +110,12 @@ class TpContext {
   bool overlap = true;   // input-gradient reductions overlap the weight-gradient matmuls
   // fp32 scratch of at least [N, C] owned by the caller (staging for casts to the compute dtype).
   float* stage = nullptr;
+  // Split backward: while set, layers queue their weight gradients here (DeferredGrads) instead
+  // of computing them; null: the ordinary backward.
+  DeferredGrads* defer = nullptr;
+  // Queues the weight and bias gradients (w.dw, w.db) of y = x W^T + b from dy ([N, w.out] fp32)
+  // and x ([N, in] in the compute dtype), computed when defer runs.
+  void defer_weight_grad(const Weight& w, const float* dy, const void* x, int64_t N, int64_t in);
 
   bool tp() const { return size > 1; }
   // Rows of the residual stream this rank holds for n tokens (n, or n / size under SP).

@@ -18,6 +18,8 @@ struct Transformer::Slot {
   std::vector<Tensor> block_out;                         // output of unit u (0..L), [B*T, C]
   Tensor ids;
   HeadActivations head;
+  std::vector<DeferredGrads> deferred;  // split backward: per unit, the queued weight gradients
+  bool have_weights = false;            // a split backward queued work that backward_weights runs
 };
 
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute)
@@ -26,7 +28,7 @@ Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recomp
 Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
     : cfg_(cfg), compute_(o.compute), recompute_(o.recompute), dev_(current_device()), kt_(&kernels::table(dev_)),
       storage_(o.storage), tpc_(kt_, o.compute, o.tp), ep_(o.ep), ep_rank_(o.ep_rank), ep_comm_(o.ep_comm),
-      owned_(std::move(o.owned_units)) {
+      owned_(std::move(o.owned_units)), split_backward_(o.split_backward) {
   cfg_.resolve();
   if (o.loss_chunk < 0) throw std::invalid_argument("loss chunk rows must be >= 0");
   tpc_.sp = o.sequence_parallel && tpc_.tp();
@@ -613,52 +615,100 @@ HeadGradReady Transformer::head_grad_ready() {
   return {hooks_, unit_params_[0][0], r > 0 ? std::min(r, Vp_l_) : 0};
 }
 
-void Transformer::backward_units(int first, int last, const float* dout, const float* tied_grad) {
+void Transformer::backward_units(int first, int last, const float* dout, const float* tied_grad, bool split) {
   Slot& s = *s_;
   if (!s.have_backward) throw std::logic_error("backward without a training forward (with targets at the head)");
+  if (s.have_weights) throw std::logic_error("backward_units: the slot's previous split backward has not run its weights");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
+  if (split) s.deferred.resize(static_cast<size_t>(num_units()));
+  // Split: unit u's layers queue their weight gradients on s.deferred[u]; its post_backward waits
+  // for backward_weights.
+  auto begin_unit = [&](int u) {
+    if (hooks_) hooks_->pre_backward(u);
+    if (split) tpc_.defer = &s.deferred[static_cast<size_t>(u)];
+  };
+  auto end_unit = [&](int u) {
+    tpc_.defer = nullptr;
+    if (hooks_ && !split) hooks_->post_backward(u);
+  };
   float* dx = dres_.f32();  // R rows
   if (last == hu) {
     const int hb = unit_params_[hu][0];
-    if (hooks_) hooks_->pre_backward(hu);
+    begin_unit(hu);
     const float* dhin = head_->backward(head_weight(true), s.head, N, dnorm_.f32(), head_grad_ready());
     dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
     norm(hb, gpt ? hb + 1 : -1, true).backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head.mean, s.head.rstd, R);
-    if (hooks_) hooks_->post_backward(hu);
+    end_unit(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
     dev::copy(dev_, dx, dout, static_cast<size_t>(R * C) * sizeof(float));
   }
   for (int u = std::min(last, hu - 1); u >= std::max(first, 1); --u) {
     const int64_t l = u - 1;
-    if (hooks_) hooks_->pre_backward(u);
+    begin_unit(u);
     BlockActivations* a = s.acts[l].get();
     if (!a) {  // recompute this block's forward from its saved input
       a = &scratch_for(static_cast<int>(l));
       recomputing_ = true;
+      DeferredGrads* d = tpc_.defer;
+      tpc_.defer = nullptr;
       block_forward(static_cast<int>(l), s.block_out[l].f32(), *a, stage_.f32() /*discarded output*/);
+      tpc_.defer = d;
       recomputing_ = false;
     }
     block_backward(static_cast<int>(l), s.block_out[l].f32(), *a, dx);
-    if (hooks_) hooks_->post_backward(u);
+    end_unit(u);
   }
   if (first == 0) {
     const int emb = unit_params_[0][0];
-    if (hooks_) hooks_->pre_backward(0);
-    const bool sparse = sparse_embedding_grad();  // tp = 1: the lookup's rows are the hooks'
-    embedding_->backward(dx, s.ids.i32(), param_grad(emb), gpt ? param_grad(emb + 1) : nullptr, tied_grad, sparse,
-                         tokens());
-    if (sparse) hooks_->sparse_grad(emb, embedding_->sparse_ids(), embedding_->sparse_rows(), N);
-    if (hooks_) hooks_->post_backward(0);
+    begin_unit(0);
+    tpc_.defer = nullptr;
+    if (split) {
+      // The lookup's gradient is all weight gradient: the whole backward runs later, from a copy
+      // of its output gradient (the token ids stay in the slot).
+      Slot* sp = &s;
+      s.deferred[0].add({DeferredGrads::hold(dx, DType::F32, R * C, dev_)},
+                        [this, sp, emb, gpt, tied_grad, N](const std::vector<Tensor>& h) {
+                          const bool sparse = sparse_embedding_grad();
+                          embedding_->backward(h[0].f32(), sp->ids.i32(), param_grad(emb),
+                                               gpt ? param_grad(emb + 1) : nullptr, tied_grad, sparse, tokens());
+                          if (sparse) hooks_->sparse_grad(emb, embedding_->sparse_ids(), embedding_->sparse_rows(), N);
+                        });
+    } else {
+      const bool sparse = sparse_embedding_grad();  // tp = 1: the lookup's rows are the hooks'
+      embedding_->backward(dx, s.ids.i32(), param_grad(emb), gpt ? param_grad(emb + 1) : nullptr, tied_grad, sparse,
+                           tokens());
+      if (sparse) hooks_->sparse_grad(emb, embedding_->sparse_ids(), embedding_->sparse_rows(), N);
+    }
+    end_unit(0);
   }
   s.have_backward = false;
+  s.have_weights = split;
+}
+
+void Transformer::backward_weights(int first, int last) {
+  Slot& s = *s_;
+  if (!s.have_weights) throw std::logic_error("backward_weights without a split backward on this slot");
+  const int hu = num_units() - 1;
+  if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_weights: bad unit range");
+  for (int u = last; u >= first; --u) {
+    s.deferred[static_cast<size_t>(u)].run();
+    if (hooks_) hooks_->post_backward(u);
+  }
+  s.have_weights = false;
+}
+
+int64_t Transformer::deferred_bytes() const {
+  int64_t b = 0;
+  for (const DeferredGrads& d : s_->deferred) b += d.bytes();
+  return b;
 }
 
 bool Transformer::can_hand_sparse_grad() const {
-  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back();
+  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back() && !split_backward_;
 }
 
 bool Transformer::sparse_embedding_grad() {
@@ -707,6 +757,7 @@ int64_t Transformer::activation_bytes() const {
       if (t.defined()) b += static_cast<int64_t>(t.nbytes());
     if (sp->ids.defined()) b += static_cast<int64_t>(sp->ids.nbytes());
     b += sp->head.bytes();
+    for (const DeferredGrads& d : sp->deferred) b += d.bytes();  // held for a split backward's weights
   }
   if (scratch_acts_) b += scratch_acts_->bytes();
   if (scratch_moe_acts_) b += scratch_moe_acts_->bytes();

@@ -84,6 +84,10 @@ struct ModelOptions {
   // but not the embedding keeps a replica of the token embedding outside the flat buffers (see
   // tied_replica()).
   std::vector<char> owned_units{};
+  // The pipeline schedule splits the backward (zb1p, zbv: weight gradients run after later
+  // micro-batches' backwards): a tied embedding's gradient is then never handed to the hooks in
+  // parts (can_hand_sparse_grad is false); it is reduced with its unit.
+  bool split_backward = false;
 };
 
 class Transformer : private LayerParams {
@@ -178,7 +182,19 @@ class Transformer : private LayerParams {
   // input (when first > 0) until the next backward. `tied_grad` (a tied model cut by a pipeline,
   // the embedding's part): the head's contribution to the token embedding's gradient ([Vp/t, C]
   // fp32), added by this backward's embedding unit.
-  void backward_units(int first, int last, const float* dout, const float* tied_grad = nullptr);
+  //
+  // Split backward (zero-bubble schedules, `split`): the units compute only their input gradients
+  // (and the norms' parameter gradients); each unit's weight gradients are queued on the slot with
+  // copies of what they read (tp_layers.h DeferredGrads; the embedding's lookup gradient whole) and
+  // the hooks' post_backward is not called. backward_weights(first, last) on the same slot then
+  // computes them - unit by unit, last to first, each followed by its post_backward, so the
+  // data-parallel hooks fire when a unit's weight gradients are complete - with the same kernels,
+  // giving the same gradients as the unsplit backward. The head's bf16 logit-gradient and chunked
+  // paths and every norm compute their weight gradients in the backward itself.
+  void backward_units(int first, int last, const float* dout, const float* tied_grad = nullptr, bool split = false);
+  void backward_weights(int first, int last);
+  // Bytes the current slot's queued weight-gradient work holds.
+  int64_t deferred_bytes() const;
   const float* input_grad() const;
   // Tied embeddings cut by a pipeline: the head's copy of the token embedding (this tp rank's rows,
   // compute dtype, [Vp/t, C]) and the fp32 gradient the head accumulates into it over a step.
@@ -298,6 +314,7 @@ class Transformer : private LayerParams {
   UnitHooks* hooks_ = nullptr;
 
   std::vector<char> owned_;
+  bool split_backward_ = false;  // ModelOptions::split_backward
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
   Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
   const float* qkv_bias_f32(int first);

@@ -28,8 +28,13 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   } catch (const std::invalid_argument& e) {
     throw PlanError(std::string("pipeline: ") + e.what());
   }
+  // A split backward (zb1p, zbv) adds each micro-batch's weight gradients to the unit's gradient
+  // buffer after later micro-batches' backwards have run, so a sharded strategy reduces once per
+  // step (after the last micro-batch's W) instead of after every micro-batch.
+  if (schedule.split_backward) p.spec_.reduce_every_microbatch = false;
   std::vector<char> owned;
-  if (pp > 1) owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2);
+  if (pp > 1)
+    owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2, schedule.vshape);
   if (plan.ep_enabled()) p.ep_comm_ = std::make_unique<ProcessGroupExpertComm>(g.ep);
   if (plan.cp > 1) p.cp_comm_ = std::make_unique<ProcessGroupCpComm>(g.cp);
   // The model's settings that depend on the plan, all given at construction.
@@ -47,7 +52,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .ep = plan.ep_enabled() ? plan.ep : 1,
                        .ep_rank = plan.ep_enabled() ? g.ep->rank() : 0,
                        .ep_comm = p.ep_comm_.get(),
-                       .owned_units = owned});
+                       .owned_units = owned,
+                       .split_backward = schedule.split_backward});
   // Expert gradients are averaged like the dense ones: over the dp ranks times the cp ranks.
   if (plan.ep_enabled())
     p.ep_ = std::make_unique<ExpertParallel>(*p.model_, g.edp, g.ep_aux, g.tp_aux, plan.dp() * plan.cp, p.spec_.adam);
@@ -66,14 +72,14 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
 
 StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& ids,
                                            const std::vector<const int32_t*>& targets, int64_t B, int64_t T,
-                                           StepComm* comm) {
+                                           StepComm* comm, double loss_weight) {
   const auto n = static_cast<int64_t>(ids.size());
-  const float dloss = static_cast<float>(1.0 / static_cast<double>(B * T * n));
+  const float dloss = static_cast<float>(loss_weight / static_cast<double>(B * T * n));
   StepResult r;
   model_->zero_grads();
   r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm);
   if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
-  r.loss = reduce_loss(r.stats.loss_sum, n);
+  r.loss = reduce_loss(r.stats.loss_sum, n) * loss_weight;
   if (ep_) ep_->reduce_grads(comm);
   if (device_norm_ && !ep_ && plan_.pp == 1 && plan_.tp == 1 && strategy_->grad_norm_sq_to(device_norm_, norm_weight_))
     r.grad_norm_on_device = true;

@@ -65,8 +65,11 @@ class ParallelModel {
 
   // One step's micro-batches through the pipeline (ids[m], targets[m]: B x T tokens each), the
   // loss reduced, the expert gradients reduced and the global gradient norm composed.
+  // `loss_weight` multiplies the loss and its gradient (1: the mean over every token of the global
+  // batch). Loss masks (targets < 0 are left out) pass D * B * T * n / G, D the data-parallel x cp
+  // ranks and G the trained targets of the global batch: the mean over the trained tokens.
   StepResult forward_backward(const std::vector<const int32_t*>& ids, const std::vector<const int32_t*>& targets,
-                              int64_t B, int64_t T, StepComm* comm);
+                              int64_t B, int64_t T, StepComm* comm, double loss_weight = 1.0);
   // Forward only: the mean loss of one micro-batch on the last stage (0 elsewhere).
   double eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T);
   // The mean over the data-parallel ranks of (a last-stage sum over the pipeline ranks) / n.

@@ -91,6 +91,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   auto wait_recv = [&](int key) -> const float* {
     auto it = recvs.find(key);
     if (it == recvs.end()) throw std::logic_error("pipeline: compute before its receive was posted");
+    if (!it->second.work) return it->second.buf.f32();  // a hand-off between two stages of this rank
     auto t0 = Clock::now();
     it->second.work->wait();
     st.wait_ms += ms_between(t0, Clock::now());
@@ -108,6 +109,27 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
     msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
   };
+  // A hand-off between two stages on this rank (the turn of a V): kept as an arrived message.
+  auto keep_local = [&](int key, const float* src) {
+    Msg& msg = recvs[key];
+    msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
+    dev::copy(model_.device(), msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
+  };
+  const bool split = sched_.split_backward;
+  // The head's summed contribution to a tied embedding's gradient: sent by the last stage once its
+  // last weight gradient is complete, received by the first stage before it needs it.
+  auto send_tied_grad = [&]() {
+    Tensor& g = model_.tied_replica_grad();
+    Msg& msg = sends[tag(kTiedGrad, 0, 0)];
+    msg.work = pp_->send(g.f32(), static_cast<size_t>(g.numel()), DType::F32, first_rank, tag(kTiedGrad, 0, 0));
+  };
+  auto recv_tied_grad = [&]() {
+    auto t0 = Clock::now();
+    pp_->recv(tied_grad_in_.f32(), static_cast<size_t>(tied_grad_in_.numel()), DType::F32, last_rank,
+              tag(kTiedGrad, 0, 0))
+        ->wait();
+    st.wait_ms += ms_between(t0, Clock::now());
+  };
   auto post_send = [&](int key, int peer) {
     Msg& msg = sends.at(key);
     msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
@@ -124,6 +146,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
                                             last == head_unit_ ? targets[m] : nullptr, input, B, T, true, dloss);
         st.busy_ms += ms_between(t0, Clock::now());
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
+        if (s + 1 < S_ && sched_.stage_rank(s + 1) == rank_) keep_local(tag(kAct, m, s), model_.unit_output(last));
         break;
       }
       case PipeAction::SendAct: {
@@ -140,26 +163,33 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         const float* dout = last == head_unit_ ? nullptr : wait_recv(tag(kGrad, m, s + 1));
         const bool last_mb = m == M - 1;
         strategy_->begin_microbatch(last_mb);  // only a stage's last micro-batch synchronises
-        if (tied_split_ && first == 0 && last_mb) {
-          // The head's summed contribution to the tied embedding's gradient, sent by the last
-          // stage after its last backward (which precedes this one in the data dependencies).
-          auto t0 = Clock::now();
-          pp_->recv(tied_grad_in_.f32(), static_cast<size_t>(tied_grad_in_.numel()), DType::F32, last_rank,
-                    tag(kTiedGrad, 0, 0))
-              ->wait();
-          st.wait_ms += ms_between(t0, Clock::now());
-        }
+        const bool tied_in = tied_split_ && first == 0 && last_mb;
+        if (tied_in && !split) recv_tied_grad();
+        // The head's contribution to the tied embedding's gradient (received above, or with a
+        // split backward before the weight gradients that add it).
         auto t0 = Clock::now();
-        const bool tied_in = tied_split_ && first == 0 && last_mb;  // received above
-        model_.backward_units(first, last, dout, tied_in ? tied_grad_in_.f32() : nullptr);
+        model_.backward_units(first, last, dout, tied_in ? tied_grad_in_.f32() : nullptr, split);
         st.busy_ms += ms_between(t0, Clock::now());
         if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
-        if (tied_split_ && last == head_unit_ && last_mb) {
-          Tensor& g = model_.tied_replica_grad();
-          Msg& msg = sends[tag(kTiedGrad, 0, 0)];
-          msg.work = pp_->send(g.f32(), static_cast<size_t>(g.numel()), DType::F32, first_rank, tag(kTiedGrad, 0, 0));
+        if (tied_split_ && last == head_unit_ && last_mb && !split) send_tied_grad();
+        if (first != 0) {
+          if (sched_.stage_rank(s - 1) == rank_)
+            keep_local(tag(kGrad, m, s), model_.input_grad());
+          else
+            stash(tag(kGrad, m, s), model_.input_grad());  // for SendGrad (the workspace is reused)
         }
-        if (first != 0) stash(tag(kGrad, m, s), model_.input_grad());  // for SendGrad (the workspace is reused)
+        if (!split) release_slot(m, s);
+        break;
+      }
+      case PipeAction::Weight: {
+        model_.select_slot(acquire_slot(m, s));
+        const bool last_mb = m == M - 1;
+        strategy_->begin_microbatch(last_mb);  // the hooks fire here, when the unit's gradients are complete
+        if (tied_split_ && first == 0 && last_mb) recv_tied_grad();
+        auto t0 = Clock::now();
+        model_.backward_weights(first, last);
+        st.busy_ms += ms_between(t0, Clock::now());
+        if (tied_split_ && last == head_unit_ && last_mb) send_tied_grad();
         release_slot(m, s);
         break;
       }
@@ -196,10 +226,14 @@ double PipelineExecutor::eval_forward(const int32_t* ids, const int32_t* targets
   for (int s = 0; s < S_; ++s) {
     if (sched_.stage_rank(s) != rank_) continue;
     const auto [first, last] = part_.stages[s];
-    if (first != 0) pp_->recv(in.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s - 1), tag(kAct, 0, s - 1))->wait();
+    const bool local_in = first != 0 && sched_.stage_rank(s - 1) == rank_;  // the turn of a V
+    if (local_in)
+      dev::copy(model_.device(), in.f32(), model_.unit_output(first - 1), static_cast<size_t>(NC) * sizeof(float));
+    else if (first != 0)
+      pp_->recv(in.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s - 1), tag(kAct, 0, s - 1))->wait();
     loss = model_.forward_units(first, last, ids, last == head_unit_ ? targets : nullptr, first != 0 ? in.f32() : nullptr,
                                 B, T, false);
-    if (last != head_unit_) {
+    if (last != head_unit_ && sched_.stage_rank(s + 1) != rank_) {
       if (pending) pending->wait();
       dev::copy(model_.device(), out.f32(), model_.unit_output(last), static_cast<size_t>(NC) * sizeof(float));
       pending = pp_->send(out.f32(), static_cast<size_t>(NC), DType::F32, sched_.stage_rank(s + 1), tag(kAct, 0, s));

@@ -277,8 +277,11 @@ std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetu
     if (static_cast<int64_t>(l.pp) * l.virtual_stages > m.n_layer)
       return "pp*virtual_stages=" + str(l.pp * l.virtual_stages) + " exceeds n_layer=" + str(m.n_layer);
     if (l.microbatches % l.pp != 0) return "interleaved_1f1b needs microbatches divisible by pp (Megatron)";
+  } else if (l.schedule == Schedule::ZeroBubbleV) {
+    if (l.virtual_stages != 2) return "zbv has 2 virtual stages per rank (a V)";
+    if (2LL * l.pp > m.n_layer) return "zbv: 2*pp=" + str(2 * l.pp) + " exceeds n_layer=" + str(m.n_layer);
   } else if (l.virtual_stages != 1) {
-    return "virtual_stages > 1 only with interleaved_1f1b";
+    return "virtual_stages > 1 only with interleaved_1f1b and zbv";
   }
   if (l.offload_optimizer()) {
     if (l.strategy == Strategy::NoShard) return "CPU offload of optimizer state needs a sharded strategy";

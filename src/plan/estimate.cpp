@@ -231,9 +231,17 @@ double activation_memory(const Ctx& cx) {
     case Schedule::Interleaved:
       inflight_first = std::min<double>(cx.M, p) * (1.0 + (p - 1.0) / (p * static_cast<double>(cx.v)));
       break;
+    // Split backward: a micro-batch's set is held until its W (ZB-H1 and ZB-V: at most p
+    // micro-batches' worth on a rank), and between its B and W the copies the weight gradients read.
+    case Schedule::ZeroBubbleH1:
+    case Schedule::ZeroBubbleV: inflight_first = inflight_last = std::min<double>(cx.M, p); break;
   }
-  const double act_first = inflight_first * cx.Lps * a_layer + ws;
-  const double act_last = inflight_last * cx.Lps * a_layer + ws + head_acts;
+  double held_w = 0;  // per micro-batch and layer: the linears' inputs (compute dtype) and output gradients (fp32)
+  if (l.schedule == Schedule::ZeroBubbleH1 || l.schedule == Schedule::ZeroBubbleV)
+    held_w = cx.tokens * (cx.e * (4.0 * x.h + x.f) + 4.0 * (5.0 * x.h + 2.0 * x.f)) / t;
+  const double a_zb = a_layer + held_w;
+  const double act_first = inflight_first * cx.Lps * a_zb + ws;
+  const double act_last = inflight_last * cx.Lps * a_zb + ws + head_acts;
   return p == 1 ? act_first + head_acts : std::max(act_first, act_last);
 }
 
@@ -612,6 +620,10 @@ void step_time(const Ctx& cx, const Compute& k, const Comm& cm, Estimate& E) {
   E.time.exposed_comm =
       M * (cm.mb_tp + cm.mb_pp + cm.mb_dp + mb_ep + cm.mb_cp) + cm.step_dp + cm.step_edp + E.offload_s;
   E.time.bubble = cx.p > 1 ? (cx.p - 1.0) / cx.v * slot : 0.0;
+  // Zero-bubble schedules (T_B = T_W = T_b / 2): ZB-H1 fills and drains in (p-1)(T_F + T_B - T_W)
+  // = (p-1) T_F; ZB-V in half that (its schedule's simulation: (p-1)/2 forward slots idle per rank).
+  if (cx.p > 1 && cx.l.schedule == Schedule::ZeroBubbleH1) E.time.bubble = (cx.p - 1.0) * (slot - k.T_b);
+  if (cx.p > 1 && cx.l.schedule == Schedule::ZeroBubbleV) E.time.bubble = (cx.p - 1.0) * (slot - k.T_b) / 2;
   // Ranks time-sharing cores (per-rank rates measured with every rank computing): each computes a
   // share beta of the step and waits the rest, and while it waits the others get its cores. With n
   // ranks on c cores a computing rank then has min(1, c / (n beta)) of a core where the probes had

@@ -81,6 +81,7 @@ double layout_complexity(const Layout& l) {
   if (l.cp > 1) c += 2;
   if (l.pp > 1) c += 3;
   if (l.schedule == Schedule::Interleaved) c += 1;
+  if (l.schedule == Schedule::ZeroBubbleH1 || l.schedule == Schedule::ZeroBubbleV) c += 1;  // split backward
   if (l.schedule == Schedule::GPipe) c += 0.5;  // same speed as 1F1B, more memory
   if (l.checkpointing == Checkpointing::Selective) c += 0.5;
   if (l.checkpointing == Checkpointing::Full) c += 1;
@@ -297,6 +298,8 @@ std::vector<std::pair<Schedule, int>> schedules(const ModelConfig& model, int pp
     scheds.push_back({Schedule::OneFOneB, 1});
     for (int v = 2; v <= opts.max_virtual_stages; ++v)
       if (static_cast<int64_t>(pp) * v <= model.n_layer) scheds.push_back({Schedule::Interleaved, v});
+    scheds.push_back({Schedule::ZeroBubbleH1, 1});
+    if (2LL * pp <= model.n_layer) scheds.push_back({Schedule::ZeroBubbleV, 2});
   }
   return scheds;
 }

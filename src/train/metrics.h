@@ -29,6 +29,8 @@ struct StepMetrics {
   // On the steps where the ranks compared their times (train/straggler.h): straggler,
   // step_ms_per_rank, busy_ms_per_rank, data_wait_ms_per_rank, idle_ms_per_rank (null otherwise).
   nlohmann::json stragglers;
+  // Data with loss masks: the targets the loss trained this step, all ranks (the loss is their mean).
+  std::optional<int64_t> trained_tokens;
   // A blended data.train: input tokens seen so far per dataset pattern, all ranks (null otherwise).
   nlohmann::json data_tokens_by_dataset;
   // Mixture of experts (null otherwise): expert_tokens, expert_imbalance, moe_aux_loss, ... (see

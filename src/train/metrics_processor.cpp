@@ -409,6 +409,10 @@ void MetricsProcessor::report(const RunOutcome& o) {
   const auto final_bpb = o.val_losses.empty() ? std::nullopt : bits_per_byte(o.final_val_loss, o.val_bytes_per_token);
   if (final_bpb) fin["val_bits_per_byte"] = *final_bpb;
   if (o.val_start) fin["val_loss_start"] = *o.val_start;
+  if (o.trained_tokens) {
+    fin["trained_tokens"] = *o.trained_tokens;
+    if (log_) std::printf("loss masks: %lld targets trained (all ranks)\n", static_cast<long long>(*o.trained_tokens));
+  }
   if (log_ && o.val_start && !o.val_losses.empty())
     std::printf("validation loss: %.4f before training -> %.4f%s after %lld steps\n", *o.val_start, o.final_val_loss,
                 bits_per_byte_note(final_bpb).c_str(), static_cast<long long>(o.steps));

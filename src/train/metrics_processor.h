@@ -34,6 +34,7 @@ struct RunOutcome {
   int64_t full_saves = 0;              // train.checkpoint_format = full
   double full_save_ms = 0;
   const BlendLoader* blend = nullptr;  // a blended data.train
+  std::optional<int64_t> trained_tokens;  // data with loss masks: targets trained by this run's steps
 };
 
 class MetricsProcessor {

@@ -52,6 +52,7 @@ struct AnyLoader {
     else plain->reset();
   }
   int64_t total_tokens() const { return blend ? blend->total_tokens() : ds->total_tokens(); }
+  bool has_masks() const { return blend ? blend->has_masks() : ds->has_masks(); }
   double bytes_per_token() const { return ds ? ds->bytes_per_token() : 0.0; }  // 0: unknown
 };
 
@@ -105,6 +106,11 @@ class Trainer {
   void next_batch(int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
   void local_tokens(int32_t* x, int32_t* y);
+  // Loss masks: the trained targets (>= 0) of `n` micro-batches of every rank's data, summed
+  // over the data-parallel x cp ranks (one collective over the world).
+  int64_t global_trained(const std::vector<std::vector<int32_t>>& ys, int64_t n);
+  // The loss weight that makes the loss the mean over `trained` targets of n micro-batches.
+  double mask_weight(int64_t trained, int64_t n) const;
   const RunConfig& cfg_;
   const RunConfig::Train& tc_;
   comm::World* W_ = nullptr;
@@ -138,6 +144,7 @@ class Trainer {
   double val_bytes_per_token_ = 0;   // 0: the val shards do not record their text (no bits per byte)
   nlohmann::json load_info_;         // how the resumed checkpoint was loaded (final metrics)
   double full_save_ms_ = 0;          // train.checkpoint_format = full
+  std::optional<int64_t> trained_total_;  // loss masks: targets trained by this run's steps
   int64_t full_saves_ = 0;
   struct {
     std::string part;  // MESHTRAIN_TEST_SLOW_RANK on this rank: "data_wait" | "compute" ("" = none)
@@ -324,6 +331,20 @@ void Trainer::local_tokens(int32_t* x, int32_t* y) {
   cp_take_local(full_y_.data(), y, B_, T_full_, r, plan_.cp);
 }
 
+int64_t Trainer::global_trained(const std::vector<std::vector<int32_t>>& ys, int64_t n) {
+  int64_t c = 0;
+  for (int64_t m = 0; m < n; ++m)
+    for (int64_t i = 0; i < B_ * T_; ++i) c += ys[static_cast<size_t>(m)][static_cast<size_t>(i)] >= 0;
+  groups_.metrics->all_reduce(&c, 1, DType::I64, comm::ReduceOp::Sum)->wait();
+  // Every data share (a data-parallel x cp rank) is held by world / D ranks (tp x pp).
+  return c * groups_.dp->size() / world_;
+}
+
+double Trainer::mask_weight(int64_t trained, int64_t n) const {
+  if (trained <= 0) return 0.0;  // nothing trained in this step: no loss, no gradient
+  return static_cast<double>(groups_.dp->size()) * static_cast<double>(B_ * T_ * n) / static_cast<double>(trained);
+}
+
 void Trainer::load_state() {
   std::unique_ptr<CheckpointReader> reader;
   std::string resume_dir;
@@ -425,6 +446,8 @@ double Trainer::evaluate() {
   std::vector<int32_t>& x = xs_[0];
   std::vector<int32_t>& y = ys_[0];
   double s = 0;
+  const bool masks = val_loader_->has_masks();
+  int64_t trained = 0;
   for (int64_t i = 0; i < tc_.eval_batches; ++i) {
     if (plan_.cp > 1) {
       val_loader_->next(full_x_.data(), full_y_.data());
@@ -432,13 +455,15 @@ double Trainer::evaluate() {
     } else {
       val_loader_->next(x.data(), y.data());
     }
+    if (masks) trained += global_trained(ys_, 1);
     if (dbatch_) dbatch_->upload(0, x.data(), y.data());
     s += dbatch_ ? pm_->eval_forward(dbatch_->ids(0), dbatch_->targets(0), B_, T_)
                  : pm_->eval_forward(x.data(), y.data(), B_, T_);
   }
   strategy_->after_eval();
   trace_->end();
-  return pm_->reduce_loss(s, std::max<int64_t>(1, tc_.eval_batches));
+  const int64_t nb = std::max<int64_t>(1, tc_.eval_batches);
+  return pm_->reduce_loss(s, nb) * (masks ? mask_weight(trained, nb) : 1.0);
 }
 
 void Trainer::train_step(int64_t step) {
@@ -457,8 +482,13 @@ void Trainer::train_step(int64_t step) {
   const double data_ms = ms_since(t0);
   if (slow_.part == "compute") std::this_thread::sleep_for(std::chrono::milliseconds(slow_.ms));
   st_.micro_batches += accum_;
+  // Loss masks: the loss is the mean over the global batch's trained targets, whatever the
+  // accumulation and the number of ranks (see docs/finetuning.md).
+  std::optional<int64_t> trained;
+  if (loader_ && loader_->has_masks()) trained = global_trained(ys_, accum_);
+  const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
   if (dbatch_) dbatch_->begin_step();
-  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs);
+  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight);
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   auto check_finite = [&] {
     if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss))
@@ -467,19 +497,20 @@ void Trainer::train_step(int64_t step) {
   };
   if (r.grad_norm_on_device) {
     // One GPU: the norm stays on the device, AdamW clips from it there, and the loss and the norm
-    // come back in one read after the update (the step's only wait). A non-finite step still stops
-    // the run, after its update instead of before.
+    // come back in one read after the update (the step's only wait). A non-finite norm leaves the
+    // weights as they were (adamw_update_multi) and stops the run here.
     dbatch_->finish_step();
     trace_->begin("optimizer + parameter sync", "optimizer");
     pm_->optimizer_step_clipped(lr, tc_.grad_clip, &cs);
     trace_->end();
     double loss_sum = 0, norm_sq = 0;
     dbatch_->read_step(&loss_sum, &norm_sq);
-    r.loss = pm_->reduce_loss(loss_sum, accum_);
+    r.loss = pm_->reduce_loss(loss_sum, accum_) * weight;
     r.grad_norm = std::sqrt(norm_sq);
     check_finite();
   } else {
-    if (dbatch_) r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_);  // the loss summed on the device: one read
+    if (dbatch_)  // the loss summed on the device: one read
+      r.loss = pm_->reduce_loss(dbatch_->end_step(), accum_) * weight;
     check_finite();
     const double norm = r.grad_norm;
     float scale = 1.0f;
@@ -493,6 +524,8 @@ void Trainer::train_step(int64_t step) {
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();
   StepMetrics sm = metrics_->step(step, r, lr, t0, cs, data_ms);
+  sm.trained_tokens = trained;
+  if (trained) trained_total_ = trained_total_.value_or(0) + *trained;
   if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
     sm.val_bits_per_byte = bits_per_byte(*sm.val_loss, val_bytes_per_token_);
@@ -548,7 +581,9 @@ TrainResult Trainer::run() {
   metrics_ = std::make_unique<MetricsProcessor>(cfg_, mc_, groups_, *pm_, dt_, rank_, world_, dry_, st_.step);
   if (rank_ == 0 && !dry_) metrics_->attach_tensorboard(cfg_.log.tensorboard_dir, cfg_.to_toml());
   metrics_->print_header(ref_->num_params(), loader_ ? loader_->total_tokens() : 0, threads_);
-  if (val_loader_) val_bytes_per_token_ = val_loader_->bytes_per_token();
+  // Bits per byte relate a loss over every token to the bytes of all of them: not a loss over the
+  // trained tokens of masked data.
+  if (val_loader_ && !val_loader_->has_masks()) val_bytes_per_token_ = val_loader_->bytes_per_token();
   if (val_loader_ && log_ && val_bytes_per_token_ <= 0) std::printf("%s\n", no_bits_per_byte_note(cfg_.data.val).c_str());
   if (val_loader_ && tc_.eval_at_start) {
     val_start_ = evaluate();
@@ -590,6 +625,7 @@ void Trainer::report() {
   o.full_saves = full_saves_;
   o.full_save_ms = full_save_ms_;
   o.blend = loader_ ? loader_->blend.get() : nullptr;
+  o.trained_tokens = trained_total_;
   metrics_->report(o);
 }
 

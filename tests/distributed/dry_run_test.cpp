@@ -100,6 +100,12 @@ INSTANTIATE_TEST_SUITE_P(
         DryCase{"pp2_interleaved_chunked_loss", 2,
                 "--model.preset llama-tiny --parallel.pp 2 --parallel.pp_schedule interleaved_1f1b "
                 "--parallel.pp_virtual_stages 2 --parallel.pp_microbatches 4 --train.loss_chunk_tokens 16"},
+        // Split backward: the copies held from B to W are activations, in the dry run too.
+        DryCase{"pp2_zb1p_ddp2", 4, "--parallel.pp 2 --parallel.pp_schedule zb1p --parallel.pp_microbatches 4"},
+        DryCase{"pp2_zbv_fsdp2_llama", 4,
+                "--model.preset llama-tiny --parallel.pp 2 --parallel.pp_schedule zbv --parallel.pp_microbatches 4 "
+                "--parallel.strategy FULL_SHARD",
+                true},
         DryCase{"cp2_fsdp2_llama", 4, "--model.preset llama-tiny --parallel.cp 2 --parallel.strategy FULL_SHARD", true},
         DryCase{"cp2_tp2_allgather_bf16", 4,
                 "--parallel.cp 2 --parallel.tp 2 --parallel.cp_mode allgather --train.dtype bf16"}),

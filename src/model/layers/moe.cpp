@@ -349,6 +349,14 @@ void MoeLayer::shared_backward(LayerParams& P, const BlockParams& p, BlockActiva
   if (Fs == 0) return;
   const bool bf = compute_ == DType::BF16;
   auto linb = [&](float* dx, const Weight& w, const float* dy, const Tensor& in_rows, int64_t in) {
+    if (tpc_.defer) {  // split backward: the weight gradient later, from copies
+      if (bf)
+        kt_->linear_backward_bf16(dx, nullptr, nullptr, dy, in_rows.bf(), w.wb, N, in, w.out);
+      else
+        kt_->linear_backward(dx, nullptr, nullptr, dy, in_rows.f32(), w.wf, N, in, w.out);
+      tpc_.defer_weight_grad(w, dy, in_rows.raw(), N, in);
+      return;
+    }
     if (bf)
       kt_->linear_backward_bf16(dx, w.dw, w.db, dy, in_rows.bf(), w.wb, N, in, w.out);
     else
@@ -403,6 +411,14 @@ void MoeLayer::experts_backward(LayerParams& P, const BlockParams& p, BlockActiv
   const bool bf = compute_ == DType::BF16;
   auto linb = [&](float* dx, const Weight& w, const float* g, const Tensor& x, int64_t row0, int64_t n, int64_t in) {
     if (n == 0) return;
+    if (tpc_.defer) {  // split backward: the weight gradient later, from copies
+      if (bf)
+        kt_->linear_backward_bf16(dx, nullptr, nullptr, g, x.bf() + row0 * in, w.wb, n, in, w.out);
+      else
+        kt_->linear_backward(dx, nullptr, nullptr, g, x.f32() + row0 * in, w.wf, n, in, w.out);
+      tpc_.defer_weight_grad(w, g, bf ? static_cast<const void*>(x.bf() + row0 * in) : x.f32() + row0 * in, n, in);
+      return;
+    }
     if (bf)
       kt_->linear_backward_bf16(dx, w.dw, w.db, g, x.bf() + row0 * in, w.wb, n, in, w.out);
     else
@@ -473,6 +489,15 @@ void MoeLayer::router_backward(LayerParams& P, const BlockParams& p, BlockActiva
   // weight gradient.
   kt_->linear_backward(tpc_.rank == 0 ? dln2 : nullptr, nullptr, nullptr, dlogits, xin, P.f32(p.router), N, C, E);
   router_grad_handle_ = tpc_.start_input_grad_sum(dln2);
+  if (tpc_.defer) {  // split backward: the router's weight gradient later, from fp32 copies
+    const kernels::KernelTable* kt = kt_;
+    float* dw = P.grad(p.router);
+    tpc_.defer->add({DeferredGrads::hold(dlogits, DType::F32, N * E, dev_), DeferredGrads::hold(xin, DType::F32, N * C, dev_)},
+                    [kt, dw, N, C, E](const std::vector<Tensor>& h) {
+                      kt->linear_backward(nullptr, dw, nullptr, h[0].f32(), h[1].f32(), nullptr, N, C, E);
+                    });
+    return;
+  }
   kt_->linear_backward(nullptr, P.grad(p.router), nullptr, dlogits, xin, P.f32(p.router), N, C, E);
 }
 

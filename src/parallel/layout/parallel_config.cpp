@@ -22,6 +22,8 @@ const char* to_string(PipelineSchedule s) {
     case PipelineSchedule::GPipe: return "gpipe";
     case PipelineSchedule::OneFOneB: return "1f1b";
     case PipelineSchedule::Interleaved: return "interleaved_1f1b";
+    case PipelineSchedule::ZeroBubbleH1: return "zb1p";
+    case PipelineSchedule::ZeroBubbleV: return "zbv";
   }
   return "?";
 }
@@ -58,7 +60,8 @@ const std::vector<ShardingStrategy>& all_sharding_strategies() {
 
 const std::vector<PipelineSchedule>& all_pipeline_schedules() {
   static const std::vector<PipelineSchedule> v = {PipelineSchedule::GPipe, PipelineSchedule::OneFOneB,
-                                                  PipelineSchedule::Interleaved};
+                                                  PipelineSchedule::Interleaved, PipelineSchedule::ZeroBubbleH1,
+                                                  PipelineSchedule::ZeroBubbleV};
   return v;
 }
 

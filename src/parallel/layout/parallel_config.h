@@ -25,7 +25,9 @@ enum class ShardingStrategy {
 
 // parallel.pp_schedule. None is "no pipeline" (pp = 1, printed "none"); it is not a value of the
 // config key.
-enum class PipelineSchedule { None, GPipe, OneFOneB, Interleaved };
+// ZeroBubbleH1 ("zb1p") and ZeroBubbleV ("zbv", two chunks per rank in a V) split each backward
+// into its input gradient (B) and its weight gradient (W), run later.
+enum class PipelineSchedule { None, GPipe, OneFOneB, Interleaved, ZeroBubbleH1, ZeroBubbleV };
 
 // train.activation_checkpointing.
 enum class Recompute { None, Full, Selective };
@@ -35,7 +37,7 @@ enum class Recompute { None, Full, Selective };
 enum class Offload { None, Optimizer };
 
 // The config spellings: "NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD",
-// "HYBRID_SHARD_ZERO2"; "none", "gpipe", "1f1b", "interleaved_1f1b"; "none", "full", "selective".
+// "HYBRID_SHARD_ZERO2"; "none", "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv"; "none", "full", "selective".
 const char* to_string(ShardingStrategy s);
 const char* to_string(PipelineSchedule s);
 const char* to_string(Recompute r);

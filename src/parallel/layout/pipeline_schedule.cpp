@@ -15,7 +15,9 @@ namespace mt::parallel {
 // ---------------------------------------------------------------------------------------------
 // Actions
 
-bool is_compute(PipeAction::Kind k) { return k == PipeAction::Forward || k == PipeAction::Backward; }
+bool is_compute(PipeAction::Kind k) {
+  return k == PipeAction::Forward || k == PipeAction::Backward || k == PipeAction::Weight;
+}
 bool is_send(PipeAction::Kind k) { return k == PipeAction::SendAct || k == PipeAction::SendGrad; }
 bool is_recv(PipeAction::Kind k) { return k == PipeAction::RecvAct || k == PipeAction::RecvGrad; }
 
@@ -33,13 +35,15 @@ const char* kind_name(PipeAction::Kind k) {
       return "SendGrad";
     case PipeAction::RecvGrad:
       return "RecvGrad";
+    case PipeAction::Weight:
+      return "Weight";
   }
   return "?";
 }
 
 bool valid_kind(PipeAction::Kind k) {
   int i = static_cast<int>(k);
-  return i >= PipeAction::Forward && i <= PipeAction::RecvGrad;
+  return i >= PipeAction::Forward && i <= PipeAction::Weight;
 }
 
 std::string short_string(const PipeAction& a) {
@@ -49,6 +53,8 @@ std::string short_string(const PipeAction& a) {
       return "F" + mbs;
     case PipeAction::Backward:
       return "B" + mbs;
+    case PipeAction::Weight:
+      return "W" + mbs;
     case PipeAction::SendAct:
       return "sA" + mbs + ">" + std::to_string(a.peer);
     case PipeAction::RecvAct:
@@ -99,12 +105,13 @@ static void check_sizes(const std::string& name, int pp, int m, int v) {
 // consumes a value from another rank, a send right after the compute that produces a value for
 // another rank. Hand-offs between stages on the same rank stay local.
 static PipeSchedule add_comm(std::string name, int pp, int m, int v,
-                             const std::vector<std::vector<PipeAction>>& compute) {
+                             const std::vector<std::vector<PipeAction>>& compute, bool vshape = false) {
   PipeSchedule s;
   s.name = std::move(name);
   s.pp = pp;
   s.microbatches = m;
   s.virtual_stages = v;
+  s.vshape = vshape;
   s.per_rank.resize(pp);
   const int S = pp * v;
   for (int r = 0; r < pp; ++r) {
@@ -112,7 +119,9 @@ static PipeSchedule add_comm(std::string name, int pp, int m, int v,
     out.reserve(compute[r].size() * 3);
     for (const PipeAction& a : compute[r]) {
       const int st = a.stage;
-      if (a.kind == PipeAction::Forward) {
+      if (a.kind == PipeAction::Weight) {
+        out.push_back(a);
+      } else if (a.kind == PipeAction::Forward) {
         if (st > 0 && s.stage_rank(st - 1) != r)
           out.push_back({PipeAction::RecvAct, a.microbatch, st - 1, s.stage_rank(st - 1)});
         out.push_back(a);
@@ -249,6 +258,111 @@ PipeSchedule interleaved_1f1b(int pp, int m, int v, CommPlacement placement) {
   return add_comm(to_string(PipelineSchedule::Interleaved), pp, m, v, c);
 }
 
+// The zero-bubble list scheduler (pipeline_schedule.h). limit[r]: activation sets rank r may hold.
+static PipeSchedule zero_bubble(const std::string& name, int pp, int m, int v, bool vshape,
+                                const std::vector<int>& limit) {
+  PipeSchedule shape;
+  shape.pp = pp;
+  shape.virtual_stages = v;
+  shape.vshape = vshape;
+  const int S = pp * v;
+  std::vector<std::vector<int>> f_done(S, std::vector<int>(m, -1)), b_done = f_done;
+  std::vector<int> next_f(S, 0), next_b(S, 0), next_w(S, 0), alive(pp, 0);
+  std::vector<std::vector<int>> stages_of(pp);
+  for (int st = 0; st < S; ++st) stages_of[shape.stage_rank(st)].push_back(st);
+  std::vector<std::vector<PipeAction>> c(pp);
+  const long long total = 3LL * m * S;
+  long long placed = 0;
+  auto done_by = [](int when, int t) { return when >= 0 && when <= t; };
+  for (int t = 0; placed < total; ++t) {
+    bool any = false;
+    for (int r = 0; r < pp; ++r) {
+      // B: the ready one of the smallest micro-batch (ties: the later stage, nearer the loss).
+      int pick = -1, best_mb = m;
+      for (int st : stages_of[r]) {
+        const int mb = next_b[st];
+        if (mb >= m || !done_by(f_done[st][mb], t)) continue;
+        if (st + 1 < S && !done_by(b_done[st + 1][mb], t)) continue;
+        if (mb < best_mb || (mb == best_mb && st > pick)) pick = st, best_mb = mb;
+      }
+      if (pick >= 0) {
+        c[r].push_back(bwd(best_mb, pick));
+        b_done[pick][best_mb] = t + 1;
+        ++next_b[pick];
+        ++placed;
+        any = true;
+        continue;
+      }
+      // F: under the limit; the later stage first (it brings a micro-batch nearer the loss).
+      if (alive[r] < limit[r])
+        for (int st : stages_of[r]) {
+          const int mb = next_f[st];
+          if (mb >= m || (st > 0 && !done_by(f_done[st - 1][mb], t))) continue;
+          if (pick < 0 || st > pick) pick = st;
+        }
+      if (pick >= 0) {
+        const int mb = next_f[pick]++;
+        c[r].push_back(fwd(mb, pick));
+        f_done[pick][mb] = t + 1;
+        ++alive[r];
+        ++placed;
+        any = true;
+        continue;
+      }
+      // W: the oldest pending one.
+      for (int st : stages_of[r]) {
+        const int mb = next_w[st];
+        if (mb >= next_b[st] || !done_by(b_done[st][mb], t)) continue;
+        if (pick < 0 || b_done[st][mb] < b_done[pick][next_w[pick]]) pick = st;
+      }
+      if (pick >= 0) {
+        c[r].push_back({PipeAction::Weight, next_w[pick]++, pick, -1});
+        --alive[r];
+        ++placed;
+        any = true;
+      }
+    }
+    // A slot in which no rank can start anything while nothing is running means a limit too small.
+    if (!any) {
+      bool running = false;
+      for (int st = 0; st < S && !running; ++st)
+        for (int mb = 0; mb < m && !running; ++mb) running = f_done[st][mb] > t || b_done[st][mb] > t;
+      if (!running) throw std::logic_error(name + ": the list scheduler is stuck (activation limit too small)");
+    }
+  }
+  PipeSchedule s = add_comm(name, pp, m, v, c, vshape);
+  s.split_backward = true;
+  return s;
+}
+
+PipeSchedule zero_bubble_h1(int pp, int m) {
+  check_sizes(to_string(PipelineSchedule::ZeroBubbleH1), pp, m, 1);
+  // Rank r: 1F1B's warm-up (pp - r forwards before the first backward), then per step a B, the W
+  // of r steps before (the later ranks postpone their weight gradients into the slots that the
+  // earlier ranks' B would otherwise leave idle), and the next F; the postponed W's end the list.
+  // Every rank holds at most pp sets in flight (F done, W not yet), 1F1B's rank-0 peak.
+  std::vector<std::vector<PipeAction>> c(pp);
+  for (int r = 0; r < pp; ++r) {
+    const int warm = std::min(pp - r, m);
+    for (int i = 0; i < warm; ++i) c[r].push_back(fwd(i, r));
+    int next_w = 0;
+    for (int k = 0; k < m; ++k) {
+      c[r].push_back(bwd(k, r));
+      if (k >= r) c[r].push_back({PipeAction::Weight, next_w++, r, -1});
+      if (warm + k < m) c[r].push_back(fwd(warm + k, r));
+    }
+    while (next_w < m) c[r].push_back({PipeAction::Weight, next_w++, r, -1});
+  }
+  PipeSchedule s = add_comm(to_string(PipelineSchedule::ZeroBubbleH1), pp, m, 1, c);
+  s.split_backward = true;
+  return s;
+}
+
+PipeSchedule zero_bubble_v(int pp, int m) {
+  check_sizes(to_string(PipelineSchedule::ZeroBubbleV), pp, m, 2);
+  return zero_bubble(to_string(PipelineSchedule::ZeroBubbleV), pp, m, 2, true, std::vector<int>(pp, 2 * pp));
+}
+
 const char* placement_name(CommPlacement p) { return p == CommPlacement::Eager ? "eager" : "batched"; }
 
 bool parse_placement(const std::string& s, CommPlacement* out) {
@@ -271,6 +385,16 @@ PipeSchedule make_schedule(PipelineSchedule kind, int pp, int m, int v, CommPlac
                                     " has one stage per rank; virtual stages = " + std::to_string(v) +
                                     " needs --schedule interleaved_1f1b");
       return kind == PipelineSchedule::GPipe ? gpipe(pp, m) : one_f_one_b(pp, m);
+    case PipelineSchedule::ZeroBubbleH1:
+      if (v != 1)
+        throw std::invalid_argument("schedule zb1p has one stage per rank; virtual stages = " + std::to_string(v) +
+                                    " needs --schedule zbv (2) or interleaved_1f1b");
+      return zero_bubble_h1(pp, m);
+    case PipelineSchedule::ZeroBubbleV:
+      if (v != 1 && v != 2)
+        throw std::invalid_argument("schedule zbv has two stages per rank (a V); virtual stages = " +
+                                    std::to_string(v) + " is not possible");
+      return zero_bubble_v(pp, m);
     case PipelineSchedule::None: break;
   }
   throw std::invalid_argument("pipeline schedule 'none' has no action lists (known: " +
@@ -289,6 +413,12 @@ PipeSchedule make_schedule(const std::string& name, int pp, int m, int v, CommPl
 
 BubbleFormula bubble_formula(const PipeSchedule& s) {
   const double p = s.pp, m = s.microbatches;
+  if (s.split_backward && s.vshape) {  // no closed form: the schedule's own timeline
+    const Timeline t = simulate_timeline(s, 1.0, 2.0, 0.0);
+    return {"simulated with T_F = T_B = T_W (no closed form)", t.bubble_fraction, t.bubble_relative};
+  }
+  if (s.split_backward)  // the fill costs T_F + T_B - T_W per rank instead of T_F + T_B + T_W
+    return {"(p-1)/(3m+p-1), relative (p-1)/(3m) with T_F = T_B = T_W", (p - 1) / (3 * m + p - 1), (p - 1) / (3 * m)};
   if (s.virtual_stages > 1) {
     const double vm = s.virtual_stages * m;
     return {"(p-1)/(v*m+p-1), relative (p-1)/(v*m)", (p - 1) / (vm + p - 1), (p - 1) / vm};
@@ -312,7 +442,7 @@ std::string format_actions(const PipeSchedule& s) {
 std::string format_schedule(const PipeSchedule& s, bool show_comm) {
   // One slot per virtual-stage forward/backward: t_fwd = t_bwd = v per rank-share.
   const double v = std::max(1, s.virtual_stages);
-  Timeline t = simulate_timeline(s, v, v, 0.0);
+  Timeline t = simulate_timeline(s, v, s.split_backward ? 2 * v : v, 0.0);
   if (t.per_rank.empty()) return t.message + "\n";
   const int pp = s.pp;
   const long slots = std::lround(t.makespan);

@@ -31,7 +31,9 @@
 namespace mt::parallel {
 
 struct PipeAction {
-  enum Kind { Forward, Backward, SendAct, RecvAct, SendGrad, RecvGrad } kind;
+  // Weight: the deferred weight gradient (W) of a split backward (PipeSchedule::split_backward),
+  // whose Backward then computes only the input gradient (B).
+  enum Kind { Forward, Backward, SendAct, RecvAct, SendGrad, RecvGrad, Weight } kind;
   int microbatch;  // 0 .. microbatches-1
   // Virtual stage 0 .. pp*v-1. For compute: the stage computed. For communication: the stage
   // whose result travels, i.e. SendAct/RecvAct(m, s) carry the output of Forward(m, s) from
@@ -45,12 +47,12 @@ struct PipeAction {
 bool is_compute(PipeAction::Kind k);
 bool is_send(PipeAction::Kind k);
 bool is_recv(PipeAction::Kind k);
-bool valid_kind(PipeAction::Kind k);  // one of the six kinds (a list built elsewhere may hold anything)
+bool valid_kind(PipeAction::Kind k);  // one of the seven kinds (a list built elsewhere may hold anything)
 // Largest pp * v * m a builder accepts and the checker takes (the lists and the checker's tables
 // grow with it).
 inline constexpr long long kMaxScheduleSize = 1 << 20;
 const char* kind_name(PipeAction::Kind k);  // "Forward", "SendAct", ...
-// Short form used in tables: F3.1, B3.1, sA3.1>2 (send activation to rank 2), rA3.1<1,
+// Short form used in tables: F3.1, B3.1, W3.1, sA3.1>2 (send activation to rank 2), rA3.1<1,
 // sG3.1>0, rG3.2<2.
 std::string short_string(const PipeAction& a);
 // Long form used in messages: "Forward(mb 3, stage 1)", "SendAct(mb 3, stage 1 -> rank 2)".
@@ -58,14 +60,25 @@ std::string describe(const PipeAction& a);
 bool operator==(const PipeAction& a, const PipeAction& b);
 
 struct PipeSchedule {
-  std::string name;        // "gpipe", "1f1b", "interleaved_1f1b" or anything for hand-made ones
+  std::string name;        // "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv" or anything for hand-made ones
   int pp = 1;              // pipeline ranks
   int microbatches = 1;    // micro-batches per step
   int virtual_stages = 1;  // stages per rank (v)
+  // Split backward: every Backward computes the input gradient only and a Weight action of the
+  // same (micro-batch, stage), later on the same rank, computes the weight gradients.
+  bool split_backward = false;
+  // V placement (v = 2): rank r owns stages r and 2*pp-1-r, so the first and the last stage are
+  // both on rank 0 and stage pp-1 hands its output to stage pp on the same rank.
+  bool vshape = false;
   std::vector<std::vector<PipeAction>> per_rank;  // per_rank[r] = rank r's actions in order
 
   int num_stages() const { return pp * virtual_stages; }
-  int stage_rank(int stage) const { return stage % pp; }
+  int stage_rank(int stage) const {
+    if (vshape) return stage < pp ? stage : 2 * pp - 1 - stage;
+    return stage % pp;
+  }
+  // Which of its rank's stages `stage` is (0 .. v-1, in stage order).
+  int stage_chunk(int stage) const { return stage / pp; }
 };
 
 // Where the builders put the sends and receives.
@@ -94,7 +107,20 @@ PipeSchedule one_f_one_b(int pp, int microbatches);
 // chunks in groups of pp; requires microbatches % pp == 0 and v >= 2 (v = 1 is plain 1f1b).
 PipeSchedule interleaved_1f1b(int pp, int microbatches, int virtual_stages,
                               CommPlacement placement = CommPlacement::Eager);
-// By kind (parallel_config.h: GPipe, OneFOneB, Interleaved). Throws std::invalid_argument
+// Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), split backward.
+// Per stage the F, B and W run in micro-batch order (the weight gradients accumulate in the order
+// of the unsplit backward).
+// ZB-H1: one stage per rank; rank r runs 1F1B's pp - r warm-up forwards, then steps of B, the W
+// postponed by r steps, F; the postponed W's end its list. At most pp sets in flight on a rank
+// (1F1B's rank-0 peak); with T_F = T_B = T_W and m >= pp the bubble is (p-1)/(3m+p-1).
+PipeSchedule zero_bubble_h1(int pp, int microbatches);
+// ZB-V: two stages per rank in a V (rank r: stages r and 2pp-1-r), ordered by a list scheduler
+// over unit time slots (F = B = W = one slot of a stage): at every slot a free rank runs a ready B
+// first (the critical path), else a ready F (the later stage first) while it holds under 2*pp
+// sets (pp micro-batches' worth, 1F1B's rank-0 peak), else its oldest pending W.
+PipeSchedule zero_bubble_v(int pp, int microbatches);
+// By kind (parallel_config.h: GPipe, OneFOneB, Interleaved, ZeroBubbleH1, ZeroBubbleV; ZeroBubbleV
+// takes virtual_stages 1 or 2 and always builds 2). Throws std::invalid_argument
 // with a clear message for invalid sizes (pp, m, v < 1, v != 1 for a non-interleaved schedule,
 // m % pp != 0 for interleaved) and for PipelineSchedule::None.
 PipeSchedule make_schedule(PipelineSchedule kind, int pp, int microbatches, int virtual_stages = 1,
@@ -119,7 +145,8 @@ struct ScheduleCheck {
   bool rendezvous_safe = false;
   std::string rendezvous_message;
   // Per rank: the largest number of (micro-batch, stage) activation sets alive at once (forward
-  // done, backward not yet), walking the rank's list. With v virtual stages one such set holds
+  // done, backward not yet - with a split backward: its Weight not yet, the inputs the weight
+  // gradients need are held until then), walking the rank's list. With v virtual stages one such set holds
   // 1/v of the rank's layers, so activation memory is peak_in_flight[r] / v micro-batches' worth.
   std::vector<int> peak_in_flight;
   int compute_actions = 0, sends = 0, recvs = 0;
@@ -145,17 +172,21 @@ struct Timeline {
 // micro-batch's forward / backward through ONE RANK'S share of the model, so a virtual stage
 // (1/v of it) takes t_fwd / v; this keeps schedules with different v comparable. t_comm is the
 // latency of one message; it costs the sender no time (asynchronous) and delays the receiver.
-Timeline simulate_timeline(const PipeSchedule& s, double t_fwd, double t_bwd, double t_comm);
+// With a split backward, B takes (1 - w_share) * t_bwd and W takes w_share * t_bwd (the paper's
+// T_B = T_W: w_share = 0.5).
+Timeline simulate_timeline(const PipeSchedule& s, double t_fwd, double t_bwd, double t_comm, double w_share = 0.5);
 
 struct BubbleFormula {
   std::string text;  // e.g. "(p-1)/(m+p-1)"
-  double fraction;   // idle share of the step: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1)
+  double fraction;   // idle share of the step: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1),
+                     // ZB-H1 (p-1)/(3m+p-1) (T_F = T_B = T_W, m >= p); ZB-V has no closed form:
+                     // its simulated timeline with T_F = T_B = T_W
   double relative;   // idle / ideal: (p-1)/m, interleaved (p-1)/(v*m)
 };
 BubbleFormula bubble_formula(const PipeSchedule& s);
 
 // The schedule as a table: one column per rank, one row per time slot of the timeline with every
-// forward/backward of a virtual stage taking one slot and free communication; "." is idle. With
+// forward/backward (with a split backward: every F, B and W) of a virtual stage taking one slot and free communication; "." is idle. With
 // show_comm, a row of the sends/receives each rank posts between two slots is printed before the
 // slot. Micro-batches and stages are numbered from 0.
 std::string format_schedule(const PipeSchedule& s, bool show_comm = false);

@@ -115,7 +115,7 @@ struct BufferedRun {
 };
 
 // Buffered sends (post and go on), blocking receives; compute takes t_fwd/v or t_bwd/v.
-BufferedRun run_buffered(const PipeSchedule& s, double t_fwd, double t_bwd, double t_comm) {
+BufferedRun run_buffered(const PipeSchedule& s, double t_fwd, double t_bwd, double t_comm, double w_share = 0.5) {
   const int pp = s.pp;
   const MsgIndex idx{s.microbatches, s.num_stages()};
   const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -125,7 +125,8 @@ BufferedRun run_buffered(const PipeSchedule& s, double t_fwd, double t_bwd, doub
   run.clock.assign(pp, 0.0);
   run.busy.assign(pp, 0.0);
   run.events.resize(pp);
-  const double tf = t_fwd / s.virtual_stages, tb = t_bwd / s.virtual_stages;
+  const double tf = t_fwd / s.virtual_stages, tb_all = t_bwd / s.virtual_stages;
+  const double tb = s.split_backward ? tb_all * (1.0 - w_share) : tb_all, tw = tb_all * w_share;
   bool progress = true;
   while (progress) {
     progress = false;
@@ -137,7 +138,7 @@ BufferedRun run_buffered(const PipeSchedule& s, double t_fwd, double t_bwd, doub
         const PipeAction& a = list[i];
         TimedAction ev{a, t, t};
         if (is_compute(a.kind)) {
-          const double d = a.kind == PipeAction::Forward ? tf : tb;
+          const double d = a.kind == PipeAction::Forward ? tf : a.kind == PipeAction::Backward ? tb : tw;
           ev.end = t + d;
           run.busy[r] += d;
         } else if (is_send(a.kind)) {
@@ -286,6 +287,7 @@ Place expected_place(const PipeSchedule& s, int kind, int st) {
   switch (kind) {
     case PipeAction::Forward:
     case PipeAction::Backward:
+    case PipeAction::Weight:
       return {s.stage_rank(st), -1};
     case PipeAction::SendAct:
     case PipeAction::RecvAct: {
@@ -306,7 +308,7 @@ struct Occurrences {
   int m, S;
   std::vector<int> count, rank, pos;
   Occurrences(const PipeSchedule& s, ScheduleCheck& c)
-      : m(s.microbatches), S(s.num_stages()), count(6ull * m * S, 0), rank(count.size(), -1), pos(count.size(), -1) {
+      : m(s.microbatches), S(s.num_stages()), count(7ull * m * S, 0), rank(count.size(), -1), pos(count.size(), -1) {
     for (int r = 0; r < s.pp; ++r)
       for (size_t i = 0; i < s.per_rank[r].size(); ++i) {
         const PipeAction& a = s.per_rank[r][i];
@@ -390,6 +392,17 @@ void check_complete(const PipeSchedule& s, const Occurrences& o, Problems& P) {
           P.add(describe(a) + " appears " + std::to_string(o.count[k]) + " times (first on rank " +
                 std::to_string(o.rank[k]) + ")");
       }
+      // Weight: exactly once per (micro-batch, stage) with a split backward, never without.
+      const size_t kw = o.key(PipeAction::Weight, mb, st);
+      const PipeAction w{PipeAction::Weight, mb, st, -1};
+      if (s.split_backward && o.count[kw] == 0)
+        P.add("missing " + describe(w) + " on rank " + std::to_string(s.stage_rank(st)) +
+              " (a split backward needs the weight gradient of every backward)");
+      else if (s.split_backward && o.count[kw] > 1)
+        P.add(describe(w) + " appears " + std::to_string(o.count[kw]) + " times");
+      else if (!s.split_backward && o.count[kw] > 0)
+        P.add(describe(w) + " in a schedule without a split backward (its Backward already computes the weight "
+              "gradients)");
       for (int kind : {PipeAction::SendAct, PipeAction::SendGrad}) check_transfer(s, o, kind, mb, st, P);
     }
 }
@@ -414,6 +427,9 @@ void check_local_order(const PipeSchedule& s, const Occurrences& o, Problems& P)
   for (int mb = 0; mb < o.m; ++mb)
     for (int st = 0; st < o.S; ++st) {
       need_before(PipeAction::Forward, st, PipeAction::Backward, st, mb, "backward needs its forward");
+      if (s.split_backward)
+        need_before(PipeAction::Backward, st, PipeAction::Weight, st, mb,
+                    "the weight gradient needs its backward's output gradient");
       if (st + 1 >= o.S) continue;
       if (s.stage_rank(st) == s.stage_rank(st + 1)) {
         need_before(PipeAction::Forward, st, PipeAction::Forward, st + 1, mb, "forward of the next stage uses its output");
@@ -435,7 +451,7 @@ std::vector<int> peak_in_flight(const PipeSchedule& s) {
     int alive = 0;
     for (const PipeAction& a : s.per_rank[r]) {
       if (a.kind == PipeAction::Forward) peak[r] = std::max(peak[r], ++alive);
-      if (a.kind == PipeAction::Backward) --alive;
+      if (a.kind == (s.split_backward ? PipeAction::Weight : PipeAction::Backward)) --alive;
     }
   }
   return peak;
@@ -481,7 +497,7 @@ ScheduleCheck check_schedule(const PipeSchedule& s) {
 // ---------------------------------------------------------------------------------------------
 // Timeline
 
-Timeline simulate_timeline(const PipeSchedule& s, double t_fwd, double t_bwd, double t_comm) {
+Timeline simulate_timeline(const PipeSchedule& s, double t_fwd, double t_bwd, double t_comm, double w_share) {
   Timeline t;
   Problems P;
   check_ranges(s, P);
@@ -489,11 +505,11 @@ Timeline simulate_timeline(const PipeSchedule& s, double t_fwd, double t_bwd, do
     t.message = "cannot simulate: " + P.list().front();
     return t;
   }
-  if (!(t_fwd >= 0) || !(t_bwd >= 0) || !(t_comm >= 0)) {
+  if (!(t_fwd >= 0) || !(t_bwd >= 0) || !(t_comm >= 0) || !(w_share >= 0 && w_share <= 1)) {
     t.message = "cannot simulate: times must be >= 0";
     return t;
   }
-  BufferedRun run = run_buffered(s, t_fwd, t_bwd, t_comm);
+  BufferedRun run = run_buffered(s, t_fwd, t_bwd, t_comm, w_share);
   t.completed = run.completed;
   t.message = run.completed ? "completed" : run.deadlock;
   t.makespan = 0;

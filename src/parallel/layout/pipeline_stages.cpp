@@ -105,10 +105,11 @@ StagePartition partition_stages(const ModelConfig& c, int S, const std::string& 
   return p;
 }
 
-std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units) {
+std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units, bool vshape) {
   std::vector<char> own(static_cast<size_t>(num_units), 0);
   for (size_t s = 0; s < p.stages.size(); ++s)
-    if (static_cast<int>(s) % pp == r)
+    if ((vshape ? (static_cast<int>(s) < pp ? static_cast<int>(s) : 2 * pp - 1 - static_cast<int>(s))
+                : static_cast<int>(s) % pp) == r)
       for (int u = p.stages[s].first; u <= p.stages[s].second; ++u) own[u] = 1;
   return own;
 }

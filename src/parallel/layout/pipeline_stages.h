@@ -23,7 +23,8 @@ std::vector<double> unit_costs(const ModelConfig& c);
 // `manual`: blocks per stage ("3,3,2"; the embedding joins the first stage, the head the last),
 // overriding the cost model. Throws std::invalid_argument naming the problem.
 StagePartition partition_stages(const ModelConfig& c, int num_stages, const std::string& manual = "");
-// The owned-unit flags (for the Transformer constructor) of pipeline rank r.
-std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units);
+// The owned-unit flags (for the Transformer constructor) of pipeline rank r: stages r, r + pp, ...,
+// or with the V placement (zbv) stages r and 2*pp-1-r.
+std::vector<char> stage_units_of_rank(const StagePartition& p, int pp, int r, int num_units, bool vshape = false);
 
 }  // namespace mt::parallel

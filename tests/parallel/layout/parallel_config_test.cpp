@@ -43,11 +43,11 @@ TEST(ParallelConfig, PipelineScheduleAndRecomputeRoundTrip) {
     EXPECT_EQ(parse_pipeline_schedule(to_string(s)), s);
     seen.insert(to_string(s));
   }
-  EXPECT_EQ(seen, (std::set<std::string>{"gpipe", "1f1b", "interleaved_1f1b"}));
+  EXPECT_EQ(seen, (std::set<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv"}));
   // "none" (no pipeline) prints but is not a value of parallel.pp_schedule.
   EXPECT_STREQ(to_string(PipelineSchedule::None), "none");
   EXPECT_FALSE(try_parse_pipeline_schedule("none"));
-  EXPECT_EQ(valid_values(PipelineSchedule{}), "gpipe, 1f1b, interleaved_1f1b");
+  EXPECT_EQ(valid_values(PipelineSchedule{}), "gpipe, 1f1b, interleaved_1f1b, zb1p, zbv");
 
   seen.clear();
   for (Recompute r : all_recompute_modes()) {
@@ -63,7 +63,7 @@ TEST(ParallelConfig, BadValueErrorNamesTheKeyAndListsTheValues) {
             "parallel.strategy must be one of NO_SHARD, ZERO1, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, "
             "HYBRID_SHARD_ZERO2; got 'FSDP'");
   EXPECT_EQ(error_of([] { parse_pipeline_schedule("zigzag"); }),
-            "parallel.pp_schedule must be one of gpipe, 1f1b, interleaved_1f1b; got 'zigzag'");
+            "parallel.pp_schedule must be one of gpipe, 1f1b, interleaved_1f1b, zb1p, zbv; got 'zigzag'");
   EXPECT_EQ(error_of([] { parse_recompute("some"); }),
             "train.activation_checkpointing must be one of none, full, selective; got 'some'");
   // The key is the caller's.
