@@ -99,6 +99,14 @@ TEST(HostileFiles, JsonlNumberOutOfRange) {
   EXPECT_EQ(docs, std::vector<std::string>{"fine"});
 }
 
+// The same in a chat record (`prepare --format chat`).
+TEST(HostileFiles, ChatRecordNumberOutOfRange) {
+  expect_clear_error("chat.jsonl", [] {
+    (void)mt::parse_chat_record(R"({"messages": [{"role": "user", "content": "hi"}], "n": 9999e99999})", "chat.jsonl", 1);
+  });
+  expect_clear_error("chat.jsonl", [] { (void)mt::parse_chat_record(R"({"messages": [)", "chat.jsonl", 1); });
+}
+
 // A malformed JSON line: the message is the parser's reason without nlohmann's error id.
 TEST(HostileFiles, JsonlParseErrorHasNoLibraryId) {
   TestDir dir;
