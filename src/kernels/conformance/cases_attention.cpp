@@ -106,7 +106,7 @@ void attention(std::vector<CaseSpec>& out, const AttnShape& s) {
     const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
               lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", qkv_input(s, 202));
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_forward(a.f(o), a.f(lse), a.f(q), s.B, s.T, s.nh, s.nkv, s.hd);
+      k.attention_forward(a.f(o), a.f(lse), a.f(q), s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
     };
     c.exact = [=](const Args& a) { ExactAttention{s}.forward(a.f(o), a.f(lse), a.f(q)); };
     return c;
@@ -115,11 +115,11 @@ void attention(std::vector<CaseSpec>& out, const AttnShape& s) {
     Case c(Op::attention_backward, DType::F32, s.str());
     const std::vector<float> qkv = qkv_input(s, 202);
     std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
-    reference().attention_forward(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd);
+    reference().attention_forward(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
     const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
               q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse);
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd);
+      k.attention_backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
     };
     c.exact = [=](const Args& a) { ExactAttention{s}.backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l)); };
     return c;
