@@ -6,13 +6,14 @@
 #           weight-layout check; with libopenblas0-pthread, without which its BLAS is the
 #           unoptimised reference one and the bench scripts' PyTorch peer runs tens of times slower),
 #           the `tokenizers` package from PyPI (the tokenizer.json check)
-#           and `transformers` from PyPI for Debian's python3 (the export check); none is a
-#           dependency of meshtrain itself.
+#           and `transformers` from PyPI for Debian's python3 (the export check); and clang with
+#           libclang-rt-14-dev (libFuzzer, the sanitizers) and libomp-14-dev for the fuzz targets
+#           (scripts/fuzz.sh); none is a dependency of meshtrain itself.
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libgtest-dev libopenmpi-dev openmpi-bin libdnnl-dev
       libtomlplusplus-dev nlohmann-json3-dev python3)
 [[ "${1:-}" == "--demo" ]] && pkgs+=(fortunes bible-kjv)
-[[ "${1:-}" == "--test" ]] && pkgs+=(python3-torch libopenblas0-pthread python3-pip)
+[[ "${1:-}" == "--test" ]] && pkgs+=(python3-torch libopenblas0-pthread python3-pip clang libclang-rt-14-dev libomp-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

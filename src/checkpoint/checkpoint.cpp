@@ -15,6 +15,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "runtime/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -280,19 +281,27 @@ TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(read_text(d / "trainer.json"));
-    st.step = j.at("step").get<int64_t>();
-    st.adam_steps = j.at("adam_steps").get<int64_t>();
-    st.micro_batches = j.at("micro_batches").get<int64_t>();
+    // Integers only: nlohmann converts a floating-point value to an integer type with a cast that
+    // is undefined out of range.
+    auto integer = [](const nlohmann::json& v, const char* key) {
+      if (!v.is_number_integer()) throw std::runtime_error(std::string(key) + " must be an integer");
+      return v.get<int64_t>();
+    };
+    st.step = integer(j.at("step"), "step");
+    st.adam_steps = integer(j.at("adam_steps"), "adam_steps");
+    st.micro_batches = integer(j.at("micro_batches"), "micro_batches");
     if (j.contains("data")) {
       const auto& dj = j.at("data");
       st.has_blend = true;
-      st.blend.samples = dj.at("samples").get<int64_t>();
+      st.blend.samples = integer(dj.at("samples"), "data.samples");
       for (const auto& e : dj.at("datasets")) {
         st.blend.patterns.push_back(e.at("pattern").get<std::string>());
-        st.blend.dataset_samples.push_back(e.at("samples").get<int64_t>());
+        st.blend.dataset_samples.push_back(integer(e.at("samples"), "data.datasets samples"));
       }
     }
   } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error((d / "trainer.json").string() + ": " + json_error_text(e.what()));
+  } catch (const std::runtime_error& e) {
     throw std::runtime_error((d / "trainer.json").string() + ": " + e.what());
   }
   if (whole) *whole = j;

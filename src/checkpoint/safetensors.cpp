@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "runtime/crc32c.h"
+#include "runtime/strings.h"
 
 namespace mt {
 
@@ -147,7 +148,7 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
     try {
       h = nlohmann::json::parse(hs);
     } catch (const std::exception& e) {
-      throw std::runtime_error(path_ + ": bad safetensors header: " + e.what());
+      throw std::runtime_error(path_ + ": bad safetensors header: " + json_error_text(e.what()));
     }
     if (!h.is_object())
       throw std::runtime_error(path_ + ": bad safetensors header: expected a JSON object of tensors, found a " +
@@ -169,19 +170,41 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
       SafeTensorInfo t;
       try {
         t.dtype = it->at("dtype").get<std::string>();
-        t.shape = it->at("shape").get<std::vector<int64_t>>();
-        auto offs = it->at("data_offsets").get<std::vector<uint64_t>>();
+        // Integers only: nlohmann converts a floating-point value to an integer type with a cast
+        // that is undefined out of range.
+        if (!it->at("shape").is_array() || !it->at("data_offsets").is_array())
+          throw std::runtime_error("shape and data_offsets must be lists");
+        for (const auto& d : it->at("shape")) {
+          if (!d.is_number_integer()) throw std::runtime_error("shape must be a list of integers");
+          t.shape.push_back(d.get<int64_t>());
+        }
+        std::vector<uint64_t> offs;
+        for (const auto& o : it->at("data_offsets")) {
+          if (!o.is_number_unsigned()) throw std::runtime_error("data_offsets must be two non-negative integers");
+          offs.push_back(o.get<uint64_t>());
+        }
         if (offs.size() != 2 || offs[1] < offs[0] || offs[1] > data_size)
           throw std::runtime_error("data_offsets outside the file (truncated?)");
         const size_t eb = dtype_bytes(t.dtype);
         if (eb == 0) throw std::runtime_error("unsupported dtype " + t.dtype);
-        if (offs[1] - offs[0] != shape_numel(t.shape) * eb) throw std::runtime_error("byte size does not match its shape");
+        // The element count, without overflow: a shape larger than the file cannot match.
+        uint64_t numel = 1;
+        bool zero = false, larger = false;
+        for (int64_t d : t.shape) {
+          if (d < 0) throw std::runtime_error("negative dimension in its shape");
+          if (d == 0) zero = true;
+          else if (numel > data_size / static_cast<uint64_t>(d)) larger = true;
+          else numel *= static_cast<uint64_t>(d);
+        }
+        if (zero) numel = 0;
+        if ((larger && !zero) || offs[1] - offs[0] != numel * eb)
+          throw std::runtime_error("byte size does not match its shape");
         t.begin = offs[0];
         t.end = offs[1];
       } catch (const std::runtime_error& e) {
         throw std::runtime_error(path_ + ": tensor " + it.key() + ": " + e.what());
       } catch (const std::exception& e) {
-        throw std::runtime_error(path_ + ": tensor " + it.key() + ": malformed entry (" + e.what() + ")");
+        throw std::runtime_error(path_ + ": tensor " + it.key() + ": malformed entry (" + json_error_text(e.what()) + ")");
       }
       info_.emplace(it.key(), std::move(t));
     }

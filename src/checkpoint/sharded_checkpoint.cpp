@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include "checkpoint/safetensors.h"
 #include "runtime/crc32c.h"
 #include "runtime/memory.h"
+#include "runtime/strings.h"
 
 namespace fs = std::filesystem;
 
@@ -52,7 +54,19 @@ std::string hex32(uint32_t v) {
   return b;
 }
 
-uint32_t parse_hex32(const std::string& s) { return static_cast<uint32_t>(std::stoul(s, nullptr, 16)); }
+// Integers only: nlohmann converts a floating-point value to an integer type with a cast that is
+// undefined out of range.
+int64_t json_int(const nlohmann::json& v, const std::string& what) {
+  if (!v.is_number_integer()) throw std::runtime_error(what + " must be an integer");
+  return v.get<int64_t>();
+}
+
+// A CRC32C as the index records it: 1 to 8 hex digits.
+uint32_t parse_hex32(const std::string& s) {
+  if (s.empty() || s.size() > 8 || s.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos)
+    throw std::runtime_error("crc32c \"" + s + "\" is not a 32-bit hex number");
+  return static_cast<uint32_t>(std::stoul(s, nullptr, 16));
+}
 
 bool intersect(const Box& a, const Box& b, Box* out) {
   const int64_t r0 = std::max(a.row0, b.row0), r1 = std::min(a.row0 + a.rows, b.row0 + b.rows);
@@ -307,6 +321,7 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
     for (const auto& fj : meta_.at("files")) {
       File fi;
       fi.name = fj.at("name").get<std::string>();
+      if (!fj.at("bytes").is_number_unsigned()) throw std::runtime_error("a file's bytes must be a non-negative integer");
       fi.bytes = fj.at("bytes").get<uint64_t>();
       fi.crc = parse_hex32(fj.at("crc32c").get<std::string>());
       if (fi.name.find('/') != std::string::npos) throw std::runtime_error("file name " + fi.name + " has a '/'");
@@ -314,21 +329,28 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
     }
     for (auto it = meta_.at("tensors").begin(); it != meta_.at("tensors").end(); ++it) {
       Tensor_ t;
-      t.shape = it->at("shape").get<std::vector<int64_t>>();
+      if (!it->at("shape").is_array()) throw std::runtime_error("tensor " + it.key() + ": shape must be a list");
+      for (const auto& d : it->at("shape")) t.shape.push_back(json_int(d, "tensor " + it.key() + ": shape"));
       if (it->at("dtype").get<std::string>() != "F32")
         throw std::runtime_error("tensor " + it.key() + " has dtype " + it->at("dtype").get<std::string>() + ", expected F32");
+      for (int64_t d : t.shape)
+        if (d < 0) throw std::runtime_error("tensor " + it.key() + " " + shape_str(t.shape) + " has a negative dimension");
       const int64_t rows = t.shape.empty() ? 0 : t.shape[0], cols = t.shape.size() > 1 ? t.shape[1] : 1;
       for (const auto& pj : it->at("pieces")) {
         Piece p;
-        p.file = pj.at(0).get<int>();
+        const std::string what = "tensor " + it.key() + ": a piece";
+        const int64_t file = json_int(pj.at(0), what + "'s file");
+        p.file = file < 0 || file > INT_MAX ? -1 : static_cast<int>(file);
+        if (!pj.at(1).is_number_unsigned()) throw std::runtime_error(what + "'s offset must be a non-negative integer");
         p.offset = pj.at(1).get<uint64_t>();
-        p.box = {pj.at(2).get<int64_t>(), pj.at(3).get<int64_t>(), pj.at(4).get<int64_t>(), pj.at(5).get<int64_t>()};
+        p.box = {json_int(pj.at(2), what + "'s row0"), json_int(pj.at(3), what + "'s rows"),
+                 json_int(pj.at(4), what + "'s col0"), json_int(pj.at(5), what + "'s cols")};
         p.crc = parse_hex32(pj.at(6).get<std::string>());
         if (p.file < 0 || p.file >= static_cast<int>(files_.size()))
           throw std::runtime_error("tensor " + it.key() + ": a piece names file " + std::to_string(p.file) + " of " +
                                    std::to_string(files_.size()));
-        if (p.box.row0 < 0 || p.box.col0 < 0 || p.box.rows <= 0 || p.box.cols <= 0 || p.box.row0 + p.box.rows > rows ||
-            p.box.col0 + p.box.cols > cols)
+        if (p.box.row0 < 0 || p.box.col0 < 0 || p.box.rows <= 0 || p.box.cols <= 0 || p.box.rows > rows - p.box.row0 ||
+            p.box.cols > cols - p.box.col0)
           throw std::runtime_error("tensor " + it.key() + " " + shape_str(t.shape) + ": piece " + box_str(p.box) +
                                    " in " + files_[static_cast<size_t>(p.file)].name + " lies outside it");
         t.pieces.push_back(p);
@@ -336,7 +358,7 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& dir) : dir_(dir) {
       tensors_.emplace(it.key(), std::move(t));
     }
   } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(mpath + ": " + e.what());
+    throw std::runtime_error(mpath + ": " + json_error_text(e.what()));
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(mpath + ": " + e.what());
   }

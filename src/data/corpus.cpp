@@ -18,6 +18,7 @@
 #include "data/hf_tokenizer.h"
 #include "data/token_shards.h"
 #include "data/unicode_data.h"
+#include "runtime/strings.h"
 
 namespace mt {
 
@@ -78,8 +79,8 @@ std::string jsonl_text(const std::string& line, const std::string& field, const 
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw bad(std::string("not JSON (") + e.what() + ")");
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e99999
+    throw bad("not JSON (" + json_error_text(e.what()) + ")");
   }
   if (!j.is_object()) throw bad("not a JSON object");
   auto it = j.find(field);
@@ -186,8 +187,8 @@ std::vector<ChatMessage> parse_chat_record(const std::string& line, const std::s
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw bad(std::string("not JSON (") + e.what() + ")");
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e99999
+    throw bad("not JSON (" + json_error_text(e.what()) + ")");
   }
   if (!j.is_object()) throw bad("not a JSON object");
   std::vector<ChatMessage> out;

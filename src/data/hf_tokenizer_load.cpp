@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "data/hf_tokenizer_impl.h"
+#include "runtime/strings.h"
 
 namespace mt {
 
@@ -26,6 +27,13 @@ namespace {
 }
 
 std::string type_of(const json& j) { return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : ""; }
+
+// An integer: nlohmann converts a floating-point value to an integer type with a cast that is
+// undefined out of range, so only integers are read as ids.
+int64_t int_id(const std::string& where, const json& v, const std::string& what) {
+  if (!v.is_number_integer()) refuse(where, what + " must be an integer");
+  return v.get<int64_t>();
+}
 
 bool get_bool(const json& j, const char* key, bool dflt) {
   if (!j.contains(key) || j[key].is_null()) return dflt;
@@ -105,7 +113,7 @@ json read_json(const std::string& path) {
   try {
     j = json::parse(f);
   } catch (const json::exception& e) {
-    refuse(path, std::string("not valid JSON: ") + e.what());
+    refuse(path, "not valid JSON: " + json_error_text(e.what()));
   }
   if (!j.is_object() || !j.contains("model")) refuse(path, "no \"model\" object (is this a Hugging Face tokenizer.json?)");
   return j;
@@ -198,7 +206,7 @@ void load_added_tokens(const std::string& path, const json& j, Impl& m, int64_t*
   m.added.reserve(j["added_tokens"].size());
   for (const auto& a : j["added_tokens"]) {
     Added t;
-    t.id = static_cast<int32_t>(a.at("id").get<int64_t>());
+    t.id = static_cast<int32_t>(int_id(path, a.at("id"), "an added token's id"));
     t.content = a.at("content").get<std::string>();
     t.single_word = get_bool(a, "single_word", false);
     t.lstrip = get_bool(a, "lstrip", false);
@@ -267,11 +275,11 @@ void load_post_processor(const std::string& path, const json& j, std::vector<int
         }
         const std::string name = item.at("SpecialToken").at("id").get<std::string>();
         const json& st = pp->at("special_tokens").at(name);
-        for (const auto& id : st.at("ids")) (seen_a ? suffix : prefix).push_back(static_cast<int32_t>(id.get<int64_t>()));
+        for (const auto& id : st.at("ids")) (seen_a ? suffix : prefix).push_back(static_cast<int32_t>(int_id(path, id, "post_processor ids")));
       }
     } else if (t == "RobertaProcessing" || t == "BertProcessing") {
-      prefix.push_back(static_cast<int32_t>(pp->at("cls").at(1).get<int64_t>()));
-      suffix.push_back(static_cast<int32_t>(pp->at("sep").at(1).get<int64_t>()));
+      prefix.push_back(static_cast<int32_t>(int_id(path, pp->at("cls").at(1), "post_processor cls id")));
+      suffix.push_back(static_cast<int32_t>(int_id(path, pp->at("sep").at(1), "post_processor sep id")));
     } else {
       refuse(path, "post_processor type '" + t + "' is not supported");
     }
@@ -293,7 +301,7 @@ int32_t configured_eos(const std::string& path, const HfTokenizer& tok, const Im
         if (!s.empty()) eos = tok.token_id(s);
       }
     } catch (const json::exception& e) {
-      refuse(cfg.string(), std::string("not valid JSON: ") + e.what());
+      refuse(cfg.string(), "not valid JSON: " + json_error_text(e.what()));
     }
   }
   if (eos < 0)
@@ -323,7 +331,7 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path), impl_(std::make
     load_text_steps(path, j, m);
     load_post_processor(path, j, prefix_, suffix_);
   } catch (const json::exception& e) {
-    refuse(path, std::string("unexpected layout: ") + e.what());
+    refuse(path, "unexpected layout: " + json_error_text(e.what()));
   }
   if (!suffix_.empty()) eos_ = suffix_.back();
   if (eos_ < 0) eos_ = configured_eos(path, *this, m);

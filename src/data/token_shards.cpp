@@ -365,6 +365,9 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
 
 std::vector<uint16_t> read_token_shard(const std::string& path, int64_t vocab_size) {
   TokenShard s(path, vocab_size);
+  if (s.token_bytes() != 2)
+    throw shard_error(path, "holds uint32 tokens (version 2 at byte offset 4) where uint16 tokens (version 1) "
+                            "are read; read it with read_token_shard32");
   if (s.size() == 0) return {};
   return std::vector<uint16_t>(s.tokens().begin(), s.tokens().end());
 }

@@ -10,6 +10,7 @@
 #include "data/hf_tokenizer.h"
 #include "data/unicode_data.h"
 #include "data/unicode_tables.h"
+#include "runtime/strings.h"
 
 namespace mt {
 
@@ -107,7 +108,7 @@ Gpt2Tokenizer::Gpt2Tokenizer(const std::string& dir, int32_t vocab_size) {
     try {
       enc = nlohmann::json::parse(f);
     } catch (const nlohmann::json::exception& e) {
-      throw std::runtime_error("gpt2 tokenizer: " + enc_path.string() + " is not valid JSON: " + e.what());
+      throw std::runtime_error("gpt2 tokenizer: " + enc_path.string() + " is not valid JSON: " + json_error_text(e.what()));
     }
   }
   if (!enc.is_object() || enc.empty())

@@ -1,4 +1,5 @@
 #include "model/config/hf_config.h"
+#include "runtime/strings.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -90,7 +91,7 @@ ModelConfig model_from_hf_json(const std::string& text, const std::string& origi
   try {
     j = json::parse(text);
   } catch (const std::exception& e) {
-    throw std::invalid_argument(origin + ": not valid JSON (" + e.what() + ")");
+    throw std::invalid_argument(origin + ": not valid JSON (" + json_error_text(e.what()) + ")");
   }
   if (!j.is_object()) throw std::invalid_argument(origin + ": expected a JSON object");
   const Reader r{j, origin};
