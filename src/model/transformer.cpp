@@ -17,6 +17,9 @@ struct Transformer::Slot {
   std::vector<std::unique_ptr<BlockActivations>> acts;  // per block (null: not owned or recomputed)
   std::vector<Tensor> block_out;                         // output of unit u (0..L), [B*T, C]
   Tensor ids;
+  // Document masking: doc_start on the host and the device, and positions t - doc_start (host).
+  std::vector<int32_t> doc_start, doc_pos;
+  Tensor doc_start_dev;
   HeadActivations head;
   std::vector<DeferredGrads> deferred;  // split backward: per unit, the queued weight gradients
   bool have_weights = false;            // a split backward queued work that backward_weights runs
@@ -433,6 +436,30 @@ bool Transformer::recomputes(int layer) const {
 }
 
 
+void Transformer::set_document_masking(int32_t separator) {
+  if (separator >= 0 && cp_)
+    throw std::invalid_argument("document masking is not supported with context parallelism (parallel.cp > 1)");
+  if (separator >= 0 && !owned_.empty() && !owned_[0])
+    throw std::invalid_argument("document masking is not supported with pipeline parallelism (parallel.pp > 1)");
+  doc_sep_ = separator < 0 ? -1 : separator;
+}
+
+void Transformer::document_starts(const int32_t* ids, int64_t B, int64_t T, int32_t separator, int32_t* doc_start) {
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t start = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (ids[b * T + t] == separator) start = static_cast<int32_t>(t);
+      doc_start[b * T + t] = start;
+    }
+  }
+}
+
+TokenShape Transformer::tokens() const {
+  if (doc_sep_ >= 0 && s_ && static_cast<int64_t>(s_->doc_start.size()) == B_ * T_ && s_->doc_start_dev.defined())
+    return {B_, T_, s_->doc_pos.data(), true, s_->doc_start_dev.i32()};
+  return {B_, T_, cp_ ? cp_pos_.data() : nullptr};
+}
+
 void Transformer::select_slot(int slot) {
   if (slot < 0) throw std::invalid_argument("negative activation slot");
   while (static_cast<int>(slots_.size()) <= slot) slots_.push_back(std::make_unique<Slot>());
@@ -656,6 +683,21 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
       dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
     }
     const int32_t* ids_saved = s.ids.i32();
+    if (doc_sep_ >= 0) {
+      s.doc_start.resize(static_cast<size_t>(N));
+      s.doc_pos.resize(static_cast<size_t>(N));
+      std::vector<int32_t> host_ids;
+      const int32_t* hid = ids;
+      if (device_inputs_) {
+        host_ids.resize(static_cast<size_t>(N));
+        dev::copy_to_host(dev_, host_ids.data(), ids, static_cast<size_t>(N) * sizeof(int32_t));
+        hid = host_ids.data();
+      }
+      document_starts(hid, B, T, doc_sep_, s.doc_start.data());
+      for (int64_t i = 0; i < N; ++i) s.doc_pos[i] = static_cast<int32_t>(i % T) - s.doc_start[i];
+      if (!s.doc_start_dev.defined()) s.doc_start_dev = Tensor::empty({N}, DType::I32, MemCategory::Activations);
+      dev::copy_from_host(dev_, s.doc_start_dev.raw(), s.doc_start.data(), static_cast<size_t>(N) * sizeof(int32_t));
+    }
     if (hooks_) hooks_->pre_forward(0);
     const int emb = unit_params_[0][0];
     embedding_->forward(s.block_out[0].f32(), ids_saved,

@@ -232,6 +232,14 @@ class Transformer : private LayerParams {
   // the device, or nullptr for none), training forwards add their per-token losses into it and
   // return 0 instead of reading the loss back, so a step waits for the device once.
   void set_device_inputs(bool on) { device_inputs_ = on; }
+  // Document masking (packed sequences): with separator >= 0 every input token equal to it starts a
+  // new document (so does every row's first token); attention never crosses a document start and
+  // positions (learned or rotary) restart at 0 per document. -1 (the default): plain causal.
+  // Refused under context parallelism and on pipeline stages without the embedding (throws).
+  void set_document_masking(int32_t separator);
+  int32_t document_separator() const { return doc_sep_; }
+  // doc_start[b*T + t] = the index within row b where token t's document begins.
+  static void document_starts(const int32_t* ids, int64_t B, int64_t T, int32_t separator, int32_t* doc_start);
   void set_loss_sink(float* acc) { loss_sink_ = acc; }
   int64_t loss_chunk() const { return head_->loss_chunk(); }
   bool sequence_parallel() const { return tpc_.sp; }
@@ -275,7 +283,8 @@ class Transformer : private LayerParams {
   void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
   BlockParams block_params_of(int layer) const;
   // The current micro-batch's shape (and its tokens' positions under context parallelism).
-  TokenShape tokens() const { return {B_, T_, cp_ ? cp_pos_.data() : nullptr}; }
+  // With document masking: per-token positions and the device doc_start of the current slot.
+  TokenShape tokens() const;
   bool recomputes(int layer) const;
   // Parameter idx (an index into params_) as the layers read it: fp32 (in bf16 mode converted
   // from the bf16 weights), bf16, and its gradient.
@@ -353,6 +362,7 @@ class Transformer : private LayerParams {
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<LmHead> head_;  // the LM head's projection and loss
   bool device_inputs_ = false;  // set_device_inputs
+  int32_t doc_sep_ = -1;        // set_document_masking
   float* loss_sink_ = nullptr;  // set_loss_sink
   int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for
   // context parallelism: the communicator, mode and the original positions of the local tokens

@@ -158,8 +158,8 @@ void Probe::linear(int64_t in, int64_t o, bool has_bias) {
 }
 
 void Probe::attention() {
-  K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd);
-  K.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd);
+  K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd, nullptr);
+  K.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd, nullptr);
 }
 
 void Probe::time_matmuls(double seconds) {

@@ -75,6 +75,11 @@ std::vector<Field> fields(RunConfig& c) {
       {"data.tokenizer_file", Kind::String, &c.data.tokenizer_file, "tokenizer.json for data.tokenizer = hf"},
       {"data.shuffle", Kind::Bool, &c.data.shuffle,
        "visit shards and their T-token samples in a new permuted order every epoch (seeded by train.seed)"},
+      {"data.document_masking", Kind::Bool, &c.data.document_masking,
+       "packed sequences: attention never crosses a document boundary and positions restart per document"},
+      {"data.document_separator", Kind::Int, &c.data.document_separator,
+       "the token id that starts a new document for data.document_masking (-1 = data.tokenizer's: byte '\\n' = 10, "
+       "gpt2 <|endoftext|> = 50256, hf its end-of-text token)"},
       {"train.steps", Kind::Int, &c.train.steps, "optimizer steps"},
       {"train.micro_batch", Kind::Int, &c.train.micro_batch, "sequences per rank per micro-batch"},
       {"train.grad_accum", Kind::Int, &c.train.grad_accum, "micro-batches per step"},

@@ -49,6 +49,8 @@ struct RunConfig {
     std::string gpt2_dir;             // for tokenizer = gpt2 ("" = the repository's assets/gpt2)
     std::string tokenizer_file;       // for tokenizer = hf: a Hugging Face tokenizer.json
     bool shuffle = false;             // permuted shard and sample order every epoch (seeded by train.seed)
+    bool document_masking = false;    // packed rows: attention stays within a document, positions restart per document
+    int64_t document_separator = -1;  // the token that starts a document (-1 = data.tokenizer's separator)
   } data;
   struct Train {
     int64_t steps = 1000, micro_batch = 4, grad_accum = 1;

@@ -214,6 +214,15 @@ void Trainer::build() {
                       .device = current_device(),
                       .tokens_per_step = B_ * T_full_ * accum_ * plan_.dp(),
                       .count_only = dry_});
+  if (cfg_.data.document_masking && plan_.cp > 1)
+    throw ConfigError("data.document_masking is not supported with context parallelism (parallel.cp > 1): set "
+                      "parallel.cp = 1 or data.document_masking = false");
+  if (cfg_.data.document_masking && plan_.pp > 1)
+    throw ConfigError("data.document_masking is not supported with pipeline parallelism (parallel.pp > 1): set "
+                      "parallel.pp = 1 or data.document_masking = false");
+  if (cfg_.data.document_separator < -1 || cfg_.data.document_separator >= mc_.vocab_size)
+    throw ConfigError("data.document_separator must be -1 or a token id below model.vocab_size (" +
+                      std::to_string(mc_.vocab_size) + "), got " + std::to_string(cfg_.data.document_separator));
   make_loaders();
   try {
     pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_));
@@ -221,6 +230,14 @@ void Trainer::build() {
     throw ConfigError(e.what());
   }
   model_ = &pm_->model();
+  if (cfg_.data.document_masking) {
+    int64_t sep = cfg_.data.document_separator;
+    if (sep < 0) sep = make_tokenizer(cfg_.data.tokenizer, cfg_.data.gpt2_dir, cfg_.data.tokenizer_file)->document_separator();
+    if (sep < 0 || sep >= mc_.vocab_size)
+      throw ConfigError("data.document_masking: data.tokenizer = " + cfg_.data.tokenizer +
+                        " gives no document separator inside the vocabulary: set data.document_separator");
+    model_->set_document_masking(static_cast<int32_t>(sep));
+  }
   strategy_ = &pm_->strategy();
   ep_ = pm_->experts();
   // The unsplit, unpadded layout of the same model: what checkpoints and initialisation use.

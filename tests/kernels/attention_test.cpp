@@ -62,7 +62,7 @@ void check_forward(const Dims& d, uint64_t seed, const KernelTable* k = nullptr)
   auto want = ref_attention(kt::to_double(qkv), d, &lse_ref);
   std::vector<float> out(d.out_size()), lse(size_t(d.B * d.nh * d.T));
   if (k)
-    k->attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+    k->attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd, nullptr);
   else
     attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
   EXPECT_TRUE(kt::close(out, want, 1e-5, 1e-5)) << "T=" << d.T << " nh=" << d.nh << " nkv=" << d.nkv;
@@ -86,9 +86,9 @@ void check_backward(const Dims& d, uint64_t seed, size_t subset, const KernelTab
   std::vector<float> out(d.out_size()), lse(size_t(d.B * d.nh * d.T));
   std::vector<float> dqkv(d.qkv_size(), 0.0f);
   if (k) {
-    k->attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
+    k->attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd, nullptr);
     k->attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), d.B, d.T, d.nh, d.nkv,
-                          d.hd);
+                          d.hd, nullptr);
   } else {
     attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.nh, d.nkv, d.hd);
     attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), d.B, d.T, d.nh, d.nkv, d.hd);

@@ -531,13 +531,13 @@ TEST(CudaKernels, AttentionAndRope) {
     EXPECT_TRUE(near(dq.host(), hq, 1e-6, 1e-6)) << "rope_forward " << tag;
     std::vector<float> out(no), lse(k.B * k.nh * k.T);
     DBuf<float> dout(out), dlse(lse), ddy(dy), dg(g0);
-    C().attention_forward(out.data(), lse.data(), hq.data(), k.B, k.T, k.nh, k.nkv, k.hd);
-    G().attention_forward(dout.p, dlse.p, dq.p, k.B, k.T, k.nh, k.nkv, k.hd);
+    C().attention_forward(out.data(), lse.data(), hq.data(), k.B, k.T, k.nh, k.nkv, k.hd, nullptr);
+    G().attention_forward(dout.p, dlse.p, dq.p, k.B, k.T, k.nh, k.nkv, k.hd, nullptr);
     EXPECT_TRUE(near(dout.host(), out, 1e-4, 1e-5)) << "attention_forward " << tag;
     EXPECT_TRUE(near(dlse.host(), lse, 1e-5, 1e-5)) << "attention lse " << tag;
     auto g = g0;
-    C().attention_backward(g.data(), dy.data(), hq.data(), out.data(), lse.data(), k.B, k.T, k.nh, k.nkv, k.hd);
-    G().attention_backward(dg.p, ddy.p, dq.p, dout.p, dlse.p, k.B, k.T, k.nh, k.nkv, k.hd);
+    C().attention_backward(g.data(), dy.data(), hq.data(), out.data(), lse.data(), k.B, k.T, k.nh, k.nkv, k.hd, nullptr);
+    G().attention_backward(dg.p, ddy.p, dq.p, dout.p, dlse.p, k.B, k.T, k.nh, k.nkv, k.hd, nullptr);
     EXPECT_TRUE(near(dg.host(), g, 1e-4, 1e-4)) << "attention_backward " << tag;
     C().rope_backward(g.data(), k.B, k.T, k.nh, k.nkv, k.hd, 10000.0f);
     G().rope_backward(dg.p, k.B, k.T, k.nh, k.nkv, k.hd, 10000.0f);

@@ -207,8 +207,8 @@ TEST_F(Avx512Variant, AttentionAndRotaryEmbeddingMatchTheBaseline) {
     std::vector<float> qkv = qkv0, att(B * T * nh * hd), lse(B * nh * T), dqkv(B * T * ld, 0.0f);
     k.rope_forward(qkv.data(), B, T, nh, nkv, hd, 10000.0f);
     o.push_back(qkv);
-    k.attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd);
-    k.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd);
+    k.attention_forward(att.data(), lse.data(), qkv.data(), B, T, nh, nkv, hd, nullptr);
+    k.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, nh, nkv, hd, nullptr);
     k.rope_backward(dqkv.data(), B, T, nh, nkv, hd, 10000.0f);
     o.push_back(att);
     o.push_back(lse);

@@ -27,6 +27,8 @@ struct ExactAttention {
   const AttnShape& s;
   int64_t W = (s.nh + 2 * s.nkv) * s.hd;
   double scale = 1.0 / std::sqrt(static_cast<double>(s.hd));
+  const int32_t* ds = nullptr;  // document masking: the first key query (b, t) sees, [B*T] (null: 0)
+  int64_t first(int64_t b, int64_t t) const { return ds ? ds[b * s.T + t] : 0; }
   const float* q(const float* qkv, int64_t b, int64_t t, int64_t h) const { return qkv + (b * s.T + t) * W + h * s.hd; }
   const float* k(const float* qkv, int64_t b, int64_t t, int64_t g) const { return q(qkv, b, t, s.nh + g); }
   const float* v(const float* qkv, int64_t b, int64_t t, int64_t g) const { return q(qkv, b, t, s.nh + s.nkv + g); }
@@ -45,12 +47,12 @@ struct ExactAttention {
       std::vector<double> p(s.T), o(s.hd);
       for (int64_t t = 0; t < s.T; ++t) {
         double m = -INFINITY, z = 0;
-        for (int64_t u = 0; u <= t; ++u) {
+        for (int64_t u = first(b, t); u <= t; ++u) {
           p[u] = scale * dot(q(qkv, b, t, h), k(qkv, b, u, h / group));
           m = std::max(m, p[u]);
         }
         std::fill(o.begin(), o.end(), 0.0);
-        for (int64_t u = 0; u <= t; ++u) {
+        for (int64_t u = first(b, t); u <= t; ++u) {
           const double e = std::exp(p[u] - m);
           z += e;
           const float* vu = v(qkv, b, u, h / group);
@@ -75,7 +77,7 @@ struct ExactAttention {
           const float* dy = dout + (b * s.T + t) * od + h * s.hd;
           const double D = dot(dy, out + (b * s.T + t) * od + h * s.hd), L = lse[(b * s.nh + h) * s.T + t];
           std::fill(dq.begin(), dq.end(), 0.0);
-          for (int64_t u = 0; u <= t; ++u) {
+          for (int64_t u = first(b, t); u <= t; ++u) {
             const double p = std::exp(scale * dot(q(qkv, b, t, h), k(qkv, b, u, g)) - L);
             const double ds = p * (dot(dy, v(qkv, b, u, g)) - D) * scale;
             const float *ku = k(qkv, b, u, g), *qt = q(qkv, b, t, h);
@@ -106,7 +108,7 @@ void attention(std::vector<CaseSpec>& out, const AttnShape& s) {
     const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
               lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", qkv_input(s, 202));
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_forward(a.f(o), a.f(lse), a.f(q), s.B, s.T, s.nh, s.nkv, s.hd);
+      k.attention_forward(a.f(o), a.f(lse), a.f(q), s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
     };
     c.exact = [=](const Args& a) { ExactAttention{s}.forward(a.f(o), a.f(lse), a.f(q)); };
     return c;
@@ -115,13 +117,62 @@ void attention(std::vector<CaseSpec>& out, const AttnShape& s) {
     Case c(Op::attention_backward, DType::F32, s.str());
     const std::vector<float> qkv = qkv_input(s, 202);
     std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
-    reference().attention_forward(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd);
+    reference().attention_forward(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
     const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
               q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse);
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd);
+      k.attention_backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
     };
     c.exact = [=](const Args& a) { ExactAttention{s}.backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l)); };
+    return c;
+  });
+}
+
+// Document masking: documents start where (t + b) % 5 == 2 (and at every row's start).
+std::vector<int32_t> doc_starts(const AttnShape& s) {
+  std::vector<int32_t> d(static_cast<size_t>(s.B * s.T));
+  for (int64_t b = 0; b < s.B; ++b) {
+    int32_t start = 0;
+    for (int64_t t = 0; t < s.T; ++t) {
+      if ((t + b) % 5 == 2) start = static_cast<int32_t>(t);
+      d[b * s.T + t] = start;
+    }
+  }
+  return d;
+}
+
+void attention_docs(std::vector<CaseSpec>& out, const AttnShape& s) {
+  add_case(out, Op::attention_forward, DType::F32, s.model, [s] {
+    Case c(Op::attention_forward, DType::F32, s.str() + " documents");
+    const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
+              lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", qkv_input(s, 202)),
+              d = c.in("doc_start", doc_starts(s));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.attention_forward(a.f(o), a.f(lse), a.f(q), s.B, s.T, s.nh, s.nkv, s.hd, a.i32(d));
+    };
+    c.exact = [=](const Args& a) {
+      ExactAttention e{s};
+      e.ds = a.i32(d);
+      e.forward(a.f(o), a.f(lse), a.f(q));
+    };
+    return c;
+  });
+  add_case(out, Op::attention_backward, DType::F32, s.model, [s] {
+    Case c(Op::attention_backward, DType::F32, s.str() + " documents");
+    const std::vector<float> qkv = qkv_input(s, 202);
+    const std::vector<int32_t> ds = doc_starts(s);
+    std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
+    reference().attention_forward(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd, ds.data());
+    const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
+              q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse), d = c.in("doc_start", ds);
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.attention_backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd, a.i32(d));
+    };
+    c.exact = [=](const Args& a) {
+      ExactAttention e{s};
+      e.ds = a.i32(d);
+      e.backward(a.f(g), a.f(dy), a.f(q), a.f(o), a.f(l));
+    };
     return c;
   });
 }
@@ -221,6 +272,7 @@ void rope(std::vector<CaseSpec>& out, const AttnShape& s) {
 void attention_cases(std::vector<CaseSpec>& out) {
   for (const AttnShape& s : attention_shapes()) {
     attention(out, s);
+    attention_docs(out, s);
     rope(out, s);
     if (s.model) attention_bf16(out, s);
   }

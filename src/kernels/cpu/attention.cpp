@@ -340,13 +340,120 @@ void add_group_kv_grads(float* dqkv, const float* kvbuf, const Dims& d, int64_t 
   }
 }
 
+
+// ---- document masking ---------------------------------------------------------------------------
+// Query t of row b sees keys doc_start[b*T + t] .. t only. A direct loop per (row, key/value head):
+// the scores of one query at a time, a max-subtracted softmax, and its log-sum-exp.
+
+void check_doc_start(const int32_t* ds, int64_t B, int64_t T, const char* fn) {
+  for (int64_t i = 0; i < B * T; ++i) {
+    const int64_t t = i % T;
+    if (ds[i] < 0 || ds[i] > t)
+      throw std::invalid_argument(std::string(fn) + ": doc_start[" + std::to_string(i) + "] = " +
+                                  std::to_string(ds[i]) + " is outside [0, " + std::to_string(t) + "]");
+  }
+}
+
+void doc_attention_forward(float* out, float* lse, const float* qkv, const Dims& d, int64_t B, int64_t nh,
+                           int64_t nkv, const int32_t* doc_start) {
+  const int64_t T = d.T, hd = d.hd, ld = d.ld, od = d.od, grp = d.grp;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+#pragma omp parallel
+  {
+    std::vector<float> s(static_cast<size_t>(T));
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* row = qkv + b * T * ld;
+        const int64_t kh = (nh + h / grp) * hd, vh = (nh + nkv + h / grp) * hd;
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t s0 = doc_start[b * T + t];
+          const float* q = row + t * ld + h * hd;
+          float m = -INFINITY;
+          for (int64_t j = s0; j <= t; ++j) {
+            const float* k = row + j * ld + kh;
+            float acc = 0.0f;
+            for (int64_t i = 0; i < hd; ++i) acc += q[i] * k[i];
+            s[j] = acc * scale;
+            m = std::max(m, s[j]);
+          }
+          float sum = 0.0f;
+          for (int64_t j = s0; j <= t; ++j) {
+            s[j] = std::exp(s[j] - m);
+            sum += s[j];
+          }
+          float* o = out + (b * T + t) * od + h * hd;
+          std::fill(o, o + hd, 0.0f);
+          const float inv = 1.0f / sum;
+          for (int64_t j = s0; j <= t; ++j) {
+            const float* v = row + j * ld + vh;
+            const float p = s[j] * inv;
+            for (int64_t i = 0; i < hd; ++i) o[i] += p * v[i];
+          }
+          lse[(b * nh + h) * T + t] = m + std::log(sum);
+        }
+      }
+    }
+  }
+}
+
+// One task per (row, key/value head): the group's query heads in turn, so dK / dV have one writer.
+void doc_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                            const Dims& d, int64_t B, int64_t nh, int64_t nkv, const int32_t* doc_start) {
+  const int64_t T = d.T, hd = d.hd, ld = d.ld, od = d.od, grp = d.grp;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < nkv; ++g) {
+      const float* row = qkv + b * T * ld;
+      float* drow = dqkv + b * T * ld;
+      const int64_t kh = (nh + g) * hd, vh = (nh + nkv + g) * hd;
+      for (int64_t h = g * grp; h < (g + 1) * grp; ++h) {
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t s0 = doc_start[b * T + t];
+          const float* q = row + t * ld + h * hd;
+          const float* dy = dout + (b * T + t) * od + h * hd;
+          const float* o = out + (b * T + t) * od + h * hd;
+          float* dq = drow + t * ld + h * hd;
+          const float l = lse[(b * nh + h) * T + t];
+          float D = 0.0f;
+          for (int64_t i = 0; i < hd; ++i) D += dy[i] * o[i];
+          for (int64_t j = s0; j <= t; ++j) {
+            const float* k = row + j * ld + kh;
+            const float* v = row + j * ld + vh;
+            float sc = 0.0f, dp = 0.0f;
+            for (int64_t i = 0; i < hd; ++i) {
+              sc += q[i] * k[i];
+              dp += dy[i] * v[i];
+            }
+            const float p = std::exp(sc * scale - l);
+            const float ds = p * (dp - D) * scale;
+            float* dk = drow + j * ld + kh;
+            float* dv = drow + j * ld + vh;
+            for (int64_t i = 0; i < hd; ++i) {
+              dq[i] += ds * k[i];
+              dk[i] += ds * q[i];
+              dv[i] += p * dy[i];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh,
-                       int64_t nkv, int64_t hd) {
+                       int64_t nkv, int64_t hd, const int32_t* doc_start) {
   check_heads(nh, nkv, "attention_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const Dims d(T, nh, nkv, hd);
+  if (doc_start) {
+    check_doc_start(doc_start, B, T, "attention_forward");
+    doc_attention_forward(out, lse, qkv, d, B, nh, nkv, doc_start);
+    return;
+  }
   const int64_t ld = d.ld, od = d.od, grp = d.grp, BQ = d.BQ;
   const int nthr = omp_get_max_threads();
   thread_local Scratch scratch;
@@ -385,10 +492,16 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                        const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                        const int32_t* doc_start) {
   check_heads(nh, nkv, "attention_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const Dims d(T, nh, nkv, hd);
+  if (doc_start) {
+    check_doc_start(doc_start, B, T, "attention_backward");
+    doc_attention_backward(dqkv, dout, qkv, out, lse, d, B, nh, nkv, doc_start);
+    return;
+  }
   const int64_t ld = d.ld, od = d.od, grp = d.grp, BQ = d.BQ;
   const int nthr = omp_get_max_threads();
   thread_local Scratch tile_scratch, kv_scratch;
@@ -553,7 +666,7 @@ void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, 
   const int64_t n = B * T * (nh + 2 * nkv) * hd;
   std::vector<float> q(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) q[i] = bf16_to_float(qkv[i]);
-  attention_forward(out, lse, q.data(), B, T, nh, nkv, hd);
+  attention_forward(out, lse, q.data(), B, T, nh, nkv, hd, nullptr);
 }
 
 void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out,
@@ -564,7 +677,7 @@ void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, co
   std::vector<float> q(static_cast<size_t>(n)), dy(static_cast<size_t>(no));
   for (int64_t i = 0; i < n; ++i) q[i] = bf16_to_float(qkv[i]);
   for (int64_t i = 0; i < no; ++i) dy[i] = bf16_to_float(float_to_bf16(dout[i]));
-  attention_backward(dqkv, dy.data(), q.data(), out, lse, B, T, nh, nkv, hd);
+  attention_backward(dqkv, dy.data(), q.data(), out, lse, B, T, nh, nkv, hd, nullptr);
 }
 
 MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -14,11 +14,15 @@
 MT_CPU_NS_BEGIN
 
 // out [B, T, nh*hd] (overwritten), lse [B, nh, T] (overwritten).
+// Document masking: with doc_start ([B*T], doc_start[b*T + t] in [0, t]) query t of row b sees only
+// the keys doc_start[b*T + t] .. t of its row (a direct per-query loop, not the blocked kernel);
+// null is plain causal attention (the blocked kernel, results unchanged).
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh,
-                       int64_t nkv, int64_t hd);
+                       int64_t nkv, int64_t hd, const int32_t* doc_start = nullptr);
 // dqkv (same layout as qkv) accumulates (+=) the gradient w.r.t. qkv.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                        const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                        const int32_t* doc_start = nullptr);
 // bf16 q, k, v (the layout above): the same attention on their values, fp32 out and lse. Backward
 // rounds dout to bf16 first (nearest even) and accumulates into the fp32 dqkv.
 void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,

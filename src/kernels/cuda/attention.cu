@@ -1,5 +1,5 @@
 // Causal attention with grouped-query heads and rotary embedding (contracts:
-// kernels/cpu/attention.h). A simple, correct baseline, NOT the performance kernel: one warp per
+// kernels/cpu/attention.h), with optional document masking (doc_start: the first key each query sees). A simple, correct baseline, NOT the performance kernel: one warp per
 // query row with an online softmax over the keys (no T x T matrix, only lse saved), fp32
 // throughout, head_dim <= 256. Backward recomputes the probabilities from q, k and lse and is
 // deterministic without atomics: one warp per query row for dq, one warp per key row (summing its
@@ -25,7 +25,7 @@ using attn::warp_dot;
 using attn::warp_blocks;
 
 // One warp per (b, h, t).
-__global__ void attn_fwd_k(float* out, float* lse, const float* qkv, Geo g) {
+__global__ void attn_fwd_k(float* out, float* lse, const float* qkv, const int32_t* ds, Geo g) {
   const int lane = threadIdx.x & 31;
   const int64_t row = attn::warp_row();
   if (row >= g.B * g.nh * g.T) return;
@@ -33,7 +33,7 @@ __global__ void attn_fwd_k(float* out, float* lse, const float* qkv, Geo g) {
   const int64_t kvh = h / (g.nh / g.nkv);
   const float* q = qkv + (b * g.T + t) * g.ld + h * g.hd;
   attn::Online on;
-  for (int64_t s = 0; s <= t; ++s) {
+  for (int64_t s = ds ? ds[b * g.T + t] : 0; s <= t; ++s) {
     const float* kr = qkv + (b * g.T + s) * g.ld + (g.nh + kvh) * g.hd;
     const float* vr = qkv + (b * g.T + s) * g.ld + (g.nh + g.nkv + kvh) * g.hd;
     on.add(warp_dot(q, kr, g.hd, lane) * g.scale, vr, g.hd, lane);
@@ -55,7 +55,7 @@ __global__ void attn_bwd_delta_k(float* Dd, const float* dout, const float* out,
 
 // dq[i] += scale * sum_{j<=i} p_ij (dout_i . v_j - D_i) k_j; one warp per (b, h, i).
 __global__ void attn_bwd_dq_k(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* Dd,
-                              Geo g) {
+                              const int32_t* ds, Geo g) {
   const int lane = threadIdx.x & 31;
   const int64_t row = attn::warp_row();
   if (row >= g.B * g.nh * g.T) return;
@@ -65,7 +65,7 @@ __global__ void attn_bwd_dq_k(float* dqkv, const float* dout, const float* qkv, 
   const float* dy = dout + (b * g.T + t) * (g.nh * g.hd) + h * g.hd;
   const float L = lse[row], D = Dd[row];
   attn::Row acc = attn::zero_row();
-  for (int64_t s = 0; s <= t; ++s) {
+  for (int64_t s = ds ? ds[b * g.T + t] : 0; s <= t; ++s) {
     const float* kr = qkv + (b * g.T + s) * g.ld + (g.nh + kvh) * g.hd;
     const float* vr = qkv + (b * g.T + s) * g.ld + (g.nh + g.nkv + kvh) * g.hd;
     const float p = expf(warp_dot(q, kr, g.hd, lane) * g.scale - L);
@@ -77,7 +77,7 @@ __global__ void attn_bwd_dq_k(float* dqkv, const float* dout, const float* qkv, 
 // dk[j] += scale * sum_{h in group} sum_{i>=j} ds_ij q_i; dv[j] += sum p_ij dout_i; one warp per
 // (b, kv head, j).
 __global__ void attn_bwd_dkv_k(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* Dd,
-                               Geo g) {
+                               const int32_t* ds, Geo g) {
   const int lane = threadIdx.x & 31;
   const int64_t row = attn::warp_row();
   if (row >= g.B * g.nkv * g.T) return;
@@ -88,6 +88,7 @@ __global__ void attn_bwd_dkv_k(float* dqkv, const float* dout, const float* qkv,
   attn::Row ak = attn::zero_row(), av = attn::zero_row();
   for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
     for (int64_t i = j; i < g.T; ++i) {
+      if (ds && ds[b * g.T + i] > j) continue;  // document masking: query i does not see key j
       const float* q = qkv + (b * g.T + i) * g.ld + h * g.hd;
       const float* dy = dout + (b * g.T + i) * (g.nh * g.hd) + h * g.hd;
       const int64_t r = (b * g.nh + h) * g.T + i;
@@ -178,22 +179,22 @@ void attn::launch_delta(float* Dd, const float* dout, const float* out, const fl
 }
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                       int64_t hd) {
+                       int64_t hd, const int32_t* doc_start) {
   const Geo g = attn::geo(B, T, nh, nkv, hd, "attention_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  MT_LAUNCH(attn_fwd_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(out, lse, qkv, g);
+  MT_LAUNCH(attn_fwd_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(out, lse, qkv, doc_start, g);
   check_launch("attention_forward");
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
-                        int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t* doc_start) {
   const Geo g = attn::geo(B, T, nh, nkv, hd, "attention_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   float* Dd = static_cast<float*>(scratch(kScratchTmp, static_cast<size_t>(B * nh * T) * sizeof(float)));
   attn::launch_delta(Dd, dout, out, lse, g, "attention_backward (delta)");
-  MT_LAUNCH(attn_bwd_dq_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, g);
+  MT_LAUNCH(attn_bwd_dq_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, doc_start, g);
   check_launch("attention_backward (dq)");
-  MT_LAUNCH(attn_bwd_dkv_k, warp_blocks(B * nkv * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, g);
+  MT_LAUNCH(attn_bwd_dkv_k, warp_blocks(B * nkv * T), 32 * kWarpsPerBlock, 0, stream())(dqkv, dout, qkv, lse, Dd, doc_start, g);
   check_launch("attention_backward (dk, dv)");
 }
 

@@ -494,7 +494,7 @@ void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, 
     const int64_t n = B * T * g.ld;
     float* q32 = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n) * sizeof(float)));
     cast_bf16_to_f32(q32, qkv, n);
-    attention_forward(out, lse, q32, B, T, nh, nkv, hd);
+    attention_forward(out, lse, q32, B, T, nh, nkv, hd, nullptr);
     return;
   }
   const FlashArgs f = flash_args(qkv, g);
@@ -523,7 +523,7 @@ void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, co
     float* buf = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n + no) * sizeof(float)));
     cast_bf16_to_f32(buf, qkv, n);
     cast_bf16_to_f32(buf + n, dob, no);
-    attention_backward(dqkv, buf + n, buf, out, lse, B, T, nh, nkv, hd);
+    attention_backward(dqkv, buf + n, buf, out, lse, B, T, nh, nkv, hd, nullptr);
     return;
   }
   const FlashArgs f = flash_args(qkv, g);

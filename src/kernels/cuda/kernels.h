@@ -98,9 +98,9 @@ void adamw_update_multi(const AdamWTensor* tensors, int64_t count, float lr, flo
 
 // attention.cu
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                       int64_t hd);
+                       int64_t hd, const int32_t* doc_start);
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
-                        int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                        int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t* doc_start);
 void rope_forward(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
 void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float theta);
 void rope_forward_freq(float* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float* inv_freq);

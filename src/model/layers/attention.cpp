@@ -51,7 +51,9 @@ void Attention::allocate_cp(int64_t N) {
 
 void Attention::rope(float* x, TokenShape ts, bool backward) {
   if (cfg_.arch == Arch::GPT2) return;  // learned positions (the embedding's)
-  const int64_t B = ts.B, T = ts.T, nh = heads_, nkv = kv_heads_, hd = cfg_.head_dim();
+  const int64_t nh = heads_, nkv = kv_heads_, hd = cfg_.head_dim();
+  // Positions per token: the [B, T] tokens as one row of B*T (rotation is per token).
+  const int64_t B = ts.pos_per_token ? 1 : ts.B, T = ts.pos_per_token ? ts.B * ts.T : ts.T;
   const float* freq = rope_inv_freq_.empty() ? nullptr : rope_inv_freq_.data();
   if (ts.pos && backward)
     kt_->rope_backward_pos(x, B, T, nh, nkv, hd, cfg_.rope_theta, freq, ts.pos);
@@ -76,7 +78,7 @@ void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& 
   if (cp_)
     cp_forward(a, ts);
   else
-    kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), ts.B, ts.T, nh, nkv, hd);
+    kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   if (bf) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   RowParallelLinear(tpc_, nh * hd, P.weight(p.proj_w, p.proj_b, C, false)).forward(a.res2.f32(), bf ? a.atty_bf : a.atty);
 }
@@ -94,7 +96,7 @@ const float* Attention::backward(LayerParams& P, const BlockParams& p, BlockActi
   if (cp_)
     cp_backward(a, datty, dqkv, ts);
   else
-    kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd);
+    kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   rope(dqkv, ts, true);
   return ColumnParallelLinear(tpc_, C).backward(a.ln1, {{dqkv, P.qkv_weight(p, QKV, true)}}, dnorm);
 }

@@ -24,7 +24,12 @@ struct KernelTable;
 // original positions of the T local tokens (null without).
 struct TokenShape {
   int64_t B = 0, T = 0;
+  // Host positions: pos[T] shared by the B rows (context parallelism), or with pos_per_token one per
+  // token, pos[B*T] (document masking: t - doc_start[t]). Null: 0..T-1.
   const int32_t* pos = nullptr;
+  bool pos_per_token = false;
+  // Document masking (device, [B*T]): query t of a row sees keys doc_start[t] .. t only; null = causal.
+  const int32_t* doc_start = nullptr;
 };
 
 class Attention {

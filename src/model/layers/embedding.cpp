@@ -13,7 +13,7 @@ void Embedding::forward(float* x, const int32_t* ids, const void* wte, const flo
   VocabParallelEmbedding(tpc_, C, vocab_lo_, vocab_rows_).forward(x, ids, wte);
   if (!wpe) return;
   if (ts.pos)  // original positions of this cp rank's tokens (and SP: rows r*R ..)
-    kt_->position_add_pos(x, wpe, ts.pos, R, T, tpc_.sp ? tpc_.rank * R : 0, C);
+    kt_->position_add_pos(x, wpe, ts.pos, R, ts.pos_per_token ? B * T : T, tpc_.sp ? tpc_.rank * R : 0, C);
   else if (tpc_.sp)  // this rank's rows are tokens r*R .. r*R + R-1 of the flattened [B, T]
     kt_->position_add_rows(x, wpe, R, T, tpc_.rank * R, C);
   else
@@ -37,10 +37,20 @@ void Embedding::backward(const float* dx, const int32_t* ids, float* dwte, float
     embedding.backward(dwte, dall, ids);
   }
   if (extra) kt_->accumulate(dwte, extra, vocab_rows_ * C);
-  if (dwpe && ts.pos)
+  if (dwpe && ts.pos && ts.pos_per_token) {
+    // One call per document (its positions 0, 1, .. are distinct, so no two of a call's tokens add
+    // into the same table row at once).
+    for (int64_t i = 0; i < N;) {
+      int64_t j = i + 1;
+      while (j < N && j % T != 0 && ts.pos[j] != 0) ++j;
+      kt_->position_backward_pos(dwpe, dall + i * C, ts.pos + i, 1, j - i, C);
+      i = j;
+    }
+  } else if (dwpe && ts.pos) {
     kt_->position_backward_pos(dwpe, dall, ts.pos, B, T, C);
-  else if (dwpe)
+  } else if (dwpe) {
     kt_->position_add_backward(dwpe, dall, B, T, C);
+  }
 }
 
 }  // namespace mt
