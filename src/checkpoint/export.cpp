@@ -17,6 +17,108 @@ namespace fs = std::filesystem;
 
 namespace mt {
 
+namespace {
+
+// The Hugging Face name of a parameter (GPT-2's carry the "transformer." prefix there).
+std::string hf_name(const ModelConfig& mc, const std::string& name) {
+  return mc.arch == Arch::GPT2 ? "transformer." + name : name;
+}
+
+// w (parameter `base` in Hugging Face layout: GPT-2's Conv1D weights [in, out]) += scale B A for
+// every adapter of that weight.
+void merge_adapters(const CheckpointReader& in, const Transformer& ref, size_t base, float* w) {
+  const ModelConfig& mc = ref.config();
+  const ParamInfo& bp = ref.params()[base];
+  const int64_t out = bp.shape[0], n_in = bp.numel / out;
+  const double s = mc.lora_scale();
+  for (size_t a = 0; a < ref.params().size(); ++a) {
+    const ParamInfo& pa = ref.params()[a];
+    if (pa.lora_kind != 'A') continue;
+    // The adapter's rows are rows of the matrix the layer multiplies: Llama's q, k, v weights are
+    // one [q + 2 kv, C] matrix there, three parameters here.
+    size_t target = static_cast<size_t>(pa.lora_base);
+    int64_t row0 = pa.lora_row0;
+    while (row0 >= ref.params()[target].shape[0]) row0 -= ref.params()[target++].shape[0];
+    if (target != base) continue;
+    const int64_t r = pa.shape[0], rows = pa.lora_rows;
+    std::vector<float> A(static_cast<size_t>(pa.numel)), B(static_cast<size_t>(rows * r));
+    in.read_param_hf(a, A.data());
+    in.read_param_hf(a + 1, B.data());
+    for (int64_t o = 0; o < rows; ++o)
+      for (int64_t i = 0; i < n_in; ++i) {
+        double d = 0;
+        for (int64_t k = 0; k < r; ++k)
+          d += static_cast<double>(B[static_cast<size_t>(o * r + k)]) * static_cast<double>(A[static_cast<size_t>(k * n_in + i)]);
+        const int64_t at = bp.hf_transposed ? i * out + (row0 + o) : (row0 + o) * n_in + i;
+        w[at] = static_cast<float>(static_cast<double>(w[at]) + s * d);
+      }
+  }
+}
+
+}  // namespace
+
+ExportResult export_adapter(const std::string& checkpoint, const ModelConfig& mc, const std::string& out_dir) {
+  if (!mc.lora()) throw std::runtime_error("the checkpoint's run has no LoRA adapters (lora.rank = 0): export it without --adapter");
+  if (mc.arch == Arch::GPT2 && (mc.lora_targets & (kLoraQ | kLoraK | kLoraV)))
+    throw std::runtime_error("GPT-2 adapters on parts of c_attn (lora.targets q, k, v) have no PEFT layout (PEFT adapts "
+                             "whole modules): export without --adapter for merged weights, or train with c_attn");
+  const std::string dir = resolve_checkpoint(checkpoint);
+  const Transformer ref(mc, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
+  const CheckpointReader in(dir, ref, false);
+  std::vector<std::pair<std::string, SafeTensorInfo>> header;
+  std::vector<size_t> which;
+  int64_t total = 0;
+  for (size_t i = 0; i < ref.params().size(); ++i) {
+    const ParamInfo& p = ref.params()[i];
+    if (!p.lora_kind) continue;
+    const std::string suffix = p.lora_kind == 'A' ? ".lora_A.weight" : ".lora_B.weight";
+    const std::string module = p.name.substr(0, p.name.size() - suffix.size());
+    SafeTensorInfo t;
+    t.shape = p.shape;
+    header.push_back({"base_model.model." + hf_name(mc, module) + suffix, t});
+    which.push_back(i);
+    total += 4 * p.numel;
+  }
+  fs::create_directories(out_dir);
+  SafetensorsWriter w((fs::path(out_dir) / "adapter_model.safetensors").string(), header, {{"format", "pt"}});
+  std::vector<float> buf;
+  ExportResult res;
+  for (size_t k = 0; k < which.size(); ++k) {
+    buf.resize(static_cast<size_t>(ref.params()[which[k]].numel));
+    in.read_param_hf(which[k], buf.data());
+    w.write(header[k].first, buf.data(), buf.size() * sizeof(float));
+    ++res.tensors;
+  }
+  w.finish();
+  res.files = 1;
+  res.bytes = total;
+  nlohmann::json targets = nlohmann::json::array();
+  const bool gpt = mc.arch == Arch::GPT2;
+  const std::pair<uint32_t, const char*> names[] = {
+      {kLoraQkv, "c_attn"},  {kLoraQ, "q_proj"},           {kLoraK, "k_proj"},
+      {kLoraV, "v_proj"},    {kLoraO, gpt ? "attn.c_proj" : "o_proj"}, {kLoraGate, "gate_proj"},
+      {kLoraUp, gpt ? "c_fc" : "up_proj"}, {kLoraDown, gpt ? "mlp.c_proj" : "down_proj"}};
+  for (const auto& [bit, name] : names)
+    if (mc.lora_targets & bit) targets.push_back(name);
+  const nlohmann::json cfg = {{"peft_type", "LORA"},
+                              {"task_type", "CAUSAL_LM"},
+                              {"r", mc.lora_rank},
+                              {"lora_alpha", mc.lora_alpha > 0 ? static_cast<double>(mc.lora_alpha) : static_cast<double>(mc.lora_rank)},
+                              {"lora_dropout", mc.lora_dropout},
+                              {"target_modules", targets},
+                              {"bias", "none"},
+                              {"fan_in_fan_out", gpt},
+                              {"inference_mode", true},
+                              {"init_lora_weights", true},
+                              {"use_rslora", false},
+                              {"modules_to_save", nullptr},
+                              {"base_model_name_or_path", nullptr}};
+  std::ofstream f(fs::path(out_dir) / "adapter_config.json");
+  f << cfg.dump(2) << "\n";
+  if (!f) throw std::runtime_error("cannot write " + (fs::path(out_dir) / "adapter_config.json").string());
+  return res;
+}
+
 ExportResult export_checkpoint(const std::string& checkpoint, const ModelConfig& mc, const std::string& out_dir,
                                int64_t max_shard_bytes) {
   if (max_shard_bytes <= 0)
@@ -35,6 +137,7 @@ ExportResult export_checkpoint(const std::string& checkpoint, const ModelConfig&
   std::vector<std::vector<Item>> shards(1);
   int64_t in_shard = 0, total = 0;
   for (size_t i = 0; i < ref.params().size(); ++i) {
+    if (ref.params()[i].lora_kind) continue;  // adapters are merged into their base weights
     SafeTensorInfo t;
     t.shape = hf_param_shape(ref.params()[i], mc);
     int64_t n = 4;
@@ -68,6 +171,7 @@ ExportResult export_checkpoint(const std::string& checkpoint, const ModelConfig&
       const uint64_t bytes = w.info(name).nbytes();
       buf.resize(bytes / sizeof(float));
       in.read_param_hf(it.param, buf.data());
+      if (mc.lora()) merge_adapters(in, ref, it.param, buf.data());
       w.write(name, buf.data(), bytes);
       weight_map[name] = shard_name(i);
       ++res.tensors;

@@ -19,8 +19,17 @@ struct ExportResult {
 // checkpoint_dir, meaning its latest) of model `mc` (what the checkpoint's config.toml resolves
 // to), no safetensors file above max_shard_bytes (> 0) unless one tensor is larger. Throws
 // std::runtime_error naming what is wrong.
+// With LoRA (mc.lora_rank > 0) the weights written are merged: every adapted weight is
+// W + (alpha / rank) B A (accumulated in double, rounded once), and the adapters themselves are
+// not written.
 ExportResult export_checkpoint(const std::string& checkpoint, const ModelConfig& mc, const std::string& out_dir,
                                int64_t max_shard_bytes);
+// A LoRA checkpoint's adapters in PEFT's layout: out_dir/adapter_config.json and
+// adapter_model.safetensors (base_model.model.<Hugging Face module>.lora_A.weight / lora_B.weight),
+// which peft.PeftModel.from_pretrained loads onto the base model. Throws std::runtime_error when
+// the checkpoint has no adapters, or for GPT-2 adapters on parts of c_attn (PEFT adapts whole
+// modules: export merged instead).
+ExportResult export_adapter(const std::string& checkpoint, const ModelConfig& mc, const std::string& out_dir);
 
 // The resolved model: architecture, dimensions, norm epsilon, tied head, position-table rows,
 // parameter count; for Llama also rope_theta, rope_scaling (when scaled), the rotary inverse

@@ -1,5 +1,8 @@
 #include "checkpoint/model_state.h"
 
+#include <cstring>
+#include <vector>
+
 #include <algorithm>
 #include <stdexcept>
 #include <vector>
@@ -18,7 +21,7 @@ ModelState::ModelState(Transformer& model, const Transformer& ref, parallel::Str
   if (ref.unit(0).offset != 0) throw std::logic_error("the embedding unit must start the flat buffer");
 }
 
-void ModelState::load(CheckpointReader* reader, uint64_t seed) {
+void ModelState::load(CheckpointReader* reader, uint64_t seed, const Transformer* base_layout) {
   Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
   if (!reader) {
     init = workspace(ref_.flat_size());
@@ -43,8 +46,22 @@ void ModelState::load(CheckpointReader* reader, uint64_t seed) {
         fv = workspace(rn);
       }
       HostStaging host(fw.device());  // the file is read into host memory
-      reader->read_unit(u, host.in(fw.f32(), rn), moments ? host.in(fm.f32(), rn) : nullptr,
-                        moments ? host.in(fv.f32(), rn) : nullptr);
+      if (base_layout) {  // LoRA on a base model: base parameters by name, adapters initialised
+        float* hw = host.in(fw.f32(), rn);
+        std::vector<float> base(static_cast<size_t>(base_layout->unit(u).numel));
+        reader->read_unit(u, base.data(), nullptr, nullptr);
+        std::memset(hw, 0, static_cast<size_t>(rn) * sizeof(float));
+        ref_.init_lora_unit(seed, u, hw);
+        for (const ParamInfo& p : base_layout->params()) {
+          if (p.unit != u) continue;
+          const ParamInfo& q = ref_.param(p.name);
+          std::memcpy(hw + (q.offset - ref_.unit(u).offset), base.data() + (p.offset - base_layout->unit(u).offset),
+                      static_cast<size_t>(p.numel) * sizeof(float));
+        }
+      } else {
+        reader->read_unit(u, host.in(fw.f32(), rn), moments ? host.in(fm.f32(), rn) : nullptr,
+                          moments ? host.in(fv.f32(), rn) : nullptr);
+      }
       host.upload();
       w = fw.f32();
     }

@@ -26,7 +26,10 @@ class ModelState {
   // Loads every unit this rank owns into the strategy: from `reader` (its weights, and the Adam
   // moments when it has them) or, without one, the initial weights of `seed` (one random stream
   // over the whole model; on the Meta device only the buffers are made).
-  void load(CheckpointReader* reader, uint64_t seed);
+  // base_layout (LoRA, initialised from a base model): the layout `reader` was opened with (the
+  // model without adapters); the base parameters are read by name from it and the adapters start
+  // as initialised with `seed`.
+  void load(CheckpointReader* reader, uint64_t seed, const Transformer* base_layout = nullptr);
   // Unit u's full fp32 state in `ref` layout: weights, and with `moments` the two Adam moments
   // (out[0..2]). Collective over the world: every rank calls it for every unit.
   void gather_full_unit(int u, bool moments, Tensor* out);

@@ -20,7 +20,7 @@ namespace mt::cli {
 namespace {
 
 const char* const kExportHelp =
-    "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N]\n\n"
+    "usage: meshtrain export --checkpoint DIR --out DIR [--max-shard-mb N] [--adapter]\n\n"
     "Writes a checkpoint as a Hugging Face model directory that transformers loads\n"
     "(AutoModelForCausalLM.from_pretrained(DIR)): config.json (GPT2LMHeadModel or LlamaForCausalLM,\n"
     "with the norm epsilon, rope_theta, rope_scaling, tied head and position-table size of the\n"
@@ -28,7 +28,10 @@ const char* const kExportHelp =
     "--max-shard-mb, in model-00001-of-0000N.safetensors shards with model.safetensors.index.json.\n\n"
     "  --checkpoint DIR   a step_* checkpoint, or a checkpoint_dir (its latest)\n"
     "  --out DIR          output directory (created; existing files of the same names replaced)\n"
-    "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n";
+    "  --max-shard-mb N   largest safetensors file in MB (default 5000, as transformers' 5GB)\n"
+    "  --adapter          a LoRA run's adapters only, in PEFT's layout (adapter_config.json,\n"
+    "                     adapter_model.safetensors) for peft.PeftModel.from_pretrained on the base;\n"
+    "                     without it a LoRA checkpoint exports merged weights (W + alpha/rank B A)\n";
 
 const char* const kModelInfoHelp =
     "usage: meshtrain model-info (--hf-config config.json | --model PRESET) [--seq-len N] [--json]\n\n"
@@ -40,7 +43,7 @@ const char* const kModelInfoHelp =
 }  // namespace
 
 int run_export_command(int argc, char** argv) {
-  ArgParser ap({"checkpoint", "out", "max-shard-mb"}, {"help"});
+  ArgParser ap({"checkpoint", "out", "max-shard-mb"}, {"help", "adapter"});
   if (auto done = cli_support::parse_args("export", ap, argc, argv, [] { std::fputs(kExportHelp, stdout); }))
     return *done;
   if (!ap.has("checkpoint") || !ap.has("out"))
@@ -53,6 +56,12 @@ int run_export_command(int argc, char** argv) {
       return 1;
     }
     const std::string dir = resolve_checkpoint(ap.get("checkpoint"));
+    if (ap.flag("adapter")) {
+      ExportResult r = export_adapter(dir, load_checkpoint_config(dir).model_config(), ap.get("out"));
+      std::printf("exported %lld adapter tensors (%.1f MB) in adapter_model.safetensors and adapter_config.json to %s\n",
+                  static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, ap.get("out").c_str());
+      return 0;
+    }
     ExportResult r = export_checkpoint(dir, load_checkpoint_config(dir).model_config(), ap.get("out"), max_bytes);
     std::printf("exported %lld tensors (%.1f MB) in %d safetensors file%s and config.json to %s\n",
                 static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, r.files, r.files == 1 ? "" : "s",

@@ -17,7 +17,7 @@ const char* const kDiagnoseOptionsHelp =
     "  --mfu-ceiling F   the best MFU measured for the model's shapes (0..1), for the compute check\n";
 
 std::vector<std::string> diagnose_value_flags() {
-  return {"config", "capacity-gib", "mfu-ceiling", "model.*", "data.*", "train.*", "parallel.*", "log.*"};
+  return {"config", "capacity-gib", "mfu-ceiling", "model.*", "data.*", "train.*", "parallel.*", "lora.*", "log.*"};
 }
 
 DiagnoseContext diagnose_context(const ArgParser& ap, const RunMetrics& run) {

@@ -32,7 +32,7 @@ void print_help() {
       "usage: meshtrain train [--config FILE] [--section.key value ...]\n\n"
       "Trains a GPT-2 or Llama-style model. Run it directly for one process, or under mpirun\n"
       "(or `meshtrain launch -n N -- train ...`) where each process is one rank.\n"
-      "The config is TOML with sections [model] [data] [train] [parallel] [log]; any key can be\n"
+      "The config is TOML with sections [model] [data] [train] [parallel] [lora] [log]; any key can be\n"
       "overridden on the command line as --section.key value or --section.key=value.\n"
       "--auto lets the planner choose parallel.strategy, dp_replicate / dp_shard, activation\n"
       "checkpointing and the micro-batch split for the ranks the job was given, keeping the global\n"
@@ -62,7 +62,7 @@ void check_config_path(const std::string& path) {
 }  // namespace
 
 int run_train_command(int argc, char** argv) {
-  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "log.*", "world", "rank"},
+  ArgParser ap({"config", "model.*", "data.*", "train.*", "parallel.*", "lora.*", "log.*", "world", "rank"},
                {"help", "auto", "dry-run"});
   if (auto done = cli_support::parse_args("train", ap, argc, argv, print_help)) return *done;
   try {

@@ -27,6 +27,15 @@ struct ParamInfo {
   bool decay = true;   // weight decay applies (matrices yes; norms, biases, embeddings no)
   bool hf_transposed = false;
   TpSplit tp_split = TpSplit::None;
+  // LoRA (ModelConfig::lora_rank > 0): base parameters are frozen (no gradient, never updated);
+  // the adapters are the trainable ones. An adapter names the base weight it adapts (lora_base, an
+  // index into the same parameter list), whether it is A [rank, in] or B [rows, rank], and the
+  // base weight's output rows it adds to ([lora_row0, lora_row0 + lora_rows): a part of a fused
+  // q|k|v matrix, or all of it).
+  bool trainable = true;
+  int lora_base = -1;
+  char lora_kind = 0;  // 'A' or 'B' on adapters
+  int64_t lora_row0 = 0, lora_rows = 0;
 };
 
 // A contiguous range of the flat buffer owned by one unit (embedding, block i, head).

@@ -157,19 +157,92 @@ void TpContext::defer_weight_grad(const Weight& w, const float* dy, const void* 
 
 // ---- Linear ----
 
+namespace {
+
+// One matmul y = x @ W^T of the compute dtype with W given as fp32 / bf16 pointers.
+void lora_matmul(const Linear& lin, float* y, const Tensor& x, const float* wf, const bf16* wb, int64_t N, int64_t in,
+                 int64_t out) {
+  if (lin.compute == DType::F32)
+    lin.kt->linear_forward(y, x.f32(), wf, nullptr, N, in, out);
+  else
+    lin.kt->linear_forward_bf16(y, x.bf(), wb, nullptr, N, in, out);
+}
+
+// h = scale (x A^T) in the compute dtype ([N, rank]); `hf` is its fp32 workspace.
+Tensor lora_hidden(const Linear& lin, const LoraPart& a, const Tensor& x, Tensor& hf, int64_t N, int64_t in) {
+  hf = Tensor::empty({N, a.rank}, DType::F32, MemCategory::Workspace);
+  lora_matmul(lin, hf.f32(), x, a.af, a.ab, N, in, a.rank);
+  lin.kt->scale(hf.f32(), a.scale, N * a.rank);
+  if (lin.compute == DType::F32) return hf;
+  Tensor hc = Tensor::empty({N, a.rank}, DType::BF16, MemCategory::Workspace);
+  lin.kt->cast_f32_to_bf16(hc.bf(), hf.f32(), N * a.rank);
+  return hc;
+}
+
+void lora_forward(const Linear& lin, float* y, const Tensor& x, const Weight& w, int64_t N, int64_t in) {
+  for (int i = 0; i < w.nlora; ++i) {
+    const LoraPart& a = w.lora[i];
+    Tensor hf;
+    const Tensor h = lora_hidden(lin, a, x, hf, N, in);
+    Tensor t = Tensor::empty({N, a.rows}, DType::F32, MemCategory::Workspace);
+    lora_matmul(lin, t.f32(), h, a.bf, a.bb, N, a.rank, a.rows);
+    if (a.rows == w.out) {
+      lin.kt->accumulate(y, t.f32(), N * w.out);
+    } else {
+      for (int64_t n = 0; n < N; ++n) lin.kt->accumulate(y + n * w.out + a.row0, t.f32() + n * a.rows, a.rows);
+    }
+  }
+}
+
+// dx += the adapters' input gradient; dA, dB += their gradients (dy: [N, out] fp32).
+void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& x, const Weight& w, int64_t N,
+                   int64_t in) {
+  for (int i = 0; i < w.nlora; ++i) {
+    const LoraPart& a = w.lora[i];
+    const float* dyp = dy;
+    Tensor cols;
+    if (a.rows != w.out) {
+      cols = Tensor::empty({N, a.rows}, DType::F32, MemCategory::Workspace);
+      lin.kt->copy_columns(cols.f32(), dy, N, w.out, a.row0, a.rows);
+      dyp = cols.f32();
+    }
+    Tensor hf;
+    const Tensor h = lora_hidden(lin, a, x, hf, N, in);
+    // y = h B^T: dB += dy^T h, dh = dy B (then scaled: h = scale (x A^T))
+    Weight bw;
+    bw.wf = a.bf;
+    bw.wb = a.bb;
+    bw.out = a.rows;
+    Tensor dh = Tensor::zeros({N, a.rank}, DType::F32, MemCategory::Workspace);
+    lin.backward(dh.f32(), a.db, nullptr, dyp, h, bw, N, a.rank);
+    lin.kt->scale(dh.f32(), a.scale, N * a.rank);
+    Weight aw;
+    aw.wf = a.af;
+    aw.wb = a.ab;
+    aw.out = a.rank;
+    lin.backward(dx, a.da, nullptr, dh.f32(), x, aw, N, in);
+  }
+}
+
+}  // namespace
+
 void Linear::forward(float* y, const Tensor& x, const Weight& w, const float* bias, int64_t N, int64_t in) const {
   if (compute == DType::F32)
     kt->linear_forward(y, x.f32(), w.wf, bias, N, in, w.out);
   else
     kt->linear_forward_bf16(y, x.bf(), w.wb, bias, N, in, w.out);
+  if (w.nlora > 0) lora_forward(*this, y, x, w, N, in);
 }
 
 void Linear::backward(float* dx, float* dw, float* db, const float* dy, const Tensor& x, const Weight& w, int64_t N,
                       int64_t in) const {
-  if (compute == DType::F32)
-    kt->linear_backward(dx, dw, db, dy, x.f32(), w.wf, N, in, w.out);
-  else
-    kt->linear_backward_bf16(dx, dw, db, dy, x.bf(), w.wb, N, in, w.out);
+  if (dx || dw || db) {
+    if (compute == DType::F32)
+      kt->linear_backward(dx, dw, db, dy, x.f32(), w.wf, N, in, w.out);
+    else
+      kt->linear_backward_bf16(dx, dw, db, dy, x.bf(), w.wb, N, in, w.out);
+  }
+  if (w.nlora > 0 && dx) lora_backward(*this, dx, dy, x, w, N, in);
 }
 
 void store_compute(const kernels::KernelTable* kt, const Tensor& dst, const float* src, int64_t n) {

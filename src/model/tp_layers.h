@@ -171,8 +171,19 @@ class TpContext {
   bool defer_norms_ = false;
 };
 
+// A LoRA adapter on a weight: y[:, row0 : row0 + rows] += scale (x A^T) B^T with A [rank, in] and
+// B [rows, rank] in the compute dtype (fp32 or bf16 pointers, the other null) and their fp32
+// gradients (null: not wanted).
+struct LoraPart {
+  const float *af = nullptr, *bf = nullptr;
+  const bf16 *ab = nullptr, *bb = nullptr;
+  float *da = nullptr, *db = nullptr;
+  int64_t rank = 0, row0 = 0, rows = 0;
+  float scale = 1.0f;
+};
+
 // One weight matrix [out, in] (fp32 or bf16 by the compute dtype, the other null), its fp32 bias
-// (or null) and their gradients (null: not wanted).
+// (or null) and their gradients (null: not wanted), and its LoRA adapters (nlora of them at lora).
 struct Weight {
   const float* wf = nullptr;
   const bf16* wb = nullptr;
@@ -180,9 +191,13 @@ struct Weight {
   float* dw = nullptr;
   float* db = nullptr;
   int64_t out = 0;
+  const LoraPart* lora = nullptr;
+  int nlora = 0;
 };
 
-// y = x @ W^T (+ b) with x in the compute dtype, and its backward.
+// y = x @ W^T (+ b) with x in the compute dtype, and its backward. A weight's LoRA adapters add
+// their output in forward; in backward they add to dx and, with it, accumulate their own
+// gradients (a call without dx leaves them alone: the tensor-parallel split calls it twice).
 struct Linear {
   const kernels::KernelTable* kt;
   DType compute;

@@ -73,6 +73,13 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   Vp_l_ = cfg_.padded_vocab / t;
   vocab_lo_ = tpc_.rank * Vp_l_;
   build_params();
+  if (cfg_.lora()) {  // each adapted weight's adapters (A; its B follows it)
+    if (tpc_.size > 1) throw std::invalid_argument("LoRA with tensor parallelism (parallel.tp > 1) is not supported");
+    lora_of_.assign(params_.size(), {});
+    lora_parts_.assign(params_.size(), {});
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].lora_kind == 'A') lora_of_[static_cast<size_t>(params_[i].lora_base)].push_back(static_cast<int>(i));
+  }
   if (cfg_.moe())
     moe_ = std::make_unique<MoeLayer>(cfg_, compute_, dev_, kt_, tpc_, moe_shape_, ep_comm_, cp_);
   attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_, flash_);
@@ -115,6 +122,7 @@ void Transformer::add_param(const std::string& name, std::vector<int64_t> shape,
   p.decay = decay;
   p.hf_transposed = hf_transposed;
   p.tp_split = split;
+  p.trainable = !cfg_.lora();  // LoRA: every base parameter is frozen
   if (apart) {
     p.offset = expert_size_;
     expert_size_ += p.numel;
@@ -232,6 +240,7 @@ void Transformer::build_params() {
         add(p + "self_attn.v_proj.bias", {nkv * hd}, false, false, TpSplit::Rows);
       }
     }
+    if (cfg_.lora() && !moe && owned_[cur_unit]) add_lora_params(l, cur_unit, &pos);
     end_unit();
   }
   begin_unit("head");
@@ -243,6 +252,46 @@ void Transformer::build_params() {
     if (!cfg_.tied_embeddings) add("lm_head.weight", {V, C}, true, false, TpSplit::Rows);
   }
   end_unit();
+}
+
+// Block l's LoRA adapters (after its base parameters): A [rank, in] then B [rows, rank] for every
+// target, named after the projection they adapt as PEFT names them (q_proj.lora_A.weight, ...).
+void Transformer::add_lora_params(int64_t l, int unit, int64_t* pos) {
+  const int64_t C = cfg_.n_embd, hd = cfg_.head_dim(), F = F_l_, r = cfg_.lora_rank;
+  const int64_t q = nh_l_ * hd, kv = nkv_l_ * hd;
+  const BlockParams bp = block_params(cfg_, l, unit_params_[unit][0], 0);
+  const bool gpt = cfg_.arch == Arch::GPT2;
+  const std::string pre = gpt ? "h." + std::to_string(l) + "." : "model.layers." + std::to_string(l) + ".";
+  auto lora = [&](uint32_t bit, const std::string& module, int base, int64_t in, int64_t row0, int64_t rows) {
+    if (!(cfg_.lora_targets & bit)) return;
+    for (char kind : {'A', 'B'}) {
+      std::vector<int64_t> shape = kind == 'A' ? std::vector<int64_t>{r, in} : std::vector<int64_t>{rows, r};
+      add_param(pre + module + ".lora_" + kind + ".weight", shape, true, false, TpSplit::None, unit, false, pos);
+      ParamInfo& pi = params_.back();
+      pi.trainable = true;
+      pi.lora_base = base;
+      pi.lora_kind = kind;
+      pi.lora_row0 = row0;
+      pi.lora_rows = rows;
+    }
+  };
+  if (gpt) {
+    lora(kLoraQkv, "attn.c_attn", bp.qkv_w, C, 0, q + 2 * kv);
+    lora(kLoraQ, "attn.c_attn.q", bp.qkv_w, C, 0, q);
+    lora(kLoraK, "attn.c_attn.k", bp.qkv_w, C, q, kv);
+    lora(kLoraV, "attn.c_attn.v", bp.qkv_w, C, q + kv, kv);
+    lora(kLoraO, "attn.c_proj", bp.proj_w, q, 0, C);
+    lora(kLoraUp, "mlp.c_fc", bp.fc_w, C, 0, F);
+    lora(kLoraDown, "mlp.c_proj", bp.down_w, F, 0, C);
+  } else {
+    lora(kLoraQ, "self_attn.q_proj", bp.qkv_w, C, 0, q);
+    lora(kLoraK, "self_attn.k_proj", bp.qkv_w, C, q, kv);
+    lora(kLoraV, "self_attn.v_proj", bp.qkv_w, C, q + kv, kv);
+    lora(kLoraO, "self_attn.o_proj", bp.proj_w, q, 0, C);
+    lora(kLoraGate, "mlp.gate_proj", bp.fc_w, C, 0, F);
+    lora(kLoraUp, "mlp.up_proj", bp.up_w, C, 0, F);
+    lora(kLoraDown, "mlp.down_proj", bp.down_w, F, 0, C);
+  }
 }
 
 const ParamInfo& Transformer::param(const std::string& name) const {
@@ -271,6 +320,7 @@ void Transformer::init_weights_into(uint64_t seed, float* w) const {
   std::memset(w, 0, static_cast<size_t>(flat_size_) * sizeof(float));
   const float resid_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg_.n_layer));
   for (const auto& p : params_) {
+    if (p.lora_kind) continue;  // adapters: below, from a stream of their own (the base is unchanged)
     float* d = w + p.offset;
     const std::string& n = p.name;
     auto ends = [&](const char* s) {
@@ -295,6 +345,28 @@ void Transformer::init_weights_into(uint64_t seed, float* w) const {
           d[r * cols + c] = (vocab && r >= cfg_.vocab_size) ? 0.0f : static_cast<float>(rng.normal()) * sd;
     }
   }
+  init_lora_into(seed, w);
+}
+
+// LoRA adapters as PEFT initialises them: A Kaiming-uniform with a = sqrt(5), i.e. U(-b, b) with
+// b = 1 / sqrt(in), B zero (so the adapted model starts as the base model).
+void Transformer::init_lora_into(uint64_t seed, float* w) const {
+  for (int u = 0; u < num_units(); ++u) init_lora_unit(seed, u, w + units_[u].offset);
+}
+
+void Transformer::init_lora_unit(uint64_t seed, int u, float* unit_w) const {
+  Rng rng(seed ^ 0x4C6F5241ull);  // "LoRA": one stream over every adapter of the model, in order
+  for (const auto& p : params_) {
+    if (p.lora_kind != 'A') continue;
+    const float bound = 1.0f / std::sqrt(static_cast<float>(p.shape[1]));
+    float* d = p.unit == u ? unit_w + (p.offset - units_[u].offset) : nullptr;
+    for (int64_t i = 0; i < p.numel; ++i) {
+      const float v = static_cast<float>(2.0 * rng.uniform() - 1.0) * bound;
+      if (d) d[i] = v;
+    }
+  }
+  for (const auto& p : params_)  // B = 0
+    if (p.lora_kind == 'B' && p.unit == u) std::memset(unit_w + (p.offset - units_[u].offset), 0, static_cast<size_t>(p.numel) * sizeof(float));
 }
 
 void Transformer::sync_compute_weights() {
@@ -351,6 +423,7 @@ const bf16* Transformer::param_bf16(int idx) const {
 
 float* Transformer::param_grad(int idx) const {
   const ParamInfo& p = params_[idx];
+  if (!p.trainable) return nullptr;  // frozen (LoRA): no gradient
   if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - units_[p.unit].offset);
   if (!grads_.defined()) throw std::logic_error("unit " + units_[p.unit].name + " has no gradient buffer");
   return grads_.f32() + p.offset;
@@ -469,7 +542,38 @@ Weight Transformer::weight(int w, int b, int64_t out, bool grads) {
   } else if (b >= 0) {
     r.b = param_f32(b);
   }
+  if (!lora_of_.empty() && !lora_of_[w].empty()) attach_lora(w, grads, &r);
   return r;
+}
+
+// Weight w's adapters as the layers read them (pointers refreshed on every call: a sharded
+// strategy may have gathered the unit anywhere).
+void Transformer::attach_lora(int w, bool grads, Weight* r) {
+  std::vector<LoraPart>& parts = lora_parts_[w];
+  parts.clear();
+  const bool bf = compute_ == DType::BF16;
+  for (int a : lora_of_[w]) {
+    const ParamInfo& pa = params_[a];
+    LoraPart l;
+    l.rank = pa.shape[0];
+    l.row0 = pa.lora_row0;
+    l.rows = pa.lora_rows;
+    l.scale = cfg_.lora_scale();
+    if (bf) {
+      l.ab = param_bf16(a);
+      l.bb = param_bf16(a + 1);
+    } else {
+      l.af = param_f32(a);
+      l.bf = param_f32(a + 1);
+    }
+    if (grads) {
+      l.da = param_grad(a);
+      l.db = param_grad(a + 1);
+    }
+    parts.push_back(l);
+  }
+  r->lora = parts.data();
+  r->nlora = static_cast<int>(parts.size());
 }
 
 // The block's q|k|v projection: GPT-2's fused weight and bias, or Llama's q, k, v weights (one
@@ -669,7 +773,9 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
     const int emb = unit_params_[0][0];
     begin_unit(0);
     tpc_.defer = nullptr;
-    if (split) {
+    if (!params_[emb].trainable) {
+      // a frozen (LoRA) embedding has nothing to compute
+    } else if (split) {
       // The lookup's gradient is all weight gradient: the whole backward runs later, from a copy
       // of its output gradient (the token ids stay in the slot).
       Slot* sp = &s;
@@ -711,7 +817,7 @@ int64_t Transformer::deferred_bytes() const {
 }
 
 bool Transformer::can_hand_sparse_grad() const {
-  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back() && !split_backward_;
+  return cfg_.tied_embeddings && tpc_.size == 1 && owned_.front() && owned_.back() && !split_backward_ && !cfg_.lora();
 }
 
 bool Transformer::sparse_embedding_grad() {

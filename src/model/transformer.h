@@ -134,6 +134,9 @@ class Transformer : private LayerParams {
   void init_weights(uint64_t seed);
   // The same values written into any full fp32 flat buffer (flat_size() elements).
   void init_weights_into(uint64_t seed, float* flat) const;
+  // LoRA: unit u's adapters as init_weights_into initialises them, written into the unit's range
+  // `unit_w` (its first element); nothing else there is touched.
+  void init_lora_unit(uint64_t seed, int u, float* unit_w) const;
   // bf16 mode: refresh the bf16 copy from the fp32 master weights (after every optimizer step).
   void sync_compute_weights();
 
@@ -267,6 +270,9 @@ class Transformer : private LayerParams {
   void build_params();
   void add_param(const std::string& name, std::vector<int64_t> shape, bool decay, bool hf_transposed, TpSplit split,
                  int unit, bool apart, int64_t* pos);
+  void add_lora_params(int64_t layer, int unit, int64_t* pos);
+  void init_lora_into(uint64_t seed, float* flat) const;
+  void attach_lora(int w, bool grads, Weight* r);
   void ensure_buffers(int64_t B, int64_t T, int first, int last);
   Tensor& out_buf(int64_t l);
   void block_forward(int layer, const float* x, BlockActivations& a, float* out);
@@ -302,6 +308,10 @@ class Transformer : private LayerParams {
   int64_t total_ = 0, flat_size_ = 0;
   ModelStorage storage_;
   std::vector<Tensor> upcast_;  // bf16 mode: fp32 copies of small parameters, per param index
+  // LoRA: per parameter index, the adapters (their A's indices) of that weight, and the parts the
+  // last weight() call handed out for it
+  std::vector<std::vector<int>> lora_of_;
+  std::vector<std::vector<LoraPart>> lora_parts_;
   // tensor / sequence parallelism: the communicator, switches and workspace the tp layers share
   TpContext tpc_;
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share

@@ -54,6 +54,16 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     // each reduced as soon as it is complete, while the head's backward goes on.
     tied_rows_ = std::max<int64_t>(64, cap / model_.config().n_embd);
   }
+  if (model_.config().lora()) {  // the runs of trainable parameters in each bucket
+    for (const ParamInfo& p : model_.params()) {
+      if (!p.trainable || !model_.owns_unit(p.unit)) continue;
+      Bucket& b = buckets_[bucket_of_unit_[p.unit]];
+      if (!b.trainable.empty() && b.trainable.back().first + b.trainable.back().second == p.offset)
+        b.trainable.back().second += p.numel;
+      else
+        b.trainable.push_back({p.offset, p.numel});
+    }
+  }
   reset();
 }
 
@@ -87,6 +97,7 @@ void DataParallel::reset() {
   for (auto& b : buckets_) {
     b.pending = b.units;
     b.work.reset();
+    b.works.clear();
   }
   tied_works_.clear();
   ids_work_.reset();
@@ -105,6 +116,12 @@ void DataParallel::post_backward(int unit) {
 }
 
 void DataParallel::launch(Bucket& b) {
+  if (model_.config().lora()) {
+    for (const auto& [off, n] : b.trainable)
+      b.works.push_back(dp_->all_reduce(model_.grads().f32() + off, static_cast<size_t>(n), DType::F32,
+                                        comm::ReduceOp::Avg));
+    return;
+  }
   float* g = model_.grads().f32() + b.offset;
   b.work = dp_->all_reduce(g, static_cast<size_t>(b.numel), DType::F32, comm::ReduceOp::Avg);
 }
@@ -124,8 +141,10 @@ DdpStepStats DataParallel::finish() {
     return st;
   }
   auto t0 = std::chrono::steady_clock::now();
-  for (auto& b : buckets_)
+  for (auto& b : buckets_) {
     if (b.work) b.work->wait();
+    for (auto& w : b.works) w->wait();
+  }
   if (tied_) {
     for (auto& w : tied_works_) w->wait();
     for (auto* w : {&ids_work_, &rows_work_})
@@ -139,11 +158,14 @@ DdpStepStats DataParallel::finish() {
       model_.kernels().embedding_backward(g, gathered_rows_.f32() + r * n * C, gathered_ids_.i32() + r * n, n, C);
   }
   st.exposed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  for (auto& b : buckets_)
+  for (auto& b : buckets_) {
     if (b.work) {
       st.comm_ms += b.work->elapsed_ms();
       ++st.buckets;
     }
+    for (auto& w : b.works) st.comm_ms += w->elapsed_ms();
+    if (!b.works.empty()) ++st.buckets;
+  }
   for (auto& w : tied_works_) {
     st.comm_ms += w->elapsed_ms();
     ++st.buckets;

@@ -11,6 +11,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/process_group.h"
@@ -25,6 +26,10 @@ struct Bucket {
   int units = 0;                      // units this rank owns in the range
   int pending = 0;                    // of them, not yet finished in this backward
   comm::WorkHandle work;
+  // LoRA: only the trainable ranges (the adapters) are reduced, one all-reduce each; the frozen
+  // base's gradient is zero everywhere and stays so.
+  std::vector<std::pair<int64_t, int64_t>> trainable;  // (offset, numel)
+  std::vector<comm::WorkHandle> works;
 };
 
 struct DdpStepStats {

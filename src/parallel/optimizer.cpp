@@ -19,7 +19,8 @@ AdamW::AdamW(std::vector<AdamSpan> spans, int64_t state_size, AdamWConfig cfg) :
 std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
   std::vector<AdamSpan> v;
   for (size_t i = 0; i < params.size(); ++i)
-    v.push_back({params[i].offset, params[i].offset, params[i].numel, params[i].decay, static_cast<int>(i)});
+    if (params[i].trainable)  // a frozen (LoRA base) parameter is never updated
+      v.push_back({params[i].offset, params[i].offset, params[i].numel, params[i].decay, static_cast<int>(i)});
   return v;
 }
 

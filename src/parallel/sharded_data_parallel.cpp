@@ -70,7 +70,7 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
     const UnitState& s = units_[p.unit];
     const int64_t lo = s.offset + r_ * s.shard, hi = lo + s.shard;
     const int64_t b = std::max(lo, p.offset), e = std::min(hi, p.offset + p.numel);
-    if (b < e) spans.push_back({b, s.local + (b - lo), e - b, p.decay, static_cast<int>(i)});
+    if (b < e && p.trainable) spans.push_back({b, s.local + (b - lo), e - b, p.decay, static_cast<int>(i)});
   }
   adam_ = std::make_unique<AdamW>(std::move(spans), shard_total_, adam);
   const bool f32 = cd_ == DType::F32;

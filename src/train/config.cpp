@@ -152,6 +152,11 @@ std::vector<Field> fields(RunConfig& c) {
       {"parallel.prefetch", Kind::Int, &c.parallel.prefetch, "units gathered ahead (FULL_SHARD)"},
       {"parallel.reduce_every_microbatch", Kind::Bool, &c.parallel.reduce_every_microbatch,
        "sharded grads: reduce-scatter every micro-batch (less memory) or only the last (less comm)"},
+      {"lora.rank", Kind::Int, &c.lora.rank, "LoRA adapter rank (0 = off: full fine-tuning); the base is frozen (docs/finetuning.md)"},
+      {"lora.alpha", Kind::Float, &c.lora.alpha, "LoRA alpha: adapters are scaled by alpha / rank (0 = rank)"},
+      {"lora.targets", Kind::String, &c.lora.targets,
+       "projections with adapters: llama q,k,v,o,gate,up,down; gpt2 c_attn (whole) or q,k,v (its parts), o, up, down"},
+      {"lora.dropout", Kind::Float, &c.lora.dropout, "dropout on the adapters' input (only 0 is implemented)"},
       {"log.metrics_out", Kind::String, &c.log.metrics_out, "JSON-lines metrics file (rank 0)"},
       {"log.trace_out", Kind::String, &c.log.trace_out, "Chrome trace file per rank"},
       {"log.tensorboard_dir", Kind::String, &c.log.tensorboard_dir, "TensorBoard event files directory (rank 0)"},
@@ -361,6 +366,19 @@ ModelConfig RunConfig::model_config() const {
   if (model.moe_capacity_factor >= 0) m.moe_capacity_factor = static_cast<float>(model.moe_capacity_factor);
   if (model.moe_pad_to_capacity) m.moe_pad_to_capacity = true;
   if (custom || moe_over) m.name += "+overrides";
+  if (lora.rank < 0) throw ConfigError("lora.rank must be >= 0 (0 = off), got " + std::to_string(lora.rank));
+  if (lora.rank > 0) {
+    if (lora.dropout != 0)
+      throw ConfigError("lora.dropout = " + std::to_string(lora.dropout) + ": dropout on the adapters is not implemented; set lora.dropout = 0");
+    m.lora_rank = lora.rank;
+    m.lora_alpha = static_cast<float>(lora.alpha);
+    m.lora_dropout = static_cast<float>(lora.dropout);
+    try {
+      m.lora_targets = parse_lora_targets(lora.targets, m.arch);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(e.what());
+    }
+  }
   try {
     m.resolve();
   } catch (const std::invalid_argument& e) {
@@ -417,6 +435,9 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.cp", p.cp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
+  if (mc.lora() && p.tp > 1)
+    throw ConfigError("lora.rank > 0 with parallel.tp = " + std::to_string(p.tp) +
+                      ": LoRA under tensor parallelism is not supported; use data or pipeline parallelism");
   if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   d.dp_replicate = static_cast<int>(p.dp_replicate);

@@ -96,6 +96,13 @@ struct RunConfig {
     int64_t prefetch = 1;
     bool reduce_every_microbatch = true;
   } parallel;
+  // LoRA fine-tuning (rank 0 = off): adapters on lora.targets, every base parameter frozen.
+  struct Lora {
+    int64_t rank = 0;
+    double alpha = 0.0;             // 0 = rank (scale alpha / rank = 1)
+    std::string targets = "q,v";    // Llama q,k,v,o,gate,up,down; GPT-2 c_attn | q,k,v, o, up, down
+    double dropout = 0.0;
+  } lora;
   struct Log {
     std::string metrics_out, trace_out;
     std::string tensorboard_dir;  // TensorBoard event files (rank 0)

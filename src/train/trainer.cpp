@@ -131,6 +131,7 @@ class Trainer {
   parallel::Strategy* strategy_ = nullptr;
   parallel::ExpertParallel* ep_ = nullptr;  // expert parallelism (null when ep = 1)
   std::unique_ptr<Transformer> ref_;
+  std::unique_ptr<Transformer> base_layout_;  // LoRA initialised from a base model: the file's layout
   std::unique_ptr<ModelState> state_;
   std::unique_ptr<CheckpointSaver> saver_;  // sharded checkpoints
   std::unique_ptr<ChromeTrace> trace_;
@@ -407,17 +408,27 @@ void Trainer::load_state() {
   } else if (!tc_.init_from.empty()) {
     // Weights only (fine-tuning): a safetensors file, or a checkpoint (directory or root with `latest`).
     std::string file = tc_.init_from;
+    // LoRA: the file holds the base model (without adapters); the adapters start fresh.
+    const Transformer* layout = ref_.get();
+    if (mc_.lora()) {
+      ModelConfig base = mc_;
+      base.lora_rank = 0;
+      base.lora_targets = 0;
+      base_layout_ = std::make_unique<Transformer>(
+          base, ModelOptions{.storage = {.weights = false, .master = false, .grads = false}});
+      layout = base_layout_.get();
+    }
     if (std::filesystem::is_directory(file)) {
       file = resolve_checkpoint(file);
-      reader = std::make_unique<CheckpointReader>(file, *ref_, false);
+      reader = std::make_unique<CheckpointReader>(file, *layout, false);
     } else {
-      reader = std::make_unique<CheckpointReader>(*ref_, file);
+      reader = std::make_unique<CheckpointReader>(*layout, file);
     }
     if (log_) std::printf("initialised from %s (weights only: optimizer state and step start fresh)\n", file.c_str());
   }
   if (!loaded) {
     auto t0 = Clock::now();
-    state_->load(reader.get(), static_cast<uint64_t>(tc_.seed));
+    state_->load(reader.get(), static_cast<uint64_t>(tc_.seed), base_layout_.get());
     strategy_->end_load(st_.adam_steps);
     if (ep_) ep_->end_load(st_.adam_steps);
     if (reader && resume) load_info_ = {{"format", "full"}, {"ms", ms_since(t0)}};

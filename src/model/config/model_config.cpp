@@ -72,6 +72,87 @@ void ModelConfig::resolve() {
   need(!moe_pad_to_capacity || (moe() && moe_capacity_factor > 0),
        "model.moe_pad_to_capacity needs a mixture of experts (model.moe_experts > 0) with a capacity "
        "(model.moe_capacity_factor > 0): a dropless expert has no capacity to pad to");
+  if (lora()) {
+    need(lora_targets != 0, "lora.targets is empty: name at least one projection (e.g. q,v)");
+    need(!moe(), "lora.rank > 0 with a mixture of experts: LoRA adapts dense models only (set lora.rank = 0)");
+    need(lora_alpha >= 0, "lora.alpha must be >= 0 (0 = lora.rank)");
+    need(lora_dropout >= 0 && lora_dropout < 1, "lora.dropout must be in [0, 1)");
+    need(arch == Arch::Llama || !(lora_targets & kLoraGate), "lora.targets: gate is a Llama projection (GPT-2 has c_attn, q, k, v, o, up, down)");
+    need(arch == Arch::GPT2 || !(lora_targets & kLoraQkv), "lora.targets: c_attn is GPT-2's (Llama has q, k, v, o, gate, up, down)");
+    need(!((lora_targets & kLoraQkv) && (lora_targets & (kLoraQ | kLoraK | kLoraV))),
+         "lora.targets: c_attn (the whole fused projection) and q / k / v (its parts) exclude each other");
+  }
+}
+
+int64_t ModelConfig::lora_block_params() const {
+  if (!lora()) return 0;
+  const int64_t C = n_embd, hd = head_dim(), F = ffn_hidden, r = lora_rank;
+  const int64_t q = n_head * hd, kv = n_kv_head * hd;
+  int64_t n = 0;
+  auto add = [&](uint32_t bit, int64_t in, int64_t out) {
+    if (lora_targets & bit) n += r * (in + out);
+  };
+  add(kLoraQkv, C, q + 2 * kv);
+  add(kLoraQ, C, q);
+  add(kLoraK, C, kv);
+  add(kLoraV, C, kv);
+  add(kLoraO, q, C);
+  add(kLoraGate, C, F);
+  add(kLoraUp, C, F);
+  add(kLoraDown, F, C);
+  return n;
+}
+
+namespace {
+struct LoraName {
+  const char* name;
+  uint32_t bit;
+  int arch;  // 0 both, 1 GPT-2 only, 2 Llama only
+  bool canonical;
+};
+const LoraName kLoraNames[] = {
+    {"c_attn", kLoraQkv, 1, true}, {"q", kLoraQ, 0, true},       {"k", kLoraK, 0, true},
+    {"v", kLoraV, 0, true},        {"o", kLoraO, 0, true},        {"gate", kLoraGate, 2, true},
+    {"up", kLoraUp, 0, true},      {"down", kLoraDown, 0, true},  {"attn.c_proj", kLoraO, 1, false},
+    {"c_fc", kLoraUp, 1, false},   {"mlp.c_proj", kLoraDown, 1, false},
+};
+}  // namespace
+
+uint32_t parse_lora_targets(const std::string& list, Arch arch) {
+  uint32_t bits = 0;
+  size_t at = 0;
+  while (at <= list.size()) {
+    size_t e = list.find(',', at);
+    if (e == std::string::npos) e = list.size();
+    std::string t = list.substr(at, e - at);
+    while (!t.empty() && t.front() == ' ') t.erase(t.begin());
+    while (!t.empty() && t.back() == ' ') t.pop_back();
+    at = e + 1;
+    if (t.empty()) continue;
+    bool found = false;
+    for (const LoraName& n : kLoraNames) {
+      if (t != n.name) continue;
+      if ((n.arch == 1 && arch != Arch::GPT2) || (n.arch == 2 && arch != Arch::Llama)) break;
+      bits |= n.bit;
+      found = true;
+      break;
+    }
+    if (!found)
+      throw std::invalid_argument("lora.targets: unknown projection '" + t + "' for " + arch_name(arch) + " (use " +
+                                  (arch == Arch::GPT2 ? "c_attn, q, k, v, o, up, down" : "q, k, v, o, gate, up, down") +
+                                  ")");
+  }
+  return bits;
+}
+
+std::string lora_targets_string(uint32_t targets, Arch arch) {
+  std::string s;
+  for (const LoraName& n : kLoraNames) {
+    if (!n.canonical || !(targets & n.bit)) continue;
+    if ((n.arch == 1 && arch != Arch::GPT2) || (n.arch == 2 && arch != Arch::Llama)) continue;
+    s += (s.empty() ? "" : ",") + std::string(n.name);
+  }
+  return s;
 }
 
 int64_t ModelConfig::moe_layers() const {
@@ -121,20 +202,23 @@ int64_t ModelConfig::block_params(int64_t l) const {
     const int64_t mlp = arch == Arch::GPT2 ? C * F + F + F * C + C : 3 * C * F;
     return d.block_params() - mlp + moe_experts * C + (moe_experts + moe_shared_experts) * expert_params();
   }
+  const int64_t lora = lora_block_params();
   if (arch == Arch::GPT2) {
     return 2 * C                // ln_1
            + C * qkv + qkv      // c_attn
            + C * C + C          // attn c_proj
            + 2 * C              // ln_2
            + C * F + F          // c_fc
-           + F * C + C;         // mlp c_proj
+           + F * C + C          // mlp c_proj
+           + lora;              // LoRA adapters
   }
   return C                      // input_layernorm
          + C * qkv              // q,k,v proj (no bias)
          + C * C                // o_proj
          + C                    // post_attention_layernorm
          + 3 * C * F            // gate, up, down
-         + (qkv_bias ? qkv : 0); // q, k, v biases (Qwen 2)
+         + (qkv_bias ? qkv : 0)  // q, k, v biases (Qwen 2)
+         + lora;                 // LoRA adapters
 }
 
 int64_t ModelConfig::num_params() const {

@@ -51,6 +51,19 @@ struct ModelConfig {
   float moe_capacity_factor = 0.0f;
   bool moe_pad_to_capacity = false;
 
+  // LoRA fine-tuning (lora_rank 0 = off): every targeted projection W [out, in] gains a trainable
+  // adapter, y = x W^T + (alpha / rank) (x A^T) B^T with A [rank, in] and B [out, rank]; every
+  // other parameter is frozen. lora_targets: LoraTarget bits (parse_lora_targets).
+  int64_t lora_rank = 0;
+  float lora_alpha = 0.0f;  // 0 = lora_rank (scale 1)
+  uint32_t lora_targets = 0;
+  float lora_dropout = 0.0f;
+  bool lora() const { return lora_rank > 0; }
+  float lora_scale() const {
+    return (lora_alpha > 0 ? lora_alpha : static_cast<float>(lora_rank)) / static_cast<float>(lora_rank);
+  }
+  // Adapter parameters of one dense block (0 without LoRA).
+  int64_t lora_block_params() const;
   bool moe() const { return moe_experts > 0; }
   bool is_moe_layer(int64_t l) const { return moe() && l % moe_every == 0; }
   int64_t moe_layers() const;
@@ -77,6 +90,18 @@ struct ModelConfig {
   // position embeddings and an untied input embedding).
   double flops_per_token() const;
 };
+
+// LoRA targets. Llama: q, k, v, o (q_proj .. o_proj), gate, up, down (the MLP). GPT-2: c_attn (the
+// fused q|k|v projection, one adapter), or q, k, v (adapters on its three row blocks), o
+// (attn.c_proj), up (c_fc), down (mlp.c_proj); attn.c_proj, c_fc and mlp.c_proj are accepted as
+// the same names.
+enum LoraTarget : uint32_t {
+  kLoraQ = 1, kLoraK = 2, kLoraV = 4, kLoraO = 8, kLoraGate = 16, kLoraUp = 32, kLoraDown = 64, kLoraQkv = 128
+};
+// A comma list of target names for `arch` as bits; throws std::invalid_argument naming the bad name.
+uint32_t parse_lora_targets(const std::string& list, Arch arch);
+// The names of the bits, comma-separated (the canonical spelling for `arch`).
+std::string lora_targets_string(uint32_t targets, Arch arch);
 
 const char* arch_name(Arch a);
 bool parse_arch(const std::string& s, Arch* out);

@@ -130,7 +130,7 @@ const float* LmHead::backward(const HeadWeight& w, HeadActivations& h, int64_t N
     const int64_t rows = ready.rows > 0 ? ready.rows : Vp;
     for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
       const int64_t cv = std::min(rows, Vp - r0);
-      if (dw_pending_) kt_->accumulate(w.grad + r0 * C, pending_dw_.f32() + r0 * C, cv * C);
+      if (dw_pending_ && w.grad) kt_->accumulate(w.grad + r0 * C, pending_dw_.f32() + r0 * C, cv * C);
       if (ready.rows > 0) ready.hooks->grad_ready(ready.param, r0, r0 + cv);
     }
     dw_pending_ = false;
@@ -180,10 +180,11 @@ void LmHead::backward_by_rows(const HeadWeight& w, HeadActivations& h, int64_t N
       kt_->copy_columns(chunk_grad_.f32(), dl, N, Vp, r0, cv);
       dl = chunk_grad_.f32();
     }
+    float* dw = w.grad ? w.grad + r0 * C : nullptr;  // null: frozen (LoRA)
     if (bf)
-      kt_->linear_backward_bf16(dhin, w.grad + r0 * C, nullptr, dl, h.in_bf.bf(), w.wb + r0 * C, N, C, cv);
+      kt_->linear_backward_bf16(dhin, dw, nullptr, dl, h.in_bf.bf(), w.wb + r0 * C, N, C, cv);
     else
-      kt_->linear_backward(dhin, w.grad + r0 * C, nullptr, dl, h.in.f32(), w.wf + r0 * C, N, C, cv);
+      kt_->linear_backward(dhin, dw, nullptr, dl, h.in.f32(), w.wf + r0 * C, N, C, cv);
     ready.hooks->grad_ready(ready.param, r0, r0 + cv);
   }
 }
