@@ -38,6 +38,9 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   tpc_.overlap = o.tp_overlap;
   cp_ = o.cp && o.cp->size() > 1 ? o.cp : nullptr;
   cp_allgather_ = o.cp_allgather;
+  flash_ = o.flash_attention;
+  if (flash_ && compute_ != DType::BF16) throw std::invalid_argument("flash attention needs bf16 compute");
+  if (flash_ && cp_) throw std::invalid_argument("flash attention does not take context parallelism yet");
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
   if (owned_.empty()) owned_.assign(U, 1);
   if (owned_.size() != U)
@@ -82,7 +85,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   }
   if (cfg_.moe())
     moe_ = std::make_unique<MoeLayer>(cfg_, compute_, dev_, kt_, tpc_, moe_shape_, ep_comm_, cp_);
-  attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_);
+  attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_, flash_);
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
   embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
   head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
@@ -516,7 +519,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       out_buf(l + 1);
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
-        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l));
+        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l), flash_);
         if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
       }
     } else if (!s.head.losses.defined()) {
@@ -535,10 +538,10 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   scratch_moe_acts_.reset();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
-    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_);
+    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_, flash_);
     if (cfg_.moe()) {  // recomputed MoE layers share their own set
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
-      alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width);
+      alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width, flash_);
       alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
     }
   }

@@ -68,6 +68,11 @@ struct ModelOptions {
   // whole logits. With tensor parallelism each chunk's row statistics are reduced over the tp ranks
   // (two small all-reduces per chunk) and the input gradient is reduced by the backward.
   int64_t loss_chunk = 0;
+  // Attention on bf16 q, k and v (bf16 compute only): the q|k|v projection's output (after RoPE)
+  // is rounded to bf16 and kept for the backward in place of the fp32 one, and attended by
+  // attention_forward_bf16 / attention_backward_bf16 (on CUDA the flash-attention kernels; the
+  // output and lse stay fp32, no T x T buffer). Not with context parallelism.
+  bool flash_attention = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
   // rank); positions follow the original indices and attention runs over every cp rank's keys and
@@ -368,6 +373,7 @@ class Transformer : private LayerParams {
   // context parallelism: the communicator, mode and the original positions of the local tokens
   CpComm* cp_ = nullptr;
   bool cp_allgather_ = false;
+  bool flash_ = false;
   std::vector<int32_t> cp_pos_;
   // Workspace: the residual stream's gradient [R, C], a norm's input gradient [N, C] and fp32
   // staging [N, max(C, F)] (values stored as bf16, gathered rows, a recompute's discarded output).

@@ -47,6 +47,7 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .sequence_parallel = plan.sequence_parallel,
                        .tp_overlap = o.tp_overlap,
                        .loss_chunk = o.loss_chunk_tokens,
+                       .flash_attention = o.flash_attention,
                        .cp = p.cp_comm_.get(),
                        .cp_allgather = plan.cp_mode == "allgather",
                        .ep = plan.ep_enabled() ? plan.ep : 1,

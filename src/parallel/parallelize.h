@@ -35,6 +35,7 @@ struct ParallelizeOptions {
   bool tp_overlap = true;          // input-gradient reductions overlap the weight-gradient matmuls
   int64_t loss_chunk_tokens = 0;   // chunked LM head + loss (0 = off)
   std::string pp_partition;        // the stage cut (parallel.pp_partition; empty = balanced)
+  bool flash_attention = false;    // bf16 q, k, v in the flash-attention kernels (model.attention_kernel)
 };
 
 // One step's forward and backward, reduced over the ranks.

@@ -65,6 +65,9 @@ std::vector<Field> fields(RunConfig& c) {
       {"model.moe_z_loss_coef", Kind::Float, &c.model.moe_z_loss_coef, "router z-loss coefficient (-1 = the preset's, 0 = off)"},
       {"model.moe_capacity_factor", Kind::Float, &c.model.moe_capacity_factor,
        "expert capacity = factor x tokens x top_k / experts per micro-batch, overflow dropped and counted (0 = dropless; -1 = the preset's, 0)"},
+      {"model.attention_kernel", Kind::String, &c.model.attention_kernel,
+       "auto | flash | reference: flash = bf16 q, k, v in the flash-attention kernels (train.dtype = bf16, no "
+       "context parallelism); reference = the fp32 kernels; auto = flash for bf16 on train.device = cuda"},
       {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
        "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
        "message, GEMM and activation sizes"},

@@ -41,6 +41,9 @@ struct RunConfig {
     std::string moe_router;                 // "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
     double moe_aux_loss_coef = -1, moe_z_loss_coef = -1, moe_capacity_factor = -1;
     bool moe_pad_to_capacity = false;
+    // Attention kernel: auto (flash for bf16 on train.device = cuda, reference otherwise) | flash
+    // (the bf16 tensor-core kernels: needs train.dtype = bf16) | reference (the fp32 kernels).
+    std::string attention_kernel = "auto";
   } model;
   struct Data {
     std::string train = "data/default/train.bin";

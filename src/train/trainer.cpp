@@ -116,6 +116,7 @@ class Trainer {
   comm::World* W_ = nullptr;
   int rank_ = 0, world_ = 1;
   bool dry_ = false, log_ = false;
+  bool flash_attn_ = false;  // model.attention_kernel resolved
   ModelConfig mc_;
   ParallelPlan plan_;
   ParallelGroups groups_;
@@ -169,7 +170,30 @@ bool check_train_device(const std::string& name, bool dry, int world) {
                       "yet; docs/gpu.md)");
   return true;
 }
-parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt) {
+// model.attention_kernel: true for the bf16 (flash) attention kernels. auto = flash for bf16 on
+// train.device = cuda (the dry run decides from the key, as the real run does), without context
+// parallelism or document masking (the flash kernels take no document starts yet); reference
+// otherwise.
+bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
+  const std::string& k = cfg.model.attention_kernel;
+  Device d = Device::CPU;
+  const bool docs = cfg.data.document_masking;
+  if (k == "auto")
+    return dt == DType::BF16 && parse_device(cfg.train.device, &d) && d == Device::CUDA && cp <= 1 && !docs;
+  if (k == "reference") return false;
+  if (k != "flash") throw ConfigError("model.attention_kernel must be auto, flash or reference, got '" + k + "'");
+  if (dt != DType::BF16)
+    throw ConfigError("model.attention_kernel = flash takes bf16 q, k, v: set train.dtype = bf16, or use auto / reference");
+  if (cp > 1)
+    throw ConfigError("model.attention_kernel = flash does not run with context parallelism (parallel.cp = " +
+                      std::to_string(cp) + "): use auto or reference");
+  if (docs)
+    throw ConfigError("model.attention_kernel = flash does not take document masking yet (data.document_masking = "
+                      "true): use auto or reference");
+  return true;
+}
+
+parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash) {
   const RunConfig::Train& tc = cfg.train;
   parallel::ParallelizeOptions po;
   po.dtype = dt;
@@ -181,6 +205,7 @@ parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt)
   po.tp_overlap = cfg.parallel.tp_overlap;
   po.loss_chunk_tokens = tc.loss_chunk_tokens;
   po.pp_partition = cfg.parallel.pp_partition;
+  po.flash_attention = flash;
   return po;
 }
 
@@ -225,7 +250,7 @@ void Trainer::build() {
                       std::to_string(mc_.vocab_size) + "), got " + std::to_string(cfg_.data.document_separator));
   make_loaders();
   try {
-    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_));
+    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_));
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }
@@ -277,6 +302,7 @@ void Trainer::check_train_config() {
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = plan_.tp > 1,
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
                                     .moe = mc_.moe()});
+  flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp);
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");

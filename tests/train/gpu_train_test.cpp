@@ -9,9 +9,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "../test_files.h"
 #include "checkpoint/checkpoint.h"
@@ -51,6 +55,9 @@ class GpuTrain : public ::testing::Test {
     write_token_shard(tmp_.file("val.bin"), std::vector<int32_t>(toks.begin(), toks.begin() + 1000));
   }
   RunConfig config(const std::string& device, const Overrides& extra = {}) {
+    return RunConfig::load("", overrides(device, extra));
+  }
+  Overrides overrides(const std::string& device, const Overrides& extra = {}) {
     Overrides ov = {{"model.preset", "gpt2-tiny"},   {"data.train", tmp_.file("train.bin")},
                     {"data.val", tmp_.file("val.bin")}, {"train.steps", "20"},
                     {"train.micro_batch", "2"},        {"train.warmup_steps", "2"},
@@ -58,7 +65,7 @@ class GpuTrain : public ::testing::Test {
                     {"train.eval_batches", "1"},       {"train.threads", "1"},
                     {"log.print_every", "100"},        {"train.device", device}};
     ov.insert(ov.end(), extra.begin(), extra.end());
-    return RunConfig::load("", ov);
+    return ov;
   }
   // The same run on the CPU and on the GPU.
   void expect_parity(const Overrides& extra, double rel) {
@@ -92,10 +99,75 @@ TEST_F(GpuTrain, LlamaFp32RecomputeChunkedLossMatchesCpu) {
                 kFp32Rel);
 }
 
+// bf16 on the GPU attends with the flash-attention kernels (model.attention_kernel = auto): bf16
+// q, k and v, fp32 accumulation, the lse kept for the backward. The CPU (reference kernel, fp32 on
+// the fp32 projection) differs from it by the rounding of q, k, v to bf16 and the tensor-core
+// reduction order, within the bf16 tolerance; with model.attention_kernel = reference the GPU runs
+// the fp32 attention as before, also within it - and the two GPU runs differ (flash was used).
 TEST_F(GpuTrain, Gpt2Bf16MatchesCpu) {
-  expect_parity({{"train.dtype", "bf16"}, {"train.grad_accum", "2"}}, kBf16Rel);
+  const Overrides bf = {{"train.dtype", "bf16"}, {"train.grad_accum", "2"}};
+  Overrides ref = bf;
+  ref.push_back({"model.attention_kernel", "reference"});
+  const TrainResult cpu = train(config("cpu", bf)), flash = train(config("cuda", bf)), plain = train(config("cuda", ref));
+  ASSERT_EQ(cpu.losses.size(), 20u);
+  EXPECT_LT(cpu.losses.back(), cpu.losses.front() - 0.5);  // it trains
+  expect_close(cpu.losses, flash.losses, kBf16Rel, "training loss, flash attention");
+  expect_close(cpu.val_losses, flash.val_losses, kBf16Rel, "validation loss, flash attention");
+  expect_close(cpu.losses, plain.losses, kBf16Rel, "training loss, reference attention");
+  expect_close(cpu.val_losses, plain.val_losses, kBf16Rel, "validation loss, reference attention");
+  EXPECT_NE(flash.losses, plain.losses) << "model.attention_kernel made no difference on the GPU";
 }
 
+nlohmann::json final_metrics(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  nlohmann::json last;
+  while (std::getline(f, line))
+    if (!line.empty()) last = nlohmann::json::parse(line);
+  return last;
+}
+
+// Flash attention keeps bf16 q|k|v per layer instead of fp32 (2 bytes less per element of the
+// [B*T, 3C] projection output, every layer) and holds the fp32 projection output once, as
+// workspace. The dry run (`train --dry-run`, the Meta device) counts the same bytes as the real run.
+TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
+  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "1"}, {"train.eval_every", "0"}};
+  Overrides flash = bf, ref = bf;
+  flash.emplace_back("log.metrics_out", tmp_.file("flash.jsonl"));
+  ref.emplace_back("model.attention_kernel", "reference");
+  ref.emplace_back("log.metrics_out", tmp_.file("ref.jsonl"));
+  const RunConfig rc = config("cuda", flash);
+  train(rc);
+  train(config("cuda", ref));
+  const nlohmann::json f = final_metrics(tmp_.file("flash.jsonl")), r = final_metrics(tmp_.file("ref.jsonl"));
+  const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
+  const ModelConfig mc = rc.model_config();
+  const int64_t qkv = rc.train.micro_batch * mc.seq_len * 3 * mc.n_embd;  // elements per layer
+  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+  EXPECT_EQ(mf["workspace"].get<int64_t>() - mr["workspace"].get<int64_t>(), 4 * qkv);
+
+  // The dry runs of both (each in its own process: it replaces the world and the device) count the
+  // same model state and workspace, and the same difference in activations. (The real GPU run's
+  // activations also hold the device batch buffers - inputs, loss accumulator, scalars - which the
+  // dry run does not make; that part is the same for both kernels.)
+  nlohmann::json dry[2];
+  for (int i = 0; i < 2; ++i) {
+    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
+    Overrides d = overrides("cuda", i == 0 ? flash : ref);
+    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
+    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
+    dry[i] = dry[i]["mem_resident_by_category"];
+    for (const char* c : {"params", "grads", "optimizer", "workspace"})
+      EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", flash" : ", reference");
+  }
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+}
+
+// Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.
 TEST_F(GpuTrain, LlamaBf16SelectiveRecomputeMatchesCpu) {
   expect_parity({{"model.preset", "llama-tiny"},
                  {"train.dtype", "bf16"},

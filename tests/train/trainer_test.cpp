@@ -386,6 +386,23 @@ TEST_F(TrainerTest, EvalAtStartReportsTheInitialValidationLoss) {
   EXPECT_EQ(r.losses, train(config()).losses);  // evaluating first does not change training
 }
 
+// On the CPU model.attention_kernel = auto is the reference kernel (the run is unchanged, bit for
+// bit); flash attends with bf16 q, k, v (the CPU's bf16 attention ops), a different rounding that
+// trains as closely as bf16 allows.
+TEST_F(TrainerTest, AttentionKernelChoiceOnTheCpu) {
+  const std::vector<std::pair<std::string, std::string>> bf = {{"train.dtype", "bf16"}, {"train.eval_every", "0"}};
+  auto with = [&](const char* kernel) {
+    auto ov = bf;
+    ov.emplace_back("model.attention_kernel", kernel);
+    return train(config(ov)).losses;
+  };
+  const std::vector<double> automatic = train(config(bf)).losses, ref = with("reference"), flash = with("flash");
+  EXPECT_EQ(automatic, ref);
+  ASSERT_EQ(flash.size(), ref.size());
+  EXPECT_NE(flash, ref);
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(flash[i], ref[i], 2e-3 * ref[i]) << "step " << i + 1;
+}
+
 TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   auto expect_error = [&](std::vector<std::pair<std::string, std::string>> ov, const std::string& needle) {
     try {
@@ -408,6 +425,10 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   expect_error({{"train.activation_checkpointing", "some"}},
                "train.activation_checkpointing must be one of none, full, selective; got 'some'");
   expect_error({{"data.train", (dir_ / "missing*.bin").string()}}, "missing");
+  expect_error({{"model.attention_kernel", "fast"}}, "model.attention_kernel must be auto, flash or reference");
+  expect_error({{"model.attention_kernel", "flash"}}, "model.attention_kernel = flash takes bf16 q, k, v");
+  expect_error({{"model.attention_kernel", "flash"}, {"train.dtype", "bf16"}, {"data.document_masking", "true"}},
+               "model.attention_kernel = flash does not take document masking");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);
   EXPECT_THROW(RunConfig::load("", {{"train.steps", "ten"}}), ConfigError);
 }

@@ -11,7 +11,7 @@ constexpr int kTagKv = 1, kTagKvBackward = 2, kTagDkv = 3;  // ring transfers of
 }
 
 Attention::Attention(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt,
-                     TpContext& tpc, int64_t heads, int64_t kv_heads, CpComm* cp, bool cp_allgather)
+                     TpContext& tpc, int64_t heads, int64_t kv_heads, CpComm* cp, bool cp_allgather, bool flash)
     : cfg_(cfg),
       compute_(compute),
       dev_(dev),
@@ -20,7 +20,8 @@ Attention::Attention(const ModelConfig& cfg, DType compute, Device dev, const ke
       heads_(heads),
       kv_heads_(kv_heads),
       cp_(cp),
-      cp_allgather_(cp_allgather) {
+      cp_allgather_(cp_allgather),
+      flash_(flash) {
   if (cfg_.rope_scaled()) rope_inv_freq_ = cfg_.rope_inv_freq();  // Llama 3.1 scaled frequencies
 }
 
@@ -31,6 +32,7 @@ void Attention::allocate(int64_t N) {
   auto W = MemCategory::Workspace;
   ws_.dqkv = Tensor::empty({N, QKV}, DType::F32, W);
   ws_.datty = Tensor::empty({N, C}, DType::F32, W);
+  if (flash_) ws_.qkv32 = Tensor::empty({N, QKV}, DType::F32, W);
 }
 
 // Context parallelism: the travelling key / value blocks and their gradients (after the other
@@ -73,12 +75,17 @@ void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& 
   const int64_t N = ts.B * ts.T, C = cfg_.n_embd, hd = cfg_.head_dim();
   const int64_t nh = heads_, nkv = kv_heads_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const bool bf = compute_ == DType::BF16;
-  ColumnParallelLinear(tpc_, C).forward(a.ln1, ln1, {{a.qkv.f32(), P.qkv_weight(p, QKV, false)}});
-  rope(a.qkv.f32(), ts, false);
-  if (cp_)
+  float* qkv = flash_ ? ws_.qkv32.f32() : a.qkv.f32();
+  ColumnParallelLinear(tpc_, C).forward(a.ln1, ln1, {{qkv, P.qkv_weight(p, QKV, false)}});
+  rope(qkv, ts, false);
+  if (cp_) {
     cp_forward(a, ts);
-  else
-    kt_->attention_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
+  } else if (flash_) {  // q, k, v rounded to bf16 (kept for the backward); out and lse fp32
+    store_compute(kt_, a.qkv_bf, qkv, N * QKV);
+    kt_->attention_forward_bf16(a.atty.f32(), a.lse.f32(), a.qkv_bf.bf(), ts.B, ts.T, nh, nkv, hd);
+  } else {
+    kt_->attention_forward(a.atty.f32(), a.lse.f32(), qkv, ts.B, ts.T, nh, nkv, hd, ts.doc_start);
+  }
   if (bf) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   RowParallelLinear(tpc_, nh * hd, P.weight(p.proj_w, p.proj_b, C, false)).forward(a.res2.f32(), bf ? a.atty_bf : a.atty);
 }
@@ -95,6 +102,8 @@ const float* Attention::backward(LayerParams& P, const BlockParams& p, BlockActi
   dev::zero(dev_, dqkv, static_cast<size_t>(N * QKV) * sizeof(float));
   if (cp_)
     cp_backward(a, datty, dqkv, ts);
+  else if (flash_)
+    kt_->attention_backward_bf16(dqkv, datty, a.qkv_bf.bf(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd);
   else
     kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   rope(dqkv, ts, true);

@@ -36,7 +36,9 @@ class Attention {
  public:
   // heads, kv_heads: this tp rank's query and key/value heads.
   Attention(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
-            int64_t heads, int64_t kv_heads, CpComm* cp, bool cp_allgather);
+            int64_t heads, int64_t kv_heads, CpComm* cp, bool cp_allgather, bool flash = false);
+  // flash: bf16 q, k, v in the bf16 attention ops (ModelOptions::flash_attention); the fp32
+  // projection output is then workspace and a.qkv_bf the saved activation.
   // Workspace for N = B*T tokens: the backward's, and context parallelism's key / value blocks;
   // release() frees both (before a new shape's).
   void allocate(int64_t N);
@@ -65,10 +67,12 @@ class Attention {
   int64_t heads_, kv_heads_;
   CpComm* cp_;
   bool cp_allgather_;
+  bool flash_;
   std::vector<float> rope_inv_freq_;  // scaled rotary frequencies (Llama 3.1, host); empty = from rope_theta
   struct Workspace {
     Tensor dqkv;   // the q|k|v projection's output gradient [N, QKV]
     Tensor datty;  // the attention output's gradient [N, C]
+    Tensor qkv32;  // flash: the projection's fp32 output [N, QKV], rounded into a.qkv_bf
     // Context parallelism, ring: the key / value block held and the one arriving; the gradient of
     // the block held (accumulated along the ring), the next block's arriving and this step's.
     Tensor kv_cur, kv_next, dkv_acc, dkv_in, dkv_step;

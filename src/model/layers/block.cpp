@@ -39,13 +39,16 @@ BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t 
 }
 
 void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
-                             int64_t nh, int64_t nkv, int64_t F) {
+                             int64_t nh, int64_t nkv, int64_t F, bool flash) {
   const int64_t C = c.n_embd, QKV = (nh + 2 * nkv) * c.head_dim();
   auto A = MemCategory::Activations;
   a.ln1 = Tensor::empty({R, C}, cd, A);
   a.ln1_rstd = Tensor::empty({R}, DType::F32, A);
   if (c.arch == Arch::GPT2) a.ln1_mean = Tensor::empty({R}, DType::F32, A);
-  a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
+  if (flash)
+    a.qkv_bf = Tensor::empty({BT, QKV}, DType::BF16, A);
+  else
+    a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
   a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);
   if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, nh * c.head_dim()}, DType::BF16, A);
   a.lse = Tensor::empty({B * nh * (BT / B)}, DType::F32, A);

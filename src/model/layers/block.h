@@ -15,6 +15,7 @@ namespace mt {
 struct BlockActivations {
   Tensor ln1, ln1_mean, ln1_rstd;  // ln1: f32 or bf16
   Tensor qkv;                       // f32 [N, QKV] (after RoPE for Llama)
+  Tensor qkv_bf;                    // flash attention: the same in bf16 instead (qkv undefined)
   Tensor atty, atty_bf, lse;        // attention output f32 (+ bf16 copy), lse [B, nh, T]
   Tensor res2;                      // residual after attention, f32 [N, C]
   Tensor ln2, ln2_mean, ln2_rstd;
@@ -39,7 +40,7 @@ struct BlockActivations {
   float dloss = 0.0f;               // the loss-gradient scale of the forward that filled this set
   int64_t bytes() const {
     int64_t b = 0;
-    for (const Tensor* t : {&ln1, &ln1_mean, &ln1_rstd, &qkv, &atty, &atty_bf, &lse, &res2, &ln2, &ln2_mean,
+    for (const Tensor* t : {&ln1, &ln1_mean, &ln1_rstd, &qkv, &qkv_bf, &atty, &atty_bf, &lse, &res2, &ln2, &ln2_mean,
                             &ln2_rstd, &fc, &up, &act, &r_logits, &r_scores, &r_idx, &r_w, &r_lse, &r_pos, &xs, &h1,
                             &h3, &xact, &y, &order, &inv, &ysend})
       if (t->defined()) b += static_cast<int64_t>(t->nbytes());
@@ -70,8 +71,9 @@ BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t 
 // nh, nkv, F: this tp rank's heads and MLP width (the dense MLP's, or an MoE layer's shared
 // experts'); R: rows of the residual stream this rank holds (BT, or BT / tp with sequence
 // parallelism): the norms' inputs, outputs and statistics and the residual are kept for R rows only.
+// flash: the attention takes bf16 q, k, v (ModelOptions::flash_attention): qkv_bf instead of qkv.
 void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
-                      int64_t nh, int64_t nkv, int64_t F);
+                      int64_t nh, int64_t nkv, int64_t F, bool flash = false);
 // An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe.
 void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe);
 
