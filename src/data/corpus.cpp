@@ -69,20 +69,30 @@ std::string read_whole(const std::string& path) {
   return s;
 }
 
-// The document of one JSON line, or a BadInputError naming file and line.
-std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, int64_t lineno) {
-  auto bad = [&](const std::string& why) {
-    return BadInputError(path + " line " + std::to_string(lineno) + ": " + why);
-  };
+// A BadInputError naming file and line.
+BadInputError bad_line(const std::string& path, int64_t lineno, const std::string& why) {
+  return BadInputError(path + " line " + std::to_string(lineno) + ": " + why);
+}
+
+// One JSON-lines record: a JSON object, or a BadInputError naming file and line.
+nlohmann::json json_object_line(const std::string& line, const std::string& path, int64_t lineno) {
   size_t at = 0;
-  if (!unicode::utf8_valid(line, &at)) throw bad("invalid UTF-8 at byte " + std::to_string(at) + " of the line");
+  if (!unicode::utf8_valid(line, &at))
+    throw bad_line(path, lineno, "invalid UTF-8 at byte " + std::to_string(at) + " of the line");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(line);
   } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e99999
-    throw bad("not JSON (" + json_error_text(e.what()) + ")");
+    throw bad_line(path, lineno, "not JSON (" + json_error_text(e.what()) + ")");
   }
-  if (!j.is_object()) throw bad("not a JSON object");
+  if (!j.is_object()) throw bad_line(path, lineno, "not a JSON object");
+  return j;
+}
+
+// The document of one JSON line, or a BadInputError naming file and line.
+std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, int64_t lineno) {
+  auto bad = [&](const std::string& why) { return bad_line(path, lineno, why); };
+  const nlohmann::json j = json_object_line(line, path, lineno);
   auto it = j.find(field);
   if (it == j.end()) throw bad("no field \"" + field + "\" (choose the field with --jsonl-field)");
   if (!it->is_string()) throw bad("field \"" + field + "\" is not a string");
@@ -179,18 +189,8 @@ void remove_old_shards(const fs::path& dir) {
 }  // namespace
 
 std::vector<ChatMessage> parse_chat_record(const std::string& line, const std::string& path, int64_t lineno) {
-  auto bad = [&](const std::string& why) {
-    return BadInputError(path + " line " + std::to_string(lineno) + ": " + why);
-  };
-  size_t at = 0;
-  if (!unicode::utf8_valid(line, &at)) throw bad("invalid UTF-8 at byte " + std::to_string(at) + " of the line");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e99999
-    throw bad("not JSON (" + json_error_text(e.what()) + ")");
-  }
-  if (!j.is_object()) throw bad("not a JSON object");
+  auto bad = [&](const std::string& why) { return bad_line(path, lineno, why); };
+  const nlohmann::json j = json_object_line(line, path, lineno);
   std::vector<ChatMessage> out;
   if (auto m = j.find("messages"); m != j.end()) {
     if (!m->is_array() || m->empty()) throw bad("\"messages\" is not a non-empty list");
