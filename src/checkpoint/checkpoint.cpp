@@ -290,6 +290,8 @@ TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole) {
     st.step = integer(j.at("step"), "step");
     st.adam_steps = integer(j.at("adam_steps"), "adam_steps");
     st.micro_batches = integer(j.at("micro_batches"), "micro_batches");
+    if (j.contains("has_optimizer") && !j.at("has_optimizer").is_boolean())  // read by CheckpointReader
+      throw std::runtime_error("has_optimizer is not true or false");
     if (j.contains("data")) {
       const auto& dj = j.at("data");
       st.has_blend = true;

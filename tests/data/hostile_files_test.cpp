@@ -190,6 +190,8 @@ TEST(HostileFiles, FloatWhereAnIntegerBelongs) {
   TestDir dir;
   put(dir.file("trainer.json"), R"({"step": 2.8e89, "adam_steps": 1, "micro_batches": 1})");
   expect_clear_error(dir.file("trainer.json"), [&] { (void)mt::read_trainer_state(dir.path.string()); });
+  put(dir.file("trainer.json"), R"({"step": 3, "adam_steps": 1, "micro_batches": 1, "has_optimizer": 2.5})");
+  expect_clear_error(dir.file("trainer.json"), [&] { (void)mt::read_trainer_state(dir.path.string()); });
   put(dir.file("trainer.json"), R"({"step": 3, "adam_steps": 1, "micro_batches": 1})");
   EXPECT_EQ(mt::read_trainer_state(dir.path.string()).step, 3);
 
