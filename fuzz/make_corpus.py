@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Writes the seed corpora of the fuzz targets (fuzz/corpus/<target>/): small valid files made from
-the repository's fixtures and configs, and a few edge cases. Deterministic; rerun after changing
-it and commit the result. Usage: python3 fuzz/make_corpus.py"""
+"""Writes the seed corpora of the fuzz targets (OUT_DIR/<target>/): small valid files made from
+the repository's fixtures and configs, and a few edge cases. Deterministic; scripts/fuzz.sh runs it
+into build-fuzz/seeds before every campaign. Usage: python3 fuzz/make_corpus.py OUT_DIR"""
 import json
 import os
 import shutil
 import struct
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(ROOT, "fuzz", "corpus")
+OUT = None  # set by main() from the command line
 
 
 def put(target, name, data):
@@ -39,6 +40,10 @@ def shard(version, tokens, vocab=0, text_bytes=0):
 
 
 def main():
+    global OUT
+    if len(sys.argv) != 2:
+        sys.exit("usage: python3 fuzz/make_corpus.py OUT_DIR")
+    OUT = os.path.abspath(sys.argv[1])
     shutil.rmtree(OUT, ignore_errors=True)
 
     # safetensors: an f32 matrix and a bf16 vector with metadata, a scalar, empty and zero-size cases.

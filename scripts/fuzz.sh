@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzes every file reader (docs/fuzzing.md): configures a clang tree (build-fuzz, -DMESHTRAIN_FUZZ=ON),
 # builds the libFuzzer targets of fuzz/ and runs each for SECONDS (default 10) from its seed corpus
-# (fuzz/corpus/<target>, never modified: new inputs go to build-fuzz/corpus/<target>). Prints, per
+# (written by fuzz/make_corpus.py into build-fuzz/seeds/<target>; new inputs go to
+# build-fuzz/corpus/<target>). Prints, per
 # target, the inputs tried and the crashes; a crash's input is kept as build-fuzz/crashes/<target>-crash-*
 # (rerun it with build-fuzz/fuzz/<target>_fuzz FILE). Exit 1 when any target crashed.
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]   (targets: see fuzz/CMakeLists.txt)
@@ -25,6 +26,7 @@ ninja -C build-fuzz fuzz_targets
 targets=("$@")
 ((${#targets[@]})) || targets=(safetensors token_shard jsonl tokenizer_json hf_config toml_config checkpoint_meta)
 mkdir -p build-fuzz/crashes build-fuzz/logs
+python3 fuzz/make_corpus.py build-fuzz/seeds
 printf '%-16s %8s %12s %8s\n' target seconds inputs crashes
 failed=0
 for t in "${targets[@]}"; do
@@ -36,7 +38,7 @@ for t in "${targets[@]}"; do
   # -timeout: an input that takes longer is a hang, reported as a crash.
   set +e
   "$exe" -max_total_time="$secs" -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 \
-    -artifact_prefix="build-fuzz/crashes/$t-" "build-fuzz/corpus/$t" "fuzz/corpus/$t" >"$log" 2>&1
+    -artifact_prefix="build-fuzz/crashes/$t-" "build-fuzz/corpus/$t" "build-fuzz/seeds/$t" >"$log" 2>&1
   rc=$?
   set -e
   inputs=$(grep -a -o 'stat::number_of_executed_units: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
