@@ -252,6 +252,56 @@ void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& 
   }
 }
 
+// Tensor parallelism: the adapters' gradients that are partial sums over the tp ranks (LoraPart::
+// tp_partial) go to a zeroed buffer instead of their gradients; sum() adds them over tp in one
+// all-reduce for the layer's weights, then to the gradients, so every rank adds the same full
+// gradient of its replicated matrix (as a norm's parameter gradients under SP).
+class LoraTpGrads {
+ public:
+  explicit LoraTpGrads(size_t weights) { parts_.reserve(weights); }
+  // w with its adapters' partial gradients pointed into this buffer (w itself when it has none).
+  Weight redirect(const Weight& w, int64_t in) {
+    if (w.nlora == 0) return w;
+    int64_t need = 0;
+    for (int i = 0; i < w.nlora; ++i) need += count(w.lora[i], in);
+    if (need == 0) return w;
+    parts_.emplace_back(w.lora, w.lora + w.nlora);
+    Tensor t = Tensor::zeros({need}, DType::F32, MemCategory::Workspace);
+    int64_t off = 0;
+    for (LoraPart& p : parts_.back()) {
+      const int64_t n = count(p, in);
+      if (n == 0) continue;
+      float*& g = p.tp_partial == 'A' ? p.da : p.db;
+      dst_.push_back({g, t.f32() + off, n});
+      g = t.f32() + off;
+      off += n;
+    }
+    bufs_.push_back(std::move(t));
+    Weight r = w;
+    r.lora = parts_.back().data();
+    return r;
+  }
+  void sum(TpContext& ctx) {
+    for (const Tensor& t : bufs_) ctx.comm->all_reduce_sum(t.f32(), t.numel());
+    for (const Dst& d : dst_) ctx.kt->accumulate(d.grad, d.partial, d.n);
+  }
+
+ private:
+  static int64_t count(const LoraPart& p, int64_t in) {
+    if (p.tp_partial == 'A' && p.da) return p.rank * in;
+    if (p.tp_partial == 'B' && p.db) return p.rows * p.rank;
+    return 0;
+  }
+  struct Dst {
+    float* grad;
+    const float* partial;
+    int64_t n;
+  };
+  std::vector<std::vector<LoraPart>> parts_;
+  std::vector<Tensor> bufs_;
+  std::vector<Dst> dst_;
+};
+
 }  // namespace
 
 void Linear::forward(float* y, const Tensor& x, const Weight& w, const float* bias, int64_t N, int64_t in) const {
@@ -307,10 +357,22 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
     for (const Grad& g : grads) lin.backward(dx, g.w.dw, g.w.db, g.dy, x, g.w, N, in_);
     return dx;
   }
-  for (const Grad& g : grads) lin.backward(dx, nullptr, nullptr, g.dy, x, g.w, N, in_);  // input gradient first
-  const int hsum = ctx_.start_input_grad_sum(dx);
+  // LoRA: the adapters' gradients come with the input gradient and need every row of the input, so
+  // under SP the re-gather is waited for first (no overlap for adapted weights); A's gradient is a
+  // partial sum over tp (LoraTpGrads), summed before the input gradient's reduction starts.
+  bool lora = false;
+  for (const Grad& g : grads) lora = lora || g.w.nlora > 0;
   const Tensor* xin = &x;
-  if (regather) {
+  if (regather && lora) {
+    ctx_.comm->wait(hin);
+    xin = &ctx_.full_compute();
+  }
+  LoraTpGrads partial(grads.size());
+  for (const Grad& g : grads)
+    lin.backward(dx, nullptr, nullptr, g.dy, *xin, partial.redirect(g.w, in_), N, in_);  // input gradient first
+  if (lora) partial.sum(ctx_);
+  const int hsum = ctx_.start_input_grad_sum(dx);
+  if (regather && !lora) {
     ctx_.comm->wait(hin);
     xin = &ctx_.full_compute();
   }
@@ -338,12 +400,16 @@ void RowParallelLinear::backward(float* dx, const float* dy, const Tensor& x) {
   const int64_t N = ctx_.tokens();
   dev::zero(ctx_.kt->device, dx, static_cast<size_t>(N * in_) * sizeof(float));
   const float* dy_all = ctx_.gather_grad(dy);  // SP: the conjugate of the forward's reduce-scatter
+  // LoRA under tp: B's gradient is a partial sum over tp (LoraTpGrads), summed here.
+  LoraTpGrads partial(1);
+  const Weight w = ctx_.tp() ? partial.redirect(w_, in_) : w_;
   if (ctx_.defer) {  // split backward
-    Linear{ctx_.kt, ctx_.compute}.backward(dx, nullptr, nullptr, dy_all, x, w_, N, in_);
+    Linear{ctx_.kt, ctx_.compute}.backward(dx, nullptr, nullptr, dy_all, x, w, N, in_);
     ctx_.defer_weight_grad(w_, dy_all, x.raw(), N, in_, ctx_.inputs_kept);
-    return;
+  } else {
+    Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w, N, in_);
   }
-  Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w_, N, in_);
+  if (ctx_.tp() && w_.nlora > 0) partial.sum(ctx_);
 }
 
 // ---- Norm ----
@@ -404,7 +470,7 @@ void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& me
     else
       ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
   };
-  if (!ctx_.sp) return run(dw_, db_);
+  if (!ctx_.sp || (!dw_ && !db_)) return run(dw_, db_);  // frozen (LoRA): no parameter gradient to sum
   float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
   run(t, ln_ ? t + C_ : nullptr);
   if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();

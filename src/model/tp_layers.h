@@ -200,6 +200,10 @@ struct LoraPart {
   float *da = nullptr, *db = nullptr;
   int64_t rank = 0, row0 = 0, rows = 0;
   float scale = 1.0f;
+  // Tensor parallelism: 'A' (column-parallel base: A replicated, B split by rows) or 'B' (row-parallel
+  // base: A split by columns, B replicated) names the gradient that each rank computes as a partial
+  // sum over the tp ranks; the parallel layers sum it over tp before adding it. 0 without tp.
+  char tp_partial = 0;
 };
 
 // One weight matrix [out, in] (fp32 or bf16 by the compute dtype, the other null), its fp32 bias

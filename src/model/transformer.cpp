@@ -77,7 +77,6 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   vocab_lo_ = tpc_.rank * Vp_l_;
   build_params();
   if (cfg_.lora()) {  // each adapted weight's adapters (A; its B follows it)
-    if (tpc_.size > 1) throw std::invalid_argument("LoRA with tensor parallelism (parallel.tp > 1) is not supported");
     lora_of_.assign(params_.size(), {});
     lora_parts_.assign(params_.size(), {});
     for (size_t i = 0; i < params_.size(); ++i)
@@ -265,11 +264,18 @@ void Transformer::add_lora_params(int64_t l, int unit, int64_t* pos) {
   const BlockParams bp = block_params(cfg_, l, unit_params_[unit][0], 0);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const std::string pre = gpt ? "h." + std::to_string(l) + "." : "model.layers." + std::to_string(l) + ".";
+  // Tensor parallelism: a column-parallel base (q, k, v, c_attn, gate, up) has its B split by output
+  // rows as the base is (c_attn's whole q|k|v by heads) and A replicated; a row-parallel base (o,
+  // down) has A split by input columns and B replicated. The shapes here are this rank's share.
   auto lora = [&](uint32_t bit, const std::string& module, int base, int64_t in, int64_t row0, int64_t rows) {
     if (!(cfg_.lora_targets & bit)) return;
+    const bool row_parallel = bit == kLoraO || bit == kLoraDown;
     for (char kind : {'A', 'B'}) {
       std::vector<int64_t> shape = kind == 'A' ? std::vector<int64_t>{r, in} : std::vector<int64_t>{rows, r};
-      add_param(pre + module + ".lora_" + kind + ".weight", shape, true, false, TpSplit::None, unit, false, pos);
+      TpSplit split = TpSplit::None;
+      if (row_parallel && kind == 'A') split = TpSplit::Cols;
+      if (!row_parallel && kind == 'B') split = bit == kLoraQkv ? TpSplit::QkvRows : TpSplit::Rows;
+      add_param(pre + module + ".lora_" + kind + ".weight", shape, true, false, split, unit, false, pos);
       ParamInfo& pi = params_.back();
       pi.trainable = true;
       pi.lora_base = base;
@@ -586,6 +592,8 @@ void Transformer::attach_lora(int w, bool grads, Weight* r) {
     l.row0 = pa.lora_row0;
     l.rows = pa.lora_rows;
     l.scale = cfg_.lora_scale();
+    // tp: the gradient that is a partial sum over the tp ranks (of the replicated matrix)
+    if (tpc_.size > 1) l.tp_partial = pa.tp_split == TpSplit::Cols ? 'B' : 'A';
     if (bf) {
       l.ab = param_bf16(a);
       l.bb = param_bf16(a + 1);

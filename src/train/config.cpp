@@ -440,9 +440,6 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.cp", p.cp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
-  if (mc.lora() && p.tp > 1)
-    throw ConfigError("lora.rank > 0 with parallel.tp = " + std::to_string(p.tp) +
-                      ": LoRA under tensor parallelism is not supported; use data or pipeline parallelism");
   if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   d.dp_replicate = static_cast<int>(p.dp_replicate);

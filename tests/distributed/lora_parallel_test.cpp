@@ -1,7 +1,7 @@
 // LoRA fine-tuning as real processes: on 2 ranks under DDP, FULL_SHARD and SHARD_GRAD_OP, with a
 // pipeline, with recompute and in bf16, it must train as one rank does on the same global batch;
 // from a base model (train.init_from) the base stays bit-identical while the adapters move; the
-// export merges them; tensor parallelism is refused with one line and exit code 2.
+// export merges them; tensor parallelism (with SP, and with data parallelism) trains as one rank.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -105,11 +105,44 @@ TEST_F(LoraParallel, BaseFromInitFromStaysFrozenAndTheExportMerges) {
       << "the merged export computes what the adapters did";
 }
 
-TEST_F(LoraParallel, TensorParallelismIsRefusedWithOneLine) {
-  RunOut r = run(mpirun(2) + MT_BINARY + " train --model.preset gpt2-tiny --data.train " + (dir_ / "train.bin").string() +
-                 " --data.val '' --train.steps 1 --parallel.tp 2" + kGpt2);
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("LoRA under tensor parallelism is not supported"), std::string::npos) << r.output;
+// Tensor parallelism: column-parallel bases (q, k, v, c_attn, gate, up) with B split by rows and A
+// replicated, row-parallel ones (o, down) with A split by columns and B replicated; the replicated
+// matrices' gradients are summed over tp. tp 2 (with and without SP), and tp 2 x dp 2, train as
+// one rank does, and the exports (merged and PEFT adapter) of a tp run equal one rank's.
+TEST_F(LoraParallel, TensorParallelEqualsOneRankAndExportsTheSame) {
+  const std::string gq = " --lora.rank 4 --lora.alpha 8 --lora.targets q,k,v,o,up,down --train.lr 1e-2 ";
+  const RunResult ref = train(1, 4, 1, "single", kGpt2);
+  expect_close(ref, train(2, 4, 1, "tp", kGpt2 + "--parallel.tp 2"), kLossTol, kWeightTol, "LoRA GPT-2 c_attn tp=2");
+  const RunResult refq = train(1, 4, 1, "single_q", gq);
+  expect_close(refq, train(2, 4, 1, "tp_sp", gq + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
+               kWeightTol, "LoRA GPT-2 q,k,v parts tp=2 SP");
+  const RunResult refl = train(1, 4, 1, "single_l", kLlama);
+  expect_close(refl, train(4, 2, 1, "tp_dp", kLlama + "--parallel.tp 2"), kLossTol, kWeightTol,
+               "LoRA Llama tp=2 x dp=2 (4 ranks)");
+  // The exports of the tp run and of the one-rank run: the same tensors, values within the parity
+  // tolerance (merged), and PEFT's adapter files.
+  for (const std::string flag : {"", " --adapter"}) {
+    std::map<std::string, std::vector<float>> t[2];
+    int i = 0;
+    for (const std::string tag : {"single", "tp"}) {
+      const std::string out = (dir_ / ("export_" + tag + (flag.empty() ? "" : "_adapter"))).string();
+      RunOut e = run(std::string(MT_BINARY) + " export --checkpoint " + (dir_ / ("ck_" + tag)).string() + " --out " +
+                     out + flag);
+      ASSERT_EQ(e.code, 0) << e.output;
+      for (auto& [name, st] : read_safetensors(out + (flag.empty() ? "/model.safetensors" : "/adapter_model.safetensors"))) {
+        const float* p = reinterpret_cast<const float*>(st.bytes.data());
+        t[i][name].assign(p, p + st.bytes.size() / 4);
+      }
+      ++i;
+    }
+    ASSERT_EQ(t[0].size(), t[1].size()) << flag;
+    for (const auto& [name, v] : t[0]) {
+      ASSERT_TRUE(t[1].count(name)) << name;
+      const auto& w = t[1].at(name);
+      ASSERT_EQ(v.size(), w.size()) << name;
+      for (size_t k = 0; k < v.size(); ++k) ASSERT_NEAR(v[k], w[k], kWeightTol) << name << "[" << k << "]" << flag;
+    }
+  }
 }
 
 }  // namespace
