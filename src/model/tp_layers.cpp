@@ -207,9 +207,56 @@ Tensor lora_hidden(const Linear& lin, const LoraPart& a, const Tensor& x, Tensor
   return hc;
 }
 
-void lora_forward(const Linear& lin, float* y, const Tensor& x, const Weight& w, int64_t N, int64_t in) {
+uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The adapter's dropout multipliers [N, in]: 0 (dropped) or 1 / (1 - p) (kept), on the host.
+std::vector<float> lora_dropout_mask(const LoraPart& a, int64_t N, int64_t in) {
+  std::vector<float> m(static_cast<size_t>(N * in));
+  const uint64_t threshold = static_cast<uint64_t>(static_cast<double>(a.dropout) * 16777216.0);
+  const float keep = 1.0f / (1.0f - a.dropout);
+  for (int64_t n = 0; n < N; ++n) {
+    const uint64_t tok = mix64(a.dropout_key ^ mix64(static_cast<uint64_t>(a.sample0 + n / a.T) * 0x100000001B3ull +
+                                                     static_cast<uint64_t>(n % a.T)));
+    float* row = m.data() + n * in;
+    for (int64_t j = 0; j < in; ++j)
+      row[j] = (mix64(tok + static_cast<uint64_t>(a.col0 + j)) >> 40) < threshold ? 0.0f : keep;
+  }
+  return m;
+}
+
+// x with the adapter's dropout applied (compute dtype, like x): x * mask, rounded once in bf16.
+Tensor lora_dropped(const Tensor& x, const std::vector<float>& m, int64_t N, int64_t in) {
+  Tensor d = Tensor::empty({N, in}, x.dtype(), MemCategory::Workspace);
+  const int64_t n = N * in;
+  if (x.dtype() == DType::F32) {
+    const float* xs = x.f32();
+    float* ds = d.f32();
+    for (int64_t i = 0; i < n; ++i) ds[i] = xs[i] * m[static_cast<size_t>(i)];
+  } else {
+    const bf16* xs = x.bf();
+    bf16* ds = d.bf();
+    for (int64_t i = 0; i < n; ++i) ds[i] = float_to_bf16(bf16_to_float(xs[i]) * m[static_cast<size_t>(i)]);
+  }
+  return d;
+}
+
+// Whether the adapter drops out (not on the count-only Meta device).
+bool drops(const Linear& lin, const LoraPart& a) {
+  if (a.dropout <= 0 || lin.kt->device == Device::Meta) return false;
+  if (lin.kt->device != Device::CPU)
+    throw std::logic_error("LoRA dropout runs on the CPU only (lora.dropout > 0 is refused on other devices)");
+  return true;
+}
+
+void lora_forward(const Linear& lin, float* y, const Tensor& x0, const Weight& w, int64_t N, int64_t in) {
   for (int i = 0; i < w.nlora; ++i) {
     const LoraPart& a = w.lora[i];
+    const Tensor x = drops(lin, a) ? lora_dropped(x0, lora_dropout_mask(a, N, in), N, in) : x0;
     Tensor hf;
     const Tensor h = lora_hidden(lin, a, x, hf, N, in);
     Tensor t = Tensor::empty({N, a.rows}, DType::F32, MemCategory::Workspace);
@@ -223,10 +270,14 @@ void lora_forward(const Linear& lin, float* y, const Tensor& x, const Weight& w,
 }
 
 // dx += the adapters' input gradient; dA, dB += their gradients (dy: [N, out] fp32).
-void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& x, const Weight& w, int64_t N,
+void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& x0, const Weight& w, int64_t N,
                    int64_t in) {
   for (int i = 0; i < w.nlora; ++i) {
     const LoraPart& a = w.lora[i];
+    const bool drop = drops(lin, a);
+    std::vector<float> mask;  // dropout: the forward's mask again (a hash, not stored)
+    if (drop) mask = lora_dropout_mask(a, N, in);
+    const Tensor x = drop ? lora_dropped(x0, mask, N, in) : x0;
     const float* dyp = dy;
     Tensor cols;
     if (a.rows != w.out) {
@@ -248,7 +299,15 @@ void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& 
     aw.wf = a.af;
     aw.wb = a.ab;
     aw.out = a.rank;
-    lin.backward(dx, a.da, nullptr, dh.f32(), x, aw, N, in);
+    if (!drop) {
+      lin.backward(dx, a.da, nullptr, dh.f32(), x, aw, N, in);
+      continue;
+    }
+    // dx += mask * (dh A): the gradient passes the kept elements, scaled as they were
+    Tensor dxd = Tensor::zeros({N, in}, DType::F32, MemCategory::Workspace);
+    lin.backward(dxd.f32(), a.da, nullptr, dh.f32(), x, aw, N, in);
+    const float* d = dxd.f32();
+    for (int64_t k = 0; k < N * in; ++k) dx[k] += d[k] * mask[static_cast<size_t>(k)];
   }
 }
 

@@ -542,6 +542,8 @@ void Trainer::train_step(int64_t step) {
   if (loader_ && loader_->has_masks()) trained = global_trained(ys_, accum_);
   const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
   if (dbatch_) dbatch_->begin_step();
+  if (mc_.lora() && mc_.lora_dropout > 0)
+    model_->set_lora_dropout_step(static_cast<uint64_t>(tc_.seed), st_.micro_batches - accum_, groups_.data_rank);
   parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight);
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   auto check_finite = [&] {

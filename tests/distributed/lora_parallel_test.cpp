@@ -145,5 +145,26 @@ TEST_F(LoraParallel, TensorParallelEqualsOneRankAndExportsTheSame) {
   }
 }
 
+// Adapter dropout (PEFT's lora_dropout): the mask is a function of the run seed, the micro-batch,
+// the global sample, the token, the input column and the adapter, so 2 ranks (DDP, FULL_SHARD with
+// accumulation, tp 2 with SP) train as one rank on the global batch, and full recompute draws the
+// same masks again; with dropout the run differs from the run without.
+TEST_F(LoraParallel, DropoutEqualsOneRankAndUnderRecompute) {
+  const std::string d = kGpt2 + "--lora.dropout 0.3 ";
+  const RunResult ref = train(1, 8, 2, "single", d);
+  const RunResult off = train(1, 8, 2, "nodrop", kGpt2);
+  ASSERT_EQ(ref.losses.size(), off.losses.size());
+  double diff = 0;
+  for (size_t i = 0; i < ref.losses.size(); ++i) diff = std::max(diff, std::abs(ref.losses[i] - off.losses[i]));
+  EXPECT_GT(diff, 1e-4) << "dropout changed nothing";
+  expect_close(ref, train(1, 8, 2, "recompute", d + "--train.activation_checkpointing full"), 1e-30, 1e-30,
+               "LoRA dropout, full recompute (bit-identical)");
+  expect_close(ref, train(2, 4, 2, "ddp", d), kLossTol, kWeightTol, "LoRA dropout DDP np=2");
+  expect_close(ref, train(2, 4, 2, "fsdp", d + "--parallel.strategy FULL_SHARD"), kLossTol, kWeightTol,
+               "LoRA dropout FULL_SHARD np=2");
+  expect_close(ref, train(2, 8, 2, "tp_sp", d + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
+               kWeightTol, "LoRA dropout tp=2 SP");
+}
+
 }  // namespace
 }  // namespace mt
