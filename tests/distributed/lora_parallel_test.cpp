@@ -105,6 +105,32 @@ TEST_F(LoraParallel, BaseFromInitFromStaysFrozenAndTheExportMerges) {
       << "the merged export computes what the adapters did";
 }
 
+// train.resume checks the checkpoint's [lora] against the run's: a LoRA checkpoint without
+// adapters, a full checkpoint with them, or other adapters are refused with one line (exit code 2);
+// the same settings resume.
+TEST_F(LoraParallel, ResumeRefusesOtherAdapterSettingsWithOneLine) {
+  train(1, 4, 1, "lora", kGpt2);
+  train(1, 4, 1, "full");
+  auto resume = [&](const std::string& tag, const std::string& extra) {
+    return run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --model.preset gpt2-tiny --data.train " +
+               (dir_ / "train.bin").string() + " --data.val '' --train.threads 1 --train.micro_batch 4 --train.steps 9 "
+               "--train.resume " + (dir_ / ("ck_" + tag)).string() + extra);
+  };
+  struct Case {
+    std::string tag, extra, says;
+  };
+  for (const Case& c : {Case{"lora", "", "is a LoRA checkpoint (lora.rank 4, lora.alpha 8, lora.targets c_attn,o,up,down) and this run has no adapters"},
+                        Case{"full", kGpt2, "holds no LoRA adapters and this run has lora.rank = 4: to train adapters on that model use train.init_from"},
+                        Case{"lora", " --lora.rank 4 --lora.alpha 8 --lora.targets c_attn,o,up", "resume with the checkpoint's [lora] settings"},
+                        Case{"lora", " --lora.rank 2 --lora.alpha 8 --lora.targets c_attn,o,up,down", "resume with the checkpoint's [lora] settings"}}) {
+    RunOut r = resume(c.tag, c.extra);
+    EXPECT_EQ(r.code, 2) << c.extra << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
+  RunOut ok = resume("lora", kGpt2);
+  EXPECT_EQ(ok.code, 0) << ok.output;
+}
+
 // Tensor parallelism: column-parallel bases (q, k, v, c_attn, gate, up) with B split by rows and A
 // replicated, row-parallel ones (o, down) with A split by columns and B replicated; the replicated
 // matrices' gradients are summed over tp. tp 2 (with and without SP), and tp 2 x dp 2, train as
