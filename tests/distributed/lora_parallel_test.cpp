@@ -192,5 +192,21 @@ TEST_F(LoraParallel, DropoutEqualsOneRankAndUnderRecompute) {
                kWeightTol, "LoRA dropout tp=2 SP");
 }
 
+// What adapter dropout does not cover is refused with one line and exit code 2.
+TEST_F(LoraParallel, DropoutRefusalsAreOneLine) {
+  const std::string base = std::string(MT_BINARY) + " train --model.preset gpt2-tiny --data.train " +
+                           (dir_ / "train.bin").string() + " --data.val '' --train.steps 1" + kGpt2;
+  struct Case {
+    std::string cmd, says;
+  };
+  for (const Case& c : {Case{"MESHTRAIN_MPI=0 " + base + "--lora.dropout 1", "lora.dropout = 1.000000 is outside [0, 1)"},
+                        Case{"MESHTRAIN_MPI=0 " + base + "--lora.dropout 0.1 --train.device cuda", "lora.dropout > 0 runs on train.device = cpu only"},
+                        Case{mpirun(2) + base + "--lora.dropout 0.1 --parallel.cp 2", "adapter dropout is not supported with context parallelism"}}) {
+    RunOut r = run(c.cmd);
+    EXPECT_EQ(r.code, 2) << c.cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace mt
