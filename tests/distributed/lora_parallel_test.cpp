@@ -173,8 +173,9 @@ TEST_F(LoraParallel, TensorParallelEqualsOneRankAndExportsTheSame) {
 
 // Adapter dropout (PEFT's lora_dropout): the mask is a function of the run seed, the micro-batch,
 // the global sample, the token, the input column and the adapter, so 2 ranks (DDP, FULL_SHARD with
-// accumulation, tp 2 with SP) train as one rank on the global batch, and full recompute draws the
-// same masks again; with dropout the run differs from the run without.
+// accumulation, tp 2 with SP, pp 2) train as one rank on the global batch, and full recompute draws the
+// same masks again (so does a pipeline, whose stages count their micro-batches); with dropout the
+// run differs from the run without.
 TEST_F(LoraParallel, DropoutEqualsOneRankAndUnderRecompute) {
   const std::string d = kGpt2 + "--lora.dropout 0.3 ";
   const RunResult ref = train(1, 8, 2, "single", d);
@@ -190,6 +191,7 @@ TEST_F(LoraParallel, DropoutEqualsOneRankAndUnderRecompute) {
                "LoRA dropout FULL_SHARD np=2");
   expect_close(ref, train(2, 8, 2, "tp_sp", d + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
                kWeightTol, "LoRA dropout tp=2 SP");
+  expect_close(ref, train(2, 8, 2, "pp", d + "--parallel.pp 2"), kLossTol, kWeightTol, "LoRA dropout pp=2");
 }
 
 // What adapter dropout does not cover is refused with one line and exit code 2.
