@@ -11,9 +11,9 @@
 //
 // The step's loss stays on the device too: every training forward adds its per-token losses into
 // one accumulator (Transformer::set_loss_sink). Where the gradient norm stays on the device too
-// (ParallelModel::set_device_norm: one GPU, DDP), the loss sum and the squared norm sit side by side
-// in two device doubles and read_step() reads both with one copy after the optimizer step, which
-// clips from the device's norm: the host waits once per step. Otherwise end_step() reads the loss
+// (ParallelModel::set_device_norm: one GPU, DDP or a sharded strategy), the loss sum and the
+// squared norm sit side by side in two device doubles and read_step() reads both with one copy
+// after the optimizer step, which clips from the device's norm: the host waits once per step. Otherwise end_step() reads the loss
 // and the strategy reads the norm: twice.
 //
 // A set is refilled (upload_next during step k + 1, upload at an evaluation after step k) only

@@ -255,6 +255,30 @@ TEST_F(GpuTrain, ClipsOnTheDeviceAsTheHostDoes) {
   EXPECT_GT(std::abs(free.losses.back() - gpu.losses.back()), 1e-3) << "clipping at 0.05 changed nothing";
 }
 
+// The sharded strategies at one rank keep the norm on the device too: one reduction over the
+// local gradient, clipping in the optimizer's kernel, one host wait per step. With every step
+// clipped, each strategy's losses equal the CPU's, and a run of 3 steps waits twice more than one
+// of 1 step (reading the norm on the host, one read per parameter, would be hundreds).
+TEST_F(GpuTrain, ShardedStrategiesClipOnTheDeviceWithOneWaitPerStep) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "ZERO1"}) {
+    auto ov = [&](int steps) {
+      return Overrides{{"train.steps", std::to_string(steps)}, {"train.eval_every", "0"},
+                       {"train.grad_clip", "0.05"},          {"train.sample_tokens", "0"},
+                       {"parallel.strategy", strategy}};
+    };
+    const TrainResult cpu = train(config("cpu", ov(3)));
+    uint64_t before = dev::host_syncs(Device::CUDA);
+    train(config("cuda", ov(1)));
+    const uint64_t one = dev::host_syncs(Device::CUDA) - before;
+    before = dev::host_syncs(Device::CUDA);
+    const TrainResult gpu = train(config("cuda", ov(3)));
+    const uint64_t three = dev::host_syncs(Device::CUDA) - before;
+    expect_close(cpu.losses, gpu.losses, kFp32Rel, strategy);
+    EXPECT_EQ(three - one, 2u) << strategy << ": host waits " << one << " in a run of 1 step, " << three
+                               << " in one of 3";
+  }
+}
+
 #ifdef MT_CUDA_EMU
 // A step's batches are read and uploaded during the step before: the emulator logs every stream
 // operation in the order the host queued it (emu::set_op_log). For each step after the first, its
