@@ -255,11 +255,15 @@ TEST_F(GpuTrain, ClipsOnTheDeviceAsTheHostDoes) {
   EXPECT_GT(std::abs(free.losses.back() - gpu.losses.back()), 1e-3) << "clipping at 0.05 changed nothing";
 }
 
+// The streams of a GPU step and the device-side norm of the sharded strategies: a suite (and CTest
+// entry, CudaEmu.TrainStreams) of its own beside CudaEmu.Train.
+class GpuStreams : public GpuTrain {};
+
 // The sharded strategies at one rank keep the norm on the device too: one reduction over the
 // local gradient, clipping in the optimizer's kernel, one host wait per step. With every step
 // clipped, each strategy's losses equal the CPU's, and a run of 3 steps waits twice more than one
-// of 1 step (reading the norm on the host, one read per parameter, would be hundreds).
-TEST_F(GpuTrain, ShardedStrategiesClipOnTheDeviceWithOneWaitPerStep) {
+// of 1 step (reading the norm on the host, one read per parameter, waits 29 times per step here).
+TEST_F(GpuStreams, ShardedStrategiesClipOnTheDeviceWithOneWaitPerStep) {
   for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "ZERO1"}) {
     auto ov = [&](int steps) {
       return Overrides{{"train.steps", std::to_string(steps)}, {"train.eval_every", "0"},
@@ -286,7 +290,7 @@ TEST_F(GpuTrain, ShardedStrategiesClipOnTheDeviceWithOneWaitPerStep) {
 // and before that step's one read of the loss (so the copies overlap its work on a GPU), an event
 // recorded on the copy stream after them is waited for by the compute stream before the step's
 // first kernel, and no batch goes up on the compute stream. The losses are the CPU's.
-TEST_F(GpuTrain, UploadsTheNextStepsBatchesOnTheCopyStreamAhead) {
+TEST_F(GpuStreams, UploadsTheNextStepsBatchesOnTheCopyStreamAhead) {
   const int steps = 3, accum = 2;
   const Overrides ov = {{"train.steps", std::to_string(steps)}, {"train.eval_every", "0"},
                         {"train.grad_accum", std::to_string(accum)}, {"train.sample_tokens", "0"}};
