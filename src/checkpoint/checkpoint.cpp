@@ -9,12 +9,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 
 #include "checkpoint/safetensors.h"
 #include "checkpoint/sharded_checkpoint.h"
+#include "runtime/crc32c.h"
 #include "runtime/strings.h"
 
 namespace fs = std::filesystem;
@@ -106,6 +108,7 @@ std::map<std::string, std::string> weights_metadata(const ModelConfig& c) {
 std::vector<std::pair<std::string, SafeTensorInfo>> weights_header(const Transformer& model) {
   std::vector<std::pair<std::string, SafeTensorInfo>> h;
   for (const auto& p : model.params()) {
+    if (!checkpoint_stores(p, model.config())) continue;
     SafeTensorInfo i;
     i.shape = hf_shape(p, model.config());
     h.emplace_back(p.name, i);
@@ -165,6 +168,7 @@ CheckpointWriter::CheckpointWriter(const std::string& root, const Transformer& m
     // Moments per parameter in the internal [out, in] layout: independent of padding and sharding.
     std::vector<std::pair<std::string, SafeTensorInfo>> h;
     for (const auto& p : model.params()) {
+      if (!checkpoint_stores(p, model.config())) continue;
       SafeTensorInfo i;
       i.shape = {real_numel(p, model.config())};
       h.emplace_back("exp_avg." + p.name, i);
@@ -187,7 +191,7 @@ void CheckpointWriter::write_unit(int u, const float* w, const float* m, const f
   if (unit_done_.at(static_cast<size_t>(u))) throw std::logic_error("CheckpointWriter: unit written twice");
   const int64_t base = model_.unit(u).offset;
   for (const auto& p : model_.params()) {
-    if (p.unit != u) continue;
+    if (p.unit != u || !checkpoint_stores(p, model_.config())) continue;
     const int64_t n = real_numel(p, model_.config());
     const uint64_t bytes = static_cast<uint64_t>(n) * sizeof(float);
     scratch_.resize(static_cast<size_t>(n));
@@ -203,6 +207,8 @@ void CheckpointWriter::write_unit(int u, const float* w, const float* m, const f
 }
 
 void CheckpointWriter::commit(const TrainerState& st, const RunRecord& run) {
+  if (model_.config().lora() && st.lora_base.is_null())
+    throw std::logic_error("CheckpointWriter: a LoRA checkpoint (adapters only) needs its base's record");
   weights_->finish();
   if (moments_) moments_->finish();
   finish_checkpoint_dir(root_, tmp_dir_, name_, checkpoint_trainer_json(st, model_.num_params(), with_opt_, "full"), run);
@@ -224,6 +230,7 @@ std::string checkpoint_trainer_json(const TrainerState& st, int64_t num_params, 
       ds.push_back({{"pattern", st.blend.patterns[d]}, {"samples", st.blend.dataset_samples[d]}});
     j["data"] = {{"samples", st.blend.samples}, {"datasets", ds}};
   }
+  if (!st.lora_base.is_null()) j["lora_base"] = st.lora_base;
   return j.dump(2) + "\n";
 }
 
@@ -301,6 +308,13 @@ TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole) {
         st.blend.dataset_samples.push_back(integer(e.at("samples"), "data.datasets samples"));
       }
     }
+    if (j.contains("lora_base")) {
+      const auto& lb = j.at("lora_base");
+      if (!lb.at("init_from").is_string()) throw std::runtime_error("lora_base.init_from must be a string");
+      integer(lb.at("seed"), "lora_base.seed");
+      integer(lb.at("crc32c"), "lora_base.crc32c");
+      st.lora_base = lb;
+    }
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error((d / "trainer.json").string() + ": " + json_error_text(e.what()));
   } catch (const std::runtime_error& e) {
@@ -310,16 +324,129 @@ TrainerState read_trainer_state(const std::string& dir, nlohmann::json* whole) {
   return st;
 }
 
-CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer)
+bool checkpoint_stores(const ParamInfo& p, const ModelConfig& c) { return !c.lora() || p.trainable; }
+
+uint32_t lora_base_unit_crc(const Transformer& ref, int u, const float* unit_w) {
+  uint32_t crc = 0;
+  for (const ParamInfo& p : ref.params())
+    if (p.unit == u && !p.trainable)
+      crc = crc32c(crc, unit_w + (p.offset - ref.unit(u).offset),
+                   static_cast<size_t>(real_numel(p, ref.config())) * sizeof(float));
+  return crc;
+}
+
+uint32_t lora_base_fingerprint(const std::vector<uint32_t>& unit_crcs) {
+  return crc32c(0, unit_crcs.data(), unit_crcs.size() * sizeof(uint32_t));
+}
+
+std::string lora_base_text(const LoraBaseSource& s) {
+  return s.init_from.empty() ? "the seed " + std::to_string(s.seed) + " initialisation" : "train.init_from " + s.init_from;
+}
+
+// The frozen base of a LoRA model (`ref`, with adapters) from its source: a base model file or
+// checkpoint read with the layout without adapters (parameters matched by name), or the seed's
+// initial weights of the whole model (which are the base's: LoRA leaves them as without it).
+class LoraBase {
+ public:
+  LoraBase(const Transformer& ref, const LoraBaseSource& src) : ref_(ref) {
+    if (src.init_from.empty()) {
+      seed_w_.assign(static_cast<size_t>(ref.flat_size()), 0.0f);
+      ref.init_weights_into(static_cast<uint64_t>(src.seed), seed_w_.data());
+      return;
+    }
+    ModelConfig bc = ref.config();
+    bc.lora_rank = 0;
+    bc.lora_targets = 0;
+    layout_ = std::make_unique<Transformer>(bc, ModelOptions{.storage = {.weights = false, .master = false, .grads = false}});
+    for (size_t i = 0; i < layout_->params().size(); ++i) index_[layout_->params()[i].name] = i;
+    if (fs::is_directory(src.init_from))
+      reader_ = std::make_unique<CheckpointReader>(resolve_checkpoint(src.init_from), *layout_, false);
+    else
+      reader_ = std::make_unique<CheckpointReader>(*layout_, src.init_from);
+  }
+  // Unit u's frozen parameters into unit_w (ref's layout, the unit's first element); the rest is untouched.
+  void fill_unit(int u, float* unit_w) const {
+    if (!reader_) {
+      for (const ParamInfo& p : ref_.params())
+        if (p.unit == u && !p.trainable)
+          std::memcpy(unit_w + (p.offset - ref_.unit(u).offset), seed_w_.data() + p.offset,
+                      static_cast<size_t>(p.numel) * sizeof(float));
+      return;
+    }
+    std::vector<float> base(static_cast<size_t>(layout_->unit(u).numel));
+    reader_->read_unit(u, base.data(), nullptr, nullptr);
+    for (const ParamInfo& p : layout_->params()) {
+      if (p.unit != u) continue;
+      const ParamInfo& q = ref_.param(p.name);
+      std::memcpy(unit_w + (q.offset - ref_.unit(u).offset), base.data() + (p.offset - layout_->unit(u).offset),
+                  static_cast<size_t>(p.numel) * sizeof(float));
+    }
+  }
+  // Frozen parameter i of ref in Hugging Face layout.
+  void read_param_hf(size_t i, float* dst) const {
+    const ParamInfo& p = ref_.params().at(i);
+    if (reader_)
+      reader_->read_param_hf(index_.at(p.name), dst);
+    else
+      to_hf(p, seed_w_.data() + p.offset, ref_.config(), dst);
+  }
+  uint32_t fingerprint() const {
+    std::vector<uint32_t> crcs;
+    std::vector<float> w;
+    for (int u = 0; u < ref_.num_units(); ++u) {
+      w.assign(static_cast<size_t>(ref_.unit(u).numel), 0.0f);
+      fill_unit(u, w.data());
+      crcs.push_back(lora_base_unit_crc(ref_, u, w.data()));
+    }
+    return lora_base_fingerprint(crcs);
+  }
+
+ private:
+  const Transformer& ref_;
+  std::unique_ptr<Transformer> layout_;
+  std::unique_ptr<CheckpointReader> reader_;
+  std::map<std::string, size_t> index_;
+  std::vector<float> seed_w_;
+};
+
+CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer,
+                                   const LoraBaseSource* base)
     : model_(model), dir_(dir) {
   if (model.tp_size() != 1) throw std::logic_error("CheckpointReader needs an unsplit (tp = 1) model layout");
   const fs::path d(dir);
   nlohmann::json j;
   st_ = read_trainer_state(dir, &j);
   if (!j.value("has_optimizer", false) && with_optimizer) throw std::runtime_error(dir + ": checkpoint has no optimizer state");
+  adapters_only_ = model.config().lora() && !st_.lora_base.is_null();
+  if (adapters_only_) {
+    const LoraBaseSource rec{st_.lora_base.at("init_from").get<std::string>(), st_.lora_base.at("seed").get<int64_t>()};
+    const auto want = static_cast<uint32_t>(st_.lora_base.at("crc32c").get<int64_t>());
+    const LoraBaseSource src = base ? *base : rec;
+    auto hex = [](uint32_t v) {
+      char b[16];
+      std::snprintf(b, sizeof b, "%08x", v);
+      return std::string(b);
+    };
+    const std::string trained = dir + " holds LoRA adapters only, trained on " + lora_base_text(rec) +
+                                " (base crc32c " + hex(want) + ")";
+    const std::string use = rec.init_from.empty() ? "train.seed " + std::to_string(rec.seed) + " and no train.init_from"
+                                                  : "train.init_from " + rec.init_from;
+    if (!src.init_from.empty() && !fs::exists(src.init_from))
+      throw CheckpointBaseMismatch(trained + ", and the base " + src.init_from + " does not exist: " +
+                                   (base ? "resume with " + use : "put that base model back at its path"));
+    base_ = std::make_unique<LoraBase>(model, src);
+    const uint32_t got = base_->fingerprint();
+    if (got != want) {
+      if (base)
+        throw CheckpointBaseMismatch(trained + ", and this run's base is " + lora_base_text(src) + " (base crc32c " +
+                                     hex(got) + "): resume with " + use + ", or start a new run on this base without train.resume");
+      throw CheckpointBaseMismatch(trained + ", which now holds other weights (base crc32c " + hex(got) +
+                                   "): put that base model back at its path");
+    }
+  }
   if (ShardedCheckpoint::is_sharded(dir)) {
     sharded_ = std::make_unique<ShardedCheckpoint>(dir);
-    sharded_->check_model(model, with_optimizer);
+    sharded_->check_model(model, with_optimizer, adapters_only_);
     const std::string err = sharded_->check_files(0, 1, true);
     if (!err.empty()) throw std::runtime_error(err);
     sharded_moments_ = with_optimizer;
@@ -332,7 +459,8 @@ CheckpointReader::CheckpointReader(const std::string& dir, const Transformer& mo
   if (with_optimizer) {
     moments_ = std::make_unique<SafetensorsReader>((d / "optimizer.safetensors").string());
     for (const auto& p : model.params())
-      for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
+      if (!adapters_only_ || p.trainable)
+        for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
         expect_tensor(*moments_, prefix + p.name, {real_numel(p, model.config())});
   }
 }
@@ -346,6 +474,10 @@ CheckpointReader::CheckpointReader(const Transformer& model, const std::string& 
 void CheckpointReader::open_weights(const std::string& file) {
   weights_ = std::make_unique<SafetensorsReader>(file);
   for (const auto& p : model_.params()) {
+    if (adapters_only_ && !p.trainable) {  // from the base
+      weight_names_.emplace_back();
+      continue;
+    }
     std::string name = p.name;
     if (!weights_->find(name) && weights_->find("transformer." + name)) name = "transformer." + name;  // GPT2LMHeadModel spelling
     expect_tensor(*weights_, name, hf_shape(p, model_.config()));
@@ -363,10 +495,11 @@ void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
     std::memset(m, 0, static_cast<size_t>(ur.numel) * sizeof(float));
     std::memset(v, 0, static_cast<size_t>(ur.numel) * sizeof(float));
   }
+  if (base_) base_->fill_unit(u, w);  // adapters only: the base's parameters (moments zero: frozen)
   std::vector<float> tmp;
   for (size_t i = 0; i < model_.params().size(); ++i) {
     const ParamInfo& p = model_.params()[i];
-    if (p.unit != u) continue;
+    if (p.unit != u || (adapters_only_ && !p.trainable)) continue;
     if (sharded_) {  // the engine's layout: row-major real rows, padding rows stay zero
       auto [rows, cols] = saved_rows_cols(p, model_.config());
       float* dst[3] = {w, m, v};
@@ -386,6 +519,10 @@ void CheckpointReader::read_unit(int u, float* w, float* m, float* v) const {
 
 void CheckpointReader::read_param_hf(size_t i, float* dst) const {
   const ParamInfo& p = model_.params().at(i);
+  if (adapters_only_ && !p.trainable) {
+    base_->read_param_hf(i, dst);
+    return;
+  }
   if (!sharded_) {
     weights_->read(weight_names_[i], dst);
     return;

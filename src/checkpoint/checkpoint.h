@@ -31,6 +31,20 @@ struct CheckpointModelMismatch : std::runtime_error {
                                   "or another checkpoint") {}
 };
 
+// A LoRA checkpoint's adapters do not fit the base model they are loaded onto (its recorded
+// train.init_from or seed initialisation holds other weights, or is missing); the message names
+// both sources and what to do. Reported as a configuration error (exit code 2).
+struct CheckpointBaseMismatch : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Where a LoRA run's frozen base model comes from: train.init_from (a safetensors file or a
+// checkpoint of the model without adapters), or, when that is empty, the initialisation of `seed`.
+struct LoraBaseSource {
+  std::string init_from;
+  int64_t seed = 0;
+};
+
 struct TrainerState {
   int64_t step = 0;            // optimizer steps completed
   int64_t adam_steps = 0;
@@ -39,7 +53,22 @@ struct TrainerState {
   // trainer.json under "data"; absent for plain data, whose position is micro_batches.
   bool has_blend = false;
   BlendLoader::State blend{};
+  // LoRA checkpoints (adapters only): the base's source and fingerprint, in trainer.json under
+  // "lora_base": {"init_from": path or "", "seed": N, "crc32c": fingerprint}; null otherwise.
+  nlohmann::json lora_base;
 };
+
+// Whether a checkpoint of `c` stores parameter p: every parameter, except a LoRA model's frozen
+// base parameters (a LoRA checkpoint holds the adapters and their optimizer state only).
+bool checkpoint_stores(const ParamInfo& p, const ModelConfig& c);
+// The base fingerprint of a LoRA model: the CRC32C of unit u's frozen parameters (real rows, fp32,
+// in parameter order) from unit_w (the unit's first element, in `ref`'s layout); the fingerprint
+// is the CRC32C of every unit's value (uint32, in unit order).
+uint32_t lora_base_unit_crc(const Transformer& ref, int u, const float* unit_w);
+uint32_t lora_base_fingerprint(const std::vector<uint32_t>& unit_crcs);
+// "train.init_from PATH" or "the seed N initialisation".
+std::string lora_base_text(const LoraBaseSource& s);
+class LoraBase;
 
 // What a checkpoint records of the run besides its state: the run configuration as TOML
 // (config.toml: what `sample`, `export` and a resume rebuild the model from), the Hugging Face
@@ -81,7 +110,11 @@ class CheckpointWriter {
 // file, the parameter count and every tensor's presence and shape (errors name file and tensor).
 class CheckpointReader {
  public:
-  CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer);
+  // A LoRA checkpoint that holds adapters only takes the base parameters from `base` (resume: the
+  // run's own source) or, when null, from the source it records (export, sample); either way the
+  // base's fingerprint must equal the recorded one (CheckpointBaseMismatch otherwise).
+  CheckpointReader(const std::string& dir, const Transformer& model, bool with_optimizer,
+                   const LoraBaseSource* base = nullptr);
   // Weights only, from one safetensors file with Hugging Face names (a checkpoint's
   // model.safetensors, or an exported / Hugging Face GPT-2 file; "transformer."-prefixed names are
   // accepted): state() is all zero and there are no moments.
@@ -106,6 +139,8 @@ class CheckpointReader {
   std::vector<std::string> weight_names_;  // per parameter: its name in model.safetensors
   std::unique_ptr<ShardedCheckpoint> sharded_;
   bool sharded_moments_ = false;
+  bool adapters_only_ = false;     // a LoRA checkpoint without its base: base_ supplies it
+  std::unique_ptr<LoraBase> base_;
   void open_weights(const std::string& file);
 };
 

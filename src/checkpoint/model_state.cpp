@@ -23,11 +23,15 @@ ModelState::ModelState(Transformer& model, const Transformer& ref, parallel::Str
 
 void ModelState::load(CheckpointReader* reader, uint64_t seed, const Transformer* base_layout) {
   Tensor init;  // a fresh run's initial weights (one random stream over the whole model)
+  base_crcs_.assign(static_cast<size_t>(ref_.num_units()), 0);
   if (!reader) {
     init = workspace(ref_.flat_size());
     if (init.device() != Device::Meta) {  // computed on the host
       HostStaging host(init.device());
-      ref_.init_weights_into(seed, host.in(init.f32(), ref_.flat_size()));
+      float* h = host.in(init.f32(), ref_.flat_size());
+      ref_.init_weights_into(seed, h);
+      if (ref_.config().lora())
+        for (int u = 0; u < ref_.num_units(); ++u) base_crcs_[static_cast<size_t>(u)] = lora_base_unit_crc(ref_, u, h + ref_.unit(u).offset);
       host.upload();
     }
   }
@@ -58,9 +62,11 @@ void ModelState::load(CheckpointReader* reader, uint64_t seed, const Transformer
           std::memcpy(hw + (q.offset - ref_.unit(u).offset), base.data() + (p.offset - base_layout->unit(u).offset),
                       static_cast<size_t>(p.numel) * sizeof(float));
         }
+        base_crcs_[static_cast<size_t>(u)] = lora_base_unit_crc(ref_, u, hw);
       } else {
-        reader->read_unit(u, host.in(fw.f32(), rn), moments ? host.in(fm.f32(), rn) : nullptr,
-                          moments ? host.in(fv.f32(), rn) : nullptr);
+        float* hw = host.in(fw.f32(), rn);
+        reader->read_unit(u, hw, moments ? host.in(fm.f32(), rn) : nullptr, moments ? host.in(fv.f32(), rn) : nullptr);
+        if (ref_.config().lora()) base_crcs_[static_cast<size_t>(u)] = lora_base_unit_crc(ref_, u, hw);
       }
       host.upload();
       w = fw.f32();
@@ -139,6 +145,10 @@ std::vector<std::vector<LocalPiece>> ModelState::owned_pieces() const {
     const int64_t b = sp.begin + len * sp.replica / sp.replicas, e = sp.begin + len * (sp.replica + 1) / sp.replicas;
     std::vector<LocalPiece>& pieces = out[static_cast<size_t>(u)];
     pieces = unit_pieces(model_, ref_, u, b, e, true);
+    // LoRA: the frozen base is not stored (it comes from the run's base model on load).
+    std::erase_if(pieces, [&](const LocalPiece& p) {
+      return !checkpoint_stores(ref_.params()[static_cast<size_t>(p.param)], ref_.config());
+    });
     for (LocalPiece& p : pieces) p.local += b - sp.begin;
     if (expert_numel(u) > 0)
       for (LocalPiece p : expert_unit_pieces(model_, ref_, u, true)) {

@@ -30,6 +30,9 @@ class ModelState {
   // model without adapters); the base parameters are read by name from it and the adapters start
   // as initialised with `seed`.
   void load(CheckpointReader* reader, uint64_t seed, const Transformer* base_layout = nullptr);
+  // LoRA: after load, lora_base_unit_crc of every unit this rank loaded (0 for the others: a
+  // maximum over the ranks completes it).
+  const std::vector<uint32_t>& base_unit_crcs() const { return base_crcs_; }
   // Unit u's full fp32 state in `ref` layout: weights, and with `moments` the two Adam moments
   // (out[0..2]). Collective over the world: every rank calls it for every unit.
   void gather_full_unit(int u, bool moments, Tensor* out);
@@ -57,6 +60,7 @@ class ModelState {
   comm::ProcessGroup& tp_aux_;
   comm::ProcessGroup* pp_aux_;
   parallel::ExpertParallel* ep_ = nullptr;
+  std::vector<uint32_t> base_crcs_;
   // Unit u's part of this rank's file: the strategy's owned range, then (expert parallelism, on the
   // ranks that write them) the local experts.
   int64_t strategy_numel(int u) const;

@@ -267,8 +267,11 @@ std::string agree_on_error(comm::ProcessGroup& g, const std::string& mine) {
 void commit_sharded(const std::string& root, const std::string& tmp_dir, int64_t step, const Transformer& ref,
                     const std::vector<nlohmann::json>& files, const nlohmann::json& layout, const TrainerState& st,
                     const RunRecord& run) {
+  if (ref.config().lora() && st.lora_base.is_null())
+    throw std::logic_error("commit_sharded: a LoRA checkpoint (adapters only) needs its base's record");
   nlohmann::json tensors = nlohmann::json::object();
   for (const ParamInfo& p : ref.params())
+    if (checkpoint_stores(p, ref.config()))
     for (int k = 0; k < 3; ++k)
       tensors[logical_name(p, k)] = {{"dtype", "F32"},
                                      {"shape", logical_shape(p, ref.config())},
@@ -299,6 +302,7 @@ void commit_sharded(const std::string& root, const std::string& tmp_dir, int64_t
                          {"piece_columns", {"file", "offset", "row0", "rows", "col0", "cols", "crc32c"}},
                          {"files", fl},
                          {"tensors", tensors}};
+  if (ref.config().lora()) meta["adapters_only"] = true;  // the frozen base is not stored
   write_text_file_atomic((fs::path(tmp_dir) / "metadata.json").string(), meta.dump(1) + "\n");
   finish_checkpoint_dir(root, tmp_dir, step_dir_name(step), checkpoint_trainer_json(st, ref.num_params(), true, "sharded"),
                         run);
@@ -369,9 +373,10 @@ ShardedCheckpoint::~ShardedCheckpoint() {
     if (d >= 0) ::close(d);
 }
 
-void ShardedCheckpoint::check_model(const Transformer& ref, bool moments) const {
+void ShardedCheckpoint::check_model(const Transformer& ref, bool moments, bool adapters_only) const {
   const std::string mpath = (fs::path(dir_) / "metadata.json").string();
   for (const ParamInfo& p : ref.params())
+    if (!adapters_only || p.trainable)
     for (int k = 0; k < (moments ? 3 : 1); ++k) {
       const std::string n = logical_name(p, k);
       auto it = tensors_.find(n);

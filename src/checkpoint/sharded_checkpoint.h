@@ -109,7 +109,8 @@ class ShardedCheckpoint {
   const std::string& file_name(int i) const { return files_[static_cast<size_t>(i)].name; }
   // The model's tensors (with moments: also both moments) are present with its shapes and dtype
   // F32; throws naming metadata.json and the tensor.
-  void check_model(const Transformer& ref, bool moments) const;
+  // adapters_only (a LoRA checkpoint): the frozen base parameters are not expected.
+  void check_model(const Transformer& ref, bool moments, bool adapters_only = false) const;
   // Files index % stride == first: present, of the recorded size, their headers agreeing with the
   // metadata (every piece's entry, offset and shape, the step); with `verify` also every piece's
   // and the file's CRC32C. Returns "" or the first problem (naming file and tensor).

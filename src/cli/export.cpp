@@ -66,6 +66,9 @@ int run_export_command(int argc, char** argv) {
     std::printf("exported %lld tensors (%.1f MB) in %d safetensors file%s and config.json to %s\n",
                 static_cast<long long>(r.tensors), static_cast<double>(r.bytes) / 1e6, r.files, r.files == 1 ? "" : "s",
                 ap.get("out").c_str());
+  } catch (const CheckpointBaseMismatch& e) {  // the LoRA base is missing or other
+    std::fprintf(stderr, "meshtrain export: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtrain export: %s\n", e.what());
     return 1;

@@ -98,6 +98,9 @@ int run_sample_command(int argc, char** argv) {
     so.seed = static_cast<uint64_t>(ap.get_int("seed", 42));
     auto out = generate(*model, ids, so, tok->eot_token());
     std::cout << tok->decode(out) << std::endl;
+  } catch (const CheckpointBaseMismatch& e) {  // the LoRA base is missing or other
+    std::fprintf(stderr, "meshtrain sample: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtrain sample: %s\n", e.what());
     return 1;

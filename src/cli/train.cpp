@@ -86,6 +86,8 @@ int run_train_command(int argc, char** argv) {
     return fail(std::string("config error: ") + e.what(), 2);
   } catch (const CheckpointModelMismatch& e) {
     return fail(std::string("config error: ") + e.what(), 2);
+  } catch (const CheckpointBaseMismatch& e) {
+    return fail(std::string("config error: ") + e.what(), 2);
   } catch (const std::exception& e) {
     return fail(e.what(), 1);
   }

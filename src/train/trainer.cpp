@@ -449,11 +449,21 @@ void Trainer::load_state() {
     }
   }
   bool loaded = false;
+  LoraBaseSource base_source{tc_.init_from, tc_.seed};
+  if (!base_source.init_from.empty())
+    base_source.init_from = std::filesystem::absolute(base_source.init_from).lexically_normal().string();
   if (resume) {
     std::string src = tc_.resume == "latest" ? tc_.checkpoint_dir : tc_.resume;
     resume_dir = resolve_checkpoint(src);
     check_lora_resume(resume_dir, mc_);
-    if (ShardedCheckpoint::is_sharded(resume_dir)) {
+    // A LoRA checkpoint holds the adapters only: the base comes from this run's train.init_from
+    // (or seed), as on a fresh start, and must be the one the adapters were trained on.
+    // (Every LoRA resume reads full units on every rank, which also gives the base's fingerprint.)
+    const bool adapters_only = mc_.lora() && !read_trainer_state(resume_dir).lora_base.is_null();
+    if (mc_.lora()) {
+      reader = std::make_unique<CheckpointReader>(resume_dir, *ref_, true, &base_source);
+      st_ = reader->state();
+    } else if (ShardedCheckpoint::is_sharded(resume_dir)) {
       // Every rank reads only its own new share; the files' checks are spread over the ranks.
       auto t0 = Clock::now();
       ShardedCheckpoint ck(resume_dir);
@@ -475,7 +485,10 @@ void Trainer::load_state() {
       reader = std::make_unique<CheckpointReader>(resume_dir, *ref_, true);
       st_ = reader->state();
     }
-    if (log_ && !tc_.init_from.empty()) std::printf("resuming: train.init_from (%s) is not used\n", tc_.init_from.c_str());
+    if (log_ && !tc_.init_from.empty())
+      std::printf(adapters_only ? "resuming: the LoRA base model is train.init_from (%s)\n"
+                                : "resuming: train.init_from (%s) is not used\n",
+                  tc_.init_from.c_str());
   } else if (!tc_.init_from.empty()) {
     // Weights only (fine-tuning): a safetensors file, or a checkpoint (directory or root with `latest`).
     std::string file = tc_.init_from;
@@ -503,6 +516,17 @@ void Trainer::load_state() {
     strategy_->end_load(st_.adam_steps);
     if (ep_) ep_->end_load(st_.adam_steps);
     if (reader && resume) load_info_ = {{"format", "full"}, {"ms", ms_since(t0)}};
+  }
+  if (mc_.lora()) {
+    // The base's fingerprint (every unit's, from the ranks that loaded it), recorded in every
+    // checkpoint so that a resume or an export can tell whether its base is the same.
+    const std::vector<uint32_t>& mine = state_->base_unit_crcs();
+    std::vector<int64_t> all(mine.begin(), mine.end());
+    groups_.metrics->all_reduce(all.data(), all.size(), DType::I64, comm::ReduceOp::Max)->wait();
+    std::vector<uint32_t> crcs(all.begin(), all.end());
+    st_.lora_base = {{"init_from", base_source.init_from},
+                     {"seed", base_source.seed},
+                     {"crc32c", static_cast<int64_t>(lora_base_fingerprint(crcs))}};
   }
   // All ranks continue from the same point.
   verify_same_job(*groups_.metrics,
