@@ -55,7 +55,7 @@ struct TrainerState {
   BlendLoader::State blend{};
   // LoRA checkpoints (adapters only): the base's source and fingerprint, in trainer.json under
   // "lora_base": {"init_from": path or "", "seed": N, "crc32c": fingerprint}; null otherwise.
-  nlohmann::json lora_base;
+  nlohmann::json lora_base{};  // (empty braces: null)
 };
 
 // Whether a checkpoint of `c` stores parameter p: every parameter, except a LoRA model's frozen

@@ -92,7 +92,7 @@ def check(mt, work, name, cfg, targets, tokens):
     run([mt, "export", "--checkpoint", lora_ck, "--out", adapter, "--adapter"])
     run([mt, "export", "--checkpoint", lora_ck, "--out", merged])
     metrics = os.path.join(d, "m.jsonl")
-    run(common + lora + ["--train.steps", "5", "--train.lr", "0", "--train.resume", lora_ck, "--data.val", shard,
+    run(common + lora + ["--train.steps", "5", "--train.lr", "0", "--train.resume", lora_ck, "--train.init_from", base_ck, "--data.val", shard,
                          "--train.eval_at_start", "true", "--train.eval_batches", "1", "--train.eval_every", "1000",
                          "--train.checkpoint_dir", os.path.join(d, "eval_ck"), "--log.metrics_out", metrics])
     got = final(metrics)["val_loss_start"]
