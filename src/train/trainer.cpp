@@ -239,12 +239,6 @@ void Trainer::build() {
                       .device = current_device(),
                       .tokens_per_step = B_ * T_full_ * accum_ * plan_.dp(),
                       .count_only = dry_});
-  if (cfg_.data.document_masking && plan_.cp > 1)
-    throw ConfigError("data.document_masking is not supported with context parallelism (parallel.cp > 1): set "
-                      "parallel.cp = 1 or data.document_masking = false");
-  if (cfg_.data.document_masking && plan_.pp > 1)
-    throw ConfigError("data.document_masking is not supported with pipeline parallelism (parallel.pp > 1): set "
-                      "parallel.pp = 1 or data.document_masking = false");
   if (cfg_.data.document_separator < -1 || cfg_.data.document_separator >= mc_.vocab_size)
     throw ConfigError("data.document_separator must be -1 or a token id below model.vocab_size (" +
                       std::to_string(mc_.vocab_size) + "), got " + std::to_string(cfg_.data.document_separator));
