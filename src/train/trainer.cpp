@@ -172,14 +172,13 @@ bool check_train_device(const std::string& name, bool dry, int world) {
 }
 // model.attention_kernel: true for the bf16 (flash) attention kernels. auto = flash for bf16 on
 // train.device = cuda (the dry run decides from the key, as the real run does), without context
-// parallelism or document masking (the flash kernels take no document starts yet); reference
+// parallelism (also with document masking: the flash kernels take the document starts); reference
 // otherwise.
 bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   const std::string& k = cfg.model.attention_kernel;
   Device d = Device::CPU;
-  const bool docs = cfg.data.document_masking;
   if (k == "auto")
-    return dt == DType::BF16 && parse_device(cfg.train.device, &d) && d == Device::CUDA && cp <= 1 && !docs;
+    return dt == DType::BF16 && parse_device(cfg.train.device, &d) && d == Device::CUDA && cp <= 1;
   if (k == "reference") return false;
   if (k != "flash") throw ConfigError("model.attention_kernel must be auto, flash or reference, got '" + k + "'");
   if (dt != DType::BF16)
@@ -187,9 +186,6 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   if (cp > 1)
     throw ConfigError("model.attention_kernel = flash does not run with context parallelism (parallel.cp = " +
                       std::to_string(cp) + "): use auto or reference");
-  if (docs)
-    throw ConfigError("model.attention_kernel = flash does not take document masking yet (data.document_masking = "
-                      "true): use auto or reference");
   return true;
 }
 
