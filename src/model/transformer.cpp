@@ -478,7 +478,8 @@ void Transformer::document_slot(const int32_t* ids, int64_t B, int64_t T) {
     const int64_t Tf = T * n;
     std::vector<float> mine(static_cast<size_t>(N)), all(static_cast<size_t>(N * n));
     for (int64_t i = 0; i < N; ++i) mine[i] = static_cast<float>(hid[i]);
-    Tensor dmine = Tensor::empty({N}, DType::F32, MemCategory::Comm), dall = Tensor::empty({N * n}, DType::F32, MemCategory::Comm);
+    Tensor dmine = Tensor::empty({N}, DType::F32, MemCategory::Comm);
+    Tensor dall = Tensor::empty({N * n}, DType::F32, MemCategory::Comm);
     dev::copy_from_host(dev_, dmine.raw(), mine.data(), mine.size() * sizeof(float));
     cp_->all_gather(dmine.f32(), dall.f32(), N);
     dev::copy_to_host(dev_, all.data(), dall.raw(), all.size() * sizeof(float));

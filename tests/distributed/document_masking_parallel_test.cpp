@@ -64,8 +64,9 @@ TEST_F(DocumentMaskingParallel, PipelineMatchesOneProcessOnEverySchedule) {
   expect_close(ref, train(2, 2, 4, "zb1p", kDocs + "--parallel.pp 2 --parallel.pp_schedule zb1p"), kLossTol,
                kWeightTol, "docs pp=2 zb1p");
   const std::string m = "--model.n_layer 6 ";  // zbv at pp=2: 4 stages
-  expect_close(train(1, 2, 4, "single6", m + kDocs), train(2, 2, 4, "zbv", m + kDocs + "--parallel.pp 2 --parallel.pp_schedule zbv"),
-               kLossTol, kWeightTol, "docs pp=2 zbv");
+  expect_close(train(1, 2, 4, "single6", m + kDocs),
+               train(2, 2, 4, "zbv", m + kDocs + "--parallel.pp 2 --parallel.pp_schedule zbv"), kLossTol, kWeightTol,
+               "docs pp=2 zbv");
 }
 
 TEST_F(DocumentMaskingParallel, PipelineLlamaAndWithContextParallel) {
