@@ -277,7 +277,7 @@ void apply_lora_args(const ArgParser& a, ModelConfig& m) {
     throw Bad(std::string("--lora-targets: ") + e.what());
   }
   if (m.moe()) throw Bad("--lora-rank: LoRA is for dense models (this one is a mixture of experts)");
-  if (a.has("tp") && a.get("tp") != "1") throw Bad("--lora-rank: LoRA with tensor parallelism is not supported (drop --tp)");
+  if (a.has("tp") && a.get("tp") != "1") throw Bad("--lora-rank: the planner does not model LoRA with tensor parallelism (drop --tp)");
 }
 
 // The training setup's flags; a note for each default the planner chose.
@@ -423,7 +423,7 @@ int run(int argc, char** argv) {
     char buf[256];
     std::snprintf(buf, sizeof buf,
                   "LoRA rank %lld on %s: %.1f M adapter parameters (%.3f%% of %.2f B); the base is frozen "
-                  "(compute dtype only), gradients and optimizer state are the adapters'; no tensor parallelism",
+                  "(compute dtype only), gradients and optimizer state are the adapters'; layouts without tensor parallelism",
                   static_cast<long long>(m.lora_rank), lora_targets_string(m.lora_targets, m.arch).c_str(), ad / 1e6,
                   100.0 * ad / static_cast<double>(m.num_params()), static_cast<double>(m.num_params()) / 1e9);
     notes.push_back(buf);

@@ -1,7 +1,7 @@
 // The planner's LoRA model (--lora-rank): the frozen base costs its compute-dtype weights only,
 // gradients and optimizer state are the adapters' (as the engine keeps them, docs/finetuning.md),
 // against the same layout's full fine-tuning estimate; LoRA makes Llama 3 8B fit on one GPU and 70B
-// on eight without offload where full fine-tuning does not; no layout with tensor parallelism.
+// on eight without offload; no layout with tensor parallelism (the planner does not model it with LoRA).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -63,7 +63,7 @@ TEST(LoraPlan, EightBOnOneGpuAndSeventyBOnEightFitWithoutOffload) {
   const PlanResult a70 = plan(with_lora(plan_model_preset("llama3-70b")), cluster(8), TrainSetup{}, no_offload);
   ASSERT_FALSE(a70.candidates.empty());
   EXPECT_TRUE(a70.candidates[0].fits);
-  for (const Estimate& e : a70.candidates) EXPECT_EQ(e.layout.tp, 1) << "the engine refuses LoRA with tp > 1";
+  for (const Estimate& e : a70.candidates) EXPECT_EQ(e.layout.tp, 1) << "LoRA with tp > 1 is not modelled";
 }
 
 }  // namespace
