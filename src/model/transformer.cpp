@@ -98,10 +98,11 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
   embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
   head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
+  build_state_layout();
   const bool f32 = compute_ == DType::F32;
-  if (f32 ? storage_.weights : storage_.master)
-    weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
-  if (storage_.grads) grads_ = Tensor::zeros({flat_size_}, DType::F32, MemCategory::Grads);
+  if (f32 ? storage_.weights : storage_.master)  // fp32: the flat weights; bf16: the master, state layout
+    weights_ = Tensor::zeros({f32 ? flat_size_ : state_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
+  if (storage_.grads) grads_ = Tensor::zeros({state_size_}, DType::F32, MemCategory::Grads);
   if (!f32 && storage_.weights) weights_bf16_ = Tensor::zeros({flat_size_}, DType::BF16, MemCategory::Params);
   if (expert_size_ > 0) {  // expert parallelism: the local experts' own buffers
     ew_ = Tensor::zeros({expert_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
@@ -319,6 +320,37 @@ const ParamInfo& Transformer::param(const std::string& name) const {
   throw std::out_of_range("no parameter named " + name);
 }
 
+void Transformer::build_state_layout() {
+  compact_ = storage_.compact_state && cfg_.lora();
+  state_.assign(units_.size(), StateRange{});
+  state_size_ = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    StateRange& s = state_[u];
+    if (!compact_) {
+      s = {units_[u].offset, units_[u].numel, units_[u].offset, units_[u].numel};
+      continue;
+    }
+    // The unit's trainable parameters: one contiguous run (adapters follow the block's base).
+    int64_t b = -1, e = -1;
+    for (int i : unit_params_[u]) {
+      const ParamInfo& p = params_[static_cast<size_t>(i)];
+      if (!p.trainable) continue;
+      if (b < 0) b = p.offset;
+      else if (p.offset != e) throw std::logic_error("unit " + units_[u].name + ": trainable parameters are not contiguous");
+      e = p.offset + p.numel;
+    }
+    for (int i : unit_params_[u]) {  // and no frozen parameter inside the run
+      const ParamInfo& p = params_[static_cast<size_t>(i)];
+      if (!p.trainable && b >= 0 && p.offset < e && p.offset + p.numel > b)
+        throw std::logic_error("unit " + units_[u].name + ": a frozen parameter lies among the trainable ones");
+    }
+    const int64_t a = storage_.unit_align, run = b < 0 ? 0 : e - b;
+    s = StateRange{b < 0 ? units_[u].offset : b, (run + a - 1) / a * a, state_size_, run};
+    state_size_ += s.numel;
+  }
+  if (!compact_) state_size_ = flat_size_;
+}
+
 void Transformer::zero_grads() {
   if (grads_.defined()) grads_.zero_();
   if (eg_.defined()) eg_.zero_();
@@ -328,6 +360,15 @@ void Transformer::zero_grads() {
 void Transformer::init_weights(uint64_t seed) {
   if (!weights_.defined()) throw std::logic_error("init_weights: the model holds no full fp32 weights");
   if (dev_ == Device::Meta) return;  // nothing to initialise on a count-only device
+  if (compute_ == DType::BF16 && compact_) {  // the frozen base goes straight to bf16
+    Tensor full = Tensor::empty({flat_size_}, DType::F32, MemCategory::Workspace);
+    init_weights_into(seed, full.f32());
+    if (weights_bf16_.defined()) kt_->cast_f32_to_bf16(weights_bf16_.bf(), full.f32(), flat_size_);
+    for (const StateRange& s : state_)
+      if (s.run > 0)
+        dev::copy(dev_, weights_.f32() + s.pos, full.f32() + s.begin, static_cast<size_t>(s.run) * sizeof(float));
+    return;
+  }
   init_weights_into(seed, weights_.f32());
   sync_compute_weights();
 }
@@ -389,8 +430,14 @@ void Transformer::init_lora_unit(uint64_t seed, int u, float* unit_w) const {
 }
 
 void Transformer::sync_compute_weights() {
-  if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined())
-    kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+  if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined()) {
+    if (!compact_) {
+      kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+    } else {  // only the trainable parameters have a master; the frozen base is bf16 already
+      for (const StateRange& s : state_)
+        if (s.run > 0) kt_->cast_f32_to_bf16(weights_bf16_.bf() + s.begin, weights_.f32() + s.pos, s.run);
+    }
+  }
   if (compute_ == DType::BF16 && ewb_.defined()) kt_->cast_f32_to_bf16(ewb_.bf(), ew_.f32(), expert_size_);
 }
 
@@ -443,9 +490,10 @@ const bf16* Transformer::param_bf16(int idx) const {
 float* Transformer::param_grad(int idx) const {
   const ParamInfo& p = params_[idx];
   if (!p.trainable) return nullptr;  // frozen (LoRA): no gradient
-  if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - units_[p.unit].offset);
+  // Gradients are in the state layout; a redirected unit's buffer holds its state range.
+  if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - state_[p.unit].begin);
   if (!grads_.defined()) throw std::logic_error("unit " + units_[p.unit].name + " has no gradient buffer");
-  return grads_.f32() + p.offset;
+  return grads_.f32() + state_offset(p);
 }
 
 bool Transformer::recomputes(int layer) const {
