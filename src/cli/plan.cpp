@@ -54,6 +54,8 @@ std::string plan_help() {
          "  --micro-batch b         sequences per micro-batch (default: the planner chooses)\n"
          "  --seq S                 tokens per sequence (default: the model's; Hugging Face configs capped at 8192)\n"
          "  --dtype bf16|fp32       bf16 mixed precision (default; fp32 master + Adam) or fp32 training\n"
+         "  --lora-rank R           LoRA fine-tuning: adapters of rank R, the base frozen (kept in the compute dtype,\n"
+         "                          no gradients or optimizer state); --lora-targets LIST as lora.targets (default q,v)\n"
          "  --reduce-dtype fp32|bf16  gradient reduction dtype (default fp32)\n"
          "  --grad-dtype bf16|fp32  stored gradient dtype (default: the parameter dtype)\n"
          "  --attention flash|unfused  attention kernel (default flash: no s x s scores kept)\n"
@@ -261,6 +263,23 @@ ModelConfig model_from_args(const ArgParser& a, bool* from_hf) {
   return m;
 }
 
+// --lora-rank R [--lora-targets LIST]: LoRA fine-tuning of the model (the frozen base in the
+// compute dtype; gradients and optimizer state for the adapters only).
+void apply_lora_args(const ArgParser& a, ModelConfig& m) {
+  if (!a.has("lora-rank")) {
+    if (a.has("lora-targets")) throw Bad("--lora-targets needs --lora-rank");
+    return;
+  }
+  m.lora_rank = pos_int(a, "lora-rank", 0);
+  try {
+    m.lora_targets = parse_lora_targets(a.get("lora-targets", "q,v"), m.arch);
+  } catch (const std::invalid_argument& e) {
+    throw Bad(std::string("--lora-targets: ") + e.what());
+  }
+  if (m.moe()) throw Bad("--lora-rank: LoRA is for dense models (this one is a mixture of experts)");
+  if (a.has("tp") && a.get("tp") != "1") throw Bad("--lora-rank: the planner does not model LoRA with tensor parallelism (drop --tp)");
+}
+
 // The training setup's flags; a note for each default the planner chose.
 TrainSetup setup_from_args(const ArgParser& a, bool fp32, const ModelConfig& m, bool from_hf,
                            std::vector<std::string>& notes) {
@@ -363,7 +382,8 @@ int run(int argc, char** argv) {
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
                "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
                "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw", "strategy", "tp", "pp",
-               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds"},
+               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds",
+               "lora-rank", "lora-targets"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
                "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});
   a.parse(argc, argv, 1);
@@ -394,9 +414,20 @@ int run(int argc, char** argv) {
   }
 
   bool from_hf = false;
-  const ModelConfig m = model_from_args(a, &from_hf);
+  ModelConfig m = model_from_args(a, &from_hf);
+  apply_lora_args(a, m);
   std::vector<std::string> notes;
   const TrainSetup st = setup_from_args(a, fp32, m, from_hf, notes);
+  if (m.lora()) {
+    const double ad = static_cast<double>(m.n_layer * m.lora_block_params());
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "LoRA rank %lld on %s: %.1f M adapter parameters (%.3f%% of %.2f B); the base is frozen "
+                  "(compute dtype only), gradients and optimizer state are the adapters'; layouts without tensor parallelism",
+                  static_cast<long long>(m.lora_rank), lora_targets_string(m.lora_targets, m.arch).c_str(), ad / 1e6,
+                  100.0 * ad / static_cast<double>(m.num_params()), static_cast<double>(m.num_params()) / 1e9);
+    notes.push_back(buf);
+  }
   if (!a.has("gpus")) throw Bad("--gpus is required");
   c.gpus = static_cast<int>(pos_int(a, "gpus", 0));
   measure_cpu_cluster(a, m, st, c, notes);

@@ -98,10 +98,11 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
   embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
   head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
+  build_state_layout();
   const bool f32 = compute_ == DType::F32;
-  if (f32 ? storage_.weights : storage_.master)
-    weights_ = Tensor::zeros({flat_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
-  if (storage_.grads) grads_ = Tensor::zeros({flat_size_}, DType::F32, MemCategory::Grads);
+  if (f32 ? storage_.weights : storage_.master)  // fp32: the flat weights; bf16: the master, state layout
+    weights_ = Tensor::zeros({f32 ? flat_size_ : state_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
+  if (storage_.grads) grads_ = Tensor::zeros({state_size_}, DType::F32, MemCategory::Grads);
   if (!f32 && storage_.weights) weights_bf16_ = Tensor::zeros({flat_size_}, DType::BF16, MemCategory::Params);
   if (expert_size_ > 0) {  // expert parallelism: the local experts' own buffers
     ew_ = Tensor::zeros({expert_size_}, DType::F32, f32 ? MemCategory::Params : MemCategory::Optimizer);
@@ -319,6 +320,37 @@ const ParamInfo& Transformer::param(const std::string& name) const {
   throw std::out_of_range("no parameter named " + name);
 }
 
+void Transformer::build_state_layout() {
+  compact_ = storage_.compact_state && cfg_.lora();
+  state_.assign(units_.size(), StateRange{});
+  state_size_ = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    StateRange& s = state_[u];
+    if (!compact_) {
+      s = {units_[u].offset, units_[u].numel, units_[u].offset, units_[u].numel};
+      continue;
+    }
+    // The unit's trainable parameters: one contiguous run (adapters follow the block's base).
+    int64_t b = -1, e = -1;
+    for (int i : unit_params_[u]) {
+      const ParamInfo& p = params_[static_cast<size_t>(i)];
+      if (!p.trainable) continue;
+      if (b < 0) b = p.offset;
+      else if (p.offset != e) throw std::logic_error("unit " + units_[u].name + ": trainable parameters are not contiguous");
+      e = p.offset + p.numel;
+    }
+    for (int i : unit_params_[u]) {  // and no frozen parameter inside the run
+      const ParamInfo& p = params_[static_cast<size_t>(i)];
+      if (!p.trainable && b >= 0 && p.offset < e && p.offset + p.numel > b)
+        throw std::logic_error("unit " + units_[u].name + ": a frozen parameter lies among the trainable ones");
+    }
+    const int64_t a = storage_.unit_align, run = b < 0 ? 0 : e - b;
+    s = StateRange{b < 0 ? units_[u].offset : b, (run + a - 1) / a * a, state_size_, run};
+    state_size_ += s.numel;
+  }
+  if (!compact_) state_size_ = flat_size_;
+}
+
 void Transformer::zero_grads() {
   if (grads_.defined()) grads_.zero_();
   if (eg_.defined()) eg_.zero_();
@@ -328,6 +360,15 @@ void Transformer::zero_grads() {
 void Transformer::init_weights(uint64_t seed) {
   if (!weights_.defined()) throw std::logic_error("init_weights: the model holds no full fp32 weights");
   if (dev_ == Device::Meta) return;  // nothing to initialise on a count-only device
+  if (compute_ == DType::BF16 && compact_) {  // the frozen base goes straight to bf16
+    Tensor full = Tensor::empty({flat_size_}, DType::F32, MemCategory::Workspace);
+    init_weights_into(seed, full.f32());
+    if (weights_bf16_.defined()) kt_->cast_f32_to_bf16(weights_bf16_.bf(), full.f32(), flat_size_);
+    for (const StateRange& s : state_)
+      if (s.run > 0)
+        dev::copy(dev_, weights_.f32() + s.pos, full.f32() + s.begin, static_cast<size_t>(s.run) * sizeof(float));
+    return;
+  }
   init_weights_into(seed, weights_.f32());
   sync_compute_weights();
 }
@@ -389,8 +430,14 @@ void Transformer::init_lora_unit(uint64_t seed, int u, float* unit_w) const {
 }
 
 void Transformer::sync_compute_weights() {
-  if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined())
-    kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+  if (compute_ == DType::BF16 && weights_.defined() && weights_bf16_.defined()) {
+    if (!compact_) {
+      kt_->cast_f32_to_bf16(weights_bf16_.bf(), weights_.f32(), flat_size_);
+    } else {  // only the trainable parameters have a master; the frozen base is bf16 already
+      for (const StateRange& s : state_)
+        if (s.run > 0) kt_->cast_f32_to_bf16(weights_bf16_.bf() + s.begin, weights_.f32() + s.pos, s.run);
+    }
+  }
   if (compute_ == DType::BF16 && ewb_.defined()) kt_->cast_f32_to_bf16(ewb_.bf(), ew_.f32(), expert_size_);
 }
 
@@ -443,9 +490,10 @@ const bf16* Transformer::param_bf16(int idx) const {
 float* Transformer::param_grad(int idx) const {
   const ParamInfo& p = params_[idx];
   if (!p.trainable) return nullptr;  // frozen (LoRA): no gradient
-  if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - units_[p.unit].offset);
+  // Gradients are in the state layout; a redirected unit's buffer holds its state range.
+  if (unit_g_[p.unit]) return unit_g_[p.unit] + (p.offset - state_[p.unit].begin);
   if (!grads_.defined()) throw std::logic_error("unit " + units_[p.unit].name + " has no gradient buffer");
-  return grads_.f32() + p.offset;
+  return grads_.f32() + state_offset(p);
 }
 
 bool Transformer::recomputes(int layer) const {
@@ -456,10 +504,6 @@ bool Transformer::recomputes(int layer) const {
 
 
 void Transformer::set_document_masking(int32_t separator) {
-  if (separator >= 0 && cp_)
-    throw std::invalid_argument("document masking is not supported with context parallelism (parallel.cp > 1)");
-  if (separator >= 0 && !owned_.empty() && !owned_[0])
-    throw std::invalid_argument("document masking is not supported with pipeline parallelism (parallel.pp > 1)");
   doc_sep_ = separator < 0 ? -1 : separator;
 }
 
@@ -473,9 +517,58 @@ void Transformer::document_starts(const int32_t* ids, int64_t B, int64_t T, int3
   }
 }
 
+// The current slot's document starts and positions from its micro-batch's ids (host or, with
+// device inputs, device memory). Under context parallelism the cp ranks' ids are all-gathered: a
+// local token's document may begin in a chunk of another rank, so its start (and position) is
+// taken in the full sequence.
+void Transformer::document_slot(const int32_t* ids, int64_t B, int64_t T) {
+  Slot& s = *s_;
+  const int64_t N = B * T;
+  s.doc_start.resize(static_cast<size_t>(N));
+  s.doc_pos.resize(static_cast<size_t>(N));
+  std::vector<int32_t> host_ids;
+  const int32_t* hid = ids;
+  if (device_inputs_) {
+    host_ids.resize(static_cast<size_t>(N));
+    dev::copy_to_host(dev_, host_ids.data(), ids, static_cast<size_t>(N) * sizeof(int32_t));
+    hid = host_ids.data();
+  }
+  if (!cp_) {
+    document_starts(hid, B, T, doc_sep_, s.doc_start.data());
+    for (int64_t i = 0; i < N; ++i) s.doc_pos[i] = static_cast<int32_t>(i % T) - s.doc_start[i];
+  } else {
+    // Token ids travel as floats (exact below 2^24: every vocabulary's).
+    const int n = cp_->size();
+    const int64_t Tf = T * n;
+    std::vector<float> mine(static_cast<size_t>(N)), all(static_cast<size_t>(N * n));
+    for (int64_t i = 0; i < N; ++i) mine[i] = static_cast<float>(hid[i]);
+    Tensor dmine = Tensor::empty({N}, DType::F32, MemCategory::Comm);
+    Tensor dall = Tensor::empty({N * n}, DType::F32, MemCategory::Comm);
+    dev::copy_from_host(dev_, dmine.raw(), mine.data(), mine.size() * sizeof(float));
+    cp_->all_gather(dmine.f32(), dall.f32(), N);
+    dev::copy_to_host(dev_, all.data(), dall.raw(), all.size() * sizeof(float));
+    std::vector<int32_t> full(static_cast<size_t>(B * Tf)), ds(static_cast<size_t>(B * Tf));
+    for (int q = 0; q < n; ++q) {
+      const std::vector<int32_t> pos = cp_positions(q, n, T);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) full[b * Tf + pos[t]] = static_cast<int32_t>(all[(q * B + b) * T + t]);
+    }
+    document_starts(full.data(), B, Tf, doc_sep_, ds.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int32_t g = cp_pos_[t];
+        s.doc_start[b * T + t] = ds[b * Tf + g];
+        s.doc_pos[b * T + t] = g - ds[b * Tf + g];
+      }
+  }
+  if (!s.doc_start_dev.defined() || s.doc_start_dev.numel() != N)
+    s.doc_start_dev = Tensor::empty({N}, DType::I32, MemCategory::Activations);
+  dev::copy_from_host(dev_, s.doc_start_dev.raw(), s.doc_start.data(), static_cast<size_t>(N) * sizeof(int32_t));
+}
+
 TokenShape Transformer::tokens() const {
   if (doc_sep_ >= 0 && s_ && static_cast<int64_t>(s_->doc_start.size()) == B_ * T_ && s_->doc_start_dev.defined())
-    return {B_, T_, s_->doc_pos.data(), true, s_->doc_start_dev.i32()};
+    return {B_, T_, s_->doc_pos.data(), true, s_->doc_start_dev.i32(), s_->doc_start.data()};
   return {B_, T_, cp_ ? cp_pos_.data() : nullptr};
 }
 
@@ -713,6 +806,12 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   // order, so the k-th training forward of a unit range in a step is micro-batch k).
   s.lora_micro = train && cfg_.lora() && cfg_.lora_dropout > 0 ? lora_micro0_ + lora_forwards_[first]++ : -1;
 
+  // Document masking: every stage derives the document starts (and positions) of the micro-batch
+  // from its input ids (a pipeline stage after the first as well: its blocks mask and rotate by them).
+  if (doc_sep_ >= 0) {
+    if (!ids) throw std::invalid_argument("forward_units: document masking needs the micro-batch's ids on every stage");
+    document_slot(ids, B, T);
+  }
   if (first == 0) {  // unit 0: embedding
     if (device_inputs_) {
       dev::copy(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
@@ -724,21 +823,6 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
       dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
     }
     const int32_t* ids_saved = s.ids.i32();
-    if (doc_sep_ >= 0) {
-      s.doc_start.resize(static_cast<size_t>(N));
-      s.doc_pos.resize(static_cast<size_t>(N));
-      std::vector<int32_t> host_ids;
-      const int32_t* hid = ids;
-      if (device_inputs_) {
-        host_ids.resize(static_cast<size_t>(N));
-        dev::copy_to_host(dev_, host_ids.data(), ids, static_cast<size_t>(N) * sizeof(int32_t));
-        hid = host_ids.data();
-      }
-      document_starts(hid, B, T, doc_sep_, s.doc_start.data());
-      for (int64_t i = 0; i < N; ++i) s.doc_pos[i] = static_cast<int32_t>(i % T) - s.doc_start[i];
-      if (!s.doc_start_dev.defined()) s.doc_start_dev = Tensor::empty({N}, DType::I32, MemCategory::Activations);
-      dev::copy_from_host(dev_, s.doc_start_dev.raw(), s.doc_start.data(), static_cast<size_t>(N) * sizeof(int32_t));
-    }
     if (hooks_) hooks_->pre_forward(0);
     const int emb = unit_params_[0][0];
     embedding_->forward(s.block_out[0].f32(), ids_saved,

@@ -43,6 +43,10 @@ struct ModelStorage {
   bool master = true;    // bf16 mode only: full fp32 master weights (weights())
   bool grads = true;     // full fp32 gradients
   int64_t unit_align = 1;  // each unit's range is padded to a multiple of this (for even shards)
+  // LoRA: the gradients and (bf16 mode) the fp32 master weights hold only the trainable parameters
+  // (the state layout, state_range()); the frozen base exists only in the compute dtype. Without
+  // LoRA (or with this off) the state layout is the flat layout.
+  bool compact_state = false;
 };
 
 // Everything a model is built with besides its architecture: it is complete after construction.
@@ -120,8 +124,28 @@ class Transformer : private LayerParams {
   // Elements of a full flat buffer: parameters plus per-unit padding (always zero).
   int64_t flat_size() const { return flat_size_; }
 
-  // fp32 master weights (category Params in fp32 mode, Optimizer in bf16 mode, where the bf16
-  // copy is what the Params category holds) and fp32 gradients; undefined when not allocated.
+  // The state layout: where gradients (and in bf16 mode the fp32 master weights) live. Unit u's
+  // state is the flat range [begin, begin + numel) stored at `pos` of the state buffers. Without a
+  // compact state (ModelStorage::compact_state with LoRA) it is the whole unit at its flat offset;
+  // with one, only the unit's trainable parameters (a contiguous run; numel 0 when all are frozen),
+  // units packed one after the other.
+  // `run`: the trainable elements from `begin` (numel = run rounded up to unit_align, the rest
+  // padding that no parameter maps to).
+  struct StateRange {
+    int64_t begin = 0, numel = 0, pos = 0, run = 0;
+  };
+  const StateRange& state_range(int u) const { return state_[u]; }
+  int64_t state_size() const { return state_size_; }
+  bool compact_state() const { return compact_; }
+  // Where a trainable parameter's first element lies in the state buffers.
+  int64_t state_offset(const ParamInfo& p) const {
+    return state_[p.unit].pos + (p.offset - state_[p.unit].begin);
+  }
+
+  // fp32 weights and gradients; undefined when not allocated. fp32 mode: weights() are the full
+  // flat weights (category Params). bf16 mode: weights() are the fp32 master weights in the state
+  // layout (category Optimizer; the bf16 compute_weights() are what Params holds). grads() are in
+  // the state layout (state_size() elements).
   Tensor& weights() { return weights_; }
   Tensor& grads() { return grads_; }
   Tensor& compute_weights() { return compute_ == DType::F32 ? weights_ : weights_bf16_; }
@@ -330,6 +354,10 @@ class Transformer : private LayerParams {
   std::vector<std::vector<int>> unit_params_;  // param indices per unit
   int64_t total_ = 0, flat_size_ = 0;
   ModelStorage storage_;
+  std::vector<StateRange> state_;
+  int64_t state_size_ = 0;
+  bool compact_ = false;
+  void build_state_layout();
   std::vector<Tensor> upcast_;  // bf16 mode: fp32 copies of small parameters, per param index
   // LoRA: per parameter index, the adapters (their A's indices) of that weight, and the parts the
   // last weight() call handed out for it
@@ -384,6 +412,7 @@ class Transformer : private LayerParams {
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<LmHead> head_;  // the LM head's projection and loss
   bool device_inputs_ = false;  // set_device_inputs
+  void document_slot(const int32_t* ids, int64_t B, int64_t T);  // the slot's document starts (forward_units)
   int32_t doc_sep_ = -1;        // set_document_masking
   float* loss_sink_ = nullptr;  // set_loss_sink
   int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for

@@ -58,10 +58,11 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
     for (const ParamInfo& p : model_.params()) {
       if (!p.trainable || !model_.owns_unit(p.unit)) continue;
       Bucket& b = buckets_[bucket_of_unit_[p.unit]];
-      if (!b.trainable.empty() && b.trainable.back().first + b.trainable.back().second == p.offset)
+      const int64_t at = model_.state_offset(p);  // where its gradient lies
+      if (!b.trainable.empty() && b.trainable.back().first + b.trainable.back().second == at)
         b.trainable.back().second += p.numel;
       else
-        b.trainable.push_back({p.offset, p.numel});
+        b.trainable.push_back({at, p.numel});
     }
   }
   reset();

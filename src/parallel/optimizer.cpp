@@ -24,6 +24,15 @@ std::vector<AdamSpan> AdamW::full_spans(const std::vector<ParamInfo>& params) {
   return v;
 }
 
+std::vector<AdamSpan> AdamW::state_spans(const Transformer& model) {
+  std::vector<AdamSpan> v;
+  const auto& params = model.params();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].trainable && model.owns_unit(params[i].unit))
+      v.push_back({params[i].offset, model.state_offset(params[i]), params[i].numel, params[i].decay, static_cast<int>(i)});
+  return v;
+}
+
 void AdamW::step(float* weights, const float* grads, double lr, float grad_scale, bool w_by_state, bool g_by_state,
                  bf16* compute, const double* clip_norm_sq, double clip_max) {
   ++step_;
@@ -32,7 +41,7 @@ void AdamW::step(float* weights, const float* grads, double lr, float grad_scale
   for (const auto& sp : spans_) {
     const int64_t w = w_by_state ? sp.s_off : sp.w_off;
     list.push_back({weights + w, grads + (g_by_state ? sp.s_off : sp.w_off), m_.f32() + sp.s_off,
-                    v_.f32() + sp.s_off, compute ? compute + w : nullptr, sp.n,
+                    v_.f32() + sp.s_off, compute ? compute + sp.w_off : nullptr, sp.n,
                     sp.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f});
   }
   kernels::table(m_.device())

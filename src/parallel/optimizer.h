@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "model/parameters.h"
+#include "model/transformer.h"
 #include "runtime/tensor.h"
 
 namespace mt {
@@ -31,9 +32,12 @@ class AdamW {
   // Spans for a full (unsharded) flat buffer: one per parameter, state offsets = flat offsets.
   // (Not merged across parameters, so norms can be weighted per parameter.)
   static std::vector<AdamSpan> full_spans(const std::vector<ParamInfo>& params);
+  // Spans for a model's own buffers: w_off the flat offset, s_off the state offset
+  // (Transformer::state_offset: equal without a compact state), trainable parameters only.
+  static std::vector<AdamSpan> state_spans(const Transformer& model);
   // One update. `weights` is indexed by w_off (or by s_off when w_by_state), `grads` by w_off
   // (or s_off when g_by_state). grad_scale multiplies every gradient (clipping). compute (may be
-  // null): a bf16 copy of the weights, indexed as `weights`, refreshed in the same pass.
+  // null): a bf16 copy of the weights, indexed by w_off, refreshed in the same pass.
   // clip_norm_sq (may be null): the squared gradient norm in the device's memory; the scale then
   // comes from it on the device (kernels/ops.def adamw_update_multi) where it exceeds clip_max.
   // Every span goes to one multi-tensor call (one pass over the list; a few launches on a GPU).

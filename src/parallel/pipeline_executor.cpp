@@ -142,7 +142,8 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         model_.select_slot(acquire_slot(m, s));
         const float* input = first == 0 ? nullptr : wait_recv(tag(kAct, m, s - 1));
         auto t0 = Clock::now();
-        st.loss_sum += model_.forward_units(first, last, first == 0 ? ids[m] : nullptr,
+        // Every stage gets the ids: with document masking each stage's blocks mask by them.
+        st.loss_sum += model_.forward_units(first, last, ids[m],
                                             last == head_unit_ ? targets[m] : nullptr, input, B, T, true, dloss);
         st.busy_ms += ms_between(t0, Clock::now());
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));

@@ -15,7 +15,11 @@ namespace mt::parallel {
 struct ShardedDataParallel::UnitState {
   int64_t offset = 0, numel = 0;  // the unit's (padded) range of the flat buffer
   int64_t shard = 0;              // numel / N
-  int64_t local = 0;              // offset of this rank's slice in the shard buffers
+  int64_t local = 0;              // offset of this rank's slice in the weight shard buffers
+  // The unit's state (gradients, moments, master): the whole unit, or with a compact LoRA state its
+  // run of adapters: `run` elements from `sin` in the unit, `snumel` padded, at `spos` of the
+  // model's state-layout gradients; this rank's sshard of them at `slocal` of the state shards.
+  int64_t sin = 0, run = 0, snumel = 0, sshard = 0, slocal = 0, spos = 0;
   Tensor gathered;                // ZeRO-3: full parameters in the compute dtype
   comm::WorkHandle gather_work;
   Tensor grad;                    // ZeRO-2/3: the unit's full gradient during backward
@@ -38,6 +42,7 @@ ModelStorage ShardedDataParallel::storage_for(ShardingStrategy s, DType compute,
   st.master = false;        // fp32 master weights are sharded (bf16 mode)
   st.grads = !shards_gradients(s);
   st.unit_align = 16 * static_cast<int64_t>(shard_size);  // shards of whole 64-byte lines
+  st.compact_state = true;  // LoRA: state for the adapters only
   (void)compute;
   return st;
 }
@@ -62,24 +67,47 @@ ShardedDataParallel::ShardedDataParallel(Transformer& model, std::shared_ptr<com
     s.shard = s.numel / N_;
     s.local = shard_total_;
     shard_total_ += s.shard;
+    const Transformer::StateRange& st = model_.state_range(u);
+    s.sin = st.begin - s.offset;
+    s.run = st.run;
+    s.snumel = st.numel;
+    s.spos = st.pos;
+    if (s.snumel % N_ != 0) throw std::logic_error("unit " + model_.unit(u).name + ": state not padded to the shard group");
+    s.sshard = s.snumel / N_;
+    s.slocal = state_total_;
+    state_total_ += s.sshard;
   }
+  compact_ = model_.compact_state();
   units_[0].keep = tied_;
   units_[U - 1].keep = true;  // the head's weights are needed again right away by its backward
-  // AdamW spans: this rank's slice of every parameter.
+  // AdamW spans: this rank's slice of every parameter. w_off: where the span lies in the model's
+  // full buffers (compact: in its state-layout gradients, ZeRO-1 reads them there).
   std::vector<AdamSpan> spans;
   for (size_t i = 0; i < model_.params().size(); ++i) {
     const ParamInfo& p = model_.params()[i];
+    if (!p.trainable) continue;
     const UnitState& s = units_[p.unit];
+    if (compact_) {  // in state coordinates of the unit
+      const int64_t a = p.offset - model_.state_range(p.unit).begin, lo = r_ * s.sshard, hi = lo + s.sshard;
+      const int64_t b = std::max(lo, a), e = std::min(hi, a + p.numel);
+      if (b < e) spans.push_back({s.spos + b, s.slocal + (b - lo), e - b, p.decay, static_cast<int>(i)});
+      continue;
+    }
     const int64_t lo = s.offset + r_ * s.shard, hi = lo + s.shard;
     const int64_t b = std::max(lo, p.offset), e = std::min(hi, p.offset + p.numel);
-    if (b < e && p.trainable) spans.push_back({b, s.local + (b - lo), e - b, p.decay, static_cast<int>(i)});
+    if (b < e) spans.push_back({b, s.local + (b - lo), e - b, p.decay, static_cast<int>(i)});
   }
-  adam_ = std::make_unique<AdamW>(std::move(spans), shard_total_, adam);
+  adam_ = std::make_unique<AdamW>(std::move(spans), state_total_, adam);
   const bool f32 = cd_ == DType::F32;
-  if (params_sharded() || !f32)
+  if (compact_) {
+    // The adapters' fp32 master (a copy of the trainable weights beside the compute-dtype ones).
+    master_ = Tensor::zeros({state_total_}, DType::F32, MemCategory::Optimizer);
+    if (params_sharded()) wshard_ = Tensor::zeros({shard_total_}, cd_, MemCategory::Params);
+  } else if (params_sharded() || !f32) {
     master_ = Tensor::zeros({shard_total_}, DType::F32,
                             params_sharded() && f32 ? MemCategory::Params : MemCategory::Optimizer);
-  if (grads_sharded()) grad_shard_ = Tensor::zeros({shard_total_}, DType::F32, MemCategory::Grads);
+  }
+  if (grads_sharded()) grad_shard_ = Tensor::zeros({state_total_}, DType::F32, MemCategory::Grads);
   // Norms of sharded gradients are summed over the shard group only (replicas hold the same
   // shard), on a group of the same members.
   if (!norm_group_ || norm_group_->global_ranks() != shard_->global_ranks())
@@ -103,6 +131,27 @@ float* ShardedDataParallel::master_slice(int u) {
 void ShardedDataParallel::load_unit(int u, const float* w, const float* m, const float* v) {
   const UnitState& s = units_[u];
   if (s.numel == 0) return;  // another pipeline stage's unit
+  if (compact_) {
+    const Device d = model_.device();
+    if (params_sharded()) {  // this rank's slice of the unit, compute dtype
+      if (cd_ == DType::F32)
+        dev::copy(d, wshard_.f32() + s.local, w + r_ * s.shard, static_cast<size_t>(s.shard) * sizeof(float));
+      else
+        model_.kernels().cast_f32_to_bf16(wshard_.bf() + s.local, w + r_ * s.shard, s.shard);
+    } else if (cd_ == DType::F32) {
+      dev::copy(d, model_.weights().f32() + s.offset, w, static_cast<size_t>(s.numel) * sizeof(float));
+    } else {
+      model_.kernels().cast_f32_to_bf16(model_.compute_weights().bf() + s.offset, w, s.numel);
+    }
+    // This rank's state slice of the run (padding zero).
+    const int64_t lo = r_ * s.sshard, n = std::clamp<int64_t>(s.run - lo, 0, s.sshard);
+    for (auto [t, src] : {std::pair<Tensor*, const float*>{&master_, w}, {&adam_->exp_avg(), m}, {&adam_->exp_avg_sq(), v}}) {
+      if (s.sshard == 0) continue;
+      dev::zero(d, t->f32() + s.slocal, static_cast<size_t>(s.sshard) * sizeof(float));
+      if (src && n > 0) dev::copy(d, t->f32() + s.slocal, src + s.sin + lo, static_cast<size_t>(n) * sizeof(float));
+    }
+    return;
+  }
   const int64_t mine = r_ * s.shard;  // this rank's slice of the unit
   const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
   if (master_.defined()) dev::copy(model_.device(), master_.f32() + s.local, w + mine, bytes);
@@ -118,10 +167,49 @@ void ShardedDataParallel::load_unit(int u, const float* w, const float* m, const
   }
 }
 
+void ShardedDataParallel::gather_run(int u, const Tensor& src, float* run) {
+  const UnitState& s = units_[u];
+  if (s.snumel == 0) return;
+  Tensor all = Tensor::empty({s.snumel}, DType::F32, MemCategory::Workspace);
+  shard_->all_gather(src.f32() + s.slocal, all.f32(), s.sshard, DType::F32)->wait();
+  dev::copy(model_.device(), run, all.f32(), static_cast<size_t>(s.run) * sizeof(float));
+}
+
+void ShardedDataParallel::scatter_run(int u, float* run, Tensor& dst) {
+  const UnitState& s = units_[u];
+  if (s.snumel == 0) return;
+  if (N_ > 1) shard_->all_reduce(run, s.snumel, DType::F32, comm::ReduceOp::Sum)->wait();
+  dev::copy(model_.device(), dst.f32() + s.slocal, run + r_ * s.sshard, static_cast<size_t>(s.sshard) * sizeof(float));
+}
+
 void ShardedDataParallel::gather_unit(int u, float* w, float* m, float* v) {
   release_all();
   const UnitState& s = units_[u];
   if (s.numel == 0) return;
+  if (compact_) {
+    const Device d = model_.device();
+    // The weights in the compute dtype (the frozen base has no other form), then the adapters'
+    // fp32 master over them; the moments are zero outside the run.
+    if (params_sharded()) {
+      Tensor all = Tensor::empty({s.numel}, cd_, MemCategory::Workspace);
+      shard_->all_gather(cd_ == DType::F32 ? static_cast<const void*>(wshard_.f32() + s.local)
+                                           : static_cast<const void*>(wshard_.bf() + s.local),
+                         all.raw(), s.shard, cd_)->wait();
+      if (cd_ == DType::F32) dev::copy(d, w, all.f32(), static_cast<size_t>(s.numel) * sizeof(float));
+      else model_.kernels().cast_bf16_to_f32(w, all.bf(), s.numel);
+    } else if (cd_ == DType::F32) {
+      dev::copy(d, w, model_.weights().f32() + s.offset, static_cast<size_t>(s.numel) * sizeof(float));
+    } else {
+      model_.kernels().cast_bf16_to_f32(w, model_.compute_weights().bf() + s.offset, s.numel);
+    }
+    gather_run(u, master_, w + s.sin);
+    for (auto [dst, t] : {std::pair<float*, Tensor*>{m, &adam_->exp_avg()}, {v, &adam_->exp_avg_sq()}}) {
+      if (!dst) continue;
+      dev::zero(d, dst, static_cast<size_t>(s.numel) * sizeof(float));
+      gather_run(u, *t, dst + s.sin);
+    }
+    return;
+  }
   std::vector<comm::WorkHandle> ws;
   ws.push_back(shard_->all_gather(master_slice(u), w, s.shard, DType::F32));
   if (m) ws.push_back(shard_->all_gather(adam_->exp_avg().f32() + s.local, m, s.shard, DType::F32));
@@ -134,6 +222,32 @@ int64_t ShardedDataParallel::unit_shard(int u) const { return units_[u].shard; }
 void ShardedDataParallel::read_owned(int u, float* w, float* m, float* v) {
   const UnitState& s = units_[u];
   if (s.numel == 0) return;
+  if (compact_) {
+    // The owned slice of the weights is this rank's; the fp32 adapters and their moments inside it
+    // may be another rank's state: the run is gathered (collective over the shard group; every
+    // rank reads its units in the same order).
+    const Device d = model_.device();
+    const int64_t lo = r_ * s.shard;
+    if (params_sharded()) {
+      if (cd_ == DType::F32) dev::copy(d, w, wshard_.f32() + s.local, static_cast<size_t>(s.shard) * sizeof(float));
+      else model_.kernels().cast_bf16_to_f32(w, wshard_.bf() + s.local, s.shard);
+    } else if (cd_ == DType::F32) {
+      dev::copy(d, w, model_.weights().f32() + s.offset + lo, static_cast<size_t>(s.shard) * sizeof(float));
+    } else {
+      model_.kernels().cast_bf16_to_f32(w, model_.compute_weights().bf() + s.offset + lo, s.shard);
+    }
+    for (float* dst : {m, v})
+      if (dst) dev::zero(d, dst, static_cast<size_t>(s.shard) * sizeof(float));
+    if (s.snumel == 0) return;
+    // The run's overlap with the owned slice, in unit coordinates.
+    const int64_t b = std::max(lo, s.sin), e = std::min(lo + s.shard, s.sin + s.run);
+    Tensor run = Tensor::empty({s.snumel}, DType::F32, MemCategory::Workspace);
+    for (auto [dst, t] : {std::pair<float*, Tensor*>{w, &master_}, {m, &adam_->exp_avg()}, {v, &adam_->exp_avg_sq()}}) {
+      gather_run(u, *t, run.f32());  // collective: done for null destinations too
+      if (dst && b < e) dev::copy(d, dst + (b - lo), run.f32() + (b - s.sin), static_cast<size_t>(e - b) * sizeof(float));
+    }
+    return;
+  }
   const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
   const Device d = model_.device();
   dev::copy(d, w, master_slice(u), bytes);
@@ -144,6 +258,34 @@ void ShardedDataParallel::read_owned(int u, float* w, float* m, float* v) {
 void ShardedDataParallel::write_owned(int u, const float* w, const float* m, const float* v) {
   const UnitState& s = units_[u];
   if (s.numel == 0) return;
+  if (compact_) {
+    // The owned slice of the weights goes to this rank's weights; the adapters' fp32 master and
+    // moments are the run summed over the shard group from the part of it each rank's slice holds
+    // (collective: every rank writes its units in the same order).
+    const Device d = model_.device();
+    const int64_t lo = r_ * s.shard;
+    if (params_sharded()) {
+      if (cd_ == DType::F32) dev::copy(d, wshard_.f32() + s.local, w, static_cast<size_t>(s.shard) * sizeof(float));
+      else model_.kernels().cast_f32_to_bf16(wshard_.bf() + s.local, w, s.shard);
+    } else {  // ZeRO-1/2: the whole unit from every rank's slice
+      void* full = model_.compute_weights().raw();
+      const size_t es = cd_ == DType::F32 ? 4 : 2;
+      char* unit = static_cast<char*>(full) + static_cast<size_t>(s.offset) * es;
+      char* mine = unit + static_cast<size_t>(lo) * es;
+      if (cd_ == DType::F32) dev::copy(d, mine, w, static_cast<size_t>(s.shard) * sizeof(float));
+      else model_.kernels().cast_f32_to_bf16(reinterpret_cast<bf16*>(mine), w, s.shard);
+      if (N_ > 1) shard_->all_gather(mine, unit, s.shard, cd_)->wait();
+    }
+    if (s.snumel == 0) return;
+    const int64_t b = std::max(lo, s.sin), e = std::min(lo + s.shard, s.sin + s.run);
+    Tensor run = Tensor::empty({s.snumel}, DType::F32, MemCategory::Workspace);
+    for (auto [src, t] : {std::pair<const float*, Tensor*>{w, &master_}, {m, &adam_->exp_avg()}, {v, &adam_->exp_avg_sq()}}) {
+      dev::zero(d, run.f32(), static_cast<size_t>(s.snumel) * sizeof(float));
+      if (src && b < e) dev::copy(d, run.f32() + (b - s.sin), src + (b - lo), static_cast<size_t>(e - b) * sizeof(float));
+      scatter_run(u, run.f32(), *t);  // collective: done for null sources too (zeros)
+    }
+    return;
+  }
   const size_t bytes = static_cast<size_t>(s.shard) * sizeof(float);
   const Device d = model_.device();
   dev::copy(d, master_slice(u), w, bytes);  // fp32 ZeRO-1/2: the full weights' slice
@@ -154,6 +296,7 @@ void ShardedDataParallel::write_owned(int u, const float* w, const float* m, con
 }
 
 void ShardedDataParallel::finish_owned_load() {
+  if (compact_) return;  // write_owned completed every unit
   if (params_sharded()) return;  // ZeRO-3 gathers from the master shard when it computes
   // ZeRO-1/2: the full parameters in the compute dtype from every rank's slice (as after a step).
   std::vector<comm::WorkHandle> ws;
@@ -180,6 +323,14 @@ void ShardedDataParallel::gather(int u) {
   s.gathered = Tensor::empty({s.numel}, cd_, MemCategory::Params);
   ++gathered_count_;
   max_gathered_ = std::max(max_gathered_, gathered_count_);
+  if (compact_) {  // the weight shard is in the compute dtype already
+    const void* src = cd_ == DType::F32 ? static_cast<const void*>(wshard_.f32() + s.local)
+                                        : static_cast<const void*>(wshard_.bf() + s.local);
+    s.gather_work = shard_->all_gather(src, s.gathered.raw(), s.shard, cd_);
+    step_works_.push_back(s.gather_work);
+    model_.set_unit_weights(u, s.gathered.raw());
+    return;
+  }
   const float* src = master_.f32() + s.local;
   if (cd_ == DType::F32) {
     float* dst = s.gathered.f32() + r_ * s.shard;
@@ -254,8 +405,8 @@ void ShardedDataParallel::ensure_grad_buffer(int u) {
   if (!grads_sharded()) return;
   UnitState& s = units_[u];
   if (s.reduce_work) poll(false, u);  // a pipeline runs the unit again before its last reduction ended
-  if (s.grad.defined()) return;  // kept across micro-batches (accumulating unsharded)
-  s.grad = Tensor::zeros({s.numel}, DType::F32, MemCategory::Grads);
+  if (s.grad.defined() || s.snumel == 0) return;  // kept across micro-batches; or nothing trains
+  s.grad = Tensor::zeros({s.snumel}, DType::F32, MemCategory::Grads);
   model_.set_unit_grads(u, s.grad.f32());
 }
 
@@ -284,14 +435,15 @@ void ShardedDataParallel::post_backward(int u) {
 void ShardedDataParallel::launch_reduce(int u) {
   UnitState& s = units_[u];
   s.replicate_after = last_micro_;
+  if (s.snumel == 0) return;  // a frozen unit (LoRA): no gradient
   if (N_ == 1) {  // nothing to exchange: the unit's gradient is the shard
     s.reduce_work.reset();
     complete_reduce(u);
     return;
   }
-  float* g = grads_sharded() ? s.grad.f32() : model_.grads().f32() + s.offset;
+  float* g = grads_sharded() ? s.grad.f32() : model_.grads().f32() + s.spos;
   inflight_.push_back(u);
-  s.reduce_work = shard_->reduce_scatter(g, g + r_ * s.shard, s.shard, DType::F32, comm::ReduceOp::Avg);
+  s.reduce_work = shard_->reduce_scatter(g, g + r_ * s.sshard, s.sshard, DType::F32, comm::ReduceOp::Avg);
   step_works_.push_back(s.reduce_work);
 }
 
@@ -302,15 +454,15 @@ void ShardedDataParallel::complete_reduce(int u) {
   s.reduce_work.reset();
   float* shard_grad;
   if (grads_sharded()) {
-    model_.kernels().accumulate(grad_shard_.f32() + s.local, s.grad.f32() + r_ * s.shard, s.shard);
+    model_.kernels().accumulate(grad_shard_.f32() + s.slocal, s.grad.f32() + r_ * s.sshard, s.sshard);
     model_.set_unit_grads(u, nullptr);
     s.grad = Tensor();
-    shard_grad = grad_shard_.f32() + s.local;
+    shard_grad = grad_shard_.f32() + s.slocal;
   } else {
-    shard_grad = model_.grads().f32() + my_offset(u);
+    shard_grad = model_.grads().f32() + s.spos + r_ * s.sshard;
   }
   if (s.replicate_after && replicate_->size() > 1) {
-    s.replicate_work = replicate_->all_reduce(shard_grad, s.shard, DType::F32, comm::ReduceOp::Avg);
+    s.replicate_work = replicate_->all_reduce(shard_grad, s.sshard, DType::F32, comm::ReduceOp::Avg);
     step_works_.push_back(s.replicate_work);
   }
 }
@@ -371,27 +523,70 @@ double ShardedDataParallel::grad_norm_sq(const std::vector<double>& weight) {
   return static_cast<double>(f);
 }
 
+// Compact state: every unit's updated adapters, all-gathered in the compute dtype (the bytes of the
+// adapters, not of the unit), into the full weights (ZeRO-1/2) or this rank's weight shard (ZeRO-3).
+void ShardedDataParallel::push_adapters() {
+  auto t0 = Clock::now();
+  const size_t es = cd_ == DType::F32 ? 4 : 2;
+  std::vector<Tensor> runs(units_.size());
+  std::vector<comm::WorkHandle> ws;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const UnitState& s = units_[u];
+    if (s.numel == 0 || s.snumel == 0) continue;
+    runs[u] = Tensor::empty({s.snumel}, cd_, MemCategory::Workspace);
+    char* all = static_cast<char*>(runs[u].raw());
+    char* mine = all + static_cast<size_t>(r_ * s.sshard) * es;
+    if (cd_ == DType::F32) dev::copy(model_.device(), mine, master_.f32() + s.slocal, static_cast<size_t>(s.sshard) * es);
+    else model_.kernels().cast_f32_to_bf16(reinterpret_cast<bf16*>(mine), master_.f32() + s.slocal, s.sshard);
+    if (N_ > 1) ws.push_back(shard_->all_gather(mine, all, s.sshard, cd_));
+  }
+  comm::wait_all(ws);
+  for (auto& w : ws) step_works_.push_back(w);
+  exposed_ms_ += ms_since(t0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const UnitState& s = units_[u];
+    if (!runs[u].defined()) continue;
+    const char* all = static_cast<const char*>(runs[u].raw());
+    if (!params_sharded()) {
+      char* full = static_cast<char*>(model_.compute_weights().raw()) + static_cast<size_t>(s.offset + s.sin) * es;
+      dev::copy(model_.device(), full, all, static_cast<size_t>(s.run) * es);
+    } else {  // the run's part inside this rank's slice of the unit
+      const int64_t lo = r_ * s.shard, b = std::max(lo, s.sin), e = std::min(lo + s.shard, s.sin + s.run);
+      if (b >= e) continue;
+      char* dst = static_cast<char*>(wshard_.raw()) + static_cast<size_t>(s.local + (b - lo)) * es;
+      dev::copy(model_.device(), dst, all + static_cast<size_t>(b - s.sin) * es, static_cast<size_t>(e - b) * es);
+    }
+  }
+}
+
 bool ShardedDataParallel::grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight) {
   if (model_.device() != Device::CUDA || N_ != 1 ||
       !std::all_of(weight.begin(), weight.end(), [](double w) { return w == 1.0; }))
     return false;
-  if (grads_sharded()) model_.kernels().sum_squares_to(norm_sq, grad_shard_.f32(), shard_total_);
-  else model_.kernels().sum_squares_to(norm_sq, model_.grads().f32(), model_.flat_size());
+  // (the state layout: with a compact LoRA state, the adapters' gradients only)
+  if (grads_sharded()) model_.kernels().sum_squares_to(norm_sq, grad_shard_.f32(), state_total_);
+  else model_.kernels().sum_squares_to(norm_sq, model_.grads().f32(), model_.state_size());
   return true;
 }
 
 void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepStats* stats, const double* norm_sq,
                                          double clip_max) {
   const bool f32 = cd_ == DType::F32;
-  if (master_.defined())
+  if (compact_) {
+    adam_->step(master_.f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
+                /*w_by_state=*/true, /*g_by_state=*/grads_sharded(), nullptr, norm_sq, clip_max);
+    if (grads_sharded()) grad_shard_.zero_();
+    else model_.grads().zero_();
+    push_adapters();
+  } else if (master_.defined())
     adam_->step(master_.f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
                 /*w_by_state=*/true, /*g_by_state=*/grads_sharded(), nullptr, norm_sq, clip_max);
   else  // fp32 ZeRO-1/2: this rank's slices of the full fp32 weights are the master
     adam_->step(model_.weights().f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
                 false, grads_sharded(), nullptr, norm_sq, clip_max);
-  if (grads_sharded()) grad_shard_.zero_();
-  if (!grads_sharded()) model_.grads().zero_();
-  if (!params_sharded()) {
+  if (!compact_ && grads_sharded()) grad_shard_.zero_();
+  if (!compact_ && !grads_sharded()) model_.grads().zero_();
+  if (!compact_ && !params_sharded()) {
     // ZeRO-1/2: every rank needs the updated full parameters: all-gather the slices in place.
     auto t0 = Clock::now();
     std::vector<comm::WorkHandle> ws;

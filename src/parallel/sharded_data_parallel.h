@@ -65,7 +65,10 @@ class ShardedDataParallel : public UnitHooks {
   void gather_unit(int u, float* weights, float* exp_avg, float* exp_avg_sq);
   // This rank's own slice of unit u (unit_shard(u) elements at shard_rank() x unit_shard(u) of the
   // unit), without communication: read, or set (loading; then finish_owned_load() once, collective
-  // over the shard group: ZeRO-1/2 rebuild their full parameters from the slices).
+  // over the shard group: ZeRO-1/2 rebuild their full parameters from the slices). With a compact
+  // LoRA state both are collective over the shard group (each unit's adapters are split otherwise
+  // than its weights: their fp32 master and moments are gathered, or summed from the slices), so
+  // every rank calls them for the same units in the same order, as the checkpoint code does.
   void read_owned(int u, float* weights, float* exp_avg, float* exp_avg_sq);
   void write_owned(int u, const float* weights, const float* exp_avg, const float* exp_avg_sq);
   void finish_owned_load();
@@ -134,8 +137,21 @@ class ShardedDataParallel : public UnitHooks {
   bool tied_;
   std::vector<UnitState> units_;
   int64_t shard_total_ = 0;
-  Tensor master_;      // fp32 shard of the weights (ZeRO-3 always; ZeRO-1/2 in bf16 mode)
-  Tensor grad_shard_;  // fp32 shard of the gradients (ZeRO-2/3)
+  Tensor master_;      // fp32 shard of the weights (ZeRO-3 always; ZeRO-1/2 in bf16 mode); compact: of the state
+  Tensor grad_shard_;  // fp32 shard of the gradients (ZeRO-2/3), in the state layout
+  // LoRA with a compact state (Transformer::compact_state): gradients, moments and the fp32 master
+  // cover each unit's state range (the adapters) sharded N ways; the weights - the frozen base with
+  // the adapters' compute-dtype copy - are sharded as without LoRA (ZeRO-3: wshard_, in the compute
+  // dtype) or kept whole (ZeRO-1/2). After each step the adapters are all-gathered into them.
+  bool compact_ = false;
+  int64_t state_total_ = 0;  // elements of this rank's state shard
+  Tensor wshard_;            // compact ZeRO-3: this rank's slice of every unit, compute dtype
+  void push_adapters();      // compact: the updated master into the weights (collective)
+  // compact: unit u's whole state run (fp32 master, or a moment) on every rank (collective)
+  void gather_run(int u, const Tensor& src, float* run);
+  // compact: unit u's whole run from pieces each rank knows (zeros elsewhere), kept as this
+  // rank's state slice of `dst` (collective: a sum over the shard group)
+  void scatter_run(int u, float* run, Tensor& dst);
   std::unique_ptr<AdamW> adam_;
   bool last_micro_ = true;
   int gathered_count_ = 0, max_gathered_ = 0;

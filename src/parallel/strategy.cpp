@@ -17,31 +17,62 @@ class DdpStrategy final : public Strategy {
  public:
   DdpStrategy(Transformer& m, std::shared_ptr<comm::ProcessGroup> dp, const StrategySpec& spec)
       : model_(m), dp_(std::move(dp)), ddp_(m, dp_, spec.bucket_mb),
-        adam_(AdamW::full_spans(m.params()), m.flat_size(), spec.adam) {}
+        adam_(AdamW::state_spans(m), m.state_size(), spec.adam) {}
   const char* name() const override { return to_string(ShardingStrategy::NoShard); }
   UnitHooks* hooks() override { return &ddp_; }
+  // Unit u's values arrive and leave in the flat layout; the moments (and in bf16 the fp32 master)
+  // are kept for the unit's state range only (with a compact LoRA state, the adapters: the frozen
+  // base's moments are zero and it has no master, its bf16 weights are what it is).
   void load_unit(int u, const float* w, const float* m, const float* v) override {
     const UnitRange& r = model_.unit(u);
     if (r.numel == 0) return;
-    dev::copy(model_.device(), model_.weights().f32() + r.offset, w, static_cast<size_t>(r.numel) * sizeof(float));
-    put(adam_.exp_avg(), r, m);
-    put(adam_.exp_avg_sq(), r, v);
+    const Transformer::StateRange& s = model_.state_range(u);
+    const Device d = model_.device();
+    if (model_.compute_dtype() == DType::BF16 && model_.compact_state()) {
+      model_.kernels().cast_f32_to_bf16(model_.compute_weights().bf() + r.offset, w, r.numel);
+      if (s.run > 0)
+        dev::copy(d, model_.weights().f32() + s.pos, w + (s.begin - r.offset), static_cast<size_t>(s.run) * sizeof(float));
+    } else if (model_.compute_dtype() == DType::BF16) {  // the master is the flat layout (s = r)
+      dev::copy(d, model_.weights().f32() + s.pos, w, static_cast<size_t>(r.numel) * sizeof(float));
+    } else {
+      dev::copy(d, model_.weights().f32() + r.offset, w, static_cast<size_t>(r.numel) * sizeof(float));
+    }
+    put(adam_.exp_avg(), r, s, m);
+    put(adam_.exp_avg_sq(), r, s, v);
   }
   void end_load(int64_t steps) override {
     adam_.set_step_count(steps);
     // Like torch DDP: rank 0's weights everywhere (identical already when every rank loaded the same).
-    if (dp_->size() > 1)
-      dp_->broadcast(model_.weights().f32(), static_cast<size_t>(model_.flat_size()), DType::F32, 0)->wait();
+    if (dp_->size() > 1) {
+      const bool bf = model_.compute_dtype() == DType::BF16;
+      dp_->broadcast(model_.weights().f32(), static_cast<size_t>(bf ? model_.state_size() : model_.flat_size()),
+                     DType::F32, 0)->wait();
+      if (bf && model_.compact_state())  // the frozen base lives in bf16 only
+        dp_->broadcast(model_.compute_weights().bf(), static_cast<size_t>(model_.flat_size()), DType::BF16, 0)->wait();
+    }
     model_.sync_compute_weights();
   }
   void gather_unit(int u, float* w, float* m, float* v) override {
     const UnitRange& r = model_.unit(u);
     if (r.numel == 0) return;
+    const Transformer::StateRange& s = model_.state_range(u);
     const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
+    const size_t sbytes = static_cast<size_t>(s.run) * sizeof(float);
     const Device d = model_.device();
-    dev::copy(d, w, model_.weights().f32() + r.offset, bytes);
-    if (m) dev::copy(d, m, adam_.exp_avg().f32() + r.offset, bytes);
-    if (v) dev::copy(d, v, adam_.exp_avg_sq().f32() + r.offset, bytes);
+    const int64_t in = s.begin - r.offset;  // the state range's place in the unit
+    if (model_.compute_dtype() == DType::F32) {
+      dev::copy(d, w, model_.weights().f32() + r.offset, bytes);
+    } else if (!model_.compact_state()) {
+      dev::copy(d, w, model_.weights().f32() + s.pos, bytes);
+    } else {  // the frozen base from its bf16 weights, the trainable run from the master
+      model_.kernels().cast_bf16_to_f32(w, model_.compute_weights().bf() + r.offset, r.numel);
+      if (s.run > 0) dev::copy(d, w + in, model_.weights().f32() + s.pos, sbytes);
+    }
+    for (auto [dst, t] : {std::pair<float*, Tensor*>{m, &adam_.exp_avg()}, {v, &adam_.exp_avg_sq()}}) {
+      if (!dst) continue;
+      if (s.run < r.numel) dev::zero(d, dst, bytes);
+      if (s.run > 0) dev::copy(d, dst + in, t->f32() + s.pos, sbytes);
+    }
   }
   OwnedSpan owned_span(int u) const override {
     return {0, model_.unit(u).numel, dp_->rank(), dp_->size()};
@@ -59,18 +90,19 @@ class DdpStrategy final : public Strategy {
     // On a GPU, with every parameter weighted alike, one reduction over the whole gradient buffer
     // (padding holds zeros): one read from the device instead of one per parameter.
     if (model_.device() == Device::CUDA && std::all_of(weight.begin(), weight.end(), [](double w) { return w == 1.0; }))
-      return model_.kernels().sum_squares(model_.grads().f32(), model_.flat_size());
+      return model_.kernels().sum_squares(model_.grads().f32(), model_.state_size());
     double s = 0;
     for (size_t i = 0; i < model_.params().size(); ++i) {
       const ParamInfo& p = model_.params()[i];
-      s += (weight.empty() ? 1.0 : weight[i]) * model_.kernels().sum_squares(model_.grads().f32() + p.offset, p.numel);
+      if (!p.trainable) continue;  // no gradient (a LoRA base parameter): adds exactly zero
+      s += (weight.empty() ? 1.0 : weight[i]) * model_.kernels().sum_squares(model_.grads().f32() + model_.state_offset(p), p.numel);
     }
     return s;
   }
   bool grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight) override {
     if (model_.device() != Device::CUDA || !std::all_of(weight.begin(), weight.end(), [](double w) { return w == 1.0; }))
       return false;
-    model_.kernels().sum_squares_to(norm_sq, model_.grads().f32(), model_.flat_size());
+    model_.kernels().sum_squares_to(norm_sq, model_.grads().f32(), model_.state_size());
     return true;
   }
   void optimizer_step(double lr, float scale, StepComm*) override { step(lr, scale, nullptr, 0.0); }
@@ -84,14 +116,17 @@ class DdpStrategy final : public Strategy {
   void step(double lr, float scale, const double* norm_sq, double clip_max) {
     // bf16: the compute copy is refreshed by the update itself (padding, in no span, never changes).
     const bool bf = model_.compute_dtype() == DType::BF16;
-    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale, false, false,
+    // Gradients and moments by state offset; the fp32 weights are the flat buffer (fp32) or the
+    // master in the state layout (bf16); the bf16 compute copy by flat offset.
+    adam_.step(model_.weights().f32(), model_.grads().f32(), lr, scale, /*w_by_state=*/bf, /*g_by_state=*/true,
                bf ? model_.compute_weights().bf() : nullptr, norm_sq, clip_max);
     model_.zero_grads();
   }
-  static void put(Tensor& t, const UnitRange& r, const float* src) {
-    const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
-    if (src) dev::copy(t.device(), t.f32() + r.offset, src, bytes);
-    else dev::zero(t.device(), t.f32() + r.offset, bytes);
+  static void put(Tensor& t, const UnitRange& r, const Transformer::StateRange& s, const float* src) {
+    const size_t bytes = static_cast<size_t>(s.run) * sizeof(float);
+    if (s.run == 0) return;
+    if (src) dev::copy(t.device(), t.f32() + s.pos, src + (s.begin - r.offset), bytes);
+    else dev::zero(t.device(), t.f32() + s.pos, bytes);
   }
   Transformer& model_;
   std::shared_ptr<comm::ProcessGroup> dp_;
@@ -151,7 +186,7 @@ class ShardedStrategy final : public Strategy {
 }  // namespace
 
 ModelStorage model_storage(const StrategySpec& spec, DType compute, int shard_size) {
-  if (!is_sharded(spec.strategy)) return ModelStorage{};
+  if (!is_sharded(spec.strategy)) return ModelStorage{.compact_state = true};  // (only LoRA changes)
   return ShardedDataParallel::storage_for(spec.strategy, compute, shard_size);
 }
 
@@ -173,13 +208,21 @@ std::unique_ptr<Strategy> make_strategy(const StrategySpec& spec, Transformer& m
   return std::make_unique<ShardedStrategy>(model, shard, replicate, norm, o, spec.adam);
 }
 
-StateBytes expected_state_bytes(ShardingStrategy strategy, DType compute, int64_t flat, int shard_size) {
+StateBytes expected_state_bytes(ShardingStrategy strategy, DType compute, int64_t flat, int shard_size, int64_t state) {
   const int64_t N = shard_size;
   const bool f32 = compute == DType::F32;
   const int64_t pb = f32 ? 4 : 2, ob = f32 ? 8 : 12;  // bf16: fp32 master lives with the moments
   StateBytes b;
+  if (state >= 0 && is_sharded(strategy)) {
+    // Compact LoRA state: gradients, the adapters' fp32 master and the moments over the state
+    // (sharded N ways except ZeRO-1's gradients); the weights in the compute dtype, whole
+    // (ZeRO-1/2) or sharded (ZeRO-3).
+    const int64_t g = shards_gradients(strategy) ? 4 * state / N : 4 * state;
+    return {shards_parameters(strategy) ? pb * flat / N : pb * flat, g, 12 * state / N};
+  }
+  if (state < 0) state = flat;
   if (!is_sharded(strategy)) {
-    b = {pb * flat, 4 * flat, ob * flat};
+    b = {pb * flat, 4 * state, ob * state};
   } else if (!shards_gradients(strategy)) {  // ZERO1
     b = {pb * flat, 4 * flat, ob * flat / N};
   } else if (!shards_parameters(strategy)) {  // SHARD_GRAD_OP, HYBRID_SHARD_ZERO2

@@ -45,6 +45,8 @@ class Strategy {
   };
   virtual OwnedSpan owned_span(int u) const = 0;
   // Copies the owned range (end - begin elements) of the weights and moments (m / v may be null).
+  // (The sharded strategies with a compact LoRA state communicate here and in write_owned,
+  // collectively over the shard group: every rank calls them for the same units in the same order.)
   virtual void read_owned(int u, float* w, float* m, float* v) = 0;
   // Loading only the owned ranges: begin_load(), write_owned for every unit (null moments = zero),
   // then end_load_owned (collective: ZeRO-1/2 all-gather the full parameters, DDP broadcasts rank 0's).
@@ -100,7 +102,11 @@ struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
   int64_t total() const { return params + grads + optimizer; }
 };
-StateBytes expected_state_bytes(ShardingStrategy strategy, DType compute, int64_t flat, int shard_size);
+// `state`: elements of a compact LoRA state (Transformer::state_size() where compact_state();
+// -1: none): gradients, moments and the fp32 master are then kept for the adapters only (the
+// weights stay in the compute dtype: whole, or sharded under ZeRO-3).
+StateBytes expected_state_bytes(ShardingStrategy strategy, DType compute, int64_t flat, int shard_size,
+                                int64_t state = -1);
 // The ZeRO paper's mixed-precision figure (bf16 params and grads, fp32 master and moments):
 // DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N.
 int64_t zero_paper_bytes(ShardingStrategy strategy, int64_t params, int shard_size);

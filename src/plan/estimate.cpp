@@ -129,6 +129,10 @@ struct Ctx {
   // Parameters per GPU: a block and the embedding after TP, the root FSDP unit; the heaviest stage
   // without and with its routed experts; what the data-parallel strategy reduces; what this GPU updates.
   double block_tp, emb_tp, unit0, psi_dense, psi_e, psi, psi_dp, psi_opt;
+  // LoRA: the trainable parameters (the adapters) of the heaviest stage; without LoRA psi. Their
+  // share psi_tr of psi_dp is what gradients, the optimizer and ZeRO-1/2's gathers move.
+  double psi_tr, psi_g;
+  bool lora;
   int shard;  // ways the model state is sharded
   int dpc;    // ranks the gradients are reduced over
   int ranks_per_node;
@@ -181,6 +185,10 @@ Ctx::Ctx(const ModelConfig& m_, const Cluster& cluster, const TrainSetup& st_, c
   psi_opt = psi / shard;
   // What the data-parallel strategy reduces and gathers: with ep > 1 the experts are not in it.
   psi_dp = ep > 1 ? psi_dense : psi;
+  lora = m.lora();
+  psi_tr = lora ? Lps * static_cast<double>(m.lora_block_params()) : psi;
+  psi_g = lora ? psi_tr : psi_dp;
+  psi_opt = psi_tr / shard;
   unit0 = emb_tp * ((p == 1 && !x.tied) ? 2.0 : 1.0) + x.wpe;
   dpc = l.dp() * cp;
   ranks_per_node = std::min(c.gpus_per_node, l.world());
@@ -190,6 +198,18 @@ Ctx::Ctx(const ModelConfig& m_, const Cluster& cluster, const TrainSetup& st_, c
 
 void model_state_memory(const Ctx& cx, Estimate& E) {
   const Layout& l = cx.l;
+  if (cx.lora) {
+    // LoRA (the engine's compact state): the frozen base in the compute dtype only (sharded by
+    // ZeRO-3), gradients, fp32 master and moments for the adapters alone.
+    const bool zero3 = l.strategy == Strategy::FullShard || l.strategy == Strategy::HybridShard;
+    const bool gshard = l.strategy != Strategy::NoShard && l.strategy != Strategy::Zero1;
+    E.psi_stage = cx.psi;
+    E.psi_experts = 0;
+    E.mem.params = cx.pb * cx.psi / (zero3 ? cx.shard : 1);
+    E.mem.grads = cx.gb * cx.psi_tr / (gshard ? cx.shard : 1);
+    E.mem.optimizer = l.offload_optimizer() ? 0.0 : (cx.st.fp32 && l.strategy == Strategy::NoShard ? 8.0 : 12.0) * cx.psi_opt;
+    return;
+  }
   ModelStateBytes ms = zero_model_state(cx.ep > 1 ? cx.psi_dense : cx.psi, l.strategy, cx.shard, cx.st.fp32,
                                         l.offload_optimizer(), cx.st.grad_bytes);
   if (cx.ep > 1) {
@@ -507,7 +527,7 @@ double overlapped(double comm, double tail, double window, double eta) {
 
 // DDP: all-reduce once per step (no_sync while accumulating), during the last backward.
 void ddp_comm(const Ctx& cx, const Groups& g, const Compute& k, Comm& cm, Estimate& E) {
-  const double grad_bytes = cx.psi_dp * cx.rb;
+  const double grad_bytes = cx.psi_g * cx.rb;
   const double bucket_g = std::min(grad_bytes, cx.st.bucket_bytes);
   CollCost ar = split_collective(Collective::AllReduce, grad_bytes, std::ceil(grad_bytes / cx.st.bucket_bytes), g.dp, cx.c);
   cm.per_step = cm.per_step + ar;
@@ -519,7 +539,8 @@ void ddp_comm(const Ctx& cx, const Groups& g, const Compute& k, Comm& cm, Estima
 // ZeRO-1 / ZeRO-2: gradients reduce-scattered in buckets, parameters all-gathered after the step.
 void zero12_comm(const Ctx& cx, const Groups& g, const Compute& k, Comm& cm, Estimate& E) {
   const Layout& l = cx.l;
-  const double grad_bytes = cx.psi_dp * cx.rb, param_bytes = cx.psi_dp * cx.pb;
+  // LoRA: the adapters' gradients and, after the step, the adapters alone are all-gathered.
+  const double grad_bytes = cx.psi_g * cx.rb, param_bytes = (cx.lora ? cx.psi_tr : cx.psi_dp) * cx.pb;
   const double bucket_g = std::min(grad_bytes, cx.st.bucket_bytes), bucket_p = std::min(param_bytes, cx.st.bucket_bytes);
   auto buckets = [&](double bytes) { return std::ceil(bytes / cx.st.bucket_bytes); };
   CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, buckets(grad_bytes), g.dp, cx.c);
@@ -549,7 +570,7 @@ void zero12_comm(const Ctx& cx, const Groups& g, const Compute& k, Comm& cm, Est
 // ZeRO-3 / HSDP: per micro-batch gather forward, gather backward, reduce-scatter, one FSDP unit
 // (block, or the root: embedding / head) at a time; HSDP's replicas then all-reduce their shard.
 void zero3_comm(const Ctx& cx, const Groups& g, const Compute& k, Comm& cm, Estimate& E) {
-  const double grad_bytes = cx.psi_dp * cx.rb, param_bytes = cx.psi_dp * cx.pb;
+  const double grad_bytes = cx.psi_g * cx.rb, param_bytes = cx.psi_dp * cx.pb;
   const double n_units = cx.Lps + 1.0;  // FSDP units: one per block plus the root (embedding/head)
   CollCost ag = split_collective(Collective::AllGather, param_bytes, n_units, g.shard, cx.c);
   CollCost rs = split_collective(Collective::ReduceScatter, grad_bytes, n_units, g.shard, cx.c);

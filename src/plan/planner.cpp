@@ -352,6 +352,7 @@ std::vector<Estimate> estimate_all(const ModelConfig& model, const Cluster& clus
     if (opts.tp && tp != opts.tp) continue;
     if (N % tp) continue;
     if (model.n_head % tp || model.n_kv_head % tp || model.ffn_hidden % tp || model.padded_vocab % tp) continue;
+    if (model.lora() && tp > 1) continue;  // LoRA's tensor-parallel split is not modelled
     for (int pp : divisors(N / tp)) {
       if (opts.pp && pp != opts.pp) continue;
       if (pp > model.n_layer) continue;

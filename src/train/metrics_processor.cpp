@@ -209,7 +209,9 @@ void MetricsProcessor::print_memory(const MemStats& ms) const {
     std::printf("  activation checkpointing (%s) saved %s of activations (%s held)\n", to_string(rc),
                 format_bytes(pm_.model().activation_bytes_saved()).c_str(), format_bytes(pm_.model().activation_bytes()).c_str());
   const int64_t F = pm_.model().flat_size();
-  parallel::StateBytes want = parallel::expected_state_bytes(plan_.strategy, dt_, F, groups_.shard->size());
+  parallel::StateBytes want =
+      parallel::expected_state_bytes(plan_.strategy, dt_, F, groups_.shard->size(),
+                                     pm_.model().compact_state() ? pm_.model().state_size() : -1);
   if (plan_.offload_optimizer()) {  // the device keeps the compute-dtype weights and the gradients
     want = {(dt_ == DType::BF16 ? 2 : 4) * F, 4 * F, 0};
     const MemStats h = pinned_memory_tracker().stats();
@@ -299,6 +301,7 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
                         {"strategy", pm_.strategy().name()},
                         {"shard_group_size", groups_.shard->size()},
                         {"flat_size", pm_.model().flat_size()},
+                        {"state_size", pm_.model().state_size()},
                         {"activation_bytes_saved_by_recompute", pm_.model().activation_bytes_saved()},
                         {"num_params", pm_.model().num_params()}};
   if (mc_.moe()) {

@@ -89,6 +89,11 @@ INSTANTIATE_TEST_SUITE_P(
         DryCase{"lora_ddp_llama_bf16", 2,
                 "--model.preset llama-tiny --lora.rank 4 --lora.targets q,k,v,o,gate,up,down --train.dtype bf16"},
         DryCase{"lora_fsdp", 2, "--lora.rank 4 --lora.targets c_attn,o,up,down --parallel.strategy FULL_SHARD", true},
+        DryCase{"lora_fsdp_llama_bf16", 2,
+                "--model.preset llama-tiny --lora.rank 4 --lora.targets q,k,v,o,gate,up,down --train.dtype bf16 "
+                "--parallel.strategy FULL_SHARD",
+                true},
+        DryCase{"lora_zero1_bf16", 2, "--lora.rank 4 --lora.targets c_attn,o,up,down --parallel.strategy ZERO1 --train.dtype bf16"},
         DryCase{"zero1_bf16", 2, "--parallel.strategy ZERO1 --train.dtype bf16"},
         DryCase{"zero2", 2, "--parallel.strategy SHARD_GRAD_OP --train.grad_accum 2", true},
         DryCase{"fsdp_bf16_recompute", 2,
