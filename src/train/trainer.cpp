@@ -440,8 +440,10 @@ void Trainer::load_state() {
   }
   bool loaded = false;
   LoraBaseSource base_source{tc_.init_from, tc_.seed};
-  if (!base_source.init_from.empty())
+  if (!base_source.init_from.empty()) {  // recorded as the file or checkpoint read (not a `latest` that may move)
+    if (std::filesystem::is_directory(base_source.init_from)) base_source.init_from = resolve_checkpoint(base_source.init_from);
     base_source.init_from = std::filesystem::absolute(base_source.init_from).lexically_normal().string();
+  }
   if (resume) {
     std::string src = tc_.resume == "latest" ? tc_.checkpoint_dir : tc_.resume;
     resume_dir = resolve_checkpoint(src);

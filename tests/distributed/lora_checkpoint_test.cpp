@@ -136,7 +136,7 @@ TEST_F(LoraCheckpoint, RefusesAnotherBaseWithOneLine) {
   for (const std::string& extra : {" --train.init_from " + ck("other"), std::string()}) {
     RunOut r = resume(extra);
     EXPECT_EQ(r.code, 2) << extra << "\n" << r.output;
-    EXPECT_NE(r.output.find("holds LoRA adapters only, trained on train.init_from " + ck("base")), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("holds LoRA adapters only, trained on train.init_from " + step_dir("base")), std::string::npos) << r.output;
     EXPECT_NE(r.output.find(extra.empty() ? "this run's base is the seed 1337 initialisation" : "this run's base is train.init_from " + ck("other")),
               std::string::npos)
         << r.output;
