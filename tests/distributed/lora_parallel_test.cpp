@@ -88,6 +88,19 @@ TEST_F(LoraParallel, BaseFromInitFromStaysFrozenAndTheExportMerges) {
   }
   EXPECT_EQ(adapters, 2 * 4 * 2);  // 2 blocks x 4 targets x (A, B)
   EXPECT_EQ(static_cast<size_t>(adapters), tuned.size());
+  // Its files are the adapters' weights and two moments in fp32, plus the headers.
+  {
+    std::ifstream latest((dir_ / "ck_lora/latest").string());
+    std::string step;
+    std::getline(latest, step);
+    const std::filesystem::path sd = dir_ / "ck_lora" / step;
+    int64_t n = 0;
+    for (const auto& [name, v] : tuned) n += static_cast<int64_t>(v.size());
+    const auto bytes = static_cast<int64_t>(std::filesystem::file_size(sd / "model.safetensors") +
+                                            std::filesystem::file_size(sd / "optimizer.safetensors"));
+    EXPECT_GE(bytes, 12 * n);
+    EXPECT_LT(bytes, 12 * n + 16 * 1024) << "more than the adapters' weights and moments";
+  }
   // The default export merges: the exported model's loss on a batch equals the LoRA run's (lr 0).
   const std::string out = (dir_ / "merged").string();
   RunOut e = run(std::string(MT_BINARY) + " export --checkpoint " + (dir_ / "ck_lora").string() + " --out " + out);
