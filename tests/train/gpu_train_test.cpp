@@ -167,6 +167,19 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
 }
 
+// One value of every step's metrics line.
+std::vector<double> step_values(const std::string& path, const char* key) {
+  std::ifstream f(path);
+  std::string line;
+  std::vector<double> v;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("step") && j.contains(key)) v.push_back(j[key].get<double>());
+  }
+  return v;
+}
+
 // GPT-2's MLP in bf16 on the GPU goes through the fused GEMM epilogues (model.mlp_kernel = auto):
 // the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
 // backward instead of fp32: 2 bytes less per element of every layer's [B*T, F]) and the GELU's
@@ -180,11 +193,16 @@ TEST_F(GpuTrain, FusedGeluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
   fused.emplace_back("log.metrics_out", tmp_.file("fused.jsonl"));
   plain.emplace_back("model.mlp_kernel", "unfused");
   plain.emplace_back("log.metrics_out", tmp_.file("plain.jsonl"));
+  Overrides cpu = bf;
+  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));
   const RunConfig rc = config("cuda", fused);
-  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", bf));
+  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", cpu));
   expect_close(tc.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the CPU");
   expect_close(tp.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the unfused one");
   EXPECT_NE(tf.losses, tp.losses) << "model.mlp_kernel made no difference on the GPU";
+  // AdamW is blind to a gradient's scale; the gradient norm is not.
+  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("fused.jsonl"), "grad_norm"),
+               kBf16Rel, "gradient norm, fused MLP against the CPU");
   const nlohmann::json f = final_metrics(tmp_.file("fused.jsonl")), r = final_metrics(tmp_.file("plain.jsonl"));
   const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
   ModelConfig mc = rc.model_config();
