@@ -174,7 +174,8 @@ void backward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
 // GPT-2's MLP with fused GEMM epilogues, against the unfused path computed exactly (the GEMM in
 // double, rounded to float once, then GELU in double and the rounding to bf16). Shapes: leading
 // dimensions that cuBLASLt can fuse (multiples of 8) and ones it cannot (130: the unfused passes),
-// with and without a bias; the GPT-2 up projection (C 768 -> F 3072) and down projection.
+// with and without a bias; at model shape the GPT-2 up projection (C 768 -> F 3072: the forward and
+// fc's backward) and the down projection (F -> C: the backward through the GELU).
 const Lin kGeluLinears[] = {
     {"small", 67, 96, 130, true, true, false},
     {"small", 17, 40, 24, false, false, false},
@@ -190,7 +191,8 @@ double dgelu_exact(double x) {
 }
 
 void gelu_linears(std::vector<CaseSpec>& out, const Lin& l) {
-  add_case(out, Op::linear_gelu_forward_bf16, DType::BF16, l.model, [l] {
+  const bool up = !l.model || l.OC == kGpt2F, down = !l.model || l.C == kGpt2F;
+  if (up) add_case(out, Op::linear_gelu_forward_bf16, DType::BF16, l.model, [l] {
     Case c(Op::linear_gelu_forward_bf16, DType::BF16, l.str());
     const LinData d(l, 110);
     const int act = c.out("act", to_bf16(uniform(l.N * l.OC, 114))), pre = c.out("pre", to_bf16(uniform(l.N * l.OC, 115)));
@@ -210,7 +212,7 @@ void gelu_linears(std::vector<CaseSpec>& out, const Lin& l) {
     return c;
   });
   // Gradients start nonzero (dW and dbias accumulate; dpre is written). Without dinp, dpre is null.
-  add_case(out, Op::linear_backward_dgelu_bf16, DType::BF16, l.model, [l] {
+  if (down) add_case(out, Op::linear_backward_dgelu_bf16, DType::BF16, l.model, [l] {
     Case c(Op::linear_backward_dgelu_bf16, DType::BF16, l.str());
     const LinData d(l, 120);
     const int gp = l.dinp ? c.out("dpre", to_bf16(uniform(l.N * l.C, 124))) : -1,
@@ -231,7 +233,7 @@ void gelu_linears(std::vector<CaseSpec>& out, const Lin& l) {
     };
     return c;
   });
-  add_case(out, Op::linear_backward_bf16_dy_bias, DType::BF16, l.model, [l] {
+  if (up) add_case(out, Op::linear_backward_bf16_dy_bias, DType::BF16, l.model, [l] {
     Case c(Op::linear_backward_bf16_dy_bias, DType::BF16, l.str());
     const LinData d(l, 130);
     const int gx = l.dinp ? c.out("dinp", uniform(l.N * l.C, 134)) : -1, gW = c.out("dW", uniform(l.OC * l.C, 135)),
