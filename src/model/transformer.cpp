@@ -637,8 +637,9 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const TokenShape ts = tokens();
   const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
   attn_->forward(*this, p, a, ln1, ts);
-  kt_->accumulate(a.res2.f32(), x, R * C);
-  const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
+  // res2 = attention output + x and its norm in one kernel (the bits of an add, then the norm).
+  const float* ln2 =
+      norm(p.ln2_w, p.ln2_b, false).forward_saved_residual(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), x, R);
   if (p.moe)  // under SP on every row, gathered as the dense MLP's column-parallel layer does
     moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out, N, cur_dloss_, !recomputing_);
   else

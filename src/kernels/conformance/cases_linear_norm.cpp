@@ -276,6 +276,17 @@ void layernorm(std::vector<CaseSpec>& out, const Rows& r) {
     };
     return c;
   });
+  // The residual stream (res, updated in place) starts as the branch output; x is the residual.
+  add_case(out, Op::residual_layernorm_forward, DType::F32, r.model, [r] {
+    Case c(Op::residual_layernorm_forward, DType::F32, r.str());
+    const int o = c.out("out", uniform(r.N * r.C, 140)), mean = c.out("mean", uniform(r.N, 141)),
+              rstd = c.out("rstd", uniform(r.N, 142)), res = c.out("res", norm_input(r, 143)),
+              x = c.in("x", uniform(r.N * r.C, 144)), w = c.in("w", uniform(r.C, 145)), b = c.in("b", uniform(r.C, 146));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.residual_layernorm_forward(a.f(o), a.f(mean), a.f(rstd), a.f(res), a.f(x), a.f(w), a.f(b), r.N, r.C, 1e-5f);
+    };
+    return c;
+  });
   add_case(out, Op::layernorm_backward, DType::F32, r.model, [r] {
     Case c(Op::layernorm_backward, DType::F32, r.str());
     const std::vector<float> x = norm_input(r, 93), w = uniform(r.C, 94), b = uniform(r.C, 95);
@@ -298,6 +309,16 @@ void rmsnorm(std::vector<CaseSpec>& out, const Rows& r) {
               x = c.in("inp", norm_input(r, 102)), w = c.in("w", uniform(r.C, 103));
     c.call = [=](const KernelTable& k, const Args& a) {
       k.rmsnorm_forward(a.f(o), a.f(rstd), a.f(x), a.f(w), r.N, r.C, 1e-5f);
+    };
+    return c;
+  });
+  add_case(out, Op::residual_rmsnorm_forward, DType::F32, r.model, [r] {
+    Case c(Op::residual_rmsnorm_forward, DType::F32, r.str());
+    const int o = c.out("out", uniform(r.N * r.C, 150)), rstd = c.out("rstd", uniform(r.N, 151)),
+              res = c.out("res", norm_input(r, 152)), x = c.in("x", uniform(r.N * r.C, 153)),
+              w = c.in("w", uniform(r.C, 154));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.residual_rmsnorm_forward(a.f(o), a.f(rstd), a.f(res), a.f(x), a.f(w), r.N, r.C, 1e-5f);
     };
     return c;
   });

@@ -84,6 +84,8 @@ Tolerance tolerance(Op op, DType) {
     // row sums compound it.
     case Op::layernorm_forward:
     case Op::rmsnorm_forward:
+    case Op::residual_layernorm_forward:  // the add itself is exact
+    case Op::residual_rmsnorm_forward:
       return {1e-5, 1e-5};
     case Op::layernorm_backward:
     case Op::rmsnorm_backward:

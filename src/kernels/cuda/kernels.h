@@ -75,6 +75,10 @@ void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, co
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps);
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w, const float* rstd,
                       int64_t N, int64_t C);
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* res, const float* x, const float* w,
+                                const float* b, int64_t N, int64_t C, float eps);
+void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* x, const float* w, int64_t N,
+                              int64_t C, float eps);
 
 // embed_loss.cu
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);
