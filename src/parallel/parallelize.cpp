@@ -48,6 +48,7 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .tp_overlap = o.tp_overlap,
                        .loss_chunk = o.loss_chunk_tokens,
                        .flash_attention = o.flash_attention,
+                       .gelu_epilogue = o.gelu_epilogue,
                        .cp = p.cp_comm_.get(),
                        .cp_allgather = plan.cp_mode == "allgather",
                        .ep = plan.ep_enabled() ? plan.ep : 1,

@@ -36,6 +36,7 @@ struct ParallelizeOptions {
   int64_t loss_chunk_tokens = 0;   // chunked LM head + loss (0 = off)
   std::string pp_partition;        // the stage cut (parallel.pp_partition; empty = balanced)
   bool flash_attention = false;    // bf16 q, k, v in the flash-attention kernels (model.attention_kernel)
+  bool gelu_epilogue = false;      // GPT-2's MLP with the fused GELU epilogues (model.mlp_kernel)
 };
 
 // One step's forward and backward, reduced over the ranks.

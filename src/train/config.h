@@ -44,6 +44,9 @@ struct RunConfig {
     // Attention kernel: auto (flash for bf16 on train.device = cuda, reference otherwise) | flash
     // (the bf16 tensor-core kernels: needs train.dtype = bf16) | reference (the fp32 kernels).
     std::string attention_kernel = "auto";
+    // GPT-2's MLP: auto (fused for bf16 on train.device = cuda) | fused (the up projection's GELU and
+    // the down projection's GELU gradient in the GEMM epilogues, pre-activation kept in bf16) | unfused.
+    std::string mlp_kernel = "auto";
   } model;
   struct Data {
     std::string train = "data/default/train.bin";

@@ -118,6 +118,7 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   bool dry_ = false, log_ = false;
   bool flash_attn_ = false;  // model.attention_kernel resolved
+  bool fused_mlp_ = false;   // model.mlp_kernel resolved
   ModelConfig mc_;
   ParallelPlan plan_;
   ParallelGroups groups_;
@@ -191,7 +192,29 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   return true;
 }
 
-parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash) {
+// model.mlp_kernel: true for GPT-2's MLP with the fused GELU epilogues (ModelOptions::gelu_epilogue).
+// auto = fused for GPT-2 in bf16 on train.device = cuda where the fused ops apply (one rank of
+// tensor and pipeline parallelism, no LoRA adapters); unfused otherwise, so CPU runs are unchanged.
+bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const ParallelPlan& plan) {
+  const std::string& k = cfg.model.mlp_kernel;
+  Device d = Device::CPU;
+  const bool applies = dt == DType::BF16 && mc.arch == Arch::GPT2 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
+  if (k == "auto") return applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "unfused") return false;
+  if (k != "fused") throw ConfigError("model.mlp_kernel must be auto, fused or unfused, got '" + k + "'");
+  if (dt != DType::BF16)
+    throw ConfigError("model.mlp_kernel = fused keeps the MLP's activations in bf16: set train.dtype = bf16, or use "
+                      "auto / unfused");
+  if (mc.arch != Arch::GPT2)
+    throw ConfigError("model.mlp_kernel = fused is GPT-2's GELU MLP (this model's MLP is SwiGLU): use auto or unfused");
+  if (plan.tp > 1 || plan.pp > 1 || mc.lora())
+    throw ConfigError("model.mlp_kernel = fused runs without tensor or pipeline parallelism and without LoRA "
+                      "adapters (parallel.tp = " + std::to_string(plan.tp) + ", parallel.pp = " +
+                      std::to_string(plan.pp) + "): use auto or unfused");
+  return true;
+}
+
+parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash, bool fused_mlp) {
   const RunConfig::Train& tc = cfg.train;
   parallel::ParallelizeOptions po;
   po.dtype = dt;
@@ -204,6 +227,7 @@ parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt,
   po.loss_chunk_tokens = tc.loss_chunk_tokens;
   po.pp_partition = cfg.parallel.pp_partition;
   po.flash_attention = flash;
+  po.gelu_epilogue = fused_mlp;
   return po;
 }
 
@@ -242,7 +266,7 @@ void Trainer::build() {
                       std::to_string(mc_.vocab_size) + "), got " + std::to_string(cfg_.data.document_separator));
   make_loaders();
   try {
-    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_));
+    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_));
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }
@@ -297,6 +321,7 @@ void Trainer::check_train_config() {
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
                                     .moe = mc_.moe()});
   flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp);
+  fused_mlp_ = use_fused_mlp(cfg_, mc_, dt_, plan_);
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");
