@@ -4,7 +4,7 @@
 # and without length grouping (data.group_by_length), and every micro-batch padded to seq_len as the
 # fixed-shape reference. Per configuration: the mean over steps of the ranks' busy-time spread
 # ((slowest - fastest) / mean of busy_ms_per_rank, compared every step), the mean step time, the
-# padding share and the real (non-padding) tokens per second. Runs alternate between the
+# padding share and the real (non-padding) tokens per second (their sum over the steps' time). Runs alternate between the
 # configurations, REPEATS rounds; the table has the median over the rounds.
 #
 # The corpus: tinyshakespeare lines joined into documents of 1 to 30 lines (a Pareto number of
@@ -79,7 +79,8 @@ def run(path):
     step = statistics.mean(x["step_ms"] for x in s)
     idle = [max(x["idle_ms_per_rank"]) / x["step_ms"] for x in s if x.get("idle_ms_per_rank")]
     return dict(spread=statistics.mean(spread), step=step, idle=statistics.mean(idle),
-                pad=statistics.mean(x["padding_share"] for x in s), tps=statistics.mean(x["tokens_per_s"] for x in s))
+                pad=statistics.mean(x["padding_share"] for x in s),
+                tps=1000 * sum(x["trained_tokens"] for x in s) / sum(x["step_ms"] for x in s))
 rows = {c: [run(f"{out}/{c}_{r}.jsonl") for r in range(1, repeats + 1)] for c in order}
 med = {c: {k: statistics.median(v[k] for v in rows[c]) for k in rows[c][0]} for c in order}
 print(f"\n{'config':<10} {'busy spread':>12} {'idle/step':>10} {'step ms':>9} {'padding':>8} {'real tok/s':>11}   (median of {repeats} rounds)")
