@@ -410,7 +410,7 @@ DocumentBatching Trainer::document_batching(bool train) const {
 void Trainer::make_loaders() {
   if (!dry_ && unpacked_) {
     loader_ = make_document_loader(cfg_.data.train, "data.train", document_batching(true), mc_.vocab_size);
-    if (!cfg_.data.val.empty() && tc_.eval_every > 0)
+    if (!cfg_.data.val.empty() && (tc_.eval_every > 0 || tc_.eval_at_start))
       val_loader_ = make_document_loader(cfg_.data.val, "data.val", document_batching(false), mc_.vocab_size);
     if (log_)
       std::printf("unpacked data: %lld documents, %lld steps per epoch%s\n",
