@@ -134,10 +134,12 @@ class Trainer {
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run). Returns its
   // length per sequence on this rank (T_, or with data.packing = false the padded length / cp).
   int64_t next_batch(int32_t* x, int32_t* y);
+  void prefetch_batches();
   // data.packing = false: the separator that starts a document, and the loaders' batching.
   DocumentBatching document_batching(bool train) const;
   // data.packing = false: the loader's B x L sequences (L its return) into this rank's x, y
-  // (cp > 1: its chunks; the rest of the B x T_ buffers pad). Returns the local length.
+  // (cp > 1: its chunks; the rest of the B x T_ buffers pad). Returns the local length and adds
+  // the samples' tokens and the B x L positions to step_real_ / step_positions_.
   int64_t take_document_batch(AnyLoader& l, int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
   void local_tokens(int32_t* x, int32_t* y);
@@ -162,6 +164,8 @@ class Trainer {
   int32_t doc_separator_ = -1;            // unpacked: the token that starts a document
   std::vector<int64_t> lens_;             // unpacked: the step's micro-batch lengths on this rank
   int64_t step_real_ = 0, step_positions_ = 0;  // unpacked: this rank's sample tokens and B x L positions
+  std::vector<int64_t> next_lens_;        // on a GPU: the same of the next step's batches (read ahead)
+  int64_t next_real_ = 0, next_positions_ = 0;
   std::unique_ptr<AnyLoader> loader_, val_loader_;
   int64_t T_full_ = 0;                                     // tokens per sequence (T_ = T_full_ / cp per rank)
   std::vector<int32_t> full_x_, full_y_;                   // cp > 1: the loader's whole sequences
@@ -180,6 +184,7 @@ class Trainer {
   TrainerState st_;
 
   std::vector<std::vector<int32_t>> xs_, ys_;  // the step's micro-batches
+  std::vector<std::vector<int32_t>> next_xs_, next_ys_;  // on a GPU: the next step's, read one step ahead
   TrainResult res_;
   std::optional<double> val_start_;  // train.eval_at_start
   double val_bytes_per_token_ = 0;   // 0: the val shards do not record their text (no bits per byte)
@@ -319,6 +324,8 @@ void Trainer::build() {
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
   if (current_device() == Device::CUDA) {
+    next_xs_ = xs_;
+    next_ys_ = xs_;
     dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
     pm_->set_device_norm(dbatch_->norm_slot());
   }
@@ -654,12 +661,22 @@ void Trainer::train_step(int64_t step) {
   std::vector<const int32_t*> xp, yp;
   // The data wait: the time the step waits for its batches (read, and copied to the device).
   if (slow_.part == "data_wait") std::this_thread::sleep_for(std::chrono::milliseconds(slow_.ms));
-  step_real_ = step_positions_ = 0;
-  if (unpacked_) lens_.assign(static_cast<size_t>(accum_), T_);
+  if (!dbatch_) {
+    step_real_ = step_positions_ = 0;
+    lens_.assign(static_cast<size_t>(accum_), T_);
+    for (int64_t m = 0; m < accum_; ++m) lens_[static_cast<size_t>(m)] = next_batch(xs_[m].data(), ys_[m].data());
+  } else {
+    // On a GPU the batches were read and queued on the copy stream during the previous step (the
+    // first step, and a step after a run that stopped reading ahead, read them here).
+    if (!dbatch_->next_ready()) prefetch_batches();
+    std::swap(xs_, next_xs_);
+    std::swap(ys_, next_ys_);
+    lens_ = next_lens_;
+    step_real_ = next_real_;
+    step_positions_ = next_positions_;
+    dbatch_->begin_step();  // the compute stream waits for the uploads (an event, not the host)
+  }
   for (int64_t m = 0; m < accum_; ++m) {
-    const int64_t len = next_batch(xs_[m].data(), ys_[m].data());
-    if (unpacked_) lens_[static_cast<size_t>(m)] = len;
-    if (dbatch_) dbatch_->upload(m, xs_[m].data(), ys_[m].data());
     xp.push_back(dbatch_ ? dbatch_->ids(m) : xs_[m].data());
     yp.push_back(dbatch_ ? dbatch_->targets(m) : ys_[m].data());
   }
@@ -679,8 +696,9 @@ void Trainer::train_step(int64_t step) {
     metrics_->set_step_tokens(c[0] * groups_.data_world / world_);  // every data share is held by world / D ranks
   }
   const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
-  if (dbatch_) dbatch_->begin_step();
   parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight, unpacked_ ? &lens_ : nullptr);
+  // The next step's batches are read and uploaded while this step's work runs on the GPU.
+  if (dbatch_ && step + 1 < tc_.steps) prefetch_batches();
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   auto check_finite = [&] {
     if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss))
@@ -731,6 +749,19 @@ void Trainer::train_step(int64_t step) {
   if (saver_) saver_->poll();  // commits an async save once every rank has written its file
   if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
   maybe_inject_fault(step + 1);
+}
+
+// On a GPU: reads the next step's micro-batches into next_xs_ / next_ys_ and queues their uploads
+// on the copy stream (DeviceBatches::upload_next).
+void Trainer::prefetch_batches() {
+  step_real_ = step_positions_ = 0;
+  next_lens_.assign(static_cast<size_t>(accum_), T_);
+  for (int64_t m = 0; m < accum_; ++m) {
+    next_lens_[static_cast<size_t>(m)] = next_batch(next_xs_[m].data(), next_ys_[m].data());
+    dbatch_->upload_next(m, next_xs_[m].data(), next_ys_[m].data());
+  }
+  next_real_ = step_real_;
+  next_positions_ = step_positions_;
 }
 
 // MESHTRAIN_TEST_SLOW_RANK=RANK:MS[:compute] (test-only, for the straggler tests): rank RANK sleeps
