@@ -151,9 +151,9 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         model_.select_slot(acquire_slot(m, s));
         const float* input = first == 0 ? nullptr : wait_recv(tag(kAct, m, s - 1));
         auto t0 = Clock::now();
-        const double loss = model_.forward_units(first, last, first == 0 ? ids[m] : nullptr,
-                                                 last == head_unit_ ? targets[m] : nullptr, input, B, T_of(m), true,
-                                                 dloss);
+        // Every stage gets the ids: with document masking each stage's blocks mask by them.
+        const double loss = model_.forward_units(first, last, ids[m], last == head_unit_ ? targets[m] : nullptr, input,
+                                                 B, T_of(m), true, dloss);
         st.loss_sum += lengths ? loss * static_cast<double>(T_of(m)) / static_cast<double>(T) : loss;
         st.busy_ms += ms_between(t0, Clock::now());
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
