@@ -610,17 +610,14 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   }
   B_ = B;
   T_ = T;
-  const int64_t BT = B * T, C = cfg_.n_embd, F = F_l_;
+  const int64_t BT = B * T;
   if (tpc_.sp && BT % tpc_.size != 0)
     throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
                                 " tokens) divisible by parallel.tp (" + std::to_string(tpc_.size) + ")");
   const int64_t R = residual_rows(BT);
-  if (cp_) {
-    if (T % 2 != 0)
-      throw std::invalid_argument("context parallelism needs an even number of local tokens per sequence (two chunks), got " +
-                                  std::to_string(T));
-    if (static_cast<int64_t>(cp_pos_.size()) != T) cp_pos_ = cp_positions(cp_->rank(), cp_->size(), T);
-  }
+  if (cp_ && T % 2 != 0)
+    throw std::invalid_argument("context parallelism needs an even number of local tokens per sequence (two chunks), got " +
+                                std::to_string(T));
   auto A = MemCategory::Activations;
   for (int u = first; u <= last; ++u) {
     if (u == 0) {
@@ -641,8 +638,16 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       head_->allocate(s.head, BT, R);
     }
   }
+  ensure_workspace();
+}
+
+// Workspace shared by every slot (one backward or recompute runs at a time), sized for the current
+// slot's B x T (slots of different lengths: data.packing = false).
+void Transformer::ensure_workspace() {
+  const int64_t BT = B_ * T_;
+  if (cp_ && static_cast<int64_t>(cp_pos_.size()) != T_) cp_pos_ = cp_positions(cp_->rank(), cp_->size(), T_);
   if (ws_bt_ == BT) return;
-  // Workspace shared by every slot (one backward or recompute runs at a time).
+  const int64_t B = B_, C = cfg_.n_embd, F = F_l_, R = residual_rows(BT);
   ws_bt_ = BT;
   scratch_acts_.reset();
   attn_->release();
@@ -898,6 +903,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   if (s.have_weights) throw std::logic_error("backward_units: the slot's previous split backward has not run its weights");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
+  ensure_workspace();  // a forward of another length may have run since this slot's
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   if (split) s.deferred.resize(static_cast<size_t>(num_units()));

@@ -422,6 +422,7 @@ class Transformer : private LayerParams {
   int32_t doc_sep_ = -1;        // set_document_masking
   float* loss_sink_ = nullptr;  // set_loss_sink
   int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for
+  void ensure_workspace();  // the shared workspace for the current slot's B_ x T_
   // context parallelism: the communicator, mode and the original positions of the local tokens
   CpComm* cp_ = nullptr;
   bool cp_allgather_ = false;

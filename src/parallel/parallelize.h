@@ -70,8 +70,12 @@ class ParallelModel {
   // `loss_weight` multiplies the loss and its gradient (1: the mean over every token of the global
   // batch). Loss masks (targets < 0 are left out) pass D * B * T * n / G, D the data-parallel x cp
   // ranks and G the trained targets of the global batch: the mean over the trained tokens.
+  // `lengths` (data.packing = false): micro-batch m is B x lengths[m] tokens (<= T), its loss
+  // counted as its share of a B x T micro-batch (pipeline_executor.h), so the same loss_weight
+  // gives the mean over the global batch's trained targets.
   StepResult forward_backward(const std::vector<const int32_t*>& ids, const std::vector<const int32_t*>& targets,
-                              int64_t B, int64_t T, StepComm* comm, double loss_weight = 1.0);
+                              int64_t B, int64_t T, StepComm* comm, double loss_weight = 1.0,
+                              const std::vector<int64_t>* lengths = nullptr);
   // Forward only: the mean loss of one micro-batch on the last stage (0 elsewhere).
   double eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T);
   // The mean over the data-parallel ranks of (a last-stage sum over the pipeline ranks) / n.

@@ -87,6 +87,16 @@ std::vector<Field> fields(RunConfig& c) {
       {"data.document_separator", Kind::Int, &c.data.document_separator,
        "the token id that starts a new document for data.document_masking (-1 = data.tokenizer's: byte '\\n' = 10, "
        "gpt2 <|endoftext|> = 50256, hf its end-of-text token)"},
+      {"data.packing", Kind::Bool, &c.data.packing,
+       "true: fixed seq_len windows of the packed token stream; false: one document per sample (documents start at "
+       "data.document_separator), truncated to seq_len and padded, padding untrained"},
+      {"data.group_by_length", Kind::Bool, &c.data.group_by_length,
+       "data.packing = false: each global batch holds documents of similar length (sorted within megabatches of "
+       "data.length_group_window global batches, batch order shuffled by train.seed)"},
+      {"data.length_group_window", Kind::Int, &c.data.length_group_window,
+       "data.group_by_length: global batches per megabatch that is sorted by length"},
+      {"data.pad_to_multiple", Kind::Int, &c.data.pad_to_multiple,
+       "data.packing = false: a micro-batch is padded to its longest document rounded up to this (0 = to seq_len)"},
       {"train.steps", Kind::Int, &c.train.steps, "optimizer steps"},
       {"train.micro_batch", Kind::Int, &c.train.micro_batch, "sequences per rank per micro-batch"},
       {"train.grad_accum", Kind::Int, &c.train.grad_accum, "micro-batches per step"},

@@ -98,6 +98,27 @@ TEST_F(GpuTrain, Gpt2Fp32MatchesCpu) {
   expect_parity({{"train.grad_accum", "2"}}, kFp32Rel);
 }
 
+// Unpacked documents (data.packing = false) of 1 to 40 bytes, grouped by length, each micro-batch
+// at its own padded length: the device's loss accumulator and eval give the CPU's losses, and the
+// same as every micro-batch padded to seq_len.
+TEST_F(GpuTrain, UnpackedVariableLengthsMatchCpuAndFixedShapes) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += std::string(static_cast<size_t>(1 + (i * 37) % 40), static_cast<char>('a' + i % 26)) + "\n";
+  write_token_shard(tmp_.file("docs.bin"), std::vector<int32_t>(text.begin(), text.end()));
+  const Overrides ov = {{"data.train", tmp_.file("docs.bin")}, {"data.val", tmp_.file("docs.bin")},
+                        {"data.packing", "false"},             {"data.group_by_length", "true"},
+                        {"data.length_group_window", "4"},     {"data.pad_to_multiple", "4"},
+                        {"data.shuffle", "true"},              {"train.grad_accum", "2"},
+                        {"train.steps", "6"},                  {"train.eval_every", "3"}};
+  Overrides fixed = ov;
+  fixed.push_back({"data.pad_to_multiple", "0"});
+  const TrainResult cpu = train(config("cpu", ov)), gpu = train(config("cuda", ov)), gpu_fixed = train(config("cuda", fixed));
+  ASSERT_EQ(cpu.losses.size(), 6u);
+  expect_close(cpu.losses, gpu.losses, kFp32Rel, "training loss, cpu vs cuda");
+  expect_close(cpu.val_losses, gpu.val_losses, kFp32Rel, "validation loss, cpu vs cuda");
+  expect_close(gpu_fixed.losses, gpu.losses, kFp32Rel, "training loss, cuda padded to seq_len vs per micro-batch");
+}
+
 TEST_F(GpuTrain, LlamaFp32RecomputeChunkedLossMatchesCpu) {
   expect_parity({{"model.preset", "llama-tiny"},
                  {"train.activation_checkpointing", "full"},
