@@ -4,7 +4,8 @@
 #   1. the GPU (nvidia-smi) and the host;
 #   2. per-kernel times: `meshtrain check-ops --device cuda --shapes model --time 20`: every kernel
 #      at GPT-2 124M shapes timed with CUDA events, with its roofline line (achieved bytes/s and
-#      FLOP/s against the H200's 4.8 TB/s and 989 TFLOP/s dense bf16), table in kernel_times.txt;
+#      FLOP/s against the H200's 4.8 TB/s and 989 TFLOP/s dense bf16), table in kernel_times.txt,
+#      and one row with the fused GELU-epilogue kernels of GPT-2's MLP beside the plain bf16 GEMMs;
 #   3. GPT-2 124M, bf16, T 1024, micro-batches 16 and 32: meshtrain's tokens/s and MFU (mean of the
 #      steps after the second);
 #   4. the same model in PyTorch eager and torch.compile at the same batches (gpu_torch_bench.py),
@@ -93,6 +94,11 @@ fi
 if run 150 kernel-times "$BIN" check-ops --device cuda $OPS --time "$REPS"; then
   sed -n '/^per-kernel times/,/^timed /p' "$TMP/out" >"$OUTDIR/kernel_times.txt"
   row "kernel times" ok "$(grep '^timed ' "$TMP/out"); table in kernel_times.txt"
+  # GPT-2's bf16 MLP with the GELU epilogues (docs/gpu.md, model.mlp_kernel): each fused kernel's
+  # time and roofline share at the model shape, beside the unfused bf16 GEMM of the same shape.
+  fused=$(grep -E '^cuda +(linear_gelu_forward_bf16|linear_backward_dgelu_bf16|linear_backward_bf16_dy_bias|linear_forward_bf16|linear_backward_bf16) ' \
+    "$OUTDIR/kernel_times.txt" | grep -E 'OC=3072|C=3072 OC=768' | awk '{printf "%s%s %s us %s", (NR > 1 ? "; " : ""), $2, $(NF-3), $NF}')
+  row "fused MLP epilogues" ok "${fused:-none of the fused kernels in the kernel list of this run ($OPS)}"
 else
   rc=$?
   row "kernel times" FAIL "status $rc$([ $rc = 124 ] && echo ' (150 s limit)'): $(tail -1 "$TMP/out")"

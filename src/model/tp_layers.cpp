@@ -491,6 +491,18 @@ const float* Norm::forward_saved(const Tensor& saved, const Tensor& mean, const 
   return y;
 }
 
+const float* Norm::forward_saved_residual(const Tensor& saved, const Tensor& mean, const Tensor& rstd, float* res,
+                                          const float* add, int64_t R) const {
+  const bool staged = saved.dtype() != DType::F32 || ctx_.sp;
+  float* y = staged ? ctx_.stage : saved.f32();
+  if (ln_)
+    ctx_.kt->residual_layernorm_forward(y, mean.f32(), rstd.f32(), res, add, w_, b_, R, C_, eps_);
+  else
+    ctx_.kt->residual_rmsnorm_forward(y, rstd.f32(), res, add, w_, R, C_, eps_);
+  if (staged) store_compute(ctx_.kt, saved, y, R * C_);
+  return y;
+}
+
 float* TpContext::norm_grad_slot(float* dw, float* db, int64_t C, int64_t n) {
   if (pgrad_used_ + n > pgrad_.numel()) sum_pending_norms();  // full: sum what is there, keep deferring
   if (n > pgrad_.numel()) throw std::logic_error("TpContext::norm_grad_slot: norm wider than its workspace");

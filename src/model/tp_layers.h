@@ -293,6 +293,10 @@ class Norm {
   // Forward into `saved` (compute dtype); returns the fp32 output (saved itself, or `ctx.stage`).
   const float* forward_saved(const Tensor& saved, const Tensor& mean, const Tensor& rstd, const float* x,
                              int64_t R) const;
+  // The same after the residual add, in one kernel: res += add (the residual stream, updated in
+  // place), then the norm of res. Its backward is backward() with x = res.
+  const float* forward_saved_residual(const Tensor& saved, const Tensor& mean, const Tensor& rstd, float* res,
+                                      const float* add, int64_t R) const;
   // dx += d(input) from dy; the parameter gradients accumulate.
   void backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd, int64_t R) const;
 

@@ -49,6 +49,10 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   cp_ = o.cp && o.cp->size() > 1 ? o.cp : nullptr;
   cp_allgather_ = o.cp_allgather;
   flash_ = o.flash_attention;
+  gelu_epi_ = o.gelu_epilogue;
+  if (gelu_epi_ && (compute_ != DType::BF16 || cfg_.arch != Arch::GPT2 || tpc_.tp() || split_backward_))
+    throw std::invalid_argument("the fused GELU epilogues need bf16 compute, GPT-2, no tensor parallelism and no split "
+                                "backward");
   if (flash_ && compute_ != DType::BF16) throw std::invalid_argument("flash attention needs bf16 compute");
   if (flash_ && cp_) throw std::invalid_argument("flash attention does not take context parallelism yet");
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
@@ -95,7 +99,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   if (cfg_.moe())
     moe_ = std::make_unique<MoeLayer>(cfg_, compute_, dev_, kt_, tpc_, moe_shape_, ep_comm_, cp_);
   attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_, flash_);
-  mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_);
+  mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_, gelu_epi_);
   embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
   head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
   build_state_layout();
@@ -606,17 +610,14 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   }
   B_ = B;
   T_ = T;
-  const int64_t BT = B * T, C = cfg_.n_embd, F = F_l_;
+  const int64_t BT = B * T;
   if (tpc_.sp && BT % tpc_.size != 0)
     throw std::invalid_argument("sequence parallelism needs micro_batch x sequence (" + std::to_string(BT) +
                                 " tokens) divisible by parallel.tp (" + std::to_string(tpc_.size) + ")");
   const int64_t R = residual_rows(BT);
-  if (cp_) {
-    if (T % 2 != 0)
-      throw std::invalid_argument("context parallelism needs an even number of local tokens per sequence (two chunks), got " +
-                                  std::to_string(T));
-    if (static_cast<int64_t>(cp_pos_.size()) != T) cp_pos_ = cp_positions(cp_->rank(), cp_->size(), T);
-  }
+  if (cp_ && T % 2 != 0)
+    throw std::invalid_argument("context parallelism needs an even number of local tokens per sequence (two chunks), got " +
+                                std::to_string(T));
   auto A = MemCategory::Activations;
   for (int u = first; u <= last; ++u) {
     if (u == 0) {
@@ -628,7 +629,8 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       out_buf(l + 1);
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
-        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l), flash_);
+        alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l), flash_,
+                         gelu_epi_ && !cfg_.is_moe_layer(l));
         if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
       }
     } else if (!s.head.losses.defined()) {
@@ -636,8 +638,16 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       head_->allocate(s.head, BT, R);
     }
   }
+  ensure_workspace();
+}
+
+// Workspace shared by every slot (one backward or recompute runs at a time), sized for the current
+// slot's B x T (slots of different lengths: data.packing = false).
+void Transformer::ensure_workspace() {
+  const int64_t BT = B_ * T_;
+  if (cp_ && static_cast<int64_t>(cp_pos_.size()) != T_) cp_pos_ = cp_positions(cp_->rank(), cp_->size(), T_);
   if (ws_bt_ == BT) return;
-  // Workspace shared by every slot (one backward or recompute runs at a time).
+  const int64_t B = B_, C = cfg_.n_embd, F = F_l_, R = residual_rows(BT);
   ws_bt_ = BT;
   scratch_acts_.reset();
   attn_->release();
@@ -647,7 +657,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
   scratch_moe_acts_.reset();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
-    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_, flash_);
+    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_, flash_, gelu_epi_);
     if (cfg_.moe()) {  // recomputed MoE layers share their own set
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
       alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width, flash_);
@@ -759,8 +769,9 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   const TokenShape ts = tokens();
   const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
   attn_->forward(*this, p, a, ln1, ts);
-  kt_->accumulate(a.res2.f32(), x, R * C);
-  const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
+  // res2 = attention output + x and its norm in one kernel (the bits of an add, then the norm).
+  const float* ln2 =
+      norm(p.ln2_w, p.ln2_b, false).forward_saved_residual(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), x, R);
   if (p.moe)  // under SP on every row, gathered as the dense MLP's column-parallel layer does
     moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out, N, router_dloss_.value_or(cur_dloss_),
                   !recomputing_);
@@ -892,6 +903,7 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   if (s.have_weights) throw std::logic_error("backward_units: the slot's previous split backward has not run its weights");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_units: bad unit range");
+  ensure_workspace();  // a forward of another length may have run since this slot's
   const int64_t B = B_, T = T_, N = B * T, C = cfg_.n_embd, R = residual_rows(N);
   const bool gpt = cfg_.arch == Arch::GPT2;
   if (split) s.deferred.resize(static_cast<size_t>(num_units()));

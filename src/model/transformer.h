@@ -79,6 +79,12 @@ struct ModelOptions {
   // attention_forward_bf16 / attention_backward_bf16 (on CUDA the flash-attention kernels; the
   // output and lse stay fp32, no T x T buffer). Not with context parallelism.
   bool flash_attention = false;
+  // GPT-2's MLP in bf16 through the fused GEMM-epilogue ops (linear_gelu_forward_bf16,
+  // linear_backward_dgelu_bf16, linear_backward_bf16_dy_bias): the pre-activation is kept in bf16
+  // (the GELU's input, written by the up projection's epilogue) instead of fp32, and the GELU
+  // gradient comes out of the down projection's input-gradient GEMM in bf16. bf16 compute, GPT-2,
+  // no tensor parallelism, no split backward, no LoRA adapters on the MLP.
+  bool gelu_epilogue = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
   // rank); positions follow the original indices and attention runs over every cp rank's keys and
@@ -416,10 +422,12 @@ class Transformer : private LayerParams {
   int32_t doc_sep_ = -1;        // set_document_masking
   float* loss_sink_ = nullptr;  // set_loss_sink
   int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for
+  void ensure_workspace();  // the shared workspace for the current slot's B_ x T_
   // context parallelism: the communicator, mode and the original positions of the local tokens
   CpComm* cp_ = nullptr;
   bool cp_allgather_ = false;
   bool flash_ = false;
+  bool gelu_epi_ = false;  // ModelOptions::gelu_epilogue
   std::vector<int32_t> cp_pos_;
   // Workspace: the residual stream's gradient [R, C], a norm's input gradient [N, C] and fp32
   // staging [N, max(C, F)] (values stored as bf16, gathered rows, a recompute's discarded output).

@@ -9,7 +9,7 @@
 namespace mt::parallel {
 
 DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
-                           double first_bucket_mb)
+                           double first_bucket_mb, bool sparse_embedding)
     : model_(model), dp_(std::move(dp)) {
   if (bucket_mb <= 0) throw std::invalid_argument("parallel.bucket_mb must be positive");
   const int U = model_.num_units();
@@ -42,7 +42,7 @@ DataParallel::DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGrou
   // Tied embedding: the token embedding (the embedding unit's first parameter) becomes its own
   // bucket, reduced when the head's backward has written its dense gradient; the embedding
   // unit's bucket keeps the rest (position table).
-  tied_ = model_.can_hand_sparse_grad() && dp_->size() > 1;
+  tied_ = sparse_embedding && model_.can_hand_sparse_grad() && dp_->size() > 1;
   if (tied_) {
     const ParamInfo& wte = model_.params()[0];
     Bucket& b0 = buckets_[bucket_of_unit_[0]];

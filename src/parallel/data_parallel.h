@@ -40,8 +40,10 @@ struct DdpStepStats {
 
 class DataParallel : public UnitHooks {
  public:
+  // sparse_embedding = false: a tied token embedding's gradient is reduced densely with its unit
+  // (the lookup's rows are gathered only when every rank looks up the same number of tokens).
   DataParallel(Transformer& model, std::shared_ptr<comm::ProcessGroup> dp, double bucket_mb,
-               double first_bucket_mb = 1.0);
+               double first_bucket_mb = 1.0, bool sparse_embedding = true);
 
   // With sync = false (accumulation micro-batches) backward does not communicate.
   void set_sync(bool sync);

@@ -48,6 +48,7 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .tp_overlap = o.tp_overlap,
                        .loss_chunk = o.loss_chunk_tokens,
                        .flash_attention = o.flash_attention,
+                       .gelu_epilogue = o.gelu_epilogue,
                        .cp = p.cp_comm_.get(),
                        .cp_allgather = plan.cp_mode == "allgather",
                        .ep = plan.ep_enabled() ? plan.ep : 1,
@@ -73,7 +74,8 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
 
 StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& ids,
                                            const std::vector<const int32_t*>& targets, int64_t B, int64_t T,
-                                           StepComm* comm, double loss_weight) {
+                                           StepComm* comm, double loss_weight,
+                                           const std::vector<int64_t>* lengths) {
   const auto n = static_cast<int64_t>(ids.size());
   const float dloss = static_cast<float>(loss_weight / static_cast<double>(B * T * n));
   // The routers' auxiliary losses are means over every routed token: the loss-mask weight is the
@@ -81,7 +83,7 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
   model_->set_router_loss_scale(static_cast<float>(1.0 / static_cast<double>(B * T * n)));
   StepResult r;
   model_->zero_grads();
-  r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm);
+  r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm, lengths);
   if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
   r.loss = reduce_loss(r.stats.loss_sum, n) * loss_weight;
   if (ep_) ep_->reduce_grads(comm);

@@ -36,6 +36,7 @@ struct ParallelizeOptions {
   int64_t loss_chunk_tokens = 0;   // chunked LM head + loss (0 = off)
   std::string pp_partition;        // the stage cut (parallel.pp_partition; empty = balanced)
   bool flash_attention = false;    // bf16 q, k, v in the flash-attention kernels (model.attention_kernel)
+  bool gelu_epilogue = false;      // GPT-2's MLP with the fused GELU epilogues (model.mlp_kernel)
 };
 
 // One step's forward and backward, reduced over the ranks.
@@ -69,8 +70,12 @@ class ParallelModel {
   // `loss_weight` multiplies the loss and its gradient (1: the mean over every token of the global
   // batch). Loss masks (targets < 0 are left out) pass D * B * T * n / G, D the data-parallel x cp
   // ranks and G the trained targets of the global batch: the mean over the trained tokens.
+  // `lengths` (data.packing = false): micro-batch m is B x lengths[m] tokens (<= T), its loss
+  // counted as its share of a B x T micro-batch (pipeline_executor.h), so the same loss_weight
+  // gives the mean over the global batch's trained targets.
   StepResult forward_backward(const std::vector<const int32_t*>& ids, const std::vector<const int32_t*>& targets,
-                              int64_t B, int64_t T, StepComm* comm, double loss_weight = 1.0);
+                              int64_t B, int64_t T, StepComm* comm, double loss_weight = 1.0,
+                              const std::vector<int64_t>* lengths = nullptr);
   // Forward only: the mean loss of one micro-batch on the last stage (0 elsewhere).
   double eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T);
   // The mean over the data-parallel ranks of (a last-stage sum over the pipeline ranks) / n.

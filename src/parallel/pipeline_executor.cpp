@@ -73,11 +73,17 @@ void PipelineExecutor::release_slot(int m, int s) {
 
 PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>& ids,
                                                const std::vector<const int32_t*>& targets, int64_t B, int64_t T,
-                                               float dloss, StepComm* comm) {
+                                               float dloss, StepComm* comm, const std::vector<int64_t>* lengths) {
   const int M = sched_.microbatches;
   if (static_cast<int>(ids.size()) != M || static_cast<int>(targets.size()) != M)
     throw std::invalid_argument("pipeline step needs one batch per micro-batch (" + std::to_string(M) + ")");
-  const int64_t NC = model_.residual_rows(B * T) * model_.config().n_embd;  // a stage boundary's rows
+  if (lengths && static_cast<int>(lengths->size()) != M)
+    throw std::invalid_argument("pipeline step needs one length per micro-batch (" + std::to_string(M) + ")");
+  auto T_of = [&](int m) { return lengths ? (*lengths)[static_cast<size_t>(m)] : T; };
+  // A stage boundary's rows of micro-batch m.
+  auto NC_of = [&](int m) { return model_.residual_rows(B * T_of(m)) * model_.config().n_embd; };
+  // The micro-batch of a message key (tag() below).
+  auto mb_of = [&](int key) { return key & 1023; };
   PipelineStepStats st;
   peak_slots_ = slots_used_;
   // Messages in flight, by (kind, micro-batch, stage): receive buffers and handles, send buffers.
@@ -99,18 +105,21 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   };
   // A copy of `src` (a stage boundary's rows) kept until its send completes.
   auto stash = [&](int key, const float* src) -> Msg& {
+    const int64_t NC = NC_of(mb_of(key));
     Msg& msg = sends[key];
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
     dev::copy(model_.device(), msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
     return msg;
   };
   auto post_recv = [&](int key, int peer) {
+    const int64_t NC = NC_of(mb_of(key));
     Msg& msg = recvs[key];
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
     msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
   };
   // A hand-off between two stages on this rank (the turn of a V): kept as an arrived message.
   auto keep_local = [&](int key, const float* src) {
+    const int64_t NC = NC_of(mb_of(key));
     Msg& msg = recvs[key];
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
     dev::copy(model_.device(), msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
@@ -132,7 +141,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   };
   auto post_send = [&](int key, int peer) {
     Msg& msg = sends.at(key);
-    msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
+    msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(msg.buf.numel()), DType::F32, peer, key);
   };
   for (const PipeAction& a : sched_.per_rank[rank_]) {
     const int m = a.microbatch, s = a.stage;
@@ -143,8 +152,9 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         const float* input = first == 0 ? nullptr : wait_recv(tag(kAct, m, s - 1));
         auto t0 = Clock::now();
         // Every stage gets the ids: with document masking each stage's blocks mask by them.
-        st.loss_sum += model_.forward_units(first, last, ids[m],
-                                            last == head_unit_ ? targets[m] : nullptr, input, B, T, true, dloss);
+        const double loss = model_.forward_units(first, last, ids[m], last == head_unit_ ? targets[m] : nullptr, input,
+                                                 B, T_of(m), true, dloss);
+        st.loss_sum += lengths ? loss * static_cast<double>(T_of(m)) / static_cast<double>(T) : loss;
         st.busy_ms += ms_between(t0, Clock::now());
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
         if (s + 1 < S_ && sched_.stage_rank(s + 1) == rank_) keep_local(tag(kAct, m, s), model_.unit_output(last));

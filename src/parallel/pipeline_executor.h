@@ -46,8 +46,12 @@ class PipelineExecutor {
 
   // One training step: the schedule's micro-batches (ids[m], targets[m]: B*T tokens each; only the
   // first stage reads ids and the last targets), each token's loss gradient scaled by dloss.
+  // `lengths` (variable-length micro-batches, data.packing = false): micro-batch m is B x lengths[m]
+  // tokens (<= T; every stage of it, and the messages between them, take that shape), and its loss
+  // counts in loss_sum as its mean times lengths[m] / T (its share of a B x T micro-batch).
   PipelineStepStats train_step(const std::vector<const int32_t*>& ids, const std::vector<const int32_t*>& targets,
-                               int64_t B, int64_t T, float dloss, StepComm* comm);
+                               int64_t B, int64_t T, float dloss, StepComm* comm,
+                               const std::vector<int64_t>* lengths = nullptr);
   // Forward only, one micro-batch after the other: returns the mean loss on the last stage, 0 elsewhere.
   double eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T);
   // After the optimizer step (tied embeddings cut apart): the first stage sends the updated token

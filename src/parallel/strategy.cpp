@@ -16,7 +16,7 @@ namespace {
 class DdpStrategy final : public Strategy {
  public:
   DdpStrategy(Transformer& m, std::shared_ptr<comm::ProcessGroup> dp, const StrategySpec& spec)
-      : model_(m), dp_(std::move(dp)), ddp_(m, dp_, spec.bucket_mb),
+      : model_(m), dp_(std::move(dp)), ddp_(m, dp_, spec.bucket_mb, 1.0, !spec.variable_lengths),
         adam_(AdamW::state_spans(m), m.state_size(), spec.adam) {}
   const char* name() const override { return to_string(ShardingStrategy::NoShard); }
   UnitHooks* hooks() override { return &ddp_; }

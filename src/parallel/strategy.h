@@ -82,6 +82,9 @@ struct StrategySpec {
   int prefetch = 1;
   bool reduce_every_microbatch = true;
   AdamWConfig adam;
+  // The ranks' micro-batches differ in length (data.packing = false): DDP reduces the token
+  // embedding's gradient densely with its unit instead of gathering every rank's lookup rows.
+  bool variable_lengths = false;
 };
 
 // How to build the model for this strategy with a shard group of `shard_size` ranks.

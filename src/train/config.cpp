@@ -68,6 +68,10 @@ std::vector<Field> fields(RunConfig& c) {
       {"model.attention_kernel", Kind::String, &c.model.attention_kernel,
        "auto | flash | reference: flash = bf16 q, k, v in the flash-attention kernels (train.dtype = bf16, no "
        "context parallelism); reference = the fp32 kernels; auto = flash for bf16 on train.device = cuda"},
+      {"model.mlp_kernel", Kind::String, &c.model.mlp_kernel,
+       "auto | fused | unfused: fused = GPT-2's MLP with GELU in the up projection's GEMM epilogue and its gradient in "
+       "the down projection's (bf16, pre-activation kept in bf16; one rank of tp and pp, no LoRA); auto = fused for "
+       "GPT-2 in bf16 on train.device = cuda"},
       {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
        "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
        "message, GEMM and activation sizes"},
@@ -83,6 +87,16 @@ std::vector<Field> fields(RunConfig& c) {
       {"data.document_separator", Kind::Int, &c.data.document_separator,
        "the token id that starts a new document for data.document_masking (-1 = data.tokenizer's: byte '\\n' = 10, "
        "gpt2 <|endoftext|> = 50256, hf its end-of-text token)"},
+      {"data.packing", Kind::Bool, &c.data.packing,
+       "true: fixed seq_len windows of the packed token stream; false: one document per sample (documents start at "
+       "data.document_separator), truncated to seq_len and padded, padding untrained"},
+      {"data.group_by_length", Kind::Bool, &c.data.group_by_length,
+       "data.packing = false: each global batch holds documents of similar length (sorted within megabatches of "
+       "data.length_group_window global batches, batch order shuffled by train.seed)"},
+      {"data.length_group_window", Kind::Int, &c.data.length_group_window,
+       "data.group_by_length: global batches per megabatch that is sorted by length"},
+      {"data.pad_to_multiple", Kind::Int, &c.data.pad_to_multiple,
+       "data.packing = false: a micro-batch is padded to its longest document rounded up to this (0 = to seq_len)"},
       {"train.steps", Kind::Int, &c.train.steps, "optimizer steps"},
       {"train.micro_batch", Kind::Int, &c.train.micro_batch, "sequences per rank per micro-batch"},
       {"train.grad_accum", Kind::Int, &c.train.grad_accum, "micro-batches per step"},

@@ -44,6 +44,9 @@ struct RunConfig {
     // Attention kernel: auto (flash for bf16 on train.device = cuda, reference otherwise) | flash
     // (the bf16 tensor-core kernels: needs train.dtype = bf16) | reference (the fp32 kernels).
     std::string attention_kernel = "auto";
+    // GPT-2's MLP: auto (fused for bf16 on train.device = cuda) | fused (the up projection's GELU and
+    // the down projection's GELU gradient in the GEMM epilogues, pre-activation kept in bf16) | unfused.
+    std::string mlp_kernel = "auto";
   } model;
   struct Data {
     std::string train = "data/default/train.bin";
@@ -54,6 +57,13 @@ struct RunConfig {
     bool shuffle = false;             // permuted shard and sample order every epoch (seeded by train.seed)
     bool document_masking = false;    // packed rows: attention stays within a document, positions restart per document
     int64_t document_separator = -1;  // the token that starts a document (-1 = data.tokenizer's separator)
+    // Unpacked data (packing = false): one document per sample, padded to its micro-batch's longest
+    // sample rounded up to pad_to_multiple (0 = to seq_len); group_by_length batches similar lengths
+    // together over megabatches of length_group_window global batches (src/data/document_loader.h).
+    bool packing = true;
+    bool group_by_length = false;
+    int64_t length_group_window = 50;
+    int64_t pad_to_multiple = 16;
   } data;
   struct Train {
     int64_t steps = 1000, micro_batch = 4, grad_accum = 1;

@@ -44,6 +44,7 @@ void MetricsWriter::step(const StepMetrics& m) {
   if (m.pp_bubble_formula) j["pp_bubble_formula"] = *m.pp_bubble_formula;
   if (!m.data_tokens_by_dataset.is_null()) j["data_tokens_by_dataset"] = m.data_tokens_by_dataset;
   if (m.trained_tokens) j["trained_tokens"] = *m.trained_tokens;
+  if (m.padding_share) j["padding_share"] = *m.padding_share;
   if (m.moe.is_object())
     for (const auto& [k, v] : m.moe.items()) j[k] = v;
   last_step_ = m.step;

@@ -31,6 +31,8 @@ struct StepMetrics {
   nlohmann::json stragglers;
   // Data with loss masks: the targets the loss trained this step, all ranks (the loss is their mean).
   std::optional<int64_t> trained_tokens;
+  // Unpacked data (data.packing = false): padded positions / all positions of the step's micro-batches, all ranks.
+  std::optional<double> padding_share;
   // A blended data.train: input tokens seen so far per dataset pattern, all ranks (null otherwise).
   nlohmann::json data_tokens_by_dataset;
   // Mixture of experts (null otherwise): expert_tokens, expert_imbalance, moe_aux_loss, ... (see

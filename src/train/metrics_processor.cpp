@@ -89,8 +89,10 @@ StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, 
     sm.pp_bubble_formula = parallel::bubble_formula(pm_.schedule()).fraction;
     peak_slots_ = std::max(peak_slots_, r.stats.peak_slots);
   }
-  const double tokens_per_step = static_cast<double>(plan_.micro_batch * (mc_.seq_len / plan_.cp) * plan_.microbatches *
-                                                     groups_.dp->size());
+  double tokens_per_step = static_cast<double>(plan_.micro_batch * (mc_.seq_len / plan_.cp) * plan_.microbatches *
+                                               groups_.dp->size());
+  if (step_tokens_) tokens_per_step = static_cast<double>(*step_tokens_);
+  step_tokens_.reset();
   sm.tokens_per_s = tokens_per_step / (step_ms / 1000.0);
   if (cfg_.log.peak_flops > 0) sm.mfu = mc_.flops_per_token() * sm.tokens_per_s / (cfg_.log.peak_flops * world_);
   sm.mem_peak_bytes = MemoryTracker::instance().stats().total_peak;

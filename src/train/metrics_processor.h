@@ -54,6 +54,9 @@ class MetricsProcessor {
   // The progress line (every log.print_every steps, the last and those with a validation loss) and
   // the metrics file's line.
   void emit(const StepMetrics& m);
+  // Unpacked data: the next step's tokens (the samples' real tokens, all ranks) for tokens_per_s and
+  // MFU, instead of micro_batch x seq_len per micro-batch.
+  void set_step_tokens(int64_t tokens) { step_tokens_ = tokens; }
   double tokens_per_s() const { return tps_n_ ? tps_sum_ / static_cast<double>(tps_n_) : 0.0; }
   // Memory, model state, throughput, experts, pipeline, communication and checkpoints; the metrics
   // file's final line. Collective over the world (every rank's memory).
@@ -95,6 +98,7 @@ class MetricsProcessor {
   double moe_imb_sum_ = 0, a2a_ms_sum_ = 0, moe_aux_last_ = 0;
   int64_t a2a_bytes_sum_ = 0, moe_dropped_ = 0;
   std::vector<double> moe_tokens_total_;  // per MoE layer x expert, the whole run
+  std::optional<int64_t> step_tokens_;  // set_step_tokens
 };
 
 }  // namespace mt

@@ -151,6 +151,9 @@ lineChart("MFU, %", "mfu", 100);
 lineChart("step time, ms", "step_ms", 1);
 lineChart("exposed communication, ms per step", "exposed_comm_ms", 1);
 lineChart("data wait, ms per step", "data_wait_ms", 1);
+// Unpacked data only (data.packing = false): padded positions per step, percent.
+if (DATA.runs.some(r => r.steps.some(s => typeof s.padding_share === "number")))
+  lineChart("padding share, % of positions", "padding_share", 100);
 lineChart("peak memory of rank 0, bytes", "mem_peak_bytes", 1);
 barChart("peak memory by category (rank 0)", "mem_peak_by_category");
 barChart("bytes sent by group (rank 0, whole run)", "comm_bytes_by_group");

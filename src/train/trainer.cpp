@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 #include <optional>
 #include <thread>
 
@@ -25,6 +26,7 @@
 #include "train/chrome_trace.h"
 #include "train/device_batches.h"
 #include "data/data_loader.h"
+#include "data/document_loader.h"
 #include "train/job_agreement.h"
 #include "train/metrics_processor.h"
 #include "train/preflight.h"
@@ -43,16 +45,21 @@ struct AnyLoader {
   std::unique_ptr<TokenDataset> ds;
   std::unique_ptr<BatchLoader> plain;
   std::unique_ptr<BlendLoader> blend;
+  std::unique_ptr<DocumentLoader> docs;  // data.packing = false
   void next(int32_t* x, int32_t* y) {
     if (blend) blend->next(x, y);
     else plain->next(x, y);
   }
   void reset() {
-    if (blend) blend->reset();
+    if (docs) docs->reset();
+    else if (blend) blend->reset();
     else plain->reset();
   }
   int64_t total_tokens() const { return blend ? blend->total_tokens() : ds->total_tokens(); }
   bool has_masks() const { return blend ? blend->has_masks() : ds->has_masks(); }
+  // Targets that may be -1 (loss masks, or the padding of unpacked data): the loss is the mean over
+  // the trained ones.
+  bool masked_targets() const { return docs || has_masks(); }
   double bytes_per_token() const { return ds ? ds->bytes_per_token() : 0.0; }  // 0: unknown
 };
 
@@ -78,6 +85,27 @@ std::unique_ptr<AnyLoader> make_loader(const std::string& spec, const char* key,
   return l;
 }
 
+// data.packing = false: one document per sample (data/document_loader.h).
+std::unique_ptr<AnyLoader> make_document_loader(const std::string& spec, const char* key, const DocumentBatching& o,
+                                                int64_t vocab) {
+  auto l = std::make_unique<AnyLoader>();
+  try {
+    check_data_spec(spec, key, vocab);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  if (is_blend_spec(spec))
+    throw ConfigError(std::string(key) + " is a blend, which data.packing = false does not read yet: give one file or "
+                      "glob, or set data.packing = true");
+  l->ds = std::make_unique<TokenDataset>(spec, vocab);
+  try {
+    l->docs = std::make_unique<DocumentLoader>(*l->ds, o);
+  } catch (const std::runtime_error& e) {
+    throw ConfigError(std::string(key) + ": " + e.what());
+  }
+  return l;
+}
+
 // One training job on this rank (torchtitan's Trainer): build() makes the plan and its groups, the
 // data, and the parallel model (parallelize(), parallel/parallelize.h); load_state() the initial or
 // resumed state; train_step() one optimizer step through the ParallelModel, which owns the step's
@@ -92,6 +120,7 @@ class Trainer {
  private:
   void build();
   void check_train_config();
+  void check_unpacked_config();
   void make_loaders();
   void make_checkpointing();
   void load_state();
@@ -102,9 +131,16 @@ class Trainer {
   void sample();
   void maybe_inject_fault(int64_t step);
   void read_slow_rank();
-  // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
-  void next_batch(int32_t* x, int32_t* y);
+  // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run). Returns its
+  // length per sequence on this rank (T_, or with data.packing = false the padded length / cp).
+  int64_t next_batch(int32_t* x, int32_t* y);
   void prefetch_batches();
+  // data.packing = false: the separator that starts a document, and the loaders' batching.
+  DocumentBatching document_batching(bool train) const;
+  // data.packing = false: the loader's B x L sequences (L its return) into this rank's x, y
+  // (cp > 1: its chunks; the rest of the B x T_ buffers pad). Returns the local length and adds
+  // the samples' tokens and the B x L positions to step_real_ / step_positions_.
+  int64_t take_document_batch(AnyLoader& l, int32_t* x, int32_t* y);
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
   void local_tokens(int32_t* x, int32_t* y);
   // Loss masks: the trained targets (>= 0) of `n` micro-batches of every rank's data, summed
@@ -118,12 +154,19 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   bool dry_ = false, log_ = false;
   bool flash_attn_ = false;  // model.attention_kernel resolved
+  bool fused_mlp_ = false;   // model.mlp_kernel resolved
   ModelConfig mc_;
   ParallelPlan plan_;
   ParallelGroups groups_;
   DType dt_ = DType::F32;
   int threads_ = 1;
   int64_t B_ = 0, T_ = 0, accum_ = 1;
+  bool unpacked_ = false;                 // data.packing = false
+  int32_t doc_separator_ = -1;            // unpacked: the token that starts a document
+  std::vector<int64_t> lens_;             // unpacked: the step's micro-batch lengths on this rank
+  int64_t step_real_ = 0, step_positions_ = 0;  // unpacked: this rank's sample tokens and B x L positions
+  std::vector<int64_t> next_lens_;        // on a GPU: the same of the next step's batches (read ahead)
+  int64_t next_real_ = 0, next_positions_ = 0;
   std::unique_ptr<AnyLoader> loader_, val_loader_;
   int64_t T_full_ = 0;                                     // tokens per sequence (T_ = T_full_ / cp per rank)
   std::vector<int32_t> full_x_, full_y_;                   // cp > 1: the loader's whole sequences
@@ -191,7 +234,29 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   return true;
 }
 
-parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash) {
+// model.mlp_kernel: true for GPT-2's MLP with the fused GELU epilogues (ModelOptions::gelu_epilogue).
+// auto = fused for GPT-2 in bf16 on train.device = cuda where the fused ops apply (one rank of
+// tensor and pipeline parallelism, no LoRA adapters); unfused otherwise, so CPU runs are unchanged.
+bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const ParallelPlan& plan) {
+  const std::string& k = cfg.model.mlp_kernel;
+  Device d = Device::CPU;
+  const bool applies = dt == DType::BF16 && mc.arch == Arch::GPT2 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
+  if (k == "auto") return applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "unfused") return false;
+  if (k != "fused") throw ConfigError("model.mlp_kernel must be auto, fused or unfused, got '" + k + "'");
+  if (dt != DType::BF16)
+    throw ConfigError("model.mlp_kernel = fused keeps the MLP's activations in bf16: set train.dtype = bf16, or use "
+                      "auto / unfused");
+  if (mc.arch != Arch::GPT2)
+    throw ConfigError("model.mlp_kernel = fused is GPT-2's GELU MLP (this model's MLP is SwiGLU): use auto or unfused");
+  if (plan.tp > 1 || plan.pp > 1 || mc.lora())
+    throw ConfigError("model.mlp_kernel = fused runs without tensor or pipeline parallelism and without LoRA "
+                      "adapters (parallel.tp = " + std::to_string(plan.tp) + ", parallel.pp = " +
+                      std::to_string(plan.pp) + "): use auto or unfused");
+  return true;
+}
+
+parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash, bool fused_mlp) {
   const RunConfig::Train& tc = cfg.train;
   parallel::ParallelizeOptions po;
   po.dtype = dt;
@@ -204,6 +269,8 @@ parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt,
   po.loss_chunk_tokens = tc.loss_chunk_tokens;
   po.pp_partition = cfg.parallel.pp_partition;
   po.flash_attention = flash;
+  po.gelu_epilogue = fused_mlp;
+  po.spec.variable_lengths = !cfg.data.packing;
   return po;
 }
 
@@ -240,9 +307,11 @@ void Trainer::build() {
   if (cfg_.data.document_separator < -1 || cfg_.data.document_separator >= mc_.vocab_size)
     throw ConfigError("data.document_separator must be -1 or a token id below model.vocab_size (" +
                       std::to_string(mc_.vocab_size) + "), got " + std::to_string(cfg_.data.document_separator));
+  unpacked_ = !cfg_.data.packing;
+  check_unpacked_config();
   make_loaders();
   try {
-    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_));
+    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_));
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }
@@ -297,6 +366,7 @@ void Trainer::check_train_config() {
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
                                     .moe = mc_.moe()});
   flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp);
+  fused_mlp_ = use_fused_mlp(cfg_, mc_, dt_, plan_);
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");
@@ -306,9 +376,70 @@ void Trainer::check_train_config() {
   omp_set_num_threads(threads_);
 }
 
+// data.packing = false and its keys; the document separator.
+void Trainer::check_unpacked_config() {
+  const RunConfig::Data& d = cfg_.data;
+  if (d.group_by_length && !unpacked_)
+    throw ConfigError("data.group_by_length = true groups documents by length, which needs data.packing = false "
+                      "(packed rows all hold seq_len tokens)");
+  if (!unpacked_) return;
+  if (d.pad_to_multiple < 0)
+    throw ConfigError("data.pad_to_multiple must be >= 0 (0 = pad every micro-batch to seq_len), got " +
+                      std::to_string(d.pad_to_multiple));
+  if (d.length_group_window < 1)
+    throw ConfigError("data.length_group_window must be >= 1 (global batches per sorted megabatch), got " +
+                      std::to_string(d.length_group_window));
+  if (d.document_masking)
+    throw ConfigError("data.document_masking is for packed rows; with data.packing = false every row already holds one "
+                      "document: set data.document_masking = false");
+  if (mc_.moe())
+    throw ConfigError("data.packing = false does not run mixture-of-experts models yet (the routers would see the "
+                      "padding): set data.packing = true");
+  const std::string& sched = cfg_.parallel.pp_schedule;
+  if (plan_.pp > 1 && (sched == "zb1p" || sched == "zbv"))
+    throw ConfigError("data.packing = false does not run the zero-bubble pipeline schedules yet (parallel.pp_schedule = " +
+                      sched + "): use 1f1b, interleaved_1f1b or gpipe");
+  int64_t sep = d.document_separator;
+  if (sep < 0) sep = make_tokenizer(d.tokenizer, d.gpt2_dir, d.tokenizer_file)->document_separator();
+  if (sep < 0 || sep >= mc_.vocab_size)
+    throw ConfigError("data.packing = false: data.tokenizer = " + d.tokenizer +
+                      " gives no document separator inside the vocabulary: set data.document_separator");
+  doc_separator_ = static_cast<int32_t>(sep);
+}
+
+DocumentBatching Trainer::document_batching(bool train) const {
+  DocumentBatching o;
+  o.B = static_cast<int>(B_);
+  o.T = static_cast<int>(T_full_);
+  o.accum = train ? static_cast<int>(accum_) : 1;
+  o.dp_rank = groups_.data_rank;
+  o.dp_world = groups_.data_world;
+  // Lengths every layout can run: whole chunks for context parallelism, rows the tensor-parallel
+  // ranks split evenly for sequence parallelism (seq_len itself satisfies both: parallel/mesh.cpp).
+  int64_t mult = cfg_.data.pad_to_multiple;
+  if (mult > 0 && plan_.cp > 1) mult = std::lcm(mult, int64_t{2} * plan_.cp);
+  if (mult > 0 && plan_.sequence_parallel) mult = std::lcm(mult, int64_t{plan_.tp} / std::gcd(B_, int64_t{plan_.tp}));
+  o.multiple = mult;
+  o.separator = doc_separator_;
+  o.shuffle = train && cfg_.data.shuffle;
+  o.seed = static_cast<uint64_t>(tc_.seed);
+  o.group_by_length = train && cfg_.data.group_by_length;
+  o.window = cfg_.data.length_group_window;
+  return o;
+}
+
 // The cp ranks of one data-parallel rank read the same sequences (and keep their own chunks).
 void Trainer::make_loaders() {
-  if (!dry_) {
+  if (!dry_ && unpacked_) {
+    loader_ = make_document_loader(cfg_.data.train, "data.train", document_batching(true), mc_.vocab_size);
+    if (!cfg_.data.val.empty() && (tc_.eval_every > 0 || tc_.eval_at_start))
+      val_loader_ = make_document_loader(cfg_.data.val, "data.val", document_batching(false), mc_.vocab_size);
+    if (log_)
+      std::printf("unpacked data: %lld documents, %lld steps per epoch%s\n",
+                  static_cast<long long>(loader_->docs->num_documents()),
+                  static_cast<long long>(loader_->docs->steps_per_epoch()),
+                  cfg_.data.group_by_length ? ", grouped by length" : "");
+  } else if (!dry_) {
     const uint64_t seed = static_cast<uint64_t>(tc_.seed);
     const int B = static_cast<int>(B_), T = static_cast<int>(T_full_);
     loader_ = make_loader(cfg_.data.train, "data.train", B, T, groups_.data_rank, groups_.data_world, seed,
@@ -351,16 +482,36 @@ void Trainer::make_checkpointing() {
   }
 }
 
-void Trainer::next_batch(int32_t* x, int32_t* y) {
+int64_t Trainer::next_batch(int32_t* x, int32_t* y) {
   if (!loader_) {
     std::fill(x, x + B_ * T_, 0);
     std::fill(y, y + B_ * T_, 0);
+  } else if (unpacked_) {
+    return take_document_batch(*loader_, x, y);
   } else if (plan_.cp > 1) {
     loader_->next(full_x_.data(), full_y_.data());
     local_tokens(x, y);
   } else {
     loader_->next(x, y);
   }
+  return T_;
+}
+
+int64_t Trainer::take_document_batch(AnyLoader& l, int32_t* x, int32_t* y) {
+  int64_t real = 0, L = 0;
+  if (plan_.cp == 1) {
+    L = l.docs->next(x, y, &real);
+  } else {
+    L = l.docs->next(full_x_.data(), full_y_.data(), &real);
+    std::fill(x, x + B_ * T_, 0);
+    std::fill(y, y + B_ * T_, -1);
+    const int r = groups_.cp->rank();
+    cp_take_local(full_x_.data(), x, B_, L, r, plan_.cp);
+    cp_take_local(full_y_.data(), y, B_, L, r, plan_.cp);
+  }
+  step_real_ += real;
+  step_positions_ += B_ * L;
+  return L / plan_.cp;
 }
 
 void Trainer::local_tokens(int32_t* x, int32_t* y) {
@@ -564,10 +715,13 @@ double Trainer::evaluate() {
   std::vector<int32_t>& x = xs_[0];
   std::vector<int32_t>& y = ys_[0];
   double s = 0;
-  const bool masks = val_loader_->has_masks();
+  const bool masks = val_loader_->masked_targets();
   int64_t trained = 0;
   for (int64_t i = 0; i < tc_.eval_batches; ++i) {
-    if (plan_.cp > 1) {
+    int64_t L = T_;
+    if (unpacked_) {
+      L = take_document_batch(*val_loader_, x.data(), y.data());
+    } else if (plan_.cp > 1) {
       val_loader_->next(full_x_.data(), full_y_.data());
       local_tokens(x.data(), y.data());
     } else {
@@ -575,8 +729,9 @@ double Trainer::evaluate() {
     }
     if (masks) trained += global_trained(ys_, 1);
     if (dbatch_) dbatch_->upload(0, x.data(), y.data());
-    s += dbatch_ ? pm_->eval_forward(dbatch_->ids(0), dbatch_->targets(0), B_, T_)
-                 : pm_->eval_forward(x.data(), y.data(), B_, T_);
+    const double l = dbatch_ ? pm_->eval_forward(dbatch_->ids(0), dbatch_->targets(0), B_, L)
+                             : pm_->eval_forward(x.data(), y.data(), B_, L);
+    s += unpacked_ ? l * static_cast<double>(L) / static_cast<double>(T_) : l;  // its share of a B x T_ batch
   }
   strategy_->after_eval();
   trace_->end();
@@ -592,13 +747,18 @@ void Trainer::train_step(int64_t step) {
   // The data wait: the time the step waits for its batches (read, and copied to the device).
   if (slow_.part == "data_wait") std::this_thread::sleep_for(std::chrono::milliseconds(slow_.ms));
   if (!dbatch_) {
-    for (int64_t m = 0; m < accum_; ++m) next_batch(xs_[m].data(), ys_[m].data());
+    step_real_ = step_positions_ = 0;
+    lens_.assign(static_cast<size_t>(accum_), T_);
+    for (int64_t m = 0; m < accum_; ++m) lens_[static_cast<size_t>(m)] = next_batch(xs_[m].data(), ys_[m].data());
   } else {
     // On a GPU the batches were read and queued on the copy stream during the previous step (the
     // first step, and a step after a run that stopped reading ahead, read them here).
     if (!dbatch_->next_ready()) prefetch_batches();
     std::swap(xs_, next_xs_);
     std::swap(ys_, next_ys_);
+    lens_ = next_lens_;
+    step_real_ = next_real_;
+    step_positions_ = next_positions_;
     dbatch_->begin_step();  // the compute stream waits for the uploads (an event, not the host)
   }
   for (int64_t m = 0; m < accum_; ++m) {
@@ -611,11 +771,19 @@ void Trainer::train_step(int64_t step) {
   // Loss masks: the loss is the mean over the global batch's trained targets, whatever the
   // accumulation and the number of ranks (see docs/finetuning.md).
   std::optional<int64_t> trained;
-  if (loader_ && loader_->has_masks()) trained = global_trained(ys_, accum_);
+  if (loader_ && loader_->masked_targets()) trained = global_trained(ys_, accum_);
+  // Unpacked data: the step's padding share and real tokens, all ranks.
+  std::optional<double> padding_share;
+  if (loader_ && unpacked_) {
+    int64_t c[2] = {step_real_, step_positions_};
+    groups_.metrics->all_reduce(c, 2, DType::I64, comm::ReduceOp::Sum)->wait();
+    padding_share = c[1] > 0 ? 1.0 - static_cast<double>(c[0]) / static_cast<double>(c[1]) : 0.0;
+    metrics_->set_step_tokens(c[0] * groups_.data_world / world_);  // every data share is held by world / D ranks
+  }
   const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
   if (mc_.lora() && mc_.lora_dropout > 0)
     model_->set_lora_dropout_step(static_cast<uint64_t>(tc_.seed), st_.micro_batches - accum_, groups_.data_rank);
-  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight);
+  parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight, unpacked_ ? &lens_ : nullptr);
   // The next step's batches are read and uploaded while this step's work runs on the GPU.
   if (dbatch_ && step + 1 < tc_.steps) prefetch_batches();
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
@@ -654,6 +822,7 @@ void Trainer::train_step(int64_t step) {
   st_.adam_steps = strategy_->adam_steps();
   StepMetrics sm = metrics_->step(step, r, lr, t0, cs, data_ms);
   sm.trained_tokens = trained;
+  sm.padding_share = padding_share;
   if (trained) trained_total_ = trained_total_.value_or(0) + *trained;
   if (val_loader_ && tc_.eval_every > 0 && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
@@ -672,10 +841,14 @@ void Trainer::train_step(int64_t step) {
 // On a GPU: reads the next step's micro-batches into next_xs_ / next_ys_ and queues their uploads
 // on the copy stream (DeviceBatches::upload_next).
 void Trainer::prefetch_batches() {
+  step_real_ = step_positions_ = 0;
+  next_lens_.assign(static_cast<size_t>(accum_), T_);
   for (int64_t m = 0; m < accum_; ++m) {
-    next_batch(next_xs_[m].data(), next_ys_[m].data());
+    next_lens_[static_cast<size_t>(m)] = next_batch(next_xs_[m].data(), next_ys_[m].data());
     dbatch_->upload_next(m, next_xs_[m].data(), next_ys_[m].data());
   }
+  next_real_ = step_real_;
+  next_positions_ = step_positions_;
 }
 
 // MESHTRAIN_TEST_SLOW_RANK=RANK:MS[:compute] (test-only, for the straggler tests): rank RANK sleeps

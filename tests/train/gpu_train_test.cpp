@@ -98,6 +98,27 @@ TEST_F(GpuTrain, Gpt2Fp32MatchesCpu) {
   expect_parity({{"train.grad_accum", "2"}}, kFp32Rel);
 }
 
+// Unpacked documents (data.packing = false) of 1 to 40 bytes, grouped by length, each micro-batch
+// at its own padded length: the device's loss accumulator and eval give the CPU's losses, and the
+// same as every micro-batch padded to seq_len.
+TEST_F(GpuTrain, UnpackedVariableLengthsMatchCpuAndFixedShapes) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += std::string(static_cast<size_t>(1 + (i * 37) % 40), static_cast<char>('a' + i % 26)) + "\n";
+  write_token_shard(tmp_.file("docs.bin"), std::vector<int32_t>(text.begin(), text.end()));
+  const Overrides ov = {{"data.train", tmp_.file("docs.bin")}, {"data.val", tmp_.file("docs.bin")},
+                        {"data.packing", "false"},             {"data.group_by_length", "true"},
+                        {"data.length_group_window", "4"},     {"data.pad_to_multiple", "4"},
+                        {"data.shuffle", "true"},              {"train.grad_accum", "2"},
+                        {"train.steps", "6"},                  {"train.eval_every", "3"}};
+  Overrides fixed = ov;
+  fixed.push_back({"data.pad_to_multiple", "0"});
+  const TrainResult cpu = train(config("cpu", ov)), gpu = train(config("cuda", ov)), gpu_fixed = train(config("cuda", fixed));
+  ASSERT_EQ(cpu.losses.size(), 6u);
+  expect_close(cpu.losses, gpu.losses, kFp32Rel, "training loss, cpu vs cuda");
+  expect_close(cpu.val_losses, gpu.val_losses, kFp32Rel, "validation loss, cpu vs cuda");
+  expect_close(gpu_fixed.losses, gpu.losses, kFp32Rel, "training loss, cuda padded to seq_len vs per micro-batch");
+}
+
 TEST_F(GpuTrain, LlamaFp32RecomputeChunkedLossMatchesCpu) {
   expect_parity({{"model.preset", "llama-tiny"},
                  {"train.activation_checkpointing", "full"},
@@ -171,6 +192,67 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
       EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", flash" : ", reference");
   }
   EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+}
+
+// One value of every step's metrics line.
+std::vector<double> step_values(const std::string& path, const char* key) {
+  std::ifstream f(path);
+  std::string line;
+  std::vector<double> v;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("step") && j.contains(key)) v.push_back(j[key].get<double>());
+  }
+  return v;
+}
+
+// GPT-2's MLP in bf16 on the GPU goes through the fused GEMM epilogues (model.mlp_kernel = auto):
+// the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
+// backward instead of fp32: 2 bytes less per element of every layer's [B*T, F]) and the GELU's
+// input gradient comes out of the down projection's DGELU epilogue in bf16 (the workspace holds one
+// bf16 [B*T, F] instead of three fp32 ones). The dry run counts the same bytes. The losses stay
+// within the bf16 tolerance of the unfused run and differ from it (gelu' is evaluated at the bf16
+// pre-activation).
+TEST_F(GpuTrain, FusedGeluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
+  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "0"}};
+  Overrides fused = bf, plain = bf;
+  fused.emplace_back("log.metrics_out", tmp_.file("fused.jsonl"));
+  plain.emplace_back("model.mlp_kernel", "unfused");
+  plain.emplace_back("log.metrics_out", tmp_.file("plain.jsonl"));
+  Overrides cpu = bf;
+  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));
+  const RunConfig rc = config("cuda", fused);
+  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", cpu));
+  expect_close(tc.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the CPU");
+  expect_close(tp.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the unfused one");
+  EXPECT_NE(tf.losses, tp.losses) << "model.mlp_kernel made no difference on the GPU";
+  // AdamW is blind to a gradient's scale; the gradient norm is not.
+  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("fused.jsonl"), "grad_norm"),
+               kBf16Rel, "gradient norm, fused MLP against the CPU");
+  const nlohmann::json f = final_metrics(tmp_.file("fused.jsonl")), r = final_metrics(tmp_.file("plain.jsonl"));
+  const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
+  ModelConfig mc = rc.model_config();
+  mc.resolve();
+  const int64_t fc = rc.train.micro_batch * mc.seq_len * mc.ffn_hidden;  // pre-activation elements per layer
+  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), 2 * fc * mc.n_layer);
+  EXPECT_EQ(mr["workspace"].get<int64_t>() - mf["workspace"].get<int64_t>(), (3 * 4 - 2) * fc);
+  for (const char* c : {"params", "grads", "optimizer"}) EXPECT_EQ(mf[c], mr[c]) << c;
+  nlohmann::json dry[2];
+  for (int i = 0; i < 2; ++i) {
+    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
+    Overrides d = overrides("cuda", i == 0 ? fused : plain);
+    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
+    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
+    dry[i] = dry[i]["mem_resident_by_category"];
+    for (const char* c : {"params", "grads", "optimizer", "workspace"})
+      EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", fused" : ", unfused");
+  }
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * fc * mc.n_layer);
 }
 
 // Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.

@@ -412,6 +412,43 @@ TEST_F(TrainerTest, AttentionKernelChoiceOnTheCpu) {
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(flash[i], ref[i], 2e-3 * ref[i]) << "step " << i + 1;
 }
 
+// On the CPU model.mlp_kernel = auto is the unfused MLP (the run is unchanged, bit for bit); fused
+// runs GPT-2's bf16 MLP through the fused-epilogue ops (the CPU's forms of them: the pre-activation
+// kept in bf16), a different rounding that trains as closely as bf16 allows.
+TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
+  const std::vector<std::pair<std::string, std::string>> bf = {{"train.dtype", "bf16"}, {"train.eval_every", "0"}};
+  // Each step's loss and gradient norm (AdamW is blind to a gradient's scale; the norm is not).
+  auto with = [&](const char* kernel, std::vector<double>* norms) {
+    auto ov = bf;
+    if (kernel) ov.emplace_back("model.mlp_kernel", kernel);
+    const std::string out = (dir_ / (std::string(kernel ? kernel : "auto") + ".jsonl")).string();
+    ov.emplace_back("log.metrics_out", out);
+    const std::vector<double> losses = train(config(ov)).losses;
+    std::ifstream f(out);
+    std::string line;
+    while (std::getline(f, line)) {
+      if (line.empty()) continue;
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("step") && j.contains("grad_norm")) norms->push_back(j["grad_norm"].get<double>());
+    }
+    return losses;
+  };
+  std::vector<double> na, np, nf;
+  const std::vector<double> automatic = with(nullptr, &na), plain = with("unfused", &np), fused = with("fused", &nf);
+  EXPECT_EQ(automatic, plain);
+  EXPECT_EQ(na, np);
+  ASSERT_EQ(fused.size(), plain.size());
+  ASSERT_EQ(nf.size(), plain.size());
+  EXPECT_NE(fused, plain);
+  double worst = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NEAR(fused[i], plain[i], 2e-3 * plain[i]) << "loss, step " << i + 1;
+    EXPECT_NEAR(nf[i], np[i], 2e-3 * np[i]) << "gradient norm, step " << i + 1;
+    worst = std::max(worst, std::abs(nf[i] - np[i]) / np[i]);
+  }
+  std::printf("gradient norm, fused against unfused MLP: largest relative difference %.2e\n", worst);
+}
+
 TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   auto expect_error = [&](std::vector<std::pair<std::string, std::string>> ov, const std::string& needle) {
     try {
@@ -436,6 +473,10 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   expect_error({{"data.train", (dir_ / "missing*.bin").string()}}, "missing");
   expect_error({{"model.attention_kernel", "fast"}}, "model.attention_kernel must be auto, flash or reference");
   expect_error({{"model.attention_kernel", "flash"}}, "model.attention_kernel = flash takes bf16 q, k, v");
+  expect_error({{"model.mlp_kernel", "fast"}}, "model.mlp_kernel must be auto, fused or unfused");
+  expect_error({{"model.mlp_kernel", "fused"}}, "model.mlp_kernel = fused keeps the MLP's activations in bf16");
+  expect_error({{"model.mlp_kernel", "fused"}, {"train.dtype", "bf16"}, {"model.preset", "llama-tiny"}},
+               "model.mlp_kernel = fused is GPT-2's GELU MLP");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);
   EXPECT_THROW(RunConfig::load("", {{"train.steps", "ten"}}), ConfigError);
 }

@@ -171,6 +171,90 @@ void backward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
   });
 }
 
+// GPT-2's MLP with fused GEMM epilogues, against the unfused path computed exactly (the GEMM in
+// double, rounded to float once, then GELU in double and the rounding to bf16). Shapes: leading
+// dimensions that cuBLASLt can fuse (multiples of 8) and ones it cannot (130: the unfused passes),
+// with and without a bias; at model shape the GPT-2 up projection (C 768 -> F 3072: the forward and
+// fc's backward) and the down projection (F -> C: the backward through the GELU).
+const Lin kGeluLinears[] = {
+    {"small", 67, 96, 130, true, true, false},
+    {"small", 17, 40, 24, false, false, false},
+    {"small", 33, 130, 72, true, true, false},
+    {"gpt2", kGpt2Rows, kGpt2C, kGpt2F, true, true, true},
+    {"gpt2", kGpt2Rows, kGpt2F, kGpt2C, true, true, true},
+};
+
+double gelu_exact(double x) { return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+double dgelu_exact(double x) {
+  const double k = 0.7978845608028654, t = std::tanh(k * (x + 0.044715 * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+void gelu_linears(std::vector<CaseSpec>& out, const Lin& l) {
+  const bool up = !l.model || l.OC == kGpt2F, down = !l.model || l.C == kGpt2F;
+  if (up) add_case(out, Op::linear_gelu_forward_bf16, DType::BF16, l.model, [l] {
+    Case c(Op::linear_gelu_forward_bf16, DType::BF16, l.str());
+    const LinData d(l, 110);
+    const int act = c.out("act", to_bf16(uniform(l.N * l.OC, 114))), pre = c.out("pre", to_bf16(uniform(l.N * l.OC, 115)));
+    const int b = l.bias ? c.in("bias", d.b) : -1;
+    const int x = c.in("inp", to_bf16(d.x)), W = c.in("W", to_bf16(d.W));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.linear_gelu_forward_bf16(a.bf(act), a.bf(pre), a.bf(x), a.bf(W), a.f(b), l.N, l.C, l.OC);
+    };
+    c.exact = [=](const Args& a) {
+      std::vector<float> y(static_cast<size_t>(l.N * l.OC));
+      exact_forward(y.data(), a.bf(x), a.bf(W), a.f(b), l);
+      for (size_t i = 0; i < y.size(); ++i) {
+        a.bf(pre)[i] = float_to_bf16(y[i]);
+        a.bf(act)[i] = float_to_bf16(static_cast<float>(gelu_exact(y[i])));
+      }
+    };
+    return c;
+  });
+  // Gradients start nonzero (dW and dbias accumulate; dpre is written). Without dinp, dpre is null.
+  if (down) add_case(out, Op::linear_backward_dgelu_bf16, DType::BF16, l.model, [l] {
+    Case c(Op::linear_backward_dgelu_bf16, DType::BF16, l.str());
+    const LinData d(l, 120);
+    const int gp = l.dinp ? c.out("dpre", to_bf16(uniform(l.N * l.C, 124))) : -1,
+              gW = c.out("dW", uniform(l.OC * l.C, 125)), gb = l.bias ? c.out("dbias", uniform(l.OC, 126)) : -1,
+              dy = c.in("dout", d.dy), x = c.in("inp", to_bf16(d.x)), W = c.in("W", to_bf16(d.W)),
+              pre = c.in("pre", to_bf16(uniform(l.N * l.C, 127, -3.0f, 3.0f)));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.linear_backward_dgelu_bf16(a.bf(gp), a.f(gW), a.f(gb), a.f(dy), a.bf(x), a.bf(W), a.bf(pre), l.N, l.C, l.OC);
+    };
+    c.exact = [=](const Args& a) {
+      const std::vector<bf16> d16 = to_bf16(std::vector<float>(a.f(dy), a.f(dy) + l.N * l.OC));
+      std::vector<float> dx(static_cast<size_t>(l.N * l.C), 0.0f);
+      exact_backward(gp >= 0 ? dx.data() : nullptr, a.f(gW), d16.data(), a.bf(x), a.bf(W), l);
+      exact_bias_backward(a.f(gb), a.f(dy), l);
+      if (gp < 0) return;
+      for (size_t i = 0; i < dx.size(); ++i)
+        a.bf(gp)[i] = float_to_bf16(static_cast<float>(dx[i] * dgelu_exact(bf16_to_float(a.bf(pre)[i]))));
+    };
+    return c;
+  });
+  if (up) add_case(out, Op::linear_backward_bf16_dy_bias, DType::BF16, l.model, [l] {
+    Case c(Op::linear_backward_bf16_dy_bias, DType::BF16, l.str());
+    const LinData d(l, 130);
+    const int gx = l.dinp ? c.out("dinp", uniform(l.N * l.C, 134)) : -1, gW = c.out("dW", uniform(l.OC * l.C, 135)),
+              gb = l.bias ? c.out("dbias", uniform(l.OC, 136)) : -1, dy = c.in("dout", to_bf16(d.dy)),
+              x = c.in("inp", to_bf16(d.x)), W = c.in("W", to_bf16(d.W));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.linear_backward_bf16_dy_bias(a.f(gx), a.f(gW), a.f(gb), a.bf(dy), a.bf(x), a.bf(W), l.N, l.C, l.OC);
+    };
+    c.exact = [=](const Args& a) {
+      exact_backward(a.f(gx), a.f(gW), a.bf(dy), a.bf(x), a.bf(W), l);
+      if (gb < 0) return;
+      for (int64_t o = 0; o < l.OC; ++o) {
+        double s = a.f(gb)[o];
+        for (int64_t n = 0; n < l.N; ++n) s += bf16_to_float(a.bf(dy)[n * l.OC + o]);
+        a.f(gb)[o] = static_cast<float>(s);
+      }
+    };
+    return c;
+  });
+}
+
 struct Rows {
   const char* tag;
   int64_t N, C;
@@ -189,6 +273,17 @@ void layernorm(std::vector<CaseSpec>& out, const Rows& r) {
               w = c.in("w", uniform(r.C, 94)), b = c.in("b", uniform(r.C, 95));
     c.call = [=](const KernelTable& k, const Args& a) {
       k.layernorm_forward(a.f(o), a.f(mean), a.f(rstd), a.f(x), a.f(w), a.f(b), r.N, r.C, 1e-5f);
+    };
+    return c;
+  });
+  // The residual stream (res, updated in place) starts as the branch output; x is the residual.
+  add_case(out, Op::residual_layernorm_forward, DType::F32, r.model, [r] {
+    Case c(Op::residual_layernorm_forward, DType::F32, r.str());
+    const int o = c.out("out", uniform(r.N * r.C, 140)), mean = c.out("mean", uniform(r.N, 141)),
+              rstd = c.out("rstd", uniform(r.N, 142)), res = c.out("res", norm_input(r, 143)),
+              x = c.in("x", uniform(r.N * r.C, 144)), w = c.in("w", uniform(r.C, 145)), b = c.in("b", uniform(r.C, 146));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.residual_layernorm_forward(a.f(o), a.f(mean), a.f(rstd), a.f(res), a.f(x), a.f(w), a.f(b), r.N, r.C, 1e-5f);
     };
     return c;
   });
@@ -217,6 +312,16 @@ void rmsnorm(std::vector<CaseSpec>& out, const Rows& r) {
     };
     return c;
   });
+  add_case(out, Op::residual_rmsnorm_forward, DType::F32, r.model, [r] {
+    Case c(Op::residual_rmsnorm_forward, DType::F32, r.str());
+    const int o = c.out("out", uniform(r.N * r.C, 150)), rstd = c.out("rstd", uniform(r.N, 151)),
+              res = c.out("res", norm_input(r, 152)), x = c.in("x", uniform(r.N * r.C, 153)),
+              w = c.in("w", uniform(r.C, 154));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.residual_rmsnorm_forward(a.f(o), a.f(rstd), a.f(res), a.f(x), a.f(w), r.N, r.C, 1e-5f);
+    };
+    return c;
+  });
   add_case(out, Op::rmsnorm_backward, DType::F32, r.model, [r] {
     Case c(Op::rmsnorm_backward, DType::F32, r.str());
     const std::vector<float> x = norm_input(r, 102), w = uniform(r.C, 103);
@@ -240,6 +345,7 @@ void linear_norm_cases(std::vector<CaseSpec>& out) {
       forward(out, l, dt);
       backward(out, l, dt);
     }
+  for (const Lin& l : kGeluLinears) gelu_linears(out, l);
   for (const Rows& r :
        {Rows{"small", 33, 96, false}, Rows{"small", 7, 1000, false}, Rows{"gpt2", kGpt2Rows, kGpt2C, true}})
     layernorm(out, r);

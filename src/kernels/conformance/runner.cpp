@@ -268,10 +268,13 @@ double case_flops(Op op, const std::string& shape) {
   switch (op) {
     case Op::linear_forward:
     case Op::linear_forward_bf16:
+    case Op::linear_gelu_forward_bf16:
       return gemm;
     case Op::linear_backward:
     case Op::linear_backward_bf16:
     case Op::linear_backward_bf16_dy:
+    case Op::linear_backward_dgelu_bf16:
+    case Op::linear_backward_bf16_dy_bias:
       return (shape.find("no-dinp") == std::string::npos ? 2 : 1) * gemm;  // dinp and dW
     case Op::attention_forward:
       return attn;

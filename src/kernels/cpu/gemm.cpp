@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -468,6 +469,67 @@ void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf1
                              int64_t N, int64_t C, int64_t OC) {
   if (dinp) gemm_bf16(false, false, N, C, OC, 1.0f, dout, W, 1.0f, dinp);
   if (dW) gemm_bf16(true, false, OC, C, N, 1.0f, dout, inp, 1.0f, dW);
+}
+
+
+namespace {
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2/pi), as gelu_forward
+constexpr float kGeluC = 0.044715f;
+float gelu_of(float x) {
+  const float u = kGeluK * (x + kGeluC * x * x * x);
+  return x / (1.0f + std::exp(-2.0f * u));
+}
+float dgelu_of(float x) {
+  const float u = kGeluK * (x + kGeluC * x * x * x);
+  const float s = 1.0f / (1.0f + std::exp(-2.0f * u));
+  const float du = kGeluK * (1.0f + 3.0f * kGeluC * x * x);
+  return s + x * 2.0f * s * (1.0f - s) * du;
+}
+}  // namespace
+
+void linear_gelu_forward_bf16(bf16* act, bf16* pre, const bf16* inp, const bf16* W, const float* bias, int64_t N,
+                              int64_t C, int64_t OC) {
+  thread_local Scratch s;
+  const int64_t n = N * OC;
+  float* y = s.as<float>(static_cast<size_t>(n));
+  linear_forward_bf16(y, inp, W, bias, N, C, OC);
+#pragma omp parallel for schedule(static) if (n > detail::kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    pre[i] = detail::to_bf16(y[i]);
+    act[i] = detail::to_bf16(gelu_of(y[i]));
+  }
+}
+
+void linear_backward_dgelu_bf16(bf16* dpre, float* dW, float* dbias, const float* dout, const bf16* inp,
+                                const bf16* W, const bf16* pre, int64_t N, int64_t C, int64_t OC) {
+  thread_local Scratch s16, sd;
+  const int64_t n = N * OC;
+  bf16* d16 = s16.as<bf16>(static_cast<size_t>(n));
+  if (dbias) {
+    bias_backward(dbias, dout, N, OC, d16);
+  } else {
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+    for (int64_t i = 0; i < n; ++i) d16[i] = detail::to_bf16(dout[i]);
+  }
+  if (dW) gemm_bf16(true, false, OC, C, N, 1.0f, d16, inp, 1.0f, dW);
+  if (!dpre) return;
+  const int64_t m = N * C;
+  float* dx = sd.as<float>(static_cast<size_t>(m));
+  gemm_bf16(false, false, N, C, OC, 1.0f, d16, W, 0.0f, dx);
+#pragma omp parallel for schedule(static) if (m > detail::kParallelMin)
+  for (int64_t i = 0; i < m; ++i) dpre[i] = detail::to_bf16(dx[i] * dgelu_of(bf16_to_float(pre[i])));
+}
+
+void linear_backward_bf16_dy_bias(float* dinp, float* dW, float* dbias, const bf16* dout, const bf16* inp,
+                                  const bf16* W, int64_t N, int64_t C, int64_t OC) {
+  linear_backward_bf16_dy(dinp, dW, dout, inp, W, N, C, OC);
+  if (!dbias) return;
+#pragma omp parallel for schedule(static) if (N * OC > detail::kParallelMin)
+  for (int64_t o = 0; o < OC; ++o) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < N; ++r) acc += bf16_to_float(dout[r * OC + o]);
+    dbias[o] += acc;
+  }
 }
 
 }  // namespace mt::kernels::cpu

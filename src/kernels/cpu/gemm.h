@@ -37,4 +37,17 @@ void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dou
 void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W,
                              int64_t N, int64_t C, int64_t OC);
 
+// GPT-2's MLP with fused epilogues (the CUDA backend's cuBLASLt GELU_AUX_BIAS / DGELU / BGRADB; here
+// the same arithmetic in separate passes). gelu is the tanh form of gelu_forward (x sigmoid(2u)).
+// Up projection: y = inp W^T + bias (fp32), pre = bf16(y), act = bf16(gelu(y)).
+void linear_gelu_forward_bf16(bf16* act, bf16* pre, const bf16* inp, const bf16* W, const float* bias, int64_t N,
+                              int64_t C, int64_t OC);
+// Down projection's backward through the GELU (inp = gelu(pre)): dW += dout16^T inp, dbias +=
+// column sums of dout, dpre = bf16(gelu'(pre) * (dout16 W)) written; dout16 = bf16(dout).
+void linear_backward_dgelu_bf16(bf16* dpre, float* dW, float* dbias, const float* dout, const bf16* inp,
+                                const bf16* W, const bf16* pre, int64_t N, int64_t C, int64_t OC);
+// linear_backward_bf16_dy plus dbias += column sums of the bf16 dout (fp32, rows in order).
+void linear_backward_bf16_dy_bias(float* dinp, float* dW, float* dbias, const bf16* dout, const bf16* inp,
+                                  const bf16* W, int64_t N, int64_t C, int64_t OC);
+
 }  // namespace mt::kernels::cpu

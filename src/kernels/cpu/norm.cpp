@@ -158,4 +158,21 @@ void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* in
   if (dw) reduce_partials(dw, part, nchunks, C, C);
 }
 
+// The add first over the whole block of rows, then the norm: the bits of accumulate + the norm.
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* res, const float* x, const float* w,
+                                const float* b, int64_t N, int64_t C, float eps) {
+  const int64_t n = N * C;
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+  for (int64_t i = 0; i < n; ++i) res[i] += x[i];
+  layernorm_forward(out, mean, rstd, res, w, b, N, C, eps);
+}
+
+void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* x, const float* w, int64_t N,
+                              int64_t C, float eps) {
+  const int64_t n = N * C;
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+  for (int64_t i = 0; i < n; ++i) res[i] += x[i];
+  rmsnorm_forward(out, rstd, res, w, N, C, eps);
+}
+
 MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

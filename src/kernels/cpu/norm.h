@@ -18,4 +18,11 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, 
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w,
                       const float* rstd, int64_t N, int64_t C);
 
+// res += x, then the norm of res (the residual add and the norm of a block in one call; the same
+// arithmetic as accumulate followed by the norm).
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* res, const float* x, const float* w,
+                                const float* b, int64_t N, int64_t C, float eps = 1e-5f);
+void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* x, const float* w, int64_t N,
+                              int64_t C, float eps = 1e-5f);
+
 MT_CPU_NS_END  // namespace mt::kernels::cpu

@@ -21,6 +21,8 @@ enum ScratchSlot : int {
   kScratchFlashDout,  // flash_attention.cu: dout rounded to bf16
   kScratchColumnSums,
   kScratchReduceOut,
+  kScratchEpilogue,  // gemm.cu: the fp32 GEMM result where an epilogue cannot be fused
+  kScratchBgrad,     // gemm.cu: the BGRADB epilogue's bias gradient before it is added
   kNumScratch
 };
 
@@ -58,6 +60,12 @@ void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dou
                           int64_t N, int64_t C, int64_t OC);
 void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W, int64_t N,
                              int64_t C, int64_t OC);
+void linear_gelu_forward_bf16(bf16* act, bf16* pre, const bf16* inp, const bf16* W, const float* bias, int64_t N,
+                              int64_t C, int64_t OC);
+void linear_backward_dgelu_bf16(bf16* dpre, float* dW, float* dbias, const float* dout, const bf16* inp,
+                                const bf16* W, const bf16* pre, int64_t N, int64_t C, int64_t OC);
+void linear_backward_bf16_dy_bias(float* dinp, float* dW, float* dbias, const bf16* dout, const bf16* inp,
+                                  const bf16* W, int64_t N, int64_t C, int64_t OC);
 
 // norm.cu
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
@@ -67,6 +75,10 @@ void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, co
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps);
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w, const float* rstd,
                       int64_t N, int64_t C);
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* res, const float* x, const float* w,
+                                const float* b, int64_t N, int64_t C, float eps);
+void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* x, const float* w, int64_t N,
+                              int64_t C, float eps);
 
 // embed_loss.cu
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);

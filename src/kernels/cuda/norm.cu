@@ -1,5 +1,5 @@
-// LayerNorm and RMSNorm (contracts: kernels/cpu/norm.h). One block per row for the row statistics
-// and the input gradient; weight/bias gradients as two-stage deterministic column sums
+// LayerNorm and RMSNorm (contracts: kernels/cpu/norm.h), alone or after the residual add. One block
+// per row for the row statistics and the input gradient; weight/bias gradients as two-stage deterministic column sums
 // (reduce.cu: partials per slice of rows, then a fixed-order pass; no atomics).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
@@ -9,13 +9,24 @@ namespace mt::kernels::cuda {
 namespace {
 constexpr int kThreads = 256;
 
-__global__ void layernorm_fwd_k(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
-                                int64_t C, float eps) {
+// kAdd: inp is the residual stream res, updated first (res += add, each thread its own columns, which
+// it reads again in the passes below): the fused residual add; the norm's arithmetic is the same.
+template <bool kAdd>
+__global__ void layernorm_fwd_k(float* out, float* mean, float* rstd, const float* inp, float* res, const float* add,
+                                const float* w, const float* b, int64_t C, float eps) {
   MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float s = 0.0f;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    if constexpr (kAdd) {
+      const float v = res[n * C + c] + add[n * C + c];
+      res[n * C + c] = v;
+      s += v;
+    } else {
+      s += x[c];
+    }
+  }
   const float m = block_sum(s, shm) / static_cast<float>(C);
   float v = 0.0f;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
@@ -53,12 +64,21 @@ __global__ void layernorm_bwd_dinp_k(float* dinp, const float* dout, const float
   }
 }
 
-__global__ void rmsnorm_fwd_k(float* out, float* rstd, const float* inp, const float* w, int64_t C, float eps) {
+template <bool kAdd>
+__global__ void rmsnorm_fwd_k(float* out, float* rstd, const float* inp, float* res, const float* add, const float* w,
+                              int64_t C, float eps) {
   MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
   const float* x = inp + n * C;
   float s = 0.0f;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += x[c] * x[c];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    float v = x[c];
+    if constexpr (kAdd) {
+      v = res[n * C + c] + add[n * C + c];
+      res[n * C + c] = v;
+    }
+    s += v * v;
+  }
   const float r = rsqrtf(block_sum(s, shm) / static_cast<float>(C) + eps);
   float* o = out + n * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = x[c] * r * w[c];
@@ -83,8 +103,18 @@ __global__ void rmsnorm_bwd_dinp_k(float* dinp, const float* dout, const float* 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
                        int64_t N, int64_t C, float eps) {
   if (N <= 0 || C <= 0) return;
-  MT_LAUNCH(layernorm_fwd_k, static_cast<unsigned>(N), kThreads, 0, stream())(out, mean, rstd, inp, w, b, C, eps);
+  void (*const k)(float*, float*, float*, const float*, float*, const float*, const float*, const float*, int64_t,
+                  float) = layernorm_fwd_k<false>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(out, mean, rstd, inp, nullptr, nullptr, w, b, C, eps);
   check_launch("layernorm_forward");
+}
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* res, const float* x, const float* w,
+                                const float* b, int64_t N, int64_t C, float eps) {
+  if (N <= 0 || C <= 0) return;
+  void (*const k)(float*, float*, float*, const float*, float*, const float*, const float*, const float*, int64_t,
+                  float) = layernorm_fwd_k<true>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(out, mean, rstd, res, res, x, w, b, C, eps);
+  check_launch("residual_layernorm_forward");
 }
 void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
                         const float* mean, const float* rstd, int64_t N, int64_t C) {
@@ -99,8 +129,18 @@ void layernorm_backward(float* dinp, float* dw, float* db, const float* dout, co
 }
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* w, int64_t N, int64_t C, float eps) {
   if (N <= 0 || C <= 0) return;
-  MT_LAUNCH(rmsnorm_fwd_k, static_cast<unsigned>(N), kThreads, 0, stream())(out, rstd, inp, w, C, eps);
+  void (*const k)(float*, float*, const float*, float*, const float*, const float*, int64_t, float) =
+      rmsnorm_fwd_k<false>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(out, rstd, inp, nullptr, nullptr, w, C, eps);
   check_launch("rmsnorm_forward");
+}
+void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* x, const float* w, int64_t N,
+                              int64_t C, float eps) {
+  if (N <= 0 || C <= 0) return;
+  void (*const k)(float*, float*, const float*, float*, const float*, const float*, int64_t, float) =
+      rmsnorm_fwd_k<true>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(out, rstd, res, res, x, w, C, eps);
+  check_launch("residual_rmsnorm_forward");
 }
 void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* inp, const float* w, const float* rstd,
                       int64_t N, int64_t C) {

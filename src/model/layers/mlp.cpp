@@ -1,17 +1,29 @@
 #include "model/layers/mlp.h"
 
+#include <stdexcept>
+
 #include "kernels/backend.h"
 
 namespace mt {
 
 Mlp::Mlp(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
-         int64_t width)
-    : cfg_(cfg), compute_(compute), dev_(dev), kt_(kt), tpc_(tpc), width_(width) {}
+         int64_t width, bool gelu_epilogue)
+    : cfg_(cfg),
+      compute_(compute),
+      dev_(dev),
+      kt_(kt),
+      tpc_(tpc),
+      width_(width),
+      fused_(gelu_epilogue && cfg.arch == Arch::GPT2 && compute == DType::BF16) {}
 
 void Mlp::release() { ws_ = Workspace{}; }
 
 void Mlp::allocate(int64_t N) {
   auto W = MemCategory::Workspace;
+  if (fused_) {  // the GELU input's gradient, in bf16, straight from the down projection's epilogue
+    ws_.dfc = Tensor::empty({N, width_}, DType::BF16, W);
+    return;
+  }
   ws_.dfc = Tensor::empty({N, width_}, DType::F32, W);
   ws_.dup = Tensor::empty({N, width_}, DType::F32, W);
   ws_.dact = Tensor::empty({N, width_}, DType::F32, W);
@@ -21,6 +33,13 @@ void Mlp::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, con
                   float* stage) {
   const int64_t C = cfg_.n_embd, F = width_;
   const bool bf = compute_ == DType::BF16;
+  if (fused_) {  // act = gelu(fc), fc = ln2 W^T + b kept in bf16: one GEMM with the GELU_AUX epilogue
+    const Weight w = P.weight(p.fc_w, p.fc_b, F, false);
+    if (w.nlora > 0) throw std::logic_error("the fused GELU epilogue takes no LoRA adapters");
+    kt_->linear_gelu_forward_bf16(a.act.bf(), a.fc.bf(), a.ln2.bf(), w.wb, w.b, N, C, F);
+    RowParallelLinear(tpc_, F, P.weight(p.down_w, p.down_b, C, false)).forward(out, a.act);
+    return;
+  }
   float* act_out = bf ? stage : a.act.f32();
   if (cfg_.arch == Arch::GPT2) {
     ColumnParallelLinear(tpc_, C).forward(a.ln2, ln2, {{a.fc.f32(), P.weight(p.fc_w, p.fc_b, F, false)}});
@@ -37,6 +56,18 @@ void Mlp::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, con
 const float* Mlp::backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dout, float* dnorm,
                            int64_t N) {
   const int64_t C = cfg_.n_embd, F = width_;
+  if (fused_) {
+    // The down projection's weight and bias gradients, and the GELU input's gradient from its
+    // input-gradient GEMM (DGELU epilogue, bf16); then fc's backward from that bf16 gradient, its
+    // bias gradient in the weight-gradient GEMM (BGRADB).
+    const Weight wd = P.weight(p.down_w, p.down_b, C, true), wf = P.weight(p.fc_w, p.fc_b, F, true);
+    if (wd.nlora > 0 || wf.nlora > 0) throw std::logic_error("the fused GELU epilogue takes no LoRA adapters");
+    bf16* dpre = ws_.dfc.bf();
+    kt_->linear_backward_dgelu_bf16(dpre, wd.dw, wd.db, dout, a.act.bf(), wd.wb, a.fc.bf(), N, F, C);
+    dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
+    kt_->linear_backward_bf16_dy_bias(dnorm, wf.dw, wf.db, dpre, a.ln2.bf(), wf.wb, N, C, F);
+    return dnorm;
+  }
   // Split backward: the output gradients W reads go straight into the slot's held buffers.
   float* dfc = (tpc_.defer ? tpc_.defer->lend(ws_.dfc) : ws_.dfc).f32();
   float* dact = ws_.dact.f32();

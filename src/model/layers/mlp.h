@@ -16,9 +16,10 @@ struct KernelTable;
 
 class Mlp {
  public:
-  // width: this tp rank's hidden width.
+  // width: this tp rank's hidden width. gelu_epilogue: GPT-2 in bf16 through the fused GEMM-epilogue
+  // ops (ModelOptions::gelu_epilogue; the blocks' `fc` is then bf16).
   Mlp(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
-      int64_t width);
+      int64_t width, bool gelu_epilogue = false);
   // Workspace for N tokens; release() frees it (before a new shape's).
   void allocate(int64_t N);
   void release();
@@ -39,10 +40,11 @@ class Mlp {
   const kernels::KernelTable* kt_;
   TpContext& tpc_;
   int64_t width_;
+  bool fused_;
   struct Workspace {
-    Tensor dfc;   // the gradient of fc (GPT-2) or gate (Llama) [N, F]
-    Tensor dup;   // Llama: the gradient of up [N, F]
-    Tensor dact;  // the gradient of the activation [N, F]
+    Tensor dfc;   // the gradient of fc (GPT-2) or gate (Llama) [N, F] (bf16 when fused_)
+    Tensor dup;   // Llama: the gradient of up [N, F] (not allocated when fused_)
+    Tensor dact;  // the gradient of the activation [N, F] (not allocated when fused_)
   } ws_;
 };
 

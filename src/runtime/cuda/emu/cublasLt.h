@@ -1,6 +1,6 @@
 // cuBLASLt for the emulator build: the matmul API the engine calls (kernels/cuda/gemm.cu), computed
 // on the host with cuBLASLt's column-major semantics (D = alpha op(A) op(B) + beta C, C not read
-// when beta is 0; the bias epilogue), and with its checks: descriptor attributes of the right size, layouts that agree
+// when beta is 0; the bias, GELU_AUX, DGELU and BGRADB epilogues), and with its checks: descriptor attributes of the right size, layouts that agree
 // with the transposes and the types, an algorithm from the heuristic whose alignment the pointers
 // meet, and a workspace at least as large as the algorithm asks for. Operands must be device memory.
 #pragma once
@@ -36,10 +36,25 @@ enum cublasLtMatmulDescAttributes_t {
   CUBLASLT_MATMUL_DESC_TRANSC = 5,
   CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
   CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
+  CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,
 };
 // DEFAULT, and BIAS: D = alpha op(A) op(B) + beta C + bias, the bias (fp32, one value per row of D,
 // packed) broadcast over D's columns and added before D is stored (and rounded, for a bf16 D).
-enum cublasLtEpilogue_t { CUBLASLT_EPILOGUE_DEFAULT = 1, CUBLASLT_EPILOGUE_BIAS = 4 };
+// The bias vector's type is D's unless BIAS_DATA_TYPE says otherwise; only fp32 vectors are
+// emulated. GELU_AUX(_BIAS): x = that sum, the aux matrix (D's type and shape, leading dimension
+// EPILOGUE_AUX_LD, a multiple of 8, pointer 16-byte aligned) receives x and D receives gelu(x)
+// (tanh form). DGELU: D = gelu'(aux) * (alpha op(A) op(B) + beta C). BGRADB: D as DEFAULT, and the
+// bias pointer receives (overwritten) the sums of op(B) over k, one per column of D.
+enum cublasLtEpilogue_t {
+  CUBLASLT_EPILOGUE_DEFAULT = 1,
+  CUBLASLT_EPILOGUE_BIAS = 4,
+  CUBLASLT_EPILOGUE_GELU_AUX = 160,
+  CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 164,
+  CUBLASLT_EPILOGUE_DGELU = 192,
+  CUBLASLT_EPILOGUE_BGRADB = 512,
+};
 enum cublasLtMatmulPreferenceAttributes_t {
   CUBLASLT_MATMUL_PREF_SEARCH_MODE = 0,
   CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +24,9 @@ struct cublasLtMatmulDescOpaque_t {
   int32_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N, transc = CUBLAS_OP_N;
   uint32_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;  // CUBLASLT_MATMUL_DESC_BIAS_POINTER
+  void* aux = nullptr;         // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER
+  int64_t aux_ld = 0;          // CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD
+  int32_t bias_type = -1;      // CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE (-1: D's type)
 };
 struct cublasLtMatrixLayoutOpaque_t {
   cudaDataType_t type;
@@ -58,16 +62,39 @@ bool layout_ok(const cublasLtMatrixLayoutOpaque_t* l) {
   return l->rows > 0 && l->cols > 0 && l->ld >= static_cast<int64_t>(l->rows);
 }
 
+bool known_epilogue(uint32_t e) {
+  return e == CUBLASLT_EPILOGUE_DEFAULT || e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX ||
+         e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU || e == CUBLASLT_EPILOGUE_BGRADB;
+}
+bool adds_bias(uint32_t e) { return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS; }
+bool uses_vector(uint32_t e) { return adds_bias(e) || e == CUBLASLT_EPILOGUE_BGRADB; }
+bool uses_aux(uint32_t e) {
+  return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU;
+}
+
+// GELU's tanh form and its derivative (cuBLASLt's GELU epilogues use the tanh approximation).
+float gelu_tanh(float x) { return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))); }
+float dgelu_tanh(float x) {
+  const float k = 0.7978845608028654f, t = std::tanh(k * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
 // cuBLASLt's checks of one problem (what AlgoGetHeuristic and Matmul both refuse).
 cublasStatus_t validate(const cublasLtMatmulDescOpaque_t* op, const cublasLtMatrixLayoutOpaque_t* a,
                         const cublasLtMatrixLayoutOpaque_t* b, const cublasLtMatrixLayoutOpaque_t* c,
                         const cublasLtMatrixLayoutOpaque_t* d, Problem* p) {
   if (!op || !a || !b || !c || !d) return CUBLAS_STATUS_INVALID_VALUE;
   if ((op->compute != CUBLAS_COMPUTE_32F && op->compute != CUBLAS_COMPUTE_32F_FAST_TF32) || op->scale != CUDA_R_32F ||
-      op->pointer_mode != 0 || op->transc != CUBLAS_OP_N ||
-      (op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && op->epilogue != CUBLASLT_EPILOGUE_BIAS))
+      op->pointer_mode != 0 || op->transc != CUBLAS_OP_N || !known_epilogue(op->epilogue))
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && !op->bias) return CUBLAS_STATUS_INVALID_VALUE;
+  if (uses_vector(op->epilogue) && !op->bias) return CUBLAS_STATUS_INVALID_VALUE;
+  if (uses_aux(op->epilogue)) {  // cuBLASLt: aux ld a multiple of 8, pointer 16-byte aligned
+    if (!op->aux || op->aux_ld < static_cast<int64_t>(d->rows)) return CUBLAS_STATUS_INVALID_VALUE;
+    if (op->aux_ld % 8 != 0 || reinterpret_cast<uintptr_t>(op->aux) % 16 != 0) return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  // The vector's type defaults to D's: an fp32 bias under a bf16 D needs BIAS_DATA_TYPE (only fp32 is emulated).
+  if (uses_vector(op->epilogue) && (op->bias_type == -1 ? static_cast<int32_t>(d->type) : op->bias_type) != CUDA_R_32F)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
   const auto is_op = [](int32_t t) { return t == CUBLAS_OP_N || t == CUBLAS_OP_T || t == CUBLAS_OP_C; };
   if (!is_op(op->transa) || !is_op(op->transb)) return CUBLAS_STATUS_INVALID_VALUE;
   if (!layout_ok(a) || !layout_ok(b) || !layout_ok(c) || !layout_ok(d)) return CUBLAS_STATUS_INVALID_VALUE;
@@ -163,6 +190,9 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
     case CUBLASLT_MATMUL_DESC_TRANSC: return set(&d->transc, sizeof d->transc, buf, bytes);
     case CUBLASLT_MATMUL_DESC_EPILOGUE: return set(&d->epilogue, sizeof d->epilogue, buf, bytes);
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return set(&d->bias, sizeof d->bias, buf, bytes);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: return set(&d->aux, sizeof d->aux, buf, bytes);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: return set(&d->aux_ld, sizeof d->aux_ld, buf, bytes);
+    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return set(&d->bias_type, sizeof d->bias_type, buf, bytes);
   }
   return CUBLAS_STATUS_INVALID_VALUE;
 }
@@ -221,7 +251,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
   r.workspaceSize = static_cast<size_t>(r.algo.data[5]);
   // The epilogue it was chosen for, and the bias pointer's alignment (cuBLASLt reads it here).
   r.algo.data[6] = op->epilogue;
-  r.algo.data[7] = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? static_cast<uint64_t>(alignment_of(op->bias)) : 0;
+  r.algo.data[7] = uses_vector(op->epilogue) ? static_cast<uint64_t>(alignment_of(op->bias)) : 0;
   r.state = CUBLAS_STATUS_SUCCESS;
   r.wavesCount = 1.0f;
   *returned = 1;
@@ -262,16 +292,28 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
   require_device("B", B, b);
   if (be != 0.0f) require_device("C", C, c);
   require_device("D", D, d);
-  const float* bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? static_cast<const float*>(op->bias) : nullptr;
-  if (bias && !mt::emu::is_device_range(bias, p.m * sizeof(float))) {
+  const uint32_t epi = op->epilogue;
+  const float* bias = adds_bias(epi) ? static_cast<const float*>(op->bias) : nullptr;
+  // The vector (bias, or BGRADB's output: one fp32 value per row of D) and the aux matrix lie in device memory.
+  const uint64_t vec_n = epi == CUBLASLT_EPILOGUE_BGRADB ? p.n : p.m;
+  if (uses_vector(epi) && !mt::emu::is_device_range(op->bias, vec_n * sizeof(float))) {
     std::fprintf(stderr, "meshtrain cuda emulator: cublasLtMatmul: the bias (%p, %llu floats) is not device memory\n",
-                 op->bias, static_cast<unsigned long long>(p.m));
+                 op->bias, static_cast<unsigned long long>(vec_n));
     std::abort();
+  }
+  if (uses_aux(epi)) {
+    const cublasLtMatrixLayoutOpaque_t aux_l{d->type, d->rows, d->cols, op->aux_ld};
+    require_device("EPILOGUE_AUX", op->aux, &aux_l);
   }
   const std::vector<float> opa = pack(A, a, p.ta, p.m, p.k, p.tf32), opb = pack(B, b, !p.tb, p.n, p.k, p.tf32);
   const uint64_t ldc = static_cast<uint64_t>(c->ld), ldd = static_cast<uint64_t>(d->ld);
+  const uint64_t ldx = static_cast<uint64_t>(op->aux_ld);
   const int64_t n = static_cast<int64_t>(p.n);
   const bool big = p.m * p.n * p.k > (uint64_t(1) << 22);
+  const auto store = [](void* base, cudaDataType_t t, uint64_t idx, float v) {
+    if (t == CUDA_R_16BF) static_cast<uint16_t*>(base)[idx] = mt::emu::float_to_bf16(v);
+    else static_cast<float*>(base)[idx] = v;
+  };
 #pragma omp parallel for schedule(static) if (big)
   for (int64_t j = 0; j < n; ++j) {
     const uint64_t uj = static_cast<uint64_t>(j);
@@ -283,8 +325,22 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
       float v = al * acc;
       if (be != 0.0f) v += be * load(C, c->type, i + uj * ldc, false);
       if (bias) v += bias[i];
-      if (d->type == CUDA_R_16BF) static_cast<uint16_t*>(D)[i + uj * ldd] = mt::emu::float_to_bf16(v);
-      else static_cast<float*>(D)[i + uj * ldd] = v;
+      if (epi == CUBLASLT_EPILOGUE_GELU_AUX || epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+        store(op->aux, d->type, i + uj * ldx, v);
+        v = gelu_tanh(v);
+      } else if (epi == CUBLASLT_EPILOGUE_DGELU) {
+        v *= dgelu_tanh(load(op->aux, d->type, i + uj * ldx, false));
+      }
+      store(D, d->type, i + uj * ldd, v);
+    }
+  }
+  if (epi == CUBLASLT_EPILOGUE_BGRADB) {  // the sums of op(B) over k, one per column of D, in index order
+    float* g = static_cast<float*>(const_cast<void*>(op->bias));
+    for (int64_t j = 0; j < n; ++j) {
+      const float* y = &opb[static_cast<uint64_t>(j) * p.k];
+      float acc = 0.0f;
+      for (uint64_t q = 0; q < p.k; ++q) acc += y[q];
+      g[j] = acc;
     }
   }
   return CUBLAS_STATUS_SUCCESS;
