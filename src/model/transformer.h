@@ -340,6 +340,9 @@ class Transformer : private LayerParams {
 
   std::vector<char> owned_;
   bool split_backward_ = false;  // ModelOptions::split_backward
+
+ public:
+  bool split_backward() const { return split_backward_; }
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
   Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
   const float* qkv_bias_f32(int first);

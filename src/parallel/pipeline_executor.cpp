@@ -79,6 +79,9 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     throw std::invalid_argument("pipeline step needs one batch per micro-batch (" + std::to_string(M) + ")");
   const int64_t NC = model_.residual_rows(B * T) * model_.config().n_embd;  // a stage boundary's rows
   PipelineStepStats st;
+  st.f_ms.assign(static_cast<size_t>(S_), 0.0);
+  st.b_ms.assign(static_cast<size_t>(S_), 0.0);
+  st.w_ms.assign(static_cast<size_t>(S_), 0.0);
   peak_slots_ = slots_used_;
   // Messages in flight, by (kind, micro-batch, stage): receive buffers and handles, send buffers.
   struct Msg {
@@ -144,7 +147,9 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         auto t0 = Clock::now();
         st.loss_sum += model_.forward_units(first, last, first == 0 ? ids[m] : nullptr,
                                             last == head_unit_ ? targets[m] : nullptr, input, B, T, true, dloss);
-        st.busy_ms += ms_between(t0, Clock::now());
+        const double ms = ms_between(t0, Clock::now());
+        st.busy_ms += ms;
+        st.f_ms[static_cast<size_t>(s)] += ms;
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
         if (s + 1 < S_ && sched_.stage_rank(s + 1) == rank_) keep_local(tag(kAct, m, s), model_.unit_output(last));
         break;
@@ -169,7 +174,9 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         // split backward before the weight gradients that add it).
         auto t0 = Clock::now();
         model_.backward_units(first, last, dout, tied_in ? tied_grad_in_.f32() : nullptr, split);
-        st.busy_ms += ms_between(t0, Clock::now());
+        const double ms = ms_between(t0, Clock::now());
+        st.busy_ms += ms;
+        st.b_ms[static_cast<size_t>(s)] += ms;
         if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
         if (tied_split_ && last == head_unit_ && last_mb && !split) send_tied_grad();
         if (first != 0) {
@@ -188,7 +195,9 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         if (tied_split_ && first == 0 && last_mb) recv_tied_grad();
         auto t0 = Clock::now();
         model_.backward_weights(first, last);
-        st.busy_ms += ms_between(t0, Clock::now());
+        const double ms = ms_between(t0, Clock::now());
+        st.busy_ms += ms;
+        st.w_ms[static_cast<size_t>(s)] += ms;
         if (tied_split_ && last == head_unit_ && last_mb) send_tied_grad();
         release_slot(m, s);
         break;
