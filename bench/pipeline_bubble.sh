@@ -14,7 +14,9 @@
 #
 # Per stage it also reports what the executor's timers measured for one micro-batch: the forward
 # (F), the backward or, under a split schedule, its input-gradient part (B), and the weight
-# gradients (W), and the schedule's simulated bubble with those costs ("costed"). A schedule
+# gradients (W), in wall time and in the compute thread's CPU time (which leaves out the waits for
+# a core on a loaded machine), and the schedule's simulated bubble with the CPU-time costs
+# ("costed"). A schedule
 # written NAME:c (zb1p:c, zbv:c) is built for the costs given with --costs F,B,W
 # (--parallel.pp_costs; e.g. the relative F/B/W that a plain zb1p run measured).
 #
@@ -74,12 +76,12 @@ done
 python3 - "$OUT" "$RANKS" "$MICRO" "$SCHEDS" "$RUNS" <<'EOF'
 import json, statistics, sys
 out, ranks, micro, scheds, runs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split(), int(sys.argv[5])
-print("\n| p | schedule | m | measured idle share | predicted | costed | idle ms per step | step ms | tokens/s | peak activation slots (rank 0) | F / B / W ms per stage |")
-print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print("\n| p | schedule | m | measured idle share | predicted | costed | idle ms per step | step ms | tokens/s | peak activation slots (rank 0) | F / B / W ms per stage (wall) | F / B / W CPU ms per stage |")
+print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
 for p in ranks:
     for m in micro:
         for s in scheds:
-            idle, idle_ms, steps, tpss, costed, stage = [], [], [], [], [], []
+            idle, idle_ms, steps, tpss, costed, stage, cpu = [], [], [], [], [], [], []
             for r in range(1, runs + 1):
                 recs = [json.loads(l) for l in open(f"{out}/p{p}_{s.replace(':', '_')}_m{m}_r{r}.jsonl") if l.strip()]
                 fin = [x for x in recs if x.get("final")][0]
@@ -89,11 +91,13 @@ for p in ranks:
                 tpss.append(statistics.median(x["tokens_per_s"] for x in st))
                 costed.append(fin.get("pp_bubble_costed", 0.0))
                 stage.append(fin.get("pp_stage_ms", []))
-            fbw = "; ".join("/".join(f"{statistics.median(run[i][k] for run in stage):.1f}" for k in "FBW")
-                            for i in range(len(stage[0])))
+                cpu.append(fin.get("pp_stage_cpu_ms", []))
+            def fbw(st):
+                return "; ".join("/".join(f"{statistics.median(run[i][k] for run in st):.1f}" for k in "FBW")
+                                 for i in range(len(st[0])))
             name = s + (" (v=2)" if s.startswith("inter") else "")
             print(f"| {p} | {name} | {m} | {100*statistics.median(idle):.1f}% | {100*fin['pp_bubble_formula']:.1f}% | "
                   f"{100*statistics.median(costed):.1f}% | "
                   f"{statistics.median(idle_ms):.1f} | {statistics.median(steps):.0f} | {statistics.median(tpss):.0f} | "
-                  f"{fin['pp_peak_activation_slots']} | {fbw} |")
+                  f"{fin['pp_peak_activation_slots']} | {fbw(stage)} | {fbw(cpu)} |")
 EOF

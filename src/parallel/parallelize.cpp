@@ -80,7 +80,8 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
     r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
     // Each stage runs on one pipeline rank (the others hold zeros): a sum gathers them.
     std::vector<float> t;
-    for (const auto* v : {&r.stats.f_ms, &r.stats.b_ms, &r.stats.w_ms})
+    for (const auto* v : {&r.stats.f_ms, &r.stats.b_ms, &r.stats.w_ms, &r.stats.f_cpu_ms, &r.stats.b_cpu_ms,
+                          &r.stats.w_cpu_ms})
       for (double x : *v) t.push_back(static_cast<float>(x / static_cast<double>(n)));
     if (groups_.pp_aux) groups_.pp_aux->all_reduce(t.data(), t.size(), DType::F32, comm::ReduceOp::Sum)->wait();
     r.stage_ms.assign(t.begin(), t.end());

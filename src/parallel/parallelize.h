@@ -49,7 +49,8 @@ struct StepResult {
   double bubble = 0;        // pp > 1: idle share of the schedule, mean over the pipeline ranks
   PipelineStepStats stats;  // this rank's
   // pp > 1: per stage, the mean compute time of one micro-batch's forward, B and W (ms; W zero
-  // without a split backward), from every pipeline rank: {F[0..S), B[0..S), W[0..S)}.
+  // without a split backward), from every pipeline rank: {F[0..S), B[0..S), W[0..S)}, then the
+  // same in CPU time of the compute thread.
   std::vector<double> stage_ms;
 };
 

@@ -244,19 +244,20 @@ void MetricsProcessor::print_memory(const MemStats& ms) const {
                 format_bytes(parallel::zero_paper_bytes(plan_.strategy, F, groups_.shard->size())).c_str());
 }
 
-std::vector<std::array<double, 3>> MetricsProcessor::stage_costs() const {
+std::vector<std::array<double, 3>> MetricsProcessor::stage_costs(bool cpu) const {
   std::vector<std::array<double, 3>> c;
-  const size_t S = stage_ms_sum_.size() / 3;
+  const size_t S = stage_ms_sum_.size() / 6, o = cpu ? 3 * S : 0;
   if (!tps_n_ || !S) return c;
   for (size_t s = 0; s < S; ++s)
-    c.push_back({stage_ms_sum_[s] / tps_n_, stage_ms_sum_[S + s] / tps_n_, stage_ms_sum_[2 * S + s] / tps_n_});
+    c.push_back({stage_ms_sum_[o + s] / tps_n_, stage_ms_sum_[o + S + s] / tps_n_, stage_ms_sum_[o + 2 * S + s] / tps_n_});
   return c;
 }
 
 double MetricsProcessor::costed_bubble() const {
   // The simulation gives every stage the same costs: the mean over the stages, scaled to one
-  // rank's share (v stages), with W's share of the backward as measured.
-  const auto c = stage_costs();
+  // rank's share (v stages), with W's share of the backward as measured (CPU time: what the work
+  // costs, whatever else ran on the cores).
+  const auto c = stage_costs(true);
   if (c.empty()) return 0.0;
   double f = 0, b = 0, w = 0;
   for (const auto& x : c) f += x[0], b += x[1], w += x[2];
@@ -288,10 +289,11 @@ void MetricsProcessor::print_run_summary() const {
                 100.0 * bubble_sum_ / tps_n_, parallel::bubble_formula(pm_.schedule()).text.c_str(), 100.0 * bubble_formula,
                 peak_slots_);
   if (pp && tps_n_) {
-    std::printf("pipeline stage costs per micro-batch (ms, F / B / W):");
-    const auto c = stage_costs();
-    for (size_t i = 0; i < c.size(); ++i) std::printf(" stage %zu %.2f / %.2f / %.2f;", i, c[i][0], c[i][1], c[i][2]);
-    std::printf(" simulated bubble with these costs %.1f%%\n", 100.0 * costed_bubble());
+    std::printf("pipeline stage costs per micro-batch (ms, F / B / W; wall, CPU time):");
+    const auto c = stage_costs(), u = stage_costs(true);
+    for (size_t i = 0; i < c.size(); ++i)
+      std::printf(" stage %zu %.2f / %.2f / %.2f, %.2f / %.2f / %.2f;", i, c[i][0], c[i][1], c[i][2], u[i][0], u[i][1], u[i][2]);
+    std::printf(" simulated bubble with the CPU-time costs %.1f%%\n", 100.0 * costed_bubble());
   }
   if (world_ > 1) {
     // Exposed time is measured on the compute thread (waits), communication time on the
@@ -368,6 +370,9 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
     nlohmann::json costs = nlohmann::json::array();
     for (const auto& x : stage_costs()) costs.push_back({{"F", x[0]}, {"B", x[1]}, {"W", x[2]}});
     fin["pp_stage_ms"] = costs;  // per stage: mean ms of one micro-batch's forward, B and W
+    nlohmann::json cpu = nlohmann::json::array();
+    for (const auto& x : stage_costs(true)) cpu.push_back({{"F", x[0]}, {"B", x[1]}, {"W", x[2]}});
+    fin["pp_stage_cpu_ms"] = cpu;  // the same in the compute thread's CPU time
     fin["pp_bubble_costed"] = costed_bubble();
     fin["pp_stages"] = pm_.partition().describe();
   }
