@@ -8,7 +8,13 @@
 #   3. GPT-2 124M, bf16, T 1024, micro-batches 16 and 32: meshtrain's tokens/s and MFU (mean of the
 #      steps after the second);
 #   4. the same model in PyTorch eager and torch.compile at the same batches (gpu_torch_bench.py),
-#      where python3 imports torch with CUDA.
+#      where python3 imports torch with CUDA;
+#   5. CPU offload of the optimizer state: Llama models in bf16 (full recompute, micro-batch 1), each
+#      without and with `train.offload = optimizer`: step time, tokens/s and MFU of each, and the
+#      offloaded/device step-time ratio where both fit (goal: within 1.6x). The default pair is a
+#      Llama 3 8B cut to 20 layers (5.4B parameters: its Adam state does not fit an 80 GB GPU, so the
+#      preflight refuses it there without offload and the row says so; it fits an H200) and Llama
+#      3.2 1B (fits either way).
 # Results under $OUT (else ./gpu_speed_out): gpu_speed.md (one row per measurement), gpu_speed.log,
 # kernel_times.txt. Exit status 0 when every step ran, 1 otherwise.
 #
@@ -16,7 +22,9 @@
 # build (tests/CMakeLists.txt, CudaEmu.GpuSpeedScript): MESHTRAIN_BIN (default the kit's
 # bin/meshtrain), GPU_SPEED_MODEL (gpt2-124m), GPU_SPEED_T (1024), GPU_SPEED_BATCHES ("16 32"),
 # GPU_SPEED_STEPS (10), GPU_SPEED_OPS (check-ops filter, default "--shapes model"), GPU_SPEED_REPS
-# (20), GPU_SPEED_NO_GPU_OK=1 (run without nvidia-smi: the emulator).
+# (20), GPU_SPEED_OFFLOAD_MODELS ("llama3-8b:20 llama3.2-1b": PRESET[:LAYERS] each),
+# GPU_SPEED_OFFLOAD_T (2048), GPU_SPEED_OFFLOAD_STEPS (5), GPU_SPEED_NO_GPU_OK=1 (run without
+# nvidia-smi: the emulator).
 set -uo pipefail
 KIT=$(cd "$(dirname "$0")" && pwd)
 BIN=${MESHTRAIN_BIN:-$KIT/bin/meshtrain}
@@ -27,6 +35,9 @@ BATCHES=${GPU_SPEED_BATCHES:-16 32}
 STEPS=${GPU_SPEED_STEPS:-10}
 OPS=${GPU_SPEED_OPS:---shapes model}
 REPS=${GPU_SPEED_REPS:-20}
+OFFLOAD_MODELS=${GPU_SPEED_OFFLOAD_MODELS:-llama3-8b:20 llama3.2-1b}
+OFFLOAD_T=${GPU_SPEED_OFFLOAD_T:-2048}
+OFFLOAD_STEPS=${GPU_SPEED_OFFLOAD_STEPS:-5}
 BUDGET=${GPU_SPEED_BUDGET_S:-540}
 OUTDIR=${OUT:-$PWD/gpu_speed_out}
 mkdir -p "$OUTDIR"
@@ -115,6 +126,47 @@ print("T %s: %.0f tokens/s, MFU %s (steps 3-%d)" % (sys.argv[2], t, "%.1f%%" % (
   else
     row "pytorch B $B" FAIL "status $?: $(tail -1 "$TMP/out")"
   fi
+done
+# 5. CPU offload of the optimizer state against the device optimizer, per model.
+# Prints "STEP_MS TOKENS_PER_S MFU" of the steps after the second (the first carries start-up).
+summary() {
+  python3 -c 'import json,sys
+r=[json.loads(l) for l in open(sys.argv[1])]; r=[x for x in r if "step_ms" in x and "step" in x]; r=r[2:] or r
+ms=sum(x["step_ms"] for x in r)/len(r); t=sum(x["tokens_per_s"] for x in r)/len(r); m=[x["mfu"] for x in r if x.get("mfu")]
+print("%.1f %.0f %s" % (ms, t, "%.1f%%" % (100*sum(m)/len(m)) if m else "n/a"))' "$1"
+}
+for spec in $OFFLOAD_MODELS; do
+  preset=${spec%%:*}
+  layers=""
+  [ "$spec" != "$preset" ] && layers="--model.n_layer ${spec#*:}"
+  name="$preset${layers:+ n_layer ${spec#*:}}"
+  declare -A ms=()
+  for mode in none optimizer; do
+    label="offload $mode: $name"
+    if [ "$(left)" -lt 60 ]; then
+      row "$label" skipped "time budget spent"
+      continue
+    fi
+    # shellcheck disable=SC2086
+    run "$(($(left) - 30))" "$label" "$BIN" train --data.train "$TMP/data/train.bin" --data.val '' --data.tokenizer byte \
+      --model.preset "$preset" $layers --model.seq_len "$OFFLOAD_T" --train.micro_batch 1 --train.dtype bf16 \
+      --train.activation_checkpointing full --train.offload "$mode" --train.steps "$OFFLOAD_STEPS" --train.eval_every 0 \
+      --train.sample_tokens 0 --log.print_every 100 --train.device cuda --log.peak_flops "$peak" \
+      --log.metrics_out "$TMP/off_$mode.jsonl"
+    rc=$?
+    if [ $rc = 0 ] && read -r step tps mfu < <(summary "$TMP/off_$mode.jsonl"); then
+      ms[$mode]=$step
+      row "$label" ok "T $OFFLOAD_T: $step ms/step, $tps tokens/s, MFU $mfu"
+    elif [ $rc = 2 ] && [ $mode = none ] && grep -q "does not fit\|needs" "$TMP/out"; then
+      row "$label" ok "refused before allocating (needs offload here): $(grep -m1 "does not fit\|needs" "$TMP/out")"
+    else
+      row "$label" FAIL "status $rc$([ $rc = 124 ] && echo ' (time limit)'): $(tail -1 "$TMP/out")"
+    fi
+  done
+  if [ -n "${ms[none]:-}" ] && [ -n "${ms[optimizer]:-}" ]; then
+    row "offload ratio: $name" ok "$(python3 -c 'import sys; r=float(sys.argv[2])/float(sys.argv[1]); print("offloaded/device step time %.2fx (goal <= 1.6x: %s)" % (r, "met" if r <= 1.6 else "not met"))' "${ms[none]}" "${ms[optimizer]}")"
+  fi
+  unset ms
 done
 echo "gpu_speed: $([ $status = 0 ] && echo 'every step ran' || echo 'NOT COMPLETE'); report in $MD"
 exit $status

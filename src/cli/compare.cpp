@@ -1,10 +1,6 @@
 // `meshtrain compare`: runs one config twice (child processes of this binary, through `launch` on
 // several ranks) and compares their losses and gradient norms step by step
 // (train/report_compare.h).
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -18,10 +14,10 @@
 #include "cli/commands.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/export.h"
+#include "runtime/process.h"
 #include "train/config.h"
 #include "train/report_compare.h"
 
-extern char** environ;
 
 namespace mt::cli {
 
@@ -70,24 +66,6 @@ std::vector<std::pair<std::string, std::string>> as_pairs(const std::vector<std:
   return p;
 }
 
-// Runs `args` with stdout and stderr into `log`; returns the exit status.
-int spawn(const std::vector<std::string>& args, const std::string& log) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) return -1;
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 int compare_body(int argc, char** argv) {
   ArgParser ap({"config", "a", "b", "ranks", "steps", "dir"}, {});
   try {
@@ -133,7 +111,7 @@ int compare_body(int argc, char** argv) {
     cmd.insert(cmd.end(), {"--log.metrics_out", metrics, "--train.checkpoint_dir", ckpt, "--train.checkpoint_every", "0",
                            "--train.sample_tokens", "0"});
     std::fprintf(stderr, "run %s: %s (output in %s)\n", name.c_str(), ap.get(name.c_str()).c_str(), log.c_str());
-    const int rc = spawn(cmd, log);
+    const int rc = run_logged(cmd, log);
     if (rc != 0) {
       std::fprintf(stderr, "meshtrain compare: run %s failed (exit %d); its output is in %s\n", name.c_str(), rc,
                    log.c_str());

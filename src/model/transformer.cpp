@@ -635,7 +635,8 @@ void Transformer::block_forward(int layer, const float* x, BlockActivations& a, 
   kt_->accumulate(a.res2.f32(), x, R * C);
   const float* ln2 = norm(p.ln2_w, p.ln2_b, false).forward_saved(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), R);
   if (p.moe)  // under SP on every row, gathered as the dense MLP's column-parallel layer does
-    moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out, N, cur_dloss_, !recomputing_);
+    moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out, N, router_dloss_.value_or(cur_dloss_),
+                  !recomputing_);
   else
     mlp_->forward(*this, p, a, ln2, out, N, stage_.f32());
   kt_->accumulate(out, a.res2.f32(), R * C);

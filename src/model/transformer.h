@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -145,6 +146,11 @@ class Transformer : private LayerParams {
   void set_unit_weights(int u, const void* w);
   void set_unit_grads(int u, float* g);
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+  // The gradient scale per routed token of the MoE routers' auxiliary losses (load balancing and
+  // z-loss) in the forwards that follow. Those losses cover every routed token, trained or not, so
+  // a loss-mask weight that rescales the cross-entropy's dloss_scale must not rescale them; unset,
+  // they take the forward's dloss_scale.
+  void set_router_loss_scale(float s) { router_dloss_ = s; }
 
   // ---- expert parallelism (ModelOptions::ep > 1) ----
   // The local routed experts then live outside the flat buffers, in expert buffers of their own
@@ -362,6 +368,7 @@ class Transformer : private LayerParams {
   int64_t mlp_width(int64_t l) const { return cfg_.is_moe_layer(l) ? moe_shape_.shared_width : F_l_; }
   bool recomputing_ = false;  // a backward re-running a block's forward (no statistics counted)
   float cur_dloss_ = 0.0f;    // the loss-gradient scale of the current forward
+  std::optional<float> router_dloss_;  // set_router_loss_scale
   // The blocks' layers (each holds the workspace the blocks share): attention, the dense MLP and
   // the MoE layer (null without MoE).
   std::unique_ptr<Embedding> embedding_;

@@ -73,6 +73,9 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
                                            StepComm* comm, double loss_weight) {
   const auto n = static_cast<int64_t>(ids.size());
   const float dloss = static_cast<float>(loss_weight / static_cast<double>(B * T * n));
+  // The routers' auxiliary losses are means over every routed token: the loss-mask weight is the
+  // cross-entropy's alone.
+  model_->set_router_loss_scale(static_cast<float>(1.0 / static_cast<double>(B * T * n)));
   StepResult r;
   model_->zero_grads();
   r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm);

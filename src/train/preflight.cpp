@@ -1,13 +1,8 @@
 #include "train/preflight.h"
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -21,8 +16,8 @@
 #include "comm/world.h"
 #include "plan/auto_layout.h"
 #include "plan/cluster.h"
+#include "runtime/process.h"
 
-extern char** environ;
 
 namespace mt {
 
@@ -110,21 +105,10 @@ std::array<int64_t, kNumMemCategories> dry_run_peak(const RunConfig& cfg, int wo
   std::ofstream(toml) << c.to_toml();
   std::vector<std::string> args = {self, "train", "--config", toml, "--dry-run", "--world", std::to_string(world),
                                    "--rank", std::to_string(rank)};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, self.c_str(), &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) throw std::runtime_error("cannot start the dry run: " + std::string(std::strerror(rc)));
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("the dry run failed: " + last_line(log));
+  std::string why;
+  const int status = run_logged(args, log, &why);
+  if (status < 0) throw std::runtime_error("cannot start the dry run: " + why);
+  if (status != 0) throw std::runtime_error("the dry run failed: " + last_line(log));
   std::ifstream in(metrics);
   nlohmann::json fin;
   for (std::string line; std::getline(in, line);) {

@@ -320,7 +320,7 @@ void Trainer::make_loaders() {
     const int B = static_cast<int>(B_), T = static_cast<int>(T_full_);
     loader_ = make_loader(cfg_.data.train, "data.train", B, T, groups_.data_rank, groups_.data_world, seed,
                           cfg_.data.shuffle, mc_.vocab_size);
-    if (!cfg_.data.val.empty() && tc_.eval_every > 0)
+    if (!cfg_.data.val.empty() && (tc_.eval_every > 0 || tc_.eval_at_start))
       val_loader_ = make_loader(cfg_.data.val, "data.val", B, T, groups_.data_rank, groups_.data_world, seed, false,
                                 mc_.vocab_size);
   }
@@ -581,7 +581,7 @@ void Trainer::train_step(int64_t step) {
   StepMetrics sm = metrics_->step(step, r, lr, t0, cs, data_ms);
   sm.trained_tokens = trained;
   if (trained) trained_total_ = trained_total_.value_or(0) + *trained;
-  if (val_loader_ && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
+  if (val_loader_ && tc_.eval_every > 0 && ((step + 1) % tc_.eval_every == 0 || step + 1 == tc_.steps)) {
     sm.val_loss = evaluate();
     sm.val_bits_per_byte = bits_per_byte(*sm.val_loss, val_bytes_per_token_);
     res_.val_losses.push_back(*sm.val_loss);
@@ -728,6 +728,7 @@ void prepare_dry_run(RunConfig& cfg, int world, int rank) {
   // One training step; nothing read or written but the metrics.
   cfg.train.steps = 1;
   cfg.train.eval_every = 0;
+  cfg.train.eval_at_start = false;
   cfg.train.checkpoint_dir.clear();
   cfg.train.resume.clear();
   cfg.train.init_from.clear();

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <string>
 #include <thread>
@@ -116,6 +118,60 @@ TEST_F(ParallelizeTest, TwoDataParallelRanksGiveTheTrainersLosses) {
     for (size_t i = 0; i < two.size(); ++i) EXPECT_NEAR(two[i], trainer[i], 2e-5) << strategy << " step " << i + 1;
     EXPECT_LT(trainer.back(), trainer.front()) << strategy;
   }
+}
+
+// Loss masks weight the cross-entropy's gradient by (B T n / trained targets); the MoE routers'
+// load-balancing and z-losses are means over every routed token and keep their own weight. The
+// router gradient is the cross-entropy's plus coef x the auxiliary one, so the change that the
+// coefficients make to it must be the same with half of the targets masked as with none.
+TEST_F(ParallelizeTest, LossMasksDoNotRescaleTheRoutersAuxiliaryLosses) {
+  auto router_grads = [&](const char* aux, const char* z, bool masked) {
+    RunConfig cfg = RunConfig::load("", {{"model.preset", "llama-tiny"}, {"model.moe_experts", "4"},
+                                         {"model.moe_top_k", "2"}, {"model.moe_aux_loss_coef", aux},
+                                         {"model.moe_z_loss_coef", z}, {"data.train", data()},
+                                         {"train.micro_batch", "2"}, {"train.threads", "1"}});
+    const ModelConfig mc = cfg.model_config();
+    const ParallelPlan plan = cfg.parallel_plan(mc, 1);
+    std::vector<ParallelGroups> groups = dp_groups(plan, 1);
+    std::vector<float> out;
+    on_ranks(1, [&](int) {
+      parallel::ParallelizeOptions o;
+      auto pm = parallel::parallelize(mc, plan, groups[0], o);
+      Transformer ref(mc, ModelOptions{.storage = ModelStorage{.weights = false, .master = false, .grads = false}});
+      ModelState state(pm->model(), ref, pm->strategy(), *groups[0].tp_aux, nullptr);
+      state.load(nullptr, 7);
+      pm->strategy().end_load(0);
+      TokenDataset ds(cfg.data.train, mc.vocab_size);
+      const int B = 2, T = static_cast<int>(mc.seq_len);
+      BatchLoader loader(ds, B, T, 0, 1);
+      std::vector<int32_t> x(static_cast<size_t>(B * T)), y(x.size());
+      loader.next(x.data(), y.data());
+      int64_t trained = B * T;
+      if (masked)
+        for (size_t i = 0; i < y.size(); i += 2, --trained) y[i] = -1;
+      parallel::StepComm cs;
+      pm->forward_backward({x.data()}, {y.data()}, B, T, &cs, static_cast<double>(B * T) / static_cast<double>(trained));
+      const float* g = pm->model().grads().f32();
+      for (const auto& p : pm->model().params())
+        if (p.name.find("block_sparse_moe.gate.") != std::string::npos) out.insert(out.end(), g + p.offset, g + p.offset + p.numel);
+      pm->model().set_hooks(nullptr);
+    });
+    return out;
+  };
+  const std::vector<float> full0 = router_grads("0", "0", false), full1 = router_grads("0.5", "0.05", false),
+                           masked0 = router_grads("0", "0", true), masked1 = router_grads("0.5", "0.05", true);
+  ASSERT_FALSE(full0.empty());
+  ASSERT_EQ(full0.size(), masked0.size());
+  double top = 0, worst = 0, ce_change = 0;
+  for (size_t i = 0; i < full0.size(); ++i) {
+    const double aux_full = double(full1[i]) - full0[i], aux_masked = double(masked1[i]) - masked0[i];
+    top = std::max(top, std::fabs(aux_full));
+    worst = std::max(worst, std::fabs(aux_masked - aux_full));
+    ce_change = std::max(ce_change, std::fabs(double(masked0[i]) - full0[i]));
+  }
+  EXPECT_GT(top, 1e-4);        // the auxiliary losses reach the router
+  EXPECT_GT(ce_change, 1e-5);  // and masking changes the cross-entropy's part
+  EXPECT_LT(worst, 1e-3 * top) << "largest auxiliary-gradient change " << top;
 }
 
 }  // namespace

@@ -384,6 +384,15 @@ TEST_F(TrainerTest, EvalAtStartReportsTheInitialValidationLoss) {
   ASSERT_TRUE(j.contains("val_loss_start")) << last;
   EXPECT_GT(j["val_loss_start"].get<double>(), r.final_val_loss + 0.3);
   EXPECT_EQ(r.losses, train(config()).losses);  // evaluating first does not change training
+  // Without periodic evaluation (eval_every 0) the loss before training is still measured, and only it.
+  TrainResult s = train(config({{"train.eval_at_start", "true"}, {"train.eval_every", "0"}, {"log.metrics_out", path}}));
+  std::ifstream g(path);
+  for (last.clear(); std::getline(g, line);) last = line;
+  auto k = nlohmann::json::parse(last);
+  ASSERT_TRUE(k.contains("val_loss_start")) << last;
+  EXPECT_EQ(k["val_loss_start"].get<double>(), j["val_loss_start"].get<double>());
+  EXPECT_TRUE(s.val_losses.empty());
+  EXPECT_EQ(s.losses, r.losses);
 }
 
 // On the CPU model.attention_kernel = auto is the reference kernel (the run is unchanged, bit for

@@ -2,9 +2,9 @@
 // pointers travel by value in the kernel's parameters, up to kGroup tensors per launch, so a
 // model's update is a few launches instead of one per parameter, and no host array is copied to
 // the device (a copy from pageable memory would make the host wait). Block (x, t) updates a
-// grid-stride share of tensor t. The element update is adamw_update's (embed_loss.cu) term for
-// term. With a device norm, every thread derives the clipping scale from it, as the trainer would
-// on the host, so clipping needs no read of the norm.
+// grid-stride share of tensor t. The element update is adamw_update's (common.cuh adamw_element).
+// With a device norm, every thread derives the clipping scale from it, as the trainer would on the
+// host, so clipping needs no read of the norm.
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -45,16 +45,7 @@ __global__ void adamw_multi_k(Group grp, float lr, float beta1, float beta2, flo
   const float lr_wd = grp.lr_wd[t];
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = grad[i] * scale;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    const float den = sqrtf(vi * inv_bc2);
-    const float p = param[i];
-    const float np = p - (lr * ((mi * inv_bc1) / (den + eps)) + lr_wd * p);
-    param[i] = np;
-    if (pb) pb[i] = f32_to_bf16_bits(np);
+    adamw_element(param, grad, m, v, i, lr, beta1, beta2, eps, lr_wd, inv_bc1, inv_bc2, scale, pb);
   }
 }
 }  // namespace

@@ -92,4 +92,21 @@ const T* upload(int slot, const T* host, int64_t n) {
   return static_cast<const T*>(d);
 }
 
+// One AdamW element update (contract: kernels/ops.def adamw_update; the CPU's cpu/adamw.h term for
+// term), shared by the per-tensor and the multi-tensor kernels so both stay bitwise equal.
+__device__ __forceinline__ void adamw_element(float* param, const float* grad, float* m, float* v, int64_t i, float lr,
+                                              float beta1, float beta2, float eps, float lr_wd, float inv_bc1,
+                                              float inv_bc2, float scale, uint16_t* param_bf16) {
+  const float g = grad[i] * scale;
+  const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+  const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  const float den = sqrtf(vi * inv_bc2);
+  const float p = param[i];
+  const float np = p - (lr * ((mi * inv_bc1) / (den + eps)) + lr_wd * p);
+  param[i] = np;
+  if (param_bf16) param_bf16[i] = f32_to_bf16_bits(np);
+}
+
 }  // namespace mt::kernels::cuda

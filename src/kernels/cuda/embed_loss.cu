@@ -159,16 +159,7 @@ __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int
                         float beta2, float eps, float lr_wd, float inv_bc1, float inv_bc2, float grad_scale,
                         uint16_t* param_bf16) {
   MT_GRID_STRIDE(i, n) {
-    const float g = grad[i] * grad_scale;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    const float den = sqrtf(vi * inv_bc2);
-    const float p = param[i];
-    const float np = p - (lr * ((mi * inv_bc1) / (den + eps)) + lr_wd * p);
-    param[i] = np;
-    if (param_bf16) param_bf16[i] = f32_to_bf16_bits(np);
+    adamw_element(param, grad, m, v, i, lr, beta1, beta2, eps, lr_wd, inv_bc1, inv_bc2, grad_scale, param_bf16);
   }
 }
 
