@@ -146,6 +146,8 @@ class Transformer : private LayerParams {
   void set_unit_weights(int u, const void* w);
   void set_unit_grads(int u, float* g);
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+  // Built for a split backward (ModelOptions::split_backward: zero-bubble pipeline schedules).
+  bool split_backward() const { return split_backward_; }
   // The gradient scale per routed token of the MoE routers' auxiliary losses (load balancing and
   // z-loss) in the forwards that follow. Those losses cover every routed token, trained or not, so
   // a loss-mask weight that rescales the cross-entropy's dloss_scale must not rescale them; unset,
@@ -346,9 +348,6 @@ class Transformer : private LayerParams {
 
   std::vector<char> owned_;
   bool split_backward_ = false;  // ModelOptions::split_backward
-
- public:
-  bool split_backward() const { return split_backward_; }
   Tensor tied_w_, tied_g_;  // pipeline replica of a tied embedding (head side)
   Tensor qkv_bias_;                   // bf16 mode: the fused q|k|v bias (qkv_bias) in fp32
   const float* qkv_bias_f32(int first);
