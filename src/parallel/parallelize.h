@@ -87,7 +87,8 @@ class ParallelModel {
   // then the tied embedding's sync between the first and the last stage.
   void optimizer_step(double lr, float grad_scale, StepComm* comm);
   // A double in the device's memory where forward_backward leaves the squared gradient norm
-  // instead of reading it, when the layout allows (one GPU, DDP: StepResult::grad_norm_on_device);
+  // instead of reading it, when the layout allows (one GPU, any data-parallel strategy:
+  // StepResult::grad_norm_on_device);
   // null (the default): the norm is read on the host.
   void set_device_norm(double* norm_sq) { device_norm_ = norm_sq; }
   // The optimizer step of a grad_norm_on_device step: clipped to clip_max (<= 0: not clipped) on

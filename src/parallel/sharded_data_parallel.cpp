@@ -1,5 +1,7 @@
 #include "parallel/sharded_data_parallel.h"
 
+#include <algorithm>
+
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -396,14 +398,24 @@ double ShardedDataParallel::grad_norm_sq(const std::vector<double>& weight) {
   return static_cast<double>(f);
 }
 
-void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepStats* stats) {
+bool ShardedDataParallel::grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight) {
+  if (model_.device() != Device::CUDA || N_ != 1 ||
+      !std::all_of(weight.begin(), weight.end(), [](double w) { return w == 1.0; }))
+    return false;
+  if (grads_sharded()) model_.kernels().sum_squares_to(norm_sq, grad_shard_.f32(), shard_total_);
+  else model_.kernels().sum_squares_to(norm_sq, model_.grads().f32(), model_.flat_size());
+  return true;
+}
+
+void ShardedDataParallel::optimizer_step(double lr, float grad_scale, ShardStepStats* stats, const double* norm_sq,
+                                         double clip_max) {
   const bool f32 = cd_ == DType::F32;
   if (master_.defined())
     adam_->step(master_.f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
-                /*w_by_state=*/true, /*g_by_state=*/grads_sharded());
+                /*w_by_state=*/true, /*g_by_state=*/grads_sharded(), nullptr, norm_sq, clip_max);
   else  // fp32 ZeRO-1/2: this rank's slices of the full fp32 weights are the master
     adam_->step(model_.weights().f32(), grads_sharded() ? grad_shard_.f32() : model_.grads().f32(), lr, grad_scale,
-                false, grads_sharded());
+                false, grads_sharded(), nullptr, norm_sq, clip_max);
   if (grads_sharded()) grad_shard_.zero_();
   if (!grads_sharded()) model_.grads().zero_();
   if (!params_sharded()) {

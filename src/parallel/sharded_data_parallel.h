@@ -87,9 +87,17 @@ class ShardedDataParallel : public UnitHooks {
   // Sum of squared gradients (own shard, summed over the shard group), each parameter's
   // contribution multiplied by weight[param index] (empty = all 1).
   double grad_norm_sq(const std::vector<double>& weight = {});
+  // The device form (Strategy::grad_norm_sq_to): on a GPU, with every weight 1 and the shard group
+  // of one rank, one reduction over the local gradient (the shard buffer, or the whole gradient
+  // for ZeRO-1; padding holds zeros) into *norm_sq in device memory, and true; otherwise false
+  // having done nothing. Several ranks would sum the local norms with one all-reduce of the device
+  // value, which needs a device collective (NCCL) that this build does not have.
+  bool grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight);
   // AdamW on the shards, then (ZeRO-1/2) all-gathers the updated parameters. Adds its
-  // communication to `stats`.
-  void optimizer_step(double lr, float grad_scale, ShardStepStats* stats);
+  // communication to `stats`. norm_sq (device memory, from grad_norm_sq_to; may be null): the
+  // clipping scale comes from it on the device where the norm exceeds clip_max.
+  void optimizer_step(double lr, float grad_scale, ShardStepStats* stats, const double* norm_sq = nullptr,
+                      double clip_max = 0.0);
   // Frees every gathered unit (after an eval forward, at the end) and forgets the communication
   // since the last optimizer step (it was not a training step's).
   void release_all();

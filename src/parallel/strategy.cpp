@@ -124,9 +124,18 @@ class ShardedStrategy final : public Strategy {
   void begin_microbatch(bool last) override { sdp_.begin_microbatch(last); }
   void finish_backward(StepComm*) override { sdp_.finish_backward(); }
   double grad_norm_sq(const std::vector<double>& weight) override { return sdp_.grad_norm_sq(weight); }
+  bool grad_norm_sq_to(double* norm_sq, const std::vector<double>& weight) override {
+    return sdp_.grad_norm_sq_to(norm_sq, weight);
+  }
   void optimizer_step(double lr, float scale, StepComm* c) override {
     ShardStepStats s;
     sdp_.optimizer_step(lr, scale, &s);
+    c->comm_ms += s.comm_ms;
+    c->exposed_ms += s.exposed_ms;
+  }
+  void optimizer_step_clipped(double lr, const double* norm_sq, double clip_max, StepComm* c) override {
+    ShardStepStats s;
+    sdp_.optimizer_step(lr, 1.0f, &s, norm_sq, clip_max);
     c->comm_ms += s.comm_ms;
     c->exposed_ms += s.exposed_ms;
   }

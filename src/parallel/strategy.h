@@ -58,8 +58,8 @@ class Strategy {
   // replicated parameters by 1/tp so that a sum over tp ranks counts them once.
   virtual double grad_norm_sq(const std::vector<double>& weight) = 0;
   virtual void optimizer_step(double lr, float grad_scale, StepComm* c) = 0;
-  // The device form of grad_norm_sq and clipping, where the strategy has one (DDP on a GPU with
-  // every weight 1): grad_norm_sq_to queues the squared norm into *norm_sq (a double in the
+  // The device form of grad_norm_sq and clipping, where the strategy has one (on a GPU with every
+  // weight 1: DDP, and the sharded strategies on a shard group of one rank): grad_norm_sq_to queues the squared norm into *norm_sq (a double in the
   // device's memory) and returns true, or returns false having done nothing; then
   // optimizer_step_clipped clips on the device from that norm (clip_max <= 0: no clipping), so the
   // host reads nothing in between.

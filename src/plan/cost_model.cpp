@@ -284,7 +284,10 @@ std::string check_layout(const ModelConfig& m, const Cluster& c, const TrainSetu
     return "virtual_stages > 1 only with interleaved_1f1b and zbv";
   }
   if (l.offload_optimizer()) {
-    if (l.strategy == Strategy::NoShard) return "CPU offload of optimizer state needs a sharded strategy";
+    // One GPU holds the whole model whatever the strategy, so DDP offloads there as the engine does
+    // (train.offload at one rank); over several GPUs each must hold a shard of the state.
+    if (l.strategy == Strategy::NoShard && l.world() > 1)
+      return "CPU offload of optimizer state needs a sharded strategy (or a single GPU)";
     if (c.host_link_bw <= 0 || c.host_mem_bw_per_node <= 0) return "cluster has no separate host memory to offload to";
   }
   if (setup.reduce_bytes != 2 && setup.reduce_bytes != 4) return "reduce dtype must be 2 or 4 bytes";

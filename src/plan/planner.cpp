@@ -322,7 +322,8 @@ void estimate_degrees(const ModelConfig& model, const Cluster& cluster, const Tr
         for (Checkpointing ac : {Checkpointing::None, Checkpointing::Selective, Checkpointing::Full}) {
           if (opts.checkpointing && ac != *opts.checkpointing) continue;
           for (bool off : {false, true}) {
-            if (off && (!opts.allow_offload || base.strategy == Strategy::NoShard || cluster.host_link_bw <= 0))
+            if (off && (!opts.allow_offload || (base.strategy == Strategy::NoShard && base.world() > 1) ||
+                        cluster.host_link_bw <= 0))
               continue;
             Layout l = base;
             l.schedule = sched;

@@ -258,6 +258,17 @@ void wait_copies(Device d) {
     MT_CUDA_OR_THROW(cuda::wait_copies());
   }
 }
+void upload_async(Device d, void* dst, const void* host_src, size_t bytes) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::upload_async(dst, host_src, bytes));
+  }
+  if (d == Device::CPU && bytes && dst != host_src) std::memcpy(dst, host_src, bytes);
+}
+void uploads_ready(Device d) {
+  if (d == Device::CUDA) {
+    MT_CUDA_OR_THROW(cuda::uploads_ready());
+  }
+}
 uint64_t host_syncs(Device d) {
 #ifdef MT_HAVE_CUDA
   if (d == Device::CUDA) return cuda::host_syncs();

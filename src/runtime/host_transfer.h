@@ -18,8 +18,17 @@ namespace dev {
 // waiting: host_dst (from host_alloc_pinned) holds the bytes once wait_copies(d) has returned, and
 // src must not change before then. CPU: copies at once; Meta: zero-fills host_dst.
 void copy_to_host_async(Device d, void* host_dst, const void* src, size_t bytes);
-// The host waits for every copy_to_host_async queued so far (one host wait on CUDA).
+// The host waits for every copy_to_host_async and upload_async queued so far (one host wait on
+// CUDA).
 void wait_copies(Device d);
+// Queued on d's copy stream at once (not behind the compute stream's work, which may still be
+// running): an upload that overlaps compute. The caller guarantees that no queued work still
+// reads or writes dst, and keeps host_src (from host_alloc_pinned) unchanged until the compute
+// stream has passed the uploads_ready() that follows. CPU: copies at once; Meta: nothing.
+void upload_async(Device d, void* dst, const void* host_src, size_t bytes);
+// The compute stream's later work waits for every upload_async queued so far (an event on the
+// device: the host does not wait). CPU and Meta: nothing to do.
+void uploads_ready(Device d);
 }  // namespace dev
 
 }  // namespace mt

@@ -5,14 +5,15 @@
 #include <string>
 
 #include "kernels/backend.h"
+#include "runtime/host_transfer.h"
 
 namespace mt {
 
 DeviceBatches::DeviceBatches(Transformer& model, int64_t micro_batches, int64_t tokens)
     : model_(model), dev_(model.device()), mb_(micro_batches), tokens_(tokens) {
-  const size_t n = static_cast<size_t>(2 * mb_ * tokens_);
+  const size_t n = static_cast<size_t>(2 * 2 * mb_ * tokens_);
   pinned_ = static_cast<int32_t*>(host_alloc_pinned(dev_, n * sizeof(int32_t)));
-  inputs_ = Tensor::empty_on(dev_, {2 * mb_ * tokens_}, DType::I32, MemCategory::Activations);
+  inputs_ = Tensor::empty_on(dev_, {2 * 2 * mb_ * tokens_}, DType::I32, MemCategory::Activations);
   loss_acc_ = Tensor::empty_on(dev_, {tokens_}, DType::F32, MemCategory::Activations);
   scalars_ = Tensor::empty_on(dev_, {4}, DType::F32, MemCategory::Activations);  // 2 doubles
   model_.set_device_inputs(true);
@@ -24,7 +25,7 @@ DeviceBatches::~DeviceBatches() {
   host_free_pinned(dev_, pinned_);
 }
 
-void DeviceBatches::upload(int64_t m, const int32_t* ids, const int32_t* targets) {
+int32_t* DeviceBatches::check(int64_t m, int set, const int32_t* ids, const int32_t* targets) {
   if (m < 0 || m >= mb_) throw std::out_of_range("DeviceBatches::upload: micro-batch " + std::to_string(m));
   const int64_t V = model_.config().vocab_size;
   for (int64_t i = 0; i < tokens_; ++i)
@@ -35,16 +36,36 @@ void DeviceBatches::upload(int64_t m, const int32_t* ids, const int32_t* targets
     if (targets[i] >= V)
       throw std::out_of_range("target id " + std::to_string(targets[i]) + " is outside the vocabulary");
   const size_t bytes = static_cast<size_t>(tokens_) * sizeof(int32_t);
-  int32_t* h = pinned_ + 2 * m * tokens_;
+  int32_t* h = pinned_ + 2 * (set * mb_ + m) * tokens_;
   std::memcpy(h, ids, bytes);
   std::memcpy(h + tokens_, targets, bytes);
-  dev::copy_from_host_async(dev_, inputs_.i32() + 2 * m * tokens_, h, 2 * bytes);
+  return h;
 }
 
-const int32_t* DeviceBatches::ids(int64_t m) const { return inputs_.i32() + 2 * m * tokens_; }
-const int32_t* DeviceBatches::targets(int64_t m) const { return inputs_.i32() + (2 * m + 1) * tokens_; }
+void DeviceBatches::upload(int64_t m, const int32_t* ids, const int32_t* targets) {
+  const int32_t* h = check(m, cur_, ids, targets);
+  dev::copy_from_host_async(dev_, inputs_.i32() + 2 * (cur_ * mb_ + m) * tokens_, h,
+                            2 * static_cast<size_t>(tokens_) * sizeof(int32_t));
+}
+
+void DeviceBatches::upload_next(int64_t m, const int32_t* ids, const int32_t* targets) {
+  const int next = 1 - cur_;
+  const int32_t* h = check(m, next, ids, targets);
+  dev::upload_async(dev_, inputs_.i32() + 2 * (next * mb_ + m) * tokens_, h,
+                    2 * static_cast<size_t>(tokens_) * sizeof(int32_t));
+  ++next_count_;
+}
+
+const int32_t* DeviceBatches::ids(int64_t m) const { return inputs_.i32() + 2 * (cur_ * mb_ + m) * tokens_; }
+const int32_t* DeviceBatches::targets(int64_t m) const { return ids(m) + tokens_; }
 
 void DeviceBatches::begin_step() {
+  if (!next_ready())
+    throw std::logic_error("DeviceBatches::begin_step: " + std::to_string(next_count_) + " of " + std::to_string(mb_) +
+                           " micro-batches uploaded");
+  cur_ = 1 - cur_;
+  next_count_ = 0;
+  dev::uploads_ready(dev_);
   dev::zero(dev_, loss_acc_.raw(), loss_acc_.nbytes());
   model_.set_loss_sink(loss_acc_.f32());
 }

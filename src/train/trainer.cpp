@@ -104,6 +104,7 @@ class Trainer {
   void read_slow_rank();
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run).
   void next_batch(int32_t* x, int32_t* y);
+  void prefetch_batches();
   // cp > 1: this rank's chunks of full_x_ / full_y_ into x, y.
   void local_tokens(int32_t* x, int32_t* y);
   // Loss masks: the trained targets (>= 0) of `n` micro-batches of every rank's data, summed
@@ -141,6 +142,7 @@ class Trainer {
   TrainerState st_;
 
   std::vector<std::vector<int32_t>> xs_, ys_;  // the step's micro-batches
+  std::vector<std::vector<int32_t>> next_xs_, next_ys_;  // on a GPU: the next step's, read one step ahead
   TrainResult res_;
   std::optional<double> val_start_;  // train.eval_at_start
   double val_bytes_per_token_ = 0;   // 0: the val shards do not record their text (no bits per byte)
@@ -278,6 +280,8 @@ void Trainer::build() {
   xs_.assign(static_cast<size_t>(accum_), std::vector<int32_t>(static_cast<size_t>(B_ * T_)));
   ys_ = xs_;
   if (current_device() == Device::CUDA) {
+    next_xs_ = xs_;
+    next_ys_ = xs_;
     dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
     pm_->set_device_norm(dbatch_->norm_slot());
   }
@@ -528,9 +532,17 @@ void Trainer::train_step(int64_t step) {
   std::vector<const int32_t*> xp, yp;
   // The data wait: the time the step waits for its batches (read, and copied to the device).
   if (slow_.part == "data_wait") std::this_thread::sleep_for(std::chrono::milliseconds(slow_.ms));
+  if (!dbatch_) {
+    for (int64_t m = 0; m < accum_; ++m) next_batch(xs_[m].data(), ys_[m].data());
+  } else {
+    // On a GPU the batches were read and queued on the copy stream during the previous step (the
+    // first step, and a step after a run that stopped reading ahead, read them here).
+    if (!dbatch_->next_ready()) prefetch_batches();
+    std::swap(xs_, next_xs_);
+    std::swap(ys_, next_ys_);
+    dbatch_->begin_step();  // the compute stream waits for the uploads (an event, not the host)
+  }
   for (int64_t m = 0; m < accum_; ++m) {
-    next_batch(xs_[m].data(), ys_[m].data());
-    if (dbatch_) dbatch_->upload(m, xs_[m].data(), ys_[m].data());
     xp.push_back(dbatch_ ? dbatch_->ids(m) : xs_[m].data());
     yp.push_back(dbatch_ ? dbatch_->targets(m) : ys_[m].data());
   }
@@ -542,8 +554,9 @@ void Trainer::train_step(int64_t step) {
   std::optional<int64_t> trained;
   if (loader_ && loader_->has_masks()) trained = global_trained(ys_, accum_);
   const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
-  if (dbatch_) dbatch_->begin_step();
   parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight);
+  // The next step's batches are read and uploaded while this step's work runs on the GPU.
+  if (dbatch_ && step + 1 < tc_.steps) prefetch_batches();
   const double lr = lr_at(step, tc_.steps, tc_.warmup_steps, tc_.lr, tc_.min_lr_ratio, tc_.lr_schedule);
   auto check_finite = [&] {
     if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss))
@@ -593,6 +606,15 @@ void Trainer::train_step(int64_t step) {
   if (saver_) saver_->poll();  // commits an async save once every rank has written its file
   if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
   maybe_inject_fault(step + 1);
+}
+
+// On a GPU: reads the next step's micro-batches into next_xs_ / next_ys_ and queues their uploads
+// on the copy stream (DeviceBatches::upload_next).
+void Trainer::prefetch_batches() {
+  for (int64_t m = 0; m < accum_; ++m) {
+    next_batch(next_xs_[m].data(), next_ys_[m].data());
+    dbatch_->upload_next(m, next_xs_[m].data(), next_ys_[m].data());
+  }
 }
 
 // MESHTRAIN_TEST_SLOW_RANK=RANK:MS[:compute] (test-only, for the straggler tests): rank RANK sleeps

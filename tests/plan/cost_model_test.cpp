@@ -227,10 +227,19 @@ TEST(Estimate, OffloadMovesOptimizerToHost) {
   EXPECT_NEAR(off.host_bytes_per_node, 14.0 * static_cast<double>(m.num_params()), 1e3);  // 12 opt + 2 grad
   EXPECT_GT(off.offload_s, 0.0);
   EXPECT_GT(off.time.total(), on.time.total());
-  // DDP cannot offload; the CPU cluster has nowhere to offload to.
+  // DDP cannot offload over several GPUs; on one GPU it holds the whole model like every strategy
+  // and offloads all of the state, as the engine does (train.offload at one rank); the CPU cluster
+  // has nowhere to offload to.
   Layout d = dp_layout(Strategy::NoShard, 8);
   d.offload = Offload::Optimizer;
   EXPECT_FALSE(check_layout(m, c, st, d).empty());
+  Layout one = dp_layout(Strategy::NoShard, 1);
+  one.offload = Offload::Optimizer;
+  const Cluster c1 = cluster("h100-80g-ib400", 1);
+  EXPECT_EQ(check_layout(m, c1, st, one), "");
+  const Estimate one_off = estimate(m, c1, st, one);
+  EXPECT_EQ(one_off.mem.optimizer, 0.0);
+  EXPECT_NEAR(one_off.host_bytes_per_node, 14.0 * static_cast<double>(m.num_params()), 1e3);
   Layout z = dp_layout(Strategy::ShardGradOp, 2);
   z.offload = Offload::Optimizer;
   EXPECT_FALSE(check_layout(model_preset("gpt2-124m"), cluster("this-cpu", 2), st, z).empty());

@@ -13,7 +13,10 @@
 #include "runtime/device.h"
 
 #ifdef MT_CUDA_EMU
+#include "emu.h"
+#include "runtime/cuda/copy_stream.h"
 #include "runtime/cuda/cuda_device.h"
+#include "runtime/host_transfer.h"
 #endif
 
 namespace mt {
@@ -155,6 +158,68 @@ TEST(BlockCache, RejectsDoubleFreeAndWrongSize) {
   c.release();
 }
 
+// A block another stream used is not handed out again until that stream's event (recorded when
+// the block was freed) has completed, and then only for its own stream; a block only its own stream
+// used is reused at once. Fake events: the test says when each completes.
+TEST(BlockCache, BlockUsedByAnotherStreamWaitsForItsEvent) {
+  HostRaw raw;
+  BlockCache c("test", raw.alloc(), raw.free());
+  int compute = 0, copies = 0;  // stream handles
+  struct Ev {
+    void* stream;
+    bool done = false;
+  };
+  std::vector<Ev*> events;
+  int destroyed = 0;
+  c.set_event_ops(BlockCache::EventOps{[&](void* st) -> void* {
+                                         events.push_back(new Ev{st});
+                                         return events.back();
+                                       },
+                                       [](void* e) { return static_cast<Ev*>(e)->done; },
+                                       [&](void* e) {
+                                         ++destroyed;
+                                         delete static_cast<Ev*>(e);
+                                       }});
+  // Only its own stream: reused at once, no event.
+  void* a = c.take(4000, &compute);
+  c.give(a, 4000);
+  EXPECT_EQ(c.take(4000, &compute), a);
+  EXPECT_TRUE(events.empty());
+  // A copy on the other stream reads it (an address inside the block), then it is freed.
+  c.record_use(static_cast<char*>(a) + 100, &copies);
+  c.record_use(static_cast<char*>(a) + 200, &copies);  // the same stream again: one event
+  c.give(a, 4000);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0]->stream, &copies);
+  EXPECT_EQ(c.pending_bytes(), 4096);
+  EXPECT_EQ(c.cached_bytes(), 4096);
+  void* b = c.take(4000, &compute);  // the copy has not finished: a new block
+  EXPECT_NE(b, a);
+  EXPECT_EQ(c.raw_allocations(), 2);
+  c.release();  // a pending block is not returned to the raw allocator
+  EXPECT_EQ(c.raw_frees(), 0);
+  static_cast<Ev*>(events[0])->done = true;
+  c.give(b, 4000);
+  void* x = c.take(4000, &compute);
+  void* y = c.take(4000, &compute);
+  EXPECT_TRUE((x == a && y == b) || (x == b && y == a));  // both reused: the event completed
+  EXPECT_EQ(destroyed, 1);
+  EXPECT_EQ(c.pending_bytes(), 0);
+  EXPECT_EQ(c.raw_allocations(), 2);
+  // A block freed for one stream is not handed to another.
+  c.give(x, 4000);
+  void* z = c.take(4000, &copies);
+  EXPECT_NE(z, x);
+  // Pointers outside every live block are not this cache's: ignored.
+  int outside = 0;
+  c.record_use(&outside, &copies);
+  c.give(y, 4000);
+  c.give(z, 4000);
+  c.release();
+  EXPECT_EQ(c.reserved_bytes(), 0);
+  EXPECT_EQ(raw.outstanding, 0);
+}
+
 // --- On a GPU: the device allocator's categories, its reuse, and copies. ---
 TEST(CudaDevice, AllocatorCountsByCategoryAndReusesBlocks) {
   std::string why;
@@ -213,6 +278,39 @@ TEST(CudaDevice, EmulatedMemoryIsNaNUntilWrittenAndCopiesAreChecked) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("H2D: invalid argument"), std::string::npos) << e.what();
   }
+}
+
+// The hazard of a second stream: a device buffer that a copy on the copy stream still reads is
+// freed, and the next allocation of its size must not get it (the copy would read what the new
+// owner writes). The emulator runs each copy when it is issued, so the test holds the copy stream
+// (emu::hold_stream: its events report "not ready", as a busy stream's would) and checks which
+// block the allocator hands out; once the host has waited for the copies, the block is reused.
+TEST(CudaDevice, AllocatorWaitsForTheCopyStreamBeforeReusingABlock) {
+  std::string why;
+  if (!device_available(Device::CUDA, &why)) GTEST_SKIP() << "the emulated device is hidden: " << why;
+  const size_t bytes = 3000;
+  float* a = static_cast<float*>(device_alloc(Device::CUDA, bytes, MemCategory::Grads));
+  float* h = static_cast<float*>(host_alloc_pinned(Device::CUDA, bytes));
+  dev::zero(Device::CUDA, a, bytes);
+  auto* copies = static_cast<cudaStream_t>(cuda::copy_stream());
+  emu::hold_stream(copies, true);
+  dev::copy_to_host_async(Device::CUDA, h, a + 10, bytes / 2);  // reads inside the block
+  device_free(Device::CUDA, a, bytes, MemCategory::Grads);
+  float* b = static_cast<float*>(device_alloc(Device::CUDA, bytes, MemCategory::Activations));
+  EXPECT_NE(b, a) << "a block the copy stream still reads was handed out again";
+  dev::wait_copies(Device::CUDA);  // the host waited: the copy has finished, the hold ends
+  float* c = static_cast<float*>(device_alloc(Device::CUDA, bytes, MemCategory::Activations));
+  EXPECT_EQ(c, a) << "the block was not reused once the copy stream had passed it";
+  // An upload on the copy stream into a buffer counts as a use too.
+  emu::hold_stream(copies, true);
+  dev::upload_async(Device::CUDA, c, h, bytes);
+  device_free(Device::CUDA, c, bytes, MemCategory::Activations);
+  float* d = static_cast<float*>(device_alloc(Device::CUDA, bytes, MemCategory::Activations));
+  EXPECT_NE(d, c) << "a block an upload still writes was handed out again";
+  emu::hold_stream(copies, false);
+  device_free(Device::CUDA, d, bytes, MemCategory::Activations);
+  device_free(Device::CUDA, b, bytes, MemCategory::Activations);
+  host_free_pinned(Device::CUDA, h);
 }
 #endif
 

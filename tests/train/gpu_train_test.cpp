@@ -25,6 +25,12 @@
 #include "train/config.h"
 #include "train/trainer.h"
 
+#ifdef MT_CUDA_EMU
+#include "emu.h"
+#include "runtime/cuda/copy_stream.h"
+#include "runtime/cuda/cuda_device.h"
+#endif
+
 namespace fs = std::filesystem;
 
 namespace mt {
@@ -248,6 +254,97 @@ TEST_F(GpuTrain, ClipsOnTheDeviceAsTheHostDoes) {
   const TrainResult free = train(config("cuda", {{"train.steps", "4"}, {"train.eval_every", "0"}, {"train.grad_clip", "0"}}));
   EXPECT_GT(std::abs(free.losses.back() - gpu.losses.back()), 1e-3) << "clipping at 0.05 changed nothing";
 }
+
+// The streams of a GPU step and the device-side norm of the sharded strategies: a suite (and CTest
+// entry, CudaEmu.TrainStreams) of its own beside CudaEmu.Train.
+class GpuStreams : public GpuTrain {};
+
+// The sharded strategies at one rank keep the norm on the device too: one reduction over the
+// local gradient, clipping in the optimizer's kernel, one host wait per step. With every step
+// clipped, each strategy's losses equal the CPU's, and a run of 3 steps waits twice more than one
+// of 1 step (reading the norm on the host, one read per parameter, waits 29 times per step here).
+TEST_F(GpuStreams, ShardedStrategiesClipOnTheDeviceWithOneWaitPerStep) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "ZERO1"}) {
+    auto ov = [&](int steps) {
+      return Overrides{{"train.steps", std::to_string(steps)}, {"train.eval_every", "0"},
+                       {"train.grad_clip", "0.05"},          {"train.sample_tokens", "0"},
+                       {"parallel.strategy", strategy}};
+    };
+    const TrainResult cpu = train(config("cpu", ov(3)));
+    uint64_t before = dev::host_syncs(Device::CUDA);
+    train(config("cuda", ov(1)));
+    const uint64_t one = dev::host_syncs(Device::CUDA) - before;
+    before = dev::host_syncs(Device::CUDA);
+    const TrainResult gpu = train(config("cuda", ov(3)));
+    const uint64_t three = dev::host_syncs(Device::CUDA) - before;
+    expect_close(cpu.losses, gpu.losses, kFp32Rel, strategy);
+    EXPECT_EQ(three - one, 2u) << strategy << ": host waits " << one << " in a run of 1 step, " << three
+                               << " in one of 3";
+  }
+}
+
+#ifdef MT_CUDA_EMU
+// A step's batches are read and uploaded during the step before: the emulator logs every stream
+// operation in the order the host queued it (emu::set_op_log). For each step after the first, its
+// micro-batches' uploads are queued on the copy stream after the previous step's first kernels
+// and before that step's one read of the loss (so the copies overlap its work on a GPU), an event
+// recorded on the copy stream after them is waited for by the compute stream before the step's
+// first kernel, and no batch goes up on the compute stream. The losses are the CPU's.
+TEST_F(GpuStreams, UploadsTheNextStepsBatchesOnTheCopyStreamAhead) {
+  const int steps = 3, accum = 2;
+  const Overrides ov = {{"train.steps", std::to_string(steps)}, {"train.eval_every", "0"},
+                        {"train.grad_accum", std::to_string(accum)}, {"train.sample_tokens", "0"}};
+  const TrainResult cpu = train(config("cpu", ov));
+  std::vector<emu::StreamOp> log;
+  emu::set_op_log(&log);
+  const TrainResult gpu = train(config("cuda", ov));
+  emu::set_op_log(nullptr);
+  expect_close(cpu.losses, gpu.losses, kFp32Rel, "training loss");
+  auto* compute = static_cast<cudaStream_t>(cuda::stream());
+  auto* copies = static_cast<cudaStream_t>(cuda::copy_stream());
+  using K = emu::StreamOp;
+  std::vector<size_t> uploads, reads;  // batch uploads on the copy stream; the steps' loss reads
+  for (size_t i = 0; i < log.size(); ++i) {
+    if (log[i].kind == K::CopyH2D && log[i].stream == copies) uploads.push_back(i);
+    if (log[i].kind == K::CopyD2H && log[i].stream == compute && !uploads.empty()) reads.push_back(i);
+  }
+  ASSERT_EQ(uploads.size(), static_cast<size_t>(steps * accum));
+  ASSERT_GE(reads.size(), static_cast<size_t>(steps));  // one per step (then the end of the run's)
+  auto first_kernel_after = [&](size_t from) {
+    for (size_t i = from; i < log.size(); ++i)
+      if (log[i].kind == K::Kernel && log[i].stream == compute) return i;
+    return log.size();
+  };
+  // Waits on the compute stream for an event recorded on the copy stream after upload `u`.
+  auto waits_for_upload = [&](size_t u, size_t before) {
+    for (size_t i = u + 1; i < before; ++i) {
+      if (log[i].kind != K::WaitEvent || log[i].stream != compute) continue;
+      for (size_t j = i; j-- > u;)
+        if (log[j].kind == K::Record && log[j].event == log[i].event) {
+          if (log[j].stream == copies) return true;
+          break;
+        }
+    }
+    return false;
+  };
+  size_t step_begin = uploads[0];
+  for (int k = 0; k < steps; ++k) {
+    const size_t last_upload = uploads[static_cast<size_t>((k + 1) * accum - 1)];
+    // Step k's first kernel: after its uploads, and after step k - 1's loss read.
+    const size_t first = first_kernel_after(k > 0 ? std::max(last_upload, reads[static_cast<size_t>(k - 1)]) : last_upload);
+    if (k > 0) {
+      // Queued during step k - 1: after its first kernel, before its loss read.
+      EXPECT_LT(first_kernel_after(step_begin), uploads[static_cast<size_t>(k * accum)]) << "step " << k + 1;
+      EXPECT_LT(last_upload, reads[static_cast<size_t>(k - 1)]) << "step " << k + 1 << "'s batches went up after step "
+                                                                  << k << " had finished";
+    }
+    EXPECT_TRUE(waits_for_upload(last_upload, first)) << "step " << k + 1 << " does not wait for its uploads";
+    step_begin = first;
+  }
+  for (size_t i = uploads[0]; i < reads[steps - 1]; ++i)
+    EXPECT_FALSE(log[i].kind == K::CopyH2D && log[i].stream == compute) << "an upload on the compute stream";
+}
+#endif
 
 // Where no GPU can be used (no CUDA backend in the build, or no device), train.device = cuda fails
 // before anything is built, with the reason.

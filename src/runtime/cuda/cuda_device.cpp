@@ -63,6 +63,25 @@ struct State {
     require();
     check(cudaSetDevice(0), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    // A block another stream used (the copy stream's copies) is reused once that stream has passed
+    // an event recorded when the block was freed.
+    cache.set_event_ops(BlockCache::EventOps{
+        [](void* st) -> void* {
+          cudaEvent_t e = nullptr;
+          check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags (allocator)");
+          check(cudaEventRecord(e, static_cast<cudaStream_t>(st)), "cudaEventRecord (allocator)");
+          return e;
+        },
+        [](void* e) {
+          const cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(e));
+          if (r == cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            return false;
+          }
+          check(r, "cudaEventQuery (allocator)");
+          return true;
+        },
+        [](void* e) { check(cudaEventDestroy(static_cast<cudaEvent_t>(e)), "cudaEventDestroy (allocator)"); }});
   }
 };
 std::atomic<uint64_t> g_host_syncs{0};
@@ -78,7 +97,7 @@ void* alloc(size_t bytes, MemCategory c) {
   void* p = nullptr;
   {
     std::lock_guard<std::mutex> lk(s.mu);
-    p = s.cache.take(bytes);
+    p = s.cache.take(bytes, s.stream);
     s.tracker.set_pool(s.cache.cached_bytes(), s.cache.reserved_bytes());
   }
 #ifdef MT_CUDA_EMU
@@ -151,26 +170,49 @@ void copy_from_host_async(void* dst, const void* host_src, size_t bytes) {
 namespace {
 struct CopyStream {
   cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr;  // recorded on the compute stream before each copy
+  cudaEvent_t ready = nullptr;     // recorded on the compute stream before each device-to-host copy
+  cudaEvent_t uploaded = nullptr;  // recorded on the copy stream after the uploads (uploads_ready)
   CopyStream() {
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (copy stream)");
     check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
 };
 CopyStream& copies() {
   static CopyStream* c = new CopyStream();  // never destroyed, like the compute stream
   return *c;
 }
+// The block holding p (device memory of this allocator) is also used by the copy stream: when it
+// is freed, it is not handed out again before the copy stream has passed the copies queued so far.
+void used_by_copy_stream(const void* p) {
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.mu);
+  s.cache.record_use(p, copies().stream);
+}
 }  // namespace
+
+void* copy_stream() { return copies().stream; }
 
 void copy_to_host_async(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   CopyStream& c = copies();
+  used_by_copy_stream(src);
   // cudaStreamWaitEvent waits for the event's latest record at the time of the call, so one event
   // serves every copy.
   check(cudaEventRecord(c.ready, st()), "cudaEventRecord");
   check(cudaStreamWaitEvent(c.stream, c.ready, 0), "cudaStreamWaitEvent");
   check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, c.stream), "cudaMemcpyAsync D2H (copy stream)");
+}
+void upload_async(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  CopyStream& c = copies();
+  used_by_copy_stream(dst);
+  check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, c.stream), "cudaMemcpyAsync H2D (copy stream)");
+}
+void uploads_ready() {
+  CopyStream& c = copies();
+  check(cudaEventRecord(c.uploaded, c.stream), "cudaEventRecord (uploads)");
+  check(cudaStreamWaitEvent(st(), c.uploaded, 0), "cudaStreamWaitEvent (uploads)");
 }
 void wait_copies() {
   ++g_host_syncs;

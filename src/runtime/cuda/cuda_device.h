@@ -2,8 +2,9 @@
 // names no CUDA type, so device.cpp and the kernels can include it without the toolkit's headers).
 //
 // One process uses one GPU (device 0 unless CUDA_VISIBLE_DEVICES says otherwise) and one
-// non-blocking compute stream, created on first use; every allocation, copy and kernel of the CUDA
-// device is ordered on that stream. Memory comes from a BlockCache (runtime/block_cache.h) on
+// non-blocking compute stream, created on first use; every allocation, synchronous copy and kernel
+// of the CUDA device is ordered on that stream (the copies that overlap it run on the copy stream,
+// copy_stream.h). Memory comes from a BlockCache (runtime/block_cache.h) on
 // cudaMalloc, counted by category in the CUDA tracker. Host<->device copies are explicit and
 // synchronous with respect to the host (the call returns when the host buffer may be reused, and
 // for copy_to_host when the data has arrived).

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 struct uint3 {
   unsigned x, y, z;
@@ -31,6 +32,7 @@ struct dim3 {
   constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
 };
 typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
 
 namespace mt::emu {
 
@@ -139,5 +141,20 @@ bool is_device_range(const void* p, size_t bytes);
 void device_lend(void* p, size_t bytes, size_t block_bytes);
 // The block goes back to the cache: unaddressable until lent again (AddressSanitizer builds).
 void device_return(void* p, size_t block_bytes);
+
+// --- test hooks: what was queued on which stream, and streams that have not caught up ---
+// Every stream operation still runs when it is issued; these hooks let a test see the order in
+// which the host queued work on the streams, and make a stream look busy to the host.
+struct StreamOp {
+  enum Kind : uint8_t { Kernel, CopyH2D, CopyD2H, CopyD2D, Memset, Record, WaitEvent, Sync } kind;
+  cudaStream_t stream;
+  cudaEvent_t event;  // Record and WaitEvent (Sync of an event: the event, stream null)
+};
+// Appends every later stream operation, in issue order, to *log (nullptr: stops).
+void set_op_log(std::vector<StreamOp>* log);
+// While s is held, an event recorded on s reports cudaErrorNotReady to cudaEventQuery (the work
+// before it has not run yet, as far as the host can tell). Synchronising with the stream or with
+// such an event ends the hold (the host waited for the work), as does hold_stream(s, false).
+void hold_stream(cudaStream_t s, bool held);
 
 }  // namespace mt::emu

@@ -16,5 +16,7 @@ size_t dynamic_shared_limit(const void* fn);
 // bf16 (the high half of an IEEE float, rounded to nearest even as the engine does) and back.
 float bf16_to_float(uint16_t b);
 uint16_t float_to_bf16(float f);
+// Appends to the test's operation log (set_op_log), if any.
+void log_op(uint8_t kind, cudaStream_t s, cudaEvent_t e);
 
 }  // namespace mt::emu

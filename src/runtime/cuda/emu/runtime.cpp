@@ -32,6 +32,7 @@ struct CUevent_st {
   unsigned flags;
   bool recorded;
   std::chrono::steady_clock::time_point when;
+  cudaStream_t stream = nullptr;  // of the latest record
 };
 
 namespace mt::emu {
@@ -50,6 +51,8 @@ struct Runtime {
   std::set<cudaStream_t> streams;
   std::set<cudaEvent_t> events;
   std::map<const void*, size_t> dynamic_limits;
+  std::vector<mt::emu::StreamOp>* op_log = nullptr;
+  std::set<cudaStream_t> held;
 };
 Runtime& rt() {
   static Runtime* r = new Runtime();  // never destroyed: device memory may be freed during static teardown
@@ -121,6 +124,20 @@ bool device_visible() {
 }
 
 }  // namespace
+
+void log_op(uint8_t kind, cudaStream_t s, cudaEvent_t e) {
+  std::lock_guard<std::mutex> lk(rt().mu);
+  if (rt().op_log) rt().op_log->push_back(StreamOp{static_cast<StreamOp::Kind>(kind), s, e});
+}
+void set_op_log(std::vector<StreamOp>* log) {
+  std::lock_guard<std::mutex> lk(rt().mu);
+  rt().op_log = log;
+}
+void hold_stream(cudaStream_t s, bool held) {
+  std::lock_guard<std::mutex> lk(rt().mu);
+  if (held) rt().held.insert(s);
+  else rt().held.erase(s);
+}
 
 bool valid_stream(cudaStream_t s) {
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return true;
@@ -282,6 +299,10 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (!mt::emu::valid_stream(s)) return err(cudaErrorInvalidResourceHandle);
   if (bytes == 0) return ok();
   if (!dst || !src || !mt::emu::copy_ok(dst, src, bytes, kind)) return err(cudaErrorInvalidValue);
+  mt::emu::log_op(kind == cudaMemcpyHostToDevice   ? mt::emu::StreamOp::CopyH2D
+                  : kind == cudaMemcpyDeviceToHost ? mt::emu::StreamOp::CopyD2H
+                                                   : mt::emu::StreamOp::CopyD2D,
+                  s, nullptr);
   std::memcpy(dst, src, bytes);
   return ok();
 }
@@ -292,6 +313,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   if (!mt::emu::valid_stream(s)) return err(cudaErrorInvalidResourceHandle);
   if (bytes == 0) return ok();
   if (!mt::emu::in_device(p, bytes)) return err(cudaErrorInvalidValue);
+  mt::emu::log_op(mt::emu::StreamOp::Memset, s, nullptr);
   std::memset(p, value, bytes);
   return ok();
 }
@@ -325,9 +347,16 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) { return destroy_handle(rt().streams, s); }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  return mt::emu::valid_stream(s) ? ok() : err(cudaErrorInvalidResourceHandle);
+  if (!mt::emu::valid_stream(s)) return err(cudaErrorInvalidResourceHandle);
+  mt::emu::log_op(mt::emu::StreamOp::Sync, s, nullptr);
+  mt::emu::hold_stream(s, false);
+  return ok();
 }
-cudaError_t cudaStreamQuery(cudaStream_t s) { return cudaStreamSynchronize(s); }
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  if (!mt::emu::valid_stream(s)) return err(cudaErrorInvalidResourceHandle);
+  std::lock_guard<std::mutex> lk(rt().mu);
+  return rt().held.count(s) ? cudaErrorNotReady : cudaSuccess;
+}
 
 namespace {
 bool valid_event(cudaEvent_t e) {
@@ -336,21 +365,34 @@ bool valid_event(cudaEvent_t e) {
 }
 }  // namespace
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
-  return mt::emu::valid_stream(s) && valid_event(e) ? ok() : err(cudaErrorInvalidResourceHandle);
+  if (!mt::emu::valid_stream(s) || !valid_event(e)) return err(cudaErrorInvalidResourceHandle);
+  mt::emu::log_op(mt::emu::StreamOp::WaitEvent, s, e);
+  return ok();
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
-  return create_handle(rt().events, e, new CUevent_st{flags, false, {}});
+  return create_handle(rt().events, e, new CUevent_st{flags, false, {}, nullptr});
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { return destroy_handle(rt().events, e); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (!valid_event(e) || !mt::emu::valid_stream(s)) return err(cudaErrorInvalidResourceHandle);
+  mt::emu::log_op(mt::emu::StreamOp::Record, s, e);
   e->recorded = true;
   e->when = std::chrono::steady_clock::now();
+  e->stream = s;
   return ok();
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t e) { return valid_event(e) ? ok() : err(cudaErrorInvalidResourceHandle); }
-cudaError_t cudaEventQuery(cudaEvent_t e) { return cudaEventSynchronize(e); }
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (!valid_event(e)) return err(cudaErrorInvalidResourceHandle);
+  mt::emu::log_op(mt::emu::StreamOp::Sync, nullptr, e);
+  if (e->recorded) mt::emu::hold_stream(e->stream, false);
+  return ok();
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (!valid_event(e)) return err(cudaErrorInvalidResourceHandle);
+  std::lock_guard<std::mutex> lk(rt().mu);
+  return e->recorded && rt().held.count(e->stream) ? cudaErrorNotReady : cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   if (!ms) return err(cudaErrorInvalidValue);
   if (!valid_event(start) || !valid_event(end) || ((start->flags | end->flags) & cudaEventDisableTiming))

@@ -367,6 +367,7 @@ void run(const LaunchSpec& s) {
     record_error(err);
     return;
   }
+  log_op(StreamOp::Kernel, s.stream, nullptr);
   Emulator& e = emu();
   std::lock_guard<std::mutex> lk(e.mu);
   Block& b = e.block;
