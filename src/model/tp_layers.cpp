@@ -207,9 +207,56 @@ Tensor lora_hidden(const Linear& lin, const LoraPart& a, const Tensor& x, Tensor
   return hc;
 }
 
-void lora_forward(const Linear& lin, float* y, const Tensor& x, const Weight& w, int64_t N, int64_t in) {
+uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The adapter's dropout multipliers [N, in]: 0 (dropped) or 1 / (1 - p) (kept), on the host.
+std::vector<float> lora_dropout_mask(const LoraPart& a, int64_t N, int64_t in) {
+  std::vector<float> m(static_cast<size_t>(N * in));
+  const uint64_t threshold = static_cast<uint64_t>(static_cast<double>(a.dropout) * 16777216.0);
+  const float keep = 1.0f / (1.0f - a.dropout);
+  for (int64_t n = 0; n < N; ++n) {
+    const uint64_t tok = mix64(a.dropout_key ^ mix64(static_cast<uint64_t>(a.sample0 + n / a.T) * 0x100000001B3ull +
+                                                     static_cast<uint64_t>(n % a.T)));
+    float* row = m.data() + n * in;
+    for (int64_t j = 0; j < in; ++j)
+      row[j] = (mix64(tok + static_cast<uint64_t>(a.col0 + j)) >> 40) < threshold ? 0.0f : keep;
+  }
+  return m;
+}
+
+// x with the adapter's dropout applied (compute dtype, like x): x * mask, rounded once in bf16.
+Tensor lora_dropped(const Tensor& x, const std::vector<float>& m, int64_t N, int64_t in) {
+  Tensor d = Tensor::empty({N, in}, x.dtype(), MemCategory::Workspace);
+  const int64_t n = N * in;
+  if (x.dtype() == DType::F32) {
+    const float* xs = x.f32();
+    float* ds = d.f32();
+    for (int64_t i = 0; i < n; ++i) ds[i] = xs[i] * m[static_cast<size_t>(i)];
+  } else {
+    const bf16* xs = x.bf();
+    bf16* ds = d.bf();
+    for (int64_t i = 0; i < n; ++i) ds[i] = float_to_bf16(bf16_to_float(xs[i]) * m[static_cast<size_t>(i)]);
+  }
+  return d;
+}
+
+// Whether the adapter drops out (not on the count-only Meta device).
+bool drops(const Linear& lin, const LoraPart& a) {
+  if (a.dropout <= 0 || lin.kt->device == Device::Meta) return false;
+  if (lin.kt->device != Device::CPU)
+    throw std::logic_error("LoRA dropout runs on the CPU only (lora.dropout > 0 is refused on other devices)");
+  return true;
+}
+
+void lora_forward(const Linear& lin, float* y, const Tensor& x0, const Weight& w, int64_t N, int64_t in) {
   for (int i = 0; i < w.nlora; ++i) {
     const LoraPart& a = w.lora[i];
+    const Tensor x = drops(lin, a) ? lora_dropped(x0, lora_dropout_mask(a, N, in), N, in) : x0;
     Tensor hf;
     const Tensor h = lora_hidden(lin, a, x, hf, N, in);
     Tensor t = Tensor::empty({N, a.rows}, DType::F32, MemCategory::Workspace);
@@ -223,10 +270,14 @@ void lora_forward(const Linear& lin, float* y, const Tensor& x, const Weight& w,
 }
 
 // dx += the adapters' input gradient; dA, dB += their gradients (dy: [N, out] fp32).
-void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& x, const Weight& w, int64_t N,
+void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& x0, const Weight& w, int64_t N,
                    int64_t in) {
   for (int i = 0; i < w.nlora; ++i) {
     const LoraPart& a = w.lora[i];
+    const bool drop = drops(lin, a);
+    std::vector<float> mask;  // dropout: the forward's mask again (a hash, not stored)
+    if (drop) mask = lora_dropout_mask(a, N, in);
+    const Tensor x = drop ? lora_dropped(x0, mask, N, in) : x0;
     const float* dyp = dy;
     Tensor cols;
     if (a.rows != w.out) {
@@ -248,9 +299,67 @@ void lora_backward(const Linear& lin, float* dx, const float* dy, const Tensor& 
     aw.wf = a.af;
     aw.wb = a.ab;
     aw.out = a.rank;
-    lin.backward(dx, a.da, nullptr, dh.f32(), x, aw, N, in);
+    if (!drop) {
+      lin.backward(dx, a.da, nullptr, dh.f32(), x, aw, N, in);
+      continue;
+    }
+    // dx += mask * (dh A): the gradient passes the kept elements, scaled as they were
+    Tensor dxd = Tensor::zeros({N, in}, DType::F32, MemCategory::Workspace);
+    lin.backward(dxd.f32(), a.da, nullptr, dh.f32(), x, aw, N, in);
+    const float* d = dxd.f32();
+    for (int64_t k = 0; k < N * in; ++k) dx[k] += d[k] * mask[static_cast<size_t>(k)];
   }
 }
+
+// Tensor parallelism: the adapters' gradients that are partial sums over the tp ranks (LoraPart::
+// tp_partial) go to a zeroed buffer instead of their gradients; sum() adds them over tp in one
+// all-reduce for the layer's weights, then to the gradients, so every rank adds the same full
+// gradient of its replicated matrix (as a norm's parameter gradients under SP).
+class LoraTpGrads {
+ public:
+  explicit LoraTpGrads(size_t weights) { parts_.reserve(weights); }
+  // w with its adapters' partial gradients pointed into this buffer (w itself when it has none).
+  Weight redirect(const Weight& w, int64_t in) {
+    if (w.nlora == 0) return w;
+    int64_t need = 0;
+    for (int i = 0; i < w.nlora; ++i) need += count(w.lora[i], in);
+    if (need == 0) return w;
+    parts_.emplace_back(w.lora, w.lora + w.nlora);
+    Tensor t = Tensor::zeros({need}, DType::F32, MemCategory::Workspace);
+    int64_t off = 0;
+    for (LoraPart& p : parts_.back()) {
+      const int64_t n = count(p, in);
+      if (n == 0) continue;
+      float*& g = p.tp_partial == 'A' ? p.da : p.db;
+      dst_.push_back({g, t.f32() + off, n});
+      g = t.f32() + off;
+      off += n;
+    }
+    bufs_.push_back(std::move(t));
+    Weight r = w;
+    r.lora = parts_.back().data();
+    return r;
+  }
+  void sum(TpContext& ctx) {
+    for (const Tensor& t : bufs_) ctx.comm->all_reduce_sum(t.f32(), t.numel());
+    for (const Dst& d : dst_) ctx.kt->accumulate(d.grad, d.partial, d.n);
+  }
+
+ private:
+  static int64_t count(const LoraPart& p, int64_t in) {
+    if (p.tp_partial == 'A' && p.da) return p.rank * in;
+    if (p.tp_partial == 'B' && p.db) return p.rows * p.rank;
+    return 0;
+  }
+  struct Dst {
+    float* grad;
+    const float* partial;
+    int64_t n;
+  };
+  std::vector<std::vector<LoraPart>> parts_;
+  std::vector<Tensor> bufs_;
+  std::vector<Dst> dst_;
+};
 
 }  // namespace
 
@@ -307,10 +416,22 @@ float* ColumnParallelLinear::backward(const Tensor& x, std::initializer_list<Gra
     for (const Grad& g : grads) lin.backward(dx, g.w.dw, g.w.db, g.dy, x, g.w, N, in_);
     return dx;
   }
-  for (const Grad& g : grads) lin.backward(dx, nullptr, nullptr, g.dy, x, g.w, N, in_);  // input gradient first
-  const int hsum = ctx_.start_input_grad_sum(dx);
+  // LoRA: the adapters' gradients come with the input gradient and need every row of the input, so
+  // under SP the re-gather is waited for first (no overlap for adapted weights); A's gradient is a
+  // partial sum over tp (LoraTpGrads), summed before the input gradient's reduction starts.
+  bool lora = false;
+  for (const Grad& g : grads) lora = lora || g.w.nlora > 0;
   const Tensor* xin = &x;
-  if (regather) {
+  if (regather && lora) {
+    ctx_.comm->wait(hin);
+    xin = &ctx_.full_compute();
+  }
+  LoraTpGrads partial(grads.size());
+  for (const Grad& g : grads)
+    lin.backward(dx, nullptr, nullptr, g.dy, *xin, partial.redirect(g.w, in_), N, in_);  // input gradient first
+  if (lora) partial.sum(ctx_);
+  const int hsum = ctx_.start_input_grad_sum(dx);
+  if (regather && !lora) {
     ctx_.comm->wait(hin);
     xin = &ctx_.full_compute();
   }
@@ -338,12 +459,16 @@ void RowParallelLinear::backward(float* dx, const float* dy, const Tensor& x) {
   const int64_t N = ctx_.tokens();
   dev::zero(ctx_.kt->device, dx, static_cast<size_t>(N * in_) * sizeof(float));
   const float* dy_all = ctx_.gather_grad(dy);  // SP: the conjugate of the forward's reduce-scatter
+  // LoRA under tp: B's gradient is a partial sum over tp (LoraTpGrads), summed here.
+  LoraTpGrads partial(1);
+  const Weight w = ctx_.tp() ? partial.redirect(w_, in_) : w_;
   if (ctx_.defer) {  // split backward
-    Linear{ctx_.kt, ctx_.compute}.backward(dx, nullptr, nullptr, dy_all, x, w_, N, in_);
+    Linear{ctx_.kt, ctx_.compute}.backward(dx, nullptr, nullptr, dy_all, x, w, N, in_);
     ctx_.defer_weight_grad(w_, dy_all, x.raw(), N, in_, ctx_.inputs_kept);
-    return;
+  } else {
+    Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w, N, in_);
   }
-  Linear{ctx_.kt, ctx_.compute}.backward(dx, w_.dw, w_.db, dy_all, x, w_, N, in_);
+  if (ctx_.tp() && w_.nlora > 0) partial.sum(ctx_);
 }
 
 // ---- Norm ----
@@ -404,7 +529,7 @@ void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& me
     else
       ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
   };
-  if (!ctx_.sp) return run(dw_, db_);
+  if (!ctx_.sp || (!dw_ && !db_)) return run(dw_, db_);  // frozen (LoRA): no parameter gradient to sum
   float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
   run(t, ln_ ? t + C_ : nullptr);
   if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();

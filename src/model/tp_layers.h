@@ -200,6 +200,17 @@ struct LoraPart {
   float *da = nullptr, *db = nullptr;
   int64_t rank = 0, row0 = 0, rows = 0;
   float scale = 1.0f;
+  // Tensor parallelism: 'A' (column-parallel base: A replicated, B split by rows) or 'B' (row-parallel
+  // base: A split by columns, B replicated) names the gradient that each rank computes as a partial
+  // sum over the tp ranks; the parallel layers sum it over tp before adding it. 0 without tp.
+  char tp_partial = 0;
+  // Dropout on the adapter's input x ([N, in] rows of T tokens; PEFT's lora_dropout): element
+  // (n, j) is kept, scaled by 1 / (1 - dropout), when a hash of (dropout_key, sample0 + n / T,
+  // n % T, col0 + j) says so: the mask depends on the global sample, the token and the input
+  // column only, so every layout and a recompute draw the same one. dropout 0: none.
+  float dropout = 0.0f;
+  uint64_t dropout_key = 0;
+  int64_t T = 1, sample0 = 0, col0 = 0;
 };
 
 // One weight matrix [out, in] (fp32 or bf16 by the compute dtype, the other null), its fp32 bias

@@ -11,6 +11,15 @@
 namespace mt {
 
 // Everything one micro-batch keeps between its forward and its backward.
+namespace {
+uint64_t splitmix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
 struct Transformer::Slot {
   int64_t B = 0, T = 0;
   bool have_backward = false;
@@ -23,6 +32,7 @@ struct Transformer::Slot {
   HeadActivations head;
   std::vector<DeferredGrads> deferred;  // split backward: per unit, the queued weight gradients
   bool have_weights = false;            // a split backward queued work that backward_weights runs
+  int64_t lora_micro = -1;              // LoRA dropout: the training micro-batch in the slot (-1: none)
 };
 
 Transformer::Transformer(const ModelConfig& cfg, DType compute, Recompute recompute)
@@ -77,7 +87,6 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   vocab_lo_ = tpc_.rank * Vp_l_;
   build_params();
   if (cfg_.lora()) {  // each adapted weight's adapters (A; its B follows it)
-    if (tpc_.size > 1) throw std::invalid_argument("LoRA with tensor parallelism (parallel.tp > 1) is not supported");
     lora_of_.assign(params_.size(), {});
     lora_parts_.assign(params_.size(), {});
     for (size_t i = 0; i < params_.size(); ++i)
@@ -265,11 +274,18 @@ void Transformer::add_lora_params(int64_t l, int unit, int64_t* pos) {
   const BlockParams bp = block_params(cfg_, l, unit_params_[unit][0], 0);
   const bool gpt = cfg_.arch == Arch::GPT2;
   const std::string pre = gpt ? "h." + std::to_string(l) + "." : "model.layers." + std::to_string(l) + ".";
+  // Tensor parallelism: a column-parallel base (q, k, v, c_attn, gate, up) has its B split by output
+  // rows as the base is (c_attn's whole q|k|v by heads) and A replicated; a row-parallel base (o,
+  // down) has A split by input columns and B replicated. The shapes here are this rank's share.
   auto lora = [&](uint32_t bit, const std::string& module, int base, int64_t in, int64_t row0, int64_t rows) {
     if (!(cfg_.lora_targets & bit)) return;
+    const bool row_parallel = bit == kLoraO || bit == kLoraDown;
     for (char kind : {'A', 'B'}) {
       std::vector<int64_t> shape = kind == 'A' ? std::vector<int64_t>{r, in} : std::vector<int64_t>{rows, r};
-      add_param(pre + module + ".lora_" + kind + ".weight", shape, true, false, TpSplit::None, unit, false, pos);
+      TpSplit split = TpSplit::None;
+      if (row_parallel && kind == 'A') split = TpSplit::Cols;
+      if (!row_parallel && kind == 'B') split = bit == kLoraQkv ? TpSplit::QkvRows : TpSplit::Rows;
+      add_param(pre + module + ".lora_" + kind + ".weight", shape, true, false, split, unit, false, pos);
       ParamInfo& pi = params_.back();
       pi.trainable = true;
       pi.lora_base = base;
@@ -573,6 +589,13 @@ Weight Transformer::weight(int w, int b, int64_t out, bool grads) {
   return r;
 }
 
+void Transformer::set_lora_dropout_step(uint64_t seed, int64_t first_micro, int64_t dp_rank) {
+  lora_seed_ = seed;
+  lora_micro0_ = first_micro;
+  lora_row0_ = dp_rank;
+  lora_forwards_.clear();
+}
+
 // Weight w's adapters as the layers read them (pointers refreshed on every call: a sharded
 // strategy may have gathered the unit anywhere).
 void Transformer::attach_lora(int w, bool grads, Weight* r) {
@@ -586,6 +609,17 @@ void Transformer::attach_lora(int w, bool grads, Weight* r) {
     l.row0 = pa.lora_row0;
     l.rows = pa.lora_rows;
     l.scale = cfg_.lora_scale();
+    if (s_ && s_->lora_micro >= 0) {  // dropout: keyed by the run seed, the micro-batch and the adapter
+      l.dropout = cfg_.lora_dropout;
+      uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a of the adapter's name (the same in every layout)
+      for (char c : pa.name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
+      l.dropout_key = splitmix(lora_seed_ ^ splitmix(static_cast<uint64_t>(s_->lora_micro) ^ splitmix(h)));
+      l.T = T_;
+      l.sample0 = lora_row0_ * B_;
+      l.col0 = pa.tp_split == TpSplit::Cols ? tpc_.rank * pa.shape[1] : 0;
+    }
+    // tp: the gradient that is a partial sum over the tp ranks (of the replicated matrix)
+    if (tpc_.size > 1) l.tp_partial = pa.tp_split == TpSplit::Cols ? 'B' : 'A';
     if (bf) {
       l.ab = param_bf16(a);
       l.bb = param_bf16(a + 1);
@@ -675,6 +709,9 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const bool gpt = cfg_.arch == Arch::GPT2;
   const bool bf = compute_ == DType::BF16;
   s.have_backward = false;
+  // LoRA dropout: the micro-batch this forward trains on (each stage forwards its micro-batches in
+  // order, so the k-th training forward of a unit range in a step is micro-batch k).
+  s.lora_micro = train && cfg_.lora() && cfg_.lora_dropout > 0 ? lora_micro0_ + lora_forwards_[first]++ : -1;
 
   if (first == 0) {  // unit 0: embedding
     if (device_inputs_) {

@@ -7,6 +7,7 @@
 // which is how sharded data parallel substitutes gathered parameters.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -185,6 +186,12 @@ class Transformer : private LayerParams {
   // makes it current for forward_units / backward_units; slots are created on first use and keep
   // their buffers for reuse.
   void select_slot(int slot);
+  // LoRA dropout (lora_dropout > 0): the training step's first micro-batch index (micro-batches
+  // consumed before it, the same on every rank) and this rank's data-parallel rank, set before
+  // the step's forwards. The mask of a token depends on the run seed, that micro-batch index, its
+  // global row (dp_rank * B + row, one process with the whole global batch has the same rows), its
+  // position and the adapter: every layout and a recompute draw the same mask.
+  void set_lora_dropout_step(uint64_t seed, int64_t first_micro, int64_t dp_rank);
   int num_slots() const { return static_cast<int>(slots_.size()); }
   // Runs units first..last of one micro-batch on the current slot. The first unit reads `ids` when
   // it is the embedding, else `input` ([B*T, C], the previous unit's output). With the head as last
@@ -330,6 +337,9 @@ class Transformer : private LayerParams {
   // last weight() call handed out for it
   std::vector<std::vector<int>> lora_of_;
   std::vector<std::vector<LoraPart>> lora_parts_;
+  uint64_t lora_seed_ = 0;
+  int64_t lora_micro0_ = 0, lora_row0_ = 0;
+  std::map<int, int64_t> lora_forwards_;  // training forwards this step, by first unit
   // tensor / sequence parallelism: the communicator, switches and workspace the tp layers share
   TpContext tpc_;
   int64_t nh_l_ = 0, nkv_l_ = 0, F_l_ = 0, Vp_l_ = 0, vocab_lo_ = 0;  // this rank's share

@@ -166,7 +166,7 @@ std::vector<Field> fields(RunConfig& c) {
       {"lora.alpha", Kind::Float, &c.lora.alpha, "LoRA alpha: adapters are scaled by alpha / rank (0 = rank)"},
       {"lora.targets", Kind::String, &c.lora.targets,
        "projections with adapters: llama q,k,v,o,gate,up,down; gpt2 c_attn (whole) or q,k,v (its parts), o, up, down"},
-      {"lora.dropout", Kind::Float, &c.lora.dropout, "dropout on the adapters' input (only 0 is implemented)"},
+      {"lora.dropout", Kind::Float, &c.lora.dropout, "dropout probability on the adapters' input (PEFT's lora_dropout; mask from train.seed, step, adapter and sample)"},
       {"log.metrics_out", Kind::String, &c.log.metrics_out, "JSON-lines metrics file (rank 0)"},
       {"log.trace_out", Kind::String, &c.log.trace_out, "Chrome trace file per rank"},
       {"log.tensorboard_dir", Kind::String, &c.log.tensorboard_dir, "TensorBoard event files directory (rank 0)"},
@@ -378,8 +378,10 @@ ModelConfig RunConfig::model_config() const {
   if (custom || moe_over) m.name += "+overrides";
   if (lora.rank < 0) throw ConfigError("lora.rank must be >= 0 (0 = off), got " + std::to_string(lora.rank));
   if (lora.rank > 0) {
-    if (lora.dropout != 0)
-      throw ConfigError("lora.dropout = " + std::to_string(lora.dropout) + ": dropout on the adapters is not implemented; set lora.dropout = 0");
+    if (!(lora.dropout >= 0 && lora.dropout < 1))
+      throw ConfigError("lora.dropout = " + std::to_string(lora.dropout) + " is outside [0, 1): set a probability below 1");
+    if (lora.dropout > 0 && train.device != "cpu")
+      throw ConfigError("lora.dropout > 0 runs on train.device = cpu only; set lora.dropout = 0 on " + train.device);
     m.lora_rank = lora.rank;
     m.lora_alpha = static_cast<float>(lora.alpha);
     m.lora_dropout = static_cast<float>(lora.dropout);
@@ -445,9 +447,6 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
                          {"parallel.tp", p.tp}, {"parallel.pp", p.pp}, {"parallel.cp", p.cp}, {"parallel.pp_virtual_stages", p.pp_virtual_stages}})
     if (v < 1) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
   if (p.dp_shard == 0 || p.dp_shard < -1) throw ConfigError("parallel.dp_shard must be -1 or >= 1");
-  if (mc.lora() && p.tp > 1)
-    throw ConfigError("lora.rank > 0 with parallel.tp = " + std::to_string(p.tp) +
-                      ": LoRA under tensor parallelism is not supported; use data or pipeline parallelism");
   if (p.pp_microbatches < 0) throw ConfigError("parallel.pp_microbatches must be >= 0");
   if (p.prefetch < 0) throw ConfigError("parallel.prefetch must be >= 0");
   d.dp_replicate = static_cast<int>(p.dp_replicate);
@@ -470,6 +469,9 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }
+  if (d.cp > 1 && mc.lora() && mc.lora_dropout > 0)
+    throw ConfigError("lora.dropout > 0 with parallel.cp = " + std::to_string(d.cp) +
+                      ": adapter dropout is not supported with context parallelism; set lora.dropout = 0 or parallel.cp = 1");
   if (d.cp > 1 && train.sample_tokens > 0)
     throw ConfigError("train.sample_tokens: sampling at the end of training is not supported with parallel.cp > 1 "
                       "(generation runs on whole sequences; sample from the checkpoint with `meshtrain sample`)");

@@ -394,6 +394,49 @@ double Trainer::mask_weight(int64_t trained, int64_t n) const {
   return static_cast<double>(groups_.dp->size()) * static_cast<double>(B_ * T_ * n) / static_cast<double>(trained);
 }
 
+namespace {
+// LoRA and train.resume: a checkpoint resumes only into a run with the same adapters (its
+// config.toml's [lora] against this run's); otherwise one line says what to do.
+void check_lora_resume(const std::string& dir, const ModelConfig& mc) {
+  if (!std::filesystem::exists(checkpoint_config_toml(dir))) return;  // nothing recorded: the tensor checks decide
+  RunConfig c;
+  try {
+    c = load_checkpoint_config(dir);
+  } catch (const std::exception&) {
+    return;  // an unreadable record: the tensor checks decide
+  }
+  const bool ck = c.lora.rank > 0;
+  auto num = [](double v) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", v);
+    return std::string(b);
+  };
+  const std::string ckdesc = "lora.rank " + std::to_string(c.lora.rank) + ", lora.alpha " + num(c.lora.alpha) +
+                             ", lora.targets " + c.lora.targets;
+  if (ck && !mc.lora())
+    throw ConfigError("train.resume: " + dir + " is a LoRA checkpoint (" + ckdesc +
+                      ") and this run has no adapters (lora.rank = 0): resume with the checkpoint's [lora] settings, "
+                      "or export it merged (meshtrain export) and start from that with train.init_from");
+  if (!ck && mc.lora())
+    throw ConfigError("train.resume: " + dir + " holds no LoRA adapters and this run has lora.rank = " +
+                      std::to_string(mc.lora_rank) + ": to train adapters on that model use train.init_from " + dir +
+                      " instead of train.resume, or resume it with lora.rank = 0");
+  if (!ck) return;
+  uint32_t targets = 0;
+  try {
+    targets = parse_lora_targets(c.lora.targets, mc.arch);
+  } catch (const std::invalid_argument&) {
+  }
+  const float alpha = c.lora.alpha > 0 ? static_cast<float>(c.lora.alpha) : static_cast<float>(c.lora.rank);
+  const float run_alpha = mc.lora_alpha > 0 ? mc.lora_alpha : static_cast<float>(mc.lora_rank);
+  if (c.lora.rank != mc.lora_rank || targets != mc.lora_targets || alpha != run_alpha)
+    throw ConfigError("train.resume: " + dir + " was trained with " + ckdesc + " and this run has lora.rank " +
+                      std::to_string(mc.lora_rank) + ", lora.alpha " + num(mc.lora_alpha) +
+                      ", lora.targets " + lora_targets_string(mc.lora_targets, mc.arch) +
+                      ": resume with the checkpoint's [lora] settings");
+}
+}  // namespace
+
 void Trainer::load_state() {
   std::unique_ptr<CheckpointReader> reader;
   std::string resume_dir;
@@ -410,6 +453,7 @@ void Trainer::load_state() {
   if (resume) {
     std::string src = tc_.resume == "latest" ? tc_.checkpoint_dir : tc_.resume;
     resume_dir = resolve_checkpoint(src);
+    check_lora_resume(resume_dir, mc_);
     if (ShardedCheckpoint::is_sharded(resume_dir)) {
       // Every rank reads only its own new share; the files' checks are spread over the ranks.
       auto t0 = Clock::now();
@@ -554,6 +598,8 @@ void Trainer::train_step(int64_t step) {
   std::optional<int64_t> trained;
   if (loader_ && loader_->has_masks()) trained = global_trained(ys_, accum_);
   const double weight = trained ? mask_weight(*trained, accum_) : 1.0;
+  if (mc_.lora() && mc_.lora_dropout > 0)
+    model_->set_lora_dropout_step(static_cast<uint64_t>(tc_.seed), st_.micro_batches - accum_, groups_.data_rank);
   parallel::StepResult r = pm_->forward_backward(xp, yp, B_, T_, &cs, weight);
   // The next step's batches are read and uploaded while this step's work runs on the GPU.
   if (dbatch_ && step + 1 < tc_.steps) prefetch_batches();

@@ -1,7 +1,7 @@
 // LoRA fine-tuning as real processes: on 2 ranks under DDP, FULL_SHARD and SHARD_GRAD_OP, with a
 // pipeline, with recompute and in bf16, it must train as one rank does on the same global batch;
 // from a base model (train.init_from) the base stays bit-identical while the adapters move; the
-// export merges them; tensor parallelism is refused with one line and exit code 2.
+// export merges them; tensor parallelism (with SP, and with data parallelism) trains as one rank.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -105,11 +105,109 @@ TEST_F(LoraParallel, BaseFromInitFromStaysFrozenAndTheExportMerges) {
       << "the merged export computes what the adapters did";
 }
 
-TEST_F(LoraParallel, TensorParallelismIsRefusedWithOneLine) {
-  RunOut r = run(mpirun(2) + MT_BINARY + " train --model.preset gpt2-tiny --data.train " + (dir_ / "train.bin").string() +
-                 " --data.val '' --train.steps 1 --parallel.tp 2" + kGpt2);
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("LoRA under tensor parallelism is not supported"), std::string::npos) << r.output;
+// train.resume checks the checkpoint's [lora] against the run's: a LoRA checkpoint without
+// adapters, a full checkpoint with them, or other adapters are refused with one line (exit code 2);
+// the same settings resume.
+TEST_F(LoraParallel, ResumeRefusesOtherAdapterSettingsWithOneLine) {
+  train(1, 4, 1, "lora", kGpt2);
+  train(1, 4, 1, "full");
+  auto resume = [&](const std::string& tag, const std::string& extra) {
+    return run("MESHTRAIN_MPI=0 " + std::string(MT_BINARY) + " train --model.preset gpt2-tiny --data.train " +
+               (dir_ / "train.bin").string() + " --data.val '' --train.threads 1 --train.micro_batch 4 --train.steps 9 "
+               "--train.resume " + (dir_ / ("ck_" + tag)).string() + extra);
+  };
+  struct Case {
+    std::string tag, extra, says;
+  };
+  for (const Case& c : {Case{"lora", "", "is a LoRA checkpoint (lora.rank 4, lora.alpha 8, lora.targets c_attn,o,up,down) and this run has no adapters"},
+                        Case{"full", kGpt2, "holds no LoRA adapters and this run has lora.rank = 4: to train adapters on that model use train.init_from"},
+                        Case{"lora", " --lora.rank 4 --lora.alpha 8 --lora.targets c_attn,o,up", "resume with the checkpoint's [lora] settings"},
+                        Case{"lora", " --lora.rank 2 --lora.alpha 8 --lora.targets c_attn,o,up,down", "resume with the checkpoint's [lora] settings"}}) {
+    RunOut r = resume(c.tag, c.extra);
+    EXPECT_EQ(r.code, 2) << c.extra << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
+  RunOut ok = resume("lora", kGpt2);
+  EXPECT_EQ(ok.code, 0) << ok.output;
+}
+
+// Tensor parallelism: column-parallel bases (q, k, v, c_attn, gate, up) with B split by rows and A
+// replicated, row-parallel ones (o, down) with A split by columns and B replicated; the replicated
+// matrices' gradients are summed over tp. tp 2 (with and without SP), and tp 2 x dp 2, train as
+// one rank does, and the exports (merged and PEFT adapter) of a tp run equal one rank's.
+TEST_F(LoraParallel, TensorParallelEqualsOneRankAndExportsTheSame) {
+  const std::string gq = " --lora.rank 4 --lora.alpha 8 --lora.targets q,k,v,o,up,down --train.lr 1e-2 ";
+  const RunResult ref = train(1, 4, 1, "single", kGpt2);
+  expect_close(ref, train(2, 4, 1, "tp", kGpt2 + "--parallel.tp 2"), kLossTol, kWeightTol, "LoRA GPT-2 c_attn tp=2");
+  const RunResult refq = train(1, 4, 1, "single_q", gq);
+  expect_close(refq, train(2, 4, 1, "tp_sp", gq + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
+               kWeightTol, "LoRA GPT-2 q,k,v parts tp=2 SP");
+  const RunResult refl = train(1, 4, 1, "single_l", kLlama);
+  expect_close(refl, train(4, 2, 1, "tp_dp", kLlama + "--parallel.tp 2"), kLossTol, kWeightTol,
+               "LoRA Llama tp=2 x dp=2 (4 ranks)");
+  // The exports of the tp run and of the one-rank run: the same tensors, values within the parity
+  // tolerance (merged), and PEFT's adapter files.
+  for (const std::string flag : {"", " --adapter"}) {
+    std::map<std::string, std::vector<float>> t[2];
+    int i = 0;
+    for (const std::string tag : {"single", "tp"}) {
+      const std::string out = (dir_ / ("export_" + tag + (flag.empty() ? "" : "_adapter"))).string();
+      RunOut e = run(std::string(MT_BINARY) + " export --checkpoint " + (dir_ / ("ck_" + tag)).string() + " --out " +
+                     out + flag);
+      ASSERT_EQ(e.code, 0) << e.output;
+      for (auto& [name, st] : read_safetensors(out + (flag.empty() ? "/model.safetensors" : "/adapter_model.safetensors"))) {
+        const float* p = reinterpret_cast<const float*>(st.bytes.data());
+        t[i][name].assign(p, p + st.bytes.size() / 4);
+      }
+      ++i;
+    }
+    ASSERT_EQ(t[0].size(), t[1].size()) << flag;
+    for (const auto& [name, v] : t[0]) {
+      ASSERT_TRUE(t[1].count(name)) << name;
+      const auto& w = t[1].at(name);
+      ASSERT_EQ(v.size(), w.size()) << name;
+      for (size_t k = 0; k < v.size(); ++k) ASSERT_NEAR(v[k], w[k], kWeightTol) << name << "[" << k << "]" << flag;
+    }
+  }
+}
+
+// Adapter dropout (PEFT's lora_dropout): the mask is a function of the run seed, the micro-batch,
+// the global sample, the token, the input column and the adapter, so 2 ranks (DDP, FULL_SHARD with
+// accumulation, tp 2 with SP, pp 2) train as one rank on the global batch, and full recompute draws the
+// same masks again (so does a pipeline, whose stages count their micro-batches); with dropout the
+// run differs from the run without.
+TEST_F(LoraParallel, DropoutEqualsOneRankAndUnderRecompute) {
+  const std::string d = kGpt2 + "--lora.dropout 0.3 ";
+  const RunResult ref = train(1, 8, 2, "single", d);
+  const RunResult off = train(1, 8, 2, "nodrop", kGpt2);
+  ASSERT_EQ(ref.losses.size(), off.losses.size());
+  double diff = 0;
+  for (size_t i = 0; i < ref.losses.size(); ++i) diff = std::max(diff, std::abs(ref.losses[i] - off.losses[i]));
+  EXPECT_GT(diff, 1e-4) << "dropout changed nothing";
+  expect_close(ref, train(1, 8, 2, "recompute", d + "--train.activation_checkpointing full"), 1e-30, 1e-30,
+               "LoRA dropout, full recompute (bit-identical)");
+  expect_close(ref, train(2, 4, 2, "ddp", d), kLossTol, kWeightTol, "LoRA dropout DDP np=2");
+  expect_close(ref, train(2, 4, 2, "fsdp", d + "--parallel.strategy FULL_SHARD"), kLossTol, kWeightTol,
+               "LoRA dropout FULL_SHARD np=2");
+  expect_close(ref, train(2, 8, 2, "tp_sp", d + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
+               kWeightTol, "LoRA dropout tp=2 SP");
+  expect_close(ref, train(2, 8, 2, "pp", d + "--parallel.pp 2"), kLossTol, kWeightTol, "LoRA dropout pp=2");
+}
+
+// What adapter dropout does not cover is refused with one line and exit code 2.
+TEST_F(LoraParallel, DropoutRefusalsAreOneLine) {
+  const std::string base = std::string(MT_BINARY) + " train --model.preset gpt2-tiny --data.train " +
+                           (dir_ / "train.bin").string() + " --data.val '' --train.steps 1" + kGpt2;
+  struct Case {
+    std::string cmd, says;
+  };
+  for (const Case& c : {Case{"MESHTRAIN_MPI=0 " + base + "--lora.dropout 1", "lora.dropout = 1.000000 is outside [0, 1)"},
+                        Case{"MESHTRAIN_MPI=0 " + base + "--lora.dropout 0.1 --train.device cuda", "lora.dropout > 0 runs on train.device = cpu only"},
+                        Case{mpirun(2) + base + "--lora.dropout 0.1 --parallel.cp 2", "adapter dropout is not supported with context parallelism"}}) {
+    RunOut r = run(c.cmd);
+    EXPECT_EQ(r.code, 2) << c.cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+  }
 }
 
 }  // namespace

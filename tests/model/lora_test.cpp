@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "model/rng.h"
+#include "model/tp_layers.h"
 #include "model/transformer.h"
 
 namespace mt {
@@ -174,6 +176,67 @@ TEST(LoraConfig, TargetsAreCheckedWithOneMessage) {
   m.lora_rank = 2;
   m.lora_targets = kLoraQkv | kLoraQ;
   EXPECT_THROW(m.resolve(), std::invalid_argument);
+}
+
+// Adapter dropout as PEFT applies it: on the adapter's input only, each element kept with
+// probability 1 - p and then scaled by 1 / (1 - p). With W = 0 and A = B = I (scale 1) the layer's
+// output is the dropped-out input itself: every y / x is 0 or 1 / (1 - p), about p of them 0; the
+// backward passes dy through the same mask; the mask is a function of its key, sample and column
+// (the same again for the same ones, another for another sample or key).
+TEST(LoraDropout, DropsTheAdapterInputAsPeftAndBackwardUsesTheSameMask) {
+  constexpr int64_t N = 64, R = 16;  // tokens (4 samples of 16), width = rank
+  const float p = 0.25f;
+  std::vector<float> W(R * R, 0.0f), I(R * R, 0.0f), x(N * R), dy(N * R);
+  for (int64_t i = 0; i < R; ++i) I[static_cast<size_t>(i * R + i)] = 1.0f;
+  Rng rng(7);
+  for (auto& v : x) v = 1.0f + static_cast<float>(rng.uniform());  // never 0
+  for (auto& v : dy) v = 1.0f + static_cast<float>(rng.uniform());
+  const Linear lin{&kernels::table(Device::CPU), DType::F32};
+  auto run = [&](uint64_t key, int64_t sample0, std::vector<float>* dx) {
+    LoraPart a;
+    a.af = I.data();
+    a.bf = I.data();
+    a.rank = R;
+    a.rows = R;
+    a.dropout = p;
+    a.dropout_key = key;
+    a.T = 16;
+    a.sample0 = sample0;
+    std::vector<float> dA(R * R, 0.0f), dB(R * R, 0.0f);
+    a.da = dA.data();
+    a.db = dB.data();
+    Weight w;
+    w.wf = W.data();
+    w.out = R;
+    w.lora = &a;
+    w.nlora = 1;
+    Tensor xt = Tensor::empty({N, R}, DType::F32, MemCategory::Workspace);
+    std::copy(x.begin(), x.end(), xt.f32());
+    std::vector<float> y(N * R, 0.0f);
+    lin.forward(y.data(), xt, w, nullptr, N, R);
+    if (dx) {
+      dx->assign(N * R, 0.0f);
+      lin.backward(dx->data(), nullptr, nullptr, dy.data(), xt, w, N, R);
+    }
+    for (int64_t k = 0; k < N * R; ++k) y[static_cast<size_t>(k)] /= x[static_cast<size_t>(k)];
+    return y;
+  };
+  std::vector<float> dx;
+  const std::vector<float> m = run(11, 0, &dx);
+  int dropped = 0;
+  for (int64_t k = 0; k < N * R; ++k) {
+    const float v = m[static_cast<size_t>(k)];
+    if (v == 0.0f) ++dropped;
+    else ASSERT_NEAR(v, 1.0f / (1.0f - p), 1e-6) << k;
+    // dx = dy masked and scaled the same way
+    ASSERT_NEAR(dx[static_cast<size_t>(k)], dy[static_cast<size_t>(k)] * v, 1e-5) << k;
+  }
+  const double frac = static_cast<double>(dropped) / (N * R);
+  EXPECT_NEAR(frac, p, 0.06) << "dropped fraction";  // 1024 draws: sd 0.014
+  EXPECT_EQ(run(11, 0, nullptr), m) << "the same key and samples draw the same mask";
+  EXPECT_NE(run(12, 0, nullptr), m) << "another key (micro-batch, adapter, seed) draws another mask";
+  // Samples 4.. of a batch starting at sample 4 are not samples 0..3 again.
+  EXPECT_NE(run(11, 4, nullptr), m);
 }
 
 }  // namespace
