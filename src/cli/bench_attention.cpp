@@ -66,10 +66,10 @@ void run_calls(void* p) {
   for (int i = 0; i < c.iters; ++i) {
     switch (c.which) {
       case 0: c.k->attention_forward(c.out, c.lse, c.qkv, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
-      case 1: c.k->attention_forward_bf16(c.out, c.lse, c.qkv16, s.B, s.T, s.nh, s.nkv, s.hd); break;
+      case 1: c.k->attention_forward_bf16(c.out, c.lse, c.qkv16, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
       case 2: c.k->attention_backward(c.dqkv, c.dout, c.qkv, c.out, c.lse, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
       default:
-        c.k->attention_backward_bf16(c.dqkv, c.dout, c.qkv16, c.out, c.lse, s.B, s.T, s.nh, s.nkv, s.hd);
+        c.k->attention_backward_bf16(c.dqkv, c.dout, c.qkv16, c.out, c.lse, s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
         break;
     }
   }

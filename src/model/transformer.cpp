@@ -456,10 +456,6 @@ bool Transformer::recomputes(int layer) const {
 
 
 void Transformer::set_document_masking(int32_t separator) {
-  if (separator >= 0 && cp_)
-    throw std::invalid_argument("document masking is not supported with context parallelism (parallel.cp > 1)");
-  if (separator >= 0 && !owned_.empty() && !owned_[0])
-    throw std::invalid_argument("document masking is not supported with pipeline parallelism (parallel.pp > 1)");
   doc_sep_ = separator < 0 ? -1 : separator;
 }
 
@@ -473,9 +469,58 @@ void Transformer::document_starts(const int32_t* ids, int64_t B, int64_t T, int3
   }
 }
 
+// The current slot's document starts and positions from its micro-batch's ids (host or, with
+// device inputs, device memory). Under context parallelism the cp ranks' ids are all-gathered: a
+// local token's document may begin in a chunk of another rank, so its start (and position) is
+// taken in the full sequence.
+void Transformer::document_slot(const int32_t* ids, int64_t B, int64_t T) {
+  Slot& s = *s_;
+  const int64_t N = B * T;
+  s.doc_start.resize(static_cast<size_t>(N));
+  s.doc_pos.resize(static_cast<size_t>(N));
+  std::vector<int32_t> host_ids;
+  const int32_t* hid = ids;
+  if (device_inputs_) {
+    host_ids.resize(static_cast<size_t>(N));
+    dev::copy_to_host(dev_, host_ids.data(), ids, static_cast<size_t>(N) * sizeof(int32_t));
+    hid = host_ids.data();
+  }
+  if (!cp_) {
+    document_starts(hid, B, T, doc_sep_, s.doc_start.data());
+    for (int64_t i = 0; i < N; ++i) s.doc_pos[i] = static_cast<int32_t>(i % T) - s.doc_start[i];
+  } else {
+    // Token ids travel as floats (exact below 2^24: every vocabulary's).
+    const int n = cp_->size();
+    const int64_t Tf = T * n;
+    std::vector<float> mine(static_cast<size_t>(N)), all(static_cast<size_t>(N * n));
+    for (int64_t i = 0; i < N; ++i) mine[i] = static_cast<float>(hid[i]);
+    Tensor dmine = Tensor::empty({N}, DType::F32, MemCategory::Comm);
+    Tensor dall = Tensor::empty({N * n}, DType::F32, MemCategory::Comm);
+    dev::copy_from_host(dev_, dmine.raw(), mine.data(), mine.size() * sizeof(float));
+    cp_->all_gather(dmine.f32(), dall.f32(), N);
+    dev::copy_to_host(dev_, all.data(), dall.raw(), all.size() * sizeof(float));
+    std::vector<int32_t> full(static_cast<size_t>(B * Tf)), ds(static_cast<size_t>(B * Tf));
+    for (int q = 0; q < n; ++q) {
+      const std::vector<int32_t> pos = cp_positions(q, n, T);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) full[b * Tf + pos[t]] = static_cast<int32_t>(all[(q * B + b) * T + t]);
+    }
+    document_starts(full.data(), B, Tf, doc_sep_, ds.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int32_t g = cp_pos_[t];
+        s.doc_start[b * T + t] = ds[b * Tf + g];
+        s.doc_pos[b * T + t] = g - ds[b * Tf + g];
+      }
+  }
+  if (!s.doc_start_dev.defined() || s.doc_start_dev.numel() != N)
+    s.doc_start_dev = Tensor::empty({N}, DType::I32, MemCategory::Activations);
+  dev::copy_from_host(dev_, s.doc_start_dev.raw(), s.doc_start.data(), static_cast<size_t>(N) * sizeof(int32_t));
+}
+
 TokenShape Transformer::tokens() const {
   if (doc_sep_ >= 0 && s_ && static_cast<int64_t>(s_->doc_start.size()) == B_ * T_ && s_->doc_start_dev.defined())
-    return {B_, T_, s_->doc_pos.data(), true, s_->doc_start_dev.i32()};
+    return {B_, T_, s_->doc_pos.data(), true, s_->doc_start_dev.i32(), s_->doc_start.data()};
   return {B_, T_, cp_ ? cp_pos_.data() : nullptr};
 }
 
@@ -713,6 +758,12 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   // order, so the k-th training forward of a unit range in a step is micro-batch k).
   s.lora_micro = train && cfg_.lora() && cfg_.lora_dropout > 0 ? lora_micro0_ + lora_forwards_[first]++ : -1;
 
+  // Document masking: every stage derives the document starts (and positions) of the micro-batch
+  // from its input ids (a pipeline stage after the first as well: its blocks mask and rotate by them).
+  if (doc_sep_ >= 0) {
+    if (!ids) throw std::invalid_argument("forward_units: document masking needs the micro-batch's ids on every stage");
+    document_slot(ids, B, T);
+  }
   if (first == 0) {  // unit 0: embedding
     if (device_inputs_) {
       dev::copy(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
@@ -724,21 +775,6 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
       dev::copy_from_host(dev_, s.ids.raw(), ids, static_cast<size_t>(N) * sizeof(int32_t));
     }
     const int32_t* ids_saved = s.ids.i32();
-    if (doc_sep_ >= 0) {
-      s.doc_start.resize(static_cast<size_t>(N));
-      s.doc_pos.resize(static_cast<size_t>(N));
-      std::vector<int32_t> host_ids;
-      const int32_t* hid = ids;
-      if (device_inputs_) {
-        host_ids.resize(static_cast<size_t>(N));
-        dev::copy_to_host(dev_, host_ids.data(), ids, static_cast<size_t>(N) * sizeof(int32_t));
-        hid = host_ids.data();
-      }
-      document_starts(hid, B, T, doc_sep_, s.doc_start.data());
-      for (int64_t i = 0; i < N; ++i) s.doc_pos[i] = static_cast<int32_t>(i % T) - s.doc_start[i];
-      if (!s.doc_start_dev.defined()) s.doc_start_dev = Tensor::empty({N}, DType::I32, MemCategory::Activations);
-      dev::copy_from_host(dev_, s.doc_start_dev.raw(), s.doc_start.data(), static_cast<size_t>(N) * sizeof(int32_t));
-    }
     if (hooks_) hooks_->pre_forward(0);
     const int emb = unit_params_[0][0];
     embedding_->forward(s.block_out[0].f32(), ids_saved,

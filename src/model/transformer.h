@@ -386,6 +386,7 @@ class Transformer : private LayerParams {
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<LmHead> head_;  // the LM head's projection and loss
   bool device_inputs_ = false;  // set_device_inputs
+  void document_slot(const int32_t* ids, int64_t B, int64_t T);  // the slot's document starts (forward_units)
   int32_t doc_sep_ = -1;        // set_document_masking
   float* loss_sink_ = nullptr;  // set_loss_sink
   int64_t ws_bt_ = 0;  // tokens the shared workspace is sized for

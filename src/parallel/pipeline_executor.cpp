@@ -154,7 +154,8 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         const float* input = first == 0 ? nullptr : wait_recv(tag(kAct, m, s - 1));
         auto t0 = Clock::now();
         const double c0 = thread_cpu_ms();
-        st.loss_sum += model_.forward_units(first, last, first == 0 ? ids[m] : nullptr,
+        // Every stage gets the ids: with document masking each stage's blocks mask by them.
+        st.loss_sum += model_.forward_units(first, last, ids[m],
                                             last == head_unit_ ? targets[m] : nullptr, input, B, T, true, dloss);
         const double ms = ms_between(t0, Clock::now());
         st.busy_ms += ms;

@@ -174,14 +174,13 @@ bool check_train_device(const std::string& name, bool dry, int world) {
 }
 // model.attention_kernel: true for the bf16 (flash) attention kernels. auto = flash for bf16 on
 // train.device = cuda (the dry run decides from the key, as the real run does), without context
-// parallelism or document masking (the flash kernels take no document starts yet); reference
+// parallelism (also with document masking: the flash kernels take the document starts); reference
 // otherwise.
 bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   const std::string& k = cfg.model.attention_kernel;
   Device d = Device::CPU;
-  const bool docs = cfg.data.document_masking;
   if (k == "auto")
-    return dt == DType::BF16 && parse_device(cfg.train.device, &d) && d == Device::CUDA && cp <= 1 && !docs;
+    return dt == DType::BF16 && parse_device(cfg.train.device, &d) && d == Device::CUDA && cp <= 1;
   if (k == "reference") return false;
   if (k != "flash") throw ConfigError("model.attention_kernel must be auto, flash or reference, got '" + k + "'");
   if (dt != DType::BF16)
@@ -189,9 +188,6 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   if (cp > 1)
     throw ConfigError("model.attention_kernel = flash does not run with context parallelism (parallel.cp = " +
                       std::to_string(cp) + "): use auto or reference");
-  if (docs)
-    throw ConfigError("model.attention_kernel = flash does not take document masking yet (data.document_masking = "
-                      "true): use auto or reference");
   return true;
 }
 
@@ -242,12 +238,6 @@ void Trainer::build() {
                       .device = current_device(),
                       .tokens_per_step = B_ * T_full_ * accum_ * plan_.dp(),
                       .count_only = dry_});
-  if (cfg_.data.document_masking && plan_.cp > 1)
-    throw ConfigError("data.document_masking is not supported with context parallelism (parallel.cp > 1): set "
-                      "parallel.cp = 1 or data.document_masking = false");
-  if (cfg_.data.document_masking && plan_.pp > 1)
-    throw ConfigError("data.document_masking is not supported with pipeline parallelism (parallel.pp > 1): set "
-                      "parallel.pp = 1 or data.document_masking = false");
   if (cfg_.data.document_separator < -1 || cfg_.data.document_separator >= mc_.vocab_size)
     throw ConfigError("data.document_separator must be -1 or a token id below model.vocab_size (" +
                       std::to_string(mc_.vocab_size) + "), got " + std::to_string(cfg_.data.document_separator));

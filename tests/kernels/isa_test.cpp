@@ -224,11 +224,13 @@ TEST_F(Avx512Variant, AttentionAndRotaryEmbeddingMatchTheBaseline) {
     k.rope_forward_pos(qkv.data(), B, Tb, nh, nkv, hd, 10000.0f, nullptr, p.data());
     k.copy_columns(kv.data(), qkv.data(), B * Tb, ld, nh * hd, KVW);
     const int8_t own[4] = {2, 0, 1, 2}, other[4] = {1, 0, 1, 0};
-    k.attention_block_forward(att.data(), lse.data(), qkv.data(), kv.data(), B, Tb, nh, nkv, hd, 2, own, true);
-    k.attention_block_forward(att.data(), lse.data(), qkv.data(), kv.data(), B, Tb, nh, nkv, hd, 2, other, false);
+    k.attention_block_forward(att.data(), lse.data(), qkv.data(), kv.data(), B, Tb, nh, nkv, hd, 2, own, true, nullptr,
+                              nullptr);
+    k.attention_block_forward(att.data(), lse.data(), qkv.data(), kv.data(), B, Tb, nh, nkv, hd, 2, other, false,
+                              nullptr, nullptr);
     for (const int8_t* m : {own, other})
       k.attention_block_backward(dqkv.data(), dkv.data(), datt.data(), qkv.data(), kv.data(), att.data(), lse.data(), B,
-                                 Tb, nh, nkv, hd, 2, m);
+                                 Tb, nh, nkv, hd, 2, m, nullptr, nullptr);
     k.add_columns(dqkv.data(), dkv.data(), B * Tb, ld, nh * hd, KVW);
     k.rope_backward_pos(dqkv.data(), B, Tb, nh, nkv, hd, 10000.0f, nullptr, p.data());
     o = {qkv, att, lse, dqkv};

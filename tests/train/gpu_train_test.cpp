@@ -181,6 +181,27 @@ TEST_F(GpuTrain, LlamaBf16SelectiveRecomputeMatchesCpu) {
                 kBf16Rel);
 }
 
+// Document masking with flash attention (model.attention_kernel = auto picks it with
+// data.document_masking): the flash kernels skip the keys before each query's document start. Against
+// the CPU's masked fp32 attention (which tests/model/document_masking_test.cpp checks against every
+// document alone) within the bf16 tolerance, for Llama (rotary positions restarting per document,
+// grouped-query heads); and the masking matters (the unmasked CPU run trains differently).
+TEST_F(GpuTrain, DocumentMaskingBf16FlashMatchesCpu) {
+  const Overrides plain = {{"model.preset", "llama-tiny"}, {"train.dtype", "bf16"}};
+  Overrides docs = plain;
+  docs.push_back({"data.document_masking", "true"});
+  const TrainResult cpu = train(config("cpu", docs)), flash = train(config("cuda", docs)),
+                    unmasked = train(config("cpu", plain));
+  ASSERT_EQ(cpu.losses.size(), 20u);
+  expect_close(cpu.losses, flash.losses, kBf16Rel, "training loss, documents, flash attention");
+  expect_close(cpu.val_losses, flash.val_losses, kBf16Rel, "validation loss, documents, flash attention");
+  ASSERT_EQ(unmasked.losses.size(), 20u);
+  double apart = 0;  // beyond the tolerance: a flash kernel that ignored the documents would fail above
+  for (size_t i = 0; i < 20; ++i) apart = std::max(apart, std::abs(unmasked.losses[i] - cpu.losses[i]) / cpu.losses[i]);
+  std::printf("masked vs unmasked CPU runs: largest relative difference %.2e\n", apart);
+  EXPECT_GT(apart, kBf16Rel) << "document masking made no difference";
+}
+
 // A mixture of experts on one device: the router, the dispatch (its plan is made on the host from
 // the router's choices, copied back explicitly, one wait per MoE layer), the experts and the
 // combine, with a shared expert and the auxiliary loss.

@@ -436,8 +436,6 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   expect_error({{"data.train", (dir_ / "missing*.bin").string()}}, "missing");
   expect_error({{"model.attention_kernel", "fast"}}, "model.attention_kernel must be auto, flash or reference");
   expect_error({{"model.attention_kernel", "flash"}}, "model.attention_kernel = flash takes bf16 q, k, v");
-  expect_error({{"model.attention_kernel", "flash"}, {"train.dtype", "bf16"}, {"data.document_masking", "true"}},
-               "model.attention_kernel = flash does not take document masking");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);
   EXPECT_THROW(RunConfig::load("", {{"train.steps", "ten"}}), ConfigError);
 }

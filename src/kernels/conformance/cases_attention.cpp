@@ -141,6 +141,20 @@ std::vector<int32_t> doc_starts(const AttnShape& s) {
   return d;
 }
 
+// Long documents: starts where (t + 13 b) % 71 == 40, so whole tiles of 64 or 32 keys lie before
+// a query's document (the flash kernels' skipped tiles).
+std::vector<int32_t> doc_starts_long(const AttnShape& s) {
+  std::vector<int32_t> d(static_cast<size_t>(s.B * s.T));
+  for (int64_t b = 0; b < s.B; ++b) {
+    int32_t start = 0;
+    for (int64_t t = 0; t < s.T; ++t) {
+      if ((t + 13 * b) % 71 == 40) start = static_cast<int32_t>(t);
+      d[b * s.T + t] = start;
+    }
+  }
+  return d;
+}
+
 void attention_docs(std::vector<CaseSpec>& out, const AttnShape& s) {
   add_case(out, Op::attention_forward, DType::F32, s.model, [s] {
     Case c(Op::attention_forward, DType::F32, s.str() + " documents");
@@ -185,35 +199,47 @@ std::vector<float> widen(const std::vector<bf16>& v) {
   return f;
 }
 
-void attention_bf16(std::vector<CaseSpec>& out, const AttnShape& s) {
-  add_case(out, Op::attention_forward_bf16, DType::BF16, s.model, [s] {
-    Case c(Op::attention_forward_bf16, DType::BF16, s.str());
+// docs: 0 causal, 1 document masking with the short documents of doc_starts, 2 with long ones
+// (doc_starts_long: whole key tiles before a query's document).
+void attention_bf16(std::vector<CaseSpec>& out, const AttnShape& s, int docs = 0) {
+  const std::string tag = s.str() + (docs == 1 ? " documents" : docs == 2 ? " long documents" : "");
+  const std::vector<int32_t> dsv = docs == 1 ? doc_starts(s) : docs == 2 ? doc_starts_long(s) : std::vector<int32_t>{};
+  add_case(out, Op::attention_forward_bf16, DType::BF16, s.model, [s, tag, dsv] {
+    Case c(Op::attention_forward_bf16, DType::BF16, tag);
     const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
-              lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", to_bf16(qkv_input(s, 202)));
+              lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", to_bf16(qkv_input(s, 202))),
+              d = dsv.empty() ? -1 : c.in("doc_start", dsv);
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_forward_bf16(a.f(o), a.f(lse), a.bf(q), s.B, s.T, s.nh, s.nkv, s.hd);
+      k.attention_forward_bf16(a.f(o), a.f(lse), a.bf(q), s.B, s.T, s.nh, s.nkv, s.hd, d < 0 ? nullptr : a.i32(d));
     };
     c.exact = [=](const Args& a) {
       const std::vector<bf16> qb(a.bf(q), a.bf(q) + s.B * s.T * qkv_width(s));
-      ExactAttention{s}.forward(a.f(o), a.f(lse), widen(qb).data());
+      ExactAttention e{s};
+      e.ds = d < 0 ? nullptr : a.i32(d);
+      e.forward(a.f(o), a.f(lse), widen(qb).data());
     };
     return c;
   });
-  add_case(out, Op::attention_backward_bf16, DType::BF16, s.model, [s] {
-    Case c(Op::attention_backward_bf16, DType::BF16, s.str());
+  add_case(out, Op::attention_backward_bf16, DType::BF16, s.model, [s, tag, dsv] {
+    Case c(Op::attention_backward_bf16, DType::BF16, tag);
     const std::vector<bf16> qkv = to_bf16(qkv_input(s, 202));
     std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
-    reference().attention_forward_bf16(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd);
+    const int32_t* dsp = dsv.empty() ? nullptr : dsv.data();
+    reference().attention_forward_bf16(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd, dsp);
     const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
-              q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse);
+              q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse),
+              d = dsv.empty() ? -1 : c.in("doc_start", dsv);
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_backward_bf16(a.f(g), a.f(dy), a.bf(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd);
+      k.attention_backward_bf16(a.f(g), a.f(dy), a.bf(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd,
+                                d < 0 ? nullptr : a.i32(d));
     };
     c.exact = [=](const Args& a) {
       const std::vector<bf16> qb(a.bf(q), a.bf(q) + s.B * s.T * qkv_width(s));
-      std::vector<float> d(a.f(dy), a.f(dy) + s.B * s.T * s.nh * s.hd);
-      for (float& x : d) x = round_to_bf16(x);
-      ExactAttention{s}.backward(a.f(g), d.data(), widen(qb).data(), a.f(o), a.f(l));
+      std::vector<float> dr(a.f(dy), a.f(dy) + s.B * s.T * s.nh * s.hd);
+      for (float& x : dr) x = round_to_bf16(x);
+      ExactAttention e{s};
+      e.ds = d < 0 ? nullptr : a.i32(d);
+      e.backward(a.f(g), dr.data(), widen(qb).data(), a.f(o), a.f(l));
     };
     return c;
   });
@@ -277,6 +303,13 @@ void attention_cases(std::vector<CaseSpec>& out) {
     if (s.model) attention_bf16(out, s);
   }
   for (const AttnShape& s : bf16_attention_shapes()) attention_bf16(out, s);
+  // Document masking on the bf16 (flash) kernels: odd lengths, several documents per row, two rows.
+  for (const AttnShape& s : {AttnShape{"small", 2, 77, 4, 2, 64, false}, AttnShape{"small", 2, 150, 4, 1, 32, false},
+                             AttnShape{"small", 1, 45, 4, 2, 48, false}, AttnShape{"small", 2, 9, 2, 2, 40, false},
+                             AttnShape{"small", 1, 7, 2, 1, 144, false}}) {
+    attention_bf16(out, s, 1);
+    attention_bf16(out, s, 2);
+  }
 }
 
 }  // namespace mt::kernels::conformance

@@ -36,9 +36,32 @@ std::vector<int32_t> cp_positions(int64_t T) {
   return p;
 }
 
+// Document masking: the rank's queries sit at cp_positions (chunks 0 and 3 of 4), documents start
+// where (position + b) % 7 == 3 (and at every sequence's start); both key blocks' chunks at the
+// positions 0 and 3c (so the other block's key chunk 0, seen fully, is cut by the documents and
+// query chunk 1 sees none of it: the rows that see nothing of a block).
+struct Docs {
+  std::vector<int32_t> ds, ks;
+  explicit Docs(const AttnShape& s) : ds(static_cast<size_t>(s.B * s.T)), ks{0, static_cast<int32_t>(3 * (s.T / 2))} {
+    const std::vector<int32_t> p = cp_positions(s.T);
+    for (int64_t b = 0; b < s.B; ++b)
+      for (int64_t t = 0; t < s.T; ++t) {
+        int32_t g = p[t];
+        while (g > 0 && (g + b) % 7 != 3) --g;
+        ds[b * s.T + t] = g;
+      }
+  }
+};
+
 struct BlockData {
   std::vector<float> qkv, kv_own, kv_other, out, lse;  // out / lse: after the own and the other block
-  explicit BlockData(const AttnShape& s) : qkv(uniform(s.B * s.T * qkv_width(s), 300, -2.0f, 2.0f)) {
+  const int32_t *ds = nullptr, *ks = nullptr;  // document masking (null: none)
+  explicit BlockData(const AttnShape& s, const Docs* docs = nullptr)
+      : qkv(uniform(s.B * s.T * qkv_width(s), 300, -2.0f, 2.0f)) {
+    if (docs) {
+      ds = docs->ds.data();
+      ks = docs->ks.data();
+    }
     kv_own.resize(s.B * s.T * kv_width(s));
     reference().copy_columns(kv_own.data(), qkv.data(), s.B * s.T, qkv_width(s), s.nh * s.hd, kv_width(s));
     kv_other = uniform(kv_own.size(), 301, -2.0f, 2.0f);
@@ -46,43 +69,51 @@ struct BlockData {
     lse.resize(s.B * s.nh * s.T);
     const KernelTable& r = reference();
     r.attention_block_forward(out.data(), lse.data(), qkv.data(), kv_own.data(), s.B, s.T, s.nh, s.nkv, s.hd, 2,
-                              kOwn.data(), true);
+                              kOwn.data(), true, ds, ks);
   }
   void merge_other(const AttnShape& s) {
     reference().attention_block_forward(out.data(), lse.data(), qkv.data(), kv_other.data(), s.B, s.T, s.nh, s.nkv,
-                                        s.hd, 2, kOther.data(), false);
+                                        s.hd, 2, kOther.data(), false, ds, ks);
   }
 };
 
 // first: out / lse start as garbage and are overwritten; else the other block merges into the
 // own block's result.
-void block_forward(std::vector<CaseSpec>& out, const AttnShape& s, const std::vector<int8_t>& modes, bool first) {
-  const std::string tag = s.str() + (first ? " first" : " merge") + (modes == kHalf ? " half" : "");
-  add_case(out, Op::attention_block_forward, DType::F32, s.model, [s, modes, first, tag] {
+void block_forward(std::vector<CaseSpec>& out, const AttnShape& s, const std::vector<int8_t>& modes, bool first,
+                   bool docs = false) {
+  const std::string tag = s.str() + (first ? " first" : " merge") + (modes == kHalf ? " half" : "") +
+                          (docs ? " documents" : "");
+  add_case(out, Op::attention_block_forward, DType::F32, s.model, [s, modes, first, tag, docs] {
     Case c(Op::attention_block_forward, DType::F32, tag);
-    BlockData d(s);
+    const Docs dd(s);
+    BlockData d(s, docs ? &dd : nullptr);
     const int o = c.out("out", first ? uniform(d.out.size(), 302) : d.out),
               l = c.out("lse", first ? uniform(d.lse.size(), 303) : d.lse), q = c.in("qkv", d.qkv),
-              kv = c.in("kv", first ? d.kv_own : d.kv_other), m = c.host("modes", modes);
+              kv = c.in("kv", first ? d.kv_own : d.kv_other), m = c.host("modes", modes),
+              ds = docs ? c.in("doc_start", dd.ds) : -1, ks = docs ? c.host("key_start", dd.ks) : -1;
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_block_forward(a.f(o), a.f(l), a.f(q), a.f(kv), s.B, s.T, s.nh, s.nkv, s.hd, 2, a.i8(m), first);
+      k.attention_block_forward(a.f(o), a.f(l), a.f(q), a.f(kv), s.B, s.T, s.nh, s.nkv, s.hd, 2, a.i8(m), first,
+                                docs ? a.i32(ds) : nullptr, docs ? a.i32(ks) : nullptr);
     };
     return c;
   });
 }
 
-void block_backward(std::vector<CaseSpec>& out, const AttnShape& s, bool own) {
-  add_case(out, Op::attention_block_backward, DType::F32, s.model, [s, own] {
-    Case c(Op::attention_block_backward, DType::F32, s.str() + (own ? " own" : " other"));
-    BlockData d(s);
+void block_backward(std::vector<CaseSpec>& out, const AttnShape& s, bool own, bool docs = false) {
+  add_case(out, Op::attention_block_backward, DType::F32, s.model, [s, own, docs] {
+    Case c(Op::attention_block_backward, DType::F32,
+           s.str() + (own ? " own" : " other") + (docs ? " documents" : ""));
+    const Docs dd(s);
+    BlockData d(s, docs ? &dd : nullptr);
     d.merge_other(s);
     const int gq = c.out("dqkv", uniform(d.qkv.size(), 304)), gkv = c.out("dkv", uniform(d.kv_own.size(), 305)),
               dy = c.in("dout", uniform(d.out.size(), 306)), q = c.in("qkv", d.qkv),
               kv = c.in("kv", own ? d.kv_own : d.kv_other), o = c.in("out", d.out), l = c.in("lse", d.lse),
-              m = c.host("modes", own ? kOwn : kOther);
+              m = c.host("modes", own ? kOwn : kOther), ds = docs ? c.in("doc_start", dd.ds) : -1,
+              ks = docs ? c.host("key_start", dd.ks) : -1;
     c.call = [=](const KernelTable& k, const Args& a) {
       k.attention_block_backward(a.f(gq), a.f(gkv), a.f(dy), a.f(q), a.f(kv), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv,
-                                 s.hd, 2, a.i8(m));
+                                 s.hd, 2, a.i8(m), docs ? a.i32(ds) : nullptr, docs ? a.i32(ks) : nullptr);
     };
     return c;
   });
@@ -153,6 +184,12 @@ void context_parallel_cases(std::vector<CaseSpec>& out) {
     block_forward(out, s, kOther, false);
     block_backward(out, s, true);
     block_backward(out, s, false);
+    if (!s.model) {  // document masking (docs/context_parallel.md)
+      block_forward(out, s, kOwn, true, true);
+      block_forward(out, s, kOther, false, true);
+      block_backward(out, s, true, true);
+      block_backward(out, s, false, true);
+    }
     rope_pos(out, s);
   }
   positions(out);

@@ -660,24 +660,25 @@ void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, i
 
 // The bf16 variants: the fp32 kernels on the bf16 values (dout rounded to bf16 first).
 void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,
-                            int64_t nkv, int64_t hd) {
+                            int64_t nkv, int64_t hd, const int32_t* doc_start) {
   check_heads(nh, nkv, "attention_forward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int64_t n = B * T * (nh + 2 * nkv) * hd;
   std::vector<float> q(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) q[i] = bf16_to_float(qkv[i]);
-  attention_forward(out, lse, q.data(), B, T, nh, nkv, hd, nullptr);
+  attention_forward(out, lse, q.data(), B, T, nh, nkv, hd, doc_start);
 }
 
 void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out,
-                             const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                             const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
+                             const int32_t* doc_start) {
   check_heads(nh, nkv, "attention_backward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int64_t n = B * T * (nh + 2 * nkv) * hd, no = B * T * nh * hd;
   std::vector<float> q(static_cast<size_t>(n)), dy(static_cast<size_t>(no));
   for (int64_t i = 0; i < n; ++i) q[i] = bf16_to_float(qkv[i]);
   for (int64_t i = 0; i < no; ++i) dy[i] = bf16_to_float(float_to_bf16(dout[i]));
-  attention_backward(dqkv, dy.data(), q.data(), out, lse, B, T, nh, nkv, hd, nullptr);
+  attention_backward(dqkv, dy.data(), q.data(), out, lse, B, T, nh, nkv, hd, doc_start);
 }
 
 MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

@@ -53,11 +53,20 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // rows: all c for a full pair, t0 + bq for the causal diagonal (rows mask their later keys).
 inline int64_t visible(int8_t mode, int64_t c, int64_t t0, int64_t bq) { return mode == 1 ? c : t0 + bq; }
 
-// Causal diagonal: row r (query t0 + r of the chunk) sees keys j <= t0 + r of the L columns at S.
-inline void mask_causal(float* S, int64_t lds, int64_t bq, int64_t L, int64_t t0) {
+// Causal diagonal: row r (query t0 + r of the chunk) sees keys j <= t0 + r of the keys k0 .. L-1
+// in S's columns 0 .. L-k0-1.
+inline void mask_causal(float* S, int64_t lds, int64_t bq, int64_t L, int64_t t0, int64_t k0 = 0) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < bq; ++r)
-    for (int64_t j = t0 + r + 1; j < L; ++j) S[r * lds + j] = ninf;
+    for (int64_t j = std::max(k0, t0 + r + 1); j < L; ++j) S[r * lds + (j - k0)] = ninf;
+}
+
+// Document masking: the keys k0 .. L-1 of a chunk are in S's columns 0 .. L-k0-1; row r sees key
+// j only from lo[r] on (lo: the row's first visible key within the chunk).
+inline void mask_documents(float* S, int64_t lds, int64_t bq, int64_t k0, int64_t L, const int64_t* lo) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < bq; ++r)
+    for (int64_t j = k0; j < std::min(lo[r], L); ++j) S[r * lds + (j - k0)] = ninf;
 }
 }  // namespace
 
@@ -68,30 +77,71 @@ namespace {
 struct Tile {
   int64_t b, h, a, t0, bq, row0;
   const int8_t* modes;  // the tile's row of the chunk pair modes
+  // Document masking (null: none): the global first visible key of each of the [B T] query rows,
+  // and the global position of each key chunk's first token.
+  const int32_t* doc_start = nullptr;
+  const int32_t* key_start = nullptr;
 };
 
+// The keys [k0, L) of key chunk bk that the tile computes (k0 = L: none); with document masking
+// lo[r] is row r's first visible key of the chunk (keys before k0 are invisible to every row).
+int64_t chunk_keys(const Dims& d, const Tile& t, int64_t bk, int64_t* k0, int64_t* lo) {
+  const int8_t m = t.modes[bk];
+  if (!m) {
+    *k0 = 0;
+    return 0;
+  }
+  const int64_t L = visible(m, d.c, t.t0, t.bq);
+  int64_t first = L;
+  if (!t.doc_start) {
+    *k0 = 0;
+    return L;
+  }
+  for (int64_t r = 0; r < t.bq; ++r) {
+    const int64_t v = static_cast<int64_t>(t.doc_start[t.row0 + r]) - t.key_start[bk];
+    lo[r] = std::clamp<int64_t>(v, 0, d.c);
+    first = std::min(first, lo[r]);
+  }
+  *k0 = first;
+  return L;
+}
+
 // Columns the tile's scores have: every visible key chunk's, side by side.
-int64_t tile_columns(const Dims& d, const Tile& t, int64_t chunks) {
+int64_t tile_columns(const Dims& d, const Tile& t, int64_t chunks, int64_t* lo) {
   int64_t Lt = 0;
-  for (int64_t bk = 0; bk < chunks; ++bk)
-    if (t.modes[bk]) Lt += visible(t.modes[bk], d.c, t.t0, t.bq);
+  for (int64_t bk = 0; bk < chunks; ++bk) {
+    int64_t k0 = 0;
+    const int64_t L = chunk_keys(d, t, bk, &k0, lo);
+    Lt += L - k0;
+  }
   return Lt;
 }
 
 // Forward of one tile: S = scale Q K^T against the visible chunks into S [bq, Lt] (the diagonal
 // chunk masked), each row exponentiated (rmax, rsum: its max and sum), O = P V into O [bq, hd].
+// With document masking a row may see no key of the block at all: its rmax is -inf.
 void forward_tile(const Dims& d, const Tile& t, int64_t chunks, int64_t Lt, const float* q, const float* kb,
-                  const float* vb, int64_t hd, float* S, float* O, float* rmax, float* rsum) {
+                  const float* vb, int64_t hd, float* S, float* O, float* rmax, float* rsum, int64_t* lo) {
   int64_t off = 0;
   for (int64_t bk = 0; bk < chunks; ++bk) {
+    int64_t k0 = 0;
+    const int64_t L = chunk_keys(d, t, bk, &k0, lo);
+    if (L - k0 <= 0) continue;
     const int8_t m = t.modes[bk];
-    if (!m) continue;
-    const int64_t L = visible(m, d.c, t.t0, t.bq);
-    detail::sgemm_strided(false, true, t.bq, L, hd, d.scale, q, d.ldq, kb + bk * d.c * d.ldkv, d.ldkv, 0.0f, S + off, Lt);
-    if (m == 2) mask_causal(S + off, Lt, t.bq, L, t.t0);
-    off += L;
+    detail::sgemm_strided(false, true, t.bq, L - k0, hd, d.scale, q, d.ldq, kb + (bk * d.c + k0) * d.ldkv, d.ldkv,
+                          0.0f, S + off, Lt);
+    if (m == 2) mask_causal(S + off, Lt, t.bq, L, t.t0, k0);
+    if (t.doc_start) mask_documents(S + off, Lt, t.bq, k0, L, lo);
+    off += L - k0;
   }
+  const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < t.bq; ++r) {
+    if (t.doc_start && row_max(S + r * Lt, Lt) == ninf) {  // nothing visible: P row 0, skipped by the merge
+      for (int64_t j = 0; j < Lt; ++j) S[r * Lt + j] = 0.0f;
+      rmax[r] = ninf;
+      rsum[r] = 0.0f;
+      continue;
+    }
     const RowExp st = exp_row(S + r * Lt, S + r * Lt, Lt);
     rmax[r] = st.max;
     rsum[r] = st.sum;
@@ -99,13 +149,13 @@ void forward_tile(const Dims& d, const Tile& t, int64_t chunks, int64_t Lt, cons
   off = 0;
   bool beta0 = true;
   for (int64_t bk = 0; bk < chunks; ++bk) {
-    const int8_t m = t.modes[bk];
-    if (!m) continue;
-    const int64_t L = visible(m, d.c, t.t0, t.bq);
-    detail::sgemm_strided(false, false, t.bq, hd, L, 1.0f, S + off, Lt, vb + bk * d.c * d.ldkv, d.ldkv,
+    int64_t k0 = 0;
+    const int64_t L = chunk_keys(d, t, bk, &k0, lo);
+    if (L - k0 <= 0) continue;
+    detail::sgemm_strided(false, false, t.bq, hd, L - k0, 1.0f, S + off, Lt, vb + (bk * d.c + k0) * d.ldkv, d.ldkv,
                           beta0 ? 0.0f : 1.0f, O, hd);
     beta0 = false;
-    off += L;
+    off += L - k0;
   }
 }
 
@@ -115,6 +165,13 @@ void merge_tile(const Dims& d, int64_t bq, int64_t hd, const float* O, const flo
                 bool first, float* o, float* l) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < bq; ++r) {
+    if (rmax[r] == ninf) {  // document masking: the row sees no key of this block
+      if (first) {
+        for (int64_t i = 0; i < hd; ++i) o[r * d.ldo + i] = 0.0f;
+        l[r] = ninf;
+      }
+      continue;
+    }
     const float lb = rmax[r] + std::log(rsum[r]);
     float* orow = o + r * d.ldo;
     const float* ob = O + r * hd;
@@ -136,12 +193,14 @@ void merge_tile(const Dims& d, int64_t bq, int64_t hd, const float* O, const flo
 
 // Backward of one tile against one visible key chunk (k, v; dk, dv its gradient rows): P from the
 // scores and lse, dP = dO V^T, dS = P (dP - D) in place, then dq, dk and dv accumulate.
+// Document masking: only the keys k0 .. Lv-1 (k, v, dk, dv start at key k0), row r from lo[r] on.
 void backward_chunk(const Dims& d, const Tile& t, int8_t mode, int64_t hd, const float* q, const float* dO,
                     const float* l, const float* D, const float* k, const float* v, float* dq, float* dk, float* dv,
-                    float* P, float* dP) {
-  const int64_t bq = t.bq, L = visible(mode, d.c, t.t0, bq);
+                    float* P, float* dP, int64_t k0, int64_t Lv, const int64_t* lo) {
+  const int64_t bq = t.bq, L = Lv - k0;
   detail::sgemm_strided(false, true, bq, L, hd, d.scale, q, d.ldq, k, d.ldkv, 0.0f, P, L);
-  if (mode == 2) mask_causal(P, L, bq, L, t.t0);
+  if (mode == 2) mask_causal(P, L, bq, Lv, t.t0, k0);
+  if (t.doc_start) mask_documents(P, L, bq, k0, Lv, lo);
   detail::sgemm_strided(false, true, bq, L, hd, 1.0f, dO, d.ldo, v, d.ldkv, 0.0f, dP, L);
   for (int64_t r = 0; r < bq; ++r) {
     float* pr = P + r * L;
@@ -165,7 +224,8 @@ void backward_chunk(const Dims& d, const Tile& t, int8_t mode, int64_t hd, const
 // chunk side by side in one per-thread tile (two GEMMs), the softmax of the block per row, the
 // block's output (two GEMMs), merged into out / lse.
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
-                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first) {
+                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first,
+                             const int32_t* doc_start, const int32_t* key_start) {
   const Dims d = dims(T, nh, nkv, hd, chunks, "attention_block_forward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int64_t c = d.c, BQ = d.BQ;
@@ -176,6 +236,9 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
     float* O = S + BQ * T;
     float* rmax = O + BQ * hd;
     float* rsum = rmax + BQ;
+    thread_local std::vector<int64_t> lo_buf;  // document masking: each row's first visible key
+    lo_buf.resize(static_cast<size_t>(BQ));
+    int64_t* lo = lo_buf.data();
 #pragma omp for collapse(3) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < nh; ++h)
@@ -183,10 +246,11 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
           const float* kb = kv + b * T * d.ldkv + (h / d.g) * hd;
           const float* vb = kb + nkv * hd;
           for (int64_t t0 = 0; t0 < c; t0 += BQ) {
-            const Tile t{b, h, a, t0, std::min(BQ, c - t0), b * T + a * c + t0, modes + a * chunks};
+            const Tile t{b,  h, a, t0, std::min(BQ, c - t0), b * T + a * c + t0, modes + a * chunks,
+                         doc_start, key_start};
             float* o = out + t.row0 * d.ldo + h * hd;
             float* l = lse + (b * nh + h) * T + a * c + t0;
-            const int64_t Lt = tile_columns(d, t, chunks);
+            const int64_t Lt = tile_columns(d, t, chunks, lo);
             if (Lt == 0) {  // entirely masked: nothing seen yet from this block
               if (first)
                 for (int64_t r = 0; r < t.bq; ++r) {
@@ -195,7 +259,7 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
                 }
               continue;
             }
-            forward_tile(d, t, chunks, Lt, qkv + t.row0 * d.ldq + h * hd, kb, vb, hd, S, O, rmax, rsum);
+            forward_tile(d, t, chunks, Lt, qkv + t.row0 * d.ldq + h * hd, kb, vb, hd, S, O, rmax, rsum, lo);
             merge_tile(d, t.bq, hd, O, rmax, rsum, first, o, l);
           }
         }
@@ -207,7 +271,8 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
 // key chunk: P = exp(S - lse), dP = dO V^T, dS = P (dP - D) and three GEMMs into dq, dk, dv.
 void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                               const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                              int64_t hd, int64_t chunks, const int8_t* modes) {
+                              int64_t hd, int64_t chunks, const int8_t* modes, const int32_t* doc_start,
+                              const int32_t* key_start) {
   const Dims d = dims(T, nh, nkv, hd, chunks, "attention_block_backward");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int64_t c = d.c, ldq = d.ldq, ldkv = d.ldkv, ldo = d.ldo, BQ = d.BQ;
@@ -217,6 +282,9 @@ void attention_block_backward(float* dqkv, float* dkv, const float* dout, const 
     float* P = buf.as<float>(static_cast<size_t>(2 * BQ * c + BQ));
     float* dP = P + BQ * c;
     float* D = dP + BQ * c;
+    thread_local std::vector<int64_t> lo_buf;  // document masking: each row's first visible key
+    lo_buf.resize(static_cast<size_t>(BQ));
+    int64_t* lo = lo_buf.data();
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t kvh = 0; kvh < nkv; ++kvh) {
@@ -227,18 +295,23 @@ void attention_block_backward(float* dqkv, float* dkv, const float* dout, const 
         for (int64_t h = kvh * d.g; h < (kvh + 1) * d.g; ++h)
           for (int64_t a = 0; a < chunks; ++a)
             for (int64_t t0 = 0; t0 < c; t0 += BQ) {
-              const Tile t{b, h, a, t0, std::min(BQ, c - t0), b * T + a * c + t0, modes + a * chunks};
-              if (tile_columns(d, t, chunks) == 0) continue;
+              const Tile t{b,  h, a, t0, std::min(BQ, c - t0), b * T + a * c + t0, modes + a * chunks,
+                           doc_start, key_start};
+              if (tile_columns(d, t, chunks, lo) == 0) continue;
               const float* q = qkv + t.row0 * ldq + h * hd;
               const float* dO = dout + t.row0 * ldo + h * hd;
               const float* o = out + t.row0 * ldo + h * hd;
               const float* l = lse + (b * nh + h) * T + a * c + t0;
               for (int64_t r = 0; r < t.bq; ++r)
                 D[r] = l[r] == -std::numeric_limits<float>::infinity() ? 0.0f : dot(dO + r * ldo, o + r * ldo, hd);
-              for (int64_t bk = 0; bk < chunks; ++bk)
-                if (t.modes[bk])
-                  backward_chunk(d, t, t.modes[bk], hd, q, dO, l, D, kb + bk * c * ldkv, vb + bk * c * ldkv,
-                                 dqkv + t.row0 * ldq + h * hd, dkb + bk * c * ldkv, dvb + bk * c * ldkv, P, dP);
+              for (int64_t bk = 0; bk < chunks; ++bk) {
+                int64_t k0 = 0;
+                const int64_t Lv = chunk_keys(d, t, bk, &k0, lo);
+                if (Lv - k0 <= 0) continue;
+                const int64_t o0 = (bk * c + k0) * ldkv;
+                backward_chunk(d, t, t.modes[bk], hd, q, dO, l, D, kb + o0, vb + o0, dqkv + t.row0 * ldq + h * hd,
+                               dkb + o0, dvb + o0, P, dP, k0, Lv, lo);
+              }
             }
       }
   }

@@ -8,6 +8,13 @@
 // equal chunks of T / chunks tokens per sequence. modes[a * chunks + b] says how query chunk a sees
 // key chunk b: 0 not at all (entirely masked: skipped, no work), 1 every key, 2 causally (the two
 // chunks cover the same positions: query i sees keys 0..i of the chunk). Scale 1/sqrt(hd).
+//
+// Document masking (doc_start non-null): doc_start [B*T] (device memory) holds, for each query row,
+// the global position of the first key it may see (its document's start), and key_start [chunks]
+// (host memory) the global position of each key chunk's first token: query row i sees key j of
+// chunk b (allowed by the modes) only when key_start[b] + j >= doc_start[i]. Keys before every
+// row's start are skipped (no work); a row that sees no key of the block is left as an entirely
+// masked row is. Null doc_start: plain modes (key_start unused).
 #pragma once
 #include "kernels/cpu/isa.h"
 #include <cstdint>
@@ -19,13 +26,15 @@ MT_CPU_NS_BEGIN
 // block's partial result is merged in: lse' = log(e^lse + e^lse_blk), out' = out e^(lse - lse') +
 // out_blk e^(lse_blk - lse'). No T x T buffer: one row of scores per thread.
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
-                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first);
+                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first,
+                             const int32_t* doc_start, const int32_t* key_start);
 // With the final out and lse of every block (the probabilities of this block are exp(s - lse)):
 // accumulates (+=) the queries' gradient into dqkv's query columns and this block's key and value
 // gradients into dkv (layout of kv). Deterministic (one task per sequence and kv head).
 void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                               const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                              int64_t hd, int64_t chunks, const int8_t* modes);
+                              int64_t hd, int64_t chunks, const int8_t* modes, const int32_t* doc_start,
+                              const int32_t* key_start);
 
 // Rotary embedding (as rope_forward in attention.h) at explicit positions: token t of every
 // sequence sits at position pos[t] (host memory, T entries). inv_freq (hd/2, host) or null for

@@ -4,9 +4,12 @@
 // online softmax over the visible keys of every chunk (modes, host memory, copied to the device per
 // call), fp32, head_dim <= 256. Backward recomputes the probabilities from the final lse and is
 // deterministic without atomics: one warp per query row for dq, one warp per key row (its query-head
-// group and query chunks in order) for dk and dv.
+// group and query chunks in order) for dk and dv. Document masking (doc_start, device; key_start,
+// host, passed by value): a query row skips the keys before its document's start.
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/common.cuh"
@@ -22,12 +25,23 @@ using attn::warp_blocks;
 using attn::warp_dot;
 
 // Geo plus the chunking: chunks of c tokens per sequence, modes[a * chunks + b] (device), rows of
-// kv are ldkv floats.
+// kv are ldkv floats; document masking: doc_start (device, null: none) and each key chunk's global
+// start (device, uploaded with the modes).
 struct Blk {
   Geo g;
   int64_t chunks, c, ldkv;
   const int8_t* modes;
+  const int32_t* doc_start;
+  const int32_t* key_start;
 };
+
+// With document masking: the first key of chunk bk (within the chunk) that query row qt (its
+// [B T] row) sees; 0 without.
+__device__ __forceinline__ int64_t first_key(const Blk& k, int64_t qt, int64_t bk) {
+  if (!k.doc_start) return 0;
+  const int64_t v = static_cast<int64_t>(k.doc_start[qt]) - k.key_start[bk];
+  return v < 0 ? 0 : v;
+}
 
 // Keys of chunk bk that query i (within chunk a) sees: all c (mode 1), 0..i (mode 2) or none.
 __device__ __forceinline__ int64_t keys_seen(int8_t mode, int64_t c, int64_t i) {
@@ -57,8 +71,9 @@ __device__ __forceinline__ bool for_each_key(const Blk& k, const QRow& r, const 
   bool seen = false;
   for (int64_t bk = 0; bk < k.chunks; ++bk) {
     const int64_t n = keys_seen(k.modes[r.a * k.chunks + bk], k.c, r.i);
-    seen = seen || n > 0;
-    for (int64_t j = 0; j < n; ++j) {
+    const int64_t j0 = first_key(k, r.b * k.g.T + r.t, bk);
+    seen = seen || n > j0;
+    for (int64_t j = j0; j < n; ++j) {
       const float* kr = kv + (r.b * k.g.T + bk * k.c + j) * k.ldkv + r.kvh * k.g.hd;
       f(kr, kr + k.g.nkv * k.g.hd);
     }
@@ -139,9 +154,10 @@ __global__ void blk_dkv_k(float* dkv, const float* dout, const float* qkv, const
     for (int64_t a = 0; a < k.chunks; ++a) {
       int64_t i0 = 0;
       const int64_t n = queries_seeing(k.modes[a * k.chunks + bk], k.c, jj, &i0);
-      seen = seen || n > 0;
       for (int64_t i = i0; i < i0 + n; ++i) {
         const int64_t t = a * k.c + i, r = (b * g.nh + h) * g.T + t;
+        if (jj < first_key(k, b * g.T + t, bk)) continue;  // document masking: before the query's document
+        seen = true;
         const float* q = qkv + (b * g.T + t) * g.ld + h * g.hd;
         const float* dy = dout + (b * g.T + t) * (g.nh * g.hd) + h * g.hd;
         const float p = expf(warp_dot(q, kr, g.hd, lane) * g.scale - lse[r]);
@@ -157,19 +173,27 @@ __global__ void blk_dkv_k(float* dkv, const float* dout, const float* qkv, const
 
 // Checks as the CPU does (std::invalid_argument naming fn); modes copied to the device.
 Blk blk(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes,
-        const char* fn) {
+        const int32_t* doc_start, const int32_t* key_start, const char* fn) {
   const Geo g = attn::geo(B, T, nh, nkv, hd, fn);
   if (chunks <= 0 || T % chunks != 0)
     throw std::invalid_argument(std::string("meshtrain: ") + fn + ": " + std::to_string(T) +
                                 " tokens do not split into " + std::to_string(chunks) + " equal chunks");
-  const int8_t* dm = B > 0 && T > 0 && hd > 0 ? upload(kScratchHostArgs, modes, chunks * chunks) : nullptr;
-  return Blk{g, chunks, T / chunks, 2 * nkv * hd, dm};
+  if (B <= 0 || T <= 0 || hd <= 0) return Blk{g, chunks, T / chunks, 2 * nkv * hd, nullptr, nullptr, nullptr};
+  // One upload: the modes, then (4-byte aligned) the key chunks' starts.
+  const int64_t mb = (chunks * chunks + 3) / 4 * 4;
+  std::vector<int8_t> args(static_cast<size_t>(mb + (doc_start ? 4 * chunks : 0)), 0);
+  std::memcpy(args.data(), modes, static_cast<size_t>(chunks * chunks));
+  if (doc_start) std::memcpy(args.data() + mb, key_start, static_cast<size_t>(4 * chunks));
+  const int8_t* dm = upload(kScratchHostArgs, args.data(), static_cast<int64_t>(args.size()));
+  return Blk{g, chunks, T / chunks, 2 * nkv * hd, dm, doc_start,
+             doc_start ? reinterpret_cast<const int32_t*>(dm + mb) : nullptr};
 }
 }  // namespace
 
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
-                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first) {
-  const Blk k = blk(B, T, nh, nkv, hd, chunks, modes, "attention_block_forward");
+                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first,
+                             const int32_t* doc_start, const int32_t* key_start) {
+  const Blk k = blk(B, T, nh, nkv, hd, chunks, modes, doc_start, key_start, "attention_block_forward");
   if (!k.modes) return;
   MT_LAUNCH(blk_fwd_k, warp_blocks(B * nh * T), 32 * kWarpsPerBlock, 0, stream())(out, lse, qkv, kv, k, first);
   check_launch("attention_block_forward");
@@ -177,8 +201,9 @@ void attention_block_forward(float* out, float* lse, const float* qkv, const flo
 
 void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                               const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                              int64_t hd, int64_t chunks, const int8_t* modes) {
-  const Blk k = blk(B, T, nh, nkv, hd, chunks, modes, "attention_block_backward");
+                              int64_t hd, int64_t chunks, const int8_t* modes, const int32_t* doc_start,
+                              const int32_t* key_start) {
+  const Blk k = blk(B, T, nh, nkv, hd, chunks, modes, doc_start, key_start, "attention_block_backward");
   if (!k.modes) return;
   float* Dd = static_cast<float*>(scratch(kScratchTmp, static_cast<size_t>(B * nh * T) * sizeof(float)));
   attn::launch_delta(Dd, dout, out, lse, k.g, "attention_block_backward (delta)");

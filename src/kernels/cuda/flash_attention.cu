@@ -16,9 +16,12 @@
 //   3. dK, dV: a block per 64 keys of one kv head (16 per warp) walks the query heads of its group
 //      and, in each, the query tiles of 32 from its first key on, in order:
 //      dV += P^T dO, dK += dS^T Q. Every gradient element has one owner that adds it once.
-// Masks: a key s is visible to a query t when s <= t (and both < T). A document mask would be one
-// more condition in the three `visible` tests below (doc_start[b, t] <= s, with doc_start a
-// device array [B, T] in FlashArgs), and the tile loops could start at the block's first start.
+// Masks: a key s is visible to a query t when s <= t (and both < T), and with document masking
+// (doc_start, device [B, T]) when doc_start[b, t] <= s. The starts never decrease along a row, so a
+// block's first row has its earliest start: the forward and dQ key loops begin at the tile holding
+// it, dQ's warps skip the key tiles before their first row's start (the forward has no registers
+// to spare for that at head dim 112), and the dK/dV query loop stops at
+// the first query tile whose start lies past the block's last key (fully masked tiles: no work).
 //
 // head_dim above 128 goes to the simple fp32 kernels (attention.cu) on the bf16 values.
 #include <algorithm>
@@ -51,7 +54,13 @@ struct FlashArgs {
   int64_t B, T, nh, nkv, hd, ld;
   float scale;
   bool vec;  // 16-byte loads: hd == D, hd % 8 == 0, qkv 16-byte aligned
+  const int32_t* ds;  // document starts [B, T] (device), null: causal only
 };
+
+// Row t of sequence b's document start (0 without document masking or past T).
+__device__ __forceinline__ int doc_start(const FlashArgs& f, int64_t b, int64_t t) {
+  return f.ds && t < f.T ? f.ds[b * f.T + t] : 0;
+}
 
 struct alignas(16) Vec16 {
   uint32_t x[4];
@@ -159,8 +168,8 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// Key s visible to query t (causal; the place for a document mask).
-__device__ __forceinline__ bool visible(int64_t t, int64_t s, int64_t T) { return s <= t && t < T; }
+// Key s visible to query t (causal, and from the query's document start d on).
+__device__ __forceinline__ bool visible(int64_t t, int64_t s, int64_t T, int d) { return s <= t && t < T && s >= d; }
 
 // ---- forward ----
 template <int KD>
@@ -183,9 +192,10 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_k(float* out, float* lse, 
 #pragma unroll
   for (int n = 0; n < NT; ++n) mma::zero(o[n]);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const int d0 = doc_start(f, b, r0), d1 = doc_start(f, b, r1);
 
   const int64_t kend = T < q0 + kRowsPerBlock ? T : q0 + kRowsPerBlock;
-  for (int64_t k0 = 0; k0 < kend; k0 += kFwdKeys) {
+  for (int64_t k0 = doc_start(f, b, q0) / kFwdKeys * kFwdKeys; k0 < kend; k0 += kFwdKeys) {
     __syncthreads();  // every warp is done with the previous tile
     load_tile<D>(sk, kp + k0 * ld, ld, T - k0, kFwdKeys, f.hd, f.vec);
     load_tile<D>(sv, vp + k0 * ld, ld, T - k0, kFwdKeys, f.hd, f.vec);
@@ -204,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_k(float* out, float* lse, 
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = k0 + n * 8 + 2 * t + (i & 1), row = i < 2 ? r0 : r1;
-        const float v = visible(row, key, T) ? s[n].x[i] * f.scale : -INFINITY;
+        const float v = visible(row, key, T, i < 2 ? d0 : d1) ? s[n].x[i] * f.scale : -INFINITY;
         s[n].x[i] = v;
         if (i < 2) mx0 = fmaxf(mx0, v);
         else mx1 = fmaxf(mx1, v);
@@ -296,9 +306,10 @@ __global__ void __launch_bounds__(kThreads)
   FragC dq[NT];
 #pragma unroll
   for (int n = 0; n < NT; ++n) mma::zero(dq[n]);
+  const int d0 = doc_start(f, b, r0), d1 = doc_start(f, b, r1), dw = doc_start(f, b, wrow);
 
   const int64_t kend = T < q0 + kRowsPerBlock ? T : q0 + kRowsPerBlock;
-  for (int64_t k0 = 0; k0 < kend; k0 += kDqKeys) {
+  for (int64_t k0 = doc_start(f, b, q0) / kDqKeys * kDqKeys; k0 < kend; k0 += kDqKeys) {
     __syncthreads();
     load_tile<D>(sk, kp + k0 * ld, ld, T - k0, kDqKeys, f.hd, f.vec);
     load_tile<D>(sv, vp + k0 * ld, ld, T - k0, kDqKeys, f.hd, f.vec);
@@ -308,7 +319,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int n = 0; n < kDqKeys / 8; ++n) {
       mma::zero(s[n]);
       mma::zero(dp[n]);
-      if (k0 + n * 8 > wrow + 15) continue;
+      if (k0 + n * 8 > wrow + 15 || k0 + n * 8 + 7 < dw) continue;
 #pragma unroll
       for (int kk = 0; kk < KD; ++kk) {
         mma::mma(s[n], qf[kk], b_rows(sk, S, n * 8, kk * 16, g, t));
@@ -320,12 +331,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int64_t key = k0 + n * 8 + 2 * t + (i & 1), row = i < 2 ? r0 : r1;
-        const float p = visible(row, key, T) ? expf(s[n].x[i] * f.scale - (i < 2 ? L0 : L1)) : 0.0f;
+        const float p = visible(row, key, T, i < 2 ? d0 : d1) ? expf(s[n].x[i] * f.scale - (i < 2 ? L0 : L1)) : 0.0f;
         s[n].x[i] = p * (dp[n].x[i] - (i < 2 ? D0 : D1));  // dS
       }
 #pragma unroll
     for (int j = 0; j < kDqKeys / 16; ++j) {
-      if (k0 + j * 16 > wrow + 15) continue;
+      if (k0 + j * 16 > wrow + 15 || k0 + j * 16 + 15 < dw) continue;
       const FragA da = mma::a_from_c(s[2 * j], s[2 * j + 1]);
 #pragma unroll
       for (int n = 0; n < NT; ++n) mma::mma(dq[n], da, b_cols(sk, S, j * 16, n * 8, g, t));
@@ -352,6 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint16_t* sd = sq + kDkvQueries * S;
   float* sL = reinterpret_cast<float*>(sd + kDkvQueries * S);
   float* sD = sL + kDkvQueries;
+  int32_t* sS = reinterpret_cast<int32_t*>(sD + kDkvQueries);  // the query tile's document starts
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t b = blockIdx.z, kvh = blockIdx.y, k0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   const int64_t T = f.T, ld = f.ld, od = f.nh * f.hd, group = f.nh / f.nkv;
@@ -372,6 +384,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* Lr = lse + (b * f.nh + h) * T;
     const float* Dr = Dd + (b * f.nh + h) * T;
     for (int64_t q0 = k0; q0 < T; q0 += kDkvQueries) {
+      // Document masking: this query tile and every later one start after the block's last key.
+      if (doc_start(f, b, q0) >= k0 + kRowsPerBlock) break;
       __syncthreads();  // the K / V tiles are loaded; the previous query tile is done
       load_tile<D>(sq, qp + q0 * ld, ld, T - q0, kDkvQueries, f.hd, f.vec && od % 8 == 0);
       load_tile<D>(sd, dp_src + q0 * od, od, T - q0, kDkvQueries, f.hd, f.vec && od % 8 == 0);
@@ -379,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t q = q0 + threadIdx.x;
         sL[threadIdx.x] = q < T ? Lr[q] : 0.0f;
         sD[threadIdx.x] = q < T ? Dr[q] : 0.0f;
+        sS[threadIdx.x] = static_cast<int32_t>(doc_start(f, b, q));
       }
       __syncthreads();
       // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys by the tile's 32 queries.
@@ -405,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < 4; ++i) {
           const int qi = n * 8 + 2 * t + (i & 1);
           const int64_t query = q0 + qi, key = i < 2 ? c0 : c1;
-          const float p = visible(query, key, T) ? expf(s[n].x[i] * f.scale - sL[qi]) : 0.0f;
+          const float p = visible(query, key, T, sS[qi]) ? expf(s[n].x[i] * f.scale - sL[qi]) : 0.0f;
           s[n].x[i] = p;
           dp[n].x[i] = p * (dp[n].x[i] - sD[qi]);  // dS^T
         }
@@ -439,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 constexpr size_t fwd_smem(int D) { return static_cast<size_t>(2 * kFwdKeys * (D + 8)) * 2; }
 constexpr size_t dq_smem(int D) { return static_cast<size_t>(2 * kDqKeys * (D + 8)) * 2; }
 constexpr size_t dkv_smem(int D) {
-  return static_cast<size_t>(2 * (kRowsPerBlock + kDkvQueries) * (D + 8)) * 2 + 2 * kDkvQueries * sizeof(float);
+  return static_cast<size_t>(2 * (kRowsPerBlock + kDkvQueries) * (D + 8)) * 2 + 3 * kDkvQueries * sizeof(float);
 }
 
 template <class K>
@@ -450,10 +465,10 @@ void allow_smem(K kernel, size_t bytes, const char* fn) {
                     fn);
 }
 
-FlashArgs flash_args(const bf16* qkv, const attn::Geo& g) {
+FlashArgs flash_args(const bf16* qkv, const attn::Geo& g, const int32_t* doc_start) {
   const int64_t D = (g.hd + 15) / 16 * 16;
   const bool vec = g.hd == D && g.hd % 8 == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
-  return FlashArgs{reinterpret_cast<const uint16_t*>(qkv), g.B, g.T, g.nh, g.nkv, g.hd, g.ld, g.scale, vec};
+  return FlashArgs{reinterpret_cast<const uint16_t*>(qkv), g.B, g.T, g.nh, g.nkv, g.hd, g.ld, g.scale, vec, doc_start};
 }
 
 dim3 flash_grid(int64_t T, int64_t heads, int64_t B) {
@@ -486,7 +501,7 @@ int flash_kd(int64_t hd) { return hd >= 1 && hd <= kFlashMaxHeadDim ? static_cas
 }  // namespace
 
 void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                            int64_t hd) {
+                            int64_t hd, const int32_t* doc_start) {
   const attn::Geo g = attn::geo(B, T, nh, nkv, hd, "attention_forward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int kd = flash_kd(hd);
@@ -494,10 +509,10 @@ void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, 
     const int64_t n = B * T * g.ld;
     float* q32 = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n) * sizeof(float)));
     cast_bf16_to_f32(q32, qkv, n);
-    attention_forward(out, lse, q32, B, T, nh, nkv, hd, nullptr);
+    attention_forward(out, lse, q32, B, T, nh, nkv, hd, doc_start);
     return;
   }
-  const FlashArgs f = flash_args(qkv, g);
+  const FlashArgs f = flash_args(qkv, g, doc_start);
   switch (kd) {
     case 1: fwd<1>(out, lse, f); break;
     case 2: fwd<2>(out, lse, f); break;
@@ -511,7 +526,7 @@ void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, 
 }
 
 void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out, const float* lse,
-                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t* doc_start) {
   const attn::Geo g = attn::geo(B, T, nh, nkv, hd, "attention_backward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int64_t no = B * T * nh * hd;
@@ -523,10 +538,10 @@ void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, co
     float* buf = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n + no) * sizeof(float)));
     cast_bf16_to_f32(buf, qkv, n);
     cast_bf16_to_f32(buf + n, dob, no);
-    attention_backward(dqkv, buf + n, buf, out, lse, B, T, nh, nkv, hd, nullptr);
+    attention_backward(dqkv, buf + n, buf, out, lse, B, T, nh, nkv, hd, doc_start);
     return;
   }
-  const FlashArgs f = flash_args(qkv, g);
+  const FlashArgs f = flash_args(qkv, g, doc_start);
   float* Dd = static_cast<float*>(scratch(kScratchTmp, static_cast<size_t>(B * nh * T) * sizeof(float)));
   const uint16_t* db = reinterpret_cast<const uint16_t*>(dob);
   MT_LAUNCH(flash_delta_k, attn::warp_blocks(B * nh * T), 32 * attn::kWarpsPerBlock, 0, stream())(Dd, db, out, f);

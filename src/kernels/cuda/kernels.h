@@ -114,16 +114,18 @@ void rope_backward_pos(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nk
 // kFlashMaxHeadDim; larger head dims run attention.cu's kernels on the same bf16 values.
 constexpr int64_t kFlashMaxHeadDim = 128;
 void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                            int64_t hd);
+                            int64_t hd, const int32_t* doc_start);
 void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out, const float* lse,
-                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd);
+                             int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t* doc_start);
 
 // block_attention.cu (context parallelism: cpu/attention_block.h)
 void attention_block_forward(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
-                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first);
+                             int64_t nh, int64_t nkv, int64_t hd, int64_t chunks, const int8_t* modes, bool first,
+                             const int32_t* doc_start, const int32_t* key_start);
 void attention_block_backward(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                               const float* out, const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                              int64_t hd, int64_t chunks, const int8_t* modes);
+                              int64_t hd, int64_t chunks, const int8_t* modes, const int32_t* doc_start,
+                              const int32_t* key_start);
 
 // positions.cu (cpu/attention_block.h): learned positions at explicit positions, column adds
 void position_add_pos(float* x, const float* table, const int32_t* pos, int64_t R, int64_t T, int64_t row0,

@@ -1,5 +1,7 @@
 #include "model/layers/attention.h"
 
+#include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "kernels/backend.h"
@@ -82,7 +84,7 @@ void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& 
     cp_forward(a, ts);
   } else if (flash_) {  // q, k, v rounded to bf16 (kept for the backward); out and lse fp32
     store_compute(kt_, a.qkv_bf, qkv, N * QKV);
-    kt_->attention_forward_bf16(a.atty.f32(), a.lse.f32(), a.qkv_bf.bf(), ts.B, ts.T, nh, nkv, hd);
+    kt_->attention_forward_bf16(a.atty.f32(), a.lse.f32(), a.qkv_bf.bf(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   } else {
     kt_->attention_forward(a.atty.f32(), a.lse.f32(), qkv, ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   }
@@ -103,11 +105,28 @@ const float* Attention::backward(LayerParams& P, const BlockParams& p, BlockActi
   if (cp_)
     cp_backward(a, datty, dqkv, ts);
   else if (flash_)
-    kt_->attention_backward_bf16(dqkv, datty, a.qkv_bf.bf(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd);
+    kt_->attention_backward_bf16(dqkv, datty, a.qkv_bf.bf(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd,
+                                 ts.doc_start);
   else
     kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   rope(dqkv, ts, true);
   return ColumnParallelLinear(tpc_, C).backward(a.ln1, {{dqkv, P.qkv_weight(p, QKV, true)}}, dnorm);
+}
+
+void Attention::cp_modes(int src, TokenShape ts, int8_t modes[4], int32_t key_start[2]) const {
+  const int n = cp_->size(), r = cp_->rank();
+  cp_block_modes(r, src, modes);
+  const int64_t c = ts.T / 2;
+  key_start[0] = static_cast<int32_t>(src * c);
+  key_start[1] = static_cast<int32_t>((2 * static_cast<int64_t>(n) - 1 - src) * c);
+  if (!ts.doc_start_host) return;
+  for (int a = 0; a < 2; ++a) {  // the earliest document start of query chunk a (every sequence)
+    int64_t first = std::numeric_limits<int64_t>::max();
+    for (int64_t b = 0; b < ts.B; ++b)
+      for (int64_t t = a * c; t < (a + 1) * c; ++t) first = std::min<int64_t>(first, ts.doc_start_host[b * ts.T + t]);
+    for (int k = 0; k < 2; ++k)
+      if (first >= key_start[k] + c) modes[a * 2 + k] = 0;  // every key before every query's document
+  }
 }
 
 // Ring attention (forward): step s computes this rank's queries against the key / value block of
@@ -118,15 +137,16 @@ void Attention::cp_forward(BlockActivations& a, TokenShape ts) {
   const int64_t QKV = (nh + 2 * nkv) * hd, KVW = 2 * nkv * hd;
   const int n = cp_->size(), r = cp_->rank();
   int8_t modes[4];
+  int32_t ks[2];
   if (cp_allgather_) {
     float* all = ws_.kv_all.f32();
     kt_->copy_columns(all + r * N * KVW, a.qkv.f32(), N, QKV, nh * hd, KVW);
     cp_->all_gather(all + r * N * KVW, all, N * KVW);
     for (int s = 0; s < n; ++s) {
       const int src = (r - s + n) % n;
-      cp_block_modes(r, src, modes);
+      cp_modes(src, ts, modes, ks);
       kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), all + src * N * KVW, B, T, nh, nkv, hd, 2,
-                                   modes, s == 0);
+                                   modes, s == 0, ts.doc_start, ks);
     }
     return;
   }
@@ -136,8 +156,9 @@ void Attention::cp_forward(BlockActivations& a, TokenShape ts) {
   for (int s = 0; s < n; ++s) {
     const int h = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKv) : -1;
     const int src = (r - s + n) % n;
-    cp_block_modes(r, src, modes);
-    kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), cur, B, T, nh, nkv, hd, 2, modes, s == 0);
+    cp_modes(src, ts, modes, ks);
+    kt_->attention_block_forward(a.atty.f32(), a.lse.f32(), a.qkv.f32(), cur, B, T, nh, nkv, hd, 2, modes, s == 0,
+                                 ts.doc_start, ks);
     if (h >= 0) {
       cp_->wait(h);
       std::swap(cur, nxt);
@@ -161,6 +182,7 @@ void Attention::cp_backward(BlockActivations& a, const float* datty, float* dqkv
   const size_t block_bytes = static_cast<size_t>(N * KVW) * sizeof(float);
   const int n = cp_->size(), r = cp_->rank();
   int8_t modes[4];
+  int32_t ks[2];
   float* cur = ws_.kv_cur.f32();
   float* nxt = ws_.kv_next.f32();
   float* dacc = ws_.dkv_acc.f32();  // gradient of the block held now, accumulated along the ring
@@ -175,11 +197,11 @@ void Attention::cp_backward(BlockActivations& a, const float* datty, float* dqkv
     }
     hkv = s + 1 < n ? cp_->start_ring_exchange(cur, nxt, N * KVW, kTagKvBackward) : -1;
     const int src = (r - s + n) % n;
-    cp_block_modes(r, src, modes);
+    cp_modes(src, ts, modes, ks);
     float* into = s == 1 ? dacc : dloc;
     dev::zero(dev_, into, block_bytes);
     kt_->attention_block_backward(dqkv, into, datty, a.qkv.f32(), cur, a.atty.f32(), a.lse.f32(), B, T, nh, nkv, hd, 2,
-                                  modes);
+                                  modes, ts.doc_start, ks);
     if (s == 0) {  // this rank's own block: its own queries' part stays here
       kt_->add_columns(dqkv, dloc, N, QKV, nh * hd, KVW);
       continue;
@@ -202,6 +224,7 @@ void Attention::cp_backward_allgather(BlockActivations& a, const float* datty, f
   const size_t block_bytes = static_cast<size_t>(N * KVW) * sizeof(float);
   const int n = cp_->size(), r = cp_->rank();
   int8_t modes[4];
+  int32_t ks[2];
   float* all = ws_.kv_all.f32();  // shared by the layers: gathered again
   float* dall = ws_.dkv_all.f32();
   kt_->copy_columns(all + r * N * KVW, a.qkv.f32(), N, QKV, nh * hd, KVW);
@@ -209,9 +232,9 @@ void Attention::cp_backward_allgather(BlockActivations& a, const float* datty, f
   dev::zero(dev_, dall, static_cast<size_t>(n) * block_bytes);
   for (int s = 0; s < n; ++s) {
     const int src = (r - s + n) % n;
-    cp_block_modes(r, src, modes);
+    cp_modes(src, ts, modes, ks);
     kt_->attention_block_backward(dqkv, dall + src * N * KVW, datty, a.qkv.f32(), all + src * N * KVW, a.atty.f32(),
-                                  a.lse.f32(), B, T, nh, nkv, hd, 2, modes);
+                                  a.lse.f32(), B, T, nh, nkv, hd, 2, modes, ts.doc_start, ks);
   }
   cp_->reduce_scatter_sum(dall, ws_.dkv_mine.f32(), N * KVW);
   kt_->add_columns(dqkv, ws_.dkv_mine.f32(), N, QKV, nh * hd, KVW);

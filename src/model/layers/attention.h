@@ -29,7 +29,10 @@ struct TokenShape {
   const int32_t* pos = nullptr;
   bool pos_per_token = false;
   // Document masking (device, [B*T]): query t of a row sees keys doc_start[t] .. t only; null = causal.
+  // Under context parallelism the starts are global positions in the full sequence (the local
+  // tokens' documents may begin on another cp rank); doc_start_host is the same on the host.
   const int32_t* doc_start = nullptr;
+  const int32_t* doc_start_host = nullptr;
 };
 
 class Attention {
@@ -58,6 +61,10 @@ class Attention {
   void cp_forward(BlockActivations& a, TokenShape s);
   void cp_backward(BlockActivations& a, const float* datty, float* dqkv, TokenShape s);
   void cp_backward_allgather(BlockActivations& a, const float* datty, float* dqkv, TokenShape s);
+  // The chunk pair modes of this rank's queries against rank src's keys, and (document masking)
+  // the global positions of src's two key chunks; pairs whose keys all lie before every query's
+  // document are skipped (mode 0).
+  void cp_modes(int src, TokenShape s, int8_t modes[4], int32_t key_start[2]) const;
 
   const ModelConfig& cfg_;
   DType compute_;

@@ -38,11 +38,12 @@ void Embedding::backward(const float* dx, const int32_t* ids, float* dwte, float
   }
   if (extra) kt_->accumulate(dwte, extra, vocab_rows_ * C);
   if (dwpe && ts.pos && ts.pos_per_token) {
-    // One call per document (its positions 0, 1, .. are distinct, so no two of a call's tokens add
-    // into the same table row at once).
+    // One call per run of consecutive positions (a document, or under context parallelism the part
+    // of one in a chunk): its positions are distinct, so no two of a call's tokens add into the
+    // same table row at once.
     for (int64_t i = 0; i < N;) {
       int64_t j = i + 1;
-      while (j < N && j % T != 0 && ts.pos[j] != 0) ++j;
+      while (j < N && j % T != 0 && ts.pos[j] == ts.pos[j - 1] + 1) ++j;
       kt_->position_backward_pos(dwpe, dall + i * C, ts.pos + i, 1, j - i, C);
       i = j;
     }
