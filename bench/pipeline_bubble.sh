@@ -12,9 +12,17 @@
 # per step (ms) is the measured idle share times the step time. --runs N repeats every
 # configuration N times, the schedules alternating (the table gives the medians).
 #
+# Per stage it also reports what the executor's timers measured for one micro-batch: the forward
+# (F), the backward or, under a split schedule, its input-gradient part (B), and the weight
+# gradients (W), in wall time and in the compute thread's CPU time (which leaves out the waits for
+# a core on a loaded machine), and the schedule's simulated bubble with the CPU-time costs
+# ("costed"). A schedule
+# written NAME:c (zb1p:c, zbv:c) is built for the costs given with --costs F,B,W
+# (--parallel.pp_costs; e.g. the relative F/B/W that a plain zb1p run measured).
+#
 # usage: bench/pipeline_bubble.sh [--steps 4] [--ranks "2 4"] [--micro "4 8 16"] [--runs 1]
 #                                 [--scheds "gpipe 1f1b interleaved_1f1b zb1p zbv"] [--build DIR]
-#                                 [--bind core] [--data DIR] [--out DIR]
+#                                 [--bind core] [--costs F,B,W] [--data DIR] [--out DIR]
 # --bind core (default) pins each rank to a core of its own (mpirun --bind-to core) when there are
 # at least p cores; --bind none, or p above the core count, leaves placement to the OS. p = 4 runs
 # 4 processes; on a machine with fewer cores than that they share cores (the table records the
@@ -28,10 +36,11 @@ MICRO="4 8 16"
 SCHEDS="gpipe 1f1b interleaved_1f1b zb1p zbv"
 RUNS=1
 BIND=core
+COSTS=
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
-bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS --bind BIND
+bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS --bind BIND --costs COSTS
 bench_parse "$@"
 bench_out pp_bubble
 bench_setup "$BUILD" "$DATA"
@@ -48,12 +57,17 @@ for run in $(seq 1 "$RUNS"); do
       for sched in $SCHEDS; do  # innermost: the schedules alternate on the same load
         v=1
         [[ $sched == interleaved_1f1b ]] && v=2
-        tag=p${p}_${sched}_m${m}_r$run
+        extra=()
+        if [[ $sched == *:c ]]; then
+          [[ -n $COSTS ]] || { echo "pipeline_bubble.sh: $sched needs --costs F,B,W" >&2; exit 2; }
+          extra=(--parallel.pp_costs "$COSTS")
+        fi
+        tag=p${p}_${sched/:/_}_m${m}_r$run
         bind=$BIND
         ((p > $(nproc))) && bind=none
         bench_run "$tag" mpirun -np "$p" --oversubscribe --bind-to "$bind" -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
-          --parallel.pp "$p" --parallel.pp_schedule "$sched" --parallel.pp_virtual_stages "$v" \
-          --train.grad_accum "$m"
+          --parallel.pp "$p" --parallel.pp_schedule "${sched%:c}" --parallel.pp_virtual_stages "$v" \
+          --train.grad_accum "$m" "${extra[@]}"
       done
     done
   done
@@ -62,21 +76,28 @@ done
 python3 - "$OUT" "$RANKS" "$MICRO" "$SCHEDS" "$RUNS" <<'EOF'
 import json, statistics, sys
 out, ranks, micro, scheds, runs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split(), int(sys.argv[5])
-print("\n| p | schedule | m | measured idle share | predicted | idle ms per step | step ms | tokens/s | peak activation slots (rank 0) |")
-print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+print("\n| p | schedule | m | measured idle share | predicted | costed | idle ms per step | step ms | tokens/s | peak activation slots (rank 0) | F / B / W ms per stage (wall) | F / B / W CPU ms per stage |")
+print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
 for p in ranks:
     for m in micro:
         for s in scheds:
-            idle, idle_ms, steps, tpss = [], [], [], []
+            idle, idle_ms, steps, tpss, costed, stage, cpu = [], [], [], [], [], [], []
             for r in range(1, runs + 1):
-                recs = [json.loads(l) for l in open(f"{out}/p{p}_{s}_m{m}_r{r}.jsonl") if l.strip()]
+                recs = [json.loads(l) for l in open(f"{out}/p{p}_{s.replace(':', '_')}_m{m}_r{r}.jsonl") if l.strip()]
                 fin = [x for x in recs if x.get("final")][0]
                 st = [x for x in recs if not x.get("final")][1:]
                 step = statistics.median(x["step_ms"] for x in st)
                 idle.append(fin["pp_bubble"]); idle_ms.append(fin["pp_bubble"] * step); steps.append(step)
                 tpss.append(statistics.median(x["tokens_per_s"] for x in st))
+                costed.append(fin.get("pp_bubble_costed", 0.0))
+                stage.append(fin.get("pp_stage_ms", []))
+                cpu.append(fin.get("pp_stage_cpu_ms", []))
+            def fbw(st):
+                return "; ".join("/".join(f"{statistics.median(run[i][k] for run in st):.1f}" for k in "FBW")
+                                 for i in range(len(st[0])))
             name = s + (" (v=2)" if s.startswith("inter") else "")
             print(f"| {p} | {name} | {m} | {100*statistics.median(idle):.1f}% | {100*fin['pp_bubble_formula']:.1f}% | "
+                  f"{100*statistics.median(costed):.1f}% | "
                   f"{statistics.median(idle_ms):.1f} | {statistics.median(steps):.0f} | {statistics.median(tpss):.0f} | "
-                  f"{fin['pp_peak_activation_slots']} |")
+                  f"{fin['pp_peak_activation_slots']} | {fbw(stage)} | {fbw(cpu)} |")
 EOF

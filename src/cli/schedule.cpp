@@ -19,7 +19,7 @@ namespace {
 const char* kScheduleHelp =
     "usage: meshtrain schedule --pp P --microbatches M [--schedule NAME] [--virtual-stages V]\n"
     "                          [--comm eager|batched] [--show-comm] [--list] [--no-table]\n"
-    "                          [--t-fwd X] [--t-bwd Y] [--t-comm Z]\n"
+    "                          [--t-fwd X] [--t-bwd Y] [--t-comm Z] [--costs F,B,W]\n"
     "\n"
     "Builds a pipeline-parallel schedule, prints it as a table (one column per rank, one row\n"
     "per time slot), checks it and compares its simulated bubble with the formula.\n"
@@ -52,6 +52,11 @@ const char* kScheduleHelp =
     "  --t-bwd Y             backward time, same units (default 2); a split backward's B and W\n"
     "                        take Y/2 each\n"
     "  --t-comm Z            latency of one send (default 0); sends do not block the sender\n"
+    "  --costs F,B,W         zb1p / zbv: one micro-batch's forward, input gradient and weight\n"
+    "                        gradient on one stage (e.g. measured: a run's pp_stage_ms); the\n"
+    "                        schedule is built for them (zb1p: list-scheduled under its memory\n"
+    "                        limit instead of the fixed ZB-H1 order) and the bubble simulated\n"
+    "                        with them (t_fwd = V*F, t_bwd = V*(B+W); not with --t-fwd/--t-bwd)\n"
     "  --help                this text\n"
     "\n"
     "Table entries: F3.1 / B3.1 = forward / backward of micro-batch 3 on stage 1 (both from 0),\n"
@@ -80,11 +85,12 @@ int run_schedule_command(int argc, char** argv) {
     std::fputs(kScheduleHelp, stdout);
     return 0;
   }
-  ArgParser ap({"pp", "microbatches", "schedule", "virtual-stages", "t-fwd", "t-bwd", "t-comm", "comm"},
+  ArgParser ap({"pp", "microbatches", "schedule", "virtual-stages", "t-fwd", "t-bwd", "t-comm", "comm", "costs"},
                {"show-comm", "list", "no-table", "help"});
   std::string name;
   int pp = 0, m = 0, v = 1;
-  double tf = 1, tb = 2, tc = 0;
+  double tf = 1, tb = 2, tc = 0, w_share = 0.5;
+  StageCosts costs;
   CommPlacement placement = CommPlacement::Eager;
   try {
     ap.parse(argc, argv, 1);
@@ -111,12 +117,25 @@ int run_schedule_command(int argc, char** argv) {
     if (!(tf > 0) || !(tb > 0) || !(tc >= 0) || !std::isfinite(tf) || !std::isfinite(tb) ||
         !std::isfinite(tc))
       return bad_usage("--t-fwd and --t-bwd must be > 0 and --t-comm >= 0");
+    if (ap.has("costs")) {
+      if (ap.has("t-fwd") || ap.has("t-bwd")) return bad_usage("--costs sets the times: leave out --t-fwd and --t-bwd");
+      double x[3];
+      char tail = 0;
+      const std::string cs = ap.get("costs");
+      if (std::sscanf(cs.c_str(), "%lf,%lf,%lf%c", &x[0], &x[1], &x[2], &tail) != 3 || !(x[0] > 0 && x[1] > 0 && x[2] > 0) ||
+          !std::isfinite(x[0] + x[1] + x[2]))
+        return bad_usage("--costs must be three positive numbers F,B,W, got '" + cs + "'");
+      costs = {x[0], x[1], x[2]};
+      tf = v * x[0];
+      tb = v * (x[1] + x[2]);
+      w_share = x[2] / (x[1] + x[2]);
+    }
   } catch (const ArgError& e) {
     return bad_usage(e.what());
   }
   PipeSchedule s;
   try {
-    s = make_schedule(name, pp, m, v, placement);
+    s = make_schedule(name, pp, m, v, placement, costs);
   } catch (const std::invalid_argument& e) {
     return bad_usage(e.what());
   }
@@ -157,13 +176,15 @@ int run_schedule_command(int argc, char** argv) {
     std::printf(")");
   }
   std::printf("\n");
-  const Timeline t = simulate_timeline(s, tf, tb, tc);
+  const Timeline t = simulate_timeline(s, tf, tb, tc, w_share);
   const BubbleFormula f = bubble_formula(s);
+  char wbuf[64] = "";
+  if (s.split_backward) std::snprintf(wbuf, sizeof wbuf, " of which W %g", w_share * tb);
   if (t.completed) {
     std::printf(
-        "bubble (t_fwd=%g, t_bwd=%g, t_comm=%g): simulated %.2f%% of the step idle (idle/compute %.4f), "
+        "bubble (t_fwd=%g, t_bwd=%g%s, t_comm=%g): simulated %.2f%% of the step idle (idle/compute %.4f), "
         "step time %g\n",
-        tf, tb, tc, 100.0 * t.bubble_fraction, t.bubble_relative, t.makespan);
+        tf, tb, wbuf, tc, 100.0 * t.bubble_fraction, t.bubble_relative, t.makespan);
     std::printf("formula %s: %.2f%% (relative %.4f)\n", f.text.c_str(), 100.0 * f.fraction, f.relative);
     std::printf("idle per rank:");
     for (int r = 0; r < s.pp; ++r) std::printf(" %g", t.idle[r]);

@@ -983,6 +983,7 @@ void Transformer::backward_weights(int first, int last) {
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_weights: bad unit range");
   for (int u = last; u >= first; --u) {
+    if (hooks_) hooks_->pre_weights(u);
     s.deferred[static_cast<size_t>(u)].run();
     if (hooks_) hooks_->post_backward(u);
   }

@@ -177,6 +177,8 @@ class Transformer : private LayerParams {
   void set_unit_weights(int u, const void* w);
   void set_unit_grads(int u, float* g);
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+  // Built for a split backward (ModelOptions::split_backward: zero-bubble pipeline schedules).
+  bool split_backward() const { return split_backward_; }
   // The gradient scale per routed token of the MoE routers' auxiliary losses (load balancing and
   // z-loss) in the forwards that follow. Those losses cover every routed token, trained or not, so
   // a loss-mask weight that rescales the cross-entropy's dloss_scale must not rescale them; unset,

@@ -13,6 +13,11 @@ class UnitHooks {
   virtual void post_forward(int unit) {}
   virtual void pre_backward(int unit) {}
   virtual void post_backward(int unit) {}
+  // A split backward (zero-bubble schedules): pre_backward(unit) opens the unit's input gradient
+  // (B), which records where its weight gradients go; pre_weights(unit) opens its weight gradients
+  // (W), run later (other micro-batches' B and W of the unit may come between), and
+  // post_backward(unit) follows the W (not the B).
+  virtual void pre_weights(int unit) {}
   // Parameter `param` (an index into params()) whose gradient is a lookup's - token rows added at
   // token ids (the token embedding): returning true takes those rows over. The backward then does
   // not add them into the gradient but hands them to sparse_grad (n token ids, [n, width] rows,

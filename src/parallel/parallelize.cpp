@@ -23,15 +23,12 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
   StagePartition partition;
   try {
     const PipelineSchedule kind = pp > 1 ? plan.schedule : PipelineSchedule::OneFOneB;
-    schedule = make_schedule(kind, pp, static_cast<int>(plan.microbatches), plan.virtual_stages);
+    schedule = make_schedule(kind, pp, static_cast<int>(plan.microbatches), plan.virtual_stages,
+                             CommPlacement::Eager, o.pp_costs);
     partition = partition_stages(mc, schedule.num_stages(), pp > 1 ? o.pp_partition : "");
   } catch (const std::invalid_argument& e) {
     throw PlanError(std::string("pipeline: ") + e.what());
   }
-  // A split backward (zb1p, zbv) adds each micro-batch's weight gradients to the unit's gradient
-  // buffer after later micro-batches' backwards have run, so a sharded strategy reduces once per
-  // step (after the last micro-batch's W) instead of after every micro-batch.
-  if (schedule.split_backward) p.spec_.reduce_every_microbatch = false;
   std::vector<char> owned;
   if (pp > 1)
     owned = stage_units_of_rank(partition, pp, g.pp_rank, static_cast<int>(mc.n_layer) + 2, schedule.vshape);
@@ -84,7 +81,16 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
   StepResult r;
   model_->zero_grads();
   r.stats = pipe_->train_step(ids, targets, B, T, dloss, comm, lengths);
-  if (plan_.pp > 1) r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
+  if (plan_.pp > 1) {
+    r.bubble = pp_sum(r.stats.idle_fraction()) / plan_.pp;
+    // Each stage runs on one pipeline rank (the others hold zeros): a sum gathers them.
+    std::vector<float> t;
+    for (const auto* v : {&r.stats.f_ms, &r.stats.b_ms, &r.stats.w_ms, &r.stats.f_cpu_ms, &r.stats.b_cpu_ms,
+                          &r.stats.w_cpu_ms})
+      for (double x : *v) t.push_back(static_cast<float>(x / static_cast<double>(n)));
+    if (groups_.pp_aux) groups_.pp_aux->all_reduce(t.data(), t.size(), DType::F32, comm::ReduceOp::Sum)->wait();
+    r.stage_ms.assign(t.begin(), t.end());
+  }
   r.loss = reduce_loss(r.stats.loss_sum, n) * loss_weight;
   if (ep_) ep_->reduce_grads(comm);
   if (device_norm_ && !ep_ && plan_.pp == 1 && plan_.tp == 1 && strategy_->grad_norm_sq_to(device_norm_, norm_weight_))

@@ -35,6 +35,7 @@ struct ParallelizeOptions {
   bool tp_overlap = true;          // input-gradient reductions overlap the weight-gradient matmuls
   int64_t loss_chunk_tokens = 0;   // chunked LM head + loss (0 = off)
   std::string pp_partition;        // the stage cut (parallel.pp_partition; empty = balanced)
+  StageCosts pp_costs;             // what zb1p / zbv are built for (parallel.pp_costs)
   bool flash_attention = false;    // bf16 q, k, v in the flash-attention kernels (model.attention_kernel)
   bool gelu_epilogue = false;      // GPT-2's MLP with the fused GELU epilogues (model.mlp_kernel)
 };
@@ -48,6 +49,10 @@ struct StepResult {
   bool grad_norm_on_device = false;
   double bubble = 0;        // pp > 1: idle share of the schedule, mean over the pipeline ranks
   PipelineStepStats stats;  // this rank's
+  // pp > 1: per stage, the mean compute time of one micro-batch's forward, B and W (ms; W zero
+  // without a split backward), from every pipeline rank: {F[0..S), B[0..S), W[0..S)}, then the
+  // same in CPU time of the compute thread.
+  std::vector<double> stage_ms;
 };
 
 class ParallelModel {

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include <ctime>
+
 #include "runtime/clock.h"
 
 namespace mt::parallel {
@@ -15,6 +17,11 @@ enum MsgKind { kAct = 0, kGrad = 1, kTiedGrad = 2, kTiedWeights = 3 };
 // Tags stay within MPI's guaranteed 15 bits: kind (2) | chunk = stage / pp (3) | micro-batch (10);
 // the pair of ranks and the direction determine the rest of the stage.
 constexpr int kMaxChunks = 8, kMaxMicrobatches = 1024;
+double thread_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
 }  // namespace
 
 // ---- executor -------------------------------------------------------------------------------
@@ -85,6 +92,10 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   // The micro-batch of a message key (tag() below).
   auto mb_of = [&](int key) { return key & 1023; };
   PipelineStepStats st;
+  st.f_ms.assign(static_cast<size_t>(S_), 0.0);
+  st.b_ms.assign(static_cast<size_t>(S_), 0.0);
+  st.w_ms.assign(static_cast<size_t>(S_), 0.0);
+  st.f_cpu_ms = st.b_cpu_ms = st.w_cpu_ms = st.w_ms;
   peak_slots_ = slots_used_;
   // Messages in flight, by (kind, micro-batch, stage): receive buffers and handles, send buffers.
   struct Msg {
@@ -151,11 +162,15 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         model_.select_slot(acquire_slot(m, s));
         const float* input = first == 0 ? nullptr : wait_recv(tag(kAct, m, s - 1));
         auto t0 = Clock::now();
+        const double c0 = thread_cpu_ms();
         // Every stage gets the ids: with document masking each stage's blocks mask by them.
         const double loss = model_.forward_units(first, last, ids[m], last == head_unit_ ? targets[m] : nullptr, input,
                                                  B, T_of(m), true, dloss);
         st.loss_sum += lengths ? loss * static_cast<double>(T_of(m)) / static_cast<double>(T) : loss;
-        st.busy_ms += ms_between(t0, Clock::now());
+        const double ms = ms_between(t0, Clock::now());
+        st.busy_ms += ms;
+        st.f_ms[static_cast<size_t>(s)] += ms;
+        st.f_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
         if (s + 1 < S_ && sched_.stage_rank(s + 1) == rank_) keep_local(tag(kAct, m, s), model_.unit_output(last));
         break;
@@ -179,8 +194,12 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         // The head's contribution to the tied embedding's gradient (received above, or with a
         // split backward before the weight gradients that add it).
         auto t0 = Clock::now();
+        const double c0 = thread_cpu_ms();
         model_.backward_units(first, last, dout, tied_in ? tied_grad_in_.f32() : nullptr, split);
-        st.busy_ms += ms_between(t0, Clock::now());
+        const double ms = ms_between(t0, Clock::now());
+        st.busy_ms += ms;
+        st.b_ms[static_cast<size_t>(s)] += ms;
+        st.b_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
         if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
         if (tied_split_ && last == head_unit_ && last_mb && !split) send_tied_grad();
         if (first != 0) {
@@ -198,8 +217,12 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         strategy_->begin_microbatch(last_mb);  // the hooks fire here, when the unit's gradients are complete
         if (tied_split_ && first == 0 && last_mb) recv_tied_grad();
         auto t0 = Clock::now();
+        const double c0 = thread_cpu_ms();
         model_.backward_weights(first, last);
-        st.busy_ms += ms_between(t0, Clock::now());
+        const double ms = ms_between(t0, Clock::now());
+        st.busy_ms += ms;
+        st.w_ms[static_cast<size_t>(s)] += ms;
+        st.w_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
         if (tied_split_ && last == head_unit_ && last_mb) send_tied_grad();
         release_slot(m, s);
         break;

@@ -36,6 +36,13 @@ struct PipelineStepStats {
   double busy_ms = 0;      // forward / backward compute
   double wait_ms = 0;      // blocked on receives (pipeline bubble and transfer)
   int peak_slots = 0;      // most micro-batch activation sets alive at once
+  // Compute time per stage (index: stage; zero for the stages of other ranks), summed over the
+  // step's micro-batches: forwards, backwards (B: the input gradient alone under a split
+  // backward, the whole backward otherwise) and weight-gradient passes (W; split backward only).
+  std::vector<double> f_ms, b_ms, w_ms;
+  // The same as the compute thread's CPU time: what the actions cost without the time the thread
+  // waited for a core (on a loaded machine the wall times above include it).
+  std::vector<double> f_cpu_ms, b_cpu_ms, w_cpu_ms;
   double idle_fraction() const { return span_ms > 0 ? 1.0 - busy_ms / span_ms : 0.0; }
 };
 

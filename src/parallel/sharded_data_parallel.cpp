@@ -26,6 +26,9 @@ struct ShardedDataParallel::UnitState {
   comm::WorkHandle reduce_work;   // reduce-scatter of `grad` (or of the flat grads for ZeRO-1)
   comm::WorkHandle replicate_work;
   bool done_backward = false;
+  // Split backward: B's whose W has not run yet. Their queued weight gradients point into `grad`,
+  // so a reduction that completes while any is pending zeroes `grad` in place instead of freeing it.
+  int pending_w = 0;
   bool replicate_after = false;   // the reduction belongs to the last micro-batch (hybrid all-reduce)
   bool keep = false;              // root unit: not resharded between forward and backward
 };
@@ -420,6 +423,25 @@ void ShardedDataParallel::pre_backward(int u) {
   ensure_gathered(u);
   for (int k = 1; k <= opts_.prefetch && u - k >= 0; ++k) gather(u - k);
   ensure_grad_buffer(u);
+  if (model_.split_backward()) {
+    ++units_[u].pending_w;
+    if (u == U - 1 && tied_) ++units_[0].pending_w;  // the head's W adds to the tied embedding's gradient
+  }
+}
+
+// A split backward's W (reduce_every_microbatch): an earlier micro-batch's W may have reduced the
+// unit's gradient since this micro-batch's B; the reduction must have ended before W adds to it.
+void ShardedDataParallel::pre_weights(int u) {
+  poll(false);
+  const int U = model_.num_units();
+  for (int v : {u, u == U - 1 && tied_ ? 0 : -1}) {
+    if (v < 0) continue;
+    UnitState& s = units_[v];
+    if (s.reduce_work) poll(false, v);
+    if (grads_sharded() && !s.grad.defined())
+      throw std::logic_error("sharded data parallel: W of unit " + std::to_string(u) + " without its gradient buffer");
+    --s.pending_w;
+  }
 }
 
 void ShardedDataParallel::post_backward(int u) {
@@ -448,15 +470,20 @@ void ShardedDataParallel::launch_reduce(int u) {
 }
 
 // The reduce-scatter of unit u has finished: fold the result into the gradient shard, free the
-// unit's full gradient, and (last micro-batch, hybrid) start the cross-replica average.
+// unit's full gradient (zero it where a split backward's pending W still points into it), and
+// (last micro-batch, hybrid) start the cross-replica average.
 void ShardedDataParallel::complete_reduce(int u) {
   UnitState& s = units_[u];
   s.reduce_work.reset();
   float* shard_grad;
   if (grads_sharded()) {
     model_.kernels().accumulate(grad_shard_.f32() + s.slocal, s.grad.f32() + r_ * s.sshard, s.sshard);
-    model_.set_unit_grads(u, nullptr);
-    s.grad = Tensor();
+    if (s.pending_w > 0) {
+      dev::zero(model_.device(), s.grad.raw(), s.grad.nbytes());
+    } else {
+      model_.set_unit_grads(u, nullptr);
+      s.grad = Tensor();
+    }
     shard_grad = grad_shard_.f32() + s.slocal;
   } else {
     shard_grad = model_.grads().f32() + s.spos + r_ * s.sshard;

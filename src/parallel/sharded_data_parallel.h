@@ -83,6 +83,7 @@ class ShardedDataParallel : public UnitHooks {
   void post_forward(int unit) override;
   void pre_backward(int unit) override;
   void post_backward(int unit) override;
+  void pre_weights(int unit) override;
   // After each micro-batch's backward: on the last one, waits for every reduction (and throws,
   // naming the units, if backward skipped any).
   ShardStepStats finish_backward();

@@ -46,6 +46,9 @@ class TracingHooks final : public UnitHooks {
   void post_forward(int u) override;
   void pre_backward(int u) override;
   void post_backward(int u) override;
+  void pre_weights(int u) override {
+    if (inner_) inner_->pre_weights(u);
+  }
   bool takes_sparse_grad(int p) override { return inner_ && inner_->takes_sparse_grad(p); }
   void sparse_grad(int p, const int32_t* ids, const float* rows, int64_t n) override {
     inner_->sparse_grad(p, ids, rows, n);

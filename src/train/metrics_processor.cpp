@@ -112,7 +112,11 @@ StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, 
   data_ms_total_ += data_ms;
   cp_comm_ms_total_ += cp_ms;
   cp_exposed_ms_total_ += cp_exposed;
-  if (plan_.pp > 1) bubble_sum_ += r.bubble;
+  if (plan_.pp > 1) {
+    bubble_sum_ += r.bubble;
+    if (stage_ms_sum_.size() != r.stage_ms.size()) stage_ms_sum_.assign(r.stage_ms.size(), 0.0);
+    for (size_t i = 0; i < r.stage_ms.size(); ++i) stage_ms_sum_[i] += r.stage_ms[i];
+  }
   comm_ms_total_ += cs.comm_ms;
   exposed_ms_total_ += cs.exposed_ms;
   if (mc_.moe()) {
@@ -244,6 +248,30 @@ void MetricsProcessor::print_memory(const MemStats& ms) const {
                 format_bytes(parallel::zero_paper_bytes(plan_.strategy, F, groups_.shard->size())).c_str());
 }
 
+std::vector<std::array<double, 3>> MetricsProcessor::stage_costs(bool cpu) const {
+  std::vector<std::array<double, 3>> c;
+  const size_t S = stage_ms_sum_.size() / 6, o = cpu ? 3 * S : 0;
+  if (!tps_n_ || !S) return c;
+  for (size_t s = 0; s < S; ++s)
+    c.push_back({stage_ms_sum_[o + s] / tps_n_, stage_ms_sum_[o + S + s] / tps_n_, stage_ms_sum_[o + 2 * S + s] / tps_n_});
+  return c;
+}
+
+double MetricsProcessor::costed_bubble() const {
+  // The simulation gives every stage the same costs: the mean over the stages, scaled to one
+  // rank's share (v stages), with W's share of the backward as measured (CPU time: what the work
+  // costs, whatever else ran on the cores).
+  const auto c = stage_costs(true);
+  if (c.empty()) return 0.0;
+  double f = 0, b = 0, w = 0;
+  for (const auto& x : c) f += x[0], b += x[1], w += x[2];
+  const double v = pm_.schedule().virtual_stages, S = static_cast<double>(c.size());
+  if (f <= 0 || b + w <= 0) return 0.0;
+  const parallel::PipeSchedule& s = pm_.schedule();
+  return parallel::simulate_timeline(s, f * v / S, (b + w) * v / S, 0.0, s.split_backward ? w / (b + w) : 0.5)
+      .bubble_fraction;
+}
+
 void MetricsProcessor::print_run_summary() const {
   const bool pp = plan_.pp > 1;
   const double bubble_formula = parallel::bubble_formula(pm_.schedule()).fraction;
@@ -264,6 +292,13 @@ void MetricsProcessor::print_run_summary() const {
                 "formula %s = %.1f%%; peak activation slots on rank 0: %d\n",
                 100.0 * bubble_sum_ / tps_n_, parallel::bubble_formula(pm_.schedule()).text.c_str(), 100.0 * bubble_formula,
                 peak_slots_);
+  if (pp && tps_n_) {
+    std::printf("pipeline stage costs per micro-batch (ms, F / B / W; wall, CPU time):");
+    const auto c = stage_costs(), u = stage_costs(true);
+    for (size_t i = 0; i < c.size(); ++i)
+      std::printf(" stage %zu %.2f / %.2f / %.2f, %.2f / %.2f / %.2f;", i, c[i][0], c[i][1], c[i][2], u[i][0], u[i][1], u[i][2]);
+    std::printf(" simulated bubble with the CPU-time costs %.1f%%\n", 100.0 * costed_bubble());
+  }
   if (world_ > 1) {
     // Exposed time is measured on the compute thread (waits), communication time on the
     // communication threads; on tiny runs the waits include queueing and can exceed it.
@@ -337,6 +372,13 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
     fin["pp_bubble"] = tps_n_ ? bubble_sum_ / tps_n_ : 0.0;
     fin["pp_bubble_formula"] = bubble_formula;
     fin["pp_peak_activation_slots"] = peak_slots_;
+    nlohmann::json costs = nlohmann::json::array();
+    for (const auto& x : stage_costs()) costs.push_back({{"F", x[0]}, {"B", x[1]}, {"W", x[2]}});
+    fin["pp_stage_ms"] = costs;  // per stage: mean ms of one micro-batch's forward, B and W
+    nlohmann::json cpu = nlohmann::json::array();
+    for (const auto& x : stage_costs(true)) cpu.push_back({{"F", x[0]}, {"B", x[1]}, {"W", x[2]}});
+    fin["pp_stage_cpu_ms"] = cpu;  // the same in the compute thread's CPU time
+    fin["pp_bubble_costed"] = costed_bubble();
     fin["pp_stages"] = pm_.partition().describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;

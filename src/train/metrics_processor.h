@@ -93,6 +93,11 @@ class MetricsProcessor {
   double cp_comm_ms_total_ = 0, cp_exposed_ms_total_ = 0;
   int64_t tps_n_ = 0;
   int peak_slots_ = 0;
+  std::vector<double> stage_ms_sum_;  // pp > 1: StepResult::stage_ms summed over the counted steps
+  // The mean per-micro-batch costs {F, B, W} of each stage (wall time, or the compute thread's CPU
+  // time) and the schedule's simulated bubble with the CPU-time costs (pp > 1, after a counted step).
+  std::vector<std::array<double, 3>> stage_costs(bool cpu = false) const;
+  double costed_bubble() const;
   std::array<int64_t, kNumMemCategories> resident_{};
   // Mixture of experts: imbalance, all-to-all bytes and ms, the last aux loss, dropped choices.
   double moe_imb_sum_ = 0, a2a_ms_sum_ = 0, moe_aux_last_ = 0;

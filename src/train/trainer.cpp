@@ -268,6 +268,7 @@ parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt,
   po.tp_overlap = cfg.parallel.tp_overlap;
   po.loss_chunk_tokens = tc.loss_chunk_tokens;
   po.pp_partition = cfg.parallel.pp_partition;
+  po.pp_costs = cfg.pp_stage_costs();
   po.flash_attention = flash;
   po.gelu_epilogue = fused_mlp;
   po.spec.variable_lengths = !cfg.data.packing;

@@ -1,10 +1,12 @@
 // `meshtrain schedule` (cli/schedule.cpp): the table, the check, peaks and bubble; bad flags.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
+#include "parallel/layout/pipeline_schedule.h"
 
 namespace {
 
@@ -64,12 +66,35 @@ TEST(ScheduleCommand, BadFlagsExitTwo) {
   EXPECT_EQ(run({"schedule", "--pp", "99999999999", "--microbatches", "8"}, &out), 2);
 }
 
+// --costs: the zero-bubble schedule built for the stage costs and simulated with them (the numbers
+// the library gives for the same schedule and times); bad costs exit 2.
+TEST(ScheduleCommand, CostsBuildAndSimulateTheZeroBubbleSchedules) {
+  namespace pl = mt::parallel;
+  std::string out;
+  EXPECT_EQ(run({"schedule", "--pp", "2", "--microbatches", "8", "--schedule", "zbv", "--costs", "1,1.3,0.7", "--list"},
+                &out),
+            0);
+  const pl::PipeSchedule s = pl::make_schedule("zbv", 2, 8, 2, pl::CommPlacement::Eager, {1, 1.3, 0.7});
+  const double b = pl::simulate_timeline(s, 2.0, 4.0, 0.0, 0.35).bubble_fraction;
+  char want[64];
+  std::snprintf(want, sizeof want, "simulated %.2f%%", 100.0 * b);
+  EXPECT_TRUE(contains(out, "t_fwd=2, t_bwd=4 of which W 1.4")) << out;
+  EXPECT_TRUE(contains(out, want)) << want << "\n" << out;
+  EXPECT_TRUE(contains(out, pl::format_actions(s))) << out;
+  EXPECT_EQ(run({"schedule", "--pp", "2", "--microbatches", "8", "--schedule", "zbv", "--costs", "1,0,1"}, &out), 2);
+  EXPECT_TRUE(contains(out, "--costs must be three positive numbers F,B,W")) << out;
+  EXPECT_EQ(run({"schedule", "--pp", "2", "--microbatches", "8", "--schedule", "zb1p", "--costs", "1,1,1", "--t-fwd", "2"},
+                &out),
+            2);
+  EXPECT_TRUE(contains(out, "leave out --t-fwd and --t-bwd")) << out;
+}
+
 TEST(ScheduleCommand, Help) {
   std::string out;
   EXPECT_EQ(run({"schedule", "--help"}, &out), 0);
   EXPECT_TRUE(contains(out, "usage: meshtrain schedule")) << out;
   for (const char* flag : {"--pp", "--microbatches", "--schedule", "--virtual-stages", "--show-comm",
-                           "--comm", "--list", "--no-table", "--t-fwd", "--t-bwd", "--t-comm", "exit status"})
+                           "--comm", "--list", "--no-table", "--t-fwd", "--t-bwd", "--t-comm", "--costs", "exit status"})
     EXPECT_TRUE(contains(out, flag)) << flag;
   EXPECT_EQ(run({"schedule", "-h"}, &out), 0);
 }

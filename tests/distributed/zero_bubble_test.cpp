@@ -16,6 +16,8 @@ namespace mt {
 namespace {
 
 constexpr double kLossTol = 1e-5, kWeightTol = 2e-5;  // the pipeline parity tests' tolerances
+constexpr double kBf16LossTol = 2e-2, kBf16WeightTol = 1e-2;
+constexpr double kMoeLossTol = 2e-5, kMoeWeightTol = 5e-5;  // the MoE parity tests' (router top-k sums)
 
 using ZeroBubble = ParityFixture;
 
@@ -76,6 +78,74 @@ TEST_F(ZeroBubble, ComposedWithEveryDataParallelStrategyAndTp) {
                train(4, 2, 4, "tpsp",
                      "--parallel.pp 2 --parallel.pp_schedule zbv --parallel.tp 2 --parallel.sequence_parallel true"),
                kLossTol, kWeightTol, "pp=2 zbv x tp=2 + sequence parallel");
+}
+
+// reduce_every_microbatch (the default) under a split backward: each micro-batch's W reduce-scatters
+// its unit's gradient (B's of later micro-batches may already point into the buffer: it is zeroed
+// in place then, not freed). Same training as one rank, and the shard group moves a gradient
+// reduction per micro-batch instead of one per step.
+TEST_F(ZeroBubble, ReduceEveryMicrobatchUnderASplitBackward) {
+  auto ref = train(1, 1, 8, "single");
+  const std::string z = "--parallel.pp 2 --parallel.strategy SHARD_GRAD_OP --parallel.reduce_every_microbatch ";
+  auto every = train(4, 1, 4, "zb_every", z + "true --parallel.pp_schedule zb1p");
+  auto last = train(4, 1, 4, "zb_last", z + "false --parallel.pp_schedule zb1p");
+  expect_close(ref, every, kLossTol, kWeightTol, "pp=2 zb1p x SHARD_GRAD_OP 2, reduce every micro-batch");
+  expect_close(ref, last, kLossTol, kWeightTol, "pp=2 zb1p x SHARD_GRAD_OP 2, reduce at the last micro-batch");
+  expect_close(ref,
+               train(4, 1, 4, "zbv_every",
+                     "--parallel.pp 2 --parallel.strategy FULL_SHARD --parallel.reduce_every_microbatch true "
+                     "--parallel.pp_schedule zbv"),
+               kLossTol, kWeightTol, "pp=2 zbv x FULL_SHARD 2, reduce every micro-batch");
+  ASSERT_FALSE(every.final.is_null());
+  ASSERT_FALSE(last.final.is_null());
+  const auto& be = every.final["comm_bytes_by_group"];
+  const auto& bl = last.final["comm_bytes_by_group"];
+  ASSERT_TRUE(be.contains("dp")) << be.dump();
+  // 4 micro-batches: each unit's reduce-scatter 4 times instead of once, beside the same parameter
+  // all-gathers (as many bytes as one round of reductions): 5 rounds against 2.
+  EXPECT_GT(be["dp"].get<double>(), 2.2 * bl["dp"].get<double>()) << be.dump() << " vs " << bl.dump();
+}
+
+// bf16: W's GEMMs read the layer inputs as the forward's matmul used them (bf16) and the fp32 output
+// gradients, as the unsplit backward does: zb1p is bit-identical to bf16 1F1B; zbv (other stages)
+// matches one fp32 process within the bf16 tolerances, and so does zb1p with selective recompute
+// (the recomputed inputs are copied for W).
+TEST_F(ZeroBubble, Bf16SplitBackward) {
+  const std::string b = "--train.dtype bf16 --parallel.pp 2 ";
+  expect_identical(train(2, 2, 4, "bf1f1b", b), train(2, 2, 4, "bfzb1p", b + "--parallel.pp_schedule zb1p"),
+                   "bf16 pp=2 zb1p vs 1f1b");
+  auto ref = train(1, 2, 4, "single");
+  expect_close(ref, train(2, 2, 4, "bfzbv", b + "--parallel.pp_schedule zbv"), kBf16LossTol, kBf16WeightTol,
+               "bf16 pp=2 zbv vs fp32 single");
+  expect_close(ref,
+               train(2, 2, 4, "bfzbsel",
+                     b + "--parallel.pp_schedule zb1p --train.activation_checkpointing selective"),
+               kBf16LossTol, kBf16WeightTol, "bf16 pp=2 zb1p + selective recompute vs fp32 single");
+}
+
+// Context parallelism: every pipeline stage runs on cp = 2 ranks, each with half of every
+// sequence; B's attention backward exchanges blocks with the cp peer, W runs on the rank's rows.
+TEST_F(ZeroBubble, ComposedWithContextParallel) {
+  auto ref = train(1, 4, 2, "single");
+  expect_close(ref, train(4, 4, 2, "cp2zb1p", "--parallel.cp 2 --parallel.pp 2 --parallel.pp_schedule zb1p"),
+               kLossTol, kWeightTol, "gpt2 cp=2 x pp=2 zb1p");
+  expect_close(ref, train(4, 4, 2, "cp2zbv", "--parallel.cp 2 --parallel.pp 2 --parallel.pp_schedule zbv"),
+               kLossTol, kWeightTol, "gpt2 cp=2 x pp=2 zbv");
+}
+
+// Expert parallelism: the routed experts' weight gradients wait for W on the ep rank that holds the
+// expert (the token exchange itself belongs to B).
+TEST_F(ZeroBubble, ComposedWithExpertParallel) {
+  const std::string moe =
+      "--model.preset llama-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1 "
+      "--model.moe_aux_loss_coef 0.02 --model.moe_z_loss_coef 0.001 --parallel.ep 2 --parallel.pp 2 ";
+  auto ref = train(1, 2, 4, "single",
+                   "--model.preset llama-tiny --model.moe_experts 4 --model.moe_top_k 2 --model.moe_shared_experts 1 "
+                   "--model.moe_aux_loss_coef 0.02 --model.moe_z_loss_coef 0.001");
+  expect_close(ref, train(4, 2, 2, "ep2zb1p", moe + "--parallel.pp_schedule zb1p"), kMoeLossTol, kMoeWeightTol,
+               "llama MoE ep=2 x pp=2 zb1p");
+  expect_close(ref, train(4, 2, 2, "ep2zbv", moe + "--parallel.pp_schedule zbv"), kMoeLossTol, kMoeWeightTol,
+               "llama MoE ep=2 x pp=2 zbv");
 }
 
 // The executor holds a micro-batch's activation slot until its W: its peak is the checker's

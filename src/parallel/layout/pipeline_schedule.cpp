@@ -258,85 +258,129 @@ PipeSchedule interleaved_1f1b(int pp, int m, int v, CommPlacement placement) {
   return add_comm(to_string(PipelineSchedule::Interleaved), pp, m, v, c);
 }
 
-// The zero-bubble list scheduler (pipeline_schedule.h). limit[r]: activation sets rank r may hold.
+// The zero-bubble list scheduler (pipeline_schedule.h). limit[r]: activation sets rank r may hold;
+// c: one micro-batch's F, B and W on one stage. Event-driven: the rank that is free first (the
+// lowest rank on a tie) picks, at the time it is free, among what is ready then; a rank with
+// nothing ready waits for the next action of another rank to end. With c = {1, 1, 1} every time is
+// a whole slot: the unit-slot list scheduler.
 static PipeSchedule zero_bubble(const std::string& name, int pp, int m, int v, bool vshape,
-                                const std::vector<int>& limit) {
+                                const std::vector<int>& limit, const StageCosts& c) {
   PipeSchedule shape;
   shape.pp = pp;
   shape.virtual_stages = v;
   shape.vshape = vshape;
   const int S = pp * v;
-  std::vector<std::vector<int>> f_done(S, std::vector<int>(m, -1)), b_done = f_done;
+  constexpr double kNever = -1;
+  std::vector<std::vector<double>> f_done(S, std::vector<double>(m, kNever)), b_done = f_done;
   std::vector<int> next_f(S, 0), next_b(S, 0), next_w(S, 0), alive(pp, 0);
+  std::vector<double> free_at(pp, 0.0);
   std::vector<std::vector<int>> stages_of(pp);
   for (int st = 0; st < S; ++st) stages_of[shape.stage_rank(st)].push_back(st);
-  std::vector<std::vector<PipeAction>> c(pp);
+  std::vector<std::vector<PipeAction>> lists(pp);
   const long long total = 3LL * m * S;
   long long placed = 0;
-  auto done_by = [](int when, int t) { return when >= 0 && when <= t; };
-  for (int t = 0; placed < total; ++t) {
+  // A tolerance for sums of costs that should be equal (1.3 + 0.7 vs 2.0).
+  auto done_by = [](double when, double t) { return when >= 0 && when <= t + 1e-9; };
+  // What rank r starts at time t, if anything: true when it placed an action.
+  auto start = [&](int r, double t) {
+    // B: the ready one of the smallest micro-batch (ties: the later stage, nearer the loss).
+    int pick = -1, best_mb = m;
+    for (int st : stages_of[r]) {
+      const int mb = next_b[st];
+      if (mb >= m || !done_by(f_done[st][mb], t)) continue;
+      if (st + 1 < S && !done_by(b_done[st + 1][mb], t)) continue;
+      if (mb < best_mb || (mb == best_mb && st > pick)) pick = st, best_mb = mb;
+    }
+    if (pick >= 0) {
+      lists[r].push_back(bwd(best_mb, pick));
+      b_done[pick][best_mb] = free_at[r] = t + c.b;
+      ++next_b[pick];
+      return true;
+    }
+    // F: under the limit; the later stage first (it brings a micro-batch nearer the loss).
+    if (alive[r] < limit[r])
+      for (int st : stages_of[r]) {
+        const int mb = next_f[st];
+        if (mb >= m || (st > 0 && !done_by(f_done[st - 1][mb], t))) continue;
+        if (pick < 0 || st > pick) pick = st;
+      }
+    if (pick >= 0) {
+      const int mb = next_f[pick]++;
+      lists[r].push_back(fwd(mb, pick));
+      f_done[pick][mb] = free_at[r] = t + c.f;
+      ++alive[r];
+      return true;
+    }
+    // W: the oldest pending one.
+    for (int st : stages_of[r]) {
+      const int mb = next_w[st];
+      if (mb >= next_b[st] || !done_by(b_done[st][mb], t)) continue;
+      if (pick < 0 || b_done[st][mb] < b_done[pick][next_w[pick]]) pick = st;
+    }
+    if (pick >= 0) {
+      lists[r].push_back({PipeAction::Weight, next_w[pick]++, pick, -1});
+      free_at[r] = t + c.w;
+      --alive[r];
+      return true;
+    }
+    return false;
+  };
+  while (placed < total) {
+    // The ranks free at the earliest time pick in rank order; when none of them can start
+    // anything, they all wait for the next action anywhere to end.
+    double t = free_at[0];
+    for (int q = 1; q < pp; ++q) t = std::min(t, free_at[q]);
     bool any = false;
-    for (int r = 0; r < pp; ++r) {
-      // B: the ready one of the smallest micro-batch (ties: the later stage, nearer the loss).
-      int pick = -1, best_mb = m;
-      for (int st : stages_of[r]) {
-        const int mb = next_b[st];
-        if (mb >= m || !done_by(f_done[st][mb], t)) continue;
-        if (st + 1 < S && !done_by(b_done[st + 1][mb], t)) continue;
-        if (mb < best_mb || (mb == best_mb && st > pick)) pick = st, best_mb = mb;
-      }
-      if (pick >= 0) {
-        c[r].push_back(bwd(best_mb, pick));
-        b_done[pick][best_mb] = t + 1;
-        ++next_b[pick];
-        ++placed;
-        any = true;
-        continue;
-      }
-      // F: under the limit; the later stage first (it brings a micro-batch nearer the loss).
-      if (alive[r] < limit[r])
-        for (int st : stages_of[r]) {
-          const int mb = next_f[st];
-          if (mb >= m || (st > 0 && !done_by(f_done[st - 1][mb], t))) continue;
-          if (pick < 0 || st > pick) pick = st;
-        }
-      if (pick >= 0) {
-        const int mb = next_f[pick]++;
-        c[r].push_back(fwd(mb, pick));
-        f_done[pick][mb] = t + 1;
-        ++alive[r];
-        ++placed;
-        any = true;
-        continue;
-      }
-      // W: the oldest pending one.
-      for (int st : stages_of[r]) {
-        const int mb = next_w[st];
-        if (mb >= next_b[st] || !done_by(b_done[st][mb], t)) continue;
-        if (pick < 0 || b_done[st][mb] < b_done[pick][next_w[pick]]) pick = st;
-      }
-      if (pick >= 0) {
-        c[r].push_back({PipeAction::Weight, next_w[pick]++, pick, -1});
-        --alive[r];
-        ++placed;
-        any = true;
-      }
+    for (int r = 0; r < pp && !any; ++r)
+      if (free_at[r] <= t + 1e-9 && start(r, t)) any = true;
+    if (any) {
+      ++placed;
+      continue;
     }
-    // A slot in which no rank can start anything while nothing is running means a limit too small.
-    if (!any) {
-      bool running = false;
-      for (int st = 0; st < S && !running; ++st)
-        for (int mb = 0; mb < m && !running; ++mb) running = f_done[st][mb] > t || b_done[st][mb] > t;
-      if (!running) throw std::logic_error(name + ": the list scheduler is stuck (activation limit too small)");
-    }
+    double next = std::numeric_limits<double>::infinity();
+    for (int q = 0; q < pp; ++q)
+      if (free_at[q] > t + 1e-9) next = std::min(next, free_at[q]);
+    for (int st = 0; st < S; ++st)
+      for (int mb = 0; mb < m; ++mb)
+        for (double e : {f_done[st][mb], b_done[st][mb]})
+          if (e > t + 1e-9) next = std::min(next, e);
+    if (!std::isfinite(next)) throw std::logic_error(name + ": the list scheduler is stuck (activation limit too small)");
+    for (int q = 0; q < pp; ++q)
+      if (free_at[q] <= t + 1e-9) free_at[q] = next;
   }
-  PipeSchedule s = add_comm(name, pp, m, v, c, vshape);
+  PipeSchedule s = add_comm(name, pp, m, v, lists, vshape);
   s.split_backward = true;
   return s;
 }
 
-PipeSchedule zero_bubble_h1(int pp, int m) {
+static bool unit_costs(const StageCosts& c) { return c.f == 1.0 && c.b == 1.0 && c.w == 1.0; }
+
+// The candidate that idles least when simulated with the costs (the first on a tie).
+static PipeSchedule least_idle(std::vector<PipeSchedule> candidates, const StageCosts& c) {
+  size_t best = 0;
+  double best_bubble = 2.0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const double v = candidates[i].virtual_stages;
+    const Timeline t = simulate_timeline(candidates[i], v * c.f, v * (c.b + c.w), 0.0, c.w / (c.b + c.w));
+    if (t.completed && t.bubble_fraction < best_bubble - 1e-12) best = i, best_bubble = t.bubble_fraction;
+  }
+  return std::move(candidates[best]);
+}
+
+static void check_costs(const std::string& name, const StageCosts& c) {
+  if (!(c.f > 0 && c.b > 0 && c.w > 0 && std::isfinite(c.f + c.b + c.w)))
+    throw std::invalid_argument(name + ": stage costs F, B, W must be finite and > 0");
+}
+
+PipeSchedule zero_bubble_h1(int pp, int m, const StageCosts& costs) {
   check_sizes(to_string(PipelineSchedule::ZeroBubbleH1), pp, m, 1);
+  check_costs(to_string(PipelineSchedule::ZeroBubbleH1), costs);
+  // Measured costs: the fixed order below or the list scheduler under the same memory limit (pp sets
+  // on every rank; the paper's automatic "ZB-1p"), whichever idles less with those costs.
+  if (!unit_costs(costs))
+    return least_idle({zero_bubble_h1(pp, m),
+                       zero_bubble(to_string(PipelineSchedule::ZeroBubbleH1), pp, m, 1, false, std::vector<int>(pp, pp), costs)},
+                      costs);
   // Rank r: 1F1B's warm-up (pp - r forwards before the first backward), then per step a B, the W
   // of r steps before (the later ranks postpone their weight gradients into the slots that the
   // earlier ranks' B would otherwise leave idle), and the next F; the postponed W's end the list.
@@ -358,9 +402,15 @@ PipeSchedule zero_bubble_h1(int pp, int m) {
   return s;
 }
 
-PipeSchedule zero_bubble_v(int pp, int m) {
+PipeSchedule zero_bubble_v(int pp, int m, const StageCosts& costs) {
   check_sizes(to_string(PipelineSchedule::ZeroBubbleV), pp, m, 2);
-  return zero_bubble(to_string(PipelineSchedule::ZeroBubbleV), pp, m, 2, true, std::vector<int>(pp, 2 * pp));
+  check_costs(to_string(PipelineSchedule::ZeroBubbleV), costs);
+  const std::string name = to_string(PipelineSchedule::ZeroBubbleV);
+  const std::vector<int> limit(pp, 2 * pp);
+  if (unit_costs(costs)) return zero_bubble(name, pp, m, 2, true, limit, costs);
+  // Measured costs: the list schedule for them, or for unit costs where that idles less.
+  return least_idle({zero_bubble(name, pp, m, 2, true, limit, costs), zero_bubble(name, pp, m, 2, true, limit, {})},
+                    costs);
 }
 
 const char* placement_name(CommPlacement p) { return p == CommPlacement::Eager ? "eager" : "batched"; }
@@ -375,7 +425,8 @@ bool parse_placement(const std::string& s, CommPlacement* out) {
   return true;
 }
 
-PipeSchedule make_schedule(PipelineSchedule kind, int pp, int m, int v, CommPlacement placement) {
+PipeSchedule make_schedule(PipelineSchedule kind, int pp, int m, int v, CommPlacement placement,
+                           const StageCosts& costs) {
   switch (kind) {
     case PipelineSchedule::Interleaved: return interleaved_1f1b(pp, m, v, placement);
     case PipelineSchedule::GPipe:
@@ -389,21 +440,22 @@ PipeSchedule make_schedule(PipelineSchedule kind, int pp, int m, int v, CommPlac
       if (v != 1)
         throw std::invalid_argument("schedule zb1p has one stage per rank; virtual stages = " + std::to_string(v) +
                                     " needs --schedule zbv (2) or interleaved_1f1b");
-      return zero_bubble_h1(pp, m);
+      return zero_bubble_h1(pp, m, costs);
     case PipelineSchedule::ZeroBubbleV:
       if (v != 1 && v != 2)
         throw std::invalid_argument("schedule zbv has two stages per rank (a V); virtual stages = " +
                                     std::to_string(v) + " is not possible");
-      return zero_bubble_v(pp, m);
+      return zero_bubble_v(pp, m, costs);
     case PipelineSchedule::None: break;
   }
   throw std::invalid_argument("pipeline schedule 'none' has no action lists (known: " +
                               valid_values(PipelineSchedule{}) + ")");
 }
 
-PipeSchedule make_schedule(const std::string& name, int pp, int m, int v, CommPlacement placement) {
+PipeSchedule make_schedule(const std::string& name, int pp, int m, int v, CommPlacement placement,
+                           const StageCosts& costs) {
   if (std::optional<PipelineSchedule> kind = try_parse_pipeline_schedule(name))
-    return make_schedule(*kind, pp, m, v, placement);
+    return make_schedule(*kind, pp, m, v, placement, costs);
   throw std::invalid_argument("unknown pipeline schedule '" + name + "' (known: " + valid_values(PipelineSchedule{}) +
                               ")");
 }

@@ -107,28 +107,39 @@ PipeSchedule one_f_one_b(int pp, int microbatches);
 // chunks in groups of pp; requires microbatches % pp == 0 and v >= 2 (v = 1 is plain 1f1b).
 PipeSchedule interleaved_1f1b(int pp, int microbatches, int virtual_stages,
                               CommPlacement placement = CommPlacement::Eager);
+// One micro-batch's forward (F), input gradient (B) and weight gradient (W) on one stage, in any
+// unit (only the ratios matter): what the zero-bubble schedules are built for. {1, 1, 1} are the
+// paper's T_F = T_B = T_W; `meshtrain train` can take measured ones (parallel.pp_costs).
+struct StageCosts {
+  double f = 1.0, b = 1.0, w = 1.0;
+};
+
 // Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), split backward.
 // Per stage the F, B and W run in micro-batch order (the weight gradients accumulate in the order
 // of the unsplit backward).
 // ZB-H1: one stage per rank; rank r runs 1F1B's pp - r warm-up forwards, then steps of B, the W
 // postponed by r steps, F; the postponed W's end its list. At most pp sets in flight on a rank
-// (1F1B's rank-0 peak); with T_F = T_B = T_W and m >= pp the bubble is (p-1)/(3m+p-1).
-PipeSchedule zero_bubble_h1(int pp, int microbatches);
+// (1F1B's rank-0 peak); with T_F = T_B = T_W and m >= pp the bubble is (p-1)/(3m+p-1). With other
+// costs: this order or the list scheduler below under the same limit of pp sets per rank (the
+// paper's automatic "ZB-1p"), whichever idles less in simulate_timeline with those costs.
+PipeSchedule zero_bubble_h1(int pp, int microbatches, const StageCosts& costs = {});
 // ZB-V: two stages per rank in a V (rank r: stages r and 2pp-1-r), ordered by a list scheduler
-// over unit time slots (F = B = W = one slot of a stage): at every slot a free rank runs a ready B
-// first (the critical path), else a ready F (the later stage first) while it holds under 2*pp
-// sets (pp micro-batches' worth, 1F1B's rank-0 peak), else its oldest pending W.
-PipeSchedule zero_bubble_v(int pp, int microbatches);
+// over the costs (F, B, W of a stage; event-driven: with unit costs every action is one slot):
+// whenever a rank is free it runs a ready B first (the critical path), else a ready F (the later
+// stage first) while it holds under 2*pp sets (pp micro-batches' worth, 1F1B's rank-0 peak), else
+// its oldest pending W, else it waits for the next action anywhere to end. With costs other than
+// {1, 1, 1}: that list or the unit-cost one, whichever idles less with the costs.
+PipeSchedule zero_bubble_v(int pp, int microbatches, const StageCosts& costs = {});
 // By kind (parallel_config.h: GPipe, OneFOneB, Interleaved, ZeroBubbleH1, ZeroBubbleV; ZeroBubbleV
 // takes virtual_stages 1 or 2 and always builds 2). Throws std::invalid_argument
 // with a clear message for invalid sizes (pp, m, v < 1, v != 1 for a non-interleaved schedule,
 // m % pp != 0 for interleaved) and for PipelineSchedule::None.
 PipeSchedule make_schedule(PipelineSchedule kind, int pp, int microbatches, int virtual_stages = 1,
-                           CommPlacement placement = CommPlacement::Eager);
+                           CommPlacement placement = CommPlacement::Eager, const StageCosts& costs = {});
 // By name: "gpipe" | "1f1b" | "interleaved_1f1b" (to_string of the kinds); an unknown name throws
 // std::invalid_argument listing the known ones.
 PipeSchedule make_schedule(const std::string& name, int pp, int microbatches, int virtual_stages = 1,
-                           CommPlacement placement = CommPlacement::Eager);
+                           CommPlacement placement = CommPlacement::Eager, const StageCosts& costs = {});
 std::vector<std::string> schedule_names();
 
 struct ScheduleCheck {
