@@ -109,12 +109,6 @@ BatchLoader::BatchLoader(const TokenDataset& dataset, int B, int T, int dp_rank,
 }
 
 namespace {
-// Fisher-Yates with the platform-independent generator (std::shuffle's algorithm is not specified).
-template <class T>
-void permute(std::vector<T>& v, uint64_t seed) {
-  Rng rng(seed);
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(rng.next_u64() % i)]);
-}
 uint64_t mix(uint64_t seed, uint64_t epoch, uint64_t what) {
   return seed ^ (0x9E3779B97F4A7C15ull * (epoch + 1)) ^ (0xC2B2AE3D27D4EB4Full * (what + 1));
 }
@@ -129,7 +123,7 @@ void BatchLoader::set_shuffle(uint64_t seed) {
 void BatchLoader::start_epoch() {
   shard_order_.resize(batches_per_shard_.size());
   std::iota(shard_order_.begin(), shard_order_.end(), size_t{0});
-  permute(shard_order_, mix(seed_, static_cast<uint64_t>(epoch_), ~0ull));
+  shuffle_with_seed(shard_order_, mix(seed_, static_cast<uint64_t>(epoch_), ~0ull));
 }
 
 void BatchLoader::start_shard() {
@@ -137,7 +131,7 @@ void BatchLoader::start_shard() {
   const int64_t samples = (static_cast<int64_t>(data_.shard(s).size()) - 1) / T_;
   sample_order_.resize(static_cast<size_t>(samples));
   std::iota(sample_order_.begin(), sample_order_.end(), int64_t{0});
-  permute(sample_order_, mix(seed_, static_cast<uint64_t>(epoch_), s));
+  shuffle_with_seed(sample_order_, mix(seed_, static_cast<uint64_t>(epoch_), s));
 }
 
 void BatchLoader::next(int32_t* inputs, int32_t* targets) {
@@ -230,13 +224,6 @@ bool weight_prefix(const std::string& entry, std::string* weight, std::string* p
   return true;
 }
 
-uint64_t splitmix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 }  // namespace
 
 bool is_blend_spec(const std::string& spec) {
@@ -306,7 +293,7 @@ BlendLoader::BlendLoader(const std::string& spec, const std::string& key, int B,
 }
 
 size_t BlendLoader::dataset_of(int64_t g) const {
-  const uint64_t h = splitmix(splitmix(seed_ ^ 0xB1E5D0C0FFEEull) ^ static_cast<uint64_t>(g));
+  const uint64_t h = splitmix64(splitmix64(seed_ ^ 0xB1E5D0C0FFEEull) ^ static_cast<uint64_t>(g));
   const double u = static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);
   for (size_t d = 0; d + 1 < cum_weights_.size(); ++d)
     if (u < cum_weights_[d]) return d;
@@ -321,7 +308,7 @@ void BlendLoader::read_sample(size_t d, int64_t k, int32_t* x, int32_t* y) {
     if (s.perm_epoch != epoch) {
       s.perm.resize(static_cast<size_t>(n));
       std::iota(s.perm.begin(), s.perm.end(), int64_t{0});
-      permute(s.perm, mix(seed_ ^ 0xB1E5Dull, static_cast<uint64_t>(epoch), d));
+      shuffle_with_seed(s.perm, mix(seed_ ^ 0xB1E5Dull, static_cast<uint64_t>(epoch), d));
       s.perm_epoch = epoch;
     }
     idx = s.perm[static_cast<size_t>(idx)];

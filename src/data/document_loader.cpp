@@ -10,11 +10,6 @@
 namespace mt {
 
 namespace {
-// Fisher-Yates with the platform-independent generator (as BatchLoader's shuffle).
-void permute(std::vector<int64_t>& v, uint64_t seed) {
-  Rng rng(seed);
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(rng.next_u64() % i)]);
-}
 uint64_t mix(uint64_t seed, uint64_t epoch, uint64_t what) {
   return seed ^ (0xD1B54A32D192ED03ull * (epoch + 1)) ^ (0x8CB92BA72F3D8DD7ull * (what + 1));
 }
@@ -56,7 +51,7 @@ DocumentLoader::DocumentLoader(const TokenDataset& dataset, const DocumentBatchi
 std::vector<int64_t> DocumentLoader::epoch_order(int64_t epoch) const {
   std::vector<int64_t> order(docs_.size());
   std::iota(order.begin(), order.end(), int64_t{0});
-  if (o_.shuffle) permute(order, mix(o_.seed, static_cast<uint64_t>(epoch), ~0ull));
+  if (o_.shuffle) shuffle_with_seed(order, mix(o_.seed, static_cast<uint64_t>(epoch), ~0ull));
   const int64_t G = int64_t{o_.dp_world} * o_.accum * o_.B;
   order.resize(static_cast<size_t>(steps_per_epoch_ * G));
   if (!o_.group_by_length) return order;
@@ -72,7 +67,7 @@ std::vector<int64_t> DocumentLoader::epoch_order(int64_t epoch) const {
     });
     std::vector<int64_t> batches(mb.size() / static_cast<size_t>(G));
     std::iota(batches.begin(), batches.end(), int64_t{0});
-    permute(batches, mix(o_.seed ^ 0x6C656E67ull, static_cast<uint64_t>(epoch), static_cast<uint64_t>(k)));
+    shuffle_with_seed(batches, mix(o_.seed ^ 0x6C656E67ull, static_cast<uint64_t>(epoch), static_cast<uint64_t>(k)));
     for (int64_t b : batches) out.insert(out.end(), mb.begin() + b * G, mb.begin() + (b + 1) * G);
   }
   return out;

@@ -3,17 +3,27 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace mt {
+
+// splitmix64 as a hash: z advanced by the golden-ratio step, then mixed (Rng's generator is this
+// function of its running state).
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
 
 class Rng {
  public:
   explicit Rng(uint64_t seed) : s_(seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) {}
-  uint64_t next_u64() {  // splitmix64
-    uint64_t z = (s_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+  uint64_t next_u64() {
+    const uint64_t z = s_;
+    s_ += 0x9E3779B97F4A7C15ull;
+    return splitmix64(z);
   }
   // Uniform in [0, 1).
   double uniform() { return static_cast<double>(next_u64() >> 11) * (1.0 / 9007199254740992.0); }
@@ -27,5 +37,13 @@ class Rng {
  private:
   uint64_t s_;
 };
+
+// Fisher-Yates with Rng(seed): the same order on every platform (std::shuffle's algorithm is not
+// specified).
+template <class T>
+void shuffle_with_seed(std::vector<T>& v, uint64_t seed) {
+  Rng rng(seed);
+  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(rng.next_u64() % i)]);
+}
 
 }  // namespace mt

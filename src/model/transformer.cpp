@@ -11,15 +11,6 @@
 namespace mt {
 
 // Everything one micro-batch keeps between its forward and its backward.
-namespace {
-uint64_t splitmix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-}  // namespace
-
 struct Transformer::Slot {
   int64_t B = 0, T = 0;
   bool have_backward = false;
@@ -716,7 +707,7 @@ void Transformer::attach_lora(int w, bool grads, Weight* r) {
       l.dropout = cfg_.lora_dropout;
       uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a of the adapter's name (the same in every layout)
       for (char c : pa.name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
-      l.dropout_key = splitmix(lora_seed_ ^ splitmix(static_cast<uint64_t>(s_->lora_micro) ^ splitmix(h)));
+      l.dropout_key = splitmix64(lora_seed_ ^ splitmix64(static_cast<uint64_t>(s_->lora_micro) ^ splitmix64(h)));
       l.T = T_;
       l.sample0 = lora_row0_ * B_;
       l.col0 = pa.tp_split == TpSplit::Cols ? tpc_.rank * pa.shape[1] : 0;
