@@ -107,7 +107,7 @@ struct ModelOptions {
   bool split_backward = false;
 };
 
-class Transformer : private LayerParams {
+class Transformer final : private LayerParams {
  public:
   Transformer(const ModelConfig& cfg, ModelOptions options);
   // A whole model in one process (no parallelism).
