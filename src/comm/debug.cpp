@@ -42,6 +42,10 @@ Config read_config() {
     int v = std::atoi(p);
     if (v >= 0) c.poll_max_us = std::min(v, 100000);
   }
+  if (const char* p = std::getenv("MESHTRAIN_COMM_POLL_IDLE_US")) {
+    int v = std::atoi(p);
+    if (v >= 0) c.poll_idle_us = std::min(v, 100000);
+  }
   if (const char* h = std::getenv("MESHTRAIN_COMM_HIER")) c.hierarchical = std::strcmp(h, "0") != 0;
   if (const char* f = std::getenv("MESHTRAIN_COMM_FAKE_NODE_SIZE")) c.fake_node_size = std::atoi(f);
   if (const char* v = std::getenv("MESHTRAIN_COMM_NICE")) c.nice = std::clamp(std::atoi(v), -20, 19);

@@ -3,6 +3,7 @@
 #include "comm/mpi_include.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +27,9 @@ struct Config {
   double timeout_s = 300;    // MESHTRAIN_TIMEOUT_S; 0 disables the watchdog
   int flight_recorder = 64;  // MESHTRAIN_FLIGHT_RECORDER: operations kept per rank
   int poll_max_us = 50;      // MESHTRAIN_COMM_POLL_US: longest sleep between polls of MPI
+  // MESHTRAIN_COMM_POLL_IDLE_US: longest sleep while only point-to-point transfers that nobody
+  // waits for are in flight (groups within one node); 0 = poll_max_us as for everything else.
+  int poll_idle_us = 1000;
   size_t slice_bytes = 16u << 20;  // MESHTRAIN_COMM_SLICE_KB: pipelining slice of reductions
   size_t oneshot_bytes = 16u << 10;  // MESHTRAIN_COMM_ONESHOT_KB: one-round all_reduce up to this
   bool hierarchical = true;  // MESHTRAIN_COMM_HIER=0 turns the two-level all_reduce off
@@ -161,9 +165,37 @@ struct Op {
 // (check_fingerprints) and only then calls start(). A backend only carries the fingerprints:
 // post_fingerprints(op) starts the exchange of op.fp, fingerprints_ready(op) is true once op.fps
 // holds every member's. A backend with no other members to ask (Meta) exchanges none.
+// Lets the communication thread sleep longer while only point-to-point transfers are in flight
+// that no caller waits for, and wakes it early: a caller starts waiting (waiters > 0) or issues
+// something new.
+struct Waker {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::atomic<int> waiters{0};
+  bool flag = false;  // under mu: woken since the last sleep
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      flag = true;
+    }
+    cv.notify_one();
+  }
+  // Sleeps up to `us` microseconds unless woken; true when woken.
+  bool sleep_for(long us) {
+    std::unique_lock<std::mutex> lk(mu);
+    const bool woken = cv.wait_for(lk, std::chrono::microseconds(us), [&] { return flag; });
+    flag = false;
+    return woken;
+  }
+};
+
 class CommBackend {
  public:
   virtual ~CommBackend() = default;
+  // Every member runs on this node: a point-to-point transfer here needs no prompt polling by a
+  // sender (the receiver copies from shared memory), so a thread with only such transfers in
+  // flight and nobody waiting may poll lazily (Config::poll_idle_us).
+  virtual bool node_local() const { return false; }
   virtual const char* kind() const = 0;  // "mpi", "meta", "threads"
   virtual bool threaded() const = 0;
   virtual bool exchanges_fingerprints() const { return false; }
@@ -192,6 +224,7 @@ class MpiBackend final : public CommBackend {
   MpiBackend(const std::string& group_name, MPI_Comm comm);
   const char* kind() const override { return "mpi"; }
   bool threaded() const override { return true; }
+  bool node_local() const override { return node_local_; }
   bool exchanges_fingerprints() const override { return true; }
   void post_fingerprints(Op& op) override;
   bool fingerprints_ready(Op& op) override;
@@ -213,6 +246,7 @@ class MpiBackend final : public CommBackend {
   // ranks on each: `intra` holds this node's members, `inter` the members with the same local
   // index on every node.
   bool hier = false;
+  bool node_local_ = false;  // every member on this node (MPI_COMM_TYPE_SHARED, or the fake nodes)
   MPI_Comm intra = MPI_COMM_NULL, inter = MPI_COMM_NULL;
   int local_n = 1, local_r = 0, nodes_n = 1, node_r = 0;
   int tag_bits = 20;  // collective tags: (seq mod 2^tag_bits) * 4 + phase
@@ -362,6 +396,7 @@ struct GroupImpl {
   std::condition_variable cv;
   std::deque<std::unique_ptr<Op>> queue;
   std::atomic<bool> has_work{false};  // queue not empty (read without the lock while spinning)
+  std::shared_ptr<Waker> waker = std::make_shared<Waker>();  // shared with the group's Works
   std::thread thr;
   bool stop = false, down = false;
   uint64_t coll_issued = 0, p2p_issued = 0;  // under mu

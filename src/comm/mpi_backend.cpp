@@ -92,6 +92,21 @@ MpiBackend::MpiBackend(const std::string& group_name, MPI_Comm comm) : name(grou
   while (bits < 20 && ((1L << (bits + 3)) - 1) <= tag_ub) ++bits;
   tag_bits = bits;
   setup_hierarchy();
+  // Collective over the group, like the set-up above.
+  const int fake = config().fake_node_size;
+  if (fake > 0) {
+    node_local_ = true;
+    for (int g : granks) node_local_ = node_local_ && g / fake == granks[0] / fake;
+  } else {
+    MPI_Comm shm = MPI_COMM_NULL;
+    int n = 0;
+    if (MPI_Comm_split_type(coll, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shm) == MPI_SUCCESS &&
+        shm != MPI_COMM_NULL) {
+      MPI_Comm_size(shm, &n);
+      MPI_Comm_free(&shm);
+    }
+    node_local_ = n == size;
+  }
 }
 
 // Collective over the group (part of its creation).

@@ -38,7 +38,7 @@ const char* op_kind_name(OpKind k) {
 // ---------------------------------------------------------------------------------------------
 // Work
 
-Work::Work(int64_t issued_ns) : t_issue_(issued_ns) {}
+Work::Work(int64_t issued_ns, std::shared_ptr<detail::Waker> waker) : t_issue_(issued_ns), waker_(std::move(waker)) {}
 
 void Work::mark_started(int64_t ns) {
   std::lock_guard<std::mutex> lk(mu_);
@@ -67,6 +67,13 @@ bool Work::test() {
 }
 
 void Work::wait() {
+  // A waiter: the communication thread polls promptly until it is done (it may poll lazily while
+  // nobody waits, see thread_main).
+  const bool nudge = waker_ && state_.load(std::memory_order_acquire) == 0;
+  if (nudge) {
+    waker_->waiters.fetch_add(1);
+    waker_->wake();
+  }
   if (state_.load(std::memory_order_acquire) == 0) {
     // Short operations finish within microseconds: poll (yielding the core) before sleeping.
     const int64_t until = detail::now_ns() + int64_t(detail::config().spin_us) * 1000;
@@ -76,6 +83,7 @@ void Work::wait() {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return state_.load() != 0; });
   }
+  if (nudge) waker_->waiters.fetch_sub(1);
   test();
 }
 
@@ -87,6 +95,13 @@ double Work::elapsed_ms() const {
 double Work::queued_ms() const {
   std::lock_guard<std::mutex> lk(mu_);
   return t_start_ ? static_cast<double>(t_start_ - t_issue_) / 1e6 : 0.0;
+}
+
+void Work::times_ns(int64_t* issued, int64_t* started, int64_t* ended) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  *issued = t_issue_;
+  *started = t_start_;
+  *ended = t_end_;
 }
 
 void wait_all(const std::vector<WorkHandle>& works) {
@@ -219,6 +234,7 @@ void GroupImpl::shutdown() {
     stop = true;
   }
   cv.notify_all();
+  waker->wake();
   if (thr.joinable()) thr.join();
   std::lock_guard<std::mutex> lk(mu);
   down = true;
@@ -239,6 +255,7 @@ void GroupImpl::fail(const std::string& msg) {
     self_recvs.clear();
   }
   cv.notify_all();
+  waker->wake();
   for (auto& o : pending) complete(std::move(o), &msg);
 }
 
@@ -264,7 +281,7 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
 
   auto op = std::make_unique<Op>();
   op->t_issue = now_ns();
-  op->work = std::make_shared<Work>(op->t_issue);
+  op->work = std::make_shared<Work>(op->t_issue, waker);
   op->sbuf = sbuf;
   op->rbuf = rbuf;
   uint64_t a2a_bytes = 0;
@@ -323,6 +340,7 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
     run_local(std::move(op));
   } else {
     cv.notify_one();
+    waker->wake();  // the thread may be sleeping lazily with transfers in flight
   }
   return w;
 }
@@ -505,8 +523,8 @@ void GroupImpl::complete(std::unique_ptr<Op> op, const std::string* err) {
 // ... us up to max_us (reset by the caller whenever something completes). (Sleeps proportional to
 // the time already waited were tried: more wake-ups, no gain for all_reduce and less bandwidth for
 // all_gather on the shared 2-core machine, where they compete with the peer thread's copy.)
+constexpr unsigned kSpins = 48;
 static void backoff(unsigned idle, int max_us) {
-  constexpr unsigned kSpins = 48;
   if (idle < kSpins) {
     if (idle >= kSpins / 2) sched_yield();
     return;
@@ -539,6 +557,14 @@ void GroupImpl::thread_main() {
   unsigned idle = 0;
   const int max_us = config().poll_max_us;
   const int spin_us = config().spin_us;
+  // Lazy polling (node-local groups): while only point-to-point transfers are in flight and no
+  // caller waits for any of them, the sleeps grow past max_us up to poll_idle_us. A pipeline
+  // posts its receives early and its sends complete when the peer gets to its receive, so
+  // transfers are in flight for most of a step; polling them every max_us takes thousands of
+  // wake-ups a step from the compute thread on the same core. A receiver copies the data itself
+  // (shared memory), so it is copied when it is first needed (a caller waits: prompt polling
+  // again) or at the next lazy poll, and a sender need not poll for the receiver to proceed.
+  const int idle_us = backend->node_local() ? config().poll_idle_us : 0;
 
   for (;;) {
     std::deque<std::unique_ptr<Op>> incoming;
@@ -622,6 +648,9 @@ void GroupImpl::thread_main() {
     }
     if (progressed) {
       idle = 0;
+    } else if (idle_us > max_us && !cur && colls.empty() && idle >= kSpins && waker->waiters.load() == 0) {
+      const unsigned k = std::min(idle++ - kSpins, 20u);
+      if (waker->sleep_for(std::min<long>(idle_us, 1L << k))) idle = 0;  // woken: a waiter or new work
     } else {
       backoff(idle++, max_us);
     }

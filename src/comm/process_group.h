@@ -42,6 +42,10 @@ class CommError : public std::runtime_error {
 };
 
 // Completion handle of one operation.
+namespace detail {
+struct Waker;
+}
+
 class Work {
  public:
   // True once the operation finished. Throws CommError if it failed.
@@ -53,9 +57,12 @@ class Work {
   double elapsed_ms() const;
   // Milliseconds between the call and the start (waiting behind earlier collectives of the group).
   double queued_ms() const;
+  // Steady-clock nanoseconds of the call, the start on the communication thread and the
+  // completion (0 while not reached).
+  void times_ns(int64_t* issued, int64_t* started, int64_t* ended) const;
 
   // Internal: created and completed by the process group.
-  explicit Work(int64_t issued_ns);
+  explicit Work(int64_t issued_ns, std::shared_ptr<detail::Waker> waker = nullptr);
   void mark_started(int64_t ns);
   void finish(int64_t ns, const std::string* error);
 
@@ -65,6 +72,7 @@ class Work {
   std::atomic<int> state_{0};  // 0 pending, 1 done, 2 failed
   std::string error_;
   int64_t t_issue_ = 0, t_start_ = 0, t_end_ = 0;
+  std::shared_ptr<detail::Waker> waker_;  // the group's: wait() asks its thread to poll promptly
 };
 using WorkHandle = std::shared_ptr<Work>;
 

@@ -968,15 +968,17 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
   s.have_weights = split;
 }
 
-void Transformer::backward_weights(int first, int last) {
+void Transformer::backward_weights(int first, int last, const std::function<void(int, bool)>& around) {
   Slot& s = *s_;
   if (!s.have_weights) throw std::logic_error("backward_weights without a split backward on this slot");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_weights: bad unit range");
   for (int u = last; u >= first; --u) {
+    if (around) around(u, false);
     if (hooks_) hooks_->pre_weights(u);
     s.deferred[static_cast<size_t>(u)].run();
     if (hooks_) hooks_->post_backward(u);
+    if (around) around(u, true);
   }
   s.have_weights = false;
 }

@@ -7,6 +7,7 @@
 // which is how sharded data parallel substitutes gathered parameters.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -244,9 +245,11 @@ class Transformer final : private LayerParams {
   // computes them - unit by unit, last to first, each followed by its post_backward, so the
   // data-parallel hooks fire when a unit's weight gradients are complete - with the same kernels,
   // giving the same gradients as the unsplit backward. The head's bf16 logit-gradient and chunked
-  // paths and every norm compute their weight gradients in the backward itself.
+  // paths and every norm compute their weight gradients in the backward itself. `around`, when
+  // set, is called with (u, false) before unit u's weight gradients and with (u, true) after them
+  // (after its post_backward): the pipeline waits for and sends a tied embedding's gradient there.
   void backward_units(int first, int last, const float* dout, const float* tied_grad = nullptr, bool split = false);
-  void backward_weights(int first, int last);
+  void backward_weights(int first, int last, const std::function<void(int, bool)>& around = {});
   // Bytes the current slot's queued weight-gradient work holds.
   int64_t deferred_bytes() const;
   const float* input_grad() const;
