@@ -22,11 +22,13 @@
 #
 # usage: bench/pipeline_bubble.sh [--steps 4] [--ranks "2 4"] [--micro "4 8 16"] [--runs 1]
 #                                 [--scheds "gpipe 1f1b interleaved_1f1b zb1p zbv"] [--build DIR]
-#                                 [--bind core] [--costs F,B,W] [--data DIR] [--out DIR]
+#                                 [--bind core] [--costs F,B,W] [--trace] [--data DIR] [--out DIR]
 # --bind core (default) pins each rank to a core of its own (mpirun --bind-to core) when there are
 # at least p cores; --bind none, or p above the core count, leaves placement to the OS. p = 4 runs
 # 4 processes; on a machine with fewer cores than that they share cores (the table records the
 # core count), which inflates compute time and makes the bubble there an upper bound.
+# --trace records the executor's trace of every run (MESHTRAIN_PP_TRACE) and prints, per
+# configuration, where each rank's idle time went (bench/pipeline_trace.py, means over the runs).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 source "$ROOT/bench/common.sh"
@@ -37,10 +39,12 @@ SCHEDS="gpipe 1f1b interleaved_1f1b zb1p zbv"
 RUNS=1
 BIND=core
 COSTS=
+TRACE=0
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
 bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS --bind BIND --costs COSTS
+bench_flag --trace TRACE=1
 bench_parse "$@"
 bench_out pp_bubble
 bench_setup "$BUILD" "$DATA"
@@ -65,6 +69,7 @@ for run in $(seq 1 "$RUNS"); do
         tag=p${p}_${sched/:/_}_m${m}_r$run
         bind=$BIND
         ((p > $(nproc))) && bind=none
+        if ((TRACE)); then export MESHTRAIN_PP_TRACE=$OUT/$tag.trace; else unset MESHTRAIN_PP_TRACE; fi
         bench_run "$tag" mpirun -np "$p" --oversubscribe --bind-to "$bind" -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
           --parallel.pp "$p" --parallel.pp_schedule "${sched%:c}" --parallel.pp_virtual_stages "$v" \
           --train.grad_accum "$m" "${extra[@]}"
@@ -101,3 +106,13 @@ for p in ranks:
                   f"{statistics.median(idle_ms):.1f} | {statistics.median(steps):.0f} | {statistics.median(tpss):.0f} | "
                   f"{fin['pp_peak_activation_slots']} | {fbw(stage)} | {fbw(cpu)} |")
 EOF
+if ((TRACE)); then
+  for p in $RANKS; do
+    for m in $MICRO; do
+      for sched in $SCHEDS; do
+        echo; echo "p $p, m $m, $sched: where the idle time went"
+        python3 "$ROOT/bench/pipeline_trace.py" "$OUT"/p${p}_${sched/:/_}_m${m}_r*.trace
+      done
+    done
+  done
+fi

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
+#include <cstdio>
+#include <cstdlib>
 #include <ctime>
 
 #include "runtime/clock.h"
@@ -22,6 +25,22 @@ double thread_cpu_ms() {
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
 }
+// MESHTRAIN_PP_TRACE=PREFIX: each training step appends the times of this rank's actions and
+// messages to PREFIX.rank<R>, one event a line - "KIND KEY T0 T1 ISSUED STARTED DONE", steady-clock
+// nanoseconds (the same clock in every process of a machine): F / B / W (KEY = micro-batch;
+// T0..T1 the compute), wait / tiedwait (a receive waited for; KEY = message tag), stash (a send's
+// copy), psend / precv (posting), send / recv (ISSUED, STARTED on the communication thread, DONE),
+// tiedsend, step (the step's span), finish (the strategy's finish_backward); "END" closes a step.
+// bench/pipeline_trace.py summarises them.
+struct TraceEvent {
+  const char* kind;
+  int key;
+  int64_t t0, t1, issued = 0, started = 0, done = 0;
+};
+int64_t ns_of(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+int64_t now_ns() { return ns_of(Clock::now()); }
 }  // namespace
 
 // ---- executor -------------------------------------------------------------------------------
@@ -103,6 +122,15 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     comm::WorkHandle work;
   };
   std::map<int, Msg> recvs, sends;
+  static const char* trace_path = std::getenv("MESHTRAIN_PP_TRACE");
+  std::vector<TraceEvent> trace;
+  std::vector<std::pair<const char*, std::pair<int, comm::WorkHandle>>> traced_msgs;
+  auto rec = [&](const char* kind, int key, int64_t t0, int64_t t1) {
+    if (trace_path) trace.push_back({kind, key, t0, t1});
+  };
+  auto rec_msg = [&](const char* kind, int key, const comm::WorkHandle& w) {
+    if (trace_path) traced_msgs.push_back({kind, {key, w}});
+  };
   const int first_rank = sched_.stage_rank(0), last_rank = sched_.stage_rank(S_ - 1);
   auto t_start = Clock::now();
   auto wait_recv = [&](int key) -> const float* {
@@ -112,21 +140,27 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     auto t0 = Clock::now();
     it->second.work->wait();
     st.wait_ms += ms_between(t0, Clock::now());
+    rec("wait", key, ns_of(t0), now_ns());
     return it->second.buf.f32();
   };
   // A copy of `src` (a stage boundary's rows) kept until its send completes.
   auto stash = [&](int key, const float* src) -> Msg& {
     const int64_t NC = NC_of(mb_of(key));
+    const int64_t tt = now_ns();
     Msg& msg = sends[key];
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
     dev::copy(model_.device(), msg.buf.f32(), src, static_cast<size_t>(NC) * sizeof(float));
+    rec("stash", key, tt, now_ns());
     return msg;
   };
   auto post_recv = [&](int key, int peer) {
     const int64_t NC = NC_of(mb_of(key));
+    const int64_t tt = now_ns();
     Msg& msg = recvs[key];
     msg.buf = Tensor::empty({NC}, DType::F32, MemCategory::Comm);
     msg.work = pp_->recv(msg.buf.f32(), static_cast<size_t>(NC), DType::F32, peer, key);
+    rec("precv", key, tt, now_ns());
+    rec_msg("recv", key, msg.work);
   };
   // A hand-off between two stages on this rank (the turn of a V): kept as an arrived message.
   auto keep_local = [&](int key, const float* src) {
@@ -142,17 +176,29 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     Tensor& g = model_.tied_replica_grad();
     Msg& msg = sends[tag(kTiedGrad, 0, 0)];
     msg.work = pp_->send(g.f32(), static_cast<size_t>(g.numel()), DType::F32, first_rank, tag(kTiedGrad, 0, 0));
+    rec("tiedsend", 0, now_ns(), now_ns());
+    rec_msg("send", tag(kTiedGrad, 0, 0), msg.work);
+  };
+  comm::WorkHandle tied_recv;  // split backward: posted with the first stage's last B
+  auto post_tied_recv = [&]() {
+    tied_recv = pp_->recv(tied_grad_in_.f32(), static_cast<size_t>(tied_grad_in_.numel()), DType::F32, last_rank,
+                          tag(kTiedGrad, 0, 0));
+    rec_msg("recv", tag(kTiedGrad, 0, 0), tied_recv);
   };
   auto recv_tied_grad = [&]() {
+    if (!tied_recv) post_tied_recv();
     auto t0 = Clock::now();
-    pp_->recv(tied_grad_in_.f32(), static_cast<size_t>(tied_grad_in_.numel()), DType::F32, last_rank,
-              tag(kTiedGrad, 0, 0))
-        ->wait();
+    tied_recv->wait();
+    tied_recv.reset();
     st.wait_ms += ms_between(t0, Clock::now());
+    rec("tiedwait", tag(kTiedGrad, 0, 0), ns_of(t0), now_ns());
   };
   auto post_send = [&](int key, int peer) {
     Msg& msg = sends.at(key);
+    const int64_t tt = now_ns();
     msg.work = pp_->send(msg.buf.f32(), static_cast<size_t>(msg.buf.numel()), DType::F32, peer, key);
+    rec("psend", key, tt, now_ns());
+    rec_msg("send", key, msg.work);
   };
   for (const PipeAction& a : sched_.per_rank[rank_]) {
     const int m = a.microbatch, s = a.stage;
@@ -171,6 +217,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         st.busy_ms += ms;
         st.f_ms[static_cast<size_t>(s)] += ms;
         st.f_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
+        rec("F", m, ns_of(t0), now_ns());
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
         if (s + 1 < S_ && sched_.stage_rank(s + 1) == rank_) keep_local(tag(kAct, m, s), model_.unit_output(last));
         break;
@@ -191,6 +238,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         strategy_->begin_microbatch(last_mb);  // only a stage's last micro-batch synchronises
         const bool tied_in = tied_split_ && first == 0 && last_mb;
         if (tied_in && !split) recv_tied_grad();
+        if (tied_in && split) post_tied_recv();  // waited for before the embedding's W
         // The head's contribution to the tied embedding's gradient (received above, or with a
         // split backward before the weight gradients that add it).
         auto t0 = Clock::now();
@@ -200,6 +248,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         st.busy_ms += ms;
         st.b_ms[static_cast<size_t>(s)] += ms;
         st.b_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
+        rec("B", m, ns_of(t0), now_ns());
         if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
         if (tied_split_ && last == head_unit_ && last_mb && !split) send_tied_grad();
         if (first != 0) {
@@ -215,15 +264,32 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         model_.select_slot(acquire_slot(m, s));
         const bool last_mb = m == M - 1;
         strategy_->begin_microbatch(last_mb);  // the hooks fire here, when the unit's gradients are complete
-        if (tied_split_ && first == 0 && last_mb) recv_tied_grad();
         auto t0 = Clock::now();
         const double c0 = thread_cpu_ms();
-        model_.backward_weights(first, last);
-        const double ms = ms_between(t0, Clock::now());
+        double wait_ms = 0, wait_cpu_ms = 0;
+        // A tied embedding cut by the pipeline: the last stage sends the head's contribution as
+        // soon as the head's weight gradient is complete (its W runs first), and the first stage
+        // waits for it only before the embedding's W (its last), so the other units' W overlap
+        // the transfer and the other rank's remaining work.
+        std::function<void(int, bool)> around;
+        if (tied_split_ && last_mb && (first == 0 || last == head_unit_))
+          around = [&](int u, bool after) {
+            if (u == 0 && !after) {
+              auto w0 = Clock::now();
+              const double wc0 = thread_cpu_ms();
+              recv_tied_grad();
+              wait_ms += ms_between(w0, Clock::now());
+              wait_cpu_ms += thread_cpu_ms() - wc0;
+            } else if (u == head_unit_ && after) {
+              send_tied_grad();
+            }
+          };
+        model_.backward_weights(first, last, around);
+        const double ms = ms_between(t0, Clock::now()) - wait_ms;  // recv_tied_grad counts it as a wait
         st.busy_ms += ms;
         st.w_ms[static_cast<size_t>(s)] += ms;
-        st.w_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
-        if (tied_split_ && last == head_unit_ && last_mb) send_tied_grad();
+        st.w_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0 - wait_cpu_ms;
+        rec("W", m, ns_of(t0), now_ns());
         release_slot(m, s);
         break;
       }
@@ -243,7 +309,26 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   }
   st.span_ms = ms_between(t_start, Clock::now());
   st.peak_slots = peak_slots_;
+  const int64_t t_finish = now_ns();
   strategy_->finish_backward(comm);
+  if (trace_path) {
+    rec("step", 0, ns_of(t_start), t_finish);
+    rec("finish", 0, t_finish, now_ns());
+    for (auto& [kind, km] : traced_msgs) {
+      TraceEvent e{kind, km.first, 0, 0};
+      km.second->times_ns(&e.issued, &e.started, &e.done);
+      trace.push_back(e);
+    }
+    const std::string path = std::string(trace_path) + ".rank" + std::to_string(rank_);
+    if (FILE* f = std::fopen(path.c_str(), "a")) {
+      for (const TraceEvent& e : trace)
+        std::fprintf(f, "%s %d %lld %lld %lld %lld %lld\n", e.kind, e.key, static_cast<long long>(e.t0),
+                     static_cast<long long>(e.t1), static_cast<long long>(e.issued), static_cast<long long>(e.started),
+                     static_cast<long long>(e.done));
+      std::fprintf(f, "END\n");
+      std::fclose(f);
+    }
+  }
   return st;
 }
 

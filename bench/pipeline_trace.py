@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Where a pipeline step's idle time goes, from the executor's trace (MESHTRAIN_PP_TRACE=PREFIX,
+one file PREFIX.rank<R> per pipeline rank of one machine; see docs/pipeline.md).
+
+usage: bench/pipeline_trace.py PREFIX... [--step N]
+  several PREFIXes (runs of the same configuration): means over all their steps after the first;
+  --step N: also list step N's events (of each PREFIX)
+
+Per rank, means over the steps after the first (ms): the span (first action to the last send's
+completion), the compute (F, B, W), the idle rest, and what the idle was: receives waited for
+while the peer had not yet sent ("peer"), receives waited for after the peer had sent (the
+hand-off: "transfer"), the time the compute thread spent copying and posting messages ("post"),
+and the rest ("other": between actions, the final wait for sends).
+"""
+import collections, sys
+
+def load(path):
+    steps, cur = [], []
+    for line in open(path):
+        if line.startswith("END"):
+            steps.append(cur)
+            cur = []
+            continue
+        k, key, *t = line.split()
+        cur.append((k, int(key), *map(int, t)))
+    return steps
+
+def main():
+    args = sys.argv[1:]
+    show = None
+    if "--step" in args:
+        i = args.index("--step")
+        show = int(args[i + 1])
+        del args[i:i + 2]
+    if not args:
+        sys.exit(__doc__)
+    tot = collections.defaultdict(float)
+    steps_total, nranks = 0, 0
+    for prefix in args:
+        ranks = []
+        while True:
+            try:
+                ranks.append(load(f"{prefix}.rank{len(ranks)}"))
+            except FileNotFoundError:
+                break
+        if not ranks:
+            sys.exit(f"pipeline_trace.py: no {prefix}.rank0")
+        nranks = len(ranks)
+        n = min(len(x) for x in ranks)
+        steps_total += n - 1
+        add_steps(ranks, n, show, tot)
+    keys = ("span", "compute", "idle", "peer", "transfer", "post", "other")
+    print(f"{steps_total} steps ({len(args)} runs, each without its first step); means in ms per step:")
+    print("rank " + "".join(f"{k:>10s}" for k in keys))
+    for rr in range(nranks):
+        print(f"{rr:4d} " + "".join(f"{tot[(rr, k)] / steps_total / 1e6:10.2f}" for k in keys))
+
+def add_steps(ranks, n, show, tot):
+    for si in range(1, n):
+        issued = {}  # (sender, key) -> when the send was posted
+        for rr, steps in enumerate(ranks):
+            for e in steps[si]:
+                if e[0] == "send":
+                    issued.setdefault(e[1], []).append(e[4])
+        t0 = min(e[2] for steps in ranks for e in steps[si] if e[0] == "step")
+        for rr, steps in enumerate(ranks):
+            ev = steps[si]
+            step = [e for e in ev if e[0] == "step"][0]
+            span = step[3] - step[2]
+            busy = sum(e[3] - e[2] for e in ev if e[0] in ("F", "B", "W"))
+            # a tied embedding's gradient is waited for inside the first stage's last W
+            ws = [e for e in ev if e[0] == "W"]
+            busy -= sum(e[3] - e[2] for e in ev if e[0] == "tiedwait" and any(w[2] <= e[2] <= w[3] for w in ws))
+            peer = transfer = post = 0
+            for e in ev:
+                if e[0] in ("wait", "tiedwait"):
+                    sent = min(issued.get(e[1], [e[2]]))
+                    peer += max(0, min(sent, e[3]) - e[2])
+                    transfer += e[3] - max(e[2], min(sent, e[3]))
+                elif e[0] in ("stash", "psend", "precv"):
+                    post += e[3] - e[2]
+            for k, v in (("span", span), ("compute", busy), ("idle", span - busy), ("peer", peer),
+                         ("transfer", transfer), ("post", post), ("other", span - busy - peer - transfer - post)):
+                tot[(rr, k)] += v
+            if show == si:
+                print(f"rank {rr} step {si}: span {span / 1e6:.2f} ms, compute {busy / 1e6:.2f} ms")
+                for e in sorted(ev, key=lambda e: e[2] or e[4]):
+                    if e[0] in ("send", "recv"):
+                        print(f"  {e[0]:8s} {e[1]:6d} issued {(e[4] - t0) / 1e6:9.3f} started {(e[5] - t0) / 1e6:9.3f} "
+                              f"done {(e[6] - t0) / 1e6:9.3f}")
+                    else:
+                        print(f"  {e[0]:8s} {e[1]:6d} {(e[2] - t0) / 1e6:9.3f} .. {(e[3] - t0) / 1e6:9.3f} "
+                              f"({(e[3] - e[2]) / 1e6:.3f})")
+
+if __name__ == "__main__":
+    main()
