@@ -401,6 +401,7 @@ struct GroupImpl {
   bool stop = false, down = false;
   uint64_t coll_issued = 0, p2p_issued = 0;  // under mu
   std::atomic<uint64_t> issued{0}, started{0}, completed{0};
+  std::atomic<uint64_t> idle_polls{0};  // thread_main's polls that completed nothing
   std::atomic<bool> failed{false};
   std::string fail_msg;  // under mu
   // Operations handed to the communication thread and not completed yet (incremented under mu).

@@ -648,7 +648,10 @@ void GroupImpl::thread_main() {
     }
     if (progressed) {
       idle = 0;
-    } else if (idle_us > max_us && !cur && colls.empty() && idle >= kSpins && waker->waiters.load() == 0) {
+      continue;
+    }
+    idle_polls.fetch_add(1, std::memory_order_relaxed);
+    if (idle_us > max_us && !cur && colls.empty() && idle >= kSpins && waker->waiters.load() == 0) {
       const unsigned k = std::min(idle++ - kSpins, 20u);
       if (waker->sleep_for(std::min<long>(idle_us, 1L << k))) idle = 0;  // woken: a waiter or new work
     } else {
@@ -724,5 +727,7 @@ CommStats ProcessGroup::stats() const {
 }
 
 uint64_t ProcessGroup::collectives_called() const { return impl_->issued.load(); }
+
+uint64_t ProcessGroup::idle_polls() const { return impl_->idle_polls.load(); }
 
 }  // namespace mt::comm

@@ -153,6 +153,9 @@ class ProcessGroup {
   CommStats stats() const;
   // Collectives called on this group so far (the number of the last one).
   uint64_t collectives_called() const;
+  // Times the communication thread has polled operations in flight without completing any
+  // (diagnostics; lazy point-to-point polling, docs/comm.md).
+  uint64_t idle_polls() const;
 
   detail::GroupImpl& impl() { return *impl_; }
 

@@ -375,6 +375,34 @@ TEST(ProcessGroup, SendRecvBothWaysAtOnce) {
   }
 }
 
+// A receive posted long before its data comes (as a pipeline posts them) is polled lazily while
+// nobody waits for it: on one node the thread's sleeps grow to MESHTRAIN_COMM_POLL_IDLE_US (1 ms)
+// instead of staying at MESHTRAIN_COMM_POLL_US (50 us), so 300 ms in flight take a few hundred
+// polls, not thousands (sleeps last at least what they ask, so the bound holds on a loaded
+// machine). Waiting for it then completes it with the data.
+TEST(ProcessGroup, PointToPointInFlightIsPolledLazilyUntilWaitedFor) {
+  auto g = g_world->split(0, g_world->rank(), "lazy_p2p");
+  const int r = g->rank();
+  const size_t count = 1u << 18;  // 1 MiB: large enough for the rendezvous protocol
+  Buf buf(count, DType::F32);
+  if (r == 0) {
+    auto recv = g->recv(buf.p(), count, DType::F32, 1, 7);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the thread is past its spins
+    const uint64_t p0 = g->idle_polls();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const uint64_t polls = g->idle_polls() - p0;
+    EXPECT_FALSE(recv->test()) << "rank 1 sends after 500 ms";
+    EXPECT_LT(polls, 600u) << "polls of a receive in flight for 300 ms that nobody waited for";
+    recv->wait();
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(get(buf.p(), i, DType::F32), input(1, i, DType::F32)) << i;
+  } else if (r == 1) {
+    fill(buf.p(), count, DType::F32, 1, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    g->send(buf.p(), count, DType::F32, 0, 7)->wait();
+  }
+  g->barrier()->wait();
+}
+
 TEST(ProcessGroup, ManyOutstandingCollectivesCompleteInOrder) {
   auto w = g_world->world();
   const int n = w->size(), r = w->rank();

@@ -406,5 +406,46 @@ TEST(Model, SplitBackwardHoldsSlotInputsByReferenceAndReusesItsBuffers) {
   EXPECT_EQ(split_rc.peak_growth, plain_rc.peak_growth);
 }
 
+// backward_weights' callback brackets each unit's weight gradients, last unit first: the pipeline
+// sends a tied embedding's head contribution right after the head's (its first) and waits for it
+// right before the embedding's (its last). Inside the bracket of unit u the gradient of u changes,
+// outside it not (Llama: untied, so the head's W adds to the head's own weight).
+TEST(Model, BackwardWeightsCallsAroundEachUnitLastToFirst) {
+  const ModelConfig c = tiny(Arch::Llama);
+  const int64_t B = 2, T = 8;
+  const auto x = random_tokens(B * T, c.vocab_size, 11), y = random_tokens(B * T, c.vocab_size, 12);
+  Transformer m(c, DType::F32);
+  m.init_weights(5);
+  m.zero_grads();
+  const int hu = m.num_units() - 1;
+  m.forward(x.data(), y.data(), B, T, true, 1.0f / static_cast<float>(B * T));
+  m.backward_units(0, hu, nullptr, nullptr, true);
+  const float* g = m.grads().f32();
+  auto unit_grad_sum = [&](int u) {
+    double sum = 0;
+    for (const ParamInfo& p : m.params())
+      if (p.unit == u)
+        for (int64_t i = 0; i < p.numel; ++i) sum += std::fabs(g[p.offset + i]);
+    return sum;
+  };
+  std::vector<std::pair<int, bool>> calls;
+  std::vector<double> sums(static_cast<size_t>(hu + 1));
+  for (int u = 0; u <= hu; ++u) sums[static_cast<size_t>(u)] = unit_grad_sum(u);
+  m.backward_weights(0, hu, [&](int u, bool after) {
+    calls.emplace_back(u, after);
+    for (int v = 0; v <= hu; ++v) {
+      const double now = unit_grad_sum(v), was = sums[static_cast<size_t>(v)];
+      if (after && v == u)
+        EXPECT_NE(now, was) << "unit " << u << "'s weight gradients are computed inside its bracket";
+      else
+        EXPECT_EQ(now, was) << "unit " << v << " changed outside its bracket (at " << u << (after ? " after)" : " before)");
+      sums[static_cast<size_t>(v)] = now;
+    }
+  });
+  std::vector<std::pair<int, bool>> want;
+  for (int u = hu; u >= 0; --u) want.insert(want.end(), {{u, false}, {u, true}});
+  EXPECT_EQ(calls, want);
+}
+
 }  // namespace
 }  // namespace mt
