@@ -149,6 +149,7 @@ struct Op {
   std::vector<Fingerprint> fps;  // every member's (group-rank order), filled by the backend's exchange
   bool fp_wait = false;          // the fingerprint exchange is running; the backend has not started
   bool queued = false;  // handed to the communication thread (counted in GroupImpl::pending)
+  bool started = false;  // point-to-point posted by its caller (GroupImpl::issue), polled by the thread
   std::vector<size_t> scounts, rcounts;  // all_to_all_v: elements to / from each group rank
 };
 
@@ -409,6 +410,12 @@ struct GroupImpl {
   // A collective is running on its caller's thread (InlineScope; under mu): the communication
   // thread starts nothing meanwhile, so the backend is never driven by two threads at once.
   bool inline_busy = false;
+  // The communication thread is blocked with nothing in flight (under mu): only then does a
+  // send / receive that its caller posted itself need to wake it.
+  bool thread_idle = false;
+  // Queued sends / receives the thread has not posted yet: while there are any, a caller does not
+  // post its own (MPI's order of posting between two ranks is kept).
+  std::atomic<int> unposted_p2p{0};
 
   // Watchdog view: operations running now.
   struct Active {

@@ -298,6 +298,8 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
   }
   WorkHandle w = op->work;
   std::unique_ptr<Op> inl;  // runs on this thread (InlineScope)
+  bool wake_thread = true;
+  std::string post_error;  // the caller's own posting failed
   {
     std::lock_guard<std::mutex> lk(mu);
     if (down) throw CommError("group " + name + " used after World::finalize()");
@@ -322,13 +324,38 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
         inline_busy = true;
         inl = std::move(op);
       } else {
-        op->queued = true;
-        pending.fetch_add(1);
-        queue.push_back(std::move(op));
-        has_work.store(true, std::memory_order_release);
-        if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
+        // Lazily polled (node-local) groups: the caller posts a send or receive itself
+        // (MPI_THREAD_MULTIPLE) when nothing queued comes before it, and hands it to the thread
+        // only to be polled - without waking it unless it is blocked with nothing in flight. A
+        // wake-up costs the compute thread the core (the thread runs at a higher priority); the
+        // receiver copies the data in its own polls, so the send needs nothing more from us.
+        if (is_p2p(d.kind) && backend->node_local() && config().poll_idle_us > config().poll_max_us &&
+            queue.empty() && unposted_p2p.load() == 0 && !inline_busy && thr.joinable()) {
+          begin(*op);
+          try {
+            backend->start(*op);
+          } catch (const CommError& e) {
+            post_error = e.what();
+          }
+          op->started = true;
+          wake_thread = thread_idle;
+        } else if (is_p2p(d.kind)) {
+          unposted_p2p.fetch_add(1);
+        }
+        if (post_error.empty()) {  // else completed (failed) below, outside the lock
+          op->queued = true;
+          pending.fetch_add(1);
+          queue.push_back(std::move(op));
+          has_work.store(true, std::memory_order_release);
+          if (!thr.joinable()) thr = std::thread([this] { thread_main(); });
+        }
       }
     }
+  }
+  if (!post_error.empty()) {
+    report_fatal(post_error, 2.0);
+    complete(std::move(op), &post_error);
+    return w;
   }
   if (inl) {
     run_inline(std::move(inl));
@@ -338,7 +365,7 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
     complete(std::move(op), nullptr);
   } else if (op) {
     run_local(std::move(op));
-  } else {
+  } else if (wake_thread) {
     cv.notify_one();
     waker->wake();  // the thread may be sleeping lazily with transfers in flight
   }
@@ -577,7 +604,9 @@ void GroupImpl::thread_main() {
         const int64_t until = now_ns() + int64_t(spin_us) * 1000;
         while (!has_work.load(std::memory_order_acquire) && now_ns() < until) sched_yield();
         lk.lock();
+        thread_idle = true;
         cv.wait(lk, [&] { return stop || !queue.empty(); });
+        thread_idle = false;
         idle = 0;
         if (queue.empty()) continue;
       }
@@ -607,8 +636,11 @@ void GroupImpl::thread_main() {
     try {
       for (auto& o : incoming) {
         if (is_p2p(o->d.kind)) {
-          begin(*o);
-          backend->start(*o);
+          if (!o->started) {
+            begin(*o);
+            backend->start(*o);
+            unposted_p2p.fetch_sub(1);
+          }
           p2ps.push_back(std::move(o));
         } else {
           colls.push_back(std::move(o));
