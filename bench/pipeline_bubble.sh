@@ -111,7 +111,9 @@ if ((TRACE)); then
     for m in $MICRO; do
       for sched in $SCHEDS; do
         echo; echo "p $p, m $m, $sched: where the idle time went"
-        python3 "$ROOT/bench/pipeline_trace.py" "$OUT"/p${p}_${sched/:/_}_m${m}_r*.trace
+        prefixes=()
+        for run in $(seq 1 "$RUNS"); do prefixes+=("$OUT/p${p}_${sched/:/_}_m${m}_r$run.trace"); done
+        python3 "$ROOT/bench/pipeline_trace.py" "${prefixes[@]}"
       done
     done
   done

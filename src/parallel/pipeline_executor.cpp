@@ -31,6 +31,7 @@ double thread_cpu_ms() {
 // T0..T1 the compute), wait / tiedwait (a receive waited for; KEY = message tag), stash (a send's
 // copy), psend / precv (posting), send / recv (ISSUED, STARTED on the communication thread, DONE),
 // tiedsend, step (the step's span), finish (the strategy's finish_backward); "END" closes a step.
+// (A dry run's steps, on the meta device, are not written.)
 // bench/pipeline_trace.py summarises them.
 struct TraceEvent {
   const char* kind;
@@ -122,7 +123,8 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
     comm::WorkHandle work;
   };
   std::map<int, Msg> recvs, sends;
-  static const char* trace_path = std::getenv("MESHTRAIN_PP_TRACE");
+  static const char* trace_env = std::getenv("MESHTRAIN_PP_TRACE");
+  const char* trace_path = model_.device() == Device::Meta ? nullptr : trace_env;  // not the dry run's step
   std::vector<TraceEvent> trace;
   std::vector<std::pair<const char*, std::pair<int, comm::WorkHandle>>> traced_msgs;
   auto rec = [&](const char* kind, int key, int64_t t0, int64_t t1) {
