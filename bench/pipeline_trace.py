@@ -10,7 +10,12 @@ Per rank, means over the steps after the first (ms): the span (first action to t
 completion), the compute (F, B, W), the idle rest, and what the idle was: receives waited for
 while the peer had not yet sent ("peer"), receives waited for after the peer had sent (the
 hand-off: "transfer"), the time the compute thread spent copying and posting messages ("post"),
-and the rest ("other": between actions, the final wait for sends).
+and the rest ("other": between actions, the final wait for sends). "replay": the idle time the
+same schedule would have had if every action took the time it took and every message arrived the
+moment its compute ended (each rank's actions in its order, a forward after the previous stage's
+forward of the micro-batch, a B after the next stage's B; all ranks starting together): the
+schedule's own bubble with the measured costs, stage imbalance included. "executor" = idle -
+replay: what the hand-offs, waits and everything between the actions added.
 """
 import collections, sys
 
@@ -49,14 +54,50 @@ def main():
         n = min(len(x) for x in ranks)
         steps_total += n - 1
         add_steps(ranks, n, show, tot)
-    keys = ("span", "compute", "idle", "peer", "transfer", "post", "other")
+    keys = ("span", "compute", "idle", "peer", "transfer", "post", "other", "replay", "executor")
     print(f"{steps_total} steps ({len(args)} runs, each without its first step); means in ms per step:")
     print("rank " + "".join(f"{k:>10s}" for k in keys))
     for rr in range(nranks):
         print(f"{rr:4d} " + "".join(f"{tot[(rr, k)] / steps_total / 1e6:10.2f}" for k in keys))
 
+def replay(actions):
+    """actions[r]: rank r's (kind, micro-batch, stage, duration) in order -> idle per rank."""
+    done = {}  # (kind, m, s) -> end time
+    pos = [0] * len(actions)
+    clock = [0.0] * len(actions)
+    busy = [sum(a[3] for a in acts) for acts in actions]
+    left = sum(len(a) for a in actions)
+    while left:
+        moved = False
+        for r, acts in enumerate(actions):
+            while pos[r] < len(acts):
+                k, m, st, d = acts[pos[r]]
+                dep = ("F", m, st - 1) if k == "F" and st > 0 else ("B", m, st + 1) if k == "B" else None
+                if dep and dep not in done and any(dep[0] == a[0] and dep[1] == a[1] and dep[2] == a[2]
+                                                   for x in actions for a in x):
+                    break
+                start = max(clock[r], done.get(dep, 0.0) if dep else 0.0)
+                clock[r] = start + d
+                done[(k, m, st)] = clock[r]
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            return None  # not the schedule this replay knows
+    return [clock[r] - busy[r] for r in range(len(actions))]
+
 def add_steps(ranks, n, show, tot):
     for si in range(1, n):
+        acts = []
+        for steps in ranks:
+            ev = steps[si]
+            tw = [e for e in ev if e[0] == "tiedwait"]
+            a = []
+            for e in sorted((e for e in ev if e[0] in ("F", "B", "W")), key=lambda e: e[2]):
+                d = e[3] - e[2] - sum(t[3] - t[2] for t in tw if e[2] <= t[2] <= e[3])
+                a.append((e[0], e[1], e[4], d))
+            acts.append(a)
+        rep = replay(acts)
         issued = {}  # (sender, key) -> when the send was posted
         for rr, steps in enumerate(ranks):
             for e in steps[si]:
@@ -82,6 +123,9 @@ def add_steps(ranks, n, show, tot):
             for k, v in (("span", span), ("compute", busy), ("idle", span - busy), ("peer", peer),
                          ("transfer", transfer), ("post", post), ("other", span - busy - peer - transfer - post)):
                 tot[(rr, k)] += v
+            if rep:
+                tot[(rr, "replay")] += rep[rr]
+                tot[(rr, "executor")] += span - busy - rep[rr]
             if show == si:
                 print(f"rank {rr} step {si}: span {span / 1e6:.2f} ms, compute {busy / 1e6:.2f} ms")
                 for e in sorted(ev, key=lambda e: e[2] or e[4]):

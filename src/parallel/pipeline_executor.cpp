@@ -27,11 +27,11 @@ double thread_cpu_ms() {
 }
 // MESHTRAIN_PP_TRACE=PREFIX: each training step appends the times of this rank's actions and
 // messages to PREFIX.rank<R>, one event a line - "KIND KEY T0 T1 ISSUED STARTED DONE", steady-clock
-// nanoseconds (the same clock in every process of a machine): F / B / W (KEY = micro-batch;
-// T0..T1 the compute), wait / tiedwait (a receive waited for; KEY = message tag), stash (a send's
-// copy), psend / precv (posting), send / recv (ISSUED, STARTED on the communication thread, DONE),
-// tiedsend, step (the step's span), finish (the strategy's finish_backward); "END" closes a step.
-// (A dry run's steps, on the meta device, are not written.)
+// nanoseconds (the same clock in every process of a machine): F / B / W (KEY = micro-batch; T0..T1
+// the compute; ISSUED = the stage), wait / tiedwait (a receive waited for; KEY = message tag),
+// stash (a send's copy), psend / precv (posting), send / recv (ISSUED, STARTED on the
+// communication thread, DONE), tiedsend, step (the step's span), finish (the strategy's
+// finish_backward); "END" closes a step. A dry run's steps (meta device) are not written.
 // bench/pipeline_trace.py summarises them.
 struct TraceEvent {
   const char* kind;
@@ -127,8 +127,8 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
   const char* trace_path = model_.device() == Device::Meta ? nullptr : trace_env;  // not the dry run's step
   std::vector<TraceEvent> trace;
   std::vector<std::pair<const char*, std::pair<int, comm::WorkHandle>>> traced_msgs;
-  auto rec = [&](const char* kind, int key, int64_t t0, int64_t t1) {
-    if (trace_path) trace.push_back({kind, key, t0, t1});
+  auto rec = [&](const char* kind, int key, int64_t t0, int64_t t1, int64_t stage = 0) {
+    if (trace_path) trace.push_back({kind, key, t0, t1, stage});
   };
   auto rec_msg = [&](const char* kind, int key, const comm::WorkHandle& w) {
     if (trace_path) traced_msgs.push_back({kind, {key, w}});
@@ -219,7 +219,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         st.busy_ms += ms;
         st.f_ms[static_cast<size_t>(s)] += ms;
         st.f_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
-        rec("F", m, ns_of(t0), now_ns());
+        rec("F", m, ns_of(t0), now_ns(), s);
         if (first != 0) recvs.erase(tag(kAct, m, s - 1));
         if (s + 1 < S_ && sched_.stage_rank(s + 1) == rank_) keep_local(tag(kAct, m, s), model_.unit_output(last));
         break;
@@ -250,7 +250,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         st.busy_ms += ms;
         st.b_ms[static_cast<size_t>(s)] += ms;
         st.b_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0;
-        rec("B", m, ns_of(t0), now_ns());
+        rec("B", m, ns_of(t0), now_ns(), s);
         if (last != head_unit_) recvs.erase(tag(kGrad, m, s + 1));
         if (tied_split_ && last == head_unit_ && last_mb && !split) send_tied_grad();
         if (first != 0) {
@@ -291,7 +291,7 @@ PipelineStepStats PipelineExecutor::train_step(const std::vector<const int32_t*>
         st.busy_ms += ms;
         st.w_ms[static_cast<size_t>(s)] += ms;
         st.w_cpu_ms[static_cast<size_t>(s)] += thread_cpu_ms() - c0 - wait_cpu_ms;
-        rec("W", m, ns_of(t0), now_ns());
+        rec("W", m, ns_of(t0), now_ns(), s);
         release_slot(m, s);
         break;
       }
