@@ -97,6 +97,8 @@ def add_steps(ranks, n, show, tot):
                 d = e[3] - e[2] - sum(t[3] - t[2] for t in tw if e[2] <= t[2] <= e[3])
                 a.append((e[0], e[1], e[4], d))
             acts.append(a)
+        if len(acts) > 1 and not any(a[2] for x in acts for a in x):
+            acts = [[(k, m, r, d) for k, m, _, d in x] for r, x in enumerate(acts)]  # stage-less trace: stage = rank
         rep = replay(acts)
         issued = {}  # (sender, key) -> when the send was posted
         for rr, steps in enumerate(ranks):
