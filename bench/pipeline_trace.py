@@ -15,7 +15,11 @@ same schedule would have had if every action took the time it took and every mes
 moment its compute ended (each rank's actions in its order, a forward after the previous stage's
 forward of the micro-batch, a B after the next stage's B; all ranks starting together): the
 schedule's own bubble with the measured costs, stage imbalance included. "executor" = idle -
-replay: what the hand-offs, waits and everything between the actions added.
+replay: what the hand-offs, waits and everything between the actions added. "window": the idle
+time within the step's common window (first start to last end over the ranks) - the engine's
+pp_bubble takes each rank's own span, which leaves out a rank's wait after its last action for the
+others to finish (the last rank's under 1F1B: a whole backward); "window replay": the same for the
+replay.
 """
 import collections, sys
 
@@ -54,11 +58,12 @@ def main():
         n = min(len(x) for x in ranks)
         steps_total += n - 1
         add_steps(ranks, n, show, tot)
-    keys = ("span", "compute", "idle", "peer", "transfer", "post", "other", "replay", "executor")
+    keys = ("span", "compute", "idle", "peer", "transfer", "post", "other", "replay", "executor", "window",
+            "win.replay")
     print(f"{steps_total} steps ({len(args)} runs, each without its first step); means in ms per step:")
-    print("rank " + "".join(f"{k:>10s}" for k in keys))
+    print("rank " + "".join(f"{k:>11s}" for k in keys))
     for rr in range(nranks):
-        print(f"{rr:4d} " + "".join(f"{tot[(rr, k)] / steps_total / 1e6:10.2f}" for k in keys))
+        print(f"{rr:4d} " + "".join(f"{tot[(rr, k)] / steps_total / 1e6:11.2f}" for k in keys))
 
 def replay(actions):
     """actions[r]: rank r's (kind, micro-batch, stage, duration) in order -> idle per rank."""
@@ -84,7 +89,7 @@ def replay(actions):
                 moved = True
         if not moved:
             return None  # not the schedule this replay knows
-    return [clock[r] - busy[r] for r in range(len(actions))]
+    return [clock[r] - busy[r] for r in range(len(actions))], [max(clock) - busy[r] for r in range(len(actions))]
 
 def add_steps(ranks, n, show, tot):
     for si in range(1, n):
@@ -106,6 +111,7 @@ def add_steps(ranks, n, show, tot):
                 if e[0] == "send":
                     issued.setdefault(e[1], []).append(e[4])
         t0 = min(e[2] for steps in ranks for e in steps[si] if e[0] == "step")
+        t_end = max(e[3] for steps in ranks for e in steps[si] if e[0] == "step")
         for rr, steps in enumerate(ranks):
             ev = steps[si]
             step = [e for e in ev if e[0] == "step"][0]
@@ -125,9 +131,11 @@ def add_steps(ranks, n, show, tot):
             for k, v in (("span", span), ("compute", busy), ("idle", span - busy), ("peer", peer),
                          ("transfer", transfer), ("post", post), ("other", span - busy - peer - transfer - post)):
                 tot[(rr, k)] += v
+            tot[(rr, "window")] += t_end - t0 - busy
             if rep:
-                tot[(rr, "replay")] += rep[rr]
-                tot[(rr, "executor")] += span - busy - rep[rr]
+                tot[(rr, "replay")] += rep[0][rr]
+                tot[(rr, "executor")] += span - busy - rep[0][rr]
+                tot[(rr, "win.replay")] += rep[1][rr]
             if show == si:
                 print(f"rank {rr} step {si}: span {span / 1e6:.2f} ms, compute {busy / 1e6:.2f} ms")
                 for e in sorted(ev, key=lambda e: e[2] or e[4]):
