@@ -454,8 +454,9 @@ TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
 // model.residual_dtype on the CPU: auto is the fp32 residual stream (the run is unchanged, bit for
 // bit); bf16 keeps the stream between blocks and after attention in bf16 (each add rounded once, the
 // norms reading bf16), a different rounding that trains as closely as bf16 allows: every loss and
-// gradient norm within 1e-2 relative of the fp32 stream's, for GPT-2 (LayerNorm) and Llama (RMSNorm,
-// with full recompute: the recomputed block reads the bf16 stream it saved).
+// gradient norm within 2e-3 relative of the fp32 stream's (2.5e-5 and 6.3e-4 at most here), for
+// GPT-2 (LayerNorm) and Llama (RMSNorm, with full recompute: the recomputed block reads the bf16
+// stream it saved).
 TEST_F(TrainerTest, Bf16ResidualOnTheCpu) {
   auto run = [&](const char* preset, const char* res, const char* ckpt, std::vector<double>* norms) {
     std::vector<std::pair<std::string, std::string>> ov = {
@@ -487,8 +488,8 @@ TEST_F(TrainerTest, Bf16ResidualOnTheCpu) {
     EXPECT_LT(b16.back(), b16.front() - 0.3) << preset;  // it trains
     double worst_loss = 0, worst_norm = 0;
     for (size_t i = 0; i < f32.size(); ++i) {
-      EXPECT_NEAR(b16[i], f32[i], 1e-2 * f32[i]) << preset << ", loss, step " << i + 1;
-      EXPECT_NEAR(n16[i], n32[i], 1e-2 * n32[i]) << preset << ", gradient norm, step " << i + 1;
+      EXPECT_NEAR(b16[i], f32[i], 2e-3 * f32[i]) << preset << ", loss, step " << i + 1;
+      EXPECT_NEAR(n16[i], n32[i], 2e-3 * n32[i]) << preset << ", gradient norm, step " << i + 1;
       worst_loss = std::max(worst_loss, std::abs(b16[i] - f32[i]) / f32[i]);
       worst_norm = std::max(worst_norm, std::abs(n16[i] - n32[i]) / n32[i]);
     }
