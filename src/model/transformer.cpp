@@ -764,16 +764,21 @@ BlockParams Transformer::block_params_of(int layer) const {
 // out, the norms and the residual hold this rank's R rows; the parallel layers gather and
 // reduce-scatter around the matmuls. With the bf16 residual stream the attention projection and
 // the MLP write fp32 into dnorm_ (free in forward, and in a recompute before the block's backward)
-// and the adds round to bf16: res2 = bf16(x + attention) with the second norm in one kernel, then
-// out = bf16(res2 + mlp).
+// and the adds round to bf16: res2 = bf16(x + attention) with the second norm in one kernel, and
+// out = bf16(res2 + mlp) with the next norm (the next block's first, or the final norm): the add
+// is left pending here, and this block's first norm completes the previous block's add into x.
 void Transformer::block_forward(int layer, const Tensor& xt, BlockActivations& a, void* out, bool discard) {
   const int64_t N = B_ * T_, C = cfg_.n_embd, R = residual_rows(N);
   const BlockParams p = block_params_of(layer);
   const TokenShape ts = tokens();
   const Norm n1 = norm(p.ln1_w, p.ln1_b, false), n2 = norm(p.ln2_w, p.ln2_b, false);
   if (res_bf16_) {
+    if (pending_res_ && pending_out_ != xt.raw()) flush_residual();
+    const bf16* prev = pending_res_;  // x = bf16(prev + dnorm_), written by this norm
+    pending_res_ = nullptr;
     float* proj = dnorm_.f32();
-    const float* ln1 = n1.forward_saved_bf16(a.ln1, a.ln1_mean, a.ln1_rstd, nullptr, xt.bf(), nullptr, R);
+    const float* ln1 = prev ? n1.forward_saved_bf16(a.ln1, a.ln1_mean, a.ln1_rstd, xt.bf(), prev, dnorm_.f32(), R)
+                            : n1.forward_saved_bf16(a.ln1, a.ln1_mean, a.ln1_rstd, nullptr, xt.bf(), nullptr, R);
     attn_->forward(*this, p, a, ln1, ts, proj);
     const float* ln2 = n2.forward_saved_bf16(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.bf(), xt.bf(), proj, R);
     float* y = dnorm_.f32();  // the projection is consumed: the MLP's output goes there
@@ -781,7 +786,10 @@ void Transformer::block_forward(int layer, const Tensor& xt, BlockActivations& a
       moe_->forward(*this, layer, p, a, a.ln2, y, N, router_dloss_.value_or(cur_dloss_), !recomputing_);
     else
       mlp_->forward(*this, p, a, ln2, y, N, stage_.f32());
-    if (!discard) kt_->residual_add_bf16(static_cast<bf16*>(out), a.res2.bf(), y, R * C);
+    if (!discard) {
+      pending_res_ = a.res2.bf();
+      pending_out_ = static_cast<bf16*>(out);
+    }
     return;
   }
   const float* x = xt.f32();
@@ -796,6 +804,13 @@ void Transformer::block_forward(int layer, const Tensor& xt, BlockActivations& a
   else
     mlp_->forward(*this, p, a, ln2, outf, N, stage_.f32());
   kt_->accumulate(outf, a.res2.f32(), R * C);
+}
+
+void Transformer::flush_residual() {
+  if (!pending_res_) return;
+  const int64_t R = residual_rows(B_ * T_);
+  kt_->residual_add_bf16(pending_out_, pending_res_, dnorm_.f32(), R * cfg_.n_embd);
+  pending_res_ = nullptr;
 }
 
 // dx holds d(block output) on entry and d(block input) on exit (this rank's R rows under sequence
@@ -833,6 +848,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("forward_units: bad unit range");
   ensure_buffers(B, T, first, last);
+  pending_res_ = nullptr;  // a forward that threw may have left one
   cur_dloss_ = dloss_scale;
   Slot& s = *s_;
   const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, R = residual_rows(N);
@@ -882,6 +898,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     if (hooks_) hooks_->post_forward(u);
   }
   if (last < hu) {
+    flush_residual();
     s.have_backward = train;
     return 0.0;
   }
@@ -891,11 +908,19 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const int hb = unit_params_[hu][0];
   HeadActivations& h = s.head;
   float* hin = tpc_.sp ? stage_.f32() : h.in.f32();
-  if (res_bf16_)
-    norm(hb, gpt ? hb + 1 : -1, false).forward_bf16(hin, h.mean, h.rstd, nullptr, s.block_out[cfg_.n_layer].bf(),
-                                                    nullptr, R);
-  else
+  if (res_bf16_) {  // the last block's pending add fused with the final norm
+    bf16* x = s.block_out[cfg_.n_layer].bf();
+    if (pending_res_ && pending_out_ != x) flush_residual();
+    const bf16* prev = pending_res_;
+    pending_res_ = nullptr;
+    const Norm hn = norm(hb, gpt ? hb + 1 : -1, false);
+    if (prev)
+      hn.forward_bf16(hin, h.mean, h.rstd, x, prev, dnorm_.f32(), R);
+    else
+      hn.forward_bf16(hin, h.mean, h.rstd, nullptr, x, nullptr, R);
+  } else {
     norm(hb, gpt ? hb + 1 : -1, false).forward(hin, h.mean, h.rstd, s.block_out[cfg_.n_layer].f32(), R);
+  }
   if (tpc_.sp) tpc_.gather_into(hin, h.in.f32());
   if (bf) kt_->cast_f32_to_bf16(h.in_bf.bf(), h.in.f32(), N * C);
   const double loss = head_->forward(head_weight(false), h, targets, N, train, dloss_scale, head_grad_ready(),

@@ -339,6 +339,10 @@ class Transformer final : private LayerParams {
   // goes (block_out[layer + 1], or fp32 scratch whose contents are discarded: a recompute).
   void block_forward(int layer, const Tensor& x, BlockActivations& a, void* out, bool discard = false);
   void block_backward(int layer, const Tensor& x, BlockActivations& a, float* dx);
+  // The bf16 stream's end-of-block add, left pending by block_forward: out = bf16(res2 + y), y the
+  // MLP's fp32 output in dnorm_. The next norm (the next block's first, or the final one) does it
+  // fused with itself; flush_residual() does it alone (a forward that stops before them).
+  void flush_residual();
   BlockParams block_params_of(int layer) const;
   // The current micro-batch's shape (and its tokens' positions under context parallelism).
   // With document masking: per-token positions and the device doc_start of the current slot.
@@ -439,6 +443,8 @@ class Transformer final : private LayerParams {
   bool flash_ = false;
   bool gelu_epi_ = false;  // ModelOptions::gelu_epilogue
   bool res_bf16_ = false;  // ModelOptions::residual_bf16
+  const bf16* pending_res_ = nullptr;  // the pending add's res2 (null: none)
+  bf16* pending_out_ = nullptr;        // and its output, the next unit's input
   std::vector<int32_t> cp_pos_;
   // Workspace: the residual stream's gradient [R, C], a norm's input gradient [N, C] and fp32
   // staging [N, max(C, F)] (values stored as bf16, gathered rows, a recompute's discarded output).
