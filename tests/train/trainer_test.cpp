@@ -453,17 +453,18 @@ TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
 
 // model.residual_dtype on the CPU: auto is the fp32 residual stream (the run is unchanged, bit for
 // bit); bf16 keeps the stream between blocks and after attention in bf16 (each add rounded once, the
-// norms reading bf16), a different rounding that trains as closely as bf16 allows: every loss and
-// gradient norm within 2e-3 relative of the fp32 stream's (2.5e-5 and 6.3e-4 at most here), for
-// GPT-2 (LayerNorm) and Llama (RMSNorm, with full recompute: the recomputed block reads the bf16
-// stream it saved).
+// norms reading bf16), a different rounding that trains as closely as bf16 allows: every loss within
+// 2e-3 relative of the fp32 stream's, every gradient norm within 1e-2 (at most 9.5e-5 and 2.0e-3
+// here; the norms move more, most in the mixture of experts, where a rounding can change a routing
+// choice), for GPT-2 (LayerNorm), Llama (RMSNorm, with full recompute: the recomputed block reads
+// the bf16 stream it saved) and a Llama mixture of experts (4 experts, top-2, a shared expert;
+// selective recompute).
 TEST_F(TrainerTest, Bf16ResidualOnTheCpu) {
-  auto run = [&](const char* preset, const char* res, const char* ckpt, std::vector<double>* norms) {
-    std::vector<std::pair<std::string, std::string>> ov = {
-        {"model.preset", preset}, {"train.dtype", "bf16"}, {"train.eval_every", "0"},
-        {"train.activation_checkpointing", ckpt}};
+  using Ov = std::vector<std::pair<std::string, std::string>>;
+  auto run = [&](const std::string& name, Ov ov, const char* res, std::vector<double>* norms) {
+    ov.insert(ov.end(), {{"train.dtype", "bf16"}, {"train.eval_every", "0"}});
     if (res) ov.emplace_back("model.residual_dtype", res);
-    const std::string out = (dir_ / (std::string(preset) + (res ? res : "auto") + ".jsonl")).string();
+    const std::string out = (dir_ / (name + (res ? res : "auto") + ".jsonl")).string();
     ov.emplace_back("log.metrics_out", out);
     const std::vector<double> losses = train(config(ov)).losses;
     std::ifstream f(out);
@@ -475,26 +476,34 @@ TEST_F(TrainerTest, Bf16ResidualOnTheCpu) {
     }
     return losses;
   };
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    const char* ckpt = std::string(preset) == "llama-tiny" ? "full" : "none";
+  const std::vector<std::pair<std::string, Ov>> runs = {
+      {"gpt2", {{"model.preset", "gpt2-tiny"}}},
+      {"llama, full recompute", {{"model.preset", "llama-tiny"}, {"train.activation_checkpointing", "full"}}},
+      {"llama moe, selective recompute",
+       {{"model.preset", "llama-tiny"}, {"model.moe_experts", "4"}, {"model.moe_top_k", "2"},
+        {"model.moe_shared_experts", "1"}, {"train.activation_checkpointing", "selective"}}}};
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const std::string& what = runs[r].first;
+    const std::string name = "res" + std::to_string(r);
     std::vector<double> na, n32, n16;
-    const std::vector<double> automatic = run(preset, nullptr, ckpt, &na), f32 = run(preset, "fp32", ckpt, &n32),
-                              b16 = run(preset, "bf16", ckpt, &n16);
-    EXPECT_EQ(automatic, f32) << preset;
-    EXPECT_EQ(na, n32) << preset;
+    const std::vector<double> automatic = run(name, runs[r].second, nullptr, &na),
+                              f32 = run(name, runs[r].second, "fp32", &n32),
+                              b16 = run(name, runs[r].second, "bf16", &n16);
+    EXPECT_EQ(automatic, f32) << what;
+    EXPECT_EQ(na, n32) << what;
     ASSERT_EQ(b16.size(), f32.size());
     ASSERT_EQ(n16.size(), n32.size());
-    EXPECT_NE(b16, f32) << preset << ": model.residual_dtype = bf16 made no difference";
-    EXPECT_LT(b16.back(), b16.front() - 0.3) << preset;  // it trains
+    EXPECT_NE(b16, f32) << what << ": model.residual_dtype = bf16 made no difference";
+    EXPECT_LT(b16.back(), b16.front() - 0.3) << what;  // it trains
     double worst_loss = 0, worst_norm = 0;
     for (size_t i = 0; i < f32.size(); ++i) {
-      EXPECT_NEAR(b16[i], f32[i], 2e-3 * f32[i]) << preset << ", loss, step " << i + 1;
-      EXPECT_NEAR(n16[i], n32[i], 2e-3 * n32[i]) << preset << ", gradient norm, step " << i + 1;
+      EXPECT_NEAR(b16[i], f32[i], 2e-3 * f32[i]) << what << ", loss, step " << i + 1;
+      EXPECT_NEAR(n16[i], n32[i], 1e-2 * n32[i]) << what << ", gradient norm, step " << i + 1;
       worst_loss = std::max(worst_loss, std::abs(b16[i] - f32[i]) / f32[i]);
       worst_norm = std::max(worst_norm, std::abs(n16[i] - n32[i]) / n32[i]);
     }
     std::printf("%s, bf16 against fp32 residual: largest relative difference %.2e (loss), %.2e (gradient norm)\n",
-                preset, worst_loss, worst_norm);
+                what.c_str(), worst_loss, worst_norm);
   }
 }
 
