@@ -390,8 +390,8 @@ int run(int argc, char** argv) {
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
                "residual-dtype", "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw",
                "intra-bw", "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw",
-               "strategy", "tp", "pp", "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds",
-               "lora-rank", "lora-targets"},
+               "strategy", "tp", "pp", "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep",
+               "probe-seconds", "lora-rank", "lora-targets"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
                "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});
   a.parse(argc, argv, 1);

@@ -334,7 +334,8 @@ void Trainer::build() {
   check_unpacked_config();
   make_loaders();
   try {
-    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_, res_bf16_));
+    pm_ = parallel::parallelize(mc_, plan_, groups_,
+                                parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_, res_bf16_));
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }

@@ -200,7 +200,8 @@ void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* in
                       int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
   if (dinp) {
-    void (*const k)(float*, const float*, const float*, const float*, const float*, int64_t) = rmsnorm_bwd_dinp_k<float>;
+    void (*const k)(float*, const float*, const float*, const float*, const float*, int64_t) =
+        rmsnorm_bwd_dinp_k<float>;
     MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(dinp, dout, inp, w, rstd, C);
     check_launch("rmsnorm_backward");
   }
@@ -223,8 +224,8 @@ void residual_layernorm_forward_bf16(float* out, float* mean, float* rstd, bf16*
   if (N <= 0 || C <= 0) return;
   void (*const k)(float*, float*, float*, uint16_t*, const uint16_t*, const float*, const float*, const float*, int64_t,
                   float) = norm_fwd_bf16_k<false>;
-  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(out, mean, rstd, reinterpret_cast<uint16_t*>(res_out),
-                                                                 reinterpret_cast<const uint16_t*>(res), x, w, b, C, eps);
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(
+      out, mean, rstd, reinterpret_cast<uint16_t*>(res_out), reinterpret_cast<const uint16_t*>(res), x, w, b, C, eps);
   check_launch("residual_layernorm_forward_bf16");
 }
 void residual_rmsnorm_forward_bf16(float* out, float* rstd, bf16* res_out, const bf16* res, const float* x,
@@ -232,10 +233,9 @@ void residual_rmsnorm_forward_bf16(float* out, float* rstd, bf16* res_out, const
   if (N <= 0 || C <= 0) return;
   void (*const k)(float*, float*, float*, uint16_t*, const uint16_t*, const float*, const float*, const float*, int64_t,
                   float) = norm_fwd_bf16_k<true>;
-  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(out, nullptr, rstd,
-                                                                 reinterpret_cast<uint16_t*>(res_out),
-                                                                 reinterpret_cast<const uint16_t*>(res), x, w, nullptr,
-                                                                 C, eps);
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(
+      out, nullptr, rstd, reinterpret_cast<uint16_t*>(res_out), reinterpret_cast<const uint16_t*>(res), x, w, nullptr, C,
+      eps);
   check_launch("residual_rmsnorm_forward_bf16");
 }
 void layernorm_backward_bf16(float* dinp, float* dw, float* db, const float* dout, const bf16* inp, const float* w,
