@@ -41,9 +41,8 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   cp_allgather_ = o.cp_allgather;
   flash_ = o.flash_attention;
   gelu_epi_ = o.gelu_epilogue;
-  if (gelu_epi_ && (compute_ != DType::BF16 || cfg_.arch != Arch::GPT2 || tpc_.tp() || split_backward_))
-    throw std::invalid_argument("the fused GELU epilogues need bf16 compute, GPT-2, no tensor parallelism and no split "
-                                "backward");
+  if (gelu_epi_ && (compute_ != DType::BF16 || tpc_.tp() || split_backward_))
+    throw std::invalid_argument("the fused bf16 MLP needs bf16 compute, no tensor parallelism and no split backward");
   if (flash_ && compute_ != DType::BF16) throw std::invalid_argument("flash attention needs bf16 compute");
   if (flash_ && cp_) throw std::invalid_argument("flash attention does not take context parallelism yet");
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;

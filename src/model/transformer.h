@@ -77,13 +77,15 @@ struct ModelOptions {
   // Attention on bf16 q, k and v (bf16 compute only): the q|k|v projection's output (after RoPE)
   // is rounded to bf16 and kept for the backward in place of the fp32 one, and attended by
   // attention_forward_bf16 / attention_backward_bf16 (on CUDA the flash-attention kernels; the
-  // output and lse stay fp32, no T x T buffer). Not with context parallelism.
+  // output is kept in bf16 only, the lse in fp32, no T x T buffer). Not with context parallelism.
   bool flash_attention = false;
-  // GPT-2's MLP in bf16 through the fused GEMM-epilogue ops (linear_gelu_forward_bf16,
-  // linear_backward_dgelu_bf16, linear_backward_bf16_dy_bias): the pre-activation is kept in bf16
-  // (the GELU's input, written by the up projection's epilogue) instead of fp32, and the GELU
-  // gradient comes out of the down projection's input-gradient GEMM in bf16. bf16 compute, GPT-2,
-  // no tensor parallelism, no split backward, no LoRA adapters on the MLP.
+  // The dense MLP in bf16 with its pre-activations kept in bf16 (model.mlp_kernel = fused). GPT-2:
+  // the fused GEMM-epilogue ops (linear_gelu_forward_bf16, linear_backward_dgelu_bf16,
+  // linear_backward_bf16_dy_bias): the GELU's input written by the up projection's epilogue, its
+  // gradient out of the down projection's input-gradient GEMM in bf16. Llama: gate and up written
+  // by bf16-output GEMMs (linear_forward_bf16_out16), SwiGLU on them (swiglu_forward_bf16) and its
+  // backward into bf16 gradients (swiglu_backward_bf16, linear_backward_bf16_dy). bf16 compute, no
+  // tensor parallelism, no split backward, no LoRA adapters on the MLP.
   bool gelu_epilogue = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -

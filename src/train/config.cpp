@@ -71,9 +71,9 @@ std::vector<Field> fields(RunConfig& c) {
        "auto | flash | reference: flash = bf16 q, k, v in the flash-attention kernels (train.dtype = bf16, no "
        "context parallelism); reference = the fp32 kernels; auto = flash for bf16 on train.device = cuda"},
       {"model.mlp_kernel", Kind::String, &c.model.mlp_kernel,
-       "auto | fused | unfused: fused = GPT-2's MLP with GELU in the up projection's GEMM epilogue and its gradient in "
-       "the down projection's (bf16, pre-activation kept in bf16; one rank of tp and pp, no LoRA); auto = fused for "
-       "GPT-2 in bf16 on train.device = cuda"},
+       "auto | fused | unfused: fused = the MLP's pre-activations kept in bf16 (GPT-2: GELU in the up projection's "
+       "GEMM epilogue and its gradient in the down projection's; Llama: bf16 gate and up, SwiGLU on them) (bf16, one "
+       "rank of tp and pp, no LoRA); auto = fused in bf16 on train.device = cuda"},
       {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
        "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
        "message, GEMM and activation sizes"},

@@ -234,21 +234,20 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   return true;
 }
 
-// model.mlp_kernel: true for GPT-2's MLP with the fused GELU epilogues (ModelOptions::gelu_epilogue).
-// auto = fused for GPT-2 in bf16 on train.device = cuda where the fused ops apply (one rank of
-// tensor and pipeline parallelism, no LoRA adapters); unfused otherwise, so CPU runs are unchanged.
+// model.mlp_kernel: true for the bf16 MLP with bf16 pre-activations (ModelOptions::gelu_epilogue):
+// GPT-2's fused GELU epilogues, Llama's bf16 gate / up and SwiGLU. auto = fused in bf16 on
+// train.device = cuda where the fused ops apply (one rank of tensor and pipeline parallelism, no
+// LoRA adapters); unfused otherwise, so CPU runs are unchanged.
 bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const ParallelPlan& plan) {
   const std::string& k = cfg.model.mlp_kernel;
   Device d = Device::CPU;
-  const bool applies = dt == DType::BF16 && mc.arch == Arch::GPT2 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
+  const bool applies = dt == DType::BF16 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
   if (k == "auto") return applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
   if (k == "unfused") return false;
   if (k != "fused") throw ConfigError("model.mlp_kernel must be auto, fused or unfused, got '" + k + "'");
   if (dt != DType::BF16)
     throw ConfigError("model.mlp_kernel = fused keeps the MLP's activations in bf16: set train.dtype = bf16, or use "
                       "auto / unfused");
-  if (mc.arch != Arch::GPT2)
-    throw ConfigError("model.mlp_kernel = fused is GPT-2's GELU MLP (this model's MLP is SwiGLU): use auto or unfused");
   if (plan.tp > 1 || plan.pp > 1 || mc.lora())
     throw ConfigError("model.mlp_kernel = fused runs without tensor or pipeline parallelism and without LoRA "
                       "adapters (parallel.tp = " + std::to_string(plan.tp) + ", parallel.pp = " +

@@ -50,7 +50,7 @@ void expect_close(const std::vector<double>& want, const std::vector<double>& go
 }
 
 class GpuTrain : public ::testing::Test {
- protected:
+ public:  // for the checks shared by several tests (fused_mlp_check)
   void SetUp() override {
     std::string why;
     if (!device_available(Device::CUDA, &why)) GTEST_SKIP() << "GPU training test not run: " << why;
@@ -73,6 +73,7 @@ class GpuTrain : public ::testing::Test {
     ov.insert(ov.end(), extra.begin(), extra.end());
     return ov;
   }
+  std::string file(const std::string& name) { return tmp_.file(name); }
   // The same run on the CPU and on the GPU.
   void expect_parity(const Overrides& extra, double rel) {
     const TrainResult cpu = train(config("cpu", extra)), gpu = train(config("cuda", extra));
@@ -155,8 +156,10 @@ nlohmann::json final_metrics(const std::string& path) {
 }
 
 // Flash attention keeps bf16 q|k|v per layer instead of fp32 (2 bytes less per element of the
-// [B*T, 3C] projection output, every layer) and holds the fp32 projection output once, as
-// workspace. The dry run (`train --dry-run`, the Meta device) counts the same bytes as the real run.
+// [B*T, 3C] projection output, every layer), its output in bf16 only (the reference attention keeps
+// it in fp32 beside the bf16 copy the output projection reads: 4 bytes less per element of every
+// layer's [B*T, C]), and holds the fp32 projection output once, as workspace. The dry run
+// (`train --dry-run`, the Meta device) counts the same bytes as the real run.
 TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "1"}, {"train.eval_every", "0"}};
   Overrides flash = bf, ref = bf;
@@ -170,7 +173,9 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
   const ModelConfig mc = rc.model_config();
   const int64_t qkv = rc.train.micro_batch * mc.seq_len * 3 * mc.n_embd;  // elements per layer
-  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+  const int64_t att = rc.train.micro_batch * mc.seq_len * mc.n_embd;      // attention output elements per layer
+  const int64_t saved = (2 * qkv + 4 * att) * mc.n_layer;
+  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), saved);
   EXPECT_EQ(mf["workspace"].get<int64_t>() - mr["workspace"].get<int64_t>(), 4 * qkv);
 
   // The dry runs of both (each in its own process: it replaces the world and the device) count the
@@ -191,7 +196,7 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
     for (const char* c : {"params", "grads", "optimizer", "workspace"})
       EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", flash" : ", reference");
   }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
 }
 
 // One value of every step's metrics line.
@@ -207,52 +212,67 @@ std::vector<double> step_values(const std::string& path, const char* key) {
   return v;
 }
 
-// GPT-2's MLP in bf16 on the GPU goes through the fused GEMM epilogues (model.mlp_kernel = auto):
-// the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
-// backward instead of fp32: 2 bytes less per element of every layer's [B*T, F]) and the GELU's
-// input gradient comes out of the down projection's DGELU epilogue in bf16 (the workspace holds one
-// bf16 [B*T, F] instead of three fp32 ones). The dry run counts the same bytes. The losses stay
-// within the bf16 tolerance of the unfused run and differ from it (gelu' is evaluated at the bf16
-// pre-activation).
-TEST_F(GpuTrain, FusedGeluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
-  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "0"}};
+// The MLP in bf16 on the GPU keeps its pre-activations in bf16 (model.mlp_kernel = auto = fused):
+// 4 steps fused, unfused and on the CPU. Every step's loss and gradient norm of the fused run within
+// the bf16 tolerance of the CPU's, the losses within it of the unfused run and different from them;
+// activations smaller by `act` bytes per pre-activation element of every layer, workspace by `ws`
+// bytes per element of one layer, the model state equal; the dry run of each counts the same model
+// state and workspace as its real run and the same difference in activations.
+void fused_mlp_check(GpuTrain& t, const char* preset, int64_t act, int64_t ws) {
+  const Overrides bf = {{"model.preset", preset}, {"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "0"}};
   Overrides fused = bf, plain = bf;
-  fused.emplace_back("log.metrics_out", tmp_.file("fused.jsonl"));
+  fused.emplace_back("log.metrics_out", t.file("fused.jsonl"));
   plain.emplace_back("model.mlp_kernel", "unfused");
-  plain.emplace_back("log.metrics_out", tmp_.file("plain.jsonl"));
+  plain.emplace_back("log.metrics_out", t.file("plain.jsonl"));
   Overrides cpu = bf;
-  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));
-  const RunConfig rc = config("cuda", fused);
-  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", cpu));
+  cpu.emplace_back("log.metrics_out", t.file("cpu.jsonl"));
+  const RunConfig rc = t.config("cuda", fused);
+  const TrainResult tf = train(rc), tp = train(t.config("cuda", plain)), tc = train(t.config("cpu", cpu));
   expect_close(tc.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the CPU");
   expect_close(tp.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the unfused one");
   EXPECT_NE(tf.losses, tp.losses) << "model.mlp_kernel made no difference on the GPU";
   // AdamW is blind to a gradient's scale; the gradient norm is not.
-  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("fused.jsonl"), "grad_norm"),
+  expect_close(step_values(t.file("cpu.jsonl"), "grad_norm"), step_values(t.file("fused.jsonl"), "grad_norm"),
                kBf16Rel, "gradient norm, fused MLP against the CPU");
-  const nlohmann::json f = final_metrics(tmp_.file("fused.jsonl")), r = final_metrics(tmp_.file("plain.jsonl"));
+  const nlohmann::json f = final_metrics(t.file("fused.jsonl")), r = final_metrics(t.file("plain.jsonl"));
   const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
   ModelConfig mc = rc.model_config();
   mc.resolve();
   const int64_t fc = rc.train.micro_batch * mc.seq_len * mc.ffn_hidden;  // pre-activation elements per layer
-  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), 2 * fc * mc.n_layer);
-  EXPECT_EQ(mr["workspace"].get<int64_t>() - mf["workspace"].get<int64_t>(), (3 * 4 - 2) * fc);
+  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), act * fc * mc.n_layer);
+  EXPECT_EQ(mr["workspace"].get<int64_t>() - mf["workspace"].get<int64_t>(), ws * fc);
   for (const char* c : {"params", "grads", "optimizer"}) EXPECT_EQ(mf[c], mr[c]) << c;
   nlohmann::json dry[2];
   for (int i = 0; i < 2; ++i) {
     std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-    Overrides d = overrides("cuda", i == 0 ? fused : plain);
-    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    Overrides d = t.overrides("cuda", i == 0 ? fused : plain);
+    d.back().second = t.file("dry.jsonl");  // log.metrics_out
     for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
-    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    cmd += " > " + t.file("dry.log") + " 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    dry[i] = final_metrics(t.file("dry.jsonl"));
     ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
     dry[i] = dry[i]["mem_resident_by_category"];
     for (const char* c : {"params", "grads", "optimizer", "workspace"})
       EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", fused" : ", unfused");
   }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * fc * mc.n_layer);
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), act * fc * mc.n_layer);
+}
+
+// GPT-2: the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
+// backward instead of fp32: 2 bytes less per element of every layer's [B*T, F]) and the GELU's input
+// gradient comes out of the down projection's DGELU epilogue in bf16 (the workspace holds one bf16
+// [B*T, F] instead of three fp32 ones). The losses differ from the unfused run's because gelu' is
+// evaluated at the bf16 pre-activation.
+TEST_F(GpuTrain, FusedGeluMlpKeepsBf16ActivationsAndTheDryRunAgrees) { fused_mlp_check(*this, "gpt2-tiny", 2, 3 * 4 - 2); }
+
+// Llama: the gate and up projections write bf16 (cuBLASLt's bf16 D), SwiGLU reads them
+// (swiglu_forward_bf16) and its backward writes their bf16 gradients (swiglu_backward_bf16), which
+// the projections' backward reads directly (linear_backward_bf16_dy): 2 bytes less per element for
+// each of gate and up in every layer; the workspace holds the activation's fp32 gradient and two bf16
+// ones instead of three fp32 ones (4 bytes less per element).
+TEST_F(GpuTrain, FusedSwigluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
+  fused_mlp_check(*this, "llama-tiny", 2 + 2, 3 * 4 - (4 + 2 + 2));
 }
 
 // Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.

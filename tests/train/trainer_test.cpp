@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -413,15 +414,19 @@ TEST_F(TrainerTest, AttentionKernelChoiceOnTheCpu) {
 }
 
 // On the CPU model.mlp_kernel = auto is the unfused MLP (the run is unchanged, bit for bit); fused
-// runs GPT-2's bf16 MLP through the fused-epilogue ops (the CPU's forms of them: the pre-activation
-// kept in bf16), a different rounding that trains as closely as bf16 allows.
-TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
-  const std::vector<std::pair<std::string, std::string>> bf = {{"train.dtype", "bf16"}, {"train.eval_every", "0"}};
+// runs the bf16 MLP with its pre-activations kept in bf16 (GPT-2: the CPU's forms of the
+// fused-epilogue ops; Llama: bf16 gate and up, the bf16 SwiGLU ops), a different rounding that
+// trains as closely as bf16 allows.
+void mlp_kernel_choice(const std::filesystem::path& dir,
+                       const std::function<RunConfig(std::vector<std::pair<std::string, std::string>>)>& config,
+                       const char* preset) {
+  const std::vector<std::pair<std::string, std::string>> bf = {
+      {"train.dtype", "bf16"}, {"train.eval_every", "0"}, {"model.preset", preset}};
   // Each step's loss and gradient norm (AdamW is blind to a gradient's scale; the norm is not).
   auto with = [&](const char* kernel, std::vector<double>* norms) {
     auto ov = bf;
     if (kernel) ov.emplace_back("model.mlp_kernel", kernel);
-    const std::string out = (dir_ / (std::string(kernel ? kernel : "auto") + ".jsonl")).string();
+    const std::string out = (dir / (std::string(preset) + "-" + (kernel ? kernel : "auto") + ".jsonl")).string();
     ov.emplace_back("log.metrics_out", out);
     const std::vector<double> losses = train(config(ov)).losses;
     std::ifstream f(out);
@@ -446,7 +451,14 @@ TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
     EXPECT_NEAR(nf[i], np[i], 2e-3 * np[i]) << "gradient norm, step " << i + 1;
     worst = std::max(worst, std::abs(nf[i] - np[i]) / np[i]);
   }
-  std::printf("gradient norm, fused against unfused MLP: largest relative difference %.2e\n", worst);
+  std::printf("%s: gradient norm, fused against unfused MLP: largest relative difference %.2e\n", preset, worst);
+}
+
+TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
+  mlp_kernel_choice(dir_, [&](auto ov) { return config(std::move(ov)); }, "gpt2-tiny");
+}
+TEST_F(TrainerTest, MlpKernelChoiceOnTheCpuLlama) {
+  mlp_kernel_choice(dir_, [&](auto ov) { return config(std::move(ov)); }, "llama-tiny");
 }
 
 TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
@@ -475,8 +487,8 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   expect_error({{"model.attention_kernel", "flash"}}, "model.attention_kernel = flash takes bf16 q, k, v");
   expect_error({{"model.mlp_kernel", "fast"}}, "model.mlp_kernel must be auto, fused or unfused");
   expect_error({{"model.mlp_kernel", "fused"}}, "model.mlp_kernel = fused keeps the MLP's activations in bf16");
-  expect_error({{"model.mlp_kernel", "fused"}, {"train.dtype", "bf16"}, {"model.preset", "llama-tiny"}},
-               "model.mlp_kernel = fused is GPT-2's GELU MLP");
+  expect_error({{"model.mlp_kernel", "fused"}, {"train.dtype", "bf16"}, {"lora.rank", "4"}},
+               "model.mlp_kernel = fused runs without tensor or pipeline parallelism and without LoRA");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);
   EXPECT_THROW(RunConfig::load("", {{"train.steps", "ten"}}), ConfigError);
 }

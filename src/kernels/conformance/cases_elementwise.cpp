@@ -61,6 +61,25 @@ void activations(std::vector<CaseSpec>& out) {
       };
       return c;
     });
+    // The bf16 forms (Llama's MLP in bf16 runs): bf16 gate and up, bf16 results (the backward's
+    // written, not added: they start nonzero).
+    add_case(out, Op::swiglu_forward_bf16, DType::BF16, s.model, [s] {
+      Case c(Op::swiglu_forward_bf16, DType::BF16, s.str());
+      const int o = c.out("out", to_bf16(uniform(s.n, 6))), g = c.in("gate", to_bf16(uniform(s.n, 7, -4.0f, 4.0f))),
+                u = c.in("up", to_bf16(uniform(s.n, 8)));
+      c.call = [=](const KernelTable& k, const Args& a) { k.swiglu_forward_bf16(a.bf(o), a.bf(g), a.bf(u), s.n); };
+      return c;
+    });
+    add_case(out, Op::swiglu_backward_bf16, DType::BF16, s.model, [s] {
+      Case c(Op::swiglu_backward_bf16, DType::BF16, s.str());
+      const int dg = c.out("dgate", to_bf16(uniform(s.n, 9))), du = c.out("dup", to_bf16(uniform(s.n, 10))),
+                dy = c.in("dout", uniform(s.n, 11)), g = c.in("gate", to_bf16(uniform(s.n, 12, -4.0f, 4.0f))),
+                u = c.in("up", to_bf16(uniform(s.n, 13)));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        k.swiglu_backward_bf16(a.bf(dg), a.bf(du), a.f(dy), a.bf(g), a.bf(u), s.n);
+      };
+      return c;
+    });
   }
 }
 

@@ -89,6 +89,22 @@ __global__ void swiglu_bwd_k(float* dgate, float* dup, const float* dout, const 
     dup[i] += dout[i] * silu;
   }
 }
+// SwiGLU on bf16 gate and up (the arithmetic of SwigluFwd and swiglu_bwd_k), bf16 results.
+__global__ void swiglu_fwd_bf16_k(uint16_t* out, const uint16_t* gate, const uint16_t* up, int64_t n) {
+  MT_GRID_STRIDE(i, n) {
+    const float g = bf16_bits_to_f32(gate[i]);
+    out[i] = f32_to_bf16_bits(g / (1.0f + expf(-g)) * bf16_bits_to_f32(up[i]));
+  }
+}
+__global__ void swiglu_bwd_bf16_k(uint16_t* dgate, uint16_t* dup, const float* dout, const uint16_t* gate,
+                                  const uint16_t* up, int64_t n) {
+  MT_GRID_STRIDE(i, n) {
+    const float g = bf16_bits_to_f32(gate[i]);
+    const float sg = 1.0f / (1.0f + expf(-g));
+    dgate[i] = f32_to_bf16_bits(dout[i] * bf16_bits_to_f32(up[i]) * sg * (1.0f + g * (1.0f - sg)));
+    dup[i] = f32_to_bf16_bits(dout[i] * (g * sg));
+  }
+}
 __global__ void f32_to_bf16_k(uint16_t* out, const float* in, int64_t n) {
   MT_GRID_STRIDE(i, n) out[i] = f32_to_bf16_bits(in[i]);
 }
@@ -170,6 +186,20 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* g
   if (n <= 0) return;
   MT_LAUNCH(swiglu_bwd_k, grid_for(n, kThreads), kThreads, 0, stream())(dgate, dup, dout, gate, up, n);
   check_launch("swiglu_backward");
+}
+void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, int64_t n) {
+  if (n <= 0) return;
+  MT_LAUNCH(swiglu_fwd_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(
+      reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(gate), reinterpret_cast<const uint16_t*>(up),
+      n);
+  check_launch("swiglu_forward_bf16");
+}
+void swiglu_backward_bf16(bf16* dgate, bf16* dup, const float* dout, const bf16* gate, const bf16* up, int64_t n) {
+  if (n <= 0) return;
+  MT_LAUNCH(swiglu_bwd_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(
+      reinterpret_cast<uint16_t*>(dgate), reinterpret_cast<uint16_t*>(dup), dout,
+      reinterpret_cast<const uint16_t*>(gate), reinterpret_cast<const uint16_t*>(up), n);
+  check_launch("swiglu_backward_bf16");
 }
 void accumulate(float* y, const float* x, int64_t n) { map("accumulate", Accumulate{}, y, n, x); }
 void scale(float* x, float s, int64_t n) { map("scale", Scale{s}, x, n); }

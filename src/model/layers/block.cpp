@@ -49,7 +49,7 @@ void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64
     a.qkv_bf = Tensor::empty({BT, QKV}, DType::BF16, A);
   else
     a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
-  a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);
+  if (!flash) a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);  // flash writes atty_bf only
   if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, nh * c.head_dim()}, DType::BF16, A);
   a.lse = Tensor::empty({B * nh * (BT / B)}, DType::F32, A);
   a.res2 = Tensor::empty({R, C}, DType::F32, A);
@@ -58,7 +58,7 @@ void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64
   if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({R}, DType::F32, A);
   if (F > 0) {  // the dense MLP, or an MoE layer's shared experts
     a.fc = Tensor::empty({BT, F}, gelu_bf16 ? DType::BF16 : DType::F32, A);
-    if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, DType::F32, A);
+    if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, gelu_bf16 ? DType::BF16 : DType::F32, A);
     a.act = Tensor::empty({BT, F}, cd, A);
   }
 }
