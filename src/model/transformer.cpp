@@ -76,6 +76,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
     moe_shape_.expert_width = cfg_.expert_ffn() / t;
     moe_shape_.shared_width = cfg_.moe_shared_experts * cfg_.expert_ffn() / t;
     moe_shape_.experts_apart = experts_apart();
+    moe_shape_.bf16_pre = gelu_epi_ && compute_ == DType::BF16 && cfg_.arch == Arch::Llama;
   }
   Vp_l_ = cfg_.padded_vocab / t;
   vocab_lo_ = tpc_.rank * Vp_l_;
@@ -621,7 +622,9 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
         s.acts[l] = std::make_unique<BlockActivations>();
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l), flash_,
                          gelu_epi_ && !cfg_.is_moe_layer(l));
-        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
+        if (cfg_.is_moe_layer(l))
+          alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width,
+                         moe_shape_.bf16_pre);
       }
     } else if (!s.head.losses.defined()) {
       out_buf(L);
@@ -651,7 +654,8 @@ void Transformer::ensure_workspace() {
     if (cfg_.moe()) {  // recomputed MoE layers share their own set
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
       alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width, flash_);
-      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
+      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width,
+                     moe_shape_.bf16_pre);
     }
   }
   auto W = MemCategory::Workspace;

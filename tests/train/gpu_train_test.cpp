@@ -275,6 +275,42 @@ TEST_F(GpuTrain, FusedSwigluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
   fused_mlp_check(*this, "llama-tiny", 2 + 2, 3 * 4 - (4 + 2 + 2));
 }
 
+// A Llama mixture of experts in bf16 with the fused MLP: the routed experts' gate and up (h1, h3)
+// are written in bf16 too, SwiGLU and its backward run on them (the shared expert keeps fp32 ones).
+// Every step's loss within the bf16 tolerance of the CPU's, different from the unfused GPU run's;
+// with every expert padded to its capacity (routing-independent row counts) the activations are
+// smaller by exactly 4 bytes per element of every MoE layer's routed [rows, Fe] (h1 and h3) plus
+// 4 per element of every dense layer's [B*T, F].
+TEST_F(GpuTrain, FusedSwigluMoeExpertsKeepBf16PreActivations) {
+  const Overrides bf = {{"model.preset", "llama-tiny"},        {"model.moe_experts", "4"},
+                        {"model.moe_top_k", "2"},              {"model.moe_shared_experts", "1"},
+                        {"model.moe_every", "2"},              {"model.moe_capacity_factor", "2"},
+                        {"model.moe_pad_to_capacity", "true"}, {"train.dtype", "bf16"},
+                        {"train.steps", "4"},                  {"train.eval_every", "0"}};
+  Overrides fused = bf, plain = bf;
+  fused.emplace_back("log.metrics_out", file("fused.jsonl"));
+  plain.emplace_back("model.mlp_kernel", "unfused");
+  plain.emplace_back("log.metrics_out", file("plain.jsonl"));
+  Overrides cpu = bf;
+  cpu.emplace_back("log.metrics_out", file("cpu.jsonl"));
+  const RunConfig rc = config("cuda", fused);
+  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", cpu));
+  expect_close(tc.losses, tf.losses, kBf16Rel, "training loss, fused MoE MLP against the CPU");
+  expect_close(step_values(file("cpu.jsonl"), "grad_norm"), step_values(file("fused.jsonl"), "grad_norm"), kBf16Rel,
+               "gradient norm, fused MoE MLP against the CPU");
+  EXPECT_NE(tf.losses, tp.losses) << "model.mlp_kernel made no difference to the MoE run on the GPU";
+  ModelConfig mc = rc.model_config();
+  mc.resolve();
+  const int64_t N = rc.train.micro_batch * mc.seq_len, E = mc.moe_experts;
+  const int64_t M = E * ((2 * N * mc.moe_top_k + E - 1) / E);  // every expert padded to ceil(2 N k / E)
+  int64_t want = 0;
+  for (int64_t l = 0; l < mc.n_layer; ++l) want += mc.is_moe_layer(l) ? 4 * M * mc.expert_ffn() : 4 * N * mc.ffn_hidden;
+  const nlohmann::json f = final_metrics(file("fused.jsonl")), r = final_metrics(file("plain.jsonl"));
+  EXPECT_EQ(r["mem_resident_by_category"]["activations"].get<int64_t>() -
+                f["mem_resident_by_category"]["activations"].get<int64_t>(),
+            want);
+}
+
 // Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.
 TEST_F(GpuTrain, LlamaBf16SelectiveRecomputeMatchesCpu) {
   expect_parity({{"model.preset", "llama-tiny"},

@@ -63,7 +63,8 @@ void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64
   }
 }
 
-void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe) {
+void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe,
+                    bool bf16_pre) {
   const int64_t C = c.n_embd, E = c.moe_experts, k = c.moe_top_k;
   auto A = MemCategory::Activations;
   if (!a.r_logits.defined()) {
@@ -77,8 +78,9 @@ void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t
   if (a.xs.defined() && a.xs.numel() >= M * C) return;
   M = std::max<int64_t>(M, 1);
   a.xs = Tensor::empty({M, C}, cd, A);
-  a.h1 = Tensor::empty({M, Fe}, DType::F32, A);
-  if (c.arch == Arch::Llama) a.h3 = Tensor::empty({M, Fe}, DType::F32, A);
+  const DType pre = bf16_pre ? DType::BF16 : DType::F32;
+  a.h1 = Tensor::empty({M, Fe}, pre, A);
+  if (c.arch == Arch::Llama) a.h3 = Tensor::empty({M, Fe}, pre, A);
   a.xact = Tensor::empty({M, Fe}, cd, A);
   a.y = Tensor::empty({M, C}, DType::F32, A);
   a.order = Tensor::empty({M}, DType::I32, A);

@@ -75,8 +75,10 @@ BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t 
 // gelu_bf16: the MLP's pre-activations `fc` (and Llama's `up`) are kept in bf16 (ModelOptions::gelu_epilogue).
 void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
                       int64_t nh, int64_t nkv, int64_t F, bool flash = false, bool gelu_bf16 = false);
-// An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe.
-void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe);
+// An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe (bf16_pre: the
+// pre-activations h1 / h3 in bf16, MoeShape::bf16_pre).
+void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe,
+                    bool bf16_pre = false);
 
 // How a layer reaches the model's parameters by index: where their values and gradients live now
 // (the flat buffers, a unit's gathered weights, the expert buffers). Implemented by the model.
