@@ -84,8 +84,9 @@ struct ModelOptions {
   // linear_backward_bf16_dy_bias): the GELU's input written by the up projection's epilogue, its
   // gradient out of the down projection's input-gradient GEMM in bf16. Llama: gate and up written
   // by bf16-output GEMMs (linear_forward_bf16_out16), SwiGLU on them (swiglu_forward_bf16) and its
-  // backward into bf16 gradients (swiglu_backward_bf16, linear_backward_bf16_dy). bf16 compute, no
-  // tensor parallelism, no split backward, no LoRA adapters on the MLP.
+  // backward into bf16 gradients (swiglu_backward_bf16, linear_backward_bf16_dy); a Llama MoE layer's
+  // routed experts likewise (MoeShape::bf16_pre). bf16 compute, no tensor parallelism, no split
+  // backward, no LoRA adapters on the MLP.
   bool gelu_epilogue = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
