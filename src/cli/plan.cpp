@@ -59,6 +59,8 @@ std::string plan_help() {
          "  --reduce-dtype fp32|bf16  gradient reduction dtype (default fp32)\n"
          "  --grad-dtype bf16|fp32  stored gradient dtype (default: the parameter dtype)\n"
          "  --attention flash|unfused  attention kernel (default flash: no s x s scores kept)\n"
+         "  --residual-dtype bf16|fp32  residual stream and norm inputs (default: the activation dtype; fp32 is\n"
+         "                          this engine's model.residual_dtype = fp32 in a bf16 run)\n"
          "  --dropout               dropout masks are stored (default off)\n"
          "  --no-sp                 no sequence parallelism with tp > 1\n"
          "  --tp-overlap            TP collectives overlap the GEMMs (async TP)\n"
@@ -307,6 +309,12 @@ TrainSetup setup_from_args(const ArgParser& a, bool fp32, const ModelConfig& m, 
   if (at == "flash") st.attention = AttentionImpl::Flash;
   else if (at == "unfused") st.attention = AttentionImpl::Unfused;
   else throw Bad("--attention must be flash or unfused, got '" + at + "'");
+  if (a.has("residual-dtype")) {
+    const std::string rd = a.get("residual-dtype");
+    if (rd == "fp32") st.residual_bytes = 4;
+    else if (rd == "bf16") st.residual_bytes = fp32 ? 4 : 2;
+    else throw Bad("--residual-dtype must be fp32 or bf16, got '" + rd + "'");
+  }
   st.dropout = a.flag("dropout");
   st.sequence_parallel = !a.flag("no-sp");
   st.tp_comm_overlap = a.flag("tp-overlap");
@@ -380,10 +388,10 @@ PlanOptions options_from_args(const ArgParser& a) {
 int run(int argc, char** argv) {
   ArgParser a({"model", "hf-config", "arch", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "gpus",
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
-               "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw", "intra-bw",
-               "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw", "strategy", "tp", "pp",
-               "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep", "probe-seconds",
-               "lora-rank", "lora-targets"},
+               "residual-dtype", "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw",
+               "intra-bw", "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw",
+               "strategy", "tp", "pp", "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep",
+               "probe-seconds", "lora-rank", "lora-targets"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",
                "no-offload", "validate", "no-time-check", "probe-compute", "no-measure", "sequence-parallel"});
   a.parse(argc, argv, 1);

@@ -503,6 +503,23 @@ const float* Norm::forward_saved_residual(const Tensor& saved, const Tensor& mea
   return y;
 }
 
+void Norm::forward_bf16(float* y, const Tensor& mean, const Tensor& rstd, bf16* res_out, const bf16* res,
+                        const float* add, int64_t R) const {
+  if (ln_)
+    ctx_.kt->residual_layernorm_forward_bf16(y, mean.f32(), rstd.f32(), res_out, res, add, w_, b_, R, C_, eps_);
+  else
+    ctx_.kt->residual_rmsnorm_forward_bf16(y, rstd.f32(), res_out, res, add, w_, R, C_, eps_);
+}
+
+const float* Norm::forward_saved_bf16(const Tensor& saved, const Tensor& mean, const Tensor& rstd, bf16* res_out,
+                                      const bf16* res, const float* add, int64_t R) const {
+  const bool staged = saved.dtype() != DType::F32 || ctx_.sp;
+  float* y = staged ? ctx_.stage : saved.f32();
+  forward_bf16(y, mean, rstd, res_out, res, add, R);
+  if (staged) store_compute(ctx_.kt, saved, y, R * C_);
+  return y;
+}
+
 float* TpContext::norm_grad_slot(float* dw, float* db, int64_t C, int64_t n) {
   if (pgrad_used_ + n > pgrad_.numel()) sum_pending_norms();  // full: sum what is there, keep deferring
   if (n > pgrad_.numel()) throw std::logic_error("TpContext::norm_grad_slot: norm wider than its workspace");
@@ -542,6 +559,20 @@ void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& me
       ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
   };
   if (!ctx_.sp || (!dw_ && !db_)) return run(dw_, db_);  // frozen (LoRA): no parameter gradient to sum
+  float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
+  run(t, ln_ ? t + C_ : nullptr);
+  if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();
+}
+
+void Norm::backward_bf16(float* dx, const float* dy, const bf16* x, const Tensor& mean, const Tensor& rstd,
+                         int64_t R) const {
+  auto run = [&](float* dw, float* db) {
+    if (ln_)
+      ctx_.kt->layernorm_backward_bf16(dx, dw, db, dy, x, w_, mean.f32(), rstd.f32(), R, C_);
+    else
+      ctx_.kt->rmsnorm_backward_bf16(dx, dw, dy, x, w_, rstd.f32(), R, C_);
+  };
+  if (!ctx_.sp || (!dw_ && !db_)) return run(dw_, db_);
   float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
   run(t, ln_ ? t + C_ : nullptr);
   if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();

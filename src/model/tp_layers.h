@@ -299,6 +299,15 @@ class Norm {
                                       const float* add, int64_t R) const;
   // dx += d(input) from dy; the parameter gradients accumulate.
   void backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd, int64_t R) const;
+  // The bf16 residual stream (residual_*_forward_bf16): with add, res_out = bf16(res + add) and the
+  // norm of res_out; without (add and res_out null), the norm of res. Its backward reads the bf16
+  // input the forward normed.
+  void forward_bf16(float* y, const Tensor& mean, const Tensor& rstd, bf16* res_out, const bf16* res, const float* add,
+                    int64_t R) const;
+  const float* forward_saved_bf16(const Tensor& saved, const Tensor& mean, const Tensor& rstd, bf16* res_out,
+                                  const bf16* res, const float* add, int64_t R) const;
+  void backward_bf16(float* dx, const float* dy, const bf16* x, const Tensor& mean, const Tensor& rstd,
+                     int64_t R) const;
 
  private:
   TpContext& ctx_;

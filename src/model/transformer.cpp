@@ -44,6 +44,12 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   if (gelu_epi_ && (compute_ != DType::BF16 || tpc_.tp() || split_backward_))
     throw std::invalid_argument("the fused bf16 MLP needs bf16 compute, no tensor parallelism and no split backward");
   if (flash_ && compute_ != DType::BF16) throw std::invalid_argument("flash attention needs bf16 compute");
+  res_bf16_ = o.residual_bf16;
+  if (res_bf16_ && (compute_ != DType::BF16 || (o.tp && o.tp->size() > 1) || (o.cp && o.cp->size() > 1) ||
+                    split_backward_ ||
+                    std::any_of(o.owned_units.begin(), o.owned_units.end(), [](char c) { return !c; })))
+    throw std::invalid_argument("a bf16 residual stream needs bf16 compute and one model-parallel rank (no tensor, "
+                                "pipeline or context parallelism)");
   if (flash_ && cp_) throw std::invalid_argument("flash attention does not take context parallelism yet");
   const size_t U = static_cast<size_t>(cfg_.n_layer) + 2;
   if (owned_.empty()) owned_.assign(U, 1);
@@ -577,7 +583,9 @@ void Transformer::select_slot(int slot) {
 
 Tensor& Transformer::out_buf(int64_t l) {
   Tensor& t = s_->block_out[l];
-  if (!t.defined()) t = Tensor::empty({residual_rows(B_ * T_), cfg_.n_embd}, DType::F32, MemCategory::Activations);
+  if (!t.defined())
+    t = Tensor::empty({residual_rows(B_ * T_), cfg_.n_embd}, res_bf16_ ? DType::BF16 : DType::F32,
+                      MemCategory::Activations);
   return t;
 }
 
@@ -621,7 +629,7 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
       if (!recomputes(static_cast<int>(l)) && !s.acts[l]) {
         s.acts[l] = std::make_unique<BlockActivations>();
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l), flash_,
-                         gelu_epi_ && !cfg_.is_moe_layer(l));
+                         gelu_epi_ && !cfg_.is_moe_layer(l), res_bf16_);
         if (cfg_.is_moe_layer(l))
           alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width,
                          moe_shape_.bf16_pre);
@@ -650,10 +658,11 @@ void Transformer::ensure_workspace() {
   scratch_moe_acts_.reset();
   if (recompute_ != Recompute::None) {
     scratch_acts_ = std::make_unique<BlockActivations>();
-    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_, flash_, gelu_epi_);
+    alloc_block_acts(*scratch_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, F_l_, flash_, gelu_epi_, res_bf16_);
     if (cfg_.moe()) {  // recomputed MoE layers share their own set
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
-      alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width, flash_);
+      alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width, flash_,
+                       false, res_bf16_);
       alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width,
                      moe_shape_.bf16_pre);
     }
@@ -756,36 +765,77 @@ BlockParams Transformer::block_params_of(int layer) const {
 
 // x + attention(ln1(x)), then + mlp(ln2(.)) (or the MoE layer). Under sequence parallelism x,
 // out, the norms and the residual hold this rank's R rows; the parallel layers gather and
-// reduce-scatter around the matmuls.
-void Transformer::block_forward(int layer, const float* x, BlockActivations& a, float* out) {
+// reduce-scatter around the matmuls. With the bf16 residual stream the attention projection and
+// the MLP write fp32 into dnorm_ (free in forward, and in a recompute before the block's backward)
+// and the adds round to bf16: res2 = bf16(x + attention) with the second norm in one kernel, and
+// out = bf16(res2 + mlp) with the next norm (the next block's first, or the final norm): the add
+// is left pending here, and this block's first norm completes the previous block's add into x.
+void Transformer::block_forward(int layer, const Tensor& xt, BlockActivations& a, void* out, bool discard) {
   const int64_t N = B_ * T_, C = cfg_.n_embd, R = residual_rows(N);
   const BlockParams p = block_params_of(layer);
   const TokenShape ts = tokens();
-  const float* ln1 = norm(p.ln1_w, p.ln1_b, false).forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
-  attn_->forward(*this, p, a, ln1, ts);
+  const Norm n1 = norm(p.ln1_w, p.ln1_b, false), n2 = norm(p.ln2_w, p.ln2_b, false);
+  if (res_bf16_) {
+    if (pending_res_ && pending_out_ != xt.raw()) flush_residual();
+    const bf16* prev = pending_res_;  // x = bf16(prev + dnorm_), written by this norm
+    pending_res_ = nullptr;
+    float* proj = dnorm_.f32();
+    const float* ln1 = prev ? n1.forward_saved_bf16(a.ln1, a.ln1_mean, a.ln1_rstd, xt.bf(), prev, dnorm_.f32(), R)
+                            : n1.forward_saved_bf16(a.ln1, a.ln1_mean, a.ln1_rstd, nullptr, xt.bf(), nullptr, R);
+    attn_->forward(*this, p, a, ln1, ts, proj);
+    const float* ln2 = n2.forward_saved_bf16(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.bf(), xt.bf(), proj, R);
+    float* y = dnorm_.f32();  // the projection is consumed: the MLP's output goes there
+    if (p.moe)
+      moe_->forward(*this, layer, p, a, a.ln2, y, N, router_dloss_.value_or(cur_dloss_), !recomputing_);
+    else
+      mlp_->forward(*this, p, a, ln2, y, N, stage_.f32());
+    if (!discard) {
+      pending_res_ = a.res2.bf();
+      pending_out_ = static_cast<bf16*>(out);
+    }
+    return;
+  }
+  const float* x = xt.f32();
+  float* outf = static_cast<float*>(out);
+  const float* ln1 = n1.forward_saved(a.ln1, a.ln1_mean, a.ln1_rstd, x, R);
+  attn_->forward(*this, p, a, ln1, ts, a.res2.f32());
   // res2 = attention output + x and its norm in one kernel (the bits of an add, then the norm).
-  const float* ln2 =
-      norm(p.ln2_w, p.ln2_b, false).forward_saved_residual(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), x, R);
+  const float* ln2 = n2.forward_saved_residual(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2.f32(), x, R);
   if (p.moe)  // under SP on every row, gathered as the dense MLP's column-parallel layer does
-    moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, out, N, router_dloss_.value_or(cur_dloss_),
-                  !recomputing_);
+    moe_->forward(*this, layer, p, a, tpc_.sp ? tpc_.gather(a.ln2, ln2) : a.ln2, outf, N,
+                  router_dloss_.value_or(cur_dloss_), !recomputing_);
   else
-    mlp_->forward(*this, p, a, ln2, out, N, stage_.f32());
-  kt_->accumulate(out, a.res2.f32(), R * C);
+    mlp_->forward(*this, p, a, ln2, outf, N, stage_.f32());
+  kt_->accumulate(outf, a.res2.f32(), R * C);
+}
+
+void Transformer::flush_residual() {
+  if (!pending_res_) return;
+  const int64_t R = residual_rows(B_ * T_);
+  kt_->residual_add_bf16(pending_out_, pending_res_, dnorm_.f32(), R * cfg_.n_embd);
+  pending_res_ = nullptr;
 }
 
 // dx holds d(block output) on entry and d(block input) on exit (this rank's R rows under sequence
 // parallelism); it already carries the residual paths' gradient.
-void Transformer::block_backward(int layer, const float* x, BlockActivations& a, float* dx) {
+void Transformer::block_backward(int layer, const Tensor& x, BlockActivations& a, float* dx) {
   const int64_t N = B_ * T_, R = residual_rows(N);
   const BlockParams p = block_params_of(layer);
   const TokenShape ts = tokens();
   if (tpc_.sp) tpc_.defer_norm_grads();  // the block's two norm-gradient sums in one all-reduce (below)
   float* dnorm = dnorm_.f32();
   const float* dln2 = p.moe ? moe_->backward(*this, p, a, dx, dnorm, N) : mlp_->backward(*this, p, a, dx, dnorm, N);
-  norm(p.ln2_w, p.ln2_b, true).backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
+  const Norm n2 = norm(p.ln2_w, p.ln2_b, true);
+  if (res_bf16_)
+    n2.backward_bf16(dx, dln2, a.res2.bf(), a.ln2_mean, a.ln2_rstd, R);
+  else
+    n2.backward(dx, dln2, a.res2.f32(), a.ln2_mean, a.ln2_rstd, R);
   const float* dln1 = attn_->backward(*this, p, a, dx, dnorm, ts);
-  norm(p.ln1_w, p.ln1_b, true).backward(dx, dln1, x, a.ln1_mean, a.ln1_rstd, R);
+  const Norm n1 = norm(p.ln1_w, p.ln1_b, true);
+  if (res_bf16_)
+    n1.backward_bf16(dx, dln1, x.bf(), a.ln1_mean, a.ln1_rstd, R);
+  else
+    n1.backward(dx, dln1, x.f32(), a.ln1_mean, a.ln1_rstd, R);
   if (tpc_.sp) tpc_.flush_norm_grads();  // before the unit's gradients are handed to data parallelism
 }
 
@@ -801,6 +851,7 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("forward_units: bad unit range");
   ensure_buffers(B, T, first, last);
+  pending_res_ = nullptr;  // a forward that threw may have left one
   cur_dloss_ = dloss_scale;
   Slot& s = *s_;
   const int64_t N = B * T, C = cfg_.n_embd, V = cfg_.vocab_size, R = residual_rows(N);
@@ -830,12 +881,15 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     const int32_t* ids_saved = s.ids.i32();
     if (hooks_) hooks_->pre_forward(0);
     const int emb = unit_params_[0][0];
-    embedding_->forward(s.block_out[0].f32(), ids_saved,
+    // a bf16 stream: the fp32 lookup (+ positions) in workspace, rounded once into the stream
+    embedding_->forward(res_bf16_ ? dnorm_.f32() : s.block_out[0].f32(), ids_saved,
                         bf ? static_cast<const void*>(param_bf16(emb)) : param_f32(emb),
                         gpt ? param_f32(emb + 1) : nullptr, tokens());
+    if (res_bf16_) kt_->cast_f32_to_bf16(s.block_out[0].bf(), dnorm_.f32(), R * C);
     if (hooks_) hooks_->post_forward(0);
   } else {
     if (!input) throw std::invalid_argument("forward_units: a stage that starts after the embedding needs its input");
+    if (res_bf16_) throw std::logic_error("forward_units: a bf16 residual stream runs every unit in one call");
     dev::copy(dev_, s.block_out[first - 1].f32(), input, static_cast<size_t>(R * C) * sizeof(float));
   }
   // blocks
@@ -843,10 +897,11 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
     const int64_t l = u - 1;
     if (hooks_) hooks_->pre_forward(u);
     BlockActivations& a = s.acts[l] ? *s.acts[l] : scratch_for(static_cast<int>(l));
-    block_forward(static_cast<int>(l), s.block_out[l].f32(), a, s.block_out[l + 1].f32());
+    block_forward(static_cast<int>(l), s.block_out[l], a, s.block_out[l + 1].raw());
     if (hooks_) hooks_->post_forward(u);
   }
   if (last < hu) {
+    flush_residual();
     s.have_backward = train;
     return 0.0;
   }
@@ -856,7 +911,19 @@ double Transformer::forward_units(int first, int last, const int32_t* ids, const
   const int hb = unit_params_[hu][0];
   HeadActivations& h = s.head;
   float* hin = tpc_.sp ? stage_.f32() : h.in.f32();
-  norm(hb, gpt ? hb + 1 : -1, false).forward(hin, h.mean, h.rstd, s.block_out[cfg_.n_layer].f32(), R);
+  if (res_bf16_) {  // the last block's pending add fused with the final norm
+    bf16* x = s.block_out[cfg_.n_layer].bf();
+    if (pending_res_ && pending_out_ != x) flush_residual();
+    const bf16* prev = pending_res_;
+    pending_res_ = nullptr;
+    const Norm hn = norm(hb, gpt ? hb + 1 : -1, false);
+    if (prev)
+      hn.forward_bf16(hin, h.mean, h.rstd, x, prev, dnorm_.f32(), R);
+    else
+      hn.forward_bf16(hin, h.mean, h.rstd, nullptr, x, nullptr, R);
+  } else {
+    norm(hb, gpt ? hb + 1 : -1, false).forward(hin, h.mean, h.rstd, s.block_out[cfg_.n_layer].f32(), R);
+  }
   if (tpc_.sp) tpc_.gather_into(hin, h.in.f32());
   if (bf) kt_->cast_f32_to_bf16(h.in_bf.bf(), h.in.f32(), N * C);
   const double loss = head_->forward(head_weight(false), h, targets, N, train, dloss_scale, head_grad_ready(),
@@ -919,7 +986,11 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
     tpc_.inputs_kept = split;  // the head's input and logits stay in the slot until W
     const float* dhin = head_->backward(head_weight(true), s.head, N, dnorm_.f32(), head_grad_ready());
     dev::zero(dev_, dx, static_cast<size_t>(R * C) * sizeof(float));
-    norm(hb, gpt ? hb + 1 : -1, true).backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head.mean, s.head.rstd, R);
+    const Norm hn = norm(hb, gpt ? hb + 1 : -1, true);
+    if (res_bf16_)
+      hn.backward_bf16(dx, dhin, s.block_out[cfg_.n_layer].bf(), s.head.mean, s.head.rstd, R);
+    else
+      hn.backward(dx, dhin, s.block_out[cfg_.n_layer].f32(), s.head.mean, s.head.rstd, R);
     end_unit(hu);
   } else {
     if (!dout) throw std::invalid_argument("backward_units: a stage that ends before the head needs its output gradient");
@@ -935,11 +1006,11 @@ void Transformer::backward_units(int first, int last, const float* dout, const f
       recomputing_ = true;
       DeferredGrads* d = tpc_.defer;
       tpc_.defer = nullptr;
-      block_forward(static_cast<int>(l), s.block_out[l].f32(), *a, stage_.f32() /*discarded output*/);
+      block_forward(static_cast<int>(l), s.block_out[l], *a, stage_.f32(), /*discard=*/true);
       tpc_.defer = d;
       recomputing_ = false;
     }
-    block_backward(static_cast<int>(l), s.block_out[l].f32(), *a, dx);
+    block_backward(static_cast<int>(l), s.block_out[l], *a, dx);
     end_unit(u);
   }
   if (first == 0) {
@@ -1002,6 +1073,7 @@ bool Transformer::sparse_embedding_grad() {
 const float* Transformer::unit_output(int u) const {
   if (u < 0 || u > cfg_.n_layer || !s_->block_out[u].defined())
     throw std::logic_error("unit_output: no output of unit " + std::to_string(u) + " on this slot");
+  if (res_bf16_) throw std::logic_error("unit_output: the residual stream is bf16 (model.residual_dtype)");
   return s_->block_out[u].f32();
 }
 

@@ -88,6 +88,12 @@ struct ModelOptions {
   // routed experts likewise (MoeShape::bf16_pre). bf16 compute, no tensor parallelism, no split
   // backward, no LoRA adapters on the MLP.
   bool gelu_epilogue = false;
+  // The residual stream in bf16 (model.residual_dtype): every unit's output (the stream between
+  // blocks) and the residual after attention (res2) are kept in bf16, each add rounding once
+  // (residual_add_bf16, the norms' fused add), and the norms read the bf16 values; gradients stay
+  // fp32. bf16 compute, one model-parallel rank (no tensor, sequence, pipeline or context
+  // parallelism, no split backward).
+  bool residual_bf16 = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
   // rank); positions follow the original indices and attention runs over every cp rank's keys and
@@ -332,8 +338,14 @@ class Transformer final : private LayerParams {
   void attach_lora(int w, bool grads, Weight* r);
   void ensure_buffers(int64_t B, int64_t T, int first, int last);
   Tensor& out_buf(int64_t l);
-  void block_forward(int layer, const float* x, BlockActivations& a, float* out);
-  void block_backward(int layer, const float* x, BlockActivations& a, float* dx);
+  // x: the block's input (block_out[layer], fp32 or bf16 by residual_bf16_); out: where its output
+  // goes (block_out[layer + 1], or fp32 scratch whose contents are discarded: a recompute).
+  void block_forward(int layer, const Tensor& x, BlockActivations& a, void* out, bool discard = false);
+  void block_backward(int layer, const Tensor& x, BlockActivations& a, float* dx);
+  // The bf16 stream's end-of-block add, left pending by block_forward: out = bf16(res2 + y), y the
+  // MLP's fp32 output in dnorm_. The next norm (the next block's first, or the final one) does it
+  // fused with itself; flush_residual() does it alone (a forward that stops before them).
+  void flush_residual();
   BlockParams block_params_of(int layer) const;
   // The current micro-batch's shape (and its tokens' positions under context parallelism).
   // With document masking: per-token positions and the device doc_start of the current slot.
@@ -433,6 +445,9 @@ class Transformer final : private LayerParams {
   bool cp_allgather_ = false;
   bool flash_ = false;
   bool gelu_epi_ = false;  // ModelOptions::gelu_epilogue
+  bool res_bf16_ = false;  // ModelOptions::residual_bf16
+  const bf16* pending_res_ = nullptr;  // the pending add's res2 (null: none)
+  bf16* pending_out_ = nullptr;        // and its output, the next unit's input
   std::vector<int32_t> cp_pos_;
   // Workspace: the residual stream's gradient [R, C], a norm's input gradient [N, C] and fp32
   // staging [N, max(C, F)] (values stored as bf16, gathered rows, a recompute's discarded output).

@@ -167,13 +167,13 @@ struct LayerActs {
 };
 
 LayerActs layer_acts(const Shape& x, const TrainSetup& st) {
-  const double e = st.act_bytes(), d = st.dropout ? 1.0 : 0.0;
+  const double e = st.act_bytes(), d = st.dropout ? 1.0 : 0.0, rs = st.res_bytes();
   LayerActs r;
   if (x.gpt2) {
-    r.rep = (4 * e + 2 * d) * x.h;                       // ln1 in, qkv in, ln2 in, fc in, 2 masks
+    r.rep = (2 * rs + 2 * e + 2 * d) * x.h;              // ln1 in, ln2 in (the residual stream), qkv in, fc in, 2 masks
     r.split = e * (2 * x.h + 2 * x.hk + 2 * x.f);        // q, k, v, proj in, gelu in, gelu out
   } else {
-    r.rep = 4 * e * x.h;                                 // norm1 in, qkv in, norm2 in, gate/up in
+    r.rep = (2 * rs + 2 * e) * x.h;                      // norm1 in, norm2 in (the residual stream), qkv in, gate/up in
     r.split = e * (2 * x.h + 2 * x.hk + 3 * x.f);        // q, k, v, o in, gate, up, down in
   }
   if (st.attention == AttentionImpl::Unfused)
@@ -191,7 +191,7 @@ double layer_activation_bytes(const ModelConfig& m, const TrainSetup& setup, int
   const double T = std::max(1, tp);
   const bool sp = setup.sequence_parallel && tp > 1;
   const double tokens = x.s * static_cast<double>(micro_batch);
-  const double input = tokens * setup.act_bytes() * x.h / (sp ? T : 1.0);  // what a recomputed layer keeps
+  const double input = tokens * setup.res_bytes() * x.h / (sp ? T : 1.0);  // what a recomputed layer keeps
   const LayerActs a = layer_acts(x, setup);
   const double all = tokens * (a.rep / (sp ? T : 1.0) + a.split / T + a.scores / T);
   switch (ckpt) {

@@ -46,6 +46,8 @@ struct TrainSetup {
   int64_t seq = 0;              // tokens per sequence (0: the model's seq_len)
   bool fp32 = false;            // false: bf16 mixed precision (bf16 params+grads, fp32 master+Adam)
   int reduce_bytes = 4;         // bytes per element of gradient reduction (4 fp32 as this engine reduces, 2 bf16)
+  int residual_bytes = 0;       // bytes per element of the residual stream and the norm inputs (0: the activation
+                                // size; 4 = the engine's fp32 stream in a bf16 run, model.residual_dtype = fp32)
   int grad_bytes = 0;           // bytes per stored gradient (0: the param dtype, ZeRO's convention; 4 = fp32
                                 // gradient accumulation as in Megatron and this engine: 18 B/param)
   AttentionImpl attention = AttentionImpl::Flash;
@@ -61,6 +63,7 @@ struct TrainSetup {
 
   int64_t seq_or(const ModelConfig& m) const { return seq > 0 ? seq : m.seq_len; }
   int act_bytes() const { return fp32 ? 4 : 2; }  // activation / param / grad element size
+  int res_bytes() const { return residual_bytes > 0 ? residual_bytes : act_bytes(); }
 };
 
 // The planner's layout is the engine's plan (parallel/layout/parallel_plan.h): one type.

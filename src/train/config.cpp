@@ -74,6 +74,10 @@ std::vector<Field> fields(RunConfig& c) {
        "auto | fused | unfused: fused = the MLP's pre-activations kept in bf16 (GPT-2: GELU in the up projection's "
        "GEMM epilogue and its gradient in the down projection's; Llama: bf16 gate and up, SwiGLU on them) (bf16, one "
        "rank of tp and pp, no LoRA); auto = fused in bf16 on train.device = cuda"},
+      {"model.residual_dtype", Kind::String, &c.model.residual_dtype,
+       "auto | fp32 | bf16: bf16 = the residual stream between blocks and after attention kept in bf16, each add "
+       "rounding once (train.dtype = bf16, tp = pp = cp = 1; gradients stay fp32); auto = bf16 for bf16 on "
+       "train.device = cuda with one model-parallel rank, fp32 otherwise"},
       {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
        "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
        "message, GEMM and activation sizes"},

@@ -48,6 +48,9 @@ struct RunConfig {
     // GPT-2's MLP: auto (fused for bf16 on train.device = cuda) | fused (the up projection's GELU and
     // the down projection's GELU gradient in the GEMM epilogues, pre-activation kept in bf16) | unfused.
     std::string mlp_kernel = "auto";
+    // The residual stream between blocks and after attention: auto (bf16 for bf16 runs on
+    // train.device = cuda with tp = pp = cp = 1, fp32 otherwise) | fp32 | bf16 (train.dtype = bf16).
+    std::string residual_dtype = "auto";
   } model;
   struct Data {
     std::string train = "data/default/train.bin";

@@ -155,6 +155,7 @@ class Trainer {
   bool dry_ = false, log_ = false;
   bool flash_attn_ = false;  // model.attention_kernel resolved
   bool fused_mlp_ = false;   // model.mlp_kernel resolved
+  bool res_bf16_ = false;    // model.residual_dtype resolved
   ModelConfig mc_;
   ParallelPlan plan_;
   ParallelGroups groups_;
@@ -255,7 +256,27 @@ bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const 
   return true;
 }
 
-parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash, bool fused_mlp) {
+// model.residual_dtype: true for the residual stream in bf16 (ModelOptions::residual_bf16). auto =
+// bf16 for bf16 runs on train.device = cuda with one model-parallel rank (tp = pp = cp = 1); fp32
+// otherwise, so CPU runs are unchanged.
+bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
+  const std::string& k = cfg.model.residual_dtype;
+  Device d = Device::CPU;
+  const bool one_rank = plan.tp <= 1 && plan.pp <= 1 && plan.cp <= 1;
+  if (k == "auto") return dt == DType::BF16 && one_rank && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "fp32") return false;
+  if (k != "bf16") throw ConfigError("model.residual_dtype must be auto, fp32 or bf16, got '" + k + "'");
+  if (dt != DType::BF16)
+    throw ConfigError("model.residual_dtype = bf16 needs bf16 compute: set train.dtype = bf16, or use auto / fp32");
+  if (!one_rank)
+    throw ConfigError("model.residual_dtype = bf16 runs with one model-parallel rank (parallel.tp = " +
+                      std::to_string(plan.tp) + ", parallel.pp = " + std::to_string(plan.pp) + ", parallel.cp = " +
+                      std::to_string(plan.cp) + "): use auto or fp32");
+  return true;
+}
+
+parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash, bool fused_mlp,
+                                                 bool res_bf16) {
   const RunConfig::Train& tc = cfg.train;
   parallel::ParallelizeOptions po;
   po.dtype = dt;
@@ -270,6 +291,7 @@ parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt,
   po.pp_costs = cfg.pp_stage_costs();
   po.flash_attention = flash;
   po.gelu_epilogue = fused_mlp;
+  po.residual_bf16 = res_bf16;
   po.spec.variable_lengths = !cfg.data.packing;
   return po;
 }
@@ -311,7 +333,8 @@ void Trainer::build() {
   check_unpacked_config();
   make_loaders();
   try {
-    pm_ = parallel::parallelize(mc_, plan_, groups_, parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_));
+    pm_ = parallel::parallelize(mc_, plan_, groups_,
+                                parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_, res_bf16_));
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }
@@ -367,6 +390,7 @@ void Trainer::check_train_config() {
                                     .moe = mc_.moe()});
   flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp);
   fused_mlp_ = use_fused_mlp(cfg_, mc_, dt_, plan_);
+  res_bf16_ = use_bf16_residual(cfg_, dt_, plan_);
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");

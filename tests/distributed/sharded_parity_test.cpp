@@ -84,6 +84,17 @@ TEST_F(Sharded, Bf16) {
                "bf16 DDP np=2 vs fp32 single");
 }
 
+// The bf16 residual stream (model.residual_dtype = bf16) under FULL_SHARD: the end-of-block add is
+// fused into the next unit's first norm, which runs after that unit's weights are gathered, and a
+// recomputed block reads its saved bf16 input; against the same stream on one process (the
+// tolerance of bf16 sharded vs bf16 single).
+TEST_F(Sharded, Bf16ResidualFullShard) {
+  const std::string bf = "--train.dtype bf16 --model.residual_dtype bf16";
+  expect_close(train(1, 8, 1, "bfres_single", bf),
+               train(2, 2, 2, "bfres_z3", bf + " --parallel.strategy FULL_SHARD --train.activation_checkpointing full"),
+               kBf16SameLossTol, kBf16SameWeightTol, "bf16 residual FULL_SHARD np=2 accum=2 full recompute vs single");
+}
+
 // Per-rank model state after a step equals the formula of each strategy exactly (Ψ = the padded
 // flat size), at N = 2 and 4, fp32 and bf16.
 TEST_F(Sharded, ModelStateMemoryMatchesTheFormulas) {

@@ -114,6 +114,30 @@ TEST(Activations, GeneralisedCountReducesToKorthikanti) {
                    0.5 * (flash + layer_activation_bytes(m, st, 1, 1, Checkpointing::Full)));
 }
 
+// The residual stream's element size (TrainSetup::residual_bytes): an fp32 stream in a bf16 run
+// (the engine's model.residual_dtype = fp32) keeps 2 bytes more per element of the two norm inputs
+// per layer (2 x 2 x s x h), tp-split only under sequence parallelism, and a fully recomputed layer
+// keeps its fp32 input; the default is the activation size.
+TEST(Activations, ResidualStreamDtype) {
+  const ModelConfig m = model_preset("gpt2-124m");
+  TrainSetup st;
+  st.seq = 1024;
+  const double s = 1024, h = static_cast<double>(m.n_embd);
+  for (int t : {1, 4})
+    for (bool sp : {false, true}) {
+      st.sequence_parallel = sp;
+      st.residual_bytes = 0;
+      const double bf = layer_activation_bytes(m, st, 1, t, Checkpointing::None);
+      const double bf_full = layer_activation_bytes(m, st, 1, t, Checkpointing::Full);
+      st.residual_bytes = 2;
+      EXPECT_DOUBLE_EQ(layer_activation_bytes(m, st, 1, t, Checkpointing::None), bf);
+      st.residual_bytes = 4;
+      const double split = sp && t > 1 ? t : 1.0;
+      EXPECT_DOUBLE_EQ(layer_activation_bytes(m, st, 1, t, Checkpointing::None) - bf, 2 * 2 * s * h / split);
+      EXPECT_DOUBLE_EQ(layer_activation_bytes(m, st, 1, t, Checkpointing::Full), 2 * bf_full);
+    }
+}
+
 TEST(Collectives, RingVolumesAndLinkSplit) {
   Cluster c = cluster_preset("h100-80g-ib400");
   const double S = 1e9;

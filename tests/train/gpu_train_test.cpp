@@ -70,6 +70,12 @@ class GpuTrain : public ::testing::Test {
                     {"train.lr", "3e-3"},              {"train.eval_every", "10"},
                     {"train.eval_batches", "1"},       {"train.threads", "1"},
                     {"log.print_every", "100"},        {"train.device", device}};
+    // The CPU twin of a bf16 run keeps the residual stream in bf16 as the GPU's does
+    // (model.residual_dtype = auto is bf16 there); a key in `extra` wins (it comes later).
+    const bool bf16 = std::any_of(extra.begin(), extra.end(), [](const auto& kv) {
+      return kv.first == "train.dtype" && kv.second == "bf16";
+    });
+    if (device == "cpu" && bf16) ov.emplace_back("model.residual_dtype", "bf16");
     ov.insert(ov.end(), extra.begin(), extra.end());
     return ov;
   }
@@ -309,6 +315,49 @@ TEST_F(GpuTrain, FusedSwigluMoeExpertsKeepBf16PreActivations) {
   EXPECT_EQ(r["mem_resident_by_category"]["activations"].get<int64_t>() -
                 f["mem_resident_by_category"]["activations"].get<int64_t>(),
             want);
+}
+
+// The residual stream in bf16 (model.residual_dtype = auto on the GPU in bf16): every unit's output
+// and each block's res2 are kept in bf16, 2 bytes less per element of (L + 1) + L tensors of
+// [B*T, C]; the workspace and the model state are unchanged, and the dry run counts the same bytes
+// and the same difference. The losses and gradient norms match the CPU run with
+// model.residual_dtype = bf16 within the bf16 tolerance, and the GPU run with the fp32 stream differs.
+TEST_F(GpuTrain, Bf16ResidualMatchesCpuAndTheDryRunAgrees) {
+  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "0"}};
+  Overrides res = bf, f32 = bf, cpu = bf;
+  res.emplace_back("log.metrics_out", tmp_.file("res.jsonl"));
+  f32.emplace_back("model.residual_dtype", "fp32");
+  f32.emplace_back("log.metrics_out", tmp_.file("f32.jsonl"));
+  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));  // model.residual_dtype = bf16 (overrides())
+  const RunConfig rc = config("cuda", res);
+  const TrainResult tr = train(rc), tf = train(config("cuda", f32)), tc = train(config("cpu", cpu));
+  ASSERT_EQ(tr.losses.size(), 4u);
+  expect_close(tc.losses, tr.losses, kBf16Rel, "training loss, bf16 residual, GPU against the CPU");
+  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("res.jsonl"), "grad_norm"),
+               kBf16Rel, "gradient norm, bf16 residual, GPU against the CPU");
+  EXPECT_NE(tr.losses, tf.losses) << "model.residual_dtype made no difference on the GPU";
+  const nlohmann::json r = final_metrics(tmp_.file("res.jsonl")), f = final_metrics(tmp_.file("f32.jsonl"));
+  const nlohmann::json &mr = r["mem_resident_by_category"], &mf = f["mem_resident_by_category"];
+  ModelConfig mc = rc.model_config();
+  mc.resolve();
+  const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.n_embd * (2 * mc.n_layer + 1);
+  EXPECT_EQ(mf["activations"].get<int64_t>() - mr["activations"].get<int64_t>(), saved);
+  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(mr[c], mf[c]) << c;
+  nlohmann::json dry[2];
+  for (int i = 0; i < 2; ++i) {
+    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
+    Overrides d = overrides("cuda", i == 0 ? res : f32);
+    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
+    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
+    dry[i] = dry[i]["mem_resident_by_category"];
+    for (const char* c : {"params", "grads", "optimizer", "workspace"})
+      EXPECT_EQ(dry[i][c], (i == 0 ? mr : mf)[c]) << c << (i == 0 ? ", bf16 residual" : ", fp32 residual");
+  }
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
 }
 
 // Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.

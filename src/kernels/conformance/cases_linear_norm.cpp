@@ -323,6 +323,78 @@ void layernorm(std::vector<CaseSpec>& out, const Rows& r) {
   });
 }
 
+// The bf16 residual stream: the norm after the add (res_out = bf16(res + x)) and of the stream alone
+// (x null), and the backward from the bf16 input.
+void layernorm_bf16(std::vector<CaseSpec>& out, const Rows& r) {
+  for (bool add : {true, false})
+    add_case(out, Op::residual_layernorm_forward_bf16, DType::BF16, r.model, [r, add] {
+      Case c(Op::residual_layernorm_forward_bf16, DType::BF16, r.str() + (add ? " add" : " no-add"));
+      const int o = c.out("out", uniform(r.N * r.C, 160)), mean = c.out("mean", uniform(r.N, 161)),
+                rstd = c.out("rstd", uniform(r.N, 162)),
+                ro = add ? c.out("res_out", to_bf16(uniform(r.N * r.C, 163))) : -1,
+                res = c.in("res", to_bf16(norm_input(r, 164))), x = add ? c.in("x", uniform(r.N * r.C, 165)) : -1,
+                w = c.in("w", uniform(r.C, 166)), b = c.in("b", uniform(r.C, 167));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        k.residual_layernorm_forward_bf16(a.f(o), a.f(mean), a.f(rstd), a.bf(ro), a.bf(res), a.f(x), a.f(w), a.f(b),
+                                          r.N, r.C, 1e-5f);
+      };
+      return c;
+    });
+  add_case(out, Op::layernorm_backward_bf16, DType::BF16, r.model, [r] {
+    Case c(Op::layernorm_backward_bf16, DType::BF16, r.str());
+    const std::vector<bf16> x = to_bf16(norm_input(r, 168));
+    const std::vector<float> w = uniform(r.C, 169), b = uniform(r.C, 170);
+    std::vector<float> y(r.N * r.C), mean(r.N), rstd(r.N);
+    reference().residual_layernorm_forward_bf16(y.data(), mean.data(), rstd.data(), nullptr, x.data(), nullptr,
+                                                w.data(), b.data(), r.N, r.C, 1e-5f);
+    const int gx = c.out("dinp", uniform(r.N * r.C, 171)), gw = c.out("dw", uniform(r.C, 172)),
+              gb = c.out("db", uniform(r.C, 173)), dy = c.in("dout", uniform(r.N * r.C, 174)), xi = c.in("inp", x),
+              wi = c.in("w", w), mi = c.in("mean", mean), ri = c.in("rstd", rstd);
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.layernorm_backward_bf16(a.f(gx), a.f(gw), a.f(gb), a.f(dy), a.bf(xi), a.f(wi), a.f(mi), a.f(ri), r.N, r.C);
+    };
+    return c;
+  });
+  // The add alone (the end of a block): one rounding of the same fp32 sum.
+  add_case(out, Op::residual_add_bf16, DType::BF16, r.model, [r] {
+    Case c(Op::residual_add_bf16, DType::BF16, r.str());
+    const int o = c.out("out", to_bf16(uniform(r.N * r.C, 175))), res = c.in("res", to_bf16(norm_input(r, 176))),
+              x = c.in("x", uniform(r.N * r.C, 177));
+    c.call = [=](const KernelTable& k, const Args& a) { k.residual_add_bf16(a.bf(o), a.bf(res), a.f(x), r.N * r.C); };
+    return c;
+  });
+}
+
+void rmsnorm_bf16(std::vector<CaseSpec>& out, const Rows& r) {
+  for (bool add : {true, false})
+    add_case(out, Op::residual_rmsnorm_forward_bf16, DType::BF16, r.model, [r, add] {
+      Case c(Op::residual_rmsnorm_forward_bf16, DType::BF16, r.str() + (add ? " add" : " no-add"));
+      const int o = c.out("out", uniform(r.N * r.C, 180)), rstd = c.out("rstd", uniform(r.N, 181)),
+                ro = add ? c.out("res_out", to_bf16(uniform(r.N * r.C, 182))) : -1,
+                res = c.in("res", to_bf16(norm_input(r, 183))), x = add ? c.in("x", uniform(r.N * r.C, 184)) : -1,
+                w = c.in("w", uniform(r.C, 185));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        k.residual_rmsnorm_forward_bf16(a.f(o), a.f(rstd), a.bf(ro), a.bf(res), a.f(x), a.f(w), r.N, r.C, 1e-5f);
+      };
+      return c;
+    });
+  add_case(out, Op::rmsnorm_backward_bf16, DType::BF16, r.model, [r] {
+    Case c(Op::rmsnorm_backward_bf16, DType::BF16, r.str());
+    const std::vector<bf16> x = to_bf16(norm_input(r, 186));
+    const std::vector<float> w = uniform(r.C, 187);
+    std::vector<float> y(r.N * r.C), rstd(r.N);
+    reference().residual_rmsnorm_forward_bf16(y.data(), rstd.data(), nullptr, x.data(), nullptr, w.data(), r.N, r.C,
+                                              1e-5f);
+    const int gx = c.out("dinp", uniform(r.N * r.C, 188)), gw = c.out("dw", uniform(r.C, 189)),
+              dy = c.in("dout", uniform(r.N * r.C, 190)), xi = c.in("inp", x), wi = c.in("w", w),
+              ri = c.in("rstd", rstd);
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.rmsnorm_backward_bf16(a.f(gx), a.f(gw), a.f(dy), a.bf(xi), a.f(wi), a.f(ri), r.N, r.C);
+    };
+    return c;
+  });
+}
+
 void rmsnorm(std::vector<CaseSpec>& out, const Rows& r) {
   add_case(out, Op::rmsnorm_forward, DType::F32, r.model, [r] {
     Case c(Op::rmsnorm_forward, DType::F32, r.str());
@@ -370,11 +442,15 @@ void linear_norm_cases(std::vector<CaseSpec>& out) {
     if (!l.model || l.OC == kLlamaF) forward_out16(out, l);  // odd small shapes and the SwiGLU projection
   for (const Lin& l : kGeluLinears) gelu_linears(out, l);
   for (const Rows& r :
-       {Rows{"small", 33, 96, false}, Rows{"small", 7, 1000, false}, Rows{"gpt2", kGpt2Rows, kGpt2C, true}})
+       {Rows{"small", 33, 96, false}, Rows{"small", 7, 1000, false}, Rows{"gpt2", kGpt2Rows, kGpt2C, true}}) {
     layernorm(out, r);
+    layernorm_bf16(out, r);
+  }
   for (const Rows& r :
-       {Rows{"small", 33, 96, false}, Rows{"small", 7, 1000, false}, Rows{"llama", kLlamaRows, kLlamaC, true}})
+       {Rows{"small", 33, 96, false}, Rows{"small", 7, 1000, false}, Rows{"llama", kLlamaRows, kLlamaC, true}}) {
     rmsnorm(out, r);
+    rmsnorm_bf16(out, r);
+  }
 }
 
 }  // namespace mt::kernels::conformance

@@ -14,6 +14,7 @@ Tolerance tolerance(Op op, DType) {
     case Op::scale:
     case Op::cast_f32_to_bf16:
     case Op::cast_bf16_to_f32:
+    case Op::residual_add_bf16:
     case Op::add_bias:
     case Op::copy_columns:
     case Op::add_columns:
@@ -93,9 +94,13 @@ Tolerance tolerance(Op op, DType) {
     case Op::rmsnorm_forward:
     case Op::residual_layernorm_forward:  // the add itself is exact
     case Op::residual_rmsnorm_forward:
+    case Op::residual_layernorm_forward_bf16:  // the add rounds the same fp32 sum to bf16 on both
+    case Op::residual_rmsnorm_forward_bf16:
       return {1e-5, 1e-5};
     case Op::layernorm_backward:
     case Op::rmsnorm_backward:
+    case Op::layernorm_backward_bf16:  // the fp32 backward of the same widened values
+    case Op::rmsnorm_backward_bf16:
       return {1e-4, 1e-4};
 
     // Tiled softmax (online rescaling on a device, exact rows on the CPU) and dot products of hd

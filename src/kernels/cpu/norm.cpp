@@ -175,4 +175,55 @@ void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* 
   rmsnorm_forward(out, rstd, res, w, N, C, eps);
 }
 
+// ---- the bf16 residual stream: widen into scratch, then the fp32 kernels ----
+
+namespace {
+// res + x rounded to bf16 into res_out (x non-null) and the widened stream into a scratch buffer.
+const float* widen_residual(bf16* res_out, const bf16* res, const float* x, int64_t n) {
+  thread_local detail::Scratch scratch;
+  float* w = scratch.as<float>(static_cast<size_t>(n));
+#pragma omp parallel for schedule(static) if (n > detail::kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    if (x) {
+      const bf16 r = float_to_bf16(bf16_to_float(res[i]) + x[i]);
+      res_out[i] = r;
+      w[i] = bf16_to_float(r);
+    } else {
+      w[i] = bf16_to_float(res[i]);
+    }
+  }
+  return w;
+}
+}  // namespace
+
+void residual_add_bf16(bf16* out, const bf16* res, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > detail::kParallelMin)
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(bf16_to_float(res[i]) + x[i]);
+}
+
+void residual_layernorm_forward_bf16(float* out, float* mean, float* rstd, bf16* res_out, const bf16* res,
+                                     const float* x, const float* w, const float* b, int64_t N, int64_t C,
+                                     float eps) {
+  if (N <= 0 || C <= 0) return;
+  layernorm_forward(out, mean, rstd, widen_residual(res_out, res, x, N * C), w, b, N, C, eps);
+}
+
+void residual_rmsnorm_forward_bf16(float* out, float* rstd, bf16* res_out, const bf16* res, const float* x,
+                                   const float* w, int64_t N, int64_t C, float eps) {
+  if (N <= 0 || C <= 0) return;
+  rmsnorm_forward(out, rstd, widen_residual(res_out, res, x, N * C), w, N, C, eps);
+}
+
+void layernorm_backward_bf16(float* dinp, float* dw, float* db, const float* dout, const bf16* inp, const float* w,
+                             const float* mean, const float* rstd, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  layernorm_backward(dinp, dw, db, dout, widen_residual(nullptr, inp, nullptr, N * C), w, mean, rstd, N, C);
+}
+
+void rmsnorm_backward_bf16(float* dinp, float* dw, const float* dout, const bf16* inp, const float* w,
+                           const float* rstd, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  rmsnorm_backward(dinp, dw, dout, widen_residual(nullptr, inp, nullptr, N * C), w, rstd, N, C);
+}
+
 MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

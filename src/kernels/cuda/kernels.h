@@ -50,6 +50,9 @@ void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0
 // RMSNorm): out_a += sum_n dout * xhat, out_b += sum_n dout; either output may be null.
 void column_sums(float* out_a, float* out_b, const float* dout, const float* inp, const float* mean, const float* rstd,
                  int64_t N, int64_t C);
+// The same with a bf16 inp (the bits as the engine stores them), widened to fp32.
+void column_sums_bf16(float* out_a, float* out_b, const float* dout, const uint16_t* inp, const float* mean,
+                      const float* rstd, int64_t N, int64_t C);
 int64_t column_sum_parts(int64_t N);  // the number of row slices (depends on N only)
 
 // gemm.cu (cuBLASLt)
@@ -83,6 +86,15 @@ void residual_layernorm_forward(float* out, float* mean, float* rstd, float* res
                                 const float* b, int64_t N, int64_t C, float eps);
 void residual_rmsnorm_forward(float* out, float* rstd, float* res, const float* x, const float* w, int64_t N,
                               int64_t C, float eps);
+void residual_add_bf16(bf16* out, const bf16* res, const float* x, int64_t n);
+void residual_layernorm_forward_bf16(float* out, float* mean, float* rstd, bf16* res_out, const bf16* res,
+                                     const float* x, const float* w, const float* b, int64_t N, int64_t C, float eps);
+void residual_rmsnorm_forward_bf16(float* out, float* rstd, bf16* res_out, const bf16* res, const float* x,
+                                   const float* w, int64_t N, int64_t C, float eps);
+void layernorm_backward_bf16(float* dinp, float* dw, float* db, const float* dout, const bf16* inp, const float* w,
+                             const float* mean, const float* rstd, int64_t N, int64_t C);
+void rmsnorm_backward_bf16(float* dinp, float* dw, const float* dout, const bf16* inp, const float* w,
+                           const float* rstd, int64_t N, int64_t C);
 
 // embed_loss.cu
 void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t N, int64_t C);

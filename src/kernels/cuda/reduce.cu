@@ -17,7 +17,11 @@ constexpr int kCols = 32, kRowLanes = 8, kMaxParts = 256, kMinRowsPerPart = 32;
 
 // inp null: a = sum dout. Else xhat = (inp - mean) * rstd (mean null: RMSNorm) and
 // a = sum dout * xhat, b = sum dout.
-__global__ void colsum_partials_k(float* pa, float* pb, const float* dout, const float* inp, const float* mean,
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(uint16_t v) { return bf16_bits_to_f32(v); }
+
+template <class In>
+__global__ void colsum_partials_k(float* pa, float* pb, const float* dout, const In* inp, const float* mean,
                                   const float* rstd, int64_t N, int64_t C, int64_t rows_per_part) {
   MT_SHARED(shm, float[2 * kRowLanes * (kCols + 1)]);
   const int tx = static_cast<int>(threadIdx.x) & (kCols - 1), ty = static_cast<int>(threadIdx.x) / kCols;
@@ -29,7 +33,7 @@ __global__ void colsum_partials_k(float* pa, float* pb, const float* dout, const
     for (int64_t n = r0 + ty; n < r1; n += kRowLanes) {
       const float dy = dout[n * C + c];
       if (inp) {
-        const float xh = (inp[n * C + c] - (mean ? mean[n] : 0.0f)) * rstd[n];
+        const float xh = (widen(inp[n * C + c]) - (mean ? mean[n] : 0.0f)) * rstd[n];
         a += dy * xh;
         b += dy;
       } else {
@@ -76,19 +80,32 @@ int64_t column_sum_parts(int64_t N) {
   return (N + rows_per_part - 1) / rows_per_part;  // no empty slice
 }
 
-void column_sums(float* out_a, float* out_b, const float* dout, const float* inp, const float* mean, const float* rstd,
-                 int64_t N, int64_t C) {
+namespace {
+template <class In>
+void column_sums_of(float* out_a, float* out_b, const float* dout, const In* inp, const float* mean, const float* rstd,
+                    int64_t N, int64_t C) {
   if (N <= 0 || C <= 0 || (!out_a && !out_b)) return;
   const int64_t parts = column_sum_parts(N);
   const int64_t rows_per_part = (N + parts - 1) / parts;
   float* pa = static_cast<float*>(scratch(kScratchColumnSums, static_cast<size_t>(2 * parts * C) * sizeof(float)));
   float* pb = inp ? pa + parts * C : nullptr;
   const dim3 grid(static_cast<unsigned>((C + kCols - 1) / kCols), static_cast<unsigned>(parts));
-  MT_LAUNCH(colsum_partials_k, grid, kCols * kRowLanes, 0, stream())(pa, pb, dout, inp, mean, rstd, N, C,
-                                                                      rows_per_part);
+  void (*const k)(float*, float*, const float*, const In*, const float*, const float*, int64_t, int64_t, int64_t) =
+      colsum_partials_k<In>;
+  MT_LAUNCH(k, grid, kCols * kRowLanes, 0, stream())(pa, pb, dout, inp, mean, rstd, N, C, rows_per_part);
   check_launch("column sums (partials)");
   MT_LAUNCH(colsum_final_k, grid_for(C, 256), 256, 0, stream())(out_a, inp ? out_b : nullptr, pa, pb, parts, C);
   check_launch("column sums (final)");
+}
+}  // namespace
+
+void column_sums(float* out_a, float* out_b, const float* dout, const float* inp, const float* mean, const float* rstd,
+                 int64_t N, int64_t C) {
+  column_sums_of(out_a, out_b, dout, inp, mean, rstd, N, C);
+}
+void column_sums_bf16(float* out_a, float* out_b, const float* dout, const uint16_t* inp, const float* mean,
+                      const float* rstd, int64_t N, int64_t C) {
+  column_sums_of(out_a, out_b, dout, inp, mean, rstd, N, C);
 }
 
 }  // namespace mt::kernels::cuda

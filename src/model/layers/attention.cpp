@@ -73,7 +73,8 @@ void Attention::rope(float* x, TokenShape ts, bool backward) {
     kt_->rope_forward_freq(x, B, T, nh, nkv, hd, freq);
 }
 
-void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* ln1, TokenShape ts) {
+void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* ln1, TokenShape ts,
+                        float* out) {
   const int64_t N = ts.B * ts.T, C = cfg_.n_embd, hd = cfg_.head_dim();
   const int64_t nh = heads_, nkv = kv_heads_, QKV = (nh + 2 * nkv) * hd;  // this tp rank's share
   const bool bf = compute_ == DType::BF16;
@@ -89,7 +90,7 @@ void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& 
     kt_->attention_forward(a.atty.f32(), a.lse.f32(), qkv, ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   }
   if (bf && !flash_) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
-  RowParallelLinear(tpc_, nh * hd, P.weight(p.proj_w, p.proj_b, C, false)).forward(a.res2.f32(), bf ? a.atty_bf : a.atty);
+  RowParallelLinear(tpc_, nh * hd, P.weight(p.proj_w, p.proj_b, C, false)).forward(out, bf ? a.atty_bf : a.atty);
 }
 
 const float* Attention::backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dres,

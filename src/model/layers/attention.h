@@ -48,9 +48,10 @@ class Attention {
   void allocate_cp(int64_t N);
   void release();
 
-  // a.res2 = proj(attend(rope(qkv(ln1)))), this rank's residual rows (the caller adds the
-  // residual). ln1: the normalised input's rows (fp32, or the staging of a.ln1 in bf16 runs).
-  void forward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* ln1, TokenShape s);
+  // out = proj(attend(rope(qkv(ln1)))), this rank's residual rows, fp32 (a.res2, or workspace with a
+  // bf16 residual stream; the caller adds the residual). ln1: the normalised input's rows (fp32, or
+  // the staging of a.ln1 in bf16 runs).
+  void forward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* ln1, TokenShape s, float* out);
   // dres: the gradient of the layer's output (this rank's rows). Returns the gradient of ln1 (the
   // column-parallel layer's input gradient, summed over tp) in dnorm ([N, C] workspace).
   const float* backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dres, float* dnorm,

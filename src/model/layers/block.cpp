@@ -39,7 +39,7 @@ BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t 
 }
 
 void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
-                             int64_t nh, int64_t nkv, int64_t F, bool flash, bool gelu_bf16) {
+                             int64_t nh, int64_t nkv, int64_t F, bool flash, bool gelu_bf16, bool res_bf16) {
   const int64_t C = c.n_embd, QKV = (nh + 2 * nkv) * c.head_dim();
   auto A = MemCategory::Activations;
   a.ln1 = Tensor::empty({R, C}, cd, A);
@@ -52,7 +52,7 @@ void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64
   if (!flash) a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);  // flash writes atty_bf only
   if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, nh * c.head_dim()}, DType::BF16, A);
   a.lse = Tensor::empty({B * nh * (BT / B)}, DType::F32, A);
-  a.res2 = Tensor::empty({R, C}, DType::F32, A);
+  a.res2 = Tensor::empty({R, C}, res_bf16 ? DType::BF16 : DType::F32, A);
   a.ln2 = Tensor::empty({R, C}, cd, A);
   a.ln2_rstd = Tensor::empty({R}, DType::F32, A);
   if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({R}, DType::F32, A);

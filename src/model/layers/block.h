@@ -17,7 +17,7 @@ struct BlockActivations {
   Tensor qkv;                       // f32 [N, QKV] (after RoPE for Llama)
   Tensor qkv_bf;                    // flash attention: the same in bf16 instead (qkv undefined)
   Tensor atty, atty_bf, lse;        // attention output f32 (+ bf16 copy; flash: bf16 only), lse [B, nh, T]
-  Tensor res2;                      // residual after attention, f32 [N, C]
+  Tensor res2;                      // residual after attention [N, C]: f32, or bf16 with a bf16 residual stream
   Tensor ln2, ln2_mean, ln2_rstd;
   Tensor fc;                        // GPT-2: pre-GELU [N, F] (bf16 with the fused GELU epilogue); Llama: gate [N, F] (MoE: the shared experts')
   Tensor up;                        // Llama: up [N, F] (bf16 with the fused MLP)
@@ -73,8 +73,10 @@ BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t 
 // parallelism): the norms' inputs, outputs and statistics and the residual are kept for R rows only.
 // flash: the attention takes bf16 q, k, v (ModelOptions::flash_attention): qkv_bf instead of qkv.
 // gelu_bf16: the MLP's pre-activations `fc` (and Llama's `up`) are kept in bf16 (ModelOptions::gelu_epilogue).
+// res_bf16: the residual after attention (res2) is kept in bf16 (ModelOptions::residual_bf16).
 void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
-                      int64_t nh, int64_t nkv, int64_t F, bool flash = false, bool gelu_bf16 = false);
+                      int64_t nh, int64_t nkv, int64_t F, bool flash = false, bool gelu_bf16 = false,
+                      bool res_bf16 = false);
 // An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe (bf16_pre: the
 // pre-activations h1 / h3 in bf16, MoeShape::bf16_pre).
 void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe,
