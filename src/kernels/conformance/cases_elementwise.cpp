@@ -166,7 +166,8 @@ void matrix_ops(std::vector<CaseSpec>& out) {
     bool model;
     std::string str() const { return label(tag, {{"N", N}, {"ld", ld}, {"c0", c0}, {"cols", cols}}); }
   };
-  for (const M& m : {M{"small", 37, 300, 71, 129, false}, M{"gpt2", 1000, 3 * kGpt2C, kGpt2C, 2 * kGpt2C, true}}) {
+  for (const M& m : {M{"small", 37, 300, 71, 129, false}, M{"odd", 5, 301, 3, 7, false},
+                     M{"gpt2", 1000, 3 * kGpt2C, kGpt2C, 2 * kGpt2C, true}}) {
     add_case(out, Op::add_bias, DType::F32, m.model, [m] {
       Case c(Op::add_bias, DType::F32, m.str());
       const int x = c.out("x", uniform(m.N * m.ld, 40)), b = c.in("b", uniform(m.ld, 41));
