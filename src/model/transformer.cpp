@@ -98,7 +98,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_, flash_);
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_, gelu_epi_);
   embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
-  head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
+  head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk, o.logits_bf16);
   build_state_layout();
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)  // fp32: the flat weights; bf16: the master, state layout
@@ -1095,6 +1095,17 @@ void Transformer::load_tied_replica(const Transformer& full_layout, const float*
 }
 
 const float* Transformer::logits() const { return s_->head.logits.f32(); }
+
+void Transformer::logits_row_to_host(int64_t row, int64_t n, float* host) const {
+  const Tensor& lg = s_->head.logits;
+  if (lg.dtype() != DType::BF16) {
+    dev::copy_to_host(dev_, host, lg.f32() + row * Vp_l_, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  std::vector<bf16> b(static_cast<size_t>(n));
+  dev::copy_to_host(dev_, b.data(), lg.bf() + row * Vp_l_, static_cast<size_t>(n) * sizeof(bf16));
+  for (int64_t i = 0; i < n; ++i) host[i] = bf16_to_float(b[static_cast<size_t>(i)]);
+}
 
 int64_t Transformer::activation_bytes_saved() const {
   if (!scratch_acts_) return 0;

@@ -94,6 +94,10 @@ struct ModelOptions {
   // fp32. bf16 compute, one model-parallel rank (no tensor, sequence, pipeline or context
   // parallelism, no split backward).
   bool residual_bf16 = false;
+  // The LM head's logits in bf16 (model.logits_dtype): the head GEMM writes them in bf16, the loss
+  // reads them in fp32 arithmetic and, when training, writes their bf16 gradient over them in place
+  // (softmax_cross_entropy_from_bf16). bf16 compute, no tensor parallelism, no chunked head.
+  bool logits_bf16 = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
   // rank); positions follow the original indices and attention runs over every cp rank's keys and
@@ -218,6 +222,9 @@ class Transformer final : private LayerParams {
   void backward();
   // Logits of the last forward ([B*T, padded_vocab]); valid after a forward without train.
   const float* logits() const;
+  // n values of row `row` of the last forward's logits (this rank's columns) into host memory as
+  // fp32, widened when the logits are bf16.
+  void logits_row_to_host(int64_t row, int64_t n, float* host) const;
 
   // ---- pipeline stages ----
   // Activation slots: each holds one micro-batch's saved activations, so several micro-batches can

@@ -78,6 +78,10 @@ std::vector<Field> fields(RunConfig& c) {
        "auto | fp32 | bf16: bf16 = the residual stream between blocks and after attention kept in bf16, each add "
        "rounding once (train.dtype = bf16, tp = pp = cp = 1; gradients stay fp32); auto = bf16 for bf16 on "
        "train.device = cuda with one model-parallel rank, fp32 otherwise"},
+      {"model.logits_dtype", Kind::String, &c.model.logits_dtype,
+       "auto | fp32 | bf16: bf16 = the LM head's logits written in bf16 by its GEMM, the loss in fp32 arithmetic "
+       "and their gradient written over them in bf16 (train.dtype = bf16, parallel.tp = 1, train.loss_chunk_tokens "
+       "= 0); auto = bf16 for bf16 on train.device = cuda where that applies, fp32 otherwise"},
       {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
        "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
        "message, GEMM and activation sizes"},

@@ -128,6 +128,7 @@ Tolerance tolerance(Op op, DType) {
     case Op::softmax_cross_entropy:
     case Op::softmax_cross_entropy_bf16:
     case Op::softmax_cross_entropy_forward:
+    case Op::softmax_cross_entropy_from_bf16:
     case Op::vp_ce_stats:
     case Op::vp_ce_finish:
       return {1e-5, 1e-8};

@@ -112,6 +112,8 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
                                 float dloss);
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                    int64_t Vp);
+void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t Vp, bool train, float dloss);
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid);
 void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
                  int64_t valid, int64_t lo);
