@@ -71,11 +71,18 @@ class GpuTrain : public ::testing::Test {
                     {"train.eval_batches", "1"},       {"train.threads", "1"},
                     {"log.print_every", "100"},        {"train.device", device}};
     // The CPU twin of a bf16 run keeps the residual stream in bf16 as the GPU's does
-    // (model.residual_dtype = auto is bf16 there); a key in `extra` wins (it comes later).
-    const bool bf16 = std::any_of(extra.begin(), extra.end(), [](const auto& kv) {
-      return kv.first == "train.dtype" && kv.second == "bf16";
+    // (model.residual_dtype = auto is bf16 there), and the LM head's logits too where the GPU's
+    // model.logits_dtype = auto is bf16 (no chunked head); a key in `extra` wins (it comes later).
+    auto has = [&](const char* k, const char* v) {
+      return std::any_of(extra.begin(), extra.end(), [&](const auto& kv) { return kv.first == k && kv.second == v; });
+    };
+    const bool chunked = std::any_of(extra.begin(), extra.end(), [](const auto& kv) {
+      return kv.first == "train.loss_chunk_tokens" && kv.second != "0";
     });
-    if (device == "cpu" && bf16) ov.emplace_back("model.residual_dtype", "bf16");
+    if (device == "cpu" && has("train.dtype", "bf16")) {
+      ov.emplace_back("model.residual_dtype", "bf16");
+      if (!chunked) ov.emplace_back("model.logits_dtype", "bf16");
+    }
     ov.insert(ov.end(), extra.begin(), extra.end());
     return ov;
   }
@@ -356,6 +363,53 @@ TEST_F(GpuTrain, Bf16ResidualMatchesCpuAndTheDryRunAgrees) {
     dry[i] = dry[i]["mem_resident_by_category"];
     for (const char* c : {"params", "grads", "optimizer", "workspace"})
       EXPECT_EQ(dry[i][c], (i == 0 ? mr : mf)[c]) << c << (i == 0 ? ", bf16 residual" : ", fp32 residual");
+  }
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
+}
+
+// The LM head's logits in bf16 (model.logits_dtype = auto on the GPU in bf16): the head GEMM writes
+// bf16 logits, the loss reads them and writes their bf16 gradient over them, so the [B*T, Vp] logits
+// take 2 bytes less per element; the other categories are unchanged and the dry run counts the same
+// bytes. Training and validation losses and gradient norms match the CPU run with
+// model.logits_dtype = bf16 within the bf16 tolerance; the GPU run with fp32 logits differs; the
+// end-of-run sample reads the bf16 logits widened.
+TEST_F(GpuTrain, Bf16LogitsMatchCpuAndTheDryRunAgrees) {
+  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "2"},
+                        {"train.sample_tokens", "4"}};
+  Overrides l16 = bf, f32 = bf, cpu = bf;
+  l16.emplace_back("log.metrics_out", tmp_.file("l16.jsonl"));
+  f32.emplace_back("model.logits_dtype", "fp32");
+  f32.emplace_back("log.metrics_out", tmp_.file("f32.jsonl"));
+  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));  // model.logits_dtype = bf16 (overrides())
+  const RunConfig rc = config("cuda", l16);
+  const TrainResult tl = train(rc), tf = train(config("cuda", f32)), tc = train(config("cpu", cpu));
+  ASSERT_EQ(tl.losses.size(), 4u);
+  ASSERT_FALSE(tl.val_losses.empty());
+  expect_close(tc.losses, tl.losses, kBf16Rel, "training loss, bf16 logits, GPU against the CPU");
+  expect_close(tc.val_losses, tl.val_losses, kBf16Rel, "validation loss, bf16 logits, GPU against the CPU");
+  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("l16.jsonl"), "grad_norm"),
+               kBf16Rel, "gradient norm, bf16 logits, GPU against the CPU");
+  EXPECT_NE(tl.losses, tf.losses) << "model.logits_dtype made no difference on the GPU";
+  const nlohmann::json l = final_metrics(tmp_.file("l16.jsonl")), f = final_metrics(tmp_.file("f32.jsonl"));
+  const nlohmann::json &ml = l["mem_resident_by_category"], &mf = f["mem_resident_by_category"];
+  ModelConfig mc = rc.model_config();
+  mc.resolve();
+  const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.padded_vocab;
+  EXPECT_EQ(mf["activations"].get<int64_t>() - ml["activations"].get<int64_t>(), saved);
+  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(ml[c], mf[c]) << c;
+  nlohmann::json dry[2];
+  for (int i = 0; i < 2; ++i) {
+    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
+    Overrides d = overrides("cuda", i == 0 ? l16 : f32);
+    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
+    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
+    dry[i] = dry[i]["mem_resident_by_category"];
+    for (const char* c : {"params", "grads", "optimizer", "workspace", "activations"})
+      EXPECT_EQ(dry[i][c], (i == 0 ? ml : mf)[c]) << c << (i == 0 ? ", bf16 logits" : ", fp32 logits");
   }
   EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
 }
