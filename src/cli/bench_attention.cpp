@@ -55,7 +55,7 @@ struct Call {
   const kernels::KernelTable* k;
   const Shape* s;
   float *out, *lse, *dqkv, *dout, *qkv;
-  bf16* qkv16;
+  bf16 *qkv16, *out16;  // the bf16 ops' q|k|v and output
   int which;  // 0 fwd f32, 1 fwd bf16, 2 bwd f32, 3 bwd bf16
   int iters;
 };
@@ -66,10 +66,10 @@ void run_calls(void* p) {
   for (int i = 0; i < c.iters; ++i) {
     switch (c.which) {
       case 0: c.k->attention_forward(c.out, c.lse, c.qkv, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
-      case 1: c.k->attention_forward_bf16(c.out, c.lse, c.qkv16, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
+      case 1: c.k->attention_forward_bf16(c.out16, c.lse, c.qkv16, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
       case 2: c.k->attention_backward(c.dqkv, c.dout, c.qkv, c.out, c.lse, s.B, s.T, s.nh, s.nkv, s.hd, nullptr); break;
       default:
-        c.k->attention_backward_bf16(c.dqkv, c.dout, c.qkv16, c.out, c.lse, s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
+        c.k->attention_backward_bf16(c.dqkv, c.dout, c.qkv16, c.out16, c.lse, s.B, s.T, s.nh, s.nkv, s.hd, nullptr);
         break;
     }
   }
@@ -162,10 +162,11 @@ int run_bench_attention_command(int argc, char** argv) {
       std::vector<size_t> sizes;
       const size_t nq = static_cast<size_t>(s.B * s.T * (s.nh + 2 * s.nkv) * s.hd);
       const size_t no = static_cast<size_t>(s.B * s.T * s.nh * s.hd);
-      Call c{&k, &s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1};
+      Call c{&k, &s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1};
       c.qkv = upload<float>(d, nq, 1, owned, sizes);
       c.qkv16 = upload<bf16>(d, nq, 1, owned, sizes);
       c.out = upload<float>(d, no, 2, owned, sizes);
+      c.out16 = upload<bf16>(d, no, 2, owned, sizes);
       c.dout = upload<float>(d, no, 3, owned, sizes);
       c.dqkv = upload<float>(d, nq, 4, owned, sizes);
       c.lse = upload<float>(d, static_cast<size_t>(s.B * s.nh * s.T), 5, owned, sizes);

@@ -61,6 +61,8 @@ std::string plan_help() {
          "  --attention flash|unfused  attention kernel (default flash: no s x s scores kept)\n"
          "  --residual-dtype bf16|fp32  residual stream and norm inputs (default: the activation dtype; fp32 is\n"
          "                          this engine's model.residual_dtype = fp32 in a bf16 run)\n"
+         "  --logits-dtype fp32|bf16  the LM head's logits (default fp32; bf16 is this engine's\n"
+         "                          model.logits_dtype = bf16, its default for bf16 on a GPU at tp = 1)\n"
          "  --dropout               dropout masks are stored (default off)\n"
          "  --no-sp                 no sequence parallelism with tp > 1\n"
          "  --tp-overlap            TP collectives overlap the GEMMs (async TP)\n"
@@ -309,6 +311,12 @@ TrainSetup setup_from_args(const ArgParser& a, bool fp32, const ModelConfig& m, 
   if (at == "flash") st.attention = AttentionImpl::Flash;
   else if (at == "unfused") st.attention = AttentionImpl::Unfused;
   else throw Bad("--attention must be flash or unfused, got '" + at + "'");
+  if (a.has("logits-dtype")) {
+    const std::string ld = a.get("logits-dtype");
+    if (ld == "fp32") st.logits_bytes = 4;
+    else if (ld == "bf16") st.logits_bytes = fp32 ? 4 : 2;
+    else throw Bad("--logits-dtype must be fp32 or bf16, got '" + ld + "'");
+  }
   if (a.has("residual-dtype")) {
     const std::string rd = a.get("residual-dtype");
     if (rd == "fp32") st.residual_bytes = 4;
@@ -388,8 +396,8 @@ PlanOptions options_from_args(const ArgParser& a) {
 int run(int argc, char** argv) {
   ArgParser a({"model", "hf-config", "arch", "layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "gpus",
                "gpus-per-node", "cluster", "global-batch", "micro-batch", "seq", "dtype", "reduce-dtype", "grad-dtype",
-               "residual-dtype", "attention", "bucket-mb", "mem-per-gpu", "peak-tflops", "compute-efficiency", "mem-bw",
-               "intra-bw", "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw",
+               "residual-dtype", "logits-dtype", "attention", "bucket-mb", "mem-per-gpu", "peak-tflops",
+               "compute-efficiency", "mem-bw", "intra-bw", "intra-latency-us", "inter-bw", "inter-latency-us", "host-bw", "host-mem", "host-mem-bw",
                "strategy", "tp", "pp", "cp", "schedule", "ac", "top", "steps", "layouts", "scale-layouts", "keep",
                "probe-seconds", "lora-rank", "lora-targets"},
               {"json", "help", "published", "article", "dropout", "no-sp", "tp-overlap", "overlap-param-gather",

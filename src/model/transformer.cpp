@@ -41,9 +41,8 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   cp_allgather_ = o.cp_allgather;
   flash_ = o.flash_attention;
   gelu_epi_ = o.gelu_epilogue;
-  if (gelu_epi_ && (compute_ != DType::BF16 || cfg_.arch != Arch::GPT2 || tpc_.tp() || split_backward_))
-    throw std::invalid_argument("the fused GELU epilogues need bf16 compute, GPT-2, no tensor parallelism and no split "
-                                "backward");
+  if (gelu_epi_ && (compute_ != DType::BF16 || tpc_.tp() || split_backward_))
+    throw std::invalid_argument("the fused bf16 MLP needs bf16 compute, no tensor parallelism and no split backward");
   if (flash_ && compute_ != DType::BF16) throw std::invalid_argument("flash attention needs bf16 compute");
   res_bf16_ = o.residual_bf16;
   if (res_bf16_ && (compute_ != DType::BF16 || (o.tp && o.tp->size() > 1) || (o.cp && o.cp->size() > 1) ||
@@ -83,6 +82,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
     moe_shape_.expert_width = cfg_.expert_ffn() / t;
     moe_shape_.shared_width = cfg_.moe_shared_experts * cfg_.expert_ffn() / t;
     moe_shape_.experts_apart = experts_apart();
+    moe_shape_.bf16_pre = gelu_epi_ && compute_ == DType::BF16 && cfg_.arch == Arch::Llama;
   }
   Vp_l_ = cfg_.padded_vocab / t;
   vocab_lo_ = tpc_.rank * Vp_l_;
@@ -98,7 +98,7 @@ Transformer::Transformer(const ModelConfig& cfg, ModelOptions o)
   attn_ = std::make_unique<Attention>(cfg_, compute_, dev_, kt_, tpc_, nh_l_, nkv_l_, cp_, cp_allgather_, flash_);
   mlp_ = std::make_unique<Mlp>(cfg_, compute_, dev_, kt_, tpc_, F_l_, gelu_epi_);
   embedding_ = std::make_unique<Embedding>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_);
-  head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk);
+  head_ = std::make_unique<LmHead>(cfg_, compute_, dev_, kt_, tpc_, Vp_l_, vocab_lo_, o.loss_chunk, o.logits_bf16);
   build_state_layout();
   const bool f32 = compute_ == DType::F32;
   if (f32 ? storage_.weights : storage_.master)  // fp32: the flat weights; bf16: the master, state layout
@@ -630,7 +630,9 @@ void Transformer::ensure_buffers(int64_t B, int64_t T, int first, int last) {
         s.acts[l] = std::make_unique<BlockActivations>();
         alloc_block_acts(*s.acts[l], cfg_, compute_, BT, R, B, nh_l_, nkv_l_, mlp_width(l), flash_,
                          gelu_epi_ && !cfg_.is_moe_layer(l), res_bf16_);
-        if (cfg_.is_moe_layer(l)) alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
+        if (cfg_.is_moe_layer(l))
+          alloc_moe_acts(*s.acts[l], cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width,
+                         moe_shape_.bf16_pre);
       }
     } else if (!s.head.losses.defined()) {
       out_buf(L);
@@ -661,7 +663,8 @@ void Transformer::ensure_workspace() {
       scratch_moe_acts_ = std::make_unique<BlockActivations>();
       alloc_block_acts(*scratch_moe_acts_, cfg_, compute_, BT, R, B, nh_l_, nkv_l_, moe_shape_.shared_width, flash_,
                        false, res_bf16_);
-      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width);
+      alloc_moe_acts(*scratch_moe_acts_, cfg_, compute_, BT, moe_->rows_hint(BT), moe_shape_.expert_width,
+                     moe_shape_.bf16_pre);
     }
   }
   auto W = MemCategory::Workspace;
@@ -1094,6 +1097,17 @@ void Transformer::load_tied_replica(const Transformer& full_layout, const float*
 }
 
 const float* Transformer::logits() const { return s_->head.logits.f32(); }
+
+void Transformer::logits_row_to_host(int64_t row, int64_t n, float* host) const {
+  const Tensor& lg = s_->head.logits;
+  if (lg.dtype() != DType::BF16) {
+    dev::copy_to_host(dev_, host, lg.f32() + row * Vp_l_, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  std::vector<bf16> b(static_cast<size_t>(n));
+  dev::copy_to_host(dev_, b.data(), lg.bf() + row * Vp_l_, static_cast<size_t>(n) * sizeof(bf16));
+  for (int64_t i = 0; i < n; ++i) host[i] = bf16_to_float(b[static_cast<size_t>(i)]);
+}
 
 int64_t Transformer::activation_bytes_saved() const {
   if (!scratch_acts_) return 0;

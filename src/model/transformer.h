@@ -78,13 +78,16 @@ struct ModelOptions {
   // Attention on bf16 q, k and v (bf16 compute only): the q|k|v projection's output (after RoPE)
   // is rounded to bf16 and kept for the backward in place of the fp32 one, and attended by
   // attention_forward_bf16 / attention_backward_bf16 (on CUDA the flash-attention kernels; the
-  // output and lse stay fp32, no T x T buffer). Not with context parallelism.
+  // output is kept in bf16 only, the lse in fp32, no T x T buffer). Not with context parallelism.
   bool flash_attention = false;
-  // GPT-2's MLP in bf16 through the fused GEMM-epilogue ops (linear_gelu_forward_bf16,
-  // linear_backward_dgelu_bf16, linear_backward_bf16_dy_bias): the pre-activation is kept in bf16
-  // (the GELU's input, written by the up projection's epilogue) instead of fp32, and the GELU
-  // gradient comes out of the down projection's input-gradient GEMM in bf16. bf16 compute, GPT-2,
-  // no tensor parallelism, no split backward, no LoRA adapters on the MLP.
+  // The dense MLP in bf16 with its pre-activations kept in bf16 (model.mlp_kernel = fused). GPT-2:
+  // the fused GEMM-epilogue ops (linear_gelu_forward_bf16, linear_backward_dgelu_bf16,
+  // linear_backward_bf16_dy_bias): the GELU's input written by the up projection's epilogue, its
+  // gradient out of the down projection's input-gradient GEMM in bf16. Llama: gate and up written
+  // by bf16-output GEMMs (linear_forward_bf16_out16), SwiGLU on them (swiglu_forward_bf16) and its
+  // backward into bf16 gradients (swiglu_backward_bf16, linear_backward_bf16_dy); a Llama MoE layer's
+  // routed experts likewise (MoeShape::bf16_pre). bf16 compute, no tensor parallelism, no split
+  // backward, no LoRA adapters on the MLP.
   bool gelu_epilogue = false;
   // The residual stream in bf16 (model.residual_dtype): every unit's output (the stream between
   // blocks) and the residual after attention (res2) are kept in bf16, each add rounding once
@@ -92,6 +95,10 @@ struct ModelOptions {
   // fp32. bf16 compute, one model-parallel rank (no tensor, sequence, pipeline or context
   // parallelism, no split backward).
   bool residual_bf16 = false;
+  // The LM head's logits in bf16 (model.logits_dtype): the head GEMM writes them in bf16, the loss
+  // reads them in fp32 arithmetic and, when training, writes their bf16 gradient over them in place
+  // (softmax_cross_entropy_from_bf16). bf16 compute, no tensor parallelism, no chunked head.
+  bool logits_bf16 = false;
   // Context parallelism (see model/context_parallel.h; null or size 1: off): every forward's B x T
   // tokens are this cp rank's T = seq / cp tokens of each sequence (chunks rank and 2 cp - 1 -
   // rank); positions follow the original indices and attention runs over every cp rank's keys and
@@ -216,6 +223,9 @@ class Transformer final : private LayerParams {
   void backward();
   // Logits of the last forward ([B*T, padded_vocab]); valid after a forward without train.
   const float* logits() const;
+  // n values of row `row` of the last forward's logits (this rank's columns) into host memory as
+  // fp32, widened when the logits are bf16.
+  void logits_row_to_host(int64_t row, int64_t n, float* host) const;
 
   // ---- pipeline stages ----
   // Activation slots: each holds one micro-batch's saved activations, so several micro-batches can

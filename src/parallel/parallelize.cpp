@@ -47,6 +47,7 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                        .flash_attention = o.flash_attention,
                        .gelu_epilogue = o.gelu_epilogue,
                        .residual_bf16 = o.residual_bf16,
+                       .logits_bf16 = o.logits_bf16,
                        .cp = p.cp_comm_.get(),
                        .cp_allgather = plan.cp_mode == "allgather",
                        .ep = plan.ep_enabled() ? plan.ep : 1,

@@ -39,6 +39,7 @@ struct ParallelizeOptions {
   bool flash_attention = false;    // bf16 q, k, v in the flash-attention kernels (model.attention_kernel)
   bool gelu_epilogue = false;      // GPT-2's MLP with the fused GELU epilogues (model.mlp_kernel)
   bool residual_bf16 = false;      // the residual stream in bf16 (model.residual_dtype)
+  bool logits_bf16 = false;        // the LM head's logits in bf16 (model.logits_dtype)
 };
 
 // One step's forward and backward, reduced over the ranks.

@@ -48,6 +48,8 @@ struct TrainSetup {
   int reduce_bytes = 4;         // bytes per element of gradient reduction (4 fp32 as this engine reduces, 2 bf16)
   int residual_bytes = 0;       // bytes per element of the residual stream and the norm inputs (0: the activation
                                 // size; 4 = the engine's fp32 stream in a bf16 run, model.residual_dtype = fp32)
+  int logits_bytes = 4;         // bytes per element of the LM head's [tokens, vocab/t] logits (4: fp32; 2 = the
+                                // engine's model.logits_dtype = bf16, its auto for bf16 on a GPU at tp = 1)
   int grad_bytes = 0;           // bytes per stored gradient (0: the param dtype, ZeRO's convention; 4 = fp32
                                 // gradient accumulation as in Megatron and this engine: 18 B/param)
   AttentionImpl attention = AttentionImpl::Flash;

@@ -242,7 +242,8 @@ double activation_memory(const Ctx& cx) {
   const double a_full = layer_activation_bytes(ma, st_rank, l.micro_batch, t, Checkpointing::None);
   // A recomputed layer's full activations exist again while its backward runs (one at a time).
   const double ws = l.checkpointing != Checkpointing::None ? a_full : 0.0;
-  const double head_acts = cx.tokens * (cx.e * x.h / (cx.sp ? cx.T : 1.0) + cx.e * x.h + 4.0 * x.V / cx.T);
+  const double head_acts = cx.tokens * (cx.e * x.h / (cx.sp ? cx.T : 1.0) + cx.e * x.h +
+                                             static_cast<double>(cx.st.logits_bytes) * x.V / cx.T);
   double inflight_first = 1, inflight_last = 1;
   switch (l.schedule) {
     case Schedule::None: break;

@@ -71,13 +71,17 @@ std::vector<Field> fields(RunConfig& c) {
        "auto | flash | reference: flash = bf16 q, k, v in the flash-attention kernels (train.dtype = bf16, no "
        "context parallelism); reference = the fp32 kernels; auto = flash for bf16 on train.device = cuda"},
       {"model.mlp_kernel", Kind::String, &c.model.mlp_kernel,
-       "auto | fused | unfused: fused = GPT-2's MLP with GELU in the up projection's GEMM epilogue and its gradient in "
-       "the down projection's (bf16, pre-activation kept in bf16; one rank of tp and pp, no LoRA); auto = fused for "
-       "GPT-2 in bf16 on train.device = cuda"},
+       "auto | fused | unfused: fused = the MLP's pre-activations kept in bf16 (GPT-2: GELU in the up projection's "
+       "GEMM epilogue and its gradient in the down projection's; Llama: bf16 gate and up, SwiGLU on them) (bf16, one "
+       "rank of tp and pp, no LoRA); auto = fused in bf16 on train.device = cuda"},
       {"model.residual_dtype", Kind::String, &c.model.residual_dtype,
        "auto | fp32 | bf16: bf16 = the residual stream between blocks and after attention kept in bf16, each add "
        "rounding once (train.dtype = bf16, tp = pp = cp = 1; gradients stay fp32); auto = bf16 for bf16 on "
        "train.device = cuda with one model-parallel rank, fp32 otherwise"},
+      {"model.logits_dtype", Kind::String, &c.model.logits_dtype,
+       "auto | fp32 | bf16: bf16 = the LM head's logits written in bf16 by its GEMM, the loss in fp32 arithmetic "
+       "and their gradient written over them in bf16 (train.dtype = bf16, parallel.tp = 1, train.loss_chunk_tokens "
+       "= 0); auto = bf16 for bf16 on train.device = cuda where that applies, fp32 otherwise"},
       {"model.moe_pad_to_capacity", Kind::Bool, &c.model.moe_pad_to_capacity,
        "pad every expert's rows to its capacity with zero rows (needs model.moe_capacity_factor > 0): routing-independent "
        "message, GEMM and activation sizes"},

@@ -51,6 +51,9 @@ struct RunConfig {
     // The residual stream between blocks and after attention: auto (bf16 for bf16 runs on
     // train.device = cuda with tp = pp = cp = 1, fp32 otherwise) | fp32 | bf16 (train.dtype = bf16).
     std::string residual_dtype = "auto";
+    // The LM head's logits: auto (bf16 for bf16 runs on train.device = cuda with tp = 1 and no
+    // train.loss_chunk_tokens, fp32 otherwise) | fp32 | bf16 (train.dtype = bf16, tp = 1, no chunked head).
+    std::string logits_dtype = "auto";
   } model;
   struct Data {
     std::string train = "data/default/train.bin";

@@ -20,8 +20,7 @@ std::vector<int32_t> generate(Transformer& model, std::vector<int32_t> seq, cons
     const int32_t* ctx = seq.data() + (seq.size() - T);
     model.forward(ctx, nullptr, 1, T, false);
     // The last position's logits, read into host memory (the model may live on a GPU).
-    dev::copy_to_host(model.device(), last.data(), model.logits() + (T - 1) * c.padded_vocab,
-                      last.size() * sizeof(float));
+    model.logits_row_to_host(T - 1, static_cast<int64_t>(last.size()), last.data());
     const float* row = last.data();
     int32_t next = 0;
     if (opts.temperature <= 0.0f) {

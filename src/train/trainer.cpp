@@ -156,6 +156,7 @@ class Trainer {
   bool flash_attn_ = false;  // model.attention_kernel resolved
   bool fused_mlp_ = false;   // model.mlp_kernel resolved
   bool res_bf16_ = false;    // model.residual_dtype resolved
+  bool logits_bf16_ = false;  // model.logits_dtype resolved
   ModelConfig mc_;
   ParallelPlan plan_;
   ParallelGroups groups_;
@@ -235,21 +236,20 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
   return true;
 }
 
-// model.mlp_kernel: true for GPT-2's MLP with the fused GELU epilogues (ModelOptions::gelu_epilogue).
-// auto = fused for GPT-2 in bf16 on train.device = cuda where the fused ops apply (one rank of
-// tensor and pipeline parallelism, no LoRA adapters); unfused otherwise, so CPU runs are unchanged.
+// model.mlp_kernel: true for the bf16 MLP with bf16 pre-activations (ModelOptions::gelu_epilogue):
+// GPT-2's fused GELU epilogues, Llama's bf16 gate / up and SwiGLU. auto = fused in bf16 on
+// train.device = cuda where the fused ops apply (one rank of tensor and pipeline parallelism, no
+// LoRA adapters); unfused otherwise, so CPU runs are unchanged.
 bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const ParallelPlan& plan) {
   const std::string& k = cfg.model.mlp_kernel;
   Device d = Device::CPU;
-  const bool applies = dt == DType::BF16 && mc.arch == Arch::GPT2 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
+  const bool applies = dt == DType::BF16 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
   if (k == "auto") return applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
   if (k == "unfused") return false;
   if (k != "fused") throw ConfigError("model.mlp_kernel must be auto, fused or unfused, got '" + k + "'");
   if (dt != DType::BF16)
     throw ConfigError("model.mlp_kernel = fused keeps the MLP's activations in bf16: set train.dtype = bf16, or use "
                       "auto / unfused");
-  if (mc.arch != Arch::GPT2)
-    throw ConfigError("model.mlp_kernel = fused is GPT-2's GELU MLP (this model's MLP is SwiGLU): use auto or unfused");
   if (plan.tp > 1 || plan.pp > 1 || mc.lora())
     throw ConfigError("model.mlp_kernel = fused runs without tensor or pipeline parallelism and without LoRA "
                       "adapters (parallel.tp = " + std::to_string(plan.tp) + ", parallel.pp = " +
@@ -276,8 +276,28 @@ bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan)
   return true;
 }
 
+// model.logits_dtype: true for the LM head's logits in bf16 (ModelOptions::logits_bf16). auto =
+// bf16 for bf16 runs on train.device = cuda where the head's bf16 gradient applies (the whole
+// vocabulary on one rank: tp = 1, no train.loss_chunk_tokens); fp32 otherwise, so CPU runs are
+// unchanged.
+bool use_bf16_logits(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
+  const std::string& k = cfg.model.logits_dtype;
+  Device d = Device::CPU;
+  const bool applies = plan.tp <= 1 && cfg.train.loss_chunk_tokens == 0;
+  if (k == "auto") return dt == DType::BF16 && applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "fp32") return false;
+  if (k != "bf16") throw ConfigError("model.logits_dtype must be auto, fp32 or bf16, got '" + k + "'");
+  if (dt != DType::BF16)
+    throw ConfigError("model.logits_dtype = bf16 needs bf16 compute: set train.dtype = bf16, or use auto / fp32");
+  if (!applies)
+    throw ConfigError("model.logits_dtype = bf16 needs the whole vocabulary's logits on one rank (parallel.tp = " +
+                      std::to_string(plan.tp) + ", train.loss_chunk_tokens = " +
+                      std::to_string(cfg.train.loss_chunk_tokens) + "): use auto or fp32");
+  return true;
+}
+
 parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash, bool fused_mlp,
-                                                 bool res_bf16) {
+                                                 bool res_bf16, bool logits_bf16) {
   const RunConfig::Train& tc = cfg.train;
   parallel::ParallelizeOptions po;
   po.dtype = dt;
@@ -293,6 +313,7 @@ parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt,
   po.flash_attention = flash;
   po.gelu_epilogue = fused_mlp;
   po.residual_bf16 = res_bf16;
+  po.logits_bf16 = logits_bf16;
   po.spec.variable_lengths = !cfg.data.packing;
   return po;
 }
@@ -335,7 +356,7 @@ void Trainer::build() {
   make_loaders();
   try {
     pm_ = parallel::parallelize(mc_, plan_, groups_,
-                                parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_, res_bf16_));
+                                parallelize_options(cfg_, dt_, flash_attn_, fused_mlp_, res_bf16_, logits_bf16_));
   } catch (const PlanError& e) {
     throw ConfigError(e.what());
   }
@@ -392,6 +413,7 @@ void Trainer::check_train_config() {
   flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp);
   fused_mlp_ = use_fused_mlp(cfg_, mc_, dt_, plan_);
   res_bf16_ = use_bf16_residual(cfg_, dt_, plan_);
+  logits_bf16_ = use_bf16_logits(cfg_, dt_, plan_);
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");

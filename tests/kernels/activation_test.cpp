@@ -106,6 +106,42 @@ TEST(SwiGLU, ForwardAndBackwardMatchReference) {
   EXPECT_TRUE(kt::close(du, wu, 1e-4, 1e-5));
 }
 
+// The bf16 forms are the fp32 kernels on the widened bf16 gate and up, each result rounded to bf16
+// (within half a bf16 step of the fp32 value; a step allows for ulps between the two loops), and the
+// backward writes its gradients (their starting contents do not matter).
+TEST(SwiGLU, Bf16FormsRoundTheFp32KernelsOnTheSameValues) {
+  const std::vector<float> g0 = act_inputs(), u0 = kt::randn(g0.size(), 4), dout = kt::randn(g0.size(), 5);
+  const int64_t n = static_cast<int64_t>(g0.size());
+  std::vector<bf16> g16(g0.size()), u16(g0.size());
+  std::vector<float> g(g0.size()), u(g0.size());
+  for (size_t i = 0; i < g0.size(); ++i) {
+    g16[i] = float_to_bf16(g0[i]);
+    u16[i] = float_to_bf16(u0[i]);
+    g[i] = bf16_to_float(g16[i]);
+    u[i] = bf16_to_float(u16[i]);
+  }
+  auto within = [](const std::vector<bf16>& got, const std::vector<float>& want, const char* what) {
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float x = bf16_to_float(got[i]);
+      if (!(std::abs(x - want[i]) <= std::abs(want[i]) / 256.0f + 1e-30f)) ++bad;
+    }
+    EXPECT_EQ(bad, 0) << what;
+  };
+  std::vector<float> y(g.size());
+  swiglu_forward(y.data(), g.data(), u.data(), n);
+  std::vector<bf16> y16(g.size(), float_to_bf16(7.0f));
+  swiglu_forward_bf16(y16.data(), g16.data(), u16.data(), n);
+  within(y16, y, "forward");
+
+  std::vector<float> dg(g.size(), 0.0f), du(g.size(), 0.0f);
+  swiglu_backward(dg.data(), du.data(), dout.data(), g.data(), u.data(), n);
+  std::vector<bf16> dg16(g.size(), float_to_bf16(3.0f)), du16(g.size(), float_to_bf16(-5.0f));
+  swiglu_backward_bf16(dg16.data(), du16.data(), dout.data(), g16.data(), u16.data(), n);
+  within(dg16, dg, "dgate");
+  within(du16, du, "dup");
+}
+
 // Elementwise kernels split the range differently per thread count (vector body vs scalar tail);
 // the results must not change.
 TEST(Activations, ThreadCountIndependent) {

@@ -424,6 +424,61 @@ TEST(CudaKernels, ElementwiseVectorAndScalarFormsAgreeBitwise) {
   EXPECT_TRUE(kt::bitwise_equal(vec[2], want)) << "accumulate + scale against the CPU";
 }
 
+// The kernels that move eight elements per step (two 16-byte fp32 or one 16-byte bf16 access per
+// operand: SwiGLU's backward and its bf16 forms, the casts, the bf16 residual add) and the bias add
+// (four columns per access): the vector form (aligned pointers) and the scalar form (every pointer
+// one element off, so not 16-byte aligned) give the same bits. n = 1030: 128 groups of 8 and a tail of 6.
+TEST(CudaKernels, EightWideKernelsAgreeWithTheirScalarForms) {
+  REQUIRE_GPU();
+  const int64_t n = 1030, N = 10, Cb = 103 * 4;  // the bias add: N rows of Cb columns
+  const auto x = kt::randn(n, 195), g = kt::randn(n, 196), u = kt::randn(n, 197), dy = kt::randn(n, 198),
+             acc = kt::randn(n, 199), xb = kt::randn(N * Cb, 200), b = kt::randn(Cb, 201);
+  const auto gh = to_bf16(g), uh = to_bf16(u), xh = to_bf16(x);
+  auto shift = [](auto v, int64_t off) {  // v starting `off` elements into the buffer
+    v.insert(v.begin(), static_cast<size_t>(off), typename decltype(v)::value_type{});
+    return v;
+  };
+  auto bits = [](const auto& h, int64_t off, int64_t len) {  // the `len` elements after `off`, as bytes
+    std::vector<unsigned char> r(static_cast<size_t>(len) * sizeof(h[0]));
+    std::memcpy(r.data(), h.data() + off, r.size());
+    return r;
+  };
+  auto run = [&](int64_t off) {
+    DBuf<float> dgate(shift(acc, off)), dup(shift(acc, off)), ddy(shift(dy, off)), dg(shift(g, off)), du(shift(u, off)),
+        dx(shift(x, off)), f32out(shift(std::vector<float>(n), off)), xbias(shift(xb, off)), bias(shift(b, off));
+    DBuf<bf16> hg(shift(gh, off)), hu(shift(uh, off)), hx(shift(xh, off)), hout(shift(std::vector<bf16>(n), off)),
+        hdg(shift(std::vector<bf16>(n), off)), hdu(shift(std::vector<bf16>(n), off)),
+        hcast(shift(std::vector<bf16>(n), off)), hres(shift(std::vector<bf16>(n), off));
+    G().swiglu_backward(dgate.p + off, dup.p + off, ddy.p + off, dg.p + off, du.p + off, n);
+    G().swiglu_forward_bf16(hout.p + off, hg.p + off, hu.p + off, n);
+    G().swiglu_backward_bf16(hdg.p + off, hdu.p + off, ddy.p + off, hg.p + off, hu.p + off, n);
+    G().cast_f32_to_bf16(hcast.p + off, dx.p + off, n);
+    G().cast_bf16_to_f32(f32out.p + off, hx.p + off, n);
+    G().residual_add_bf16(hres.p + off, hx.p + off, ddy.p + off, n);
+    G().add_bias(xbias.p + off, bias.p + off, N, Cb);
+    return std::vector<std::vector<unsigned char>>{
+        bits(dgate.host(), off, n), bits(dup.host(), off, n),  bits(hout.host(), off, n), bits(hdg.host(), off, n),
+        bits(hdu.host(), off, n),   bits(hcast.host(), off, n), bits(f32out.host(), off, n), bits(hres.host(), off, n),
+        bits(xbias.host(), off, N * Cb)};
+  };
+  const auto vec = run(0), scalar = run(1);
+  const char* names[] = {"swiglu_backward dgate", "swiglu_backward dup", "swiglu_forward_bf16",
+                         "swiglu_backward_bf16 dgate", "swiglu_backward_bf16 dup", "cast_f32_to_bf16",
+                         "cast_bf16_to_f32", "residual_add_bf16", "add_bias"};
+  for (size_t i = 0; i < vec.size(); ++i) EXPECT_EQ(vec[i], scalar[i]) << names[i];
+  // The exact ones against the CPU as well: the casts, the residual add and the bias add.
+  std::vector<bf16> cast(n), res(n);
+  std::vector<float> back(n), biased = xb;
+  C().cast_f32_to_bf16(cast.data(), x.data(), n);
+  C().cast_bf16_to_f32(back.data(), xh.data(), n);
+  C().residual_add_bf16(res.data(), xh.data(), dy.data(), n);
+  C().add_bias(biased.data(), b.data(), N, Cb);
+  EXPECT_EQ(vec[5], bits(cast, 0, n)) << "cast_f32_to_bf16 against the CPU";
+  EXPECT_EQ(vec[6], bits(back, 0, n)) << "cast_bf16_to_f32 against the CPU";
+  EXPECT_EQ(vec[7], bits(res, 0, n)) << "residual_add_bf16 against the CPU";
+  EXPECT_EQ(vec[8], bits(biased, 0, N * Cb)) << "add_bias against the CPU";
+}
+
 TEST(CudaKernels, AdamW) {
   REQUIRE_GPU();
   const int64_t n = 5003;

@@ -18,7 +18,7 @@ namespace {
 bool has(const std::vector<Op>& v, Op op) { return std::find(v.begin(), v.end(), op) != v.end(); }
 
 TEST(OpRegistry, NamesAreUniqueAndFoundAgain) {
-  EXPECT_EQ(kNumOps, 69);
+  EXPECT_EQ(kNumOps, 73);
   std::set<std::string> names;
   for (int i = 0; i < kNumOps; ++i) {
     const OpInfo& info = op_info(op_at(i));
@@ -56,6 +56,13 @@ TEST(OpRegistry, OpsNeededFollowTheRunsFeatures) {
                 Op::rope_backward_pos, Op::add_columns, Op::copy_columns})
     EXPECT_TRUE(has(llama_cp, op)) << op_name(op);
   for (Op op : {Op::gelu_forward, Op::position_add_pos, Op::rope_forward_freq, Op::moe_router_forward})
+    EXPECT_FALSE(has(llama_cp, op)) << op_name(op);
+
+  // Llama's bf16 MLP with bf16 gate and up: bf16 Llama runs only.
+  const std::vector<Op> llama_bf16 = ops_needed({.llama = true, .bf16 = true});
+  for (Op op : {Op::swiglu_forward_bf16, Op::swiglu_backward_bf16, Op::linear_forward_bf16_out16})
+    EXPECT_TRUE(has(llama_bf16, op)) << op_name(op);
+  for (Op op : {Op::swiglu_forward_bf16, Op::swiglu_backward_bf16})
     EXPECT_FALSE(has(llama_cp, op)) << op_name(op);
 
   const std::vector<Op> every = ops_needed({.rope_scaled = true,

@@ -138,6 +138,22 @@ TEST(Activations, ResidualStreamDtype) {
     }
 }
 
+// The LM head's logits' element size (TrainSetup::logits_bytes): bf16 logits (the engine's
+// model.logits_dtype = bf16) keep 2 bytes less per element of the [s x b, padded_vocab] logits of
+// the one micro-batch whose head is live; nothing else moves.
+TEST(Estimate, LogitsDtype) {
+  const ModelConfig m = model_preset("gpt2-124m");
+  const Cluster c = cluster("h100-80g-ib400", 8);
+  TrainSetup st;
+  st.seq = 1024;
+  const Estimate f32 = estimate(m, c, st, dp_layout(Strategy::NoShard, 8, 4));
+  st.logits_bytes = 2;
+  const Estimate b16 = estimate(m, c, st, dp_layout(Strategy::NoShard, 8, 4));
+  EXPECT_DOUBLE_EQ(f32.mem.activations - b16.mem.activations, 2.0 * 1024 * 4 * static_cast<double>(m.padded_vocab));
+  EXPECT_DOUBLE_EQ(f32.mem.params, b16.mem.params);
+  EXPECT_DOUBLE_EQ(f32.mem.optimizer, b16.mem.optimizer);
+}
+
 TEST(Collectives, RingVolumesAndLinkSplit) {
   Cluster c = cluster_preset("h100-80g-ib400");
   const double S = 1e9;

@@ -50,7 +50,7 @@ void expect_close(const std::vector<double>& want, const std::vector<double>& go
 }
 
 class GpuTrain : public ::testing::Test {
- protected:
+ public:  // for the checks shared by several tests (fused_mlp_check)
   void SetUp() override {
     std::string why;
     if (!device_available(Device::CUDA, &why)) GTEST_SKIP() << "GPU training test not run: " << why;
@@ -71,14 +71,22 @@ class GpuTrain : public ::testing::Test {
                     {"train.eval_batches", "1"},       {"train.threads", "1"},
                     {"log.print_every", "100"},        {"train.device", device}};
     // The CPU twin of a bf16 run keeps the residual stream in bf16 as the GPU's does
-    // (model.residual_dtype = auto is bf16 there); a key in `extra` wins (it comes later).
-    const bool bf16 = std::any_of(extra.begin(), extra.end(), [](const auto& kv) {
-      return kv.first == "train.dtype" && kv.second == "bf16";
+    // (model.residual_dtype = auto is bf16 there), and the LM head's logits too where the GPU's
+    // model.logits_dtype = auto is bf16 (no chunked head); a key in `extra` wins (it comes later).
+    auto has = [&](const char* k, const char* v) {
+      return std::any_of(extra.begin(), extra.end(), [&](const auto& kv) { return kv.first == k && kv.second == v; });
+    };
+    const bool chunked = std::any_of(extra.begin(), extra.end(), [](const auto& kv) {
+      return kv.first == "train.loss_chunk_tokens" && kv.second != "0";
     });
-    if (device == "cpu" && bf16) ov.emplace_back("model.residual_dtype", "bf16");
+    if (device == "cpu" && has("train.dtype", "bf16")) {
+      ov.emplace_back("model.residual_dtype", "bf16");
+      if (!chunked) ov.emplace_back("model.logits_dtype", "bf16");
+    }
     ov.insert(ov.end(), extra.begin(), extra.end());
     return ov;
   }
+  std::string file(const std::string& name) { return tmp_.file(name); }
   // The same run on the CPU and on the GPU.
   void expect_parity(const Overrides& extra, double rel) {
     const TrainResult cpu = train(config("cpu", extra)), gpu = train(config("cuda", extra));
@@ -161,8 +169,10 @@ nlohmann::json final_metrics(const std::string& path) {
 }
 
 // Flash attention keeps bf16 q|k|v per layer instead of fp32 (2 bytes less per element of the
-// [B*T, 3C] projection output, every layer) and holds the fp32 projection output once, as
-// workspace. The dry run (`train --dry-run`, the Meta device) counts the same bytes as the real run.
+// [B*T, 3C] projection output, every layer), its output in bf16 only (the reference attention keeps
+// it in fp32 beside the bf16 copy the output projection reads: 4 bytes less per element of every
+// layer's [B*T, C]), and holds the fp32 projection output once, as workspace. The dry run
+// (`train --dry-run`, the Meta device) counts the same bytes as the real run.
 TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "1"}, {"train.eval_every", "0"}};
   Overrides flash = bf, ref = bf;
@@ -176,7 +186,9 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
   const ModelConfig mc = rc.model_config();
   const int64_t qkv = rc.train.micro_batch * mc.seq_len * 3 * mc.n_embd;  // elements per layer
-  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+  const int64_t att = rc.train.micro_batch * mc.seq_len * mc.n_embd;      // attention output elements per layer
+  const int64_t saved = (2 * qkv + 4 * att) * mc.n_layer;
+  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), saved);
   EXPECT_EQ(mf["workspace"].get<int64_t>() - mr["workspace"].get<int64_t>(), 4 * qkv);
 
   // The dry runs of both (each in its own process: it replaces the world and the device) count the
@@ -197,7 +209,7 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
     for (const char* c : {"params", "grads", "optimizer", "workspace"})
       EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", flash" : ", reference");
   }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * qkv * mc.n_layer);
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
 }
 
 // One value of every step's metrics line.
@@ -213,52 +225,103 @@ std::vector<double> step_values(const std::string& path, const char* key) {
   return v;
 }
 
-// GPT-2's MLP in bf16 on the GPU goes through the fused GEMM epilogues (model.mlp_kernel = auto):
-// the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
-// backward instead of fp32: 2 bytes less per element of every layer's [B*T, F]) and the GELU's
-// input gradient comes out of the down projection's DGELU epilogue in bf16 (the workspace holds one
-// bf16 [B*T, F] instead of three fp32 ones). The dry run counts the same bytes. The losses stay
-// within the bf16 tolerance of the unfused run and differ from it (gelu' is evaluated at the bf16
-// pre-activation).
-TEST_F(GpuTrain, FusedGeluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
-  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "0"}};
+// The MLP in bf16 on the GPU keeps its pre-activations in bf16 (model.mlp_kernel = auto = fused):
+// 4 steps fused, unfused and on the CPU. Every step's loss and gradient norm of the fused run within
+// the bf16 tolerance of the CPU's, the losses within it of the unfused run and different from them;
+// activations smaller by `act` bytes per pre-activation element of every layer, workspace by `ws`
+// bytes per element of one layer, the model state equal; the dry run of each counts the same model
+// state and workspace as its real run and the same difference in activations.
+void fused_mlp_check(GpuTrain& t, const char* preset, int64_t act, int64_t ws) {
+  const Overrides bf = {{"model.preset", preset}, {"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "0"}};
   Overrides fused = bf, plain = bf;
-  fused.emplace_back("log.metrics_out", tmp_.file("fused.jsonl"));
+  fused.emplace_back("log.metrics_out", t.file("fused.jsonl"));
   plain.emplace_back("model.mlp_kernel", "unfused");
-  plain.emplace_back("log.metrics_out", tmp_.file("plain.jsonl"));
+  plain.emplace_back("log.metrics_out", t.file("plain.jsonl"));
   Overrides cpu = bf;
-  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));
-  const RunConfig rc = config("cuda", fused);
-  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", cpu));
+  cpu.emplace_back("log.metrics_out", t.file("cpu.jsonl"));
+  const RunConfig rc = t.config("cuda", fused);
+  const TrainResult tf = train(rc), tp = train(t.config("cuda", plain)), tc = train(t.config("cpu", cpu));
   expect_close(tc.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the CPU");
   expect_close(tp.losses, tf.losses, kBf16Rel, "training loss, fused MLP against the unfused one");
   EXPECT_NE(tf.losses, tp.losses) << "model.mlp_kernel made no difference on the GPU";
   // AdamW is blind to a gradient's scale; the gradient norm is not.
-  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("fused.jsonl"), "grad_norm"),
+  expect_close(step_values(t.file("cpu.jsonl"), "grad_norm"), step_values(t.file("fused.jsonl"), "grad_norm"),
                kBf16Rel, "gradient norm, fused MLP against the CPU");
-  const nlohmann::json f = final_metrics(tmp_.file("fused.jsonl")), r = final_metrics(tmp_.file("plain.jsonl"));
+  const nlohmann::json f = final_metrics(t.file("fused.jsonl")), r = final_metrics(t.file("plain.jsonl"));
   const nlohmann::json &mf = f["mem_resident_by_category"], &mr = r["mem_resident_by_category"];
   ModelConfig mc = rc.model_config();
   mc.resolve();
   const int64_t fc = rc.train.micro_batch * mc.seq_len * mc.ffn_hidden;  // pre-activation elements per layer
-  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), 2 * fc * mc.n_layer);
-  EXPECT_EQ(mr["workspace"].get<int64_t>() - mf["workspace"].get<int64_t>(), (3 * 4 - 2) * fc);
+  EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), act * fc * mc.n_layer);
+  EXPECT_EQ(mr["workspace"].get<int64_t>() - mf["workspace"].get<int64_t>(), ws * fc);
   for (const char* c : {"params", "grads", "optimizer"}) EXPECT_EQ(mf[c], mr[c]) << c;
   nlohmann::json dry[2];
   for (int i = 0; i < 2; ++i) {
     std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-    Overrides d = overrides("cuda", i == 0 ? fused : plain);
-    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    Overrides d = t.overrides("cuda", i == 0 ? fused : plain);
+    d.back().second = t.file("dry.jsonl");  // log.metrics_out
     for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
-    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    cmd += " > " + t.file("dry.log") + " 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    dry[i] = final_metrics(t.file("dry.jsonl"));
     ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
     dry[i] = dry[i]["mem_resident_by_category"];
     for (const char* c : {"params", "grads", "optimizer", "workspace"})
       EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", fused" : ", unfused");
   }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), 2 * fc * mc.n_layer);
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), act * fc * mc.n_layer);
+}
+
+// GPT-2: the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
+// backward instead of fp32: 2 bytes less per element of every layer's [B*T, F]) and the GELU's input
+// gradient comes out of the down projection's DGELU epilogue in bf16 (the workspace holds one bf16
+// [B*T, F] instead of three fp32 ones). The losses differ from the unfused run's because gelu' is
+// evaluated at the bf16 pre-activation.
+TEST_F(GpuTrain, FusedGeluMlpKeepsBf16ActivationsAndTheDryRunAgrees) { fused_mlp_check(*this, "gpt2-tiny", 2, 3 * 4 - 2); }
+
+// Llama: the gate and up projections write bf16 (cuBLASLt's bf16 D), SwiGLU reads them
+// (swiglu_forward_bf16) and its backward writes their bf16 gradients (swiglu_backward_bf16), which
+// the projections' backward reads directly (linear_backward_bf16_dy): 2 bytes less per element for
+// each of gate and up in every layer; the workspace holds the activation's fp32 gradient and two bf16
+// ones instead of three fp32 ones (4 bytes less per element).
+TEST_F(GpuTrain, FusedSwigluMlpKeepsBf16ActivationsAndTheDryRunAgrees) {
+  fused_mlp_check(*this, "llama-tiny", 2 + 2, 3 * 4 - (4 + 2 + 2));
+}
+
+// A Llama mixture of experts in bf16 with the fused MLP: the routed experts' gate and up (h1, h3)
+// are written in bf16 too, SwiGLU and its backward run on them (the shared expert keeps fp32 ones).
+// Every step's loss within the bf16 tolerance of the CPU's, different from the unfused GPU run's;
+// with every expert padded to its capacity (routing-independent row counts) the activations are
+// smaller by exactly 4 bytes per element of every MoE layer's routed [rows, Fe] (h1 and h3) plus
+// 4 per element of every dense layer's [B*T, F].
+TEST_F(GpuTrain, FusedSwigluMoeExpertsKeepBf16PreActivations) {
+  const Overrides bf = {{"model.preset", "llama-tiny"},        {"model.moe_experts", "4"},
+                        {"model.moe_top_k", "2"},              {"model.moe_shared_experts", "1"},
+                        {"model.moe_every", "2"},              {"model.moe_capacity_factor", "2"},
+                        {"model.moe_pad_to_capacity", "true"}, {"train.dtype", "bf16"},
+                        {"train.steps", "4"},                  {"train.eval_every", "0"}};
+  Overrides fused = bf, plain = bf;
+  fused.emplace_back("log.metrics_out", file("fused.jsonl"));
+  plain.emplace_back("model.mlp_kernel", "unfused");
+  plain.emplace_back("log.metrics_out", file("plain.jsonl"));
+  Overrides cpu = bf;
+  cpu.emplace_back("log.metrics_out", file("cpu.jsonl"));
+  const RunConfig rc = config("cuda", fused);
+  const TrainResult tf = train(rc), tp = train(config("cuda", plain)), tc = train(config("cpu", cpu));
+  expect_close(tc.losses, tf.losses, kBf16Rel, "training loss, fused MoE MLP against the CPU");
+  expect_close(step_values(file("cpu.jsonl"), "grad_norm"), step_values(file("fused.jsonl"), "grad_norm"), kBf16Rel,
+               "gradient norm, fused MoE MLP against the CPU");
+  EXPECT_NE(tf.losses, tp.losses) << "model.mlp_kernel made no difference to the MoE run on the GPU";
+  ModelConfig mc = rc.model_config();
+  mc.resolve();
+  const int64_t N = rc.train.micro_batch * mc.seq_len, E = mc.moe_experts;
+  const int64_t M = E * ((2 * N * mc.moe_top_k + E - 1) / E);  // every expert padded to ceil(2 N k / E)
+  int64_t want = 0;
+  for (int64_t l = 0; l < mc.n_layer; ++l) want += mc.is_moe_layer(l) ? 4 * M * mc.expert_ffn() : 4 * N * mc.ffn_hidden;
+  const nlohmann::json f = final_metrics(file("fused.jsonl")), r = final_metrics(file("plain.jsonl"));
+  EXPECT_EQ(r["mem_resident_by_category"]["activations"].get<int64_t>() -
+                f["mem_resident_by_category"]["activations"].get<int64_t>(),
+            want);
 }
 
 // The residual stream in bf16 (model.residual_dtype = auto on the GPU in bf16): every unit's output
@@ -300,6 +363,53 @@ TEST_F(GpuTrain, Bf16ResidualMatchesCpuAndTheDryRunAgrees) {
     dry[i] = dry[i]["mem_resident_by_category"];
     for (const char* c : {"params", "grads", "optimizer", "workspace"})
       EXPECT_EQ(dry[i][c], (i == 0 ? mr : mf)[c]) << c << (i == 0 ? ", bf16 residual" : ", fp32 residual");
+  }
+  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
+}
+
+// The LM head's logits in bf16 (model.logits_dtype = auto on the GPU in bf16): the head GEMM writes
+// bf16 logits, the loss reads them and writes their bf16 gradient over them, so the [B*T, Vp] logits
+// take 2 bytes less per element; the other categories are unchanged, and each dry run counts its
+// real run's model state and workspace and the same difference in activations. Training and validation losses and gradient norms match the CPU run with
+// model.logits_dtype = bf16 within the bf16 tolerance; the GPU run with fp32 logits differs; the
+// end-of-run sample reads the bf16 logits widened.
+TEST_F(GpuTrain, Bf16LogitsMatchCpuAndTheDryRunAgrees) {
+  const Overrides bf = {{"train.dtype", "bf16"}, {"train.steps", "4"}, {"train.eval_every", "2"},
+                        {"train.sample_tokens", "4"}};
+  Overrides l16 = bf, f32 = bf, cpu = bf;
+  l16.emplace_back("log.metrics_out", tmp_.file("l16.jsonl"));
+  f32.emplace_back("model.logits_dtype", "fp32");
+  f32.emplace_back("log.metrics_out", tmp_.file("f32.jsonl"));
+  cpu.emplace_back("log.metrics_out", tmp_.file("cpu.jsonl"));  // model.logits_dtype = bf16 (overrides())
+  const RunConfig rc = config("cuda", l16);
+  const TrainResult tl = train(rc), tf = train(config("cuda", f32)), tc = train(config("cpu", cpu));
+  ASSERT_EQ(tl.losses.size(), 4u);
+  ASSERT_FALSE(tl.val_losses.empty());
+  expect_close(tc.losses, tl.losses, kBf16Rel, "training loss, bf16 logits, GPU against the CPU");
+  expect_close(tc.val_losses, tl.val_losses, kBf16Rel, "validation loss, bf16 logits, GPU against the CPU");
+  expect_close(step_values(tmp_.file("cpu.jsonl"), "grad_norm"), step_values(tmp_.file("l16.jsonl"), "grad_norm"),
+               kBf16Rel, "gradient norm, bf16 logits, GPU against the CPU");
+  EXPECT_NE(tl.losses, tf.losses) << "model.logits_dtype made no difference on the GPU";
+  const nlohmann::json l = final_metrics(tmp_.file("l16.jsonl")), f = final_metrics(tmp_.file("f32.jsonl"));
+  const nlohmann::json &ml = l["mem_resident_by_category"], &mf = f["mem_resident_by_category"];
+  ModelConfig mc = rc.model_config();
+  mc.resolve();
+  const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.padded_vocab;
+  EXPECT_EQ(mf["activations"].get<int64_t>() - ml["activations"].get<int64_t>(), saved);
+  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(ml[c], mf[c]) << c;
+  nlohmann::json dry[2];
+  for (int i = 0; i < 2; ++i) {
+    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
+    Overrides d = overrides("cuda", i == 0 ? l16 : f32);
+    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
+    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
+    dry[i] = dry[i]["mem_resident_by_category"];
+    for (const char* c : {"params", "grads", "optimizer", "workspace"})
+      EXPECT_EQ(dry[i][c], (i == 0 ? ml : mf)[c]) << c << (i == 0 ? ", bf16 logits" : ", fp32 logits");
   }
   EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
 }

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <string>
@@ -415,15 +416,19 @@ TEST_F(TrainerTest, AttentionKernelChoiceOnTheCpu) {
 }
 
 // On the CPU model.mlp_kernel = auto is the unfused MLP (the run is unchanged, bit for bit); fused
-// runs GPT-2's bf16 MLP through the fused-epilogue ops (the CPU's forms of them: the pre-activation
-// kept in bf16), a different rounding that trains as closely as bf16 allows.
-TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
-  const std::vector<std::pair<std::string, std::string>> bf = {{"train.dtype", "bf16"}, {"train.eval_every", "0"}};
+// runs the bf16 MLP with its pre-activations kept in bf16 (GPT-2: the CPU's forms of the
+// fused-epilogue ops; Llama: bf16 gate and up, the bf16 SwiGLU ops), a different rounding that
+// trains as closely as bf16 allows.
+void mlp_kernel_choice(const std::filesystem::path& dir,
+                       const std::function<RunConfig(std::vector<std::pair<std::string, std::string>>)>& config,
+                       const char* preset) {
+  const std::vector<std::pair<std::string, std::string>> bf = {
+      {"train.dtype", "bf16"}, {"train.eval_every", "0"}, {"model.preset", preset}};
   // Each step's loss and gradient norm (AdamW is blind to a gradient's scale; the norm is not).
   auto with = [&](const char* kernel, std::vector<double>* norms) {
     auto ov = bf;
     if (kernel) ov.emplace_back("model.mlp_kernel", kernel);
-    const std::string out = (dir_ / (std::string(kernel ? kernel : "auto") + ".jsonl")).string();
+    const std::string out = (dir / (std::string(preset) + "-" + (kernel ? kernel : "auto") + ".jsonl")).string();
     ov.emplace_back("log.metrics_out", out);
     const std::vector<double> losses = train(config(ov)).losses;
     std::ifstream f(out);
@@ -448,7 +453,14 @@ TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
     EXPECT_NEAR(nf[i], np[i], 2e-3 * np[i]) << "gradient norm, step " << i + 1;
     worst = std::max(worst, std::abs(nf[i] - np[i]) / np[i]);
   }
-  std::printf("gradient norm, fused against unfused MLP: largest relative difference %.2e\n", worst);
+  std::printf("%s: gradient norm, fused against unfused MLP: largest relative difference %.2e\n", preset, worst);
+}
+
+TEST_F(TrainerTest, MlpKernelChoiceOnTheCpu) {
+  mlp_kernel_choice(dir_, [&](auto ov) { return config(std::move(ov)); }, "gpt2-tiny");
+}
+TEST_F(TrainerTest, MlpKernelChoiceOnTheCpuLlama) {
+  mlp_kernel_choice(dir_, [&](auto ov) { return config(std::move(ov)); }, "llama-tiny");
 }
 
 // model.residual_dtype on the CPU: auto is the fp32 residual stream (the run is unchanged, bit for
@@ -507,6 +519,83 @@ TEST_F(TrainerTest, Bf16ResidualOnTheCpu) {
   }
 }
 
+// model.logits_dtype on the CPU: auto is fp32 logits (the run is unchanged, bit for bit, validation
+// included); bf16 has the head GEMM round the logits to bf16 and the loss write their gradient in
+// bf16 over them, which trains as closely as bf16 allows: every training and validation loss within
+// 2e-3 relative of the fp32 logits' run, every gradient norm within 1e-2, for GPT-2 (tied head,
+// padded vocabulary) and Llama (untied head).
+TEST_F(TrainerTest, Bf16LogitsOnTheCpu) {
+  using Ov = std::vector<std::pair<std::string, std::string>>;
+  auto run = [&](const std::string& name, Ov ov, const char* lg, std::vector<double>* norms) {
+    ov.insert(ov.end(), {{"train.dtype", "bf16"}, {"train.eval_every", "4"}});
+    if (lg) ov.emplace_back("model.logits_dtype", lg);
+    const std::string out = (dir_ / (name + (lg ? lg : "auto") + ".jsonl")).string();
+    ov.emplace_back("log.metrics_out", out);
+    const TrainResult r = train(config(ov));
+    std::ifstream f(out);
+    std::string line;
+    while (std::getline(f, line)) {
+      if (line.empty()) continue;
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("step") && j.contains("grad_norm")) norms->push_back(j["grad_norm"].get<double>());
+    }
+    std::vector<double> losses = r.losses;
+    losses.insert(losses.end(), r.val_losses.begin(), r.val_losses.end());
+    return std::make_pair(losses, r.losses.size());
+  };
+  const std::vector<std::pair<std::string, Ov>> runs = {{"gpt2", {{"model.preset", "gpt2-tiny"}}},
+                                                        {"llama", {{"model.preset", "llama-tiny"}}}};
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const std::string& what = runs[r].first;
+    const std::string name = "logits" + std::to_string(r);
+    std::vector<double> na, n32, n16;
+    const auto [automatic, steps] = run(name, runs[r].second, nullptr, &na);
+    const auto f32 = run(name, runs[r].second, "fp32", &n32).first, b16 = run(name, runs[r].second, "bf16", &n16).first;
+    EXPECT_EQ(automatic, f32) << what;
+    EXPECT_EQ(na, n32) << what;
+    ASSERT_EQ(b16.size(), f32.size());
+    ASSERT_GT(f32.size(), steps) << what << ": no validation loss";
+    ASSERT_EQ(n16.size(), n32.size());
+    EXPECT_NE(b16, f32) << what << ": model.logits_dtype = bf16 made no difference";
+    EXPECT_LT(b16[steps - 1], b16.front() - 0.3) << what;  // it trains
+    double worst_loss = 0, worst_norm = 0;
+    for (size_t i = 0; i < f32.size(); ++i) {
+      EXPECT_NEAR(b16[i], f32[i], 2e-3 * f32[i]) << what << ", loss " << i + 1 << (i < steps ? " (training)" : " (validation)");
+      worst_loss = std::max(worst_loss, std::abs(b16[i] - f32[i]) / f32[i]);
+    }
+    for (size_t i = 0; i < n32.size(); ++i) {
+      EXPECT_NEAR(n16[i], n32[i], 1e-2 * n32[i]) << what << ", gradient norm, step " << i + 1;
+      worst_norm = std::max(worst_norm, std::abs(n16[i] - n32[i]) / n32[i]);
+    }
+    std::printf("%s, bf16 against fp32 logits: largest relative difference %.2e (loss), %.2e (gradient norm)\n",
+                what.c_str(), worst_loss, worst_norm);
+  }
+}
+
+// model.logits_dtype = bf16 where the whole vocabulary's logits are not on one rank (tensor
+// parallelism: a dry run of 2 ranks) is refused with one line naming the key, exit code 2; auto is
+// fp32 logits there (the dry run goes through).
+TEST_F(TrainerTest, Bf16LogitsRefusedWithTensorParallelism) {
+  for (const char* lg : {"bf16", "auto"}) {
+    const std::string log = (dir_ / "refused.log").string();
+    const std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 2 --rank 0 --model.preset gpt2-tiny" +
+                            " --data.train " + (dir_ / "train.bin").string() + " --data.val ''" +
+                            " --train.steps 1 --train.dtype bf16 --train.device cuda --parallel.tp 2" +
+                            " --model.logits_dtype " + lg + " > " + log + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream f(log);
+    const std::string out((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (std::string(lg) == "bf16") {
+      ASSERT_TRUE(WIFEXITED(rc)) << cmd;
+      EXPECT_EQ(WEXITSTATUS(rc), 2) << out;
+      EXPECT_NE(out.find("model.logits_dtype = bf16 needs the whole vocabulary's logits on one rank"), std::string::npos)
+          << out;
+    } else {
+      EXPECT_EQ(rc, 0) << out;
+    }
+  }
+}
+
 // With tensor, pipeline or context parallelism model.residual_dtype = bf16 is refused with one line
 // naming the key (exit code 2, a configuration error; checked in dry runs of 2 ranks), and auto is
 // the fp32 stream there (the dry run goes through).
@@ -558,10 +647,14 @@ TEST_F(TrainerTest, ConfigErrorsNameTheKey) {
   expect_error({{"model.attention_kernel", "flash"}}, "model.attention_kernel = flash takes bf16 q, k, v");
   expect_error({{"model.mlp_kernel", "fast"}}, "model.mlp_kernel must be auto, fused or unfused");
   expect_error({{"model.mlp_kernel", "fused"}}, "model.mlp_kernel = fused keeps the MLP's activations in bf16");
-  expect_error({{"model.mlp_kernel", "fused"}, {"train.dtype", "bf16"}, {"model.preset", "llama-tiny"}},
-               "model.mlp_kernel = fused is GPT-2's GELU MLP");
+  expect_error({{"model.mlp_kernel", "fused"}, {"train.dtype", "bf16"}, {"lora.rank", "4"}},
+               "model.mlp_kernel = fused runs without tensor or pipeline parallelism and without LoRA");
   expect_error({{"model.residual_dtype", "fp16"}}, "model.residual_dtype must be auto, fp32 or bf16");
   expect_error({{"model.residual_dtype", "bf16"}}, "model.residual_dtype = bf16 needs bf16 compute");
+  expect_error({{"model.logits_dtype", "fp16"}}, "model.logits_dtype must be auto, fp32 or bf16");
+  expect_error({{"model.logits_dtype", "bf16"}}, "model.logits_dtype = bf16 needs bf16 compute");
+  expect_error({{"model.logits_dtype", "bf16"}, {"train.dtype", "bf16"}, {"train.loss_chunk_tokens", "16"}},
+               "model.logits_dtype = bf16 needs the whole vocabulary's logits on one rank");
   EXPECT_THROW(RunConfig::load("", {{"train.stepz", "1"}}), ConfigError);
   EXPECT_THROW(RunConfig::load("", {{"train.steps", "ten"}}), ConfigError);
 }

@@ -192,7 +192,8 @@ void attention_docs(std::vector<CaseSpec>& out, const AttnShape& s) {
 }
 
 // The bf16 ops on the bf16-rounded inputs of the fp32 cases; the reference is the exact attention
-// of the same bf16 values (and, backward, of dout rounded to bf16).
+// of the same bf16 values, its output rounded to bf16 (and, backward, of dout rounded to bf16 and
+// the bf16 output the forward leaves).
 std::vector<float> widen(const std::vector<bf16>& v) {
   std::vector<float> f(v.size());
   for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
@@ -206,31 +207,34 @@ void attention_bf16(std::vector<CaseSpec>& out, const AttnShape& s, int docs = 0
   const std::vector<int32_t> dsv = docs == 1 ? doc_starts(s) : docs == 2 ? doc_starts_long(s) : std::vector<int32_t>{};
   add_case(out, Op::attention_forward_bf16, DType::BF16, s.model, [s, tag, dsv] {
     Case c(Op::attention_forward_bf16, DType::BF16, tag);
-    const int o = c.out("out", uniform(s.B * s.T * s.nh * s.hd, 200)),
-              lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)), q = c.in("qkv", to_bf16(qkv_input(s, 202))),
-              d = dsv.empty() ? -1 : c.in("doc_start", dsv);
+    const int64_t no = s.B * s.T * s.nh * s.hd;
+    const int o = c.out("out", to_bf16(uniform(no, 200))), lse = c.out("lse", uniform(s.B * s.nh * s.T, 201)),
+              q = c.in("qkv", to_bf16(qkv_input(s, 202))), d = dsv.empty() ? -1 : c.in("doc_start", dsv);
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_forward_bf16(a.f(o), a.f(lse), a.bf(q), s.B, s.T, s.nh, s.nkv, s.hd, d < 0 ? nullptr : a.i32(d));
+      k.attention_forward_bf16(a.bf(o), a.f(lse), a.bf(q), s.B, s.T, s.nh, s.nkv, s.hd, d < 0 ? nullptr : a.i32(d));
     };
     c.exact = [=](const Args& a) {
       const std::vector<bf16> qb(a.bf(q), a.bf(q) + s.B * s.T * qkv_width(s));
+      std::vector<float> y(static_cast<size_t>(no));
       ExactAttention e{s};
       e.ds = d < 0 ? nullptr : a.i32(d);
-      e.forward(a.f(o), a.f(lse), widen(qb).data());
+      e.forward(y.data(), a.f(lse), widen(qb).data());
+      for (int64_t i = 0; i < no; ++i) a.bf(o)[i] = float_to_bf16(y[static_cast<size_t>(i)]);
     };
     return c;
   });
   add_case(out, Op::attention_backward_bf16, DType::BF16, s.model, [s, tag, dsv] {
     Case c(Op::attention_backward_bf16, DType::BF16, tag);
     const std::vector<bf16> qkv = to_bf16(qkv_input(s, 202));
-    std::vector<float> y(s.B * s.T * s.nh * s.hd), lse(s.B * s.nh * s.T);
+    std::vector<bf16> y(s.B * s.T * s.nh * s.hd);
+    std::vector<float> lse(s.B * s.nh * s.T);
     const int32_t* dsp = dsv.empty() ? nullptr : dsv.data();
     reference().attention_forward_bf16(y.data(), lse.data(), qkv.data(), s.B, s.T, s.nh, s.nkv, s.hd, dsp);
     const int g = c.out("dqkv", uniform(qkv.size(), 203)), dy = c.in("dout", uniform(y.size(), 204)),
               q = c.in("qkv", qkv), o = c.in("out", y), l = c.in("lse", lse),
               d = dsv.empty() ? -1 : c.in("doc_start", dsv);
     c.call = [=](const KernelTable& k, const Args& a) {
-      k.attention_backward_bf16(a.f(g), a.f(dy), a.bf(q), a.f(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd,
+      k.attention_backward_bf16(a.f(g), a.f(dy), a.bf(q), a.bf(o), a.f(l), s.B, s.T, s.nh, s.nkv, s.hd,
                                 d < 0 ? nullptr : a.i32(d));
     };
     c.exact = [=](const Args& a) {
@@ -239,7 +243,8 @@ void attention_bf16(std::vector<CaseSpec>& out, const AttnShape& s, int docs = 0
       for (float& x : dr) x = round_to_bf16(x);
       ExactAttention e{s};
       e.ds = d < 0 ? nullptr : a.i32(d);
-      e.backward(a.f(g), dr.data(), widen(qb).data(), a.f(o), a.f(l));
+      const std::vector<bf16> ob(a.bf(o), a.bf(o) + s.B * s.T * s.nh * s.hd);
+      e.backward(a.f(g), dr.data(), widen(qb).data(), widen(ob).data(), a.f(l));
     };
     return c;
   });

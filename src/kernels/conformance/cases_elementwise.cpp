@@ -61,6 +61,25 @@ void activations(std::vector<CaseSpec>& out) {
       };
       return c;
     });
+    // The bf16 forms (Llama's MLP in bf16 runs): bf16 gate and up, bf16 results (the backward's
+    // written, not added: they start nonzero).
+    add_case(out, Op::swiglu_forward_bf16, DType::BF16, s.model, [s] {
+      Case c(Op::swiglu_forward_bf16, DType::BF16, s.str());
+      const int o = c.out("out", to_bf16(uniform(s.n, 6))), g = c.in("gate", to_bf16(uniform(s.n, 7, -4.0f, 4.0f))),
+                u = c.in("up", to_bf16(uniform(s.n, 8)));
+      c.call = [=](const KernelTable& k, const Args& a) { k.swiglu_forward_bf16(a.bf(o), a.bf(g), a.bf(u), s.n); };
+      return c;
+    });
+    add_case(out, Op::swiglu_backward_bf16, DType::BF16, s.model, [s] {
+      Case c(Op::swiglu_backward_bf16, DType::BF16, s.str());
+      const int dg = c.out("dgate", to_bf16(uniform(s.n, 9))), du = c.out("dup", to_bf16(uniform(s.n, 10))),
+                dy = c.in("dout", uniform(s.n, 11)), g = c.in("gate", to_bf16(uniform(s.n, 12, -4.0f, 4.0f))),
+                u = c.in("up", to_bf16(uniform(s.n, 13)));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        k.swiglu_backward_bf16(a.bf(dg), a.bf(du), a.f(dy), a.bf(g), a.bf(u), s.n);
+      };
+      return c;
+    });
   }
 }
 
@@ -147,7 +166,8 @@ void matrix_ops(std::vector<CaseSpec>& out) {
     bool model;
     std::string str() const { return label(tag, {{"N", N}, {"ld", ld}, {"c0", c0}, {"cols", cols}}); }
   };
-  for (const M& m : {M{"small", 37, 300, 71, 129, false}, M{"gpt2", 1000, 3 * kGpt2C, kGpt2C, 2 * kGpt2C, true}}) {
+  for (const M& m : {M{"small", 37, 300, 71, 129, false}, M{"odd", 5, 301, 3, 7, false},
+                     M{"gpt2", 1000, 3 * kGpt2C, kGpt2C, 2 * kGpt2C, true}}) {
     add_case(out, Op::add_bias, DType::F32, m.model, [m] {
       Case c(Op::add_bias, DType::F32, m.str());
       const int x = c.out("x", uniform(m.N * m.ld, 40)), b = c.in("b", uniform(m.ld, 41));

@@ -135,6 +135,23 @@ void fused_losses(std::vector<CaseSpec>& out, const Loss& l) {
   });
 }
 
+// The loss from bf16 logits (the head GEMM's bf16 output): losses only, and losses with the bf16
+// gradient written over the logits in place.
+void losses_from_bf16(std::vector<CaseSpec>& out, const Loss& l) {
+  for (bool train : {false, true}) {
+    add_case(out, Op::softmax_cross_entropy_from_bf16, DType::BF16, l.model, [l, train] {
+      Case c(Op::softmax_cross_entropy_from_bf16, DType::BF16, l.str() + (train ? " train" : " eval"));
+      const std::vector<bf16> x = to_bf16(logits(l, 436));
+      const int lg = train ? c.out("logits", x) : c.in("logits", x), ls = c.out("losses", uniform(l.N, 437)),
+                t = c.in("targets", targets(l, 438));
+      c.call = [=](const KernelTable& k, const Args& a) {
+        k.softmax_cross_entropy_from_bf16(a.bf(lg), a.f(ls), a.i32(t), l.N, l.V, l.Vp, train, 1.0f / l.N);
+      };
+      return c;
+    });
+  }
+}
+
 // Vocab-parallel passes on the second of two shares (columns [lo, Vp), of which `valid` are real
 // vocabulary), the statistics of the earlier passes from the reference; finish with and without
 // the gradient.
@@ -186,8 +203,11 @@ void embedding_loss_cases(std::vector<CaseSpec>& out) {
   }
   for (const Loss& l : kLosses) {
     fused_losses(out, l);
+    losses_from_bf16(out, l);
     vocab_parallel(out, l);
   }
+  // A prime vocabulary padded by a width that is a multiple of nothing, an odd row count.
+  losses_from_bf16(out, Loss{"odd", 13, 997, 1003, false});
 }
 
 }  // namespace mt::kernels::conformance

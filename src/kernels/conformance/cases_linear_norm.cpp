@@ -126,6 +126,27 @@ void forward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
   });
 }
 
+// The bf16 forward with its output rounded to bf16 (Llama's gate and up projections in bf16 runs):
+// against the exact GEMM rounded once to bf16.
+void forward_out16(std::vector<CaseSpec>& out, const Lin& l) {
+  add_case(out, Op::linear_forward_bf16_out16, DType::BF16, l.model, [l] {
+    Case c(Op::linear_forward_bf16_out16, DType::BF16, l.str());
+    const LinData d(l, 60);
+    const int o = c.out("out", to_bf16(uniform(l.N * l.OC, 64)));
+    const int b = l.bias ? c.in("bias", d.b) : -1;
+    const int x = c.in("inp", to_bf16(d.x)), W = c.in("W", to_bf16(d.W));
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.linear_forward_bf16_out16(a.bf(o), a.bf(x), a.bf(W), a.f(b), l.N, l.C, l.OC);
+    };
+    c.exact = [=](const Args& a) {
+      std::vector<float> y(static_cast<size_t>(l.N * l.OC));
+      exact_forward(y.data(), a.bf(x), a.bf(W), a.f(b), l);
+      for (size_t i = 0; i < y.size(); ++i) a.bf(o)[i] = float_to_bf16(y[i]);
+    };
+    return c;
+  });
+}
+
 // Gradients start nonzero (the kernels accumulate). Without a bias dbias is null.
 void backward(std::vector<CaseSpec>& out, const Lin& l, DType dt) {
   const Op op = dt == DType::BF16 ? Op::linear_backward_bf16 : Op::linear_backward;
@@ -334,12 +355,16 @@ void layernorm_bf16(std::vector<CaseSpec>& out, const Rows& r) {
     };
     return c;
   });
-  // The add alone (the end of a block): one rounding of the same fp32 sum.
+  // The add alone (the end of a block): one rounding of the same fp32 sum. Over all but the last
+  // 3 elements, so that a kernel moving 8 elements per step also runs its tail (the rest must
+  // stay as it was).
   add_case(out, Op::residual_add_bf16, DType::BF16, r.model, [r] {
     Case c(Op::residual_add_bf16, DType::BF16, r.str());
     const int o = c.out("out", to_bf16(uniform(r.N * r.C, 175))), res = c.in("res", to_bf16(norm_input(r, 176))),
               x = c.in("x", uniform(r.N * r.C, 177));
-    c.call = [=](const KernelTable& k, const Args& a) { k.residual_add_bf16(a.bf(o), a.bf(res), a.f(x), r.N * r.C); };
+    c.call = [=](const KernelTable& k, const Args& a) {
+      k.residual_add_bf16(a.bf(o), a.bf(res), a.f(x), r.N * r.C - 3);
+    };
     return c;
   });
 }
@@ -417,6 +442,8 @@ void linear_norm_cases(std::vector<CaseSpec>& out) {
       forward(out, l, dt);
       backward(out, l, dt);
     }
+  for (const Lin& l : kLinears)
+    if (!l.model || l.OC == kLlamaF) forward_out16(out, l);  // odd small shapes and the SwiGLU projection
   for (const Lin& l : kGeluLinears) gelu_linears(out, l);
   for (const Rows& r :
        {Rows{"small", 33, 96, false}, Rows{"small", 7, 1000, false}, Rows{"gpt2", kGpt2Rows, kGpt2C, true}}) {

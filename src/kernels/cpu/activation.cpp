@@ -62,6 +62,25 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* g
   }
 }
 
+void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = bf16_to_float(gate[i]);
+    out[i] = float_to_bf16(g * detail::sigmoid_f(g) * bf16_to_float(up[i]));
+  }
+}
+
+void swiglu_backward_bf16(bf16* dgate, bf16* dup, const float* dout, const bf16* gate, const bf16* up, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = bf16_to_float(gate[i]);
+    const float s = detail::sigmoid_f(g);
+    const float d = dout[i];
+    dgate[i] = float_to_bf16(d * bf16_to_float(up[i]) * (s + g * s * (1.0f - s)));
+    dup[i] = float_to_bf16(d * (g * s));
+  }
+}
+
 void add(float* out, const float* a, const float* b, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];

@@ -17,6 +17,11 @@ void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
                      int64_t n);
 
+// The same on bf16 gate and up, fp32 arithmetic: out = bf16(silu(g) u); the backward WRITES (does
+// not add) dgate = bf16(dout u silu'(g)) and dup = bf16(dout silu(g)), rounded to nearest even.
+void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, int64_t n);
+void swiglu_backward_bf16(bf16* dgate, bf16* dup, const float* dout, const bf16* gate, const bf16* up, int64_t n);
+
 // out = a + b (out may alias a or b).
 void add(float* out, const float* a, const float* b, int64_t n);
 // y += x

@@ -658,27 +658,30 @@ void rope_backward(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nkv, i
   rope_apply(dqkv, B, T, nh, nkv, hd, 0.0f, -1.0f, "rope_backward", inv_freq);
 }
 
-// The bf16 variants: the fp32 kernels on the bf16 values (dout rounded to bf16 first).
-void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,
+// The bf16 variants: the fp32 kernels on the bf16 values (out rounded to bf16; backward: dout
+// rounded to bf16 first, the bf16 out widened).
+void attention_forward_bf16(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,
                             int64_t nkv, int64_t hd, const int32_t* doc_start) {
   check_heads(nh, nkv, "attention_forward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
-  const int64_t n = B * T * (nh + 2 * nkv) * hd;
-  std::vector<float> q(static_cast<size_t>(n));
+  const int64_t n = B * T * (nh + 2 * nkv) * hd, no = B * T * nh * hd;
+  std::vector<float> q(static_cast<size_t>(n)), y(static_cast<size_t>(no));
   for (int64_t i = 0; i < n; ++i) q[i] = bf16_to_float(qkv[i]);
-  attention_forward(out, lse, q.data(), B, T, nh, nkv, hd, doc_start);
+  attention_forward(y.data(), lse, q.data(), B, T, nh, nkv, hd, doc_start);
+  for (int64_t i = 0; i < no; ++i) out[i] = float_to_bf16(y[i]);
 }
 
-void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out,
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const bf16* out,
                              const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                              const int32_t* doc_start) {
   check_heads(nh, nkv, "attention_backward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int64_t n = B * T * (nh + 2 * nkv) * hd, no = B * T * nh * hd;
-  std::vector<float> q(static_cast<size_t>(n)), dy(static_cast<size_t>(no));
+  std::vector<float> q(static_cast<size_t>(n)), dy(static_cast<size_t>(no)), y(static_cast<size_t>(no));
   for (int64_t i = 0; i < n; ++i) q[i] = bf16_to_float(qkv[i]);
   for (int64_t i = 0; i < no; ++i) dy[i] = bf16_to_float(float_to_bf16(dout[i]));
-  attention_backward(dqkv, dy.data(), q.data(), out, lse, B, T, nh, nkv, hd, doc_start);
+  for (int64_t i = 0; i < no; ++i) y[i] = bf16_to_float(out[i]);
+  attention_backward(dqkv, dy.data(), q.data(), y.data(), lse, B, T, nh, nkv, hd, doc_start);
 }
 
 MT_CPU_VARIANT_END  // namespace mt::kernels::cpu

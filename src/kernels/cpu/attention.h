@@ -23,12 +23,13 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                         const int32_t* doc_start = nullptr);
-// bf16 q, k, v (the layout above): the same attention on their values, fp32 out and lse. Backward
-// rounds dout to bf16 first (nearest even) and accumulates into the fp32 dqkv. doc_start as above
-// (the CUDA flash kernels also need it non-decreasing along each row, as document starts are).
-void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,
+// bf16 q, k, v (the layout above): the same attention on their values, out rounded to bf16 (nearest
+// even), fp32 lse. Backward reads that bf16 out, rounds dout to bf16 first (nearest even) and
+// accumulates into the fp32 dqkv. doc_start as above (the CUDA flash kernels also need it
+// non-decreasing along each row, as document starts are).
+void attention_forward_bf16(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh,
                             int64_t nkv, int64_t hd, const int32_t* doc_start = nullptr);
-void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out,
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const bf16* out,
                              const float* lse, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd,
                              const int32_t* doc_start = nullptr);
 

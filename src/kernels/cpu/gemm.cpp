@@ -447,6 +447,16 @@ void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float
   gemm_bf16(false, true, N, OC, C, 1.0f, inp, W, bias ? 1.0f : 0.0f, out);
 }
 
+void linear_forward_bf16_out16(bf16* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                               int64_t OC) {
+  thread_local Scratch s;
+  const int64_t n = N * OC;
+  float* y = s.as<float>(static_cast<size_t>(n));
+  linear_forward_bf16(y, inp, W, bias, N, C, OC);
+#pragma omp parallel for simd schedule(static) if (n > detail::kParallelMin)
+  for (int64_t i = 0; i < n; ++i) out[i] = detail::to_bf16(y[i]);
+}
+
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,
                           const bf16* W, int64_t N, int64_t C, int64_t OC) {
   if (!dinp && !dW) {

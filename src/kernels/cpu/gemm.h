@@ -27,6 +27,9 @@ void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, co
 // Mixed precision: bf16 input and weight, fp32 output; the bias stays fp32.
 void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N,
                          int64_t C, int64_t OC);
+// The same rounded to bf16 (nearest even): out = bf16(inp W^T + bias).
+void linear_forward_bf16_out16(bf16* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                               int64_t OC);
 // dout is fp32 (it is rounded to bf16 internally for the two GEMMs); gradients are fp32 and
 // accumulated as in linear_backward.
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp,

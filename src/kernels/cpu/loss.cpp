@@ -147,6 +147,32 @@ void softmax_cross_entropy_forward(const float* logits, float* losses, const int
   }
 }
 
+void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t Vp, bool train, float dloss) {
+  check_targets(targets, N, V, Vp, "softmax_cross_entropy_from_bf16");
+  // Rows are independent and each is rewritten only within its own storage.
+#pragma omp parallel for schedule(static) if (N * Vp > detail::kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    bf16* x = logits + n * Vp;
+    const int32_t tgt = targets[n];
+    if (tgt < 0) {
+      if (train) std::memset(static_cast<void*>(x), 0, static_cast<size_t>(Vp) * sizeof(bf16));
+      losses[n] = 0.0f;
+      continue;
+    }
+    thread_local detail::Scratch scratch;
+    float* e = scratch.as<float>(static_cast<size_t>(V));  // the widened row, then its exponentials
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) e[j] = detail::from_bf16(x[j]);
+    const float f = ce_row_exp(e, e, losses + n, tgt, V, dloss);
+    if (!train) continue;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) x[j] = detail::to_bf16(e[j] * f);
+    x[tgt] = detail::to_bf16(e[tgt] * f - dloss);
+    for (int64_t j = V; j < Vp; ++j) x[j] = bf16{0};
+  }
+}
+
 // The vocabulary-parallel loss (one rank's columns [lo, lo + valid) of every row) in the same
 // float arithmetic as softmax_cross_entropy: on one rank holding the whole vocabulary the three
 // passes give its bits. Vectorised like it (exp_f, simd reductions); rows in parallel.

@@ -3,6 +3,8 @@
 #include "kernels/cpu/isa.h"
 #include <cstdint>
 
+#include "runtime/dtype.h"
+
 MT_CPU_NS_BEGIN
 
 // logits [N, Vp], of which the first V columns are real vocabulary (Vp >= V is padding).
@@ -20,6 +22,12 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
 // Forward only (losses), logits untouched: for eval.
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets,
                                    int64_t N, int64_t V, int64_t Vp);
+// The loss from bf16 logits [N, Vp]: each row widened exactly to fp32 (into per-thread scratch),
+// then softmax_cross_entropy's row arithmetic on it. With train the row is overwritten in place by
+// its gradient rounded to bf16 (as softmax_cross_entropy_bf16 rounds it; 0 in the padded columns
+// and in ignored rows); without, the logits are untouched.
+void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t Vp, bool train, float dloss);
 
 // Vocab-parallel softmax cross-entropy in three passes around two reductions over the ranks that
 // hold the other columns (see kernels/backend.h): rowmax, then [sum of exp | target logit] per

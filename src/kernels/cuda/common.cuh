@@ -47,6 +47,71 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// 16-byte accesses for elementwise kernels. A kernel that moves eight elements per step loads and
+// stores them as two 16-byte accesses of fp32 (F4) or one of bf16 (H8), then the last n % 8 elements
+// one by one; every element gets the arithmetic of the scalar form, so the results are bitwise the
+// same. Use it only where every pointer is 16-byte aligned (aligned16).
+struct alignas(16) F4 {
+  float v[4];
+};
+struct alignas(16) H8 {
+  uint16_t v[8];
+};
+struct P8 {  // eight fp32 values in registers
+  float v[8];
+};
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+template <class... P>
+__host__ __device__ inline bool all_aligned16(const P*... p) {
+  return (aligned16(p) && ...);
+}
+// Elements 8i .. 8i+7 of p.
+__device__ __forceinline__ P8 load8(const float* p, int64_t i) {
+  const F4 a = reinterpret_cast<const F4*>(p)[2 * i], b = reinterpret_cast<const F4*>(p)[2 * i + 1];
+  P8 r;
+  for (int k = 0; k < 4; ++k) r.v[k] = a.v[k], r.v[4 + k] = b.v[k];
+  return r;
+}
+__device__ __forceinline__ P8 load8(const uint16_t* p, int64_t i) {
+  const H8 h = reinterpret_cast<const H8*>(p)[i];
+  P8 r;
+  for (int k = 0; k < 8; ++k) r.v[k] = bf16_bits_to_f32(h.v[k]);
+  return r;
+}
+__device__ __forceinline__ void store8(float* p, int64_t i, const P8& r) {
+  F4 a, b;
+  for (int k = 0; k < 4; ++k) a.v[k] = r.v[k], b.v[k] = r.v[4 + k];
+  reinterpret_cast<F4*>(p)[2 * i] = a;
+  reinterpret_cast<F4*>(p)[2 * i + 1] = b;
+}
+__device__ __forceinline__ void store8(uint16_t* p, int64_t i, const P8& r) {  // rounded to bf16
+  H8 h;
+  for (int k = 0; k < 8; ++k) h.v[k] = f32_to_bf16_bits(r.v[k]);
+  reinterpret_cast<H8*>(p)[i] = h;
+}
+
+// An elementwise kernel over n elements: Body::vec(i) does elements 8i .. 8i+7 with 16-byte
+// accesses (load8 / store8) and Body::one(j) element j; vec8_k<true> runs vec over the n / 8 full
+// groups and one over the rest, vec8_k<false> runs one over everything (a pointer not 16-byte
+// aligned). launch8 picks by `vec`.
+template <bool kVec, class Body>
+__global__ void vec8_k(Body b, int64_t n) {
+  const int64_t n8 = kVec ? n / 8 : 0;
+  MT_GRID_STRIDE(i, n8) b.vec(i);
+  MT_GRID_STRIDE(t, n - 8 * n8) b.one(8 * n8 + t);
+}
+template <class Body>
+void launch8(const char* what, const Body& b, int64_t n, bool vec, int threads = 256) {
+  if (n <= 0) return;
+  void (*const kvec)(Body, int64_t) = vec8_k<true, Body>;
+  void (*const kone)(Body, int64_t) = vec8_k<false, Body>;
+  if (vec)
+    MT_LAUNCH(kvec, grid_for((n + 7) / 8, threads), threads, 0, stream())(b, n);
+  else
+    MT_LAUNCH(kone, grid_for(n, threads), threads, 0, stream())(b, n);
+  check_launch(what);
+}
+
 // Block-wide sum of a float (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -1,6 +1,7 @@
 // Elementwise kernels, casts and the deterministic reductions of the CUDA table (contracts:
-// kernels/cpu/activation.h). Grid-stride kernels; GELU, SwiGLU forward, accumulate and scale move
-// 16 bytes per operand access where every pointer allows it.
+// kernels/cpu/activation.h). Grid-stride kernels; the elementwise ones (GELU, SwiGLU and its bf16
+// forms, accumulate, scale, the casts, the bias add) move 16 bytes per operand access where every
+// pointer allows it.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels.h"
 
@@ -38,11 +39,6 @@ struct Scale {
   __device__ __forceinline__ void operator()(float& x) const { x *= s; }
 };
 
-// Four floats moved as one 16-byte access.
-struct alignas(16) F4 {
-  float v[4];
-};
-__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // out[i] op= f(in...[i]) for i < n; kVec: four elements per step through F4 (n4 = n / 4 vectors,
 // then the last n % 4 elements one by one).
@@ -80,23 +76,89 @@ void map(const char* what, F f, float* out, int64_t n, const In*... in) {
   check_launch(what);
 }
 
-__global__ void swiglu_bwd_k(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
-  MT_GRID_STRIDE(i, n) {
-    const float g = gate[i];
+// SwiGLU's backward (fp32, accumulating), its bf16 forms (bf16 gate and up, bf16 results) and the
+// casts: eight elements per step through load8 / store8 (vec8_k) where every pointer is 16-byte
+// aligned, the same arithmetic per element either way.
+struct SwigluBwd {
+  float *dgate, *dup;
+  const float *dout, *gate, *up;
+  __device__ static void el(float& dg, float& du, float dy, float g, float u) {
     const float sg = 1.0f / (1.0f + expf(-g));
     const float silu = g * sg;
-    dgate[i] += dout[i] * up[i] * sg * (1.0f + g * (1.0f - sg));
-    dup[i] += dout[i] * silu;
+    dg += dy * u * sg * (1.0f + g * (1.0f - sg));
+    du += dy * silu;
   }
-}
-__global__ void f32_to_bf16_k(uint16_t* out, const float* in, int64_t n) {
-  MT_GRID_STRIDE(i, n) out[i] = f32_to_bf16_bits(in[i]);
-}
-__global__ void bf16_to_f32_k(float* out, const uint16_t* in, int64_t n) {
-  MT_GRID_STRIDE(i, n) out[i] = bf16_bits_to_f32(in[i]);
-}
+  __device__ void one(int64_t j) const { el(dgate[j], dup[j], dout[j], gate[j], up[j]); }
+  __device__ void vec(int64_t i) const {
+    P8 dg = load8(dgate, i), du = load8(dup, i);
+    const P8 dy = load8(dout, i), g = load8(gate, i), u = load8(up, i);
+    for (int k = 0; k < 8; ++k) el(dg.v[k], du.v[k], dy.v[k], g.v[k], u.v[k]);
+    store8(dgate, i, dg);
+    store8(dup, i, du);
+  }
+};
+struct SwigluFwdBf16 {
+  uint16_t* out;
+  const uint16_t *gate, *up;
+  __device__ static float el(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+  __device__ void one(int64_t j) const { out[j] = f32_to_bf16_bits(el(bf16_bits_to_f32(gate[j]), bf16_bits_to_f32(up[j]))); }
+  __device__ void vec(int64_t i) const {
+    const P8 g = load8(gate, i), u = load8(up, i);
+    P8 o;
+    for (int k = 0; k < 8; ++k) o.v[k] = el(g.v[k], u.v[k]);
+    store8(out, i, o);
+  }
+};
+struct SwigluBwdBf16 {
+  uint16_t *dgate, *dup;
+  const float* dout;
+  const uint16_t *gate, *up;
+  __device__ static void el(float& dg, float& du, float dy, float g, float u) {
+    const float sg = 1.0f / (1.0f + expf(-g));
+    dg = dy * u * sg * (1.0f + g * (1.0f - sg));
+    du = dy * (g * sg);
+  }
+  __device__ void one(int64_t j) const {
+    float dg, du;
+    el(dg, du, dout[j], bf16_bits_to_f32(gate[j]), bf16_bits_to_f32(up[j]));
+    dgate[j] = f32_to_bf16_bits(dg);
+    dup[j] = f32_to_bf16_bits(du);
+  }
+  __device__ void vec(int64_t i) const {
+    const P8 dy = load8(dout, i), g = load8(gate, i), u = load8(up, i);
+    P8 dg, du;
+    for (int k = 0; k < 8; ++k) el(dg.v[k], du.v[k], dy.v[k], g.v[k], u.v[k]);
+    store8(dgate, i, dg);
+    store8(dup, i, du);
+  }
+};
+struct CastToBf16 {
+  uint16_t* out;
+  const float* in;
+  __device__ void one(int64_t j) const { out[j] = f32_to_bf16_bits(in[j]); }
+  __device__ void vec(int64_t i) const { store8(out, i, load8(in, i)); }
+};
+struct CastToF32 {
+  float* out;
+  const uint16_t* in;
+  __device__ void one(int64_t j) const { out[j] = bf16_bits_to_f32(in[j]); }
+  __device__ void vec(int64_t i) const { store8(out, i, load8(in, i)); }
+};
+// x[r, c] += b[c]: four columns per 16-byte access where C is a multiple of 4 and both pointers
+// are aligned (C4 = C / 4 vectors per row), else one element per thread.
+template <bool kVec>
 __global__ void add_bias_k(float* x, const float* b, int64_t N, int64_t C) {
-  MT_GRID_STRIDE(i, N * C) x[i] += b[i % C];
+  if constexpr (kVec) {
+    const int64_t C4 = C / 4;
+    MT_GRID_STRIDE(i, N * C4) {
+      F4 v = reinterpret_cast<const F4*>(x)[i];
+      const F4 w = reinterpret_cast<const F4*>(b)[i % C4];
+      for (int k = 0; k < 4; ++k) v.v[k] += w.v[k];
+      reinterpret_cast<F4*>(x)[i] = v;
+    }
+  } else {
+    MT_GRID_STRIDE(i, N * C) x[i] += b[i % C];
+  }
 }
 __global__ void copy_columns_k(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols) {
   MT_GRID_STRIDE(i, N * cols) {
@@ -167,9 +229,18 @@ void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
   map("swiglu_forward", SwigluFwd{}, out, n, gate, up);
 }
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(swiglu_bwd_k, grid_for(n, kThreads), kThreads, 0, stream())(dgate, dup, dout, gate, up, n);
-  check_launch("swiglu_backward");
+  launch8("swiglu_backward", SwigluBwd{dgate, dup, dout, gate, up}, n, all_aligned16(dgate, dup, dout, gate, up),
+          kThreads);
+}
+void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, int64_t n) {
+  const SwigluFwdBf16 b{reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(gate),
+                       reinterpret_cast<const uint16_t*>(up)};
+  launch8("swiglu_forward_bf16", b, n, all_aligned16(out, gate, up), kThreads);
+}
+void swiglu_backward_bf16(bf16* dgate, bf16* dup, const float* dout, const bf16* gate, const bf16* up, int64_t n) {
+  const SwigluBwdBf16 b{reinterpret_cast<uint16_t*>(dgate), reinterpret_cast<uint16_t*>(dup), dout,
+                       reinterpret_cast<const uint16_t*>(gate), reinterpret_cast<const uint16_t*>(up)};
+  launch8("swiglu_backward_bf16", b, n, all_aligned16(dgate, dup, dout, gate, up), kThreads);
 }
 void accumulate(float* y, const float* x, int64_t n) { map("accumulate", Accumulate{}, y, n, x); }
 void scale(float* x, float s, int64_t n) { map("scale", Scale{s}, x, n); }
@@ -178,18 +249,20 @@ double sum(const float* x, int64_t n) { return reduce<false>(x, n); }
 void sum_squares_to(double* out, const float* x, int64_t n) { reduce_to<true>(out, x, n); }
 void sum_to(double* out, const float* x, int64_t n) { reduce_to<false>(out, x, n); }
 void cast_f32_to_bf16(bf16* out, const float* in, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(f32_to_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(reinterpret_cast<uint16_t*>(out), in, n);
-  check_launch("cast_f32_to_bf16");
+  launch8("cast_f32_to_bf16", CastToBf16{reinterpret_cast<uint16_t*>(out), in}, n, all_aligned16(out, in), kThreads);
 }
 void cast_bf16_to_f32(float* out, const bf16* in, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(bf16_to_f32_k, grid_for(n, kThreads), kThreads, 0, stream())(out, reinterpret_cast<const uint16_t*>(in), n);
-  check_launch("cast_bf16_to_f32");
+  launch8("cast_bf16_to_f32", CastToF32{out, reinterpret_cast<const uint16_t*>(in)}, n, all_aligned16(out, in),
+          kThreads);
 }
 void add_bias(float* x, const float* b, int64_t N, int64_t C) {
   if (N <= 0 || C <= 0) return;
-  MT_LAUNCH(add_bias_k, grid_for(N * C, kThreads), kThreads, 0, stream())(x, b, N, C);
+  void (*const kvec)(float*, const float*, int64_t, int64_t) = add_bias_k<true>;
+  void (*const kone)(float*, const float*, int64_t, int64_t) = add_bias_k<false>;
+  if (C % 4 == 0 && all_aligned16(x, b))
+    MT_LAUNCH(kvec, grid_for(N * C / 4, kThreads), kThreads, 0, stream())(x, b, N, C);
+  else
+    MT_LAUNCH(kone, grid_for(N * C, kThreads), kThreads, 0, stream())(x, b, N, C);
   check_launch("add_bias");
 }
 void copy_columns(float* out, const float* in, int64_t N, int64_t ld, int64_t c0, int64_t cols) {

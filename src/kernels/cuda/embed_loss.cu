@@ -100,6 +100,38 @@ __global__ void ce_k(float* logits, float* losses, const int32_t* targets, int64
   }
 }
 
+// ce_k on bf16 logits: one block per row, the values widened as they are read, fp32 arithmetic
+// (the block's reductions in a fixed order); grad: the row overwritten in place by its gradient
+// rounded to bf16 (0 in padding). Each thread rewrites only the values it read itself.
+template <bool kGrad>
+__global__ void ce_from_bf16_k(uint16_t* logits, float* losses, const int32_t* targets, int64_t V, int64_t Vp,
+                               float dloss) {
+  MT_SHARED(shm, float[32]);
+  const int64_t n = blockIdx.x;
+  uint16_t* x = logits + n * Vp;
+  const int32_t tgt = targets[n];
+  if (tgt < 0) {
+    if constexpr (kGrad)
+      for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) x[j] = 0;
+    if (threadIdx.x == 0) losses[n] = 0.0f;
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, bf16_bits_to_f32(x[j]));
+  m = block_max(m, shm);
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(bf16_bits_to_f32(x[j]) - m);
+  s = block_sum(s, shm);
+  const bool bad = tgt >= V;
+  if (threadIdx.x == 0) losses[n] = bad ? NAN : logf(s) + m - bf16_bits_to_f32(x[tgt]);
+  if constexpr (kGrad) {
+    __syncthreads();  // x[tgt] was read above
+    const float f = dloss / s;
+    for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x)
+      x[j] = j < V ? f32_to_bf16_bits(expf(bf16_bits_to_f32(x[j]) - m) * f - (j == tgt ? dloss : 0.0f)) : uint16_t{0};
+  }
+}
+
 // Rows [row0, row0 + gridDim.x) of the fp32 gradient rounded to bf16 into a dense [N, Vp] bf16
 // matrix over the first half of the logits' storage, a tile of blockDim.x values at a time (every
 // thread reads its value, the block syncs, then writes). Row n lands inside row n / 2's storage, so
@@ -232,6 +264,17 @@ void softmax_cross_entropy_forward(const float* logits, float* losses, const int
   MT_LAUNCH(ce_k<false>, static_cast<unsigned>(N), kThreads, 0, stream())(const_cast<float*>(logits), losses, targets,
                                                                            V, Vp, 0.0f);
   check_launch("softmax_cross_entropy_forward");
+}
+void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t Vp, bool train, float dloss) {
+  check_vocab(V, Vp, "softmax_cross_entropy_from_bf16");
+  if (N <= 0) return;
+  uint16_t* x = reinterpret_cast<uint16_t*>(logits);
+  if (train)
+    MT_LAUNCH(ce_from_bf16_k<true>, static_cast<unsigned>(N), kThreads, 0, stream())(x, losses, targets, V, Vp, dloss);
+  else
+    MT_LAUNCH(ce_from_bf16_k<false>, static_cast<unsigned>(N), kThreads, 0, stream())(x, losses, targets, V, Vp, 0.0f);
+  check_launch("softmax_cross_entropy_from_bf16");
 }
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid) {
   if (N <= 0) return;

@@ -8,9 +8,10 @@
 //   64 up to its last row. Q stays in registers as A fragments; K and V tiles go through shared
 //   memory. S = Q K^T, the online softmax (running row max m and sum l, the output rescaled by
 //   exp(m_old - m_new) whenever the max grows), then P (rounded to bf16, straight from the S
-//   accumulators: mma.cuh) times V. Saves lse = m + log l per row.
+//   accumulators: mma.cuh) times V. Writes the output rounded to bf16 and lse = m + log l per row.
 // - Backward, deterministic without atomics, in three launches:
-//   1. Dd = rowsum(dout * out) per query row (dout rounded to bf16 first, once, into scratch);
+//   1. Dd = rowsum(dout * out) per query row in fp32 from the bf16 out (dout rounded to bf16
+//      first, once, into scratch);
 //   2. dQ: a block per 64 query rows (16 per warp) walks the key tiles of 32 in order:
 //      P = exp(S - lse), dS = P (dO V^T - Dd), dQ += dS K;
 //   3. dK, dV: a block per 64 keys of one kv head (16 per warp) walks the query heads of its group
@@ -23,7 +24,8 @@
 // to spare for that at head dim 112), and the dK/dV query loop stops at
 // the first query tile whose start lies past the block's last key (fully masked tiles: no work).
 //
-// head_dim above 128 goes to the simple fp32 kernels (attention.cu) on the bf16 values.
+// head_dim above 128 goes to the simple fp32 kernels (attention.cu) on the bf16 values (their fp32
+// output rounded to bf16 after them; the backward widens the bf16 out for them).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -173,7 +175,7 @@ __device__ __forceinline__ bool visible(int64_t t, int64_t s, int64_t T, int d) 
 
 // ---- forward ----
 template <int KD>
-__global__ void __launch_bounds__(kThreads) flash_fwd_k(float* out, float* lse, FlashArgs f) {
+__global__ void __launch_bounds__(kThreads) flash_fwd_k(uint16_t* out, float* lse, FlashArgs f) {
   constexpr int D = 16 * KD, S = D + 8, NT = 2 * KD;
   MT_SHARED_DYNAMIC(smem, Vec16);
   uint16_t* sk = reinterpret_cast<uint16_t*>(smem);
@@ -261,7 +263,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_k(float* out, float* lse, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t row = i < 2 ? r0 : r1, col = n * 8 + 2 * t + (i & 1);
-      if (row < T && col < f.hd) out[(b * T + row) * od + h * f.hd + col] = o[n].x[i] / (i < 2 ? l0 : l1);
+      if (row < T && col < f.hd)
+        out[(b * T + row) * od + h * f.hd + col] = f32_to_bf16_bits(o[n].x[i] / (i < 2 ? l0 : l1));
     }
   if (t == 0) {
     if (r0 < T) lse[(b * f.nh + h) * T + r0] = m0 + logf(l0);
@@ -270,15 +273,15 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_k(float* out, float* lse, 
 }
 
 // ---- backward ----
-// Dd[b, h, t] = bf16(dout) . out over the row; one warp per row.
-__global__ void flash_delta_k(float* Dd, const uint16_t* dob, const float* out, FlashArgs f) {
+// Dd[b, h, t] = bf16(dout) . out over the row (both bf16, the sum fp32); one warp per row.
+__global__ void flash_delta_k(float* Dd, const uint16_t* dob, const uint16_t* out, FlashArgs f) {
   const int lane = threadIdx.x & 31;
   const int64_t row = attn::warp_row();
   if (row >= f.B * f.nh * f.T) return;
   const int64_t t = row % f.T, h = (row / f.T) % f.nh, b = row / (f.T * f.nh);
   const int64_t off = (b * f.T + t) * (f.nh * f.hd) + h * f.hd;
   float s = 0.0f;
-  for (int64_t d = lane; d < f.hd; d += 32) s += bf16_bits_to_f32(dob[off + d]) * out[off + d];
+  for (int64_t d = lane; d < f.hd; d += 32) s += bf16_bits_to_f32(dob[off + d]) * bf16_bits_to_f32(out[off + d]);
   s = warp_sum(s);
   if (lane == 0) Dd[row] = s;
 }
@@ -477,7 +480,7 @@ dim3 flash_grid(int64_t T, int64_t heads, int64_t B) {
 }
 
 template <int KD>
-void fwd(float* out, float* lse, const FlashArgs& f) {
+void fwd(uint16_t* out, float* lse, const FlashArgs& f) {
   const size_t sm = fwd_smem(16 * KD);
   allow_smem(flash_fwd_k<KD>, sm, "attention_forward_bf16");
   MT_LAUNCH(flash_fwd_k<KD>, flash_grid(f.T, f.nh, f.B), kThreads, sm, stream())(out, lse, f);
@@ -500,32 +503,34 @@ int flash_kd(int64_t hd) { return hd >= 1 && hd <= kFlashMaxHeadDim ? static_cas
 
 }  // namespace
 
-void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+void attention_forward_bf16(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                             int64_t hd, const int32_t* doc_start) {
   const attn::Geo g = attn::geo(B, T, nh, nkv, hd, "attention_forward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
   const int kd = flash_kd(hd);
-  if (kd == 0) {  // the simple fp32 kernel on the same bf16 values
-    const int64_t n = B * T * g.ld;
-    float* q32 = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n) * sizeof(float)));
+  if (kd == 0) {  // the simple fp32 kernel on the same bf16 values, its output rounded after it
+    const int64_t n = B * T * g.ld, no = B * T * nh * hd;
+    float* q32 = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n + no) * sizeof(float)));
     cast_bf16_to_f32(q32, qkv, n);
-    attention_forward(out, lse, q32, B, T, nh, nkv, hd, doc_start);
+    attention_forward(q32 + n, lse, q32, B, T, nh, nkv, hd, doc_start);
+    cast_f32_to_bf16(out, q32 + n, no);
     return;
   }
   const FlashArgs f = flash_args(qkv, g, doc_start);
+  uint16_t* ob = reinterpret_cast<uint16_t*>(out);
   switch (kd) {
-    case 1: fwd<1>(out, lse, f); break;
-    case 2: fwd<2>(out, lse, f); break;
-    case 3: fwd<3>(out, lse, f); break;
-    case 4: fwd<4>(out, lse, f); break;
-    case 5: fwd<5>(out, lse, f); break;
-    case 6: fwd<6>(out, lse, f); break;
-    case 7: fwd<7>(out, lse, f); break;
-    default: fwd<8>(out, lse, f); break;
+    case 1: fwd<1>(ob, lse, f); break;
+    case 2: fwd<2>(ob, lse, f); break;
+    case 3: fwd<3>(ob, lse, f); break;
+    case 4: fwd<4>(ob, lse, f); break;
+    case 5: fwd<5>(ob, lse, f); break;
+    case 6: fwd<6>(ob, lse, f); break;
+    case 7: fwd<7>(ob, lse, f); break;
+    default: fwd<8>(ob, lse, f); break;
   }
 }
 
-void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out, const float* lse,
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const bf16* out, const float* lse,
                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t* doc_start) {
   const attn::Geo g = attn::geo(B, T, nh, nkv, hd, "attention_backward_bf16");
   if (B <= 0 || T <= 0 || hd <= 0) return;
@@ -535,16 +540,17 @@ void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, co
   const int kd = flash_kd(hd);
   if (kd == 0) {
     const int64_t n = B * T * g.ld;
-    float* buf = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n + no) * sizeof(float)));
+    float* buf = static_cast<float*>(scratch(kScratchFlashQkv, static_cast<size_t>(n + 2 * no) * sizeof(float)));
     cast_bf16_to_f32(buf, qkv, n);
     cast_bf16_to_f32(buf + n, dob, no);
-    attention_backward(dqkv, buf + n, buf, out, lse, B, T, nh, nkv, hd, doc_start);
+    cast_bf16_to_f32(buf + n + no, out, no);
+    attention_backward(dqkv, buf + n, buf, buf + n + no, lse, B, T, nh, nkv, hd, doc_start);
     return;
   }
   const FlashArgs f = flash_args(qkv, g, doc_start);
   float* Dd = static_cast<float*>(scratch(kScratchTmp, static_cast<size_t>(B * nh * T) * sizeof(float)));
   const uint16_t* db = reinterpret_cast<const uint16_t*>(dob);
-  MT_LAUNCH(flash_delta_k, attn::warp_blocks(B * nh * T), 32 * attn::kWarpsPerBlock, 0, stream())(Dd, db, out, f);
+  MT_LAUNCH(flash_delta_k, attn::warp_blocks(B * nh * T), 32 * attn::kWarpsPerBlock, 0, stream())(Dd, db, reinterpret_cast<const uint16_t*>(out), f);
   check_launch("attention_backward_bf16 (delta)");
   switch (kd) {
     case 1: bwd<1>(dqkv, db, lse, Dd, f); break;

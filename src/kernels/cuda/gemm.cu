@@ -197,6 +197,17 @@ void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float
                          int64_t OC) {
   gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, out, true, Epi{.bias = bias});
 }
+void linear_forward_bf16_out16(bf16* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                               int64_t OC) {
+  if (N <= 0 || OC <= 0) return;
+  if (C > 0) {  // D in bf16 (the fp32 bias through BIAS_DATA_TYPE)
+    gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, out, true, Epi{.bias = bias, .out_bf16 = true});
+    return;
+  }
+  float* y = static_cast<float*>(scratch(kScratchEpilogue, static_cast<size_t>(N * OC) * sizeof(float)));
+  gemm(false, true, N, OC, C, 1.0f, inp, W, 0.0f, y, true, Epi{.bias = bias});  // no products: zeros (+ bias)
+  cast_f32_to_bf16(out, y, N * OC);
+}
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp, const bf16* W,
                           int64_t N, int64_t C, int64_t OC) {
   if ((dinp || dW) && N > 0 && OC > 0) {

@@ -31,6 +31,8 @@ void gelu_forward(float* out, const float* inp, int64_t n);
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n);
+void swiglu_forward_bf16(bf16* out, const bf16* gate, const bf16* up, int64_t n);
+void swiglu_backward_bf16(bf16* dgate, bf16* dup, const float* dout, const bf16* gate, const bf16* up, int64_t n);
 void accumulate(float* y, const float* x, int64_t n);
 void scale(float* x, float s, int64_t n);
 double sum_squares(const float* x, int64_t n);
@@ -59,6 +61,8 @@ void linear_backward(float* dinp, float* dW, float* dbias, const float* dout, co
                      int64_t N, int64_t C, int64_t OC);
 void linear_forward_bf16(float* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
                          int64_t OC);
+void linear_forward_bf16_out16(bf16* out, const bf16* inp, const bf16* W, const float* bias, int64_t N, int64_t C,
+                               int64_t OC);
 void linear_backward_bf16(float* dinp, float* dW, float* dbias, const float* dout, const bf16* inp, const bf16* W,
                           int64_t N, int64_t C, int64_t OC);
 void linear_backward_bf16_dy(float* dinp, float* dW, const bf16* dout, const bf16* inp, const bf16* W, int64_t N,
@@ -108,6 +112,8 @@ void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* tar
                                 float dloss);
 void softmax_cross_entropy_forward(const float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
                                    int64_t Vp);
+void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t Vp, bool train, float dloss);
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid);
 void vp_ce_stats(float* stats, const float* lg, const float* rowmax, const int32_t* targets, int64_t N, int64_t Vl,
                  int64_t valid, int64_t lo);
@@ -137,9 +143,9 @@ void rope_backward_pos(float* dqkv, int64_t B, int64_t T, int64_t nh, int64_t nk
 // flash_attention.cu: the tensor-core kernels (bf16 in, fp32 accumulation) for head_dim <=
 // kFlashMaxHeadDim; larger head dims run attention.cu's kernels on the same bf16 values.
 constexpr int64_t kFlashMaxHeadDim = 128;
-void attention_forward_bf16(float* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+void attention_forward_bf16(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t nh, int64_t nkv,
                             int64_t hd, const int32_t* doc_start);
-void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* out, const float* lse,
+void attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const bf16* out, const float* lse,
                              int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const int32_t* doc_start);
 
 // block_attention.cu (context parallelism: cpu/attention_block.h)

@@ -147,9 +147,19 @@ __global__ void norm_fwd_bf16_k(float* out, float* mean, float* rstd, uint16_t* 
   }
 }
 
-__global__ void residual_add_bf16_k(uint16_t* out, const uint16_t* res, const float* x, int64_t n) {
-  MT_GRID_STRIDE(i, n) { out[i] = f32_to_bf16_bits(bf16_bits_to_f32(res[i]) + x[i]); }
-}
+// out = bf16(res + x), eight elements per step where the pointers allow (launch8).
+struct ResidualAddBf16 {
+  uint16_t* out;
+  const uint16_t* res;
+  const float* x;
+  __device__ void one(int64_t j) const { out[j] = f32_to_bf16_bits(bf16_bits_to_f32(res[j]) + x[j]); }
+  __device__ void vec(int64_t i) const {
+    P8 r = load8(res, i);
+    const P8 v = load8(x, i);
+    for (int k = 0; k < 8; ++k) r.v[k] += v.v[k];
+    store8(out, i, r);
+  }
+};
 }  // namespace
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w, const float* b,
@@ -214,10 +224,8 @@ void rmsnorm_backward(float* dinp, float* dw, const float* dout, const float* in
 // ---- the bf16 residual stream ----
 
 void residual_add_bf16(bf16* out, const bf16* res, const float* x, int64_t n) {
-  if (n <= 0) return;
-  MT_LAUNCH(residual_add_bf16_k, grid_for(n, kThreads), kThreads, 0, stream())(
-      reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(res), x, n);
-  check_launch("residual_add_bf16");
+  const ResidualAddBf16 b{reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(res), x};
+  launch8("residual_add_bf16", b, n, all_aligned16(out, res, x), kThreads);
 }
 void residual_layernorm_forward_bf16(float* out, float* mean, float* rstd, bf16* res_out, const bf16* res,
                                      const float* x, const float* w, const float* b, int64_t N, int64_t C, float eps) {

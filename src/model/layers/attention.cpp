@@ -83,13 +83,13 @@ void Attention::forward(LayerParams& P, const BlockParams& p, BlockActivations& 
   rope(qkv, ts, false);
   if (cp_) {
     cp_forward(a, ts);
-  } else if (flash_) {  // q, k, v rounded to bf16 (kept for the backward); out and lse fp32
+  } else if (flash_) {  // q, k, v rounded to bf16 (kept for the backward); out bf16 only, lse fp32
     store_compute(kt_, a.qkv_bf, qkv, N * QKV);
-    kt_->attention_forward_bf16(a.atty.f32(), a.lse.f32(), a.qkv_bf.bf(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
+    kt_->attention_forward_bf16(a.atty_bf.bf(), a.lse.f32(), a.qkv_bf.bf(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   } else {
     kt_->attention_forward(a.atty.f32(), a.lse.f32(), qkv, ts.B, ts.T, nh, nkv, hd, ts.doc_start);
   }
-  if (bf) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
+  if (bf && !flash_) store_compute(kt_, a.atty_bf, a.atty.f32(), N * nh * hd);
   RowParallelLinear(tpc_, nh * hd, P.weight(p.proj_w, p.proj_b, C, false)).forward(out, bf ? a.atty_bf : a.atty);
 }
 
@@ -106,7 +106,7 @@ const float* Attention::backward(LayerParams& P, const BlockParams& p, BlockActi
   if (cp_)
     cp_backward(a, datty, dqkv, ts);
   else if (flash_)
-    kt_->attention_backward_bf16(dqkv, datty, a.qkv_bf.bf(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd,
+    kt_->attention_backward_bf16(dqkv, datty, a.qkv_bf.bf(), a.atty_bf.bf(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd,
                                  ts.doc_start);
   else
     kt_->attention_backward(dqkv, datty, a.qkv.f32(), a.atty.f32(), a.lse.f32(), ts.B, ts.T, nh, nkv, hd, ts.doc_start);

@@ -49,7 +49,7 @@ void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64
     a.qkv_bf = Tensor::empty({BT, QKV}, DType::BF16, A);
   else
     a.qkv = Tensor::empty({BT, QKV}, DType::F32, A);
-  a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);
+  if (!flash) a.atty = Tensor::empty({BT, nh * c.head_dim()}, DType::F32, A);  // flash writes atty_bf only
   if (cd == DType::BF16) a.atty_bf = Tensor::empty({BT, nh * c.head_dim()}, DType::BF16, A);
   a.lse = Tensor::empty({B * nh * (BT / B)}, DType::F32, A);
   a.res2 = Tensor::empty({R, C}, res_bf16 ? DType::BF16 : DType::F32, A);
@@ -58,12 +58,13 @@ void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64
   if (c.arch == Arch::GPT2) a.ln2_mean = Tensor::empty({R}, DType::F32, A);
   if (F > 0) {  // the dense MLP, or an MoE layer's shared experts
     a.fc = Tensor::empty({BT, F}, gelu_bf16 ? DType::BF16 : DType::F32, A);
-    if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, DType::F32, A);
+    if (c.arch == Arch::Llama) a.up = Tensor::empty({BT, F}, gelu_bf16 ? DType::BF16 : DType::F32, A);
     a.act = Tensor::empty({BT, F}, cd, A);
   }
 }
 
-void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe) {
+void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe,
+                    bool bf16_pre) {
   const int64_t C = c.n_embd, E = c.moe_experts, k = c.moe_top_k;
   auto A = MemCategory::Activations;
   if (!a.r_logits.defined()) {
@@ -77,8 +78,9 @@ void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t
   if (a.xs.defined() && a.xs.numel() >= M * C) return;
   M = std::max<int64_t>(M, 1);
   a.xs = Tensor::empty({M, C}, cd, A);
-  a.h1 = Tensor::empty({M, Fe}, DType::F32, A);
-  if (c.arch == Arch::Llama) a.h3 = Tensor::empty({M, Fe}, DType::F32, A);
+  const DType pre = bf16_pre ? DType::BF16 : DType::F32;
+  a.h1 = Tensor::empty({M, Fe}, pre, A);
+  if (c.arch == Arch::Llama) a.h3 = Tensor::empty({M, Fe}, pre, A);
   a.xact = Tensor::empty({M, Fe}, cd, A);
   a.y = Tensor::empty({M, C}, DType::F32, A);
   a.order = Tensor::empty({M}, DType::I32, A);

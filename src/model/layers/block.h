@@ -16,11 +16,11 @@ struct BlockActivations {
   Tensor ln1, ln1_mean, ln1_rstd;  // ln1: f32 or bf16
   Tensor qkv;                       // f32 [N, QKV] (after RoPE for Llama)
   Tensor qkv_bf;                    // flash attention: the same in bf16 instead (qkv undefined)
-  Tensor atty, atty_bf, lse;        // attention output f32 (+ bf16 copy), lse [B, nh, T]
+  Tensor atty, atty_bf, lse;        // attention output f32 (+ bf16 copy; flash: bf16 only), lse [B, nh, T]
   Tensor res2;                      // residual after attention [N, C]: f32, or bf16 with a bf16 residual stream
   Tensor ln2, ln2_mean, ln2_rstd;
   Tensor fc;                        // GPT-2: pre-GELU [N, F] (bf16 with the fused GELU epilogue); Llama: gate [N, F] (MoE: the shared experts')
-  Tensor up;                        // Llama: up [N, F]
+  Tensor up;                        // Llama: up [N, F] (bf16 with the fused MLP)
   Tensor act;                       // GELU / SwiGLU output, matmul input [N, F] (compute dtype)
   // MoE layer: the router's logits, scores, chosen experts (int32), weights, logsumexp and each
   // choice's row among the routed rows (int32, -1 = dropped); the routed rows (sorted by expert:
@@ -72,13 +72,15 @@ BlockParams block_params(const ModelConfig& c, int64_t layer, int base, int64_t 
 // experts'); R: rows of the residual stream this rank holds (BT, or BT / tp with sequence
 // parallelism): the norms' inputs, outputs and statistics and the residual are kept for R rows only.
 // flash: the attention takes bf16 q, k, v (ModelOptions::flash_attention): qkv_bf instead of qkv.
-// gelu_bf16: the MLP's pre-activation `fc` is kept in bf16 (ModelOptions::gelu_epilogue).
+// gelu_bf16: the MLP's pre-activations `fc` (and Llama's `up`) are kept in bf16 (ModelOptions::gelu_epilogue).
 // res_bf16: the residual after attention (res2) is kept in bf16 (ModelOptions::residual_bf16).
 void alloc_block_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t R, int64_t B,
                       int64_t nh, int64_t nkv, int64_t F, bool flash = false, bool gelu_bf16 = false,
                       bool res_bf16 = false);
-// An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe.
-void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe);
+// An MoE layer's router outputs, and its routed rows for up to `M` rows of width Fe (bf16_pre: the
+// pre-activations h1 / h3 in bf16, MoeShape::bf16_pre).
+void alloc_moe_acts(BlockActivations& a, const ModelConfig& c, DType cd, int64_t BT, int64_t M, int64_t Fe,
+                    bool bf16_pre = false);
 
 // How a layer reaches the model's parameters by index: where their values and gradients live now
 // (the flat buffers, a unit's gathered weights, the expert buffers). Implemented by the model.

@@ -17,7 +17,7 @@ int64_t HeadActivations::bytes() const {
 }
 
 LmHead::LmHead(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
-               int64_t vocab_rows, int64_t vocab_lo, int64_t loss_chunk)
+               int64_t vocab_rows, int64_t vocab_lo, int64_t loss_chunk, bool logits_bf16)
     : cfg_(cfg),
       compute_(compute),
       dev_(dev),
@@ -25,7 +25,11 @@ LmHead::LmHead(const ModelConfig& cfg, DType compute, Device dev, const kernels:
       tpc_(tpc),
       vocab_rows_(vocab_rows),
       vocab_lo_(vocab_lo),
-      loss_chunk_(loss_chunk) {}
+      loss_chunk_(loss_chunk),
+      logits_bf16_(logits_bf16) {
+  if (logits_bf16_ && (compute_ != DType::BF16 || tpc_.tp() || loss_chunk_ > 0))
+    throw std::invalid_argument("bf16 logits need bf16 compute, the whole vocabulary on one rank and no chunked head");
+}
 
 void LmHead::allocate(HeadActivations& h, int64_t N, int64_t R) const {
   const int64_t C = cfg_.n_embd;
@@ -38,7 +42,7 @@ void LmHead::allocate(HeadActivations& h, int64_t N, int64_t R) const {
   if (loss_chunk_ > 0)  // the logits only exist a chunk at a time (and whole for sampling, on demand)
     h.dx = Tensor::empty({N, C}, DType::F32, A);
   else
-    h.logits = Tensor::empty({N, vocab_rows_}, DType::F32, A);
+    h.logits = Tensor::empty({N, vocab_rows_}, logits_bf16_ ? DType::BF16 : DType::F32, A);
   h.losses = Tensor::empty({N}, DType::F32, A);
 }
 
@@ -50,7 +54,9 @@ double LmHead::forward(const HeadWeight& w, HeadActivations& h, const int32_t* t
   if (!h.chunked) {
     if (!h.logits.defined())  // chunked-head model asked for whole logits (sampling)
       h.logits = Tensor::empty({N, Vp}, DType::F32, MemCategory::Activations);
-    if (bf)
+    if (h.logits.dtype() == DType::BF16)
+      kt_->linear_forward_bf16_out16(h.logits.bf(), h.in_bf.bf(), w.wb, nullptr, N, C, Vp);
+    else if (bf)
       kt_->linear_forward_bf16(h.logits.f32(), h.in_bf.bf(), w.wb, nullptr, N, C, Vp);
     else
       kt_->linear_forward(h.logits.f32(), h.in.f32(), w.wf, nullptr, N, C, Vp);
@@ -65,9 +71,13 @@ double LmHead::forward(const HeadWeight& w, HeadActivations& h, const int32_t* t
   }
   // In bf16 the head's backward multiplies the logits' gradient in bf16: with the whole vocabulary
   // here (tp = 1) the loss rounds it as it writes it, saving the fp32 gradient and a cast pass.
-  h.grad_bf16 = train && bf && !h.chunked && !tpc_.tp() && ready.rows == 0;
+  // bf16 logits: the loss writes their bf16 gradient over them whatever the backward's rows.
+  const bool l16 = !h.chunked && h.logits.dtype() == DType::BF16;
+  h.grad_bf16 = train && (l16 || (bf && !h.chunked && !tpc_.tp() && ready.rows == 0));
   if (h.chunked)
     chunked_forward(w, h, N, train, dloss);
+  else if (l16)
+    kt_->softmax_cross_entropy_from_bf16(h.logits.bf(), h.losses.f32(), h.targets.i32(), N, V, Vp, train, dloss);
   else if (h.grad_bf16)
     kt_->softmax_cross_entropy_bf16(h.logits.f32(), h.losses.f32(), h.targets.i32(), N, V, Vp, dloss);
   else
@@ -140,7 +150,7 @@ const float* LmHead::backward(const HeadWeight& w, HeadActivations& h, int64_t N
     backward_by_rows(w, h, N, dhin, ready);
     return dhin;
   }
-  const bf16* g16 = reinterpret_cast<const bf16*>(h.logits.f32());  // the loss's bf16 gradient (grad_bf16)
+  const bf16* g16 = static_cast<const bf16*>(h.logits.raw());  // the loss's bf16 gradient (grad_bf16)
   if (h.grad_bf16) {
     dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
     kt_->linear_backward_bf16_dy(dhin, w.grad, g16, h.in_bf.bf(), w.wb, N, C, Vp);
@@ -161,12 +171,12 @@ void LmHead::backward_by_rows(const HeadWeight& w, HeadActivations& h, int64_t N
                               const HeadGradReady& ready) {
   const int64_t C = cfg_.n_embd, Vp = vocab_rows_, rows = ready.rows;
   const bool bf = compute_ == DType::BF16;
-  const bf16* g16 = reinterpret_cast<const bf16*>(h.logits.f32());
+  const bf16* g16 = static_cast<const bf16*>(h.logits.raw());  // grad_bf16
   dev::zero(dev_, dhin, static_cast<size_t>(N * C) * sizeof(float));
   if (rows < Vp && chunk_grad_.numel() != N * rows) chunk_grad_ = Tensor::empty({N, rows}, DType::F32, MemCategory::Workspace);
   for (int64_t r0 = 0; r0 < Vp; r0 += rows) {
     const int64_t cv = std::min(rows, Vp - r0);
-    const float* dl = h.logits.f32();
+    const float* dl = static_cast<const float*>(h.logits.raw());  // fp32 unless grad_bf16
     if (h.grad_bf16 && cv == Vp) {
       kt_->linear_backward_bf16_dy(dhin, w.grad, g16, h.in_bf.bf(), w.wb, N, C, Vp);
       ready.hooks->grad_ready(ready.param, r0, r0 + cv);

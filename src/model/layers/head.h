@@ -3,6 +3,8 @@
 // the softmax cross-entropy (row statistics reduced over tp) and its backward. Chunked (loss_chunk
 // > 0): a forward with targets computes the logits, the loss and - when training - the input and
 // weight gradients `loss_chunk` tokens at a time, so the [tokens, vocab] logits are never held.
+// bf16 logits (logits_bf16): the GEMM writes the logits in bf16, the loss reads them and, when
+// training, writes their bf16 gradient over them in place (whole head, tp = 1, bf16 compute).
 #pragma once
 #include <cstdint>
 
@@ -19,11 +21,13 @@ class UnitHooks;
 
 // What one micro-batch keeps between the head's forward and backward.
 struct HeadActivations {
-  Tensor targets, in, in_bf, mean, rstd, logits, losses;  // in: the final norm's output, every row
+  // in: the final norm's output, every row; logits: fp32, or bf16 for an LmHead with bf16 logits
+  Tensor targets, in, in_bf, mean, rstd, logits, losses;
   Tensor dx;               // chunked head: the input's gradient, computed by the forward
   bool chunked = false;    // the last forward used the chunked head
   // The training forward left the logits' gradient in bf16, a dense [N, Vp] matrix over the first
-  // half of the logits' storage: bf16 compute, whole head, tp = 1, no chunked head-weight gradient.
+  // half of the logits' storage: bf16 compute, whole head, tp = 1, no chunked head-weight gradient;
+  // or, with bf16 logits, over the logits themselves.
   bool grad_bf16 = false;
   int64_t bytes() const;
 };
@@ -56,8 +60,10 @@ struct HeadLossIo {
 class LmHead {
  public:
   // vocab_rows, vocab_lo: this tp rank's rows of the (padded) vocabulary and the first of them.
+  // logits_bf16: the logits kept in bf16 (needs bf16 compute, tp = 1 and no loss_chunk).
   LmHead(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
-         int64_t vocab_rows, int64_t vocab_lo, int64_t loss_chunk);
+         int64_t vocab_rows, int64_t vocab_lo, int64_t loss_chunk, bool logits_bf16 = false);
+  bool logits_bf16() const { return logits_bf16_; }
   int64_t loss_chunk() const { return loss_chunk_; }
   // The activations for N tokens (R: this rank's residual rows, which the final norm keeps).
   void allocate(HeadActivations& h, int64_t N, int64_t R) const;
@@ -82,6 +88,7 @@ class LmHead {
   const kernels::KernelTable* kt_;
   TpContext& tpc_;
   int64_t vocab_rows_, vocab_lo_, loss_chunk_;
+  bool logits_bf16_ = false;
   // Chunked head: the logits of one chunk, and the weight gradient forwards have accumulated that
   // no backward has added to the head's gradient yet. Rows: one chunk's columns of the logits'
   // gradient (a weight gradient reported by rows).

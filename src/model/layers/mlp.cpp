@@ -14,7 +14,7 @@ Mlp::Mlp(const ModelConfig& cfg, DType compute, Device dev, const kernels::Kerne
       kt_(kt),
       tpc_(tpc),
       width_(width),
-      fused_(gelu_epilogue && cfg.arch == Arch::GPT2 && compute == DType::BF16) {}
+      fused_(gelu_epilogue && compute == DType::BF16) {}
 
 void Mlp::release() { ws_ = Workspace{}; }
 
@@ -22,6 +22,11 @@ void Mlp::allocate(int64_t N) {
   auto W = MemCategory::Workspace;
   if (fused_) {  // the GELU input's gradient, in bf16, straight from the down projection's epilogue
     ws_.dfc = Tensor::empty({N, width_}, DType::BF16, W);
+    if (cfg_.arch == Arch::GPT2) return;
+    // Llama: the activation's fp32 gradient (the down projection's input gradient), then the
+    // gate's and up's in bf16 (the projections' output gradients)
+    ws_.dup = Tensor::empty({N, width_}, DType::BF16, W);
+    ws_.dact = Tensor::empty({N, width_}, DType::F32, W);
     return;
   }
   ws_.dfc = Tensor::empty({N, width_}, DType::F32, W);
@@ -33,6 +38,15 @@ void Mlp::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, con
                   float* stage) {
   const int64_t C = cfg_.n_embd, F = width_;
   const bool bf = compute_ == DType::BF16;
+  if (fused_ && cfg_.arch == Arch::Llama) {  // gate and up kept in bf16 (bf16 GEMM outputs), act = silu(gate) up
+    const Weight wg = P.weight(p.fc_w, -1, F, false), wu = P.weight(p.up_w, -1, F, false);
+    if (wg.nlora > 0 || wu.nlora > 0) throw std::logic_error("the bf16 SwiGLU MLP takes no LoRA adapters");
+    kt_->linear_forward_bf16_out16(a.fc.bf(), a.ln2.bf(), wg.wb, nullptr, N, C, F);
+    kt_->linear_forward_bf16_out16(a.up.bf(), a.ln2.bf(), wu.wb, nullptr, N, C, F);
+    kt_->swiglu_forward_bf16(a.act.bf(), a.fc.bf(), a.up.bf(), N * F);
+    RowParallelLinear(tpc_, F, P.weight(p.down_w, p.down_b, C, false)).forward(out, a.act);
+    return;
+  }
   if (fused_) {  // act = gelu(fc), fc = ln2 W^T + b kept in bf16: one GEMM with the GELU_AUX epilogue
     const Weight w = P.weight(p.fc_w, p.fc_b, F, false);
     if (w.nlora > 0) throw std::logic_error("the fused GELU epilogue takes no LoRA adapters");
@@ -56,6 +70,20 @@ void Mlp::forward(LayerParams& P, const BlockParams& p, BlockActivations& a, con
 const float* Mlp::backward(LayerParams& P, const BlockParams& p, BlockActivations& a, const float* dout, float* dnorm,
                            int64_t N) {
   const int64_t C = cfg_.n_embd, F = width_;
+  if (fused_ && cfg_.arch == Arch::Llama) {
+    // The down projection's backward (its input gradient fp32), SwiGLU's backward from the bf16 gate
+    // and up into their bf16 output gradients, then the gate and up projections' backward from those.
+    const Weight wg = P.weight(p.fc_w, -1, F, true), wu = P.weight(p.up_w, -1, F, true);
+    if (wg.nlora > 0 || wu.nlora > 0) throw std::logic_error("the bf16 SwiGLU MLP takes no LoRA adapters");
+    float* dact = ws_.dact.f32();  // overwritten by the down projection's backward
+    RowParallelLinear(tpc_, F, P.weight(p.down_w, p.down_b, C, true)).backward(dact, dout, a.act);
+    bf16 *dg = ws_.dfc.bf(), *du = ws_.dup.bf();
+    kt_->swiglu_backward_bf16(dg, du, dact, a.fc.bf(), a.up.bf(), N * F);
+    dev::zero(dev_, dnorm, static_cast<size_t>(N * C) * sizeof(float));
+    kt_->linear_backward_bf16_dy(dnorm, wg.dw, dg, a.ln2.bf(), wg.wb, N, C, F);
+    kt_->linear_backward_bf16_dy(dnorm, wu.dw, du, a.ln2.bf(), wu.wb, N, C, F);
+    return dnorm;
+  }
   if (fused_) {
     // The down projection's weight and bias gradients, and the GELU input's gradient from its
     // input-gradient GEMM (DGELU epilogue, bf16); then fc's backward from that bf16 gradient, its

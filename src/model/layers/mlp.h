@@ -16,8 +16,9 @@ struct KernelTable;
 
 class Mlp {
  public:
-  // width: this tp rank's hidden width. gelu_epilogue: GPT-2 in bf16 through the fused GEMM-epilogue
-  // ops (ModelOptions::gelu_epilogue; the blocks' `fc` is then bf16).
+  // width: this tp rank's hidden width. gelu_epilogue: the bf16 MLP with bf16 pre-activations
+  // (ModelOptions::gelu_epilogue; the blocks' `fc`, and Llama's `up`, are then bf16): GPT-2 through
+  // the fused GEMM-epilogue ops, Llama through bf16-output GEMMs and the bf16 SwiGLU ops.
   Mlp(const ModelConfig& cfg, DType compute, Device dev, const kernels::KernelTable* kt, TpContext& tpc,
       int64_t width, bool gelu_epilogue = false);
   // Workspace for N tokens; release() frees it (before a new shape's).
@@ -43,8 +44,8 @@ class Mlp {
   bool fused_;
   struct Workspace {
     Tensor dfc;   // the gradient of fc (GPT-2) or gate (Llama) [N, F] (bf16 when fused_)
-    Tensor dup;   // Llama: the gradient of up [N, F] (not allocated when fused_)
-    Tensor dact;  // the gradient of the activation [N, F] (not allocated when fused_)
+    Tensor dup;   // Llama: the gradient of up [N, F] (bf16 when fused_)
+    Tensor dact;  // the gradient of the activation [N, F] (fp32; not allocated for GPT-2 when fused_)
   } ws_;
 };
 

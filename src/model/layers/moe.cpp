@@ -135,7 +135,7 @@ void MoeLayer::dispatch(BlockActivations& a, const Tensor& x, int64_t N, int64_t
   }
   for (int64_t e = 0; e < shape_.local_experts; ++e) a.kept[e] = kept[shape_.first_expert + e];
   a.M = Ms;
-  alloc_moe_acts(a, cfg_, compute_, N, Ms, shape_.expert_width);
+  alloc_moe_acts(a, cfg_, compute_, N, Ms, shape_.expert_width, shape_.bf16_pre);
   dev::copy_from_host(dev_, a.order.raw(), order.data(), static_cast<size_t>(Ms) * sizeof(int32_t));
   kt_->moe_gather_rows(a.xs.raw(), x.raw(), a.order.i32(), Ms, C * esz);
 }
@@ -174,7 +174,7 @@ void MoeLayer::dispatch_ep(BlockActivations& a, const Tensor& x, const std::vect
   }
   for (int64_t i = 0; i < Mr; ++i) inv[perm[i]] = static_cast<int32_t>(i);
   a.M = Mr;
-  alloc_moe_acts(a, cfg_, compute_, N, Mr, shape_.expert_width);
+  alloc_moe_acts(a, cfg_, compute_, N, Mr, shape_.expert_width, shape_.bf16_pre);
   if (!a.inv.defined() || a.inv.numel() < std::max<int64_t>(Mr, 1))
     a.inv = Tensor::empty({std::max<int64_t>(Mr, 1)}, DType::I32, MemCategory::Activations);
   if (!a.ysend.defined() || a.ysend.numel() < std::max<int64_t>(Ms, 1) * C)
@@ -205,7 +205,20 @@ void MoeLayer::experts_forward(LayerParams& P, const BlockParams& p, BlockActiva
   };
   const int st = expert_stride(cfg_);
   int64_t r0 = 0;
-  for (int64_t e = 0; e < shape_.local_experts; ++e) {
+  if (shape_.bf16_pre) {  // Llama, bf16: h1 (gate) and h3 (up) written in bf16, SwiGLU on them into xact
+    for (int64_t e = 0; e < shape_.local_experts; ++e) {
+      const int q = p.expert0 + static_cast<int>(e) * st;
+      const int64_t n = a.kept[e];
+      if (n > 0) {
+        const Weight w1 = P.expert_weight(q, -1, Fe, false), w3 = P.expert_weight(q + 2, -1, Fe, false);
+        kt_->linear_forward_bf16_out16(a.h1.bf() + r0 * Fe, a.xs.bf() + r0 * C, w1.wb, nullptr, n, C, Fe);
+        kt_->linear_forward_bf16_out16(a.h3.bf() + r0 * Fe, a.xs.bf() + r0 * C, w3.wb, nullptr, n, C, Fe);
+      }
+      r0 += n;
+    }
+    kt_->swiglu_forward_bf16(a.xact.bf(), a.h1.bf(), a.h3.bf(), M * Fe);
+  }
+  for (int64_t e = 0; e < shape_.local_experts && !shape_.bf16_pre; ++e) {
     const int q = p.expert0 + static_cast<int>(e) * st;
     const int64_t n = a.kept[e];
     if (gpt) {
@@ -216,12 +229,14 @@ void MoeLayer::experts_forward(LayerParams& P, const BlockParams& p, BlockActiva
     }
     r0 += n;
   }
-  float* act = bf ? fit(ws_.act_f32, M * Fe).f32() : a.xact.f32();
-  if (gpt)
-    kt_->gelu_forward(act, a.h1.f32(), M * Fe);
-  else
-    kt_->swiglu_forward(act, a.h1.f32(), a.h3.f32(), M * Fe);
-  if (bf) kt_->cast_f32_to_bf16(a.xact.bf(), act, M * Fe);
+  if (!shape_.bf16_pre) {
+    float* act = bf ? fit(ws_.act_f32, M * Fe).f32() : a.xact.f32();
+    if (gpt)
+      kt_->gelu_forward(act, a.h1.f32(), M * Fe);
+    else
+      kt_->swiglu_forward(act, a.h1.f32(), a.h3.f32(), M * Fe);
+    if (bf) kt_->cast_f32_to_bf16(a.xact.bf(), act, M * Fe);
+  }
   r0 = 0;
   for (int64_t e = 0; e < shape_.local_experts; ++e) {
     const int q = p.expert0 + static_cast<int>(e) * st;
@@ -425,10 +440,8 @@ void MoeLayer::experts_backward(LayerParams& P, const BlockParams& p, BlockActiv
       kt_->linear_backward(dx, w.dw, w.db, g, x.f32() + row0 * in, w.wf, n, in, w.out);
   };
   float* dact = fit(ws_.dact, M * Fe).f32();
-  float* dh1 = fit(ws_.dh1, M * Fe).f32();
   float* dxs = fit(ws_.dxs, M * C).f32();
   dev::zero(dev_, dact, static_cast<size_t>(M * Fe) * sizeof(float));
-  dev::zero(dev_, dh1, static_cast<size_t>(M * Fe) * sizeof(float));
   dev::zero(dev_, dxs, static_cast<size_t>(M * C) * sizeof(float));
   const int st = expert_stride(cfg_);
   int64_t r0 = 0;
@@ -439,6 +452,25 @@ void MoeLayer::experts_backward(LayerParams& P, const BlockParams& p, BlockActiv
     linb(dact + r0 * Fe, w2, dy + r0 * C, a.xact, r0, n, Fe);
     r0 += n;
   }
+  if (shape_.bf16_pre) {  // Llama, bf16: the gate's and up's gradients in bf16 (written), read by their GEMMs
+    bf16* dh1 = fit(ws_.dh1, M * Fe, DType::BF16).bf();
+    bf16* dh3 = fit(ws_.dh3, M * Fe, DType::BF16).bf();
+    kt_->swiglu_backward_bf16(dh1, dh3, dact, a.h1.bf(), a.h3.bf(), M * Fe);
+    r0 = 0;
+    for (int64_t e = 0; e < shape_.local_experts; ++e) {
+      const int q = p.expert0 + static_cast<int>(e) * st;
+      const int64_t n = a.kept[e];
+      if (n > 0) {
+        const Weight w1 = P.expert_weight(q, -1, Fe, true), w3 = P.expert_weight(q + 2, -1, Fe, true);
+        kt_->linear_backward_bf16_dy(dxs + r0 * C, w1.dw, dh1 + r0 * Fe, a.xs.bf() + r0 * C, w1.wb, n, C, Fe);
+        kt_->linear_backward_bf16_dy(dxs + r0 * C, w3.dw, dh3 + r0 * Fe, a.xs.bf() + r0 * C, w3.wb, n, C, Fe);
+      }
+      r0 += n;
+    }
+    return;
+  }
+  float* dh1 = fit(ws_.dh1, M * Fe).f32();
+  dev::zero(dev_, dh1, static_cast<size_t>(M * Fe) * sizeof(float));
   float* dh3 = nullptr;
   if (gpt) {
     kt_->gelu_backward(dh1, a.h1.f32(), dact, M * Fe);

@@ -35,6 +35,9 @@ struct MoeShape {
   int64_t expert_width = 0;                     // one routed expert's hidden width
   int64_t shared_width = 0;                     // the shared experts' hidden width (0: none)
   bool experts_apart = false;                   // expert parallelism: experts in their own buffers
+  // Llama's routed experts with bf16 pre-activations (ModelOptions::gelu_epilogue, bf16): h1 and h3
+  // written by bf16-output GEMMs, the bf16 SwiGLU ops, their gradients bf16.
+  bool bf16_pre = false;
 };
 
 class MoeLayer {
