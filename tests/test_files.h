@@ -6,8 +6,11 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "data/token_shards.h"
 
@@ -29,6 +32,19 @@ struct TestDir {
   TestDir& operator=(const TestDir&) = delete;
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
+
+// The final summary object of a metrics file (the line with "final"; null if there is none).
+inline nlohmann::json final_metrics(const std::string& metrics) {
+  std::ifstream f(metrics);
+  std::string line;
+  nlohmann::json last;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("final")) last = j;
+  }
+  return last;
+}
 
 // One batch of a loader: inputs and targets, B x T each.
 struct Batch {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_files.h"
 #include "checkpoint/safetensors.h"
 #include "data/token_shards.h"
 
@@ -92,17 +93,7 @@ inline std::vector<float> weights(const std::string& ckdir) {
   return all;
 }
 
-// The final summary object of a metrics file.
-inline nlohmann::json final_metrics(const std::string& metrics) {
-  std::ifstream f(metrics);
-  std::string line;
-  nlohmann::json last;
-  while (std::getline(f, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("final")) last = j;
-  }
-  return last;
-}
+using test::final_metrics;  // the final summary object of a metrics file
 
 struct RunResult {
   std::vector<double> losses;

@@ -27,6 +27,8 @@
 namespace mt {
 namespace {
 
+using test::final_metrics;
+
 using Overrides = std::vector<std::pair<std::string, std::string>>;
 
 constexpr int kSteps = 6;
@@ -143,15 +145,6 @@ TEST_F(GpuOffload, CheckpointsResumeAcrossOffload) {
     for (size_t i = 0; i < 2; ++i)
       EXPECT_NEAR(resumed.losses[i], whole.losses[i + 2], kFp32Rel * std::abs(whole.losses[i + 2])) << "step " << i + 3;
   }
-}
-
-nlohmann::json final_metrics(const std::string& path) {
-  std::ifstream f(path);
-  std::string line;
-  nlohmann::json last;
-  while (std::getline(f, line))
-    if (!line.empty()) last = nlohmann::json::parse(line);
-  return last;
 }
 
 // bf16: without offload the device holds bf16 weights, fp32 gradients and 12 bytes per element of

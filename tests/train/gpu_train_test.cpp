@@ -36,6 +36,8 @@ namespace fs = std::filesystem;
 namespace mt {
 namespace {
 
+using test::final_metrics;
+
 using Overrides = std::vector<std::pair<std::string, std::string>>;
 
 // Per-step losses of two runs agree within `rel` relative error.
@@ -63,6 +65,29 @@ class GpuTrain : public ::testing::Test {
   RunConfig config(const std::string& device, const Overrides& extra = {}) {
     return RunConfig::load("", overrides(device, extra));
   }
+  // Two GPU runs that differ in one choice (`a` keeps some activations in bf16, `f32` does not;
+  // ma / mf: their resident memory by category): a dry run of each counts its run's model state and
+  // workspace, and the two dry runs differ in activations by the same `saved` bytes as the runs.
+  void expect_dry_runs_agree(const Overrides& a, const Overrides& f32, const nlohmann::json& ma,
+                             const nlohmann::json& mf, int64_t saved, const std::string& what) {
+    for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(ma[c], mf[c]) << c;
+    nlohmann::json dry[2];
+    for (int i = 0; i < 2; ++i) {
+      std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
+      Overrides d = overrides("cuda", i == 0 ? a : f32);
+      d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
+      for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
+      cmd += " > " + tmp_.file("dry.log") + " 2>&1";
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+      dry[i] = final_metrics(tmp_.file("dry.jsonl"));
+      ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
+      dry[i] = dry[i]["mem_resident_by_category"];
+      for (const char* c : {"params", "grads", "optimizer", "workspace"})
+        EXPECT_EQ(dry[i][c], (i == 0 ? ma : mf)[c]) << c << (i == 0 ? ", bf16 " : ", fp32 ") << what;
+    }
+    EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved) << what;
+  }
+
   Overrides overrides(const std::string& device, const Overrides& extra = {}) {
     Overrides ov = {{"model.preset", "gpt2-tiny"},   {"data.train", tmp_.file("train.bin")},
                     {"data.val", tmp_.file("val.bin")}, {"train.steps", "20"},
@@ -157,15 +182,6 @@ TEST_F(GpuTrain, Gpt2Bf16MatchesCpu) {
   expect_close(cpu.losses, plain.losses, kBf16Rel, "training loss, reference attention");
   expect_close(cpu.val_losses, plain.val_losses, kBf16Rel, "validation loss, reference attention");
   EXPECT_NE(flash.losses, plain.losses) << "model.attention_kernel made no difference on the GPU";
-}
-
-nlohmann::json final_metrics(const std::string& path) {
-  std::ifstream f(path);
-  std::string line;
-  nlohmann::json last;
-  while (std::getline(f, line))
-    if (!line.empty()) last = nlohmann::json::parse(line);
-  return last;
 }
 
 // Flash attention keeps bf16 q|k|v per layer instead of fp32 (2 bytes less per element of the
@@ -349,22 +365,7 @@ TEST_F(GpuTrain, Bf16ResidualMatchesCpuAndTheDryRunAgrees) {
   mc.resolve();
   const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.n_embd * (2 * mc.n_layer + 1);
   EXPECT_EQ(mf["activations"].get<int64_t>() - mr["activations"].get<int64_t>(), saved);
-  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(mr[c], mf[c]) << c;
-  nlohmann::json dry[2];
-  for (int i = 0; i < 2; ++i) {
-    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-    Overrides d = overrides("cuda", i == 0 ? res : f32);
-    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
-    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
-    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
-    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
-    dry[i] = dry[i]["mem_resident_by_category"];
-    for (const char* c : {"params", "grads", "optimizer", "workspace"})
-      EXPECT_EQ(dry[i][c], (i == 0 ? mr : mf)[c]) << c << (i == 0 ? ", bf16 residual" : ", fp32 residual");
-  }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
+  expect_dry_runs_agree(res, f32, mr, mf, saved, "residual");
 }
 
 // The LM head's logits in bf16 (model.logits_dtype = auto on the GPU in bf16): the head GEMM writes
@@ -396,22 +397,7 @@ TEST_F(GpuTrain, Bf16LogitsMatchCpuAndTheDryRunAgrees) {
   mc.resolve();
   const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.padded_vocab;
   EXPECT_EQ(mf["activations"].get<int64_t>() - ml["activations"].get<int64_t>(), saved);
-  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(ml[c], mf[c]) << c;
-  nlohmann::json dry[2];
-  for (int i = 0; i < 2; ++i) {
-    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-    Overrides d = overrides("cuda", i == 0 ? l16 : f32);
-    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
-    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
-    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
-    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
-    dry[i] = dry[i]["mem_resident_by_category"];
-    for (const char* c : {"params", "grads", "optimizer", "workspace"})
-      EXPECT_EQ(dry[i][c], (i == 0 ? ml : mf)[c]) << c << (i == 0 ? ", bf16 logits" : ", fp32 logits");
-  }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
+  expect_dry_runs_agree(l16, f32, ml, mf, saved, "logits");
 }
 
 // Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.

@@ -415,6 +415,19 @@ TEST_F(TrainerTest, AttentionKernelChoiceOnTheCpu) {
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(flash[i], ref[i], 2e-3 * ref[i]) << "step " << i + 1;
 }
 
+// Each step's gradient norm in a metrics file (AdamW is blind to a gradient's scale; the norm is not).
+std::vector<double> step_grad_norms(const std::string& metrics) {
+  std::vector<double> norms;
+  std::ifstream f(metrics);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("step") && j.contains("grad_norm")) norms.push_back(j["grad_norm"].get<double>());
+  }
+  return norms;
+}
+
 // On the CPU model.mlp_kernel = auto is the unfused MLP (the run is unchanged, bit for bit); fused
 // runs the bf16 MLP with its pre-activations kept in bf16 (GPT-2: the CPU's forms of the
 // fused-epilogue ops; Llama: bf16 gate and up, the bf16 SwiGLU ops), a different rounding that
@@ -424,20 +437,14 @@ void mlp_kernel_choice(const std::filesystem::path& dir,
                        const char* preset) {
   const std::vector<std::pair<std::string, std::string>> bf = {
       {"train.dtype", "bf16"}, {"train.eval_every", "0"}, {"model.preset", preset}};
-  // Each step's loss and gradient norm (AdamW is blind to a gradient's scale; the norm is not).
+  // Each step's loss and gradient norm.
   auto with = [&](const char* kernel, std::vector<double>* norms) {
     auto ov = bf;
     if (kernel) ov.emplace_back("model.mlp_kernel", kernel);
     const std::string out = (dir / (std::string(preset) + "-" + (kernel ? kernel : "auto") + ".jsonl")).string();
     ov.emplace_back("log.metrics_out", out);
     const std::vector<double> losses = train(config(ov)).losses;
-    std::ifstream f(out);
-    std::string line;
-    while (std::getline(f, line)) {
-      if (line.empty()) continue;
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j.contains("grad_norm")) norms->push_back(j["grad_norm"].get<double>());
-    }
+    *norms = step_grad_norms(out);
     return losses;
   };
   std::vector<double> na, np, nf;
@@ -479,13 +486,7 @@ TEST_F(TrainerTest, Bf16ResidualOnTheCpu) {
     const std::string out = (dir_ / (name + (res ? res : "auto") + ".jsonl")).string();
     ov.emplace_back("log.metrics_out", out);
     const std::vector<double> losses = train(config(ov)).losses;
-    std::ifstream f(out);
-    std::string line;
-    while (std::getline(f, line)) {
-      if (line.empty()) continue;
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j.contains("grad_norm")) norms->push_back(j["grad_norm"].get<double>());
-    }
+    *norms = step_grad_norms(out);
     return losses;
   };
   const std::vector<std::pair<std::string, Ov>> runs = {
@@ -532,13 +533,7 @@ TEST_F(TrainerTest, Bf16LogitsOnTheCpu) {
     const std::string out = (dir_ / (name + (lg ? lg : "auto") + ".jsonl")).string();
     ov.emplace_back("log.metrics_out", out);
     const TrainResult r = train(config(ov));
-    std::ifstream f(out);
-    std::string line;
-    while (std::getline(f, line)) {
-      if (line.empty()) continue;
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j.contains("grad_norm")) norms->push_back(j["grad_norm"].get<double>());
-    }
+    *norms = step_grad_norms(out);
     std::vector<double> losses = r.losses;
     losses.insert(losses.end(), r.val_losses.begin(), r.val_losses.end());
     return std::make_pair(losses, r.losses.size());
