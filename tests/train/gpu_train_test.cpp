@@ -65,16 +65,16 @@ class GpuTrain : public ::testing::Test {
   RunConfig config(const std::string& device, const Overrides& extra = {}) {
     return RunConfig::load("", overrides(device, extra));
   }
-  // Two GPU runs that differ in one choice (`a` keeps some activations in bf16, `f32` does not;
-  // ma / mf: their resident memory by category): a dry run of each counts its run's model state and
-  // workspace, and the two dry runs differ in activations by the same `saved` bytes as the runs.
-  void expect_dry_runs_agree(const Overrides& a, const Overrides& f32, const nlohmann::json& ma,
-                             const nlohmann::json& mf, int64_t saved, const std::string& what) {
-    for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(ma[c], mf[c]) << c;
+  // Two GPU runs that differ in one choice (overrides a and b; ma / mb: their resident memory by
+  // category): a dry run of each (in its own process: it replaces the world and the device) counts
+  // its run's model state and workspace, and the two dry runs differ in activations by `saved`
+  // bytes (b's minus a's), as the runs do.
+  void expect_dry_runs_agree(const Overrides& a, const Overrides& b, const nlohmann::json& ma,
+                             const nlohmann::json& mb, int64_t saved, const char* what_a, const char* what_b) {
     nlohmann::json dry[2];
     for (int i = 0; i < 2; ++i) {
       std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-      Overrides d = overrides("cuda", i == 0 ? a : f32);
+      Overrides d = overrides("cuda", i == 0 ? a : b);
       d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
       for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
       cmd += " > " + tmp_.file("dry.log") + " 2>&1";
@@ -83,9 +83,10 @@ class GpuTrain : public ::testing::Test {
       ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
       dry[i] = dry[i]["mem_resident_by_category"];
       for (const char* c : {"params", "grads", "optimizer", "workspace"})
-        EXPECT_EQ(dry[i][c], (i == 0 ? ma : mf)[c]) << c << (i == 0 ? ", bf16 " : ", fp32 ") << what;
+        EXPECT_EQ(dry[i][c], (i == 0 ? ma : mb)[c]) << c << ", " << (i == 0 ? what_a : what_b);
     }
-    EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved) << what;
+    EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved)
+        << what_a << " against " << what_b;
   }
 
   Overrides overrides(const std::string& device, const Overrides& extra = {}) {
@@ -207,25 +208,10 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), saved);
   EXPECT_EQ(mf["workspace"].get<int64_t>() - mr["workspace"].get<int64_t>(), 4 * qkv);
 
-  // The dry runs of both (each in its own process: it replaces the world and the device) count the
-  // same model state and workspace, and the same difference in activations. (The real GPU run's
-  // activations also hold the device batch buffers - inputs, loss accumulator, scalars - which the
-  // dry run does not make; that part is the same for both kernels.)
-  nlohmann::json dry[2];
-  for (int i = 0; i < 2; ++i) {
-    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-    Overrides d = overrides("cuda", i == 0 ? flash : ref);
-    d.back().second = tmp_.file("dry.jsonl");  // log.metrics_out
-    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
-    cmd += " > " + tmp_.file("dry.log") + " 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    dry[i] = final_metrics(tmp_.file("dry.jsonl"));
-    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
-    dry[i] = dry[i]["mem_resident_by_category"];
-    for (const char* c : {"params", "grads", "optimizer", "workspace"})
-      EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", flash" : ", reference");
-  }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved);
+  // The dry runs of both count the same model state and workspace, and the same difference in
+  // activations. (The real GPU run's activations also hold the device batch buffers - inputs, loss
+  // accumulator, scalars - which the dry run does not make; that part is the same for both kernels.)
+  expect_dry_runs_agree(flash, ref, mf, mr, saved, "flash", "reference");
 }
 
 // One value of every step's metrics line.
@@ -271,21 +257,7 @@ void fused_mlp_check(GpuTrain& t, const char* preset, int64_t act, int64_t ws) {
   EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), act * fc * mc.n_layer);
   EXPECT_EQ(mr["workspace"].get<int64_t>() - mf["workspace"].get<int64_t>(), ws * fc);
   for (const char* c : {"params", "grads", "optimizer"}) EXPECT_EQ(mf[c], mr[c]) << c;
-  nlohmann::json dry[2];
-  for (int i = 0; i < 2; ++i) {
-    std::string cmd = std::string(MT_BINARY) + " train --dry-run --world 1 --rank 0";
-    Overrides d = t.overrides("cuda", i == 0 ? fused : plain);
-    d.back().second = t.file("dry.jsonl");  // log.metrics_out
-    for (const auto& [k, v] : d) cmd += " --" + k + " '" + v + "'";
-    cmd += " > " + t.file("dry.log") + " 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    dry[i] = final_metrics(t.file("dry.jsonl"));
-    ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
-    dry[i] = dry[i]["mem_resident_by_category"];
-    for (const char* c : {"params", "grads", "optimizer", "workspace"})
-      EXPECT_EQ(dry[i][c], (i == 0 ? mf : mr)[c]) << c << (i == 0 ? ", fused" : ", unfused");
-  }
-  EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), act * fc * mc.n_layer);
+  t.expect_dry_runs_agree(fused, plain, mf, mr, act * fc * mc.n_layer, "fused", "unfused");
 }
 
 // GPT-2: the up projection's GELU_AUX_BIAS epilogue writes the pre-activation in bf16 (kept for the
@@ -365,7 +337,8 @@ TEST_F(GpuTrain, Bf16ResidualMatchesCpuAndTheDryRunAgrees) {
   mc.resolve();
   const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.n_embd * (2 * mc.n_layer + 1);
   EXPECT_EQ(mf["activations"].get<int64_t>() - mr["activations"].get<int64_t>(), saved);
-  expect_dry_runs_agree(res, f32, mr, mf, saved, "residual");
+  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(mr[c], mf[c]) << c;
+  expect_dry_runs_agree(res, f32, mr, mf, saved, "bf16 residual", "fp32 residual");
 }
 
 // The LM head's logits in bf16 (model.logits_dtype = auto on the GPU in bf16): the head GEMM writes
@@ -397,7 +370,8 @@ TEST_F(GpuTrain, Bf16LogitsMatchCpuAndTheDryRunAgrees) {
   mc.resolve();
   const int64_t saved = 2 * rc.train.micro_batch * mc.seq_len * mc.padded_vocab;
   EXPECT_EQ(mf["activations"].get<int64_t>() - ml["activations"].get<int64_t>(), saved);
-  expect_dry_runs_agree(l16, f32, ml, mf, saved, "logits");
+  for (const char* c : {"params", "grads", "optimizer", "workspace"}) EXPECT_EQ(ml[c], mf[c]) << c;
+  expect_dry_runs_agree(l16, f32, ml, mf, saved, "bf16 logits", "fp32 logits");
 }
 
 // Grouped-query attention (4 query heads, 2 key/value heads) in the flash kernels, recomputed.
