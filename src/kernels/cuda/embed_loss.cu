@@ -71,64 +71,52 @@ __global__ void pos_bwd_k(float* dpos, const float* dout, int64_t B, int64_t T, 
   }
 }
 
-// One block per row. grad: overwrite the row with (softmax - onehot) * dloss (0 in padding).
-template <bool kGrad>
-__global__ void ce_k(float* logits, float* losses, const int32_t* targets, int64_t V, int64_t Vp, float dloss) {
-  MT_SHARED(shm, float[32]);
-  const int64_t n = blockIdx.x;
-  float* x = logits + n * Vp;
-  const int32_t tgt = targets[n];
-  if (tgt < 0) {
-    if constexpr (kGrad)
-      for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) x[j] = 0.0f;
-    if (threadIdx.x == 0) losses[n] = 0.0f;
-    return;
-  }
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
-  m = block_max(m, shm);
-  float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - m);
-  s = block_sum(s, shm);
-  const bool bad = tgt >= V;
-  if (threadIdx.x == 0) losses[n] = bad ? NAN : logf(s) + m - x[tgt];
-  if constexpr (kGrad) {
-    __syncthreads();  // x[tgt] was read above
-    const float f = dloss / s;
-    for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x)
-      x[j] = j < V ? expf(x[j] - m) * f - (j == tgt ? dloss : 0.0f) : 0.0f;
-  }
+// A logit as the loss reads it (fp32, or bf16 widened) and as it writes the gradient back (bf16:
+// rounded).
+template <class T>
+__device__ __forceinline__ float logit_f32(T v) {
+  if constexpr (sizeof(T) == sizeof(float))
+    return v;
+  else
+    return bf16_bits_to_f32(v);
+}
+template <class T>
+__device__ __forceinline__ T logit_store(float v) {
+  if constexpr (sizeof(T) == sizeof(float))
+    return v;
+  else
+    return f32_to_bf16_bits(v);
 }
 
-// ce_k on bf16 logits: one block per row, the values widened as they are read, fp32 arithmetic
-// (the block's reductions in a fixed order); grad: the row overwritten in place by its gradient
-// rounded to bf16 (0 in padding). Each thread rewrites only the values it read itself.
-template <bool kGrad>
-__global__ void ce_from_bf16_k(uint16_t* logits, float* losses, const int32_t* targets, int64_t V, int64_t Vp,
-                               float dloss) {
+// One block per row of fp32 logits (T = float) or bf16 ones (T = uint16_t, widened as they are
+// read), fp32 arithmetic, the block's reductions in a fixed order. grad: overwrite the row with
+// (softmax - onehot) * dloss (0 in padding), in bf16 rounded for bf16 logits; each thread rewrites
+// only the values it read itself.
+template <bool kGrad, class T>
+__global__ void ce_k(T* logits, float* losses, const int32_t* targets, int64_t V, int64_t Vp, float dloss) {
   MT_SHARED(shm, float[32]);
   const int64_t n = blockIdx.x;
-  uint16_t* x = logits + n * Vp;
+  T* x = logits + n * Vp;
   const int32_t tgt = targets[n];
   if (tgt < 0) {
     if constexpr (kGrad)
-      for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) x[j] = 0;
+      for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) x[j] = T{0};
     if (threadIdx.x == 0) losses[n] = 0.0f;
     return;
   }
   float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, bf16_bits_to_f32(x[j]));
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, logit_f32(x[j]));
   m = block_max(m, shm);
   float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(bf16_bits_to_f32(x[j]) - m);
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(logit_f32(x[j]) - m);
   s = block_sum(s, shm);
   const bool bad = tgt >= V;
-  if (threadIdx.x == 0) losses[n] = bad ? NAN : logf(s) + m - bf16_bits_to_f32(x[tgt]);
+  if (threadIdx.x == 0) losses[n] = bad ? NAN : logf(s) + m - logit_f32(x[tgt]);
   if constexpr (kGrad) {
     __syncthreads();  // x[tgt] was read above
     const float f = dloss / s;
     for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x)
-      x[j] = j < V ? f32_to_bf16_bits(expf(bf16_bits_to_f32(x[j]) - m) * f - (j == tgt ? dloss : 0.0f)) : uint16_t{0};
+      x[j] = j < V ? logit_store<T>(expf(logit_f32(x[j]) - m) * f - (j == tgt ? dloss : 0.0f)) : T{0};
   }
 }
 
@@ -244,7 +232,8 @@ void softmax_cross_entropy(float* logits, float* losses, const int32_t* targets,
                            float dloss) {
   check_vocab(V, Vp, "softmax_cross_entropy");
   if (N <= 0) return;
-  MT_LAUNCH(ce_k<true>, static_cast<unsigned>(N), kThreads, 0, stream())(logits, losses, targets, V, Vp, dloss);
+  void (*const k)(float*, float*, const int32_t*, int64_t, int64_t, float) = ce_k<true, float>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(logits, losses, targets, V, Vp, dloss);
   check_launch("softmax_cross_entropy");
 }
 void softmax_cross_entropy_bf16(float* logits, float* losses, const int32_t* targets, int64_t N, int64_t V, int64_t Vp,
@@ -261,8 +250,9 @@ void softmax_cross_entropy_forward(const float* logits, float* losses, const int
                                    int64_t Vp) {
   check_vocab(V, Vp, "softmax_cross_entropy_forward");
   if (N <= 0) return;
-  MT_LAUNCH(ce_k<false>, static_cast<unsigned>(N), kThreads, 0, stream())(const_cast<float*>(logits), losses, targets,
-                                                                           V, Vp, 0.0f);
+  void (*const k)(float*, float*, const int32_t*, int64_t, int64_t, float) = ce_k<false, float>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(const_cast<float*>(logits), losses, targets, V, Vp,
+                                                               0.0f);
   check_launch("softmax_cross_entropy_forward");
 }
 void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t* targets, int64_t N, int64_t V,
@@ -270,10 +260,9 @@ void softmax_cross_entropy_from_bf16(bf16* logits, float* losses, const int32_t*
   check_vocab(V, Vp, "softmax_cross_entropy_from_bf16");
   if (N <= 0) return;
   uint16_t* x = reinterpret_cast<uint16_t*>(logits);
-  if (train)
-    MT_LAUNCH(ce_from_bf16_k<true>, static_cast<unsigned>(N), kThreads, 0, stream())(x, losses, targets, V, Vp, dloss);
-  else
-    MT_LAUNCH(ce_from_bf16_k<false>, static_cast<unsigned>(N), kThreads, 0, stream())(x, losses, targets, V, Vp, 0.0f);
+  void (*const k)(uint16_t*, float*, const int32_t*, int64_t, int64_t, float) =
+      train ? ce_k<true, uint16_t> : ce_k<false, uint16_t>;
+  MT_LAUNCH(k, static_cast<unsigned>(N), kThreads, 0, stream())(x, losses, targets, V, Vp, train ? dloss : 0.0f);
   check_launch("softmax_cross_entropy_from_bf16");
 }
 void vp_ce_rowmax(float* rowmax, const float* lg, int64_t N, int64_t Vl, int64_t valid) {
