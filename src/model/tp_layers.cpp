@@ -550,32 +550,32 @@ void TpContext::sum_pending_norms() {
 // Under SP each rank saw only its rows, so the parameters' contribution is computed into a zeroed
 // slot and summed over the tp ranks first: every rank adds the same full value (at once, or with
 // the other norm of its block at the block's end).
-void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd,
-                    int64_t R) const {
-  auto run = [&](float* dw, float* db) {
-    if (ln_)
-      ctx_.kt->layernorm_backward(dx, dw, db, dy, x, w_, mean.f32(), rstd.f32(), R, C_);
-    else
-      ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
-  };
+template <class Run>
+void Norm::backward_params(const Run& run) const {
   if (!ctx_.sp || (!dw_ && !db_)) return run(dw_, db_);  // frozen (LoRA): no parameter gradient to sum
   float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
   run(t, ln_ ? t + C_ : nullptr);
   if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();
 }
 
+void Norm::backward(float* dx, const float* dy, const float* x, const Tensor& mean, const Tensor& rstd,
+                    int64_t R) const {
+  backward_params([&](float* dw, float* db) {
+    if (ln_)
+      ctx_.kt->layernorm_backward(dx, dw, db, dy, x, w_, mean.f32(), rstd.f32(), R, C_);
+    else
+      ctx_.kt->rmsnorm_backward(dx, dw, dy, x, w_, rstd.f32(), R, C_);
+  });
+}
+
 void Norm::backward_bf16(float* dx, const float* dy, const bf16* x, const Tensor& mean, const Tensor& rstd,
                          int64_t R) const {
-  auto run = [&](float* dw, float* db) {
+  backward_params([&](float* dw, float* db) {
     if (ln_)
       ctx_.kt->layernorm_backward_bf16(dx, dw, db, dy, x, w_, mean.f32(), rstd.f32(), R, C_);
     else
       ctx_.kt->rmsnorm_backward_bf16(dx, dw, dy, x, w_, rstd.f32(), R, C_);
-  };
-  if (!ctx_.sp || (!dw_ && !db_)) return run(dw_, db_);
-  float* t = ctx_.norm_grad_slot(dw_, db_, C_, ln_ ? 2 * C_ : C_);
-  run(t, ln_ ? t + C_ : nullptr);
-  if (!ctx_.norm_grads_deferred()) ctx_.flush_norm_grads();
+  });
 }
 
 // ---- VocabParallelEmbedding ----

@@ -310,6 +310,10 @@ class Norm {
                      int64_t R) const;
 
  private:
+  // The parameter-gradient handling both backwards share: run(dw, db) computes the input gradient
+  // and the parameter gradients into the pointers it is given (below).
+  template <class Run>
+  void backward_params(const Run& run) const;
   TpContext& ctx_;
   int64_t C_;
   float eps_;
