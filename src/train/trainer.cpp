@@ -257,43 +257,39 @@ bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const 
   return true;
 }
 
-// model.residual_dtype: true for the residual stream in bf16 (ModelOptions::residual_bf16). auto =
-// bf16 for bf16 runs on train.device = cuda with one model-parallel rank (tp = pp = cp = 1); fp32
-// otherwise, so CPU runs are unchanged.
-bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
-  const std::string& k = cfg.model.residual_dtype;
+// An activation dtype key (model.residual_dtype, model.logits_dtype: auto | fp32 | bf16): true for
+// bf16. auto = bf16 for bf16 runs on train.device = cuda where the choice `applies`; fp32 otherwise,
+// so CPU runs are unchanged. bf16 needs bf16 compute, and where it does not apply it is refused:
+// "<key> = bf16 <refusal>: use auto or fp32".
+bool use_bf16_dtype(const char* key, const std::string& k, const RunConfig& cfg, DType dt, bool applies,
+                    const std::string& refusal) {
   Device d = Device::CPU;
-  const bool one_rank = plan.tp <= 1 && plan.pp <= 1 && plan.cp <= 1;
-  if (k == "auto") return dt == DType::BF16 && one_rank && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "auto") return dt == DType::BF16 && applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
   if (k == "fp32") return false;
-  if (k != "bf16") throw ConfigError("model.residual_dtype must be auto, fp32 or bf16, got '" + k + "'");
+  if (k != "bf16") throw ConfigError(std::string(key) + " must be auto, fp32 or bf16, got '" + k + "'");
   if (dt != DType::BF16)
-    throw ConfigError("model.residual_dtype = bf16 needs bf16 compute: set train.dtype = bf16, or use auto / fp32");
-  if (!one_rank)
-    throw ConfigError("model.residual_dtype = bf16 runs with one model-parallel rank (parallel.tp = " +
-                      std::to_string(plan.tp) + ", parallel.pp = " + std::to_string(plan.pp) + ", parallel.cp = " +
-                      std::to_string(plan.cp) + "): use auto or fp32");
+    throw ConfigError(std::string(key) + " = bf16 needs bf16 compute: set train.dtype = bf16, or use auto / fp32");
+  if (!applies) throw ConfigError(std::string(key) + " = bf16 " + refusal + ": use auto or fp32");
   return true;
 }
 
-// model.logits_dtype: true for the LM head's logits in bf16 (ModelOptions::logits_bf16). auto =
-// bf16 for bf16 runs on train.device = cuda where the head's bf16 gradient applies (the whole
-// vocabulary on one rank: tp = 1, no train.loss_chunk_tokens); fp32 otherwise, so CPU runs are
-// unchanged.
+// model.residual_dtype: the residual stream in bf16 (ModelOptions::residual_bf16), with one
+// model-parallel rank (tp = pp = cp = 1).
+bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
+  return use_bf16_dtype("model.residual_dtype", cfg.model.residual_dtype, cfg, dt,
+                        plan.tp <= 1 && plan.pp <= 1 && plan.cp <= 1,
+                        "runs with one model-parallel rank (parallel.tp = " + std::to_string(plan.tp) +
+                            ", parallel.pp = " + std::to_string(plan.pp) + ", parallel.cp = " +
+                            std::to_string(plan.cp) + ")");
+}
+
+// model.logits_dtype: the LM head's logits in bf16 (ModelOptions::logits_bf16), where the head's
+// bf16 gradient applies (the whole vocabulary on one rank: tp = 1, no train.loss_chunk_tokens).
 bool use_bf16_logits(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
-  const std::string& k = cfg.model.logits_dtype;
-  Device d = Device::CPU;
-  const bool applies = plan.tp <= 1 && cfg.train.loss_chunk_tokens == 0;
-  if (k == "auto") return dt == DType::BF16 && applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
-  if (k == "fp32") return false;
-  if (k != "bf16") throw ConfigError("model.logits_dtype must be auto, fp32 or bf16, got '" + k + "'");
-  if (dt != DType::BF16)
-    throw ConfigError("model.logits_dtype = bf16 needs bf16 compute: set train.dtype = bf16, or use auto / fp32");
-  if (!applies)
-    throw ConfigError("model.logits_dtype = bf16 needs the whole vocabulary's logits on one rank (parallel.tp = " +
-                      std::to_string(plan.tp) + ", train.loss_chunk_tokens = " +
-                      std::to_string(cfg.train.loss_chunk_tokens) + "): use auto or fp32");
-  return true;
+  return use_bf16_dtype("model.logits_dtype", cfg.model.logits_dtype, cfg, dt,
+                        plan.tp <= 1 && cfg.train.loss_chunk_tokens == 0,
+                        "needs the whole vocabulary's logits on one rank (parallel.tp = " + std::to_string(plan.tp) +
+                            ", train.loss_chunk_tokens = " + std::to_string(cfg.train.loss_chunk_tokens) + ")");
 }
 
 parallel::ParallelizeOptions parallelize_options(const RunConfig& cfg, DType dt, bool flash, bool fused_mlp,
