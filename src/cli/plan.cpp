@@ -297,32 +297,22 @@ TrainSetup setup_from_args(const ArgParser& a, bool fp32, const ModelConfig& m, 
     notes.push_back("training sequence capped at 8192 of the config's " + std::to_string(m.seq_len) +
                     " positions; pass --seq to change");
   }
-  const std::string r = a.get("reduce-dtype", "fp32");
-  if (r == "fp32") st.reduce_bytes = 4;
-  else if (r == "bf16") st.reduce_bytes = fp32 ? 4 : 2;
-  else throw Bad("--reduce-dtype must be fp32 or bf16, got '" + r + "'");
-  if (a.has("grad-dtype")) {
-    const std::string g = a.get("grad-dtype");
-    if (g == "fp32") st.grad_bytes = 4;
-    else if (g == "bf16") st.grad_bytes = 2;
-    else throw Bad("--grad-dtype must be fp32 or bf16, got '" + g + "'");
-  }
+  // --NAME fp32 | bf16 as bytes per element; bf16 is 4 bytes in an fp32 run where it follows the
+  // compute dtype (follows_compute).
+  auto dtype_bytes = [&](const char* name, bool follows_compute) {
+    const std::string v = a.get(name);
+    if (v == "fp32") return 4;
+    if (v == "bf16") return follows_compute && fp32 ? 4 : 2;
+    throw Bad(std::string("--") + name + " must be fp32 or bf16, got '" + v + "'");
+  };
+  if (a.has("reduce-dtype")) st.reduce_bytes = dtype_bytes("reduce-dtype", true);
+  if (a.has("grad-dtype")) st.grad_bytes = dtype_bytes("grad-dtype", false);
   const std::string at = a.get("attention", "flash");
   if (at == "flash") st.attention = AttentionImpl::Flash;
   else if (at == "unfused") st.attention = AttentionImpl::Unfused;
   else throw Bad("--attention must be flash or unfused, got '" + at + "'");
-  if (a.has("logits-dtype")) {
-    const std::string ld = a.get("logits-dtype");
-    if (ld == "fp32") st.logits_bytes = 4;
-    else if (ld == "bf16") st.logits_bytes = fp32 ? 4 : 2;
-    else throw Bad("--logits-dtype must be fp32 or bf16, got '" + ld + "'");
-  }
-  if (a.has("residual-dtype")) {
-    const std::string rd = a.get("residual-dtype");
-    if (rd == "fp32") st.residual_bytes = 4;
-    else if (rd == "bf16") st.residual_bytes = fp32 ? 4 : 2;
-    else throw Bad("--residual-dtype must be fp32 or bf16, got '" + rd + "'");
-  }
+  if (a.has("logits-dtype")) st.logits_bytes = dtype_bytes("logits-dtype", true);
+  if (a.has("residual-dtype")) st.residual_bytes = dtype_bytes("residual-dtype", true);
   st.dropout = a.flag("dropout");
   st.sequence_parallel = !a.flag("no-sp");
   st.tp_comm_overlap = a.flag("tp-overlap");
