@@ -8,9 +8,12 @@
 # of the step that the executor measures on every pipeline rank (1 - compute / span, mean over the
 # ranks and the steps after the first: `pp_bubble` in the metrics), beside the formula
 # (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), zb1p (p-1)/(3m+p-1), zbv its simulated timeline,
-# which assume equal stages, free communication and (zero bubble) T_F = T_B = T_W. The idle time
-# per step (ms) is the measured idle share times the step time. --runs N repeats every
-# configuration N times, the schedules alternating (the table gives the medians).
+# which assume equal stages, free communication and (zero bubble) T_F = T_B = T_W. Idle time per
+# step (ms), two ways: over each rank's own span (the measured idle share times the step time),
+# and over the step's common window, the longest rank span (`pp_idle_ms`: a rank that finishes
+# early idles until the last one ends, as in the formula), the median over the steps after the
+# first. --runs N repeats every configuration N times, the schedules alternating (the table
+# gives the medians over the runs).
 #
 # Per stage it also reports what the executor's timers measured for one micro-batch: the forward
 # (F), the backward or, under a split schedule, its input-gradient part (B), and the weight
@@ -81,18 +84,19 @@ done
 python3 - "$OUT" "$RANKS" "$MICRO" "$SCHEDS" "$RUNS" <<'EOF'
 import json, statistics, sys
 out, ranks, micro, scheds, runs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split(), int(sys.argv[5])
-print("\n| p | schedule | m | measured idle share | predicted | costed | idle ms per step | step ms | tokens/s | peak activation slots (rank 0) | F / B / W ms per stage (wall) | F / B / W CPU ms per stage |")
-print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+print("\n| p | schedule | m | measured idle share | predicted | costed | idle ms per step (own span) | idle ms per step (step window) | step ms | tokens/s | peak activation slots (rank 0) | F / B / W ms per stage (wall) | F / B / W CPU ms per stage |")
+print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
 for p in ranks:
     for m in micro:
         for s in scheds:
-            idle, idle_ms, steps, tpss, costed, stage, cpu = [], [], [], [], [], [], []
+            idle, idle_ms, win_ms, steps, tpss, costed, stage, cpu = [], [], [], [], [], [], [], []
             for r in range(1, runs + 1):
                 recs = [json.loads(l) for l in open(f"{out}/p{p}_{s.replace(':', '_')}_m{m}_r{r}.jsonl") if l.strip()]
                 fin = [x for x in recs if x.get("final")][0]
                 st = [x for x in recs if not x.get("final")][1:]
                 step = statistics.median(x["step_ms"] for x in st)
                 idle.append(fin["pp_bubble"]); idle_ms.append(fin["pp_bubble"] * step); steps.append(step)
+                win_ms.append(statistics.median(x["pp_idle_ms"] for x in st))
                 tpss.append(statistics.median(x["tokens_per_s"] for x in st))
                 costed.append(fin.get("pp_bubble_costed", 0.0))
                 stage.append(fin.get("pp_stage_ms", []))
@@ -103,7 +107,7 @@ for p in ranks:
             name = s + (" (v=2)" if s.startswith("inter") else "")
             print(f"| {p} | {name} | {m} | {100*statistics.median(idle):.1f}% | {100*fin['pp_bubble_formula']:.1f}% | "
                   f"{100*statistics.median(costed):.1f}% | "
-                  f"{statistics.median(idle_ms):.1f} | {statistics.median(steps):.0f} | {statistics.median(tpss):.0f} | "
+                  f"{statistics.median(idle_ms):.1f} | {statistics.median(win_ms):.1f} | {statistics.median(steps):.0f} | {statistics.median(tpss):.0f} | "
                   f"{fin['pp_peak_activation_slots']} | {fbw(stage)} | {fbw(cpu)} |")
 EOF
 if ((TRACE)); then

@@ -325,12 +325,19 @@ WorkHandle GroupImpl::issue(OpDesc d, const void* sbuf, void* rbuf, std::vector<
         inl = std::move(op);
       } else {
         // Lazily polled (node-local) groups: the caller posts a send or receive itself
-        // (MPI_THREAD_MULTIPLE) when nothing queued comes before it, and hands it to the thread
-        // only to be polled - without waking it unless it is blocked with nothing in flight. A
-        // wake-up costs the compute thread the core (the thread runs at a higher priority); the
-        // receiver copies the data in its own polls, so the send needs nothing more from us.
+        // (MPI_THREAD_MULTIPLE) when everything issued before it has been posted (the queue may
+        // still hold transfers posted this way that the sleeping thread has not taken yet), and
+        // hands it to the thread only to be polled - without waking it unless it is blocked with
+        // nothing in flight. A wake-up costs the compute thread the core (the thread runs at a
+        // higher priority); the receiver copies the data in its own polls, so the send needs
+        // nothing more from us.
+        const auto all_posted = [&] {
+          for (const auto& q : queue)
+            if (!q->started) return false;
+          return unposted_p2p.load() == 0;
+        };
         if (is_p2p(d.kind) && backend->node_local() && config().poll_idle_us > config().poll_max_us &&
-            queue.empty() && unposted_p2p.load() == 0 && !inline_busy && thr.joinable()) {
+            !inline_busy && thr.joinable() && all_posted()) {
           begin(*op);
           try {
             backend->start(*op);

@@ -92,6 +92,9 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
       for (double x : *v) t.push_back(static_cast<float>(x / static_cast<double>(n)));
     if (groups_.pp_aux) groups_.pp_aux->all_reduce(t.data(), t.size(), DType::F32, comm::ReduceOp::Sum)->wait();
     r.stage_ms.assign(t.begin(), t.end());
+    const PipelineWindow w = pipeline_window(groups_.pp_aux.get(), r.stats.span_ms, r.stats.busy_ms);
+    r.window_ms = w.window_ms;
+    r.idle_ms = w.idle_ms;
   }
   r.loss = reduce_loss(r.stats.loss_sum, n) * loss_weight;
   if (ep_) ep_->reduce_grads(comm);

@@ -50,6 +50,11 @@ struct StepResult {
   // optimizer_step_clipped and read the norm from the device slot afterwards.
   bool grad_norm_on_device = false;
   double bubble = 0;        // pp > 1: idle share of the schedule, mean over the pipeline ranks
+  // pp > 1: idle ms in the step's common window (the longest span on the pipeline: the ranks
+  // start together), mean over the pipeline ranks. Unlike `bubble`, which ends each rank's span at
+  // its own last action, it counts a rank that finishes early as idle until the last one ends.
+  double idle_ms = 0;
+  double window_ms = 0;  // pp > 1: that window (ms)
   PipelineStepStats stats;  // this rank's
   // pp > 1: per stage, the mean compute time of one micro-batch's forward, B and W (ms; W zero
   // without a split backward), from every pipeline rank: {F[0..S), B[0..S), W[0..S)}, then the

@@ -14,6 +14,20 @@
 
 namespace mt::parallel {
 
+PipelineWindow pipeline_window(comm::ProcessGroup* pp, double span_ms, double busy_ms) {
+  float window = static_cast<float>(span_ms), busy = static_cast<float>(busy_ms);
+  int ranks = 1;
+  if (pp) {
+    pp->all_reduce(&window, 1, DType::F32, comm::ReduceOp::Max)->wait();
+    pp->all_reduce(&busy, 1, DType::F32, comm::ReduceOp::Sum)->wait();
+    ranks = pp->size();
+  }
+  PipelineWindow w;
+  w.window_ms = window;
+  w.idle_ms = std::max(0.0, w.window_ms - static_cast<double>(busy) / ranks);
+  return w;
+}
+
 namespace {
 // Message kinds (part of the tag, so a message is matched by what it is, not by posting order).
 enum MsgKind { kAct = 0, kGrad = 1, kTiedGrad = 2, kTiedWeights = 3 };

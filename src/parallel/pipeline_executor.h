@@ -46,6 +46,15 @@ struct PipelineStepStats {
   double idle_fraction() const { return span_ms > 0 ? 1.0 - busy_ms / span_ms : 0.0; }
 };
 
+// The step's common window on a pipeline: the longest span over its ranks (they start together,
+// after the previous step's synchronisation), and the mean over the ranks of the idle time within
+// it (window - compute) - the bubble as the formulas count it, where a rank that finishes early
+// idles until the last one ends. `pp`: the pipeline's group (null: this rank alone). Collective.
+struct PipelineWindow {
+  double window_ms = 0, idle_ms = 0;
+};
+PipelineWindow pipeline_window(comm::ProcessGroup* pp, double span_ms, double busy_ms);
+
 class PipelineExecutor {
  public:
   PipelineExecutor(Transformer& model, PipeSchedule schedule, StagePartition partition,

@@ -42,6 +42,7 @@ void MetricsWriter::step(const StepMetrics& m) {
   if (m.val_bits_per_byte) j["val_bits_per_byte"] = *m.val_bits_per_byte;
   if (m.pp_bubble) j["pp_bubble"] = *m.pp_bubble;
   if (m.pp_bubble_formula) j["pp_bubble_formula"] = *m.pp_bubble_formula;
+  if (m.pp_idle_ms) j["pp_idle_ms"] = *m.pp_idle_ms;
   if (!m.data_tokens_by_dataset.is_null()) j["data_tokens_by_dataset"] = m.data_tokens_by_dataset;
   if (m.trained_tokens) j["trained_tokens"] = *m.trained_tokens;
   if (m.padding_share) j["padding_share"] = *m.padding_share;

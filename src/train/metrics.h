@@ -23,6 +23,7 @@ struct StepMetrics {
   // Pipeline parallelism: idle share of the schedule (mean over the pipeline ranks) and the
   // formula's value for the same schedule.
   std::optional<double> pp_bubble, pp_bubble_formula;
+  std::optional<double> pp_idle_ms;  // idle ms in the step's window, mean over the pipeline ranks
   int64_t mem_peak_bytes = 0;
   // Time the step waited for its batch from the loader (this rank).
   std::optional<double> data_wait_ms;

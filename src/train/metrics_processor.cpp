@@ -86,6 +86,7 @@ StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, 
   sm.exposed_comm_ms = cs.exposed_ms;
   if (plan_.pp > 1) {
     sm.pp_bubble = r.bubble;
+    sm.pp_idle_ms = r.idle_ms;
     sm.pp_bubble_formula = parallel::bubble_formula(pm_.schedule()).fraction;
     peak_slots_ = std::max(peak_slots_, r.stats.peak_slots);
   }
@@ -114,6 +115,8 @@ StepMetrics MetricsProcessor::step(int64_t step, const parallel::StepResult& r, 
   cp_exposed_ms_total_ += cp_exposed;
   if (plan_.pp > 1) {
     bubble_sum_ += r.bubble;
+    idle_ms_.push_back(r.idle_ms);
+    window_ms_sum_ += r.window_ms;
     if (stage_ms_sum_.size() != r.stage_ms.size()) stage_ms_sum_.assign(r.stage_ms.size(), 0.0);
     for (size_t i = 0; i < r.stage_ms.size(); ++i) stage_ms_sum_[i] += r.stage_ms[i];
   }
@@ -257,6 +260,14 @@ std::vector<std::array<double, 3>> MetricsProcessor::stage_costs(bool cpu) const
   return c;
 }
 
+double MetricsProcessor::idle_ms_mean() const {
+  double sum = 0;
+  for (double v : idle_ms_) sum += v;
+  return idle_ms_.empty() ? 0.0 : sum / static_cast<double>(idle_ms_.size());
+}
+
+double MetricsProcessor::idle_ms_median() const { return median(idle_ms_); }
+
 double MetricsProcessor::costed_bubble() const {
   // The simulation gives every stage the same costs: the mean over the stages, scaled to one
   // rank's share (v stages), with W's share of the backward as measured (CPU time: what the work
@@ -292,6 +303,10 @@ void MetricsProcessor::print_run_summary() const {
                 "formula %s = %.1f%%; peak activation slots on rank 0: %d\n",
                 100.0 * bubble_sum_ / tps_n_, parallel::bubble_formula(pm_.schedule()).text.c_str(), 100.0 * bubble_formula,
                 peak_slots_);
+  if (pp && !idle_ms_.empty())
+    std::printf("pipeline idle time: %.2f ms per step within the step's window (longest rank span; mean over pp "
+                "ranks), median over steps after the first %.2f ms\n",
+                idle_ms_mean(), idle_ms_median());
   if (pp && tps_n_) {
     std::printf("pipeline stage costs per micro-batch (ms, F / B / W; wall, CPU time):");
     const auto c = stage_costs(), u = stage_costs(true);
@@ -371,6 +386,9 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
     fin["pp_virtual_stages"] = pm_.schedule().virtual_stages;
     fin["pp_bubble"] = tps_n_ ? bubble_sum_ / tps_n_ : 0.0;
     fin["pp_bubble_formula"] = bubble_formula;
+    fin["pp_idle_ms"] = idle_ms_mean();
+    fin["pp_idle_ms_median"] = idle_ms_median();
+    fin["pp_window_ms"] = idle_ms_.empty() ? 0.0 : window_ms_sum_ / static_cast<double>(idle_ms_.size());
     fin["pp_peak_activation_slots"] = peak_slots_;
     nlohmann::json costs = nlohmann::json::array();
     for (const auto& x : stage_costs()) costs.push_back({{"F", x[0]}, {"B", x[1]}, {"W", x[2]}});

@@ -94,6 +94,11 @@ class MetricsProcessor {
   int64_t tps_n_ = 0;
   int peak_slots_ = 0;
   std::vector<double> stage_ms_sum_;  // pp > 1: StepResult::stage_ms summed over the counted steps
+  std::vector<double> idle_ms_;       // pp > 1: StepResult::idle_ms of each counted step
+  double window_ms_sum_ = 0;          // pp > 1: StepResult::window_ms summed over the counted steps
+  double idle_ms_mean() const;
+  // The median: one slow step on a shared machine (a preempted rank) moves the mean, not this.
+  double idle_ms_median() const;
   // The mean per-micro-batch costs {F, B, W} of each stage (wall time, or the compute thread's CPU
   // time) and the schedule's simulated bubble with the CPU-time costs (pp > 1, after a counted step).
   std::vector<std::array<double, 3>> stage_costs(bool cpu = false) const;

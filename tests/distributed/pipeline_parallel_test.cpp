@@ -28,11 +28,28 @@ void check(const std::string& what, const RunResult& ref, const RunResult& run, 
   expect_close(ref, run, lt, wt, what);
 }
 
+// The idle time in the step's common window (pp_idle_ms over pp_window_ms) against pp_bubble, which
+// ends each rank's span at its own last action: under GPipe and 1F1B the last rank's last backward
+// ends before the first rank's can start, so the window's idle share is the larger.
+void check_window_idle(const std::string& what, const RunResult& run) {
+  SCOPED_TRACE(what);
+  const auto& f = run.final;
+  const double idle = f.at("pp_idle_ms").get<double>(), window = f.at("pp_window_ms").get<double>();
+  EXPECT_GT(idle, 0.0);
+  EXPECT_LT(idle, window);
+  EXPECT_GT(idle / window, f.at("pp_bubble").get<double>());
+  EXPECT_GT(f.at("pp_idle_ms_median").get<double>(), 0.0);
+}
+
 // Single process: micro-batch 2, 4 micro-batches per step (the pipeline runs are 4 micro-batches).
 TEST_F(PipelineParallel, EverySchedulePp2) {
   auto ref = train(1, 2, 4, "single");
-  check("pp=2 1f1b", ref, train(2, 2, 4, "1f1b", "--parallel.pp 2"));
-  check("pp=2 gpipe", ref, train(2, 2, 4, "gpipe", "--parallel.pp 2 --parallel.pp_schedule gpipe"));
+  const RunResult f1b = train(2, 2, 4, "1f1b", "--parallel.pp 2"), gp =
+      train(2, 2, 4, "gpipe", "--parallel.pp 2 --parallel.pp_schedule gpipe");
+  check("pp=2 1f1b", ref, f1b);
+  check("pp=2 gpipe", ref, gp);
+  check_window_idle("pp=2 1f1b", f1b);
+  check_window_idle("pp=2 gpipe", gp);
   check("pp=2 interleaved v=2", ref,
         train(2, 2, 4, "inter", "--parallel.pp 2 --parallel.pp_schedule interleaved_1f1b --parallel.pp_virtual_stages 2"));
 }

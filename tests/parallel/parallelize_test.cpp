@@ -19,6 +19,7 @@
 #include "data/data_loader.h"
 #include "data/token_shards.h"
 #include "parallel/parallelize.h"
+#include "parallel/pipeline_executor.h"
 #include "train/config.h"
 #include "train/trainer.h"
 #include "thread_ranks.h"
@@ -103,6 +104,22 @@ class ParallelizeTest : public ::testing::Test {
   test::TestDir tmp_;
 };
 
+
+// The pipeline's step window is the longest span over the ranks, on every rank, and its idle time
+// the mean over the ranks of window - compute: here the last rank's span is the longer one.
+TEST(PipelineWindow, IsTheLongestSpanOnEveryRankWithTheMeanIdleInIt) {
+  auto pp = comm::make_thread_group("pp", 2);
+  const double span[2] = {10.0, 12.5}, busy[2] = {8.0, 9.0};
+  parallel::PipelineWindow got[2];
+  on_ranks(2, [&](int r) { got[r] = parallel::pipeline_window(pp[static_cast<size_t>(r)].get(), span[r], busy[r]); });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_DOUBLE_EQ(got[r].window_ms, 12.5) << "rank " << r;
+    EXPECT_DOUBLE_EQ(got[r].idle_ms, 12.5 - 8.5) << "rank " << r;
+  }
+  const parallel::PipelineWindow alone = parallel::pipeline_window(nullptr, 7.0, 5.0);
+  EXPECT_DOUBLE_EQ(alone.window_ms, 7.0);
+  EXPECT_DOUBLE_EQ(alone.idle_ms, 2.0);
+}
 TEST_F(ParallelizeTest, OneRankGivesTheTrainersLossesExactly) {
   const RunConfig cfg = config("NO_SHARD");
   const std::vector<double> trainer = train(cfg).losses;
