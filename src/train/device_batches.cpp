@@ -13,10 +13,19 @@ DeviceBatches::DeviceBatches(Transformer& model, int64_t micro_batches, int64_t 
     : model_(model), dev_(model.device()), mb_(micro_batches), tokens_(tokens) {
   const size_t n = static_cast<size_t>(2 * 2 * mb_ * tokens_);
   pinned_ = static_cast<int32_t*>(host_alloc_pinned(dev_, n * sizeof(int32_t)));
-  inputs_ = Tensor::empty_on(dev_, {2 * 2 * mb_ * tokens_}, DType::I32, MemCategory::Activations);
-  loss_acc_ = Tensor::empty_on(dev_, {tokens_}, DType::F32, MemCategory::Activations);
-  scalars_ = Tensor::empty_on(dev_, {4}, DType::F32, MemCategory::Activations);  // 2 doubles
+  std::vector<Tensor> b = device_buffers(dev_, mb_, tokens_);
+  inputs_ = std::move(b[0]);
+  loss_acc_ = std::move(b[1]);
+  scalars_ = std::move(b[2]);
   model_.set_device_inputs(true);
+}
+
+std::vector<Tensor> DeviceBatches::device_buffers(Device dev, int64_t micro_batches, int64_t tokens) {
+  std::vector<Tensor> b;
+  b.push_back(Tensor::empty_on(dev, {2 * 2 * micro_batches * tokens}, DType::I32, MemCategory::Activations));
+  b.push_back(Tensor::empty_on(dev, {tokens}, DType::F32, MemCategory::Activations));  // loss_acc_
+  b.push_back(Tensor::empty_on(dev, {4}, DType::F32, MemCategory::Activations));       // scalars_: 2 doubles
+  return b;
 }
 
 DeviceBatches::~DeviceBatches() {

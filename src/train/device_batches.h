@@ -33,6 +33,9 @@ class DeviceBatches {
  public:
   // Room for `micro_batches` micro-batches of `tokens` ids and targets each, on model's device.
   DeviceBatches(Transformer& model, int64_t micro_batches, int64_t tokens);
+  // The device buffers alone (what the constructor allocates on `dev`): a dry run of a GPU job
+  // makes them on the meta device, so that its activations count them as the real run's do.
+  static std::vector<Tensor> device_buffers(Device dev, int64_t micro_batches, int64_t tokens);
   ~DeviceBatches();
   DeviceBatches(const DeviceBatches&) = delete;
   DeviceBatches& operator=(const DeviceBatches&) = delete;
@@ -68,7 +71,7 @@ class DeviceBatches {
   int64_t mb_, tokens_;
   int32_t* check(int64_t m, int set, const int32_t* ids, const int32_t* targets);  // into the pinned buffer
   int32_t* pinned_ = nullptr;  // [2 sets][mb_][2][tokens_]
-  Tensor inputs_;              // the same layout on the device
+  Tensor inputs_;              // the same layout on the device (device_buffers()[0])
   int cur_ = 0;                // the set the current step (and evaluation) reads
   int64_t next_count_ = 0;     // micro-batches queued by upload_next into set 1 - cur_
   Tensor loss_acc_;            // [tokens_] per-token loss sums

@@ -184,6 +184,8 @@ class Trainer {
   std::unique_ptr<TracingHooks> tracing_;
   std::unique_ptr<MetricsProcessor> metrics_;
   std::unique_ptr<DeviceBatches> dbatch_;  // train.device = cuda: the step's inputs and loss on the GPU
+  bool gpu_job_ = false;                   // train.device = cuda (a dry run of one too)
+  std::vector<Tensor> dry_batches_;        // a dry run of a GPU job: dbatch_'s device buffers, on Meta
   TrainerState st_;
 
   std::vector<std::vector<int32_t>> xs_, ys_;  // the step's micro-batches
@@ -383,6 +385,8 @@ void Trainer::build() {
     next_ys_ = xs_;
     dbatch_ = std::make_unique<DeviceBatches>(*model_, accum_, B_ * T_);
     pm_->set_device_norm(dbatch_->norm_slot());
+  } else if (dry_ && gpu_job_) {
+    dry_batches_ = DeviceBatches::device_buffers(current_device(), accum_, B_ * T_);
   }
 }
 
@@ -390,6 +394,8 @@ void Trainer::check_train_config() {
   if (!parse_dtype(tc_.dtype, &dt_) || is_integer(dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
   // The job's device, before anything allocates (a dry run keeps Meta).
   const bool on_gpu = check_train_device(tc_.device, dry_, world_);
+  Device job_device = Device::CPU;
+  gpu_job_ = parse_device(tc_.device, &job_device) && job_device == Device::CUDA;
   if (!dry_) set_current_device(on_gpu ? Device::CUDA : Device::CPU);
   if (plan_.offload_optimizer()) {
     Device d = Device::CPU;

@@ -67,8 +67,8 @@ class GpuTrain : public ::testing::Test {
   }
   // Two GPU runs that differ in one choice (overrides a and b; ma / mb: their resident memory by
   // category): a dry run of each (in its own process: it replaces the world and the device) counts
-  // its run's model state and workspace, and the two dry runs differ in activations by `saved`
-  // bytes (b's minus a's), as the runs do.
+  // its run's model state, workspace and activations (the device batch buffers included), and the
+  // two dry runs differ in activations by `saved` bytes (b's minus a's), as the runs do.
   void expect_dry_runs_agree(const Overrides& a, const Overrides& b, const nlohmann::json& ma,
                              const nlohmann::json& mb, int64_t saved, const char* what_a, const char* what_b) {
     nlohmann::json dry[2];
@@ -82,7 +82,7 @@ class GpuTrain : public ::testing::Test {
       dry[i] = final_metrics(tmp_.file("dry.jsonl"));
       ASSERT_TRUE(dry[i].value("dry_run", false)) << dry[i].dump();
       dry[i] = dry[i]["mem_resident_by_category"];
-      for (const char* c : {"params", "grads", "optimizer", "workspace"})
+      for (const char* c : {"params", "grads", "optimizer", "workspace", "activations"})
         EXPECT_EQ(dry[i][c], (i == 0 ? ma : mb)[c]) << c << ", " << (i == 0 ? what_a : what_b);
     }
     EXPECT_EQ(dry[1]["activations"].get<int64_t>() - dry[0]["activations"].get<int64_t>(), saved)
@@ -208,9 +208,7 @@ TEST_F(GpuTrain, FlashAttentionMemoryAndTheDryRunAgree) {
   EXPECT_EQ(mr["activations"].get<int64_t>() - mf["activations"].get<int64_t>(), saved);
   EXPECT_EQ(mf["workspace"].get<int64_t>() - mr["workspace"].get<int64_t>(), 4 * qkv);
 
-  // The dry runs of both count the same model state and workspace, and the same difference in
-  // activations. (The real GPU run's activations also hold the device batch buffers - inputs, loss
-  // accumulator, scalars - which the dry run does not make; that part is the same for both kernels.)
+  // The dry runs of both count the same model state, workspace and activations.
   expect_dry_runs_agree(flash, ref, mf, mr, saved, "flash", "reference");
 }
 
