@@ -338,10 +338,10 @@ struct OtherOps {
   template <class Rec>
   void time_all(Rec&& rec) {
     rec("attention fwd (B4 T256 nh6 hd64)", int(L),
-        median_ms([&] { K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, NH, NH, HD); }));
+        median_ms([&] { K.attention_forward(att.data(), lse.data(), qkv.data(), B, T, NH, NH, HD, nullptr); }));
     rec("attention bwd", int(L), median_ms([&] {
           K.attention_backward(dqkv.data(), datt.data(), qkv.data(), att.data(), lse.data(), B, T, NH,
-                             NH, HD);
+                             NH, HD, nullptr);
         }));
     rec("layernorm fwd (1024x384)", int(2 * L + 1), median_ms([&] {
           K.layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-5f);

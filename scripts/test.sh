@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds everything (warnings as errors) and runs the whole test suite,
-# single-process and multi-rank (mpirun) tests alike. Then the CUDA backend on the CPU emulator
+# Installs what is missing, builds everything (warnings as errors, the benchmark programs included)
+# and runs the whole test suite, single-process and multi-rank (mpirun) tests alike. Then the CUDA backend on the CPU emulator
 # (docs/gpu.md, "The emulator"): an EMU build tree and an EMU + AddressSanitizer one, each with
 # only the targets its tests need, and their tests (ctest -L emu). Last, a short run of every fuzz
 # target (scripts/fuzz.sh, a clang tree; MT_FUZZ_SECONDS each, default 4). Arguments go to the main
@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 if command -v ccache >/dev/null; then export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache; fi
 scripts/install_deps.sh --test
 scripts/build.sh
+# The benchmark programs too (bench/: built only with MESHTRAIN_BENCH=ON), so that they keep
+# compiling against the kernels they time.
+cmake -S . -B build -DMESHTRAIN_BENCH=ON >/dev/null
+ninja -C build kernel_bench gemm_libs
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ctest --test-dir build --output-on-failure --timeout 900 "$@"
 
