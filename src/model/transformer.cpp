@@ -1047,6 +1047,9 @@ void Transformer::backward_weights(int first, int last, const std::function<void
   if (!s.have_weights) throw std::logic_error("backward_weights without a split backward on this slot");
   const int hu = num_units() - 1;
   if (first < 0 || last > hu || first > last) throw std::invalid_argument("backward_weights: bad unit range");
+  // A micro-batch of another length may have run since this slot's B (a schedule that defers
+  // W past other micro-batches' F and B): the layers size their work by the current token count.
+  ensure_workspace();
   for (int u = last; u >= first; --u) {
     if (around) around(u, false);
     if (hooks_) hooks_->pre_weights(u);

@@ -444,10 +444,6 @@ void Trainer::check_unpacked_config() {
   if (mc_.moe())
     throw ConfigError("data.packing = false does not run mixture-of-experts models yet (the routers would see the "
                       "padding): set data.packing = true");
-  const std::string& sched = cfg_.parallel.pp_schedule;
-  if (plan_.pp > 1 && (sched == "zb1p" || sched == "zbv"))
-    throw ConfigError("data.packing = false does not run the zero-bubble pipeline schedules yet (parallel.pp_schedule = " +
-                      sched + "): use 1f1b, interleaved_1f1b or gpipe");
   int64_t sep = d.document_separator;
   if (sep < 0) sep = make_tokenizer(d.tokenizer, d.gpt2_dir, d.tokenizer_file)->document_separator();
   if (sep < 0 || sep >= mc_.vocab_size)

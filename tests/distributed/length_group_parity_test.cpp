@@ -96,6 +96,16 @@ TEST_F(LengthGroupParity, TwoRanksAndEveryLayoutMatchOneProcess) {
   // One data-parallel rank in every layout below: the same micro-batches as the single process.
   expect_close(single, train(2, 2, 4, "cp2", kUnpacked + "--parallel.cp 2"), kLossTol, kWeightTol, "unpacked cp 2");
   expect_close(single, train(2, 2, 4, "pp2", kUnpacked + "--parallel.pp 2"), kLossTol, kWeightTol, "unpacked pp 2");
+  // The zero-bubble schedules: each micro-batch's weight gradients from its own B, however many
+  // micro-batches of other lengths ran in between (ZB-V defers W past other F and B on the rank).
+  expect_close(single, train(2, 2, 4, "zb1p", kUnpacked + "--parallel.pp 2 --parallel.pp_schedule zb1p"), kLossTol,
+               kWeightTol, "unpacked pp 2 zb1p");
+  expect_close(single, train(2, 2, 4, "zbv", kUnpacked + "--parallel.pp 2 --parallel.pp_schedule zbv"), kLossTol,
+               kWeightTol, "unpacked pp 2 zbv");
+  expect_close(single,
+               train(2, 2, 4, "intl",
+                     kUnpacked + "--parallel.pp 2 --parallel.pp_schedule interleaved_1f1b --parallel.pp_virtual_stages 2"),
+               kLossTol, kWeightTol, "unpacked pp 2 interleaved");
   expect_close(single, train(2, 2, 4, "sp2", kUnpacked + "--parallel.tp 2 --parallel.sequence_parallel true"), kLossTol,
                kWeightTol, "unpacked tp 2 + sequence parallel");
   expect_close(single, train(1, 2, 4, "recompute", kUnpacked + "--train.activation_checkpointing full"), kLossTol,
