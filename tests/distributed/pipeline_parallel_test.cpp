@@ -37,7 +37,6 @@ void check_window_idle(const std::string& what, const RunResult& run) {
   EXPECT_GT(idle, 0.0);
   EXPECT_LT(idle, window);
   EXPECT_GT(f.at("pp_idle_ms_median").get<double>(), 0.0);
-  EXPECT_LT(f.at("pp_idle_ms_median").get<double>(), window * 2);
 }
 
 // Single process: micro-batch 2, 4 micro-batches per step (the pipeline runs are 4 micro-batches).
