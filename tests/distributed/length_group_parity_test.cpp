@@ -102,6 +102,10 @@ TEST_F(LengthGroupParity, TwoRanksAndEveryLayoutMatchOneProcess) {
                kWeightTol, "unpacked pp 2 zb1p");
   expect_close(single, train(2, 2, 4, "zbv", kUnpacked + "--parallel.pp 2 --parallel.pp_schedule zbv"), kLossTol,
                kWeightTol, "unpacked pp 2 zbv");
+  // Two data-parallel replicas of it, sharded: the reduce-scatters fire at each unit's last W.
+  expect_close(single,
+               train(4, 1, 4, "zbvfs", kUnpacked + "--parallel.pp 2 --parallel.pp_schedule zbv --parallel.strategy FULL_SHARD"),
+               kLossTol, kWeightTol, "unpacked pp 2 zbv x FULL_SHARD 2");
   expect_close(single,
                train(2, 2, 4, "intl",
                      kUnpacked + "--parallel.pp 2 --parallel.pp_schedule interleaved_1f1b --parallel.pp_virtual_stages 2"),
