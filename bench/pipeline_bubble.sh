@@ -21,7 +21,8 @@
 # a core on a loaded machine), and the schedule's simulated bubble with the CPU-time costs
 # ("costed"). A schedule
 # written NAME:c (zb1p:c, zbv:c) is built for the costs given with --costs F,B,W
-# (--parallel.pp_costs; e.g. the relative F/B/W that a plain zb1p run measured).
+# (--parallel.pp_costs; e.g. the relative F/B/W that a plain zb1p run measured), NAME:auto for the
+# costs the run measures in its second step (--parallel.pp_costs auto).
 #
 # usage: bench/pipeline_bubble.sh [--steps 4] [--ranks "2 4"] [--micro "4 8 16"] [--runs 1]
 #                                 [--scheds "gpipe 1f1b interleaved_1f1b zb1p zbv"] [--build DIR]
@@ -68,13 +69,15 @@ for run in $(seq 1 "$RUNS"); do
         if [[ $sched == *:c ]]; then
           [[ -n $COSTS ]] || { echo "pipeline_bubble.sh: $sched needs --costs F,B,W" >&2; exit 2; }
           extra=(--parallel.pp_costs "$COSTS")
+        elif [[ $sched == *:auto ]]; then
+          extra=(--parallel.pp_costs auto)
         fi
         tag=p${p}_${sched/:/_}_m${m}_r$run
         bind=$BIND
         ((p > $(nproc))) && bind=none
         if ((TRACE)); then export MESHTRAIN_PP_TRACE=$OUT/$tag.trace; else unset MESHTRAIN_PP_TRACE; fi
         bench_run "$tag" mpirun -np "$p" --oversubscribe --bind-to "$bind" -x OMP_NUM_THREADS=1 "$MT" train "${ARGS[@]}" \
-          --parallel.pp "$p" --parallel.pp_schedule "${sched%:c}" --parallel.pp_virtual_stages "$v" \
+          --parallel.pp "$p" --parallel.pp_schedule "${sched%:*}" --parallel.pp_virtual_stages "$v" \
           --train.grad_accum "$m" "${extra[@]}"
       done
     done

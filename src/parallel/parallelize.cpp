@@ -67,6 +67,7 @@ std::unique_ptr<ParallelModel> parallelize(const ModelConfig& mc, const Parallel
                                          : make_strategy(p.spec_, *p.model_, g.dp, g.shard, g.replicate, g.grad_norm);
   p.pipe_ = std::make_unique<PipelineExecutor>(*p.model_, std::move(schedule), std::move(partition), g.pp,
                                                p.strategy_.get());
+  p.costs_ = o.pp_costs;
   p.model_->set_hooks(p.strategy_->hooks());
   return pm;
 }
@@ -103,6 +104,62 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
   else
     r.grad_norm = global_grad_norm();
   return r;
+}
+
+ParallelModel::MeasuredSchedule ParallelModel::adopt_measured_costs(const StepResult& r, const StageCosts* given) {
+  MeasuredSchedule out;
+  out.costs = costs_;
+  const size_t S = r.stage_ms.size() / 6;
+  // The mean over the stages of the CPU-time costs, then over every rank of the world.
+  float c[3] = {0, 0, 0};
+  for (size_t s = 0; s < S; ++s)
+    for (size_t k = 0; k < 3; ++k) c[k] += static_cast<float>(r.stage_ms[3 * S + k * S + s] / static_cast<double>(S));
+  if (groups_.metrics) {
+    groups_.metrics->all_reduce(c, 3, DType::F32, comm::ReduceOp::Sum)->wait();
+    for (float& x : c) x /= static_cast<float>(groups_.metrics->size());
+  }
+  if (given) {
+    c[0] = static_cast<float>(given->f);
+    c[1] = static_cast<float>(given->b);
+    c[2] = static_cast<float>(given->w);
+  }
+  if (S == 0 || !(c[0] > 0 && c[1] > 0 && c[2] > 0)) return out;  // nothing measured (no split backward)
+  const StageCosts measured{1.0, static_cast<double>(c[1]) / c[0], static_cast<double>(c[2]) / c[0]};
+  out.costs = measured;
+  const PipeSchedule& cur = pipe_->schedule();
+  const double w_share = measured.w / (measured.b + measured.w);
+  const double v = cur.virtual_stages;
+  auto bubble = [&](const PipeSchedule& s) {
+    return simulate_timeline(s, v * measured.f, v * (measured.b + measured.w), 0, w_share).bubble_fraction;
+  };
+  out.bubble_before = bubble(cur);
+  const std::vector<int> pa = check_schedule(cur).peak_in_flight;
+  // The list scheduler's order depends on the costs it is given, and small changes of them can move
+  // the result either way: the orders built for costs around the measured ones, each judged by its
+  // simulated bubble with the measured costs, within the current order's activations per rank.
+  PipeSchedule next;
+  out.bubble_after = out.bubble_before;
+  bool found = false;
+  for (double fb : {1.0, 0.8, 0.9, 1.1, 1.25})
+    for (double fw : {1.0, 0.8, 0.9, 1.1, 1.25}) {
+      PipeSchedule c = make_schedule(plan_.schedule, plan_.pp, static_cast<int>(plan_.microbatches),
+                                     plan_.virtual_stages, CommPlacement::Eager,
+                                     StageCosts{1.0, measured.b * fb, measured.w * fw});
+      const std::vector<int> pc = check_schedule(c).peak_in_flight;
+      bool fits = pc.size() == pa.size();
+      for (size_t i = 0; fits && i < pa.size(); ++i) fits = pc[i] <= pa[i];
+      const double b = fits ? bubble(c) : 1.0;
+      if (b < out.bubble_after - 1e-9) {
+        out.bubble_after = b;
+        next = std::move(c);
+        found = true;
+      }
+    }
+  if (found && pipe_->replace_schedule(std::move(next))) {
+    costs_ = measured;
+    out.changed = true;
+  }
+  return out;
 }
 
 double ParallelModel::eval_forward(const int32_t* ids, const int32_t* targets, int64_t B, int64_t T) {

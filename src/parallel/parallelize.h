@@ -113,6 +113,20 @@ class ParallelModel {
   void take_expert_comm(double* ms, int64_t* bytes);
   // Sum of a per-rank value over the pipeline ranks.
   double pp_sum(double v);
+  // parallel.pp_costs = auto: rebuilds the zero-bubble schedule for the costs a step measured
+  // (`r.stage_ms`' CPU times: one micro-batch's F, B and W per stage, their means over the stages
+  // and over every rank of the world, so that every pipeline runs the same order) and runs it from
+  // the next step on, unless it would hold more micro-batches in flight on some rank than the
+  // current one or idle more with those costs. Collective over the world. Returns the measured costs
+  // (relative to F = 1), and whether the schedule changed. `given` (tests): these costs instead of
+  // the measured ones (the same on every rank).
+  struct MeasuredSchedule {
+    StageCosts costs;
+    bool changed = false;
+    double bubble_before = 0, bubble_after = 0;  // simulated with the measured costs
+  };
+  MeasuredSchedule adopt_measured_costs(const StepResult& r, const StageCosts* given = nullptr);
+  const StageCosts& schedule_costs() const { return costs_; }  // what the schedule in use is built for
 
  private:
   friend std::unique_ptr<ParallelModel> parallelize(const ModelConfig&, const ParallelPlan&, const ParallelGroups&,
@@ -131,6 +145,7 @@ class ParallelModel {
   double* device_norm_ = nullptr;    // set_device_norm
   std::unique_ptr<Strategy> strategy_;
   std::unique_ptr<PipelineExecutor> pipe_;
+  StageCosts costs_;  // what the schedule in use is built for
 };
 
 // Applies `plan` to a model of `mc` on this rank. `groups` (kept by reference) must outlive the

@@ -83,6 +83,17 @@ PipelineExecutor::PipelineExecutor(Transformer& model, PipeSchedule schedule, St
     tied_grad_in_ = Tensor::zeros({model_.params()[0].numel}, DType::F32, MemCategory::Grads);  // the token embedding
 }
 
+bool PipelineExecutor::replace_schedule(PipeSchedule s) {
+  if (s.pp != sched_.pp || s.num_stages() != S_ || s.microbatches != sched_.microbatches ||
+      s.split_backward != sched_.split_backward || s.vshape != sched_.vshape || !slot_of_.empty())
+    return false;
+  for (int st = 0; st < S_; ++st)
+    if (s.stage_rank(st) != sched_.stage_rank(st)) return false;
+  if (!check_schedule(s).ok) return false;
+  sched_ = std::move(s);
+  return true;
+}
+
 int PipelineExecutor::tag(int kind, int m, int s) const { return (kind << 13) | ((s / sched_.pp) << 10) | m; }
 
 int PipelineExecutor::acquire_slot(int m, int s) {

@@ -75,6 +75,11 @@ class PipelineExecutor {
   void tied_weights_sync();
 
   const PipeSchedule& schedule() const { return sched_; }
+  // Between steps: runs `s` from the next step on - the same kind of schedule for the same ranks,
+  // stages and micro-batches in another order (a zero-bubble schedule rebuilt for measured costs).
+  // It must pass check_schedule and place every stage on the rank the current one does; false
+  // (nothing changed) otherwise.
+  bool replace_schedule(PipeSchedule s);
   const StagePartition& partition() const { return part_; }
   bool tied_split() const { return tied_split_; }
   // Gradient bytes the executor itself keeps (the first stage's receive buffer for the head's

@@ -178,7 +178,8 @@ std::vector<Field> fields(RunConfig& c) {
        "blocks per (virtual) stage, e.g. \"3,3,2\" (embedding joins the first, head the last); empty = balanced by cost"},
       {"parallel.pp_costs", Kind::String, &c.parallel.pp_costs,
        "zb1p / zbv: relative F,B,W of one micro-batch on a stage (e.g. \"1,1.3,0.7\", as a run's pp_stage_ms reports "
-       "them) that the schedule is built for; empty = 1,1,1 (zb1p: the fixed ZB-H1 order)"},
+       "them) that the schedule is built for; empty = 1,1,1 (zb1p: the fixed ZB-H1 order); auto = rebuilt after the "
+       "run's second step for the costs it measured"},
       {"parallel.bucket_mb", Kind::Float, &c.parallel.bucket_mb, "gradient bucket size in MB (DDP)"},
       {"parallel.reshard_after_forward", Kind::Bool, &c.parallel.reshard_after_forward, "free gathered params after forward"},
       {"parallel.prefetch", Kind::Int, &c.parallel.prefetch, "units gathered ahead (FULL_SHARD)"},
@@ -514,12 +515,13 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
 parallel::StageCosts RunConfig::pp_stage_costs() const {
   parallel::StageCosts c;
   const std::string& v = parallel.pp_costs;
-  if (v.empty()) return c;
+  if (v.empty() || v == "auto") return c;
   double x[3];
   char tail = 0;
   if (std::sscanf(v.c_str(), "%lf,%lf,%lf%c", &x[0], &x[1], &x[2], &tail) != 3 || !(x[0] > 0 && x[1] > 0 && x[2] > 0) ||
       !std::isfinite(x[0] + x[1] + x[2]))
-    throw ConfigError("parallel.pp_costs must be three positive numbers F,B,W (e.g. \"1,1.3,0.7\"), got '" + v + "'");
+    throw ConfigError("parallel.pp_costs must be three positive numbers F,B,W (e.g. \"1,1.3,0.7\") or auto, got '" + v +
+                      "'");
   c.f = x[0];
   c.b = x[1];
   c.w = x[2];

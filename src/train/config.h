@@ -106,7 +106,7 @@ struct RunConfig {
     std::string pp_schedule = "1f1b";     // parse_pipeline_schedule
     int64_t pp_virtual_stages = 1, pp_microbatches = 0;
     std::string pp_partition;
-    std::string pp_costs;  // zb1p / zbv: one micro-batch's F,B,W on a stage, e.g. "1,1.3,0.7" (empty = 1,1,1)
+    std::string pp_costs;  // zb1p / zbv: one micro-batch's F,B,W on a stage, e.g. "1,1.3,0.7" (empty = 1,1,1; auto)
     bool sequence_parallel = false;
     int64_t cp = 1;                 // context-parallel degree (ring attention)
     std::string cp_mode = "ring";   // ring | allgather
@@ -142,9 +142,11 @@ struct RunConfig {
   // ranks, checked against `model` (the resolved model, its padded vocabulary a multiple of 64 x
   // tp); throws ConfigError with one message naming the key and the degree at fault.
   ParallelPlan parallel_plan(const ModelConfig& model, int world) const;
-  // parallel.pp_costs as the zero-bubble schedules take them ({1, 1, 1} when empty); throws
-  // ConfigError for anything but three positive numbers.
+  // parallel.pp_costs as the zero-bubble schedules take them ({1, 1, 1} when empty or auto);
+  // throws ConfigError for anything but three positive numbers or auto.
   parallel::StageCosts pp_stage_costs() const;
+  // parallel.pp_costs = auto: the zero-bubble schedule is rebuilt for the costs the run measures.
+  bool pp_costs_auto() const { return parallel.pp_costs == "auto"; }
   // Writes a plan's degrees, strategy, recompute and batch split into [parallel] and [train] (what
   // `train --auto` does with the planner's plan); parallel_plan() reads them back.
   void set_parallel_plan(const ParallelPlan& plan);

@@ -397,6 +397,8 @@ nlohmann::json MetricsProcessor::final_json(const MemStats& ms, const std::vecto
     for (const auto& x : stage_costs(true)) cpu.push_back({{"F", x[0]}, {"B", x[1]}, {"W", x[2]}});
     fin["pp_stage_cpu_ms"] = cpu;  // the same in the compute thread's CPU time
     fin["pp_bubble_costed"] = costed_bubble();
+    const parallel::StageCosts& sc = pm_.schedule_costs();
+    fin["pp_costs"] = {{"F", sc.f}, {"B", sc.b}, {"W", sc.w}};  // what the schedule in use is built for
     fin["pp_stages"] = pm_.partition().describe();
   }
   for (const auto& [g, b] : comm::comm_bytes_by_group()) fin["comm_bytes_by_group"][g] = b;

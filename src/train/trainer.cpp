@@ -131,6 +131,7 @@ class Trainer {
   void sample();
   void maybe_inject_fault(int64_t step);
   void read_slow_rank();
+  void adopt_measured_pipeline_costs(const parallel::StepResult& r);
   // The next micro-batch of this data-parallel rank (token 0 everywhere in a dry run). Returns its
   // length per sequence on this rank (T_, or with data.packing = false the padded length / cp).
   int64_t next_batch(int32_t* x, int32_t* y);
@@ -185,6 +186,7 @@ class Trainer {
   std::unique_ptr<MetricsProcessor> metrics_;
   std::unique_ptr<DeviceBatches> dbatch_;  // train.device = cuda: the step's inputs and loss on the GPU
   bool gpu_job_ = false;                   // train.device = cuda (a dry run of one too)
+  int64_t run_first_step_ = 0;             // the step this run (or resumed run) started at
   std::vector<Tensor> dry_batches_;        // a dry run of a GPU job: dbatch_'s device buffers, on Meta
   TrainerState st_;
 
@@ -866,6 +868,7 @@ void Trainer::train_step(int64_t step) {
   st_.step = step + 1;
   st_.adam_steps = strategy_->adam_steps();
   StepMetrics sm = metrics_->step(step, r, lr, t0, cs, data_ms);
+  if (step == run_first_step_ + 1) adopt_measured_pipeline_costs(r);
   sm.trained_tokens = trained;
   sm.padding_share = padding_share;
   if (trained) trained_total_ = trained_total_.value_or(0) + *trained;
@@ -881,6 +884,26 @@ void Trainer::train_step(int64_t step) {
   if (saver_) saver_->poll();  // commits an async save once every rank has written its file
   if (!tc_.checkpoint_dir.empty() && tc_.checkpoint_every > 0 && (step + 1) % tc_.checkpoint_every == 0) save();
   maybe_inject_fault(step + 1);
+}
+
+// parallel.pp_costs = auto: after the run's second step (the first pays warm-up costs) the
+// zero-bubble schedule is rebuilt for the F / B / W costs that step measured, where that helps
+// (ParallelModel::adopt_measured_costs); the run says which.
+// MESHTRAIN_TEST_PP_COSTS=F,B,W (test-only): these instead of the measured costs.
+void Trainer::adopt_measured_pipeline_costs(const parallel::StepResult& r) {
+  if (!cfg_.pp_costs_auto() || plan_.pp == 1 || dry_ || !pm_->schedule().split_backward) return;
+  parallel::StageCosts given;
+  const char* t = std::getenv("MESHTRAIN_TEST_PP_COSTS");
+  if (t && std::sscanf(t, "%lf,%lf,%lf", &given.f, &given.b, &given.w) != 3)
+    throw ConfigError(std::string("MESHTRAIN_TEST_PP_COSTS must be F,B,W, got '") + t + "'");
+  const auto m = pm_->adopt_measured_costs(r, t ? &given : nullptr);
+  if (!log_) return;
+  std::printf("pipeline: measured costs F,B,W = 1,%.2f,%.2f; %s (simulated bubble with them %.1f%%, before %.1f%%)\n",
+              m.costs.b, m.costs.w,
+              m.changed ? ("the " + pm_->schedule().name + " order rebuilt for them").c_str()
+                        : "the order kept (rebuilding gains nothing within its activation limit)",
+              100.0 * (m.changed ? m.bubble_after : m.bubble_before), 100.0 * m.bubble_before);
+  std::fflush(stdout);
 }
 
 // On a GPU: reads the next step's micro-batches into next_xs_ / next_ys_ and queues their uploads
@@ -952,6 +975,7 @@ TrainResult Trainer::run() {
   }
   const StopOnSignal stop;  // Ctrl-C: stop after this step (all ranks agree), checkpoint, report
   bool stopped = false;
+  run_first_step_ = st_.step;
   for (int64_t step = st_.step; step < tc_.steps && !stopped; ++step) {
     train_step(step);
     stopped = stop.requested(world_ > 1 ? groups_.metrics.get() : nullptr);  // also counted in a dry run

@@ -5,6 +5,7 @@
 // Every comparison's per-step losses are printed side by side and written to a file (harness.h).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -58,6 +59,28 @@ TEST_F(ZeroBubble, Pp2AndPp4EqualOneRank) {
                "pp=4 zb1p");
   expect_close(ref, train(4, 2, 4, "zv4", m + "--parallel.pp 4 --parallel.pp_schedule zbv"), kLossTol, kWeightTol,
                "pp=4 zbv");
+}
+
+// parallel.pp_costs = auto: after the second step ZB-V's order is rebuilt for the costs measured
+// (here given by MESHTRAIN_TEST_PP_COSTS, so that the rebuild is certain: ZB-V built for
+// F = B = 2W idles 4.8% instead of the unit order's 14.9% with those costs), within the unit order's
+// activations; training is unchanged. Without the override the measured costs are used.
+TEST_F(ZeroBubble, RebuiltForMeasuredCostsTrainsTheSame) {
+  const std::string m = "--model.n_layer 6 --parallel.pp 2 --parallel.pp_schedule zbv ";
+  auto ref = train(1, 2, 4, "single", "--model.n_layer 6 ");
+  const RunResult unit = train(2, 2, 4, "zbv", m);
+  ::setenv("MESHTRAIN_TEST_PP_COSTS", "1,1,0.5", 1);
+  const RunResult given = train(2, 2, 4, "zbvgiven", m + "--parallel.pp_costs auto");
+  ::unsetenv("MESHTRAIN_TEST_PP_COSTS");
+  const RunResult measured = train(2, 2, 4, "zbvauto", m + "--parallel.pp_costs auto");
+  expect_close(ref, given, kLossTol, kWeightTol, "pp=2 zbv rebuilt for F,B,W = 1,1,0.5");
+  expect_close(ref, measured, kLossTol, kWeightTol, "pp=2 zbv rebuilt for the measured costs");
+  const auto& gc = given.final.at("pp_costs");
+  EXPECT_EQ(gc.at("B").get<double>(), 1.0);
+  EXPECT_EQ(gc.at("W").get<double>(), 0.5);  // the order in use is the rebuilt one
+  EXPECT_EQ(unit.final.at("pp_costs").at("W").get<double>(), 1.0);
+  EXPECT_LE(given.final.at("pp_peak_activation_slots").get<int>(), unit.final.at("pp_peak_activation_slots").get<int>());
+  EXPECT_EQ(measured.final.at("pp_costs").at("F").get<double>(), 1.0);
 }
 
 // pp=2 x 2 data-parallel ranks with each strategy (the two schedules take turns), and x tp=2: the

@@ -79,6 +79,10 @@ TEST(ParallelPlanFromConfig, RefusesInconsistentDegreesWithOneMessage) {
   EXPECT_EQ(error_of({{"parallel.tp", "0"}}, 2), "parallel.tp must be >= 1, got 0");
   EXPECT_EQ(error_of({{"parallel.pp", "2"}, {"parallel.pp_schedule", "zigzag"}}, 2).rfind("pipeline: parallel.pp_schedule", 0),
             0u);
+  EXPECT_EQ(error_of({{"parallel.pp_costs", "fast"}}, 2),
+            "parallel.pp_costs must be three positive numbers F,B,W (e.g. \"1,1.3,0.7\") or auto, got 'fast'");
+  EXPECT_EQ(error_of({{"parallel.pp_costs", "1,0,1"}}, 2).rfind("parallel.pp_costs must be", 0), 0u);
+  EXPECT_EQ(error_of({{"parallel.pp_costs", "auto"}}, 2), "");
   EXPECT_EQ(error_of({}, 2), "");
 }
 
