@@ -142,16 +142,16 @@ ParallelModel::MeasuredSchedule ParallelModel::adopt_measured_costs(const StepRe
   bool found = false;
   for (double fb : {1.0, 0.8, 0.9, 1.1, 1.25})
     for (double fw : {1.0, 0.8, 0.9, 1.1, 1.25}) {
-      PipeSchedule c = make_schedule(plan_.schedule, plan_.pp, static_cast<int>(plan_.microbatches),
-                                     plan_.virtual_stages, CommPlacement::Eager,
-                                     StageCosts{1.0, measured.b * fb, measured.w * fw});
-      const std::vector<int> pc = check_schedule(c).peak_in_flight;
+      PipeSchedule cand = make_schedule(plan_.schedule, plan_.pp, static_cast<int>(plan_.microbatches),
+                                        plan_.virtual_stages, CommPlacement::Eager,
+                                        StageCosts{1.0, measured.b * fb, measured.w * fw});
+      const std::vector<int> pc = check_schedule(cand).peak_in_flight;
       bool fits = pc.size() == pa.size();
       for (size_t i = 0; fits && i < pa.size(); ++i) fits = pc[i] <= pa[i];
-      const double b = fits ? bubble(c) : 1.0;
+      const double b = fits ? bubble(cand) : 1.0;
       if (b < out.bubble_after - 1e-9) {
         out.bubble_after = b;
-        next = std::move(c);
+        next = std::move(cand);
         found = true;
       }
     }
