@@ -2,9 +2,10 @@
 # Installs what is missing, builds everything (warnings as errors, the benchmark programs included)
 # and runs the whole test suite, single-process and multi-rank (mpirun) tests alike. Then the CUDA
 # backend on the CPU emulator (docs/gpu.md, "The emulator"): an EMU build tree and an EMU +
-# AddressSanitizer one, each with only the targets its tests need, and their tests (ctest -L emu). Last, a short run of every fuzz
-# target (scripts/fuzz.sh, a clang tree; MT_FUZZ_SECONDS each, default 4). Arguments go to the main
-# ctest; MT_TEST_EMU=0 skips the emulator part, MT_TEST_FUZZ=0 the fuzzing.
+# AddressSanitizer one, each with only the targets its tests need, and their tests (ctest -L emu).
+# Last, a short run of every fuzz target (scripts/fuzz.sh, a clang tree; MT_FUZZ_SECONDS each,
+# default 4). Arguments go to the main ctest; MT_TEST_EMU=0 skips the emulator part,
+# MT_TEST_FUZZ=0 the fuzzing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # With ccache, the emulator trees reuse the main build's objects (same flags) instead of compiling
