@@ -12,12 +12,6 @@
 
 namespace mt::comm::detail {
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 namespace {
 const int64_t g_t0 = now_ns();
 

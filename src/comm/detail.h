@@ -15,10 +15,11 @@
 #include <vector>
 
 #include "comm/process_group.h"
+#include "runtime/clock.h"
 
 namespace mt::comm::detail {
 
-int64_t now_ns();  // steady clock
+using mt::now_ns;  // steady clock, nanoseconds
 
 // Environment knobs, read once (see docs/comm.md).
 struct Config {

@@ -52,10 +52,6 @@ struct TraceEvent {
   int key;
   int64_t t0, t1, issued = 0, started = 0, done = 0;
 };
-int64_t ns_of(Clock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-int64_t now_ns() { return ns_of(Clock::now()); }
 }  // namespace
 
 // ---- executor -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 
 #include "comm/comm.h"
 #include "comm/detail.h"
+#include "runtime/clock.h"  // ms_since
 
 using namespace mt;
 using namespace mt::comm;
@@ -71,10 +72,6 @@ struct Buf {
 };
 
 const std::vector<size_t> kCounts = {0, 1, 3, 7, 1000, 4097, 100003};
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 }  // namespace
 
