@@ -154,19 +154,6 @@ struct Op {
   std::vector<size_t> scounts, rcounts;  // all_to_all_v: elements to / from each group rank
 };
 
-// How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
-// the flight recorder, the watchdog's view, the desync check, completion, groups of one) is the
-// same for every backend. A threaded backend's operations run on the group's communication
-// thread: start() once, then progress() until it returns 2 (collectives; in issue order), or
-// p2p_done() until true (send / recv, concurrently). Other backends complete an operation inside run(), on the
-// calling thread. Backends: MPI (threaded), threads (threaded), Meta (count-only, see
-// World::init_meta).
-//
-// The desync check (MESHTRAIN_DEBUG=desync) is the front end's: before a collective starts it makes
-// this rank's fingerprint (op.fp), has the backend exchange it, compares every member's
-// (check_fingerprints) and only then calls start(). A backend only carries the fingerprints:
-// post_fingerprints(op) starts the exchange of op.fp, fingerprints_ready(op) is true once op.fps
-// holds every member's. A backend with no other members to ask (Meta) exchanges none.
 // Lets the communication thread sleep longer while only point-to-point transfers are in flight
 // that no caller waits for, and wakes it early: a caller starts waiting (waiters > 0) or issues
 // something new.
@@ -191,6 +178,19 @@ struct Waker {
   }
 };
 
+// How a group's operations move bytes. The front end (GroupImpl: issue, per-group accounting,
+// the flight recorder, the watchdog's view, the desync check, completion, groups of one) is the
+// same for every backend. A threaded backend's operations run on the group's communication
+// thread: start() once, then progress() until it returns 2 (collectives; in issue order), or
+// p2p_done() until true (send / recv, concurrently). Other backends complete an operation inside run(), on the
+// calling thread. Backends: MPI (threaded), threads (threaded), Meta (count-only, see
+// World::init_meta).
+//
+// The desync check (MESHTRAIN_DEBUG=desync) is the front end's: before a collective starts it makes
+// this rank's fingerprint (op.fp), has the backend exchange it, compares every member's
+// (check_fingerprints) and only then calls start(). A backend only carries the fingerprints:
+// post_fingerprints(op) starts the exchange of op.fp, fingerprints_ready(op) is true once op.fps
+// holds every member's. A backend with no other members to ask (Meta) exchanges none.
 class CommBackend {
  public:
   virtual ~CommBackend() = default;
