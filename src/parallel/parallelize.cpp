@@ -93,7 +93,12 @@ StepResult ParallelModel::forward_backward(const std::vector<const int32_t*>& id
       for (double x : *v) t.push_back(static_cast<float>(x / static_cast<double>(n)));
     if (groups_.pp_aux) groups_.pp_aux->all_reduce(t.data(), t.size(), DType::F32, comm::ReduceOp::Sum)->wait();
     r.stage_ms.assign(t.begin(), t.end());
-    const PipelineWindow w = pipeline_window(groups_.pp_aux.get(), r.stats.span_ms, r.stats.busy_ms);
+    // The pipeline's compute: every F, B and W of every stage (each rank's busy time is the sum of
+    // its stages' times), as per-micro-batch means summed over the ranks above.
+    double busy_sum = 0;
+    for (size_t i = 0; i < 3 * r.stats.f_ms.size(); ++i) busy_sum += r.stage_ms[i] * static_cast<double>(n);
+    const PipelineWindow w = pipeline_window(groups_.pp_aux.get(), r.stats.span_ms,
+                                             groups_.pp_aux ? busy_sum / plan_.pp : r.stats.busy_ms);
     r.window_ms = w.window_ms;
     r.idle_ms = w.idle_ms;
   }

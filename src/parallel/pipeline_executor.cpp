@@ -14,17 +14,12 @@
 
 namespace mt::parallel {
 
-PipelineWindow pipeline_window(comm::ProcessGroup* pp, double span_ms, double busy_ms) {
-  float window = static_cast<float>(span_ms), busy = static_cast<float>(busy_ms);
-  int ranks = 1;
-  if (pp) {
-    pp->all_reduce(&window, 1, DType::F32, comm::ReduceOp::Max)->wait();
-    pp->all_reduce(&busy, 1, DType::F32, comm::ReduceOp::Sum)->wait();
-    ranks = pp->size();
-  }
+PipelineWindow pipeline_window(comm::ProcessGroup* pp, double span_ms, double mean_busy_ms) {
+  float window = static_cast<float>(span_ms);
+  if (pp) pp->all_reduce(&window, 1, DType::F32, comm::ReduceOp::Max)->wait();
   PipelineWindow w;
   w.window_ms = window;
-  w.idle_ms = std::max(0.0, w.window_ms - static_cast<double>(busy) / ranks);
+  w.idle_ms = std::max(0.0, w.window_ms - mean_busy_ms);
   return w;
 }
 

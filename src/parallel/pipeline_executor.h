@@ -49,11 +49,13 @@ struct PipelineStepStats {
 // The step's common window on a pipeline: the longest span over its ranks (they start together,
 // after the previous step's synchronisation), and the mean over the ranks of the idle time within
 // it (window - compute) - the bubble as the formulas count it, where a rank that finishes early
-// idles until the last one ends. `pp`: the pipeline's group (null: this rank alone). Collective.
+// idles until the last one ends. `mean_busy_ms`: the ranks' mean compute time (the caller has it
+// from the stage times it sums anyway). `pp`: the pipeline's group (null: this rank alone).
+// Collective.
 struct PipelineWindow {
   double window_ms = 0, idle_ms = 0;
 };
-PipelineWindow pipeline_window(comm::ProcessGroup* pp, double span_ms, double busy_ms);
+PipelineWindow pipeline_window(comm::ProcessGroup* pp, double span_ms, double mean_busy_ms);
 
 class PipelineExecutor {
  public:
