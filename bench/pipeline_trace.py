@@ -19,7 +19,10 @@ replay: what the hand-offs, waits and everything between the actions added. "win
 time within the step's common window (first start to last end over the ranks) - the engine's
 pp_bubble takes each rank's own span, which leaves out a rank's wait after its last action for the
 others to finish (the last rank's under 1F1B: a whole backward); "window replay": the same for the
-replay.
+replay. "win.pullW": the window replay again, but a rank whose next F or B still waits for its
+input first runs its earliest weight gradient W whose B is done (split schedules): what running the
+W's out of order to fill late messages would save (W's keep their own order, so no more activations
+are in flight than the schedule's).
 """
 import collections, sys
 
@@ -59,7 +62,7 @@ def main():
         steps_total += n - 1
         add_steps(ranks, n, show, tot)
     keys = ("span", "compute", "idle", "peer", "transfer", "post", "other", "replay", "executor", "window",
-            "win.replay")
+            "win.replay") + (("win.pullW",) if any(k[1] == "win.pullW" for k in tot) else ())
     print(f"{steps_total} steps ({len(args)} runs, each without its first step); means in ms per step:")
     print("rank " + "".join(f"{k:>11s}" for k in keys))
     for rr in range(nranks):
@@ -91,6 +94,40 @@ def replay(actions):
             return None  # not the schedule this replay knows
     return [clock[r] - busy[r] for r in range(len(actions))], [max(clock) - busy[r] for r in range(len(actions))]
 
+def replay_pull_w(actions):
+    """Like replay(), each rank taking its actions in order, except that a rank whose next F or B
+    waits for an input that has not arrived yet runs its earliest W whose B is done first. Returns
+    the idle per rank within the common window, or None for a schedule this replay does not know."""
+    order = [list(a) for a in actions]
+    done = {}
+    clock = [0.0] * len(actions)
+    busy = [sum(a[3] for a in acts) for acts in actions]
+    exists = {a[:3] for x in actions for a in x}
+    while any(order):
+        for r in sorted(range(len(order)), key=lambda r: clock[r]):  # the rank furthest behind first
+            if not order[r]:
+                continue
+            k, m, st, d = order[r][0]
+            dep = ("F", m, st - 1) if k == "F" and st > 0 else ("B", m, st + 1) if k == "B" else None
+            dep = dep if dep in exists else None
+            if dep and done.get(dep, float("inf")) > clock[r]:  # not arrived: a finished B's W first
+                w = next((i for i, a in enumerate(order[r]) if a[0] == "W" and
+                          done.get(("B", a[1], a[2]), float("inf")) <= clock[r]), None)
+                if w is not None:
+                    _, wm, ws, wd = order[r].pop(w)
+                    clock[r] += wd
+                    done[("W", wm, ws)] = clock[r]
+                    break
+            if dep and dep not in done:
+                continue  # the rank that computes it is behind: let it move first
+            clock[r] = max(clock[r], done[dep] if dep else 0.0) + d
+            done[(k, m, st)] = clock[r]
+            order[r].pop(0)
+            break
+        else:
+            return None  # no rank could move
+    return [max(clock) - busy[r] for r in range(len(actions))]
+
 def add_steps(ranks, n, show, tot):
     for si in range(1, n):
         acts = []
@@ -105,6 +142,7 @@ def add_steps(ranks, n, show, tot):
         if len(acts) > 1 and not any(a[2] for x in acts for a in x):
             acts = [[(k, m, r, d) for k, m, _, d in x] for r, x in enumerate(acts)]  # stage-less trace: stage = rank
         rep = replay(acts)
+        pull = replay_pull_w(acts) if rep and any(a[0] == "W" for x in acts for a in x) else None
         issued = {}  # (sender, key) -> when the send was posted
         for rr, steps in enumerate(ranks):
             for e in steps[si]:
@@ -136,6 +174,8 @@ def add_steps(ranks, n, show, tot):
                 tot[(rr, "replay")] += rep[0][rr]
                 tot[(rr, "executor")] += span - busy - rep[0][rr]
                 tot[(rr, "win.replay")] += rep[1][rr]
+            if pull:
+                tot[(rr, "win.pullW")] += pull[rr]
             if show == si:
                 print(f"rank {rr} step {si}: span {span / 1e6:.2f} ms, compute {busy / 1e6:.2f} ms")
                 for e in sorted(ev, key=lambda e: e[2] or e[4]):
