@@ -19,12 +19,14 @@ replay: what the hand-offs, waits and everything between the actions added. "win
 time within the step's common window (first start to last end over the ranks) - the engine's
 pp_bubble takes each rank's own span, which leaves out a rank's wait after its last action for the
 others to finish (the last rank's under 1F1B: a whole backward); "window replay": the same for the
-replay. "win.pullW": the window replay again, but a rank whose next F or B still waits for its
+replay. "win.median": the window replay with every action taking its rank's median time for its
+kind and stage over the run: the schedule's idle with the ranks' imbalance but without the spread
+from step to step and micro-batch to micro-batch. "win.pullW": the window replay again, but a rank whose next F or B still waits for its
 input first runs its earliest weight gradient W whose B is done (split schedules): what running the
 W's out of order to fill late messages would save (W's keep their own order, so no more activations
 are in flight than the schedule's).
 """
-import collections, sys
+import collections, statistics, sys
 
 def load(path):
     steps, cur = [], []
@@ -62,7 +64,7 @@ def main():
         steps_total += n - 1
         add_steps(ranks, n, show, tot)
     keys = ("span", "compute", "idle", "peer", "transfer", "post", "other", "replay", "executor", "window",
-            "win.replay") + (("win.pullW",) if any(k[1] == "win.pullW" for k in tot) else ())
+            "win.replay", "win.median") + (("win.pullW",) if any(k[1] == "win.pullW" for k in tot) else ())
     print(f"{steps_total} steps ({len(args)} runs, each without its first step); means in ms per step:")
     print("rank " + "".join(f"{k:>11s}" for k in keys))
     for rr in range(nranks):
@@ -128,20 +130,33 @@ def replay_pull_w(actions):
             return None  # no rank could move
     return [max(clock) - busy[r] for r in range(len(actions))]
 
+def step_actions(ranks, si):
+    """Step si's compute actions per rank in order: (kind, micro-batch, stage, duration ns)."""
+    acts = []
+    for steps in ranks:
+        ev = steps[si]
+        tw = [e for e in ev if e[0] == "tiedwait"]
+        a = []
+        for e in sorted((e for e in ev if e[0] in ("F", "B", "W")), key=lambda e: e[2]):
+            d = e[3] - e[2] - sum(t[3] - t[2] for t in tw if e[2] <= t[2] <= e[3])
+            a.append((e[0], e[1], e[4], d))
+        acts.append(a)
+    if len(acts) > 1 and not any(a[2] for x in acts for a in x):
+        acts = [[(k, m, r, d) for k, m, _, d in x] for r, x in enumerate(acts)]  # stage-less trace: stage = rank
+    return acts
+
 def add_steps(ranks, n, show, tot):
+    # Each rank's median time per kind of action and stage over the run's steps after the first.
+    times = collections.defaultdict(list)
     for si in range(1, n):
-        acts = []
-        for steps in ranks:
-            ev = steps[si]
-            tw = [e for e in ev if e[0] == "tiedwait"]
-            a = []
-            for e in sorted((e for e in ev if e[0] in ("F", "B", "W")), key=lambda e: e[2]):
-                d = e[3] - e[2] - sum(t[3] - t[2] for t in tw if e[2] <= t[2] <= e[3])
-                a.append((e[0], e[1], e[4], d))
-            acts.append(a)
-        if len(acts) > 1 and not any(a[2] for x in acts for a in x):
-            acts = [[(k, m, r, d) for k, m, _, d in x] for r, x in enumerate(acts)]  # stage-less trace: stage = rank
+        for r, x in enumerate(step_actions(ranks, si)):
+            for k, m, st, d in x:
+                times[(r, k, st)].append(d)
+    median = {key: statistics.median(v) for key, v in times.items()}
+    for si in range(1, n):
+        acts = step_actions(ranks, si)
         rep = replay(acts)
+        even = replay([[(k, m, st, median[(r, k, st)]) for k, m, st, _ in x] for r, x in enumerate(acts)])
         pull = replay_pull_w(acts) if rep and any(a[0] == "W" for x in acts for a in x) else None
         issued = {}  # (sender, key) -> when the send was posted
         for rr, steps in enumerate(ranks):
@@ -174,6 +189,7 @@ def add_steps(ranks, n, show, tot):
                 tot[(rr, "replay")] += rep[0][rr]
                 tot[(rr, "executor")] += span - busy - rep[0][rr]
                 tot[(rr, "win.replay")] += rep[1][rr]
+                tot[(rr, "win.median")] += even[1][rr]
             if pull:
                 tot[(rr, "win.pullW")] += pull[rr]
             if show == si:
