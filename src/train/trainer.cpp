@@ -206,30 +206,28 @@ class Trainer {
 };
 
 namespace {
-// train.device: cpu, or cuda with the reason it cannot be used. True when this job trains on the
-// GPU (one process; the dry run, on Meta, models either device).
-bool check_train_device(const std::string& name, bool dry, int world) {
+// train.device: the job's device, CPU or CUDA, or the reason cuda cannot be used (one process on
+// one GPU; a dry run, on Meta, models either device and needs no GPU).
+Device train_device(const std::string& name, bool dry, int world) {
   Device d = Device::CPU;
   if (!parse_device(name, &d) || d == Device::Meta)
     throw ConfigError("train.device must be cpu or cuda, got '" + name + "'");
-  if (d != Device::CUDA || dry) return false;
+  if (d != Device::CUDA || dry) return d;
   std::string why;
   if (!device_available(Device::CUDA, &why)) throw ConfigError("train.device = cuda: " + why);
   if (world > 1)
     throw ConfigError("train.device = cuda trains in one process on one GPU, but this job has " + std::to_string(world) +
                       " ranks: run it without mpirun, or use train.device = cpu (several GPUs need NCCL, not built "
                       "yet; docs/gpu.md)");
-  return true;
+  return d;
 }
 // model.attention_kernel: true for the bf16 (flash) attention kernels. auto = flash for bf16 on
 // train.device = cuda (the dry run decides from the key, as the real run does), without context
 // parallelism (also with document masking: the flash kernels take the document starts); reference
 // otherwise.
-bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
+bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp, bool cuda) {
   const std::string& k = cfg.model.attention_kernel;
-  Device d = Device::CPU;
-  if (k == "auto")
-    return dt == DType::BF16 && parse_device(cfg.train.device, &d) && d == Device::CUDA && cp <= 1;
+  if (k == "auto") return dt == DType::BF16 && cuda && cp <= 1;
   if (k == "reference") return false;
   if (k != "flash") throw ConfigError("model.attention_kernel must be auto, flash or reference, got '" + k + "'");
   if (dt != DType::BF16)
@@ -244,11 +242,10 @@ bool use_flash_attention(const RunConfig& cfg, DType dt, int64_t cp) {
 // GPT-2's fused GELU epilogues, Llama's bf16 gate / up and SwiGLU. auto = fused in bf16 on
 // train.device = cuda where the fused ops apply (one rank of tensor and pipeline parallelism, no
 // LoRA adapters); unfused otherwise, so CPU runs are unchanged.
-bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const ParallelPlan& plan) {
+bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const ParallelPlan& plan, bool cuda) {
   const std::string& k = cfg.model.mlp_kernel;
-  Device d = Device::CPU;
   const bool applies = dt == DType::BF16 && plan.tp <= 1 && plan.pp <= 1 && !mc.lora();
-  if (k == "auto") return applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "auto") return applies && cuda;
   if (k == "unfused") return false;
   if (k != "fused") throw ConfigError("model.mlp_kernel must be auto, fused or unfused, got '" + k + "'");
   if (dt != DType::BF16)
@@ -265,10 +262,9 @@ bool use_fused_mlp(const RunConfig& cfg, const ModelConfig& mc, DType dt, const 
 // bf16. auto = bf16 for bf16 runs on train.device = cuda where the choice `applies`; fp32 otherwise,
 // so CPU runs are unchanged. bf16 needs bf16 compute, and where it does not apply it is refused:
 // "<key> = bf16 <refusal>: use auto or fp32".
-bool use_bf16_dtype(const char* key, const std::string& k, const RunConfig& cfg, DType dt, bool applies,
+bool use_bf16_dtype(const char* key, const std::string& k, bool cuda, DType dt, bool applies,
                     const std::string& refusal) {
-  Device d = Device::CPU;
-  if (k == "auto") return dt == DType::BF16 && applies && parse_device(cfg.train.device, &d) && d == Device::CUDA;
+  if (k == "auto") return dt == DType::BF16 && applies && cuda;
   if (k == "fp32") return false;
   if (k != "bf16") throw ConfigError(std::string(key) + " must be auto, fp32 or bf16, got '" + k + "'");
   if (dt != DType::BF16)
@@ -279,8 +275,8 @@ bool use_bf16_dtype(const char* key, const std::string& k, const RunConfig& cfg,
 
 // model.residual_dtype: the residual stream in bf16 (ModelOptions::residual_bf16), with one
 // model-parallel rank (tp = pp = cp = 1).
-bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
-  return use_bf16_dtype("model.residual_dtype", cfg.model.residual_dtype, cfg, dt,
+bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan, bool cuda) {
+  return use_bf16_dtype("model.residual_dtype", cfg.model.residual_dtype, cuda, dt,
                         plan.tp <= 1 && plan.pp <= 1 && plan.cp <= 1,
                         "runs with one model-parallel rank (parallel.tp = " + std::to_string(plan.tp) +
                             ", parallel.pp = " + std::to_string(plan.pp) + ", parallel.cp = " +
@@ -289,8 +285,8 @@ bool use_bf16_residual(const RunConfig& cfg, DType dt, const ParallelPlan& plan)
 
 // model.logits_dtype: the LM head's logits in bf16 (ModelOptions::logits_bf16), where the head's
 // bf16 gradient applies (the whole vocabulary on one rank: tp = 1, no train.loss_chunk_tokens).
-bool use_bf16_logits(const RunConfig& cfg, DType dt, const ParallelPlan& plan) {
-  return use_bf16_dtype("model.logits_dtype", cfg.model.logits_dtype, cfg, dt,
+bool use_bf16_logits(const RunConfig& cfg, DType dt, const ParallelPlan& plan, bool cuda) {
+  return use_bf16_dtype("model.logits_dtype", cfg.model.logits_dtype, cuda, dt,
                         plan.tp <= 1 && cfg.train.loss_chunk_tokens == 0,
                         "needs the whole vocabulary's logits on one rank (parallel.tp = " + std::to_string(plan.tp) +
                             ", train.loss_chunk_tokens = " + std::to_string(cfg.train.loss_chunk_tokens) + ")");
@@ -395,14 +391,11 @@ void Trainer::build() {
 void Trainer::check_train_config() {
   if (!parse_dtype(tc_.dtype, &dt_) || is_integer(dt_)) throw ConfigError("train.dtype must be fp32 or bf16, got '" + tc_.dtype + "'");
   // The job's device, before anything allocates (a dry run keeps Meta).
-  const bool on_gpu = check_train_device(tc_.device, dry_, world_);
-  Device job_device = Device::CPU;
-  gpu_job_ = parse_device(tc_.device, &job_device) && job_device == Device::CUDA;
-  if (!dry_) set_current_device(on_gpu ? Device::CUDA : Device::CPU);
+  const Device job_device = train_device(tc_.device, dry_, world_);
+  gpu_job_ = job_device == Device::CUDA;
+  if (!dry_) set_current_device(job_device);
   if (plan_.offload_optimizer()) {
-    Device d = Device::CPU;
-    parse_device(tc_.device, &d);
-    if (d != Device::CUDA)
+    if (!gpu_job_)
       throw ConfigError("train.offload = optimizer: with train.device = " + tc_.device +
                         " the optimizer state is already in host memory (the whole model trains there), so there is "
                         "nothing to offload: use train.offload = none, or train.device = cuda");
@@ -414,10 +407,10 @@ void Trainer::check_train_config() {
                                     .bf16 = dt_ == DType::BF16, .tensor_parallel = plan_.tp > 1,
                                     .sequence_parallel = plan_.sequence_parallel, .context_parallel = plan_.cp > 1,
                                     .moe = mc_.moe()});
-  flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp);
-  fused_mlp_ = use_fused_mlp(cfg_, mc_, dt_, plan_);
-  res_bf16_ = use_bf16_residual(cfg_, dt_, plan_);
-  logits_bf16_ = use_bf16_logits(cfg_, dt_, plan_);
+  flash_attn_ = use_flash_attention(cfg_, dt_, plan_.cp, gpu_job_);
+  fused_mlp_ = use_fused_mlp(cfg_, mc_, dt_, plan_, gpu_job_);
+  res_bf16_ = use_bf16_residual(cfg_, dt_, plan_, gpu_job_);
+  logits_bf16_ = use_bf16_logits(cfg_, dt_, plan_, gpu_job_);
   if (tc_.micro_batch < 1) throw ConfigError("train.micro_batch must be >= 1");
   if (tc_.grad_accum < 1) throw ConfigError("train.grad_accum must be >= 1");
   if (tc_.steps < 0) throw ConfigError("train.steps must be >= 0");
