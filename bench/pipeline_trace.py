@@ -21,10 +21,10 @@ pp_bubble takes each rank's own span, which leaves out a rank's wait after its l
 others to finish (the last rank's under 1F1B: a whole backward); "window replay": the same for the
 replay. "win.median": the window replay with every action taking its rank's median time for its
 kind and stage over the run: the schedule's idle with the ranks' imbalance but without the spread
-from step to step and micro-batch to micro-batch. "win.pullW": the window replay again, but a rank whose next F or B still waits for its
-input first runs its earliest weight gradient W whose B is done (split schedules): what running the
-W's out of order to fill late messages would save (W's keep their own order, so no more activations
-are in flight than the schedule's).
+from step to step and micro-batch to micro-batch. "win.pullW" (split schedules): the window replay
+again, but a rank whose next F or B still waits for its input first runs its earliest weight
+gradient W whose B is done: what running the W's out of order to fill late messages would save
+(the W's keep their own order, so no more activations are in flight than the schedule's).
 """
 import collections, statistics, sys
 
