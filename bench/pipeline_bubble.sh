@@ -27,6 +27,10 @@
 # usage: bench/pipeline_bubble.sh [--steps 4] [--ranks "2 4"] [--micro "4 8 16"] [--runs 1]
 #                                 [--scheds "gpipe 1f1b interleaved_1f1b zb1p zbv"] [--build DIR]
 #                                 [--bind core] [--costs F,B,W] [--trace] [--data DIR] [--out DIR]
+#                                 [--layers 8] [--width 256] [--heads 4]
+# --layers / --width / --heads change the GPT's blocks (e.g. --layers 4 --width 768 --heads 12:
+# GPT-2 small's blocks, whose time is mostly GEMMs, so W is close to F as the zero-bubble papers
+# assume; at width 256 attention and elementwise work make W about 0.8 F).
 # --bind core (default) pins each rank to a core of its own (mpirun --bind-to core) when there are
 # at least p cores; --bind none, or p above the core count, leaves placement to the OS. p = 4 runs
 # 4 processes; on a machine with fewer cores than that they share cores (the table records the
@@ -47,18 +51,22 @@ TRACE=0
 BUILD=$ROOT/build
 DATA=/tmp/mt_bench_data
 OUT=
-bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS --bind BIND --costs COSTS
+LAYERS=8
+WIDTH=256
+HEADS=4
+bench_opt --steps STEPS --ranks RANKS --micro MICRO --scheds SCHEDS --runs RUNS --bind BIND --costs COSTS \
+  --layers LAYERS --width WIDTH --heads HEADS
 bench_flag --trace TRACE=1
 bench_parse "$@"
 bench_out pp_bubble
 bench_setup "$BUILD" "$DATA"
 [[ $BIND == core || $BIND == none ]] || { echo "pipeline_bubble.sh: --bind takes core or none, not $BIND" >&2; exit 2; }
 
-ARGS=(--model.preset gpt2-mini --model.n_layer 8 --model.n_embd 256 --model.n_head 4 --model.seq_len 128
+ARGS=(--model.preset gpt2-mini --model.n_layer "$LAYERS" --model.n_embd "$WIDTH" --model.n_head "$HEADS" --model.seq_len 128
   --train.micro_batch 1 --data.train "$DATA/train.bin" --data.val '' --train.steps "$STEPS"
   --train.eval_every 0 --train.sample_tokens 0 --log.print_every 1000 --train.threads 1)
 
-echo "pipeline_bubble: $(nproc) cores, bind $BIND; ranks {$RANKS}, micro-batches {$MICRO}, schedules {$SCHEDS}, $STEPS steps, $RUNS runs; raw output in $OUT"
+echo "pipeline_bubble: $(nproc) cores, bind $BIND; GPT of $LAYERS blocks, width $WIDTH, $HEADS heads; ranks {$RANKS}, micro-batches {$MICRO}, schedules {$SCHEDS}, $STEPS steps, $RUNS runs; raw output in $OUT"
 for run in $(seq 1 "$RUNS"); do
   for p in $RANKS; do
     for m in $MICRO; do
