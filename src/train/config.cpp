@@ -512,19 +512,25 @@ ParallelPlan RunConfig::parallel_plan(const ModelConfig& mc, int world) const {
   return d;
 }
 
-parallel::StageCosts RunConfig::pp_stage_costs() const {
-  parallel::StageCosts c;
-  const std::string& v = parallel.pp_costs;
-  if (v.empty() || v == "auto") return c;
+bool parse_stage_costs(const std::string& v, parallel::StageCosts* c) {
   double x[3];
   char tail = 0;
   if (std::sscanf(v.c_str(), "%lf,%lf,%lf%c", &x[0], &x[1], &x[2], &tail) != 3 || !(x[0] > 0 && x[1] > 0 && x[2] > 0) ||
       !std::isfinite(x[0] + x[1] + x[2]))
+    return false;
+  c->f = x[0];
+  c->b = x[1];
+  c->w = x[2];
+  return true;
+}
+
+parallel::StageCosts RunConfig::pp_stage_costs() const {
+  parallel::StageCosts c;
+  const std::string& v = parallel.pp_costs;
+  if (v.empty() || v == "auto") return c;
+  if (!parse_stage_costs(v, &c))
     throw ConfigError("parallel.pp_costs must be three positive numbers F,B,W (e.g. \"1,1.3,0.7\") or auto, got '" + v +
                       "'");
-  c.f = x[0];
-  c.b = x[1];
-  c.w = x[2];
   return c;
 }
 

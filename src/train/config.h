@@ -162,4 +162,8 @@ struct RunConfig {
 // names the copy of the Hugging Face config inside the checkpoint).
 RunConfig load_checkpoint_config(const std::string& dir);
 
+// "F,B,W": three positive finite numbers (one micro-batch's forward, input-gradient and
+// weight-gradient costs on a stage) into *c; false, *c unchanged, for anything else.
+bool parse_stage_costs(const std::string& v, parallel::StageCosts* c);
+
 }  // namespace mt

@@ -887,8 +887,8 @@ void Trainer::adopt_measured_pipeline_costs(const parallel::StepResult& r) {
   if (!cfg_.pp_costs_auto() || plan_.pp == 1 || dry_ || !pm_->schedule().split_backward) return;
   parallel::StageCosts given;
   const char* t = std::getenv("MESHTRAIN_TEST_PP_COSTS");
-  if (t && std::sscanf(t, "%lf,%lf,%lf", &given.f, &given.b, &given.w) != 3)
-    throw ConfigError(std::string("MESHTRAIN_TEST_PP_COSTS must be F,B,W, got '") + t + "'");
+  if (t && !parse_stage_costs(t, &given))
+    throw ConfigError(std::string("MESHTRAIN_TEST_PP_COSTS must be three positive numbers F,B,W, got '") + t + "'");
   const auto m = pm_->adopt_measured_costs(r, t ? &given : nullptr);
   if (!log_) return;
   std::printf("pipeline: measured costs F,B,W = 1,%.2f,%.2f; %s (simulated bubble with them %.1f%%, before %.1f%%)\n",

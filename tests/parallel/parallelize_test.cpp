@@ -104,7 +104,6 @@ class ParallelizeTest : public ::testing::Test {
   test::TestDir tmp_;
 };
 
-
 // The pipeline's step window is the longest span over the ranks, on every rank, and its idle time
 // the mean over the ranks of window - compute: here the last rank's span is the longer one (the
 // ranks' compute 8 and 9 ms, mean 8.5).
@@ -121,6 +120,7 @@ TEST(PipelineWindow, IsTheLongestSpanOnEveryRankWithTheMeanIdleInIt) {
   EXPECT_DOUBLE_EQ(alone.window_ms, 7.0);
   EXPECT_DOUBLE_EQ(alone.idle_ms, 2.0);
 }
+
 TEST_F(ParallelizeTest, OneRankGivesTheTrainersLossesExactly) {
   const RunConfig cfg = config("NO_SHARD");
   const std::vector<double> trainer = train(cfg).losses;
